@@ -1,0 +1,75 @@
+"""`RadixAttention`: the attention layer models call; it knows only its own shape."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from attnserve.forward_batch import ForwardBatch
+
+
+class RadixAttention(nn.Module):
+    """One attention layer's shape; the math is done by ``forward_batch.attn_backend``.
+
+    Args:
+        num_heads: query heads on this rank (``tp_q_head_num``).
+        head_dim: Q/K head size.
+        scaling: softmax scale ``sm_scale`` (usually ``head_dim ** -0.5``).
+        num_kv_heads: K/V heads on this rank (``tp_k_head_num``); GQA when fewer than
+            ``num_heads``, MQA when 1.
+        layer_id: index into the KV pool's per-layer buffers.
+        logit_cap: if > 0, scores become ``logit_cap * tanh(scores / logit_cap)`` before
+            the softmax (Gemma 2 soft-capping).
+        v_head_dim: V head size (defaults to ``head_dim``; MLA decode uses kv_lora_rank).
+        sliding_window_size: if >= 0, a query at position i sees keys at positions j with
+            ``i - sliding_window_size <= j <= i`` (SGLang's convention: a model with an HF
+            ``sliding_window`` of W passes W - 1); -1 disables.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scaling: float,
+        num_kv_heads: int,
+        layer_id: int,
+        logit_cap: float = 0.0,
+        v_head_dim: int = -1,
+        sliding_window_size: int = -1,
+    ):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.tp_q_head_num = num_heads
+        self.tp_k_head_num = num_kv_heads
+        self.tp_v_head_num = num_kv_heads
+        self.head_dim = head_dim
+        self.qk_head_dim = head_dim
+        self.v_head_dim = head_dim if v_head_dim == -1 else v_head_dim
+        self.scaling = scaling
+        self.layer_id = layer_id
+        self.logit_cap = float(logit_cap or 0.0)
+        self.sliding_window_size = -1 if sliding_window_size is None else int(sliding_window_size)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs,
+    ) -> torch.Tensor:
+        """``q`` ``[T, H*D]``, ``k``/``v`` ``[T, Hkv*D]`` -> ``[T, H*v_head_dim]``."""
+        if k is not None:
+            k = k.view(-1, self.tp_k_head_num, self.qk_head_dim)
+            v = v.view(-1, self.tp_v_head_num, self.v_head_dim)
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer_id={self.layer_id}, heads={self.tp_q_head_num}/{self.tp_k_head_num}, head_dim={self.head_dim}, "
+            f"v_head_dim={self.v_head_dim}, window={self.sliding_window_size}, logit_cap={self.logit_cap}"
+        )

@@ -1,0 +1,136 @@
+"""`torch_native`: the reference attention backend in plain PyTorch (CPU and CUDA).
+
+Per request it gathers K/V through ``req_to_token`` from the paged pool (no private copy
+of the cache), computes ``softmax(q kᵀ · sm_scale [soft-capped] + mask) v`` in float32
+and writes the result in the query dtype. It is the correctness oracle of the other
+backends and the default on CPU; it cannot be captured in CUDA graphs.
+
+Masking: query at absolute position ``p`` sees key positions ``k`` with ``k <= p`` and,
+when ``layer.sliding_window_size >= 0``, ``k >= p - sliding_window_size``; keys older than
+the earliest visible one are never gathered. ``spec_info.custom_mask`` (flat bool, per
+request ``[extend_len, seq_len]`` at ``spec_info.mask_indptr[i]``) replaces the causal mask
+for TARGET_VERIFY steps.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from attnserve.attention.base import AttentionBackend
+from attnserve.attention.registry import register_attention_backend
+from attnserve.forward_batch import ForwardBatch
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+    sliding_window_size: int = -1,
+    custom_mask: Optional[torch.Tensor] = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Dense masked attention of one request.
+
+    Args:
+        q: ``[Lq, Hq, Dk]``; k: ``[Lk, Hkv, Dk]``; v: ``[Lk, Hkv, Dv]`` with ``Hq % Hkv == 0``
+            (query head h uses KV head ``h // (Hq // Hkv)``).
+        q_positions / k_positions: int ``[Lq]`` / ``[Lk]`` absolute positions.
+        sm_scale: softmax scale; logit_cap: tanh soft cap if > 0.
+        sliding_window_size: see module doc (-1: none).
+        custom_mask: bool ``[Lq, Lk]`` (True = visible) replacing the causal mask.
+        compute_dtype: float32 (engine) or float64 (tests).
+
+    Returns:
+        ``[Lq, Hq, Dv]`` in ``compute_dtype``; rows with no visible key are 0.
+    """
+    group = q.shape[1] // k.shape[1]
+    qf = q.to(compute_dtype).transpose(0, 1)  # [Hq, Lq, D]
+    kf = k.to(compute_dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+    vf = v.to(compute_dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * sm_scale  # [Hq, Lq, Lk]
+    if logit_cap and logit_cap > 0:
+        scores = logit_cap * torch.tanh(scores / logit_cap)
+    if custom_mask is not None:
+        visible = custom_mask.to(torch.bool)
+    else:
+        visible = k_positions[None, :] <= q_positions[:, None]
+    if sliding_window_size is not None and sliding_window_size >= 0:
+        visible = visible & (k_positions[None, :] >= q_positions[:, None] - sliding_window_size)
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
+    return torch.matmul(probs, vf).transpose(0, 1)
+
+
+@register_attention_backend("torch_native")
+class TorchNativeAttnBackend(AttentionBackend):
+    """Reference backend: loops over requests, dense math in float32.
+
+    Args:
+        model_runner: unused (kept for the common constructor signature); may be None.
+    """
+
+    def __init__(self, model_runner=None):
+        self.model_runner = model_runner
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Nothing to precompute: every step reads ``req_to_token`` directly."""
+        if forward_batch.seq_lens_cpu is None:
+            forward_batch.seq_lens_cpu = forward_batch.seq_lens.cpu()
+
+    def _run(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
+        if save_kv_cache and k is not None:
+            fb.token_to_kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
+        lid = layer.layer_id
+        k_buf = fb.token_to_kv_pool.get_key_buffer(lid)
+        v_buf = fb.token_to_kv_pool.get_value_buffer(lid)
+        q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        req_to_token = fb.req_to_token_pool.req_to_token
+        seq_lens = fb.seq_lens_cpu.tolist() if fb.seq_lens_cpu is not None else fb.seq_lens.tolist()
+        if fb.forward_mode.is_decode():
+            extend_lens = [1] * fb.batch_size
+        else:
+            extend_lens = fb.extend_seq_lens_cpu
+        rows = fb.req_pool_indices.tolist()
+        spec = fb.spec_info
+        custom_mask = getattr(spec, "custom_mask", None) if spec is not None else None
+        window = layer.sliding_window_size
+        start = 0
+        for i, (row, seq_len, ext) in enumerate(zip(rows, seq_lens, extend_lens)):
+            q_pos = torch.arange(seq_len - ext, seq_len, device=q.device)
+            # Never gather keys that no query of this request can see.
+            k_first = 0
+            if window >= 0 and custom_mask is None:
+                k_first = max(0, seq_len - ext - window)
+            k_pos = torch.arange(k_first, seq_len, device=q.device)
+            slots = req_to_token[row, k_first:seq_len].to(torch.int64)
+            mask = None
+            if custom_mask is not None:
+                off = int(spec.mask_indptr[i])
+                mask = custom_mask[off : off + ext * seq_len].view(ext, seq_len)
+            o = attention_reference(
+                q[start : start + ext],
+                k_buf[slots],
+                v_buf[slots],
+                q_pos,
+                k_pos,
+                layer.scaling,
+                layer.logit_cap,
+                window,
+                mask,
+            )
+            out[start : start + ext] = o.to(out.dtype)
+            start += ext
+        return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def forward_decode(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs):
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs):
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache)

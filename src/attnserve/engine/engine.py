@@ -1,0 +1,124 @@
+"""`Engine`: load a model, build the runner and the scheduler, run steps.
+
+Shared by the offline `LLM` API and the HTTP server (which drives `step` from one
+background thread).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Union
+
+from attnserve.engine.model_runner import ModelRunner
+from attnserve.engine.request import Req
+from attnserve.engine.sampling_params import SamplingParams
+from attnserve.engine.scheduler import Scheduler
+from attnserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, List[int]]
+
+
+@dataclass
+class GenerateOutput:
+    """One finished request: ``text`` (stop strings cut off), generated ``token_ids``
+    (EOS/stop token included when it ended the request), ``finish_reason`` ("stop",
+    "length" or "abort")."""
+
+    rid: str
+    text: str
+    token_ids: List[int]
+    finish_reason: Optional[str]
+    prompt_token_ids: List[int]
+    matched_stop: object = None
+
+    @classmethod
+    def from_req(cls, req: Req) -> "GenerateOutput":
+        reason = req.finish_reason.value if req.finish_reason is not None else None
+        return cls(req.rid, req.text, list(req.output_ids), reason, list(req.prompt_ids), req.matched_stop)
+
+
+class Engine:
+    """A model with its KV cache, attention backend and scheduler.
+
+    Args:
+        server_args: engine options (validated with `ServerArgs.check`).
+
+    Raises:
+        ValueError / FileNotFoundError: invalid options or model path (message says what to do).
+    """
+
+    def __init__(self, server_args: ServerArgs):
+        from attnserve.model_loader.loader import load_model
+
+        server_args.check()
+        self.server_args = server_args
+        loaded = load_model(
+            server_args.model,
+            load_format=server_args.load_format,
+            dtype=server_args.resolved_dtype(),
+            device=server_args.resolved_device(),
+        )
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.model_config
+        self.model_runner = ModelRunner(server_args, loaded)
+        eos = list(getattr(self.model_config, "eos_token_ids", None) or [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        self.scheduler = Scheduler(self.model_runner, server_args, self.tokenizer, sorted(set(eos)))
+
+    @property
+    def context_len(self) -> int:
+        return self.model_runner.context_len
+
+    def tokenize(self, prompt: Prompt, chat: bool = False) -> List[int]:
+        """Token ids of ``prompt`` (a string, or already ids); ``chat`` applies the model's
+        chat template as one user message.
+
+        Raises:
+            ValueError: an empty prompt, ids that are not ints in the vocabulary, or text
+                without a tokenizer.
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids instead of text")
+            if chat:
+                from attnserve.model_loader.tokenizer import apply_chat_template
+
+                return apply_chat_template(self.tokenizer, prompt)
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return ids
+
+    def check_prompt(self, prompt_ids: Sequence[int], sampling_params: SamplingParams) -> None:
+        """Raise ValueError if the request could never be served (before enqueueing)."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.context_len:
+            raise ValueError(
+                f"the prompt has {n} tokens but the context length is {self.context_len}; "
+                f"shorten it to at most {self.context_len - 1} tokens"
+            )
+        sampling_params.verify()
+
+    def add_request(self, prompt_ids: List[int], sampling_params: SamplingParams, rid: Optional[str] = None) -> Req:
+        return self.scheduler.add_request(prompt_ids, sampling_params, rid)
+
+    def abort_request(self, rid: str) -> bool:
+        return self.scheduler.abort_request(rid)
+
+    def step(self) -> List[Req]:
+        return self.scheduler.step()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()

@@ -1,0 +1,149 @@
+"""`ModelRunner`: the model, the KV pools and the attention backend of one engine.
+
+It sizes and owns the two-level KV cache (`ReqToTokenPool` + `TokenToKVPoolAllocator` +
+`MHATokenToKVPool`/`MLATokenToKVPool`), chooses the attention backend(s), and runs one
+forward step from host lists (`forward_step`), replaying a CUDA graph for decode batches
+when one is captured.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional
+
+import torch
+
+from attnserve.attention.selection import choose_backends, create_backends
+from attnserve.forward_batch import ForwardBatch, ForwardMode
+from attnserve.mem_cache.memory_pool import (
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+)
+
+logger = logging.getLogger(__name__)
+
+#: KV pool size on CPU when --max-total-tokens is not given (tokens).
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
+
+
+class ModelRunner:
+    """Runs forward steps of a loaded model.
+
+    Args:
+        server_args: `ServerArgs` (device, dtype, page size, KV size, backends, graphs).
+        loaded: a `LoadedModel` from `attnserve.model_loader.loader.load_model`.
+    """
+
+    def __init__(self, server_args, loaded):
+        self.server_args = server_args
+        self.device = torch.device(server_args.resolved_device())
+        self.dtype = server_args.resolved_dtype()
+        self.model = loaded.model
+        self.model_config = loaded.model_config
+        mc = self.model_config
+        self.context_len = server_args.context_length or mc.context_len
+        self.page_size = server_args.page_size
+        self.sliding_window_size = getattr(mc, "sliding_window_size", -1)
+        self._init_memory_pool()
+        choice = choose_backends(server_args, self.device.type, mc.attention_arch)
+        self.backend_choice = choice
+        self.attn_backend = create_backends(self, choice)
+        self.cuda_graph_runner = None
+        if self.device.type == "cuda" and not server_args.disable_cuda_graph:
+            self._init_cuda_graphs()
+
+    # ---- memory ------------------------------------------------------------------------
+    def _kv_bytes_per_token(self) -> int:
+        mc = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        if mc.attention_arch == "mla":
+            return mc.num_hidden_layers * (mc.kv_lora_rank + mc.qk_rope_head_dim) * elem
+        return mc.num_hidden_layers * mc.num_key_value_heads * (mc.head_dim + mc.v_head_dim) * elem
+
+    def _init_memory_pool(self) -> None:
+        args = self.server_args
+        mc = self.model_config
+        if args.max_total_tokens is not None:
+            size = args.max_total_tokens
+        elif self.device.type == "cpu":
+            size = CPU_DEFAULT_MAX_TOTAL_TOKENS
+        else:
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1.0 - args.mem_fraction_static)
+            size = int(max(budget, 0) // self._kv_bytes_per_token())
+            size = min(size, args.max_running_requests * self.context_len)
+            if size < self.page_size * 2:
+                raise ValueError(
+                    "not enough GPU memory for the KV cache; raise --mem-fraction-static or set --max-total-tokens"
+                )
+        size = max(self.page_size, size - size % self.page_size)
+        self.max_total_num_tokens = size
+        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, self.context_len + 1, self.device)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(size, self.page_size)
+        if mc.attention_arch == "mla":
+            self.token_to_kv_pool = MLATokenToKVPool(
+                size, self.page_size, self.dtype, mc.kv_lora_rank, mc.qk_rope_head_dim, mc.num_hidden_layers,
+                self.device,
+            )
+        else:
+            self.token_to_kv_pool = MHATokenToKVPool(
+                size, self.page_size, self.dtype, mc.num_key_value_heads, mc.head_dim, mc.num_hidden_layers,
+                self.device, v_head_dim=mc.v_head_dim,
+            )
+        logger.info(
+            "KV cache: %d tokens, page_size %d, %.1f MiB",
+            size, self.page_size, self.token_to_kv_pool.mem_bytes() / 2**20,
+        )
+
+    def _init_cuda_graphs(self) -> None:
+        try:
+            from attnserve.engine.cuda_graph_runner import CudaGraphRunner
+        except ModuleNotFoundError:  # graphs not available in this build
+            return
+        if not self.attn_backend.supports_cuda_graph():
+            raise ValueError(
+                f"CUDA graphs need a capturable decode backend, but '{self.backend_choice.decode}' is not; "
+                "pass --disable-cuda-graph or --decode-attention-backend triton"
+            )
+        self.cuda_graph_runner = CudaGraphRunner(self)
+
+    # ---- forward -----------------------------------------------------------------------
+    def build_forward_batch(
+        self, mode: ForwardMode, input_ids: List[int], req_pool_indices: List[int], prefix_lens: List[int],
+        extend_lens: List[int], out_cache_loc: torch.Tensor, spec_info=None,
+    ) -> ForwardBatch:
+        return ForwardBatch.init_new(
+            mode, input_ids, req_pool_indices, prefix_lens, extend_lens, out_cache_loc,
+            self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend, self.device, spec_info=spec_info,
+        )
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
+        """Run the model on ``fb``.
+
+        Returns:
+            float32 logits: ``[bs, V]`` of each request's last token, or ``[T, V]`` of every
+            token when ``return_all_logits``.
+        """
+        if (
+            self.cuda_graph_runner is not None
+            and not return_all_logits
+            and self.cuda_graph_runner.can_run(fb)
+        ):
+            return self.cuda_graph_runner.replay(fb)
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        if not return_all_logits and not fb.forward_mode.is_decode():
+            last = fb.extend_start_loc.to(torch.int64) + fb.extend_seq_lens.to(torch.int64) - 1
+            hidden = hidden[last]
+        return self.model.compute_logits(hidden)
+
+    def forward_step(
+        self, mode: ForwardMode, input_ids: List[int], req_pool_indices: List[int], prefix_lens: List[int],
+        extend_lens: List[int], out_cache_loc: torch.Tensor,
+    ) -> torch.Tensor:
+        """Build the `ForwardBatch` from host lists and return last-token logits ``[bs, V]``."""
+        fb = self.build_forward_batch(mode, input_ids, req_pool_indices, prefix_lens, extend_lens, out_cache_loc)
+        return self.forward(fb)

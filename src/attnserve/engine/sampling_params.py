@@ -1,0 +1,69 @@
+"""`SamplingParams`: how one request is decoded (names as in SGLang/vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+
+@dataclass
+class SamplingParams:
+    """Decoding settings of one request.
+
+    Attributes:
+        max_new_tokens: tokens to generate at most (>= 1).
+        temperature: 0 means greedy; otherwise logits are divided by it (>= 0).
+        top_k: keep the k most likely tokens (-1 or 0: all).
+        top_p: nucleus sampling, keep the smallest set with cumulative probability >= top_p,
+            in (0, 1] (Holtzman et al., arXiv:1904.09751).
+        min_p: drop tokens whose probability is below ``min_p * p_max``, in [0, 1].
+        stop: strings that end generation; the text is cut before the stop string.
+        stop_token_ids: token ids that end generation (kept in ``token_ids``).
+        ignore_eos: keep generating past the end-of-sequence token.
+        seed: per-request random seed (sampled requests are then reproducible).
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+    stop_strs: List[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self):
+        if self.stop is None:
+            self.stop_strs = []
+        elif isinstance(self.stop, str):
+            self.stop_strs = [self.stop]
+        else:
+            self.stop_strs = list(self.stop)
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            raise ValueError(f"top_k must be -1, 0 or >= 1, got {self.top_k!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop_strs):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if self.stop_token_ids is not None and any(
+            not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids
+        ):
+            raise ValueError("stop_token_ids must be non-negative integers")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1

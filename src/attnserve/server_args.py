@@ -1,0 +1,131 @@
+"""`ServerArgs`: every engine option, with SGLang's flag names.
+
+`ServerArgs.add_cli_args` adds the flags to an argparse parser; `ServerArgs.from_cli_args`
+builds the dataclass back; `ServerArgs.check` rejects impossible combinations with a
+`ValueError` that says what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import List, Optional
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass
+class ServerArgs:
+    # model
+    model: str = DEFAULT_MODEL
+    load_format: str = "auto"  # auto | gguf | safetensors | dummy
+    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | float16 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda
+    context_length: Optional[int] = None
+    # attention
+    attention_backend: Optional[str] = None
+    prefill_attention_backend: Optional[str] = None
+    decode_attention_backend: Optional[str] = None
+    speculative_attention_mode: str = "prefill"  # prefill | decode
+    enable_deterministic_inference: bool = False
+    # memory and scheduling
+    page_size: int = 1
+    max_total_tokens: Optional[int] = None
+    mem_fraction_static: float = 0.8
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 8192
+    enable_mixed_chunk: bool = False
+    max_queued_requests: Optional[int] = None
+    # CUDA graphs
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 64
+    cuda_graph_bs: Optional[List[int]] = None
+    # misc
+    random_seed: int = 0
+    log_level: str = "warning"
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self):
+        import torch
+
+        table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+        if self.dtype == "auto":
+            return torch.float32 if self.resolved_device() == "cpu" else torch.bfloat16
+        return table[self.dtype]
+
+    def check(self) -> None:
+        """Raise ValueError for invalid values or combinations (message says what to do)."""
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
+            raise ValueError(f"--load-format must be auto, gguf, safetensors or dummy, got {self.load_format!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"--dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda was given but no CUDA device is available; use --device cpu")
+        if self.max_running_requests < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.chunked_prefill_size < 1:
+            raise ValueError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"--max-total-tokens {self.max_total_tokens} is below one page ({self.page_size})")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.speculative_attention_mode not in ("prefill", "decode"):
+            raise ValueError("--speculative-attention-mode must be 'prefill' or 'decode'")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1):
+            raise ValueError("--cuda-graph-bs needs positive batch sizes")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError("--max-queued-requests must be >= 1")
+
+    # ---- argparse ----------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = ServerArgs()
+        a = parser.add_argument
+        a("--model", "--model-path", dest="model", default=d.model,
+          help="packaged model name (smollm2-135m, gemma3-270m), a .gguf file, an HF directory, "
+               "or with --load-format dummy a shape name (llama-3-8b)")
+        a("--load-format", default=d.load_format, choices=["auto", "gguf", "safetensors", "dummy"])
+        a("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"])
+        a("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+        a("--context-length", type=int, default=None, help="override the model's context length")
+        a("--attention-backend", default=None, help="backend for every phase (torch_native, triton, ...)")
+        a("--prefill-attention-backend", default=None, help="backend for EXTEND/MIXED steps")
+        a("--decode-attention-backend", default=None, help="backend for DECODE steps")
+        a("--speculative-attention-mode", default=d.speculative_attention_mode, choices=["prefill", "decode"])
+        a("--enable-deterministic-inference", action="store_true",
+          help="batch-invariant attention (fixed split sizes)")
+        a("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+        a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+        a("--mem-fraction-static", type=float, default=d.mem_fraction_static,
+          help="fraction of free GPU memory for weights + KV pool")
+        a("--max-running-requests", type=int, default=d.max_running_requests)
+        a("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+          help="max prompt tokens prefilled per step")
+        a("--enable-mixed-chunk", action="store_true", help="prefill and decode in the same step")
+        a("--max-queued-requests", type=int, default=None)
+        a("--disable-cuda-graph", action="store_true")
+        a("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
+        a("--cuda-graph-bs", type=int, nargs="+", default=None)
+        a("--random-seed", type=int, default=d.random_seed)
+        a("--log-level", default=d.log_level)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
