@@ -39,7 +39,7 @@ class ServerArgs:
     max_queued_requests: Optional[int] = None
     # CUDA graphs
     disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 64
+    cuda_graph_max_bs: Optional[int] = None  # None: 64
     cuda_graph_bs: Optional[List[int]] = None
     # misc
     random_seed: int = 0
@@ -85,12 +85,18 @@ class ServerArgs:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.speculative_attention_mode not in ("prefill", "decode"):
             raise ValueError("--speculative-attention-mode must be 'prefill' or 'decode'")
-        if self.cuda_graph_max_bs < 1:
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1):
             raise ValueError("--cuda-graph-bs needs positive batch sizes")
+        if self.disable_cuda_graph and self.cuda_graph_requested():
+            raise ValueError("--disable-cuda-graph contradicts --cuda-graph-bs/--cuda-graph-max-bs; drop one")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be >= 1")
+
+    def cuda_graph_requested(self) -> bool:
+        """True when the user explicitly configured CUDA graphs."""
+        return self.cuda_graph_bs is not None or self.cuda_graph_max_bs is not None
 
     # ---- argparse ----------------------------------------------------------------------
     @staticmethod
@@ -120,7 +126,7 @@ class ServerArgs:
         a("--enable-mixed-chunk", action="store_true", help="prefill and decode in the same step")
         a("--max-queued-requests", type=int, default=None)
         a("--disable-cuda-graph", action="store_true")
-        a("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
+        a("--cuda-graph-max-bs", type=int, default=None, help="largest captured decode batch (default 64)")
         a("--cuda-graph-bs", type=int, nargs="+", default=None)
         a("--random-seed", type=int, default=d.random_seed)
         a("--log-level", default=d.log_level)

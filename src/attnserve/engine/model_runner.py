@@ -51,8 +51,7 @@ class ModelRunner:
         self.backend_choice = choice
         self.attn_backend = create_backends(self, choice)
         self.cuda_graph_runner = None
-        if self.device.type == "cuda" and not server_args.disable_cuda_graph:
-            self._init_cuda_graphs()
+        self._init_cuda_graphs()
 
     # ---- memory ------------------------------------------------------------------------
     def _kv_bytes_per_token(self) -> int:
@@ -98,15 +97,29 @@ class ModelRunner:
         )
 
     def _init_cuda_graphs(self) -> None:
-        try:
-            from attnserve.engine.cuda_graph_runner import CudaGraphRunner
-        except ModuleNotFoundError:  # graphs not available in this build
+        """Capture decode graphs on CUDA with a capturable backend (the default there).
+
+        Raises:
+            ValueError: graphs explicitly requested (--cuda-graph-bs/--cuda-graph-max-bs)
+                on CPU or with a backend that cannot be captured.
+        """
+        args = self.server_args
+        if args.disable_cuda_graph:
+            return
+        if self.device.type != "cuda":
+            if args.cuda_graph_requested():
+                raise ValueError("CUDA graphs need a CUDA device; drop --cuda-graph-bs/--cuda-graph-max-bs on CPU")
             return
         if not self.attn_backend.supports_cuda_graph():
-            raise ValueError(
-                f"CUDA graphs need a capturable decode backend, but '{self.backend_choice.decode}' is not; "
-                "pass --disable-cuda-graph or --decode-attention-backend triton"
-            )
+            if args.cuda_graph_requested():
+                raise ValueError(
+                    f"CUDA graphs need a capturable decode backend, but '{self.backend_choice.decode}' is not; "
+                    "pass --disable-cuda-graph or --decode-attention-backend triton"
+                )
+            logger.warning("decode backend '%s' cannot be captured: CUDA graphs off", self.backend_choice.decode)
+            return
+        from attnserve.engine.cuda_graph_runner import CudaGraphRunner
+
         self.cuda_graph_runner = CudaGraphRunner(self)
 
     # ---- forward -----------------------------------------------------------------------

@@ -1,0 +1,136 @@
+"""`CudaGraphRunner`: capture the decode forward once per batch-size bucket, replay it.
+
+At start-up it captures embedding -> all layers -> logits for each bucket (default 1, 2,
+4, 8, then steps of 8 up to ``--cuda-graph-max-bs``; ``--cuda-graph-bs`` overrides),
+largest first, all graphs sharing one memory pool. Static inputs (``input_ids``,
+``positions``, ``req_pool_indices``, ``seq_lens``, ``out_cache_loc``) live here; the
+attention metadata lives in the backend's fixed buffers (DESIGN.md §4 hooks).
+
+Replay picks the smallest bucket >= the batch, copies the real rows in, pads the rest
+with ``seq_len = backend.get_cuda_graph_seq_len_fill_value()``, request row 0 and
+``out_cache_loc`` 0 (the reserved dummy slot, so padded rows never write into a real
+request's KV), refills the backend metadata in place and replays.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Dict, List
+
+import torch
+
+from attnserve.forward_batch import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+
+def default_capture_batch_sizes(max_bs: int) -> List[int]:
+    """1, 2, 4, 8, 16, 24, ... up to ``max_bs`` (``max_bs`` itself included)."""
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 8))
+    if max_bs not in sizes:
+        sizes.append(max_bs)
+    return sorted(set(sizes))
+
+
+class CudaGraphRunner:
+    """Captured decode graphs of one `ModelRunner`.
+
+    Attributes:
+        capture_bs: captured batch sizes, ascending.
+        capture_seconds / graph_memory_bytes: start-up cost (also logged).
+    """
+
+    def __init__(self, model_runner):
+        self.runner = model_runner
+        args = model_runner.server_args
+        max_bs = min(args.cuda_graph_max_bs or 64, args.max_running_requests)
+        sizes = sorted(set(args.cuda_graph_bs)) if args.cuda_graph_bs else default_capture_batch_sizes(max_bs)
+        self.capture_bs = sizes
+        self.max_bs = sizes[-1]
+        dev = model_runner.device
+        self.backend = model_runner.attn_backend
+        self.fill_value = self.backend.get_cuda_graph_seq_len_fill_value()
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.full((self.max_bs,), self.fill_value, dtype=torch.int32, device=dev)
+        self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: Dict[int, torch.Tensor] = {}
+        self.backend.init_cuda_graph_state(self.max_bs, self.max_bs)
+        self.capture()
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        r = self.runner
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], seq_lens_sum=bs * self.fill_value,
+            req_to_token_pool=r.req_to_token_pool, token_to_kv_pool=r.token_to_kv_pool, attn_backend=self.backend,
+        )
+
+    def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
+        model = self.runner.model
+        return model.compute_logits(model(fb.input_ids, fb.positions, fb))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for bs in reversed(self.capture_bs):
+            fb = self._batch(bs)
+            self.backend.init_forward_metadata_capture_cuda_graph(
+                bs, bs, fb.req_pool_indices, fb.seq_lens, None, ForwardMode.DECODE, None
+            )
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up: compile kernels, settle the allocator
+                    self._run_model(fb)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = self._run_model(fb)
+            self.graphs[bs] = graph
+            self.outputs[bs] = out
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+        self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
+        logger.warning(
+            "captured %d CUDA graphs (bs %s) in %.2f s using %.1f MiB",
+            len(self.capture_bs), self.capture_bs, self.capture_seconds, self.graph_memory_bytes / 2**20,
+        )
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        """Run ``fb`` (a DECODE batch of ``<= max_bs`` rows) through its bucket's graph.
+
+        Returns:
+            float32 logits ``[fb.batch_size, V]`` (a view of the graph's output buffer,
+            valid until the next replay).
+        """
+        raw = fb.batch_size
+        bs = self.capture_bs[bisect.bisect_left(self.capture_bs, raw)]
+        self.input_ids[:raw].copy_(fb.input_ids)
+        self.positions[:raw].copy_(fb.positions)
+        self.req_pool_indices[:raw].copy_(fb.req_pool_indices)
+        self.seq_lens[:raw].copy_(fb.seq_lens)
+        self.out_cache_loc[:raw].copy_(fb.out_cache_loc)
+        if bs > raw:
+            self.input_ids[raw:bs].zero_()
+            self.positions[raw:bs].zero_()
+            self.req_pool_indices[raw:bs].zero_()
+            self.seq_lens[raw:bs].fill_(self.fill_value)
+            self.out_cache_loc[raw:bs].zero_()
+        self.backend.init_forward_metadata_replay_cuda_graph(
+            bs, self.req_pool_indices, self.seq_lens, fb.seq_lens_sum + (bs - raw) * self.fill_value, None,
+            ForwardMode.DECODE, None, None,
+        )
+        self.graphs[bs].replay()
+        return self.outputs[bs][:raw]
