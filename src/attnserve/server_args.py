@@ -75,6 +75,11 @@ class ServerArgs:
 
             if not torch.cuda.is_available():
                 raise ValueError("--device cuda was given but no CUDA device is available; use --device cpu")
+        from attnserve.attention.registry import get_attention_backend_class
+
+        for name in (self.attention_backend, self.prefill_attention_backend, self.decode_attention_backend):
+            if name:
+                get_attention_backend_class(name)  # ValueError listing the valid names
         if self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         if self.chunked_prefill_size < 1:

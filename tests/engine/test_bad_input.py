@@ -1,0 +1,80 @@
+"""Bad input gets a precise error and leaves the engine serving."""
+
+import subprocess
+import sys
+
+import pytest
+
+from attnserve.engine.sampling_params import SamplingParams
+from attnserve.server_args import ServerArgs
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_invalid_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_leave_engine_untouched(llm):
+    alloc = llm.engine.model_runner.token_to_kv_pool_allocator
+    free_before = alloc.available_size()
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0)
+    with pytest.raises(ValueError, match="prompt list is empty"):
+        llm.generate([], sp)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(["fine", ""], sp)
+    too_long = [1] * llm.engine.context_len
+    with pytest.raises(ValueError, match="context length"):
+        llm.generate(["fine prompt", too_long], sp)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[1, 2, -5]], sp)
+    assert not llm.engine.has_work() and alloc.available_size() == free_before
+    assert llm.generate(["Hello"], sp, chat=True)[0].finish_reason in ("stop", "length")
+
+
+def test_server_args_reject_bad_flags():
+    with pytest.raises(ValueError, match="page-size"):
+        ServerArgs(page_size=0).check()
+    with pytest.raises(ValueError, match="contradicts"):
+        ServerArgs(disable_cuda_graph=True, cuda_graph_max_bs=8).check()
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "attnserve", "generate", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--attention-backend", "nope", "hi"], "valid backends"),
+        (["--model", "/does/not/exist.gguf", "hi"], "exist"),
+        (["--max-new-tokens", "0", "hi"], "max_new_tokens"),
+        (["--temperature", "-1", "hi"], "temperature"),
+        ([], "no prompts"),
+    ],
+)
+def test_cli_errors_are_one_line_exit_2(args, needle):
+    r = _cli(*args)
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip().splitlines()
+    assert err and err[-1].startswith("attnserve: error:") and needle in err[-1]
+
+
+def test_cli_generates(tmp_path):
+    f = tmp_path / "prompts.txt"
+    f.write_text("What is the capital of France?\n")
+    r = _cli("--prompts-file", str(f), "--max-new-tokens", "12", "--page-size", "4")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "requests=1" in r.stdout and "tokens/s=" in r.stdout
