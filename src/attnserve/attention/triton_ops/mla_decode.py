@@ -1,0 +1,506 @@
+"""Triton decode kernel for multi-head latent attention (MLA, DeepSeek-V2/V3), paged.
+
+Math (DeepSeek-V2, arXiv:2405.04434 §2.1, with the up-projections absorbed into the query
+and the output as in the FlashMLA README): every cached token ``t`` is one latent row
+``kv[t] = [c_kv[t] (kv_lora_rank) | k_pe[t] (qk_rope_head_dim)]`` shared by all query
+heads. For request ``i`` and head ``h``::
+
+    score[t] = sm_scale * (q_nope[i, h] . c_kv[t] + q_pe[i, h] . k_pe[t]),  t < seq_lens[i]
+    o[i, h]  = sum_t softmax(score)[t] * c_kv[t]             # [kv_lora_rank]
+    lse[i, h] = log(sum_t exp(score[t]))                     # natural log, optional
+
+The caller applies W_UV to ``o`` afterwards. Because there is one KV "head" for all query
+heads, the kernel is grouped: a program owns a tile of ``BLOCK_H`` query heads of one
+request and one split of its sequence, loads each ``BLOCK_N``-token latent tile once for
+all heads of the tile, and computes both products with ``tl.dot`` (the c_kv tile is the
+key of the first dot and the value of the second). Splits of a request are merged by
+log-sum-exp in a second kernel (the split-K "flash decoding" scheme; the split count
+heuristic follows the CUTLASS MLA wrapper in SGLang, see `mla_num_kv_splits`).
+
+Paging: ``block_kv_indices[i, j]`` is the page holding tokens ``j*page_size ..`` of request
+``i``; page ``p`` is slots ``p*page_size .. p*page_size + page_size - 1`` of ``kv_buffer``.
+Entries past ``cdiv(seq_lens[i], page_size)`` (padding, e.g. -1) and slots past
+``seq_lens[i]`` are never read.
+
+CUDA graphs: `mla_decode_fwd` syncs nothing with the host and allocates nothing when a
+workspace is given; its grids depend only on ``bs``, the head count and ``max_kv_splits``;
+per-request split counts may live on the device (`mla_num_kv_splits_device`).
+
+All code here is original; algorithms after the sources above (SGLang's Triton
+``decode_attention`` grouped kernel and CUTLASS-MLA wrapper, FlashMLA) were read, not copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "MLADecodeConfig",
+    "mla_decode_config",
+    "mla_num_kv_splits",
+    "mla_num_kv_splits_device",
+    "mla_workspace_size",
+    "mla_decode_fwd",
+]
+
+_LOG2E = 1.4426950408889634
+# tokens per split unit of the split heuristic (CUTLASS MLA's tile of the sequence)
+_SPLIT_UNIT = 128
+# H100/H200 opt-in shared memory per block, used when the device is not asked
+_DEFAULT_MAX_SMEM = 232448
+
+
+# ---------------------------------------------------------------------------------------
+# split heuristic
+# ---------------------------------------------------------------------------------------
+def mla_num_kv_splits(max_seq_len: int, bs: int, sm_count: int) -> int:
+    """Number of sequence splits per request (host), CUTLASS-MLA style.
+
+    ``max_splits = cdiv(kv_len, 128)``; ``sms_per_batch = max(1, sm_count // bs)``;
+    ``split = min(max_splits, sms_per_batch)``; then balance the waves:
+    ``k_waves = cdiv(max_splits, split)``, ``split = cdiv(max_splits, k_waves)``.
+    ``max_seq_len <= 0`` gives 1. Raises ValueError for ``bs < 1`` or ``sm_count < 1``.
+    """
+    if bs < 1 or sm_count < 1:
+        raise ValueError(f"mla_num_kv_splits needs bs >= 1 and sm_count >= 1, got bs={bs}, sm_count={sm_count}")
+    max_splits = max(1, triton.cdiv(max(int(max_seq_len), 0), _SPLIT_UNIT))
+    sms_per_batch = max(1, sm_count // bs)
+    split = min(max_splits, sms_per_batch)
+    k_waves = triton.cdiv(max_splits, split)
+    return triton.cdiv(max_splits, k_waves)
+
+
+@triton.jit(do_not_specialize=["bs", "sms_per_batch", "max_kv_splits"])
+def _mla_splits_kernel(SeqLens, Out, bs, sms_per_batch, max_kv_splits, SPLIT_UNIT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < bs
+    kv_len = tl.load(SeqLens + offs, mask=mask, other=0).to(tl.int32)
+    max_splits = tl.maximum((kv_len + SPLIT_UNIT - 1) // SPLIT_UNIT, 1)
+    split = tl.minimum(max_splits, sms_per_batch)
+    k_waves = (max_splits + split - 1) // split
+    split = (max_splits + k_waves - 1) // k_waves
+    split = tl.minimum(split, max_kv_splits)
+    tl.store(Out + offs, split.to(tl.int32), mask=mask)
+
+
+def mla_num_kv_splits_device(
+    seq_lens: torch.Tensor, sm_count: int, max_kv_splits: int, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Per-request split counts on the device, without a host sync (CUDA-graph safe).
+
+    Applies the `mla_num_kv_splits` formula to each ``seq_lens[i]`` with ``bs =
+    seq_lens.numel()`` and caps the result at ``max_kv_splits``. ``out``: int32 ``[bs]`` to
+    fill (allocated when None). Returns ``out``.
+    """
+    bs = seq_lens.numel()
+    if bs < 1 or sm_count < 1 or max_kv_splits < 1:
+        raise ValueError(f"need bs, sm_count, max_kv_splits >= 1, got {bs}, {sm_count}, {max_kv_splits}")
+    if out is None:
+        out = torch.empty(bs, dtype=torch.int32, device=seq_lens.device)
+    if out.dtype != torch.int32 or out.numel() < bs or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous int32 tensor of >= {bs} elements, got {out.dtype} {tuple(out.shape)}")
+    block = 128
+    _mla_splits_kernel[(triton.cdiv(bs, block),)](
+        seq_lens, out, bs, max(1, sm_count // bs), max_kv_splits, SPLIT_UNIT=_SPLIT_UNIT, BLOCK=block
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# workspace
+# ---------------------------------------------------------------------------------------
+def mla_workspace_size(max_seq_len: int, bs: int, num_kv_splits: int, num_heads: int, kv_lora_rank: int) -> int:
+    """Workspace for `mla_decode_fwd`, in **bytes**.
+
+    Holds float32 split partials: ``o_part [bs, num_heads, num_kv_splits, kv_lora_rank]``
+    then ``lse_part [bs, num_heads, num_kv_splits]``, i.e. ``4 * bs * num_heads *
+    num_kv_splits * (kv_lora_rank + 1)`` bytes; ``num_kv_splits`` is the ``max_kv_splits``
+    the kernel will be launched with. ``max_seq_len`` is accepted for parity with the
+    CUTLASS MLA API (whose workspace depends on it) and is only validated: the split count
+    already bounds the partials. A buffer sized for a larger ``bs`` serves smaller ones.
+    """
+    for name, v in (("bs", bs), ("num_kv_splits", num_kv_splits), ("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank)):
+        if int(v) < 1:
+            raise ValueError(f"mla_workspace_size: {name} must be >= 1, got {v}")
+    if int(max_seq_len) < 0:
+        raise ValueError(f"mla_workspace_size: max_seq_len must be >= 0, got {max_seq_len}")
+    return 4 * bs * num_heads * num_kv_splits * (kv_lora_rank + 1)
+
+
+# ---------------------------------------------------------------------------------------
+# tuning
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    """Launch parameters of the stage-1 kernel (stage 2 is a small merge).
+
+    block_h: query heads per program (power of two >= 16; tl.dot M dimension).
+    block_n: tokens per KV tile (power of two >= 16); split boundaries are multiples of it.
+    num_warps / num_stages: Triton launch options of stage 1.
+    merge_num_warps: num_warps of the merge kernel.
+    """
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    merge_num_warps: int = 4
+
+    def smem_estimate(self, kv_lora_rank: int, rope_dim: int, elt_bytes: int = 2) -> int:
+        """Rough shared-memory bytes: KV tile per stage + the query tile + a P tile."""
+        d = triton.next_power_of_2(kv_lora_rank) + max(16, triton.next_power_of_2(rope_dim))
+        return (self.num_stages * self.block_n * d + self.block_h * d) * elt_bytes + self.block_h * self.block_n * 4
+
+
+def mla_decode_config(
+    num_heads: int,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    dtype: torch.dtype,
+    interpret: bool = False,
+    max_shared_mem: Optional[int] = None,
+) -> MLADecodeConfig:
+    """The one place that picks stage-1 tiles; tune it from a GPU run (bench/kernels_mla.py).
+
+    Many heads (>= 64, DeepSeek's 128): compute-heavy per byte, so 64-head tiles on two
+    warpgroups (acc 64 x 512 fp32 = 128 registers/thread), 64-token tiles, 2 stages, when
+    that fits ``max_shared_mem``, else smaller tiles. Few heads: one tile holds all heads
+    (memory-bound; KV read once). Under the interpreter: large tiles (numpy is faster per
+    element on big blocks) but still >= 16 for tl.dot.
+    """
+    bh = min(64, max(16, triton.next_power_of_2(num_heads)))
+    if interpret:
+        return MLADecodeConfig(block_h=bh, block_n=32, num_warps=4, num_stages=1)
+    elt = 4 if dtype == torch.float32 else 2
+    limit = _DEFAULT_MAX_SMEM if max_shared_mem is None else max_shared_mem
+    if bh >= 64:
+        candidates = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 1), (32, 32, 4, 1), (16, 16, 4, 1)]
+    else:
+        candidates = [(bh, 64, 4, 2), (bh, 32, 4, 2), (bh, 32, 4, 1), (16, 16, 4, 1)]
+    for h, n, w, s in candidates:
+        cfg = MLADecodeConfig(block_h=h, block_n=n, num_warps=w, num_stages=s)
+        if cfg.smem_estimate(kv_lora_rank, qk_rope_head_dim, elt) <= limit:
+            return cfg
+    return MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+
+
+# ---------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def _split_bounds(kv_len, n_req, MAX_KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens per split (a multiple of BLOCK_N, >= BLOCK_N) and the number of non-empty splits."""
+    n = tl.minimum(tl.maximum(n_req, 1), MAX_KV_SPLITS)
+    n_blocks = (kv_len + BLOCK_N - 1) // BLOCK_N
+    per_split = tl.maximum((n_blocks + n - 1) // n, 1) * BLOCK_N
+    n_eff = (kv_len + per_split - 1) // per_split
+    return per_split, n_eff
+
+
+# ints equal to 1 would otherwise become constexprs (Triton specialization)
+@triton.jit(do_not_specialize=["num_heads", "num_splits_scalar"])
+def _mla_decode_stage1(
+    QNope, QPe, KV, BlockTable, SeqLens, NumSplits,
+    OPart, LsePart, O, Lse,
+    sm_scale_log2, num_heads, num_splits_scalar,
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+    stride_kv_t, stride_bt_b,
+    stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h,
+    stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
+    D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    MAX_KV_SPLITS: tl.constexpr, PER_REQ_SPLITS: tl.constexpr, HAS_LSE: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # head tile fastest: the head tiles of one (request, split) run together and share
+    # the KV tile through L2
+    pid_h = tl.program_id(0)
+    split_id = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+
+    kv_len = tl.load(SeqLens + b).to(tl.int32)
+    if PER_REQ_SPLITS:
+        n_req = tl.load(NumSplits + b).to(tl.int32)
+    else:
+        n_req = num_splits_scalar
+    per_split, n_eff = _split_bounds(kv_len, n_req, MAX_KV_SPLITS, BLOCK_N)
+    start = split_id * per_split
+    end = tl.minimum(start + per_split, kv_len)
+
+    if start < end:
+        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < num_heads
+        offs_c = tl.arange(0, BLOCK_C)
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_c = offs_c < D_C
+        mask_r = offs_r < D_R
+
+        qn = tl.load(
+            QNope + b * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_c[None, :],
+            mask=mask_h[:, None] & mask_c[None, :], other=0.0,
+        )
+        qp = tl.load(
+            QPe + b * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_r[None, :],
+            mask=mask_h[:, None] & mask_r[None, :], other=0.0,
+        )
+        if DOT_FP32:
+            qn = qn.to(tl.float32)
+            qp = qp.to(tl.float32)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+        table = BlockTable + b * stride_bt_b
+
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            if PAGE_SIZE % BLOCK_N == 0:
+                # the tile lies inside one page (split starts are multiples of BLOCK_N)
+                page = tl.load(table + n0 // PAGE_SIZE).to(tl.int64)
+                slot = page * PAGE_SIZE + (offs_n % PAGE_SIZE)
+            else:
+                page = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+                slot = page * PAGE_SIZE + (offs_n % PAGE_SIZE)
+            row = KV + slot * stride_kv_t
+            if BLOCK_C == D_C:
+                ckv = tl.load(row[:, None] + offs_c[None, :], mask=mask_n[:, None], other=0.0)
+            else:
+                ckv = tl.load(row[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
+            if BLOCK_R == D_R:
+                kpe = tl.load(row[:, None] + D_C + offs_r[None, :], mask=mask_n[:, None], other=0.0)
+            else:
+                kpe = tl.load(row[:, None] + D_C + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+            if DOT_FP32:
+                ckv = ckv.to(tl.float32)
+                kpe = kpe.to(tl.float32)
+
+            qk = tl.dot(qn, tl.trans(ckv), input_precision=DOT_PRECISION)
+            qk = tl.dot(qp, tl.trans(kpe), acc=qk, input_precision=DOT_PRECISION)
+            s = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(ckv.dtype), ckv, acc=acc, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        lse2 = m_i + tl.log2(l_i)
+        mask_hc = mask_h[:, None] & mask_c[None, :]
+        if n_eff == 1:
+            # whole sequence in this split: write the final result, no merge needed
+            tl.store(O + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :],
+                     out.to(O.dtype.element_ty), mask=mask_hc)
+            if HAS_LSE:
+                tl.store(Lse + b * stride_lse_b + offs_h * stride_lse_h, lse2 / 1.4426950408889634, mask=mask_h)
+        else:
+            tl.store(OPart + b * stride_op_b + offs_h[:, None] * stride_op_h + split_id * stride_op_s + offs_c[None, :],
+                     out, mask=mask_hc)
+            tl.store(LsePart + b * stride_lp_b + offs_h * stride_lp_h + split_id, lse2, mask=mask_h)
+
+
+@triton.jit(do_not_specialize=["num_splits_scalar"])
+def _mla_decode_stage2(
+    OPart, LsePart, O, Lse, SeqLens, NumSplits, num_splits_scalar,
+    stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h,
+    stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
+    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    MAX_KV_SPLITS: tl.constexpr, PER_REQ_SPLITS: tl.constexpr, HAS_LSE: tl.constexpr,
+):
+    h = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    kv_len = tl.load(SeqLens + b).to(tl.int32)
+    if PER_REQ_SPLITS:
+        n_req = tl.load(NumSplits + b).to(tl.int32)
+    else:
+        n_req = num_splits_scalar
+    per_split, n_eff = _split_bounds(kv_len, n_req, MAX_KV_SPLITS, BLOCK_N)
+
+    if n_eff != 1:  # n_eff == 1 was written by stage 1
+        offs_s = tl.arange(0, BLOCK_S)
+        mask_s = offs_s < n_eff
+        lp = LsePart + b * stride_lp_b + h * stride_lp_h
+        lse_s = tl.load(lp + offs_s, mask=mask_s, other=float("-inf"))
+        m = tl.max(lse_s, 0)
+        m = tl.where(n_eff > 0, m, 0.0)
+        w = tl.where(mask_s, tl.exp2(lse_s - m), 0.0)
+        denom = tl.sum(w, 0)
+
+        offs_d = tl.arange(0, BLOCK_DV)
+        mask_d = offs_d < D_V
+        acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+        op = OPart + b * stride_op_b + h * stride_op_h + offs_d
+        for s in range(0, n_eff):
+            w_s = tl.exp2(tl.load(lp + s) - m)
+            acc += w_s * tl.load(op + s * stride_op_s, mask=mask_d, other=0.0)
+        out = acc / tl.where(denom > 0, denom, 1.0)
+        tl.store(O + b * stride_o_b + h * stride_o_h + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
+        if HAS_LSE:
+            lse = tl.where(denom > 0, (m + tl.log2(tl.where(denom > 0, denom, 1.0))) / 1.4426950408889634, float("-inf"))
+            tl.store(Lse + b * stride_lse_b + h * stride_lse_h, lse)
+
+
+# ---------------------------------------------------------------------------------------
+# host entry
+# ---------------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    return type(_mla_decode_stage1).__name__ == "InterpretedFunction"
+
+
+def _check_last_dim(name: str, t: torch.Tensor, ndim: int) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+
+
+def mla_decode_fwd(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_buffer: torch.Tensor,
+    block_kv_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    o: torch.Tensor,
+    sm_scale: float,
+    num_kv_splits: Union[int, torch.Tensor],
+    max_kv_splits: int,
+    workspace: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
+    *,
+    config: Optional[MLADecodeConfig] = None,
+) -> torch.Tensor:
+    """Paged MLA decode with absorbed weights; writes ``o`` (and ``lse``) and returns ``o``.
+
+    Args:
+        q_nope: ``[bs, H, kv_lora_rank]`` fp16/bf16 (fp32 accepted), query already times W_UK.
+        q_pe: ``[bs, H, rope]`` same dtype, rotary part of the query.
+        kv_buffer: latent cache ``[num_slots, 1, kv_lora_rank + rope]`` (also accepted:
+            ``[num_slots, D]`` or ``[num_pages, page_size, 1, D]`` views), same dtype as q.
+        block_kv_indices: int32 ``[bs, max_blocks]`` page ids, padded (e.g. with -1); must
+            have at least ``cdiv(seq_lens[i], page_size)`` valid entries in row i.
+        seq_lens: ``[bs]`` int32/int64 tokens per request (0 allowed: o = 0, lse = -inf).
+        page_size: tokens per page (>= 1; 1 = token-level table).
+        o: output ``[bs, H, kv_lora_rank]`` (any float dtype; last dim contiguous).
+        sm_scale: softmax scale applied to the full 576-wide dot.
+        num_kv_splits: python int, or int32 ``[bs]`` device tensor (`mla_num_kv_splits_device`);
+            clamped to ``[1, max_kv_splits]`` per request.
+        max_kv_splits: grid size along the sequence (>= 1); fixed for CUDA graphs.
+        workspace: >= `mla_workspace_size` (..., bs, max_kv_splits, H, kv_lora_rank) bytes,
+            contiguous, any dtype; allocated here when None (not capturable then).
+        lse: optional float32 ``[bs, H]``: natural-log sum-exp of the scaled scores.
+        config: stage-1 tiles; `mla_decode_config` when None.
+
+    Raises ValueError on shape/dtype/device mismatches or a too-small workspace. No host
+    sync: lengths and split counts are read on the device only.
+    """
+    _check_last_dim("q_nope", q_nope, 3)
+    _check_last_dim("q_pe", q_pe, 3)
+    _check_last_dim("o", o, 3)
+    bs, num_heads, d_c = q_nope.shape
+    d_r = q_pe.shape[2]
+    if q_pe.shape[:2] != (bs, num_heads):
+        raise ValueError(f"q_pe {tuple(q_pe.shape)} does not match q_nope {tuple(q_nope.shape)}")
+    if tuple(o.shape) != (bs, num_heads, d_c):
+        raise ValueError(f"o must be {(bs, num_heads, d_c)}, got {tuple(o.shape)}")
+    if q_pe.dtype != q_nope.dtype or kv_buffer.dtype != q_nope.dtype:
+        raise ValueError(f"dtype mismatch: q_nope {q_nope.dtype}, q_pe {q_pe.dtype}, kv_buffer {kv_buffer.dtype}")
+    if q_nope.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"unsupported dtype {q_nope.dtype}")
+    if kv_buffer.shape[-1] != d_c + d_r or kv_buffer.dim() not in (2, 3, 4) or kv_buffer.stride(-1) != 1:
+        raise ValueError(
+            f"kv_buffer must be [num_slots, 1, {d_c + d_r}] (kv_lora_rank + rope) with a contiguous last dim, "
+            f"got shape {tuple(kv_buffer.shape)} strides {kv_buffer.stride()}"
+        )
+    try:
+        kv_rows = kv_buffer.view(-1, d_c + d_r)
+    except RuntimeError as e:
+        raise ValueError(f"kv_buffer {tuple(kv_buffer.shape)} cannot be viewed as token rows: {e}") from None
+    if block_kv_indices.dim() != 2 or block_kv_indices.shape[0] < bs or block_kv_indices.dtype != torch.int32:
+        raise ValueError(f"block_kv_indices must be int32 [bs, max_blocks], got {block_kv_indices.dtype} {tuple(block_kv_indices.shape)}")
+    if block_kv_indices.stride(1) != 1:
+        raise ValueError("block_kv_indices must have a contiguous last dimension")
+    if seq_lens.dim() != 1 or seq_lens.numel() < bs or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be int32/int64 [bs], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if int(page_size) < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if int(max_kv_splits) < 1:
+        raise ValueError(f"max_kv_splits must be >= 1, got {max_kv_splits}")
+    devs = {t.device for t in (q_nope, q_pe, kv_buffer, block_kv_indices, seq_lens, o)}
+    if len(devs) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
+    interpret = _interpreting()
+    if not interpret and q_nope.device.type != "cuda":
+        raise ValueError("mla_decode_fwd needs CUDA tensors (or TRITON_INTERPRET=1 set before importing triton)")
+
+    if isinstance(num_kv_splits, torch.Tensor):
+        if num_kv_splits.dtype != torch.int32 or num_kv_splits.numel() < bs or num_kv_splits.device != q_nope.device:
+            raise ValueError(f"num_kv_splits tensor must be int32 [bs] on {q_nope.device}")
+        per_req, splits_ptr, splits_scalar = True, num_kv_splits, 1
+    else:
+        if not 1 <= int(num_kv_splits) <= int(max_kv_splits):
+            raise ValueError(f"num_kv_splits must be in [1, max_kv_splits={max_kv_splits}], got {num_kv_splits}")
+        per_req, splits_ptr, splits_scalar = False, seq_lens, int(num_kv_splits)
+    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (bs, num_heads) or lse.device != o.device):
+        raise ValueError(f"lse must be float32 [{bs}, {num_heads}] on {o.device}")
+
+    max_kv_splits = int(max_kv_splits)
+    need = mla_workspace_size(0, bs, max_kv_splits, num_heads, d_c)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.uint8, device=o.device)
+    if not workspace.is_contiguous() or workspace.device != o.device:
+        raise ValueError("workspace must be a contiguous tensor on the output's device")
+    ws = workspace.view(-1).view(torch.uint8)
+    if ws.numel() < need:
+        raise ValueError(f"workspace has {ws.numel()} bytes, needs {need} (mla_workspace_size)")
+    n_o = bs * num_heads * max_kv_splits * d_c
+    o_part = ws[: 4 * n_o].view(torch.float32).view(bs, num_heads, max_kv_splits, d_c)
+    lse_part = ws[4 * n_o : need].view(torch.float32).view(bs, num_heads, max_kv_splits)
+    if bs == 0:
+        return o
+
+    if config is None:
+        smem = None
+        if not interpret:  # torch caches the properties; older torch lacks the field
+            smem = getattr(torch.cuda.get_device_properties(o.device), "shared_memory_per_block_optin", None)
+        config = mla_decode_config(num_heads, d_c, d_r, q_nope.dtype, interpret=interpret, max_shared_mem=smem)
+    cfg = config
+    fp32_dot = interpret or q_nope.dtype == torch.float32
+    has_lse = lse is not None
+    lse_arg = lse if has_lse else o_part
+    lse_strides = (lse.stride(0), lse.stride(1)) if has_lse else (0, 0)
+    block_c = triton.next_power_of_2(d_c)
+    block_r = max(16, triton.next_power_of_2(d_r))
+
+    grid1 = (triton.cdiv(num_heads, cfg.block_h), max_kv_splits, bs)
+    _mla_decode_stage1[grid1](
+        q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr,
+        o_part, lse_part, o, lse_arg,
+        float(sm_scale) * _LOG2E, num_heads, splits_scalar,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_rows.stride(0), block_kv_indices.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        o.stride(0), o.stride(1), *lse_strides,
+        D_C=d_c, D_R=d_r, BLOCK_C=block_c, BLOCK_R=block_r,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE_SIZE=int(page_size),
+        MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse,
+        DOT_FP32=interpret, DOT_PRECISION="ieee" if fp32_dot else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _mla_decode_stage2[(num_heads, bs)](
+        o_part, lse_part, o, lse_arg, seq_lens, splits_ptr, splits_scalar,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        o.stride(0), o.stride(1), *lse_strides,
+        D_V=d_c, BLOCK_DV=block_c, BLOCK_S=max(2, triton.next_power_of_2(max_kv_splits)), BLOCK_N=cfg.block_n,
+        MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse,
+        num_warps=cfg.merge_num_warps,
+    )
+    return o

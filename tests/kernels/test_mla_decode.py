@@ -1,0 +1,227 @@
+"""MLA decode kernel (`attention/triton_ops/mla_decode.py`) against a float64 reference.
+
+Runs on CPU under the Triton interpreter (small shapes: kv_lora_rank 64 + rope 16) and on
+a GPU as is. Every case: fresh random inputs, a paged latent cache reached through a
+shuffled block table, NaN in every slot no request owns (so a read past ``seq_lens`` shows
+up as NaN), and NaN-poisoned outputs.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+from attnserve.attention.triton_ops.mla_decode import (  # noqa: E402
+    MLADecodeConfig,
+    mla_decode_fwd,
+    mla_num_kv_splits,
+    mla_num_kv_splits_device,
+    mla_workspace_size,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+D_C, D_R = 64, 16  # small kv_lora_rank + qk_rope_head_dim
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def make_case(seq_lens, num_heads, page_size, dtype, *, d_c=D_C, d_r=D_R, spare_pages=3, extra_cols=2, seed=0):
+    """Random latent cache in shuffled pages; unowned slots are NaN. Returns a dict."""
+    g = torch.Generator().manual_seed(seed)
+    bs = len(seq_lens)
+    n_blocks = [_cdiv(n, page_size) for n in seq_lens]
+    num_pages = 1 + sum(n_blocks) + spare_pages  # page 0 reserved, as in the KV pool
+    perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+    width = max(1, max(n_blocks)) + extra_cols
+    table = torch.full((bs, width), -1, dtype=torch.int32)
+    kv = torch.full((num_pages * page_size, 1, d_c + d_r), float("nan"), dtype=dtype)
+    rows = []
+    it = iter(perm)
+    for i, n in enumerate(seq_lens):
+        pages = [next(it) for _ in range(n_blocks[i])]
+        table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        t = torch.arange(n)
+        slots = torch.tensor(pages, dtype=torch.int64)[t // page_size] * page_size + t % page_size if n else t
+        lat = torch.randn(n, d_c + d_r, generator=g).to(dtype)
+        kv[slots, 0] = lat
+        rows.append(lat.double())
+    q_nope = torch.randn(bs, num_heads, d_c, generator=g).to(dtype)
+    q_pe = torch.randn(bs, num_heads, d_r, generator=g).to(dtype)
+    return dict(
+        q_nope=q_nope.to(DEVICE), q_pe=q_pe.to(DEVICE), kv=kv.to(DEVICE), table=table.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), rows=rows,
+        q_nope64=q_nope.double(), q_pe64=q_pe.double(), sm_scale=1.0 / math.sqrt(d_c + d_r), d_c=d_c,
+    )
+
+
+def reference(case):
+    """float64 o [bs, H, d_c] and natural-log lse [bs, H]."""
+    d_c = case["d_c"]
+    outs, lses = [], []
+    for i, lat in enumerate(case["rows"]):
+        qn, qp = case["q_nope64"][i], case["q_pe64"][i]
+        if lat.shape[0] == 0:
+            outs.append(torch.zeros_like(qn))
+            lses.append(torch.full((qn.shape[0],), float("-inf"), dtype=torch.float64))
+            continue
+        s = (qn @ lat[:, :d_c].T + qp @ lat[:, d_c:].T) * case["sm_scale"]
+        outs.append(torch.softmax(s, dim=-1) @ lat[:, :d_c])
+        lses.append(torch.logsumexp(s, dim=-1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def run_kernel(case, page_size, num_kv_splits, max_kv_splits, *, config=None, with_lse=True, workspace=None, o=None):
+    bs, h, d_c = case["q_nope"].shape
+    if o is None:
+        o = torch.full((bs, h, d_c), float("nan"), dtype=case["q_nope"].dtype, device=DEVICE)
+    lse = torch.full((bs, h), float("nan"), dtype=torch.float32, device=DEVICE) if with_lse else None
+    ret = mla_decode_fwd(
+        case["q_nope"], case["q_pe"], case["kv"], case["table"], case["seq_lens"], page_size, o,
+        case["sm_scale"], num_kv_splits, max_kv_splits, workspace=workspace, lse=lse, config=config,
+    )
+    assert ret is o
+    return o, lse
+
+
+def check(case, o, lse, dtype):
+    ref_o, ref_lse = reference(case)
+    got = o.double().cpu()
+    assert not torch.isnan(got).any(), "NaN in output (unwritten or read past seq_lens)"
+    err = (got - ref_o).abs().max().item()
+    assert err <= TOL[dtype] * max(1.0, ref_o.abs().max().item()), f"max abs err {err}"
+    if lse is not None:
+        got_lse = lse.double().cpu()
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(got_lse), fin)
+        assert (got_lse[fin] - ref_lse[fin]).abs().max().item() <= max(TOL[dtype], 1e-5) * 10
+
+
+# ---- split heuristic --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "max_seq_len,bs,sm,expected",
+    [
+        # max_splits, sms_per_batch, split, k_waves -> split
+        (16384, 32, 132, 4),   # 128, 4, 4, 32 -> 4
+        (1024, 32, 132, 4),    # 8, 4, 4, 2 -> 4
+        (1152, 32, 132, 3),    # 9, 4, 4, 3 -> cdiv(9, 3) = 3
+        (1280, 32, 132, 4),    # 10, 4, 4, 3 -> cdiv(10, 3) = 4
+        (65536, 1, 132, 128),  # 512, 132, 132, 4 -> 128
+        (1000, 1, 132, 8),     # 8, 132, 8, 1 -> 8
+        (300, 1, 132, 3),      # 3 -> 3
+        (4096, 128, 132, 1),   # 32, 1, 1, 32 -> 1
+        (4096, 64, 132, 2),    # 32, 2, 2, 16 -> 2
+        (4096, 200, 132, 1),   # sms_per_batch clamps at 1
+        (1, 8, 132, 1),
+        (0, 8, 132, 1),        # empty batch still one split
+    ],
+)
+def test_num_kv_splits_formula(max_seq_len, bs, sm, expected):
+    assert mla_num_kv_splits(max_seq_len, bs, sm) == expected
+
+
+def test_num_kv_splits_rejects_bad_args():
+    with pytest.raises(ValueError):
+        mla_num_kv_splits(100, 0, 132)
+    with pytest.raises(ValueError):
+        mla_num_kv_splits(100, 1, 0)
+
+
+def test_num_kv_splits_device_matches_host():
+    lens = [0, 1, 127, 128, 129, 1000, 1152, 4096, 16384, 65536, 300, 777]
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    for sm, cap in ((132, 64), (132, 3), (20, 64), (1, 8)):
+        out = torch.full((len(lens),), -7, dtype=torch.int32, device=DEVICE)
+        got = mla_num_kv_splits_device(seq, sm, cap, out=out)
+        assert got is out
+        want = [min(cap, mla_num_kv_splits(n, len(lens), sm)) for n in lens]
+        assert got.cpu().tolist() == want
+
+
+# ---- kernel vs reference ----------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("split_mode", ["int", "device"])
+def test_decode_matches_reference(dtype, page_size, split_mode):
+    lens = [1, 17, 64, 130, 257]  # ragged; one-token, page-edge and multi-split requests
+    case = make_case(lens, 16, page_size, dtype, seed=page_size * 10 + (dtype == torch.float16) * 3 + (split_mode == "int"))
+    max_kv_splits = 4
+    if split_mode == "int":
+        splits = 3
+    else:
+        splits = mla_num_kv_splits_device(case["seq_lens"], 20, max_kv_splits)  # 4 SMs per request
+        assert splits.cpu().tolist() == [1, 1, 1, 2, 3]
+    o, lse = run_kernel(case, page_size, splits, max_kv_splits)
+    check(case, o, lse, dtype)
+
+
+@pytest.mark.parametrize(
+    "page_size,cfg",
+    [
+        (16, MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)),  # one page per tile
+        (64, MLADecodeConfig(block_h=32, block_n=64, num_warps=4, num_stages=1)),  # head tile > H
+        (1, MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=1)),
+    ],
+)
+def test_decode_tile_configs(page_size, cfg):
+    lens = [5, 70, 200]
+    case = make_case(lens, 20, page_size, torch.float32, seed=page_size + cfg.block_n)  # 20 heads: ragged head tiles
+    o, lse = run_kernel(case, page_size, 4, 4, config=cfg)
+    check(case, o, lse, torch.float32)
+
+
+def test_decode_bf16_and_non_pow2_dims():
+    # bf16 loads (interpreter: cast to fp32 in the kernel); kv_lora_rank 48, rope 8 are padded
+    case = make_case([33, 90], 16, 16, torch.bfloat16, d_c=48, d_r=8, seed=7)
+    o, lse = run_kernel(case, 16, 2, 2)
+    check(case, o, lse, torch.bfloat16)
+
+
+def test_decode_empty_request_and_no_lse():
+    case = make_case([0, 40, 0, 3], 16, 16, torch.float32, seed=11)
+    o, _ = run_kernel(case, 16, 2, 2, with_lse=False)
+    check(case, o, None, torch.float32)
+    o, lse = run_kernel(case, 16, 2, 2)
+    assert torch.isneginf(lse[0].cpu()).all() and (o[0] == 0).all()
+    check(case, o, lse, torch.float32)
+
+
+def test_decode_strided_q_and_o_and_shared_workspace():
+    """q_nope/q_pe as slices of one [bs, H, 80] tensor, o a slice of a wider buffer, and a
+    workspace sized for a larger batch and more splits than used."""
+    case = make_case([50, 9, 300], 16, 16, torch.float16, seed=5)
+    bs, h = 3, 16
+    q = torch.cat([case["q_nope"], case["q_pe"]], dim=-1)
+    case["q_nope"], case["q_pe"] = q[..., :D_C], q[..., D_C:]
+    big = torch.full((bs, h, D_C + 32), float("nan"), dtype=torch.float16, device=DEVICE)
+    o = big[..., 16 : 16 + D_C]
+    ws = torch.empty(mla_workspace_size(4096, 8, 8, h, D_C), dtype=torch.uint8, device=DEVICE)
+    o, lse = run_kernel(case, 16, 3, 3, workspace=ws, o=o)
+    check(case, o, lse, torch.float16)
+    assert torch.isnan(big[..., :16]).all() and torch.isnan(big[..., 16 + D_C :]).all()
+
+
+def test_workspace_size_and_errors():
+    assert mla_workspace_size(1024, 2, 4, 16, 512) == 4 * 2 * 16 * 4 * 513
+    with pytest.raises(ValueError):
+        mla_workspace_size(1024, 0, 4, 16, 512)
+    case = make_case([10, 20], 16, 16, torch.float32, seed=3)
+    small = torch.empty(mla_workspace_size(0, 2, 4, 16, D_C) - 4, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match="workspace"):
+        run_kernel(case, 16, 4, 4, workspace=small)
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        run_kernel(case, 16, 5, 4)
+    bad = dict(case, q_pe=case["q_pe"][:, :8])
+    with pytest.raises(ValueError, match="q_pe"):
+        run_kernel(bad, 16, 2, 4)
+    bad = dict(case, table=case["table"].long())
+    with pytest.raises(ValueError, match="block_kv_indices"):
+        run_kernel(bad, 16, 2, 4)
