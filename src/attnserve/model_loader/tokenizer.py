@@ -1,0 +1,37 @@
+"""Tokenizers and chat templates via ``transformers.AutoTokenizer``."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+
+def get_tokenizer(model_path: str, gguf_file: Optional[str] = None) -> Any:
+    """Load the tokenizer of an HF directory, or of a GGUF file inside ``model_path``.
+
+    Args:
+        model_path: directory (HF checkpoint, or the directory holding the GGUF).
+        gguf_file: file name of the GGUF inside ``model_path`` (its embedded vocabulary
+            and chat template are converted by transformers; needs ``gguf``).
+    """
+    from transformers import AutoTokenizer
+
+    if gguf_file is not None:
+        return AutoTokenizer.from_pretrained(model_path, gguf_file=gguf_file)
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def apply_chat_template(tokenizer: Any, prompt: str) -> List[int]:
+    """Token ids of one user turn ``prompt`` in the tokenizer's chat template, followed by
+    the assistant-turn header (``add_generation_prompt=True``).
+
+    Raises:
+        ValueError: when the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template; send raw prompts instead")
+    out = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
+    if hasattr(out, "keys") and "input_ids" in out:  # transformers >= 5 returns a BatchEncoding
+        out = out["input_ids"]
+    return [int(t) for t in out]

@@ -1,0 +1,57 @@
+"""Root-mean-square layer normalisation (Zhang & Sennrich, arXiv:1910.07467)."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``y = x / sqrt(mean(x**2, -1) + eps) * weight``, computed in float32.
+
+    The statistics and the scaling by ``weight`` are computed in float32 whatever the
+    input dtype; the result is cast back to the input's dtype.
+
+    Args:
+        hidden_size: size of the last dimension (the normalised one).
+        eps: added to the mean square before the reciprocal square root.
+        dtype: dtype of ``weight`` (initialised to ones).
+
+    Shapes:
+        ``x`` ``[..., hidden_size]`` -> same shape and dtype.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.variance_epsilon = float(eps)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.variance_epsilon)
+        return (xf * self.weight.float()).to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """Normalise ``x``; with ``residual``, first add it (pre-norm residual stream).
+
+        Args:
+            x: ``[..., hidden_size]``.
+            residual: optional tensor of the same shape. When given, ``s = x + residual``
+                is formed and ``(norm(s), s)`` is returned, so that a decoder layer carries
+                the un-normalised residual stream to the next block.
+
+        Returns:
+            ``norm(x)``, or ``(norm(x + residual), x + residual)`` when ``residual`` is given.
+        """
+        if residual is None:
+            return self._norm(x)
+        s = x + residual
+        return self._norm(s), s
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.variance_epsilon}"
