@@ -1,0 +1,533 @@
+"""Two-stage split-K decode attention over a paged KV cache ("flash-decoding").
+
+One query token per request attends to the request's cached keys, which are read through
+the CSR index ``kv_indptr`` / ``kv_indices`` (token slots into ``k_buffer`` / ``v_buffer``).
+
+* Stage 1 (`_decode_stage1_kernel`): the request's keys are cut into ``num_kv_splits[b]``
+  contiguous splits; one program per (request, KV-head block, split) computes the split's
+  softmax-normalised partial output and its log-sum-exp with the online softmax of
+  FlashAttention-2 (Dao, arXiv:2307.08691). All query heads that share a KV head (GQA/MQA)
+  are processed together: each K/V tile is loaded once and multiplied with ``tl.dot``
+  (the head block is padded to >= 16 rows).
+* Stage 2 (`_decode_stage2_kernel`): per (request, query head) the partial outputs are
+  merged by their log-sum-exp, as in Flash-Decoding (Dao, Haziza, Massa, Sizov, 2023,
+  "Flash-Decoding for long-context inference", PyTorch blog / FlashAttention repo).
+
+Everything the launch depends on is host-known (bs, head counts, ``max_kv_splits``), and
+no host synchronisation happens, so `decode_attention_fwd` is CUDA-graph capturable.
+Tuning lives in `_decode_config`; split counts in `compute_num_kv_splits`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# Split-count policy constants (tuning, not state).
+_SPLIT_WAVES = 4  # aim for this many programs per SM across stage 1
+_MIN_SPLIT_TOKENS = 128  # never cut a request into splits shorter than this (non-deterministic mode)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of stage 1 (see `_decode_config`).
+
+    block_n: keys per tile (also the split alignment); block_h: query heads per program
+    (1 = per-head kernel without ``tl.dot``, else >= 16 rows for ``tl.dot``); num_warps /
+    num_stages: Triton launch options; stage2_warps: warps of the merge kernel.
+    """
+
+    block_n: int
+    block_h: int
+    num_warps: int
+    num_stages: int
+    stage2_warps: int = 2
+
+
+def _decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bool = False) -> DecodeConfig:
+    """The one place decode tuning lives.
+
+    Args:
+        head_dim: K head size (``Dk``; 576 for MLA).
+        group_size: query heads per KV head (1 = MHA).
+        dtype: KV dtype.
+        is_hip: AMD GPUs (no software pipelining with gathers; wave64).
+    """
+    wide = head_dim > 128 or dtype == torch.float32
+    block_n = 32 if (wide or is_hip) else 64
+    if head_dim > 256:
+        block_n = 16
+    # Even MHA (group 1) goes through tl.dot with 16 padded rows: the tensor-core work is
+    # far below the memory time, and the dot path keeps ~105 registers and cp.async
+    # pipelining on sm90, where the per-head reduction path (block_h=1) needs ~250
+    # registers and is not pipelined.
+    cap = 64 if head_dim <= 128 else (32 if head_dim <= 256 else 16)
+    block_h = max(16, min(cap, triton.next_power_of_2(group_size)))
+    num_warps = 4 if head_dim <= 256 else 8
+    num_stages = 1 if is_hip else 2
+    return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=num_warps, num_stages=num_stages)
+
+
+def _split_dims(d: int):
+    """Split a head size into a power-of-two main block and a power-of-two remainder block
+    (576 -> 512 + 64, 80 -> 64 + 16, 96 -> 64 + 32, 128 -> 128 + 0) so that odd sizes are
+    not padded to the next power of two."""
+    main = 1 << (d.bit_length() - 1)
+    rest = d - main
+    if main < 16:
+        return 16, 0
+    pe = 0 if rest == 0 else max(16, triton.next_power_of_2(rest))
+    return main, pe
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from one exp; exact +-1 limits, no overflow."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _split_bounds(kv_len, num_splits, max_splits, ALIGN: tl.constexpr):
+    """Split length (a multiple of ALIGN) and number of non-empty splits; both kernels use
+    this so that they agree on the split boundaries. ``num_splits`` is clamped to
+    ``1..max_splits`` so a bad value can never write past the scratch buffers."""
+    num_splits = tl.minimum(tl.maximum(num_splits, 1), max_splits)
+    per = tl.cdiv(kv_len, num_splits)
+    per = tl.maximum(tl.cdiv(per, ALIGN) * ALIGN, ALIGN)
+    return per, tl.cdiv(kv_len, per)
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    q_ptr, k_ptr, v_ptr,
+    kv_indptr_ptr, kv_indices_ptr, num_kv_splits_ptr,
+    logits_ptr, lse_ptr,
+    sm_scale, logit_cap,
+    stride_qb, stride_qh,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_lb, stride_lh, stride_ls,
+    stride_eb, stride_eh,
+    grid_splits,
+    max_kv_splits,
+    GROUP: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    COMPUTE_FP32: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    kv_head = pid_h // HEAD_BLOCKS
+    h_in_group = (pid_h % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = h_in_group < GROUP
+    q_head = kv_head * GROUP + h_in_group
+
+    kv_start = tl.load(kv_indptr_ptr + b)
+    kv_len = tl.load(kv_indptr_ptr + b + 1) - kv_start
+    per, n_splits = _split_bounds(kv_len, tl.load(num_kv_splits_ptr + b), max_kv_splits, BLOCK_N)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < DK
+    mask_dv = offs_dv < DV
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh
+    q = tl.load(q_ptrs + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    if COMPUTE_FP32 or BLOCK_H == 1:
+        q = q.to(tl.float32)
+    if BLOCK_DPE > 0:
+        offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+        mask_dpe = offs_dpe < DK
+        q_pe = tl.load(q_ptrs + offs_dpe[None, :], mask=mask_h[:, None] & mask_dpe[None, :], other=0.0)
+        if COMPUTE_FP32 or BLOCK_H == 1:
+            q_pe = q_pe.to(tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+
+    k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head_ptr = v_ptr + kv_head.to(tl.int64) * stride_vh
+    idx_ptr = kv_indices_ptr + kv_start
+    out_ptrs = logits_ptr + b.to(tl.int64) * stride_lb + q_head[:, None] * stride_lh + offs_dv[None, :]
+    lse_ptrs = lse_ptr + b.to(tl.int64) * stride_eb + q_head * stride_eh
+
+    for split in range(pid_s, n_splits, grid_splits):
+        lo = split * per
+        hi = tl.minimum(lo + per, kv_len)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hi
+            slots = tl.load(idx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k = tl.load(
+                k_head_ptr + slots[:, None] * stride_kt + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :],
+                other=0.0,
+            )
+            if COMPUTE_FP32:
+                k = k.to(tl.float32)
+            if BLOCK_H == 1:
+                qk = tl.sum(q[:, None, :] * k[None, :, :].to(tl.float32), axis=2)
+            else:
+                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+            if BLOCK_DPE > 0:
+                k_pe = tl.load(
+                    k_head_ptr + slots[:, None] * stride_kt + offs_dpe[None, :],
+                    mask=mask_n[:, None] & mask_dpe[None, :],
+                    other=0.0,
+                )
+                if COMPUTE_FP32:
+                    k_pe = k_pe.to(tl.float32)
+                if BLOCK_H == 1:
+                    qk += tl.sum(q_pe[:, None, :] * k_pe[None, :, :].to(tl.float32), axis=2)
+                else:
+                    qk += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PREC)
+            if HAS_CAP:
+                qk = logit_cap * _tanh(qk * (sm_scale / logit_cap)) * 1.4426950408889634
+            else:
+                qk = qk * qk_scale
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_head_ptr + slots[:, None] * stride_vt + offs_dv[None, :],
+                mask=mask_n[:, None] & mask_dv[None, :],
+                other=0.0,
+            )
+            if COMPUTE_FP32:
+                v = v.to(tl.float32)
+            if BLOCK_H == 1:
+                pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+            else:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        # Every visited split holds >= 1 key, so l_i > 0 for every row.
+        tl.store(
+            out_ptrs + split * stride_ls,
+            acc / l_i[:, None],
+            mask=mask_h[:, None] & mask_dv[None, :],
+        )
+        tl.store(lse_ptrs + split, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=mask_h)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    logits_ptr, lse_ptr, o_ptr,
+    kv_indptr_ptr, num_kv_splits_ptr,
+    stride_lb, stride_lh, stride_ls,
+    stride_eb, stride_eh,
+    stride_ob, stride_oh,
+    max_kv_splits,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kv_len = tl.load(kv_indptr_ptr + b + 1) - tl.load(kv_indptr_ptr + b)
+    per, n_splits = _split_bounds(kv_len, tl.load(num_kv_splits_ptr + b), max_kv_splits, SPLIT_ALIGN)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < DV
+    part_ptr = logits_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_dv
+    lse_row = lse_ptr + b.to(tl.int64) * stride_eb + h * stride_eh
+    m = float("-inf")
+    l = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s in range(0, n_splits):
+        lse_s = tl.load(lse_row + s)
+        part = tl.load(part_ptr + s * stride_ls, mask=mask_dv, other=0.0)
+        m_new = tl.maximum(m, lse_s)
+        alpha = tl.exp(m - m_new)
+        w = tl.exp(lse_s - m_new)
+        acc = acc * alpha + w * part
+        l = l * alpha + w
+        m = m_new
+    # A request with no keys (a padded CUDA-graph row) outputs zeros.
+    out = tl.where(l > 0, acc / tl.maximum(l, 1e-30), 0.0)
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_dv, out.to(o_ptr.dtype.element_ty), mask=mask_dv)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a pretend small GPU
+
+
+def decode_grid_splits(bs: int, head_programs: int, max_kv_splits: int, num_sms: int) -> int:
+    """Size of stage 1's split grid axis: enough programs for ``_SPLIT_WAVES`` waves, at
+    most ``max_kv_splits``. Programs loop over splits ``pid, pid + G, ...`` so a smaller
+    axis only serialises work, it never changes results (deterministic mode relies on it)."""
+    want = triton.cdiv(num_sms * _SPLIT_WAVES, max(1, bs * head_programs))
+    return max(1, min(max_kv_splits, want))
+
+
+def decode_attention_fwd(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    attn_logits: torch.Tensor,
+    attn_lse: torch.Tensor,
+    num_kv_splits: torch.Tensor,
+    max_kv_splits: int,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+    *,
+    config: Optional[DecodeConfig] = None,
+    grid_splits: Optional[int] = None,
+) -> torch.Tensor:
+    """Paged decode attention, split-K (Flash-Decoding) with log-sum-exp merge.
+
+    ``o[b, h] = softmax(sm_scale * q[b, h] . K_b^T) V_b`` where ``K_b``/``V_b`` are the
+    rows ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` of the buffers at KV head
+    ``h // (Hq // Hkv)``. Accumulation is float32 (online softmax, FlashAttention-2,
+    arXiv:2307.08691); ``tl.dot`` operands stay in the input dtype on the GPU.
+
+    Args:
+        q: ``[bs, Hq, Dk]`` fp16/bf16/fp32 (last dim contiguous).
+        k_buffer: ``[num_slots, Hkv, Dk]``; v_buffer: ``[num_slots, Hkv, Dv]`` (same dtype
+            as ``q``; may be views of one MLA buffer, ``Dk != Dv`` is fine).
+        o: ``[bs, Hq, Dv]``, written.
+        kv_indptr: int32/int64 ``[bs + 1]``; kv_indices: int32/int64 token slots.
+        attn_logits: float32 ``[bs, Hq, max_kv_splits, Dv]`` scratch (partial outputs).
+        attn_lse: float32 ``[bs, Hq, max_kv_splits]`` scratch (natural-log LSE per split).
+        num_kv_splits: int32 ``[bs]``, each in ``1..max_kv_splits`` (see
+            `compute_num_kv_splits`; values outside are clamped on the device); a request
+            gets at most ``cdiv(len, block_n)`` non-empty splits.
+        max_kv_splits: host int, the scratch's split capacity (sets the launch grid).
+        sm_scale: softmax scale (usually ``Dk ** -0.5``).
+        logit_cap: if > 0, scaled scores ``s`` become ``logit_cap * tanh(s / logit_cap)``.
+        config: override of `_decode_config` (tuning); grid_splits: override of the split
+            grid axis (`decode_grid_splits`), mainly for tests.
+
+    Returns:
+        ``o``. A request with zero keys gets zeros.
+
+    Raises:
+        ValueError: on inconsistent shapes, dtypes or devices (host-side checks only; the
+            kernels trust ``kv_indptr`` / ``kv_indices`` values).
+    """
+    if q.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3 or o.dim() != 3:
+        raise ValueError("q, k_buffer, v_buffer and o must be 3-D ([tokens, heads, dim])")
+    tensors = (q, k_buffer, v_buffer, o, kv_indptr, kv_indices, attn_logits, attn_lse, num_kv_splits)
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
+    bs, hq, dk = q.shape
+    _, hkv, dk_buf = k_buffer.shape
+    dv = v_buffer.shape[2]
+    if dk_buf != dk or v_buffer.shape[1] != hkv or tuple(o.shape) != (bs, hq, dv):
+        raise ValueError(
+            f"shape mismatch: q {tuple(q.shape)}, k_buffer {tuple(k_buffer.shape)}, "
+            f"v_buffer {tuple(v_buffer.shape)}, o {tuple(o.shape)}"
+        )
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_buffer.dtype != q.dtype or v_buffer.dtype != q.dtype:
+        raise ValueError(f"q/k_buffer/v_buffer must share one of fp16/bf16/fp32, got {q.dtype}/{k_buffer.dtype}/{v_buffer.dtype}")
+    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o), ("attn_logits", attn_logits)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    if attn_logits.dtype != torch.float32 or attn_lse.dtype != torch.float32:
+        raise ValueError("attn_logits and attn_lse must be float32")
+    if (
+        attn_logits.dim() != 4 or attn_logits.shape[0] < bs or attn_logits.shape[1] != hq
+        or attn_logits.shape[2] < max_kv_splits or attn_logits.shape[3] < dv
+    ):
+        raise ValueError(f"attn_logits must be [>= {bs}, {hq}, >= {max_kv_splits}, >= {dv}], got {tuple(attn_logits.shape)}")
+    if attn_lse.dim() != 3 or attn_lse.shape[0] < bs or attn_lse.shape[1] != hq or attn_lse.shape[2] < max_kv_splits:
+        raise ValueError(f"attn_lse must be [>= {bs}, {hq}, >= {max_kv_splits}], got {tuple(attn_lse.shape)}")
+    if attn_lse.stride(-1) != 1:
+        raise ValueError("attn_lse must have a contiguous last dimension")
+    if kv_indptr.dim() != 1 or kv_indptr.shape[0] < bs + 1 or num_kv_splits.dim() != 1 or num_kv_splits.shape[0] < bs:
+        raise ValueError("kv_indptr must be [>= bs+1] and num_kv_splits [>= bs]")
+    if max_kv_splits < 1:
+        raise ValueError(f"max_kv_splits must be >= 1, got {max_kv_splits}")
+    interpret = _interpreting()
+    if q.device.type == "cpu" and not interpret:
+        raise ValueError("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+    if bs == 0:
+        return o
+
+    group = hq // hkv
+    cfg = config or _decode_config(dk, group, q.dtype, is_hip=torch.version.hip is not None)
+    block_h = cfg.block_h
+    if block_h > 1:
+        block_h = max(16, block_h)
+    head_blocks = 1 if block_h == 1 and group == 1 else triton.cdiv(group, block_h)
+    if block_h == 1 and group != 1:
+        raise ValueError("block_h == 1 (per-head kernel) needs group size 1")
+    head_programs = hkv * head_blocks
+    g = grid_splits or decode_grid_splits(bs, head_programs, max_kv_splits, _num_sms(q.device))
+    g = max(1, min(int(g), max_kv_splits))
+    block_d, block_dpe = _split_dims(dk)
+    block_dv = max(16, triton.next_power_of_2(dv))
+    compute_fp32 = interpret
+    dot_prec = "ieee" if (compute_fp32 or q.dtype == torch.float32) else None
+
+    _decode_stage1_kernel[(bs, head_programs, g)](
+        q, k_buffer, v_buffer,
+        kv_indptr, kv_indices, num_kv_splits,
+        attn_logits, attn_lse,
+        float(sm_scale), float(logit_cap),
+        q.stride(0), q.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        attn_lse.stride(0), attn_lse.stride(1),
+        g,
+        int(max_kv_splits),
+        GROUP=group,
+        HEAD_BLOCKS=head_blocks,
+        DK=dk,
+        DV=dv,
+        BLOCK_D=block_d,
+        BLOCK_DPE=block_dpe,
+        BLOCK_DV=block_dv,
+        BLOCK_H=block_h,
+        BLOCK_N=cfg.block_n,
+        HAS_CAP=logit_cap > 0,
+        COMPUTE_FP32=compute_fp32,
+        DOT_PREC=dot_prec,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    _decode_stage2_kernel[(bs, hq)](
+        attn_logits, attn_lse, o,
+        kv_indptr, num_kv_splits,
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        attn_lse.stride(0), attn_lse.stride(1),
+        o.stride(0), o.stride(1),
+        int(max_kv_splits),
+        DV=dv,
+        BLOCK_DV=block_dv,
+        SPLIT_ALIGN=cfg.block_n,
+        num_warps=cfg.stage2_warps,
+    )
+    return o
+
+
+@triton.jit
+def _num_kv_splits_kernel(
+    seq_lens_ptr,
+    out_ptr,
+    bs,
+    max_kv_splits,
+    target_units,
+    min_split_tokens,
+    split_tile_size,
+    DETERMINISTIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.arange(0, BLOCK)
+    if DETERMINISTIC:
+        for base in range(0, bs, BLOCK):
+            m = base + offs < bs
+            n = tl.load(seq_lens_ptr + base + offs, mask=m, other=0).to(tl.int32)
+            s = tl.minimum(tl.maximum(tl.cdiv(n, split_tile_size), 1), max_kv_splits)
+            tl.store(out_ptr + base + offs, s, mask=m)
+    else:
+        total = tl.zeros([BLOCK], dtype=tl.int64)
+        for base in range(0, bs, BLOCK):
+            m = base + offs < bs
+            total += tl.load(seq_lens_ptr + base + offs, mask=m, other=0).to(tl.int64)
+        tokens = tl.sum(total, 0)
+        # Tokens per split so that sum_i splits_i ~= target_units; longer requests get
+        # proportionally more splits, so all programs carry similar work.
+        per = tl.maximum(tl.cdiv(tokens, target_units), min_split_tokens).to(tl.int32)
+        for base in range(0, bs, BLOCK):
+            m = base + offs < bs
+            n = tl.load(seq_lens_ptr + base + offs, mask=m, other=0).to(tl.int32)
+            s = tl.minimum(tl.maximum(tl.cdiv(n, per), 1), max_kv_splits)
+            tl.store(out_ptr + base + offs, s, mask=m)
+
+
+def compute_num_kv_splits(
+    seq_lens: torch.Tensor,
+    num_kv_splits: torch.Tensor,
+    max_kv_splits: int,
+    num_sms: int,
+    num_kv_heads: int,
+    deterministic: bool = False,
+    split_tile_size: int = 256,
+    *,
+    waves: int = _SPLIT_WAVES,
+    min_split_tokens: int = _MIN_SPLIT_TOKENS,
+) -> torch.Tensor:
+    """Per-request split counts for `decode_attention_fwd`, computed on the device.
+
+    Default (throughput) mode: with ``T = sum(seq_lens)`` and a target of
+    ``U = max(1, num_sms * waves // num_kv_heads)`` (request, split) units, every split gets
+    about ``t = max(min_split_tokens, cdiv(T, U))`` tokens:
+    ``num_kv_splits[i] = clamp(cdiv(seq_lens[i], t), 1, max_kv_splits)``. So stage 1 has
+    about ``waves`` programs per SM when the batch is small, a long request gets more
+    splits than a short one, and no split is shorter than ``min_split_tokens`` (beyond the
+    request's own length). The result depends on the whole batch.
+
+    Deterministic mode: ``num_kv_splits[i] = clamp(cdiv(seq_lens[i], split_tile_size), 1,
+    max_kv_splits)`` depends on the request alone, so its output is bitwise identical in
+    any batch (split boundaries and merge order depend only on its length). Choose
+    ``max_kv_splits >= cdiv(max_context_len, split_tile_size)``: otherwise requests longer
+    than ``max_kv_splits * split_tile_size`` are cut into ``max_kv_splits`` longer splits;
+    results stay batch-invariant, but their split boundaries (and so their rounding) then
+    differ from those under a larger ``max_kv_splits``, and long requests get less
+    parallelism.
+
+    Args:
+        seq_lens: int32/int64 ``[bs]`` keys per request (after any window trimming).
+        num_kv_splits: int32 ``[>= bs]`` output.
+        max_kv_splits: host int, the scratch capacity of `decode_attention_fwd`.
+        num_sms: streaming multiprocessors of the GPU (host int).
+        num_kv_heads: stage-1 head programs per request (KV heads on this rank).
+        deterministic: batch-invariant split counts (see above).
+        split_tile_size: tokens per split in deterministic mode.
+        waves / min_split_tokens: tuning of the default mode.
+
+    Returns:
+        ``num_kv_splits``.
+    """
+    if seq_lens.dim() != 1 or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be 1-D int32/int64, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    bs = seq_lens.shape[0]
+    if num_kv_splits.dim() != 1 or num_kv_splits.shape[0] < bs or num_kv_splits.dtype != torch.int32:
+        raise ValueError(f"num_kv_splits must be int32 [>= {bs}], got {tuple(num_kv_splits.shape)} {num_kv_splits.dtype}")
+    if max_kv_splits < 1 or num_sms < 1 or num_kv_heads < 1 or split_tile_size < 1:
+        raise ValueError("max_kv_splits, num_sms, num_kv_heads and split_tile_size must be >= 1")
+    if bs == 0:
+        return num_kv_splits
+    target_units = max(1, (num_sms * waves) // num_kv_heads)
+    _num_kv_splits_kernel[(1,)](
+        seq_lens,
+        num_kv_splits,
+        bs,
+        int(max_kv_splits),
+        target_units,
+        int(min_split_tokens),
+        int(split_tile_size),
+        DETERMINISTIC=bool(deterministic),
+        BLOCK=min(1024, max(16, triton.next_power_of_2(bs))),
+    )
+    return num_kv_splits

@@ -1,0 +1,481 @@
+"""Extend (prefill with a cached prefix) attention over a paged KV cache.
+
+Request ``i`` brings ``E_i`` new tokens (``q_extend`` / ``k_extend`` / ``v_extend`` rows
+``qo_indptr[i]:qo_indptr[i+1]``) on top of a cached prefix whose keys are read from the
+paged buffers through ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``. One program handles a
+tile of ``BLOCK_M`` queries of one request and one query head, and runs a single online
+softmax (FlashAttention-2, Dao, arXiv:2307.08691) first over the prefix keys (gathered by
+slot), then over the new keys (read contiguously).
+
+Each of the two stages walks its key tiles in three runs: a masked run where the sliding
+window starts, an unmasked run of tiles every query of the tile sees, and a masked run at
+the causal diagonal / the end of the keys. Tiles that the causal or window mask excludes
+entirely are never visited, so causal prefill costs about half of a full one and a
+windowed layer reads about ``window`` keys per query tile. With a custom mask every
+visited tile is masked (the window still bounds the visited range).
+
+Positions: prefix key ``j`` of request ``i`` has absolute position ``prefix_kv_start[i] + j``
+(``prefix_kv_start`` > 0 when the caller trimmed the prefix to a sliding window); with
+``P_i = prefix_kv_start[i] + n_prefix_i``, new token ``t`` has position ``P_i + t``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from attnserve.attention.triton_ops.decode_attention import _split_dims, _tanh
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Launch parameters of the extend kernel (see `_extend_config`)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _extend_config(
+    head_dim: int,
+    v_head_dim: int,
+    dtype: torch.dtype,
+    is_hip: bool = False,
+    interpret: bool = False,
+    has_custom_mask: bool = False,
+) -> ExtendConfig:
+    """The one place extend tuning lives.
+
+    Register/shared-memory figures below are from an offline sm90 compile (ptxas -v).
+
+    Args:
+        head_dim / v_head_dim: ``Dk`` / ``Dv``.
+        dtype: q/K/V dtype (fp32 uses non-tensor-core IEEE dots: small tiles).
+        is_hip: AMD GPUs.
+        interpret: the CPU interpreter (small tiles keep tests fast and multi-tile).
+        has_custom_mask: tree-verification batches (few queries per request; the mask
+            tile costs registers).
+    """
+    if interpret:
+        return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+    d = max(head_dim, v_head_dim)
+    if is_hip:
+        return ExtendConfig(64, 64, 4, 1) if d <= 128 else ExtendConfig(64, 32, 4, 1)
+    if dtype == torch.float32:
+        return ExtendConfig(32, 32, 4, 1)
+    if d <= 128:
+        if has_custom_mask:
+            return ExtendConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)  # 242 regs, 96 KB
+        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)  # wgmma, 236 regs, 128 KB
+    if d <= 256:
+        return ExtendConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)  # 255 regs, 160 KB
+    return ExtendConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)  # MLA 576/512
+
+
+@triton.jit
+def _load_tile(ptrs, row_mask, col_mask, ROW_MASK: tl.constexpr, COL_MASK: tl.constexpr, TO_FP32: tl.constexpr):
+    if ROW_MASK:
+        if COL_MASK:
+            x = tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        if COL_MASK:
+            x = tl.load(ptrs, mask=col_mask[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    if TO_FP32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _attn_run(
+    acc, l_i, m_i,
+    q, q_pe,
+    lo, hi, n_keys,
+    k_ptr, v_ptr, stride_kt, stride_vt, idx_ptr,
+    q_pos, key_pos0, mask_base, mask_rows, row_valid,
+    qk_scale, sm_scale, logit_cap, window,
+    offs_d, offs_dpe, offs_dv,
+    GATHER: tl.constexpr,
+    MASKED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    EVEN_DK: tl.constexpr,
+    EVEN_DPE: tl.constexpr,
+    EVEN_DV: tl.constexpr,
+    COMPUTE_FP32: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Online-softmax update over key tiles ``[lo, hi)`` (``lo`` a multiple of BLOCK_N) of
+    one stage. Unmasked runs (MASKED=False) must only cover full, fully visible tiles."""
+    mask_d = offs_d < DK
+    mask_dv = offs_dv < DV
+    if BLOCK_DPE > 0:
+        mask_dpe = offs_dpe < DK
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        valid_n = offs_n < n_keys
+        if GATHER:
+            if MASKED:
+                rows = tl.load(idx_ptr + offs_n, mask=valid_n, other=0).to(tl.int64)
+            else:
+                rows = tl.load(idx_ptr + offs_n).to(tl.int64)
+        else:  # new tokens: int32 offsets from the request's first row (base already int64)
+            rows = offs_n
+        k = _load_tile(k_ptr + rows[:, None] * stride_kt + offs_d[None, :], valid_n, mask_d, MASKED, not EVEN_DK, COMPUTE_FP32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if BLOCK_DPE > 0:
+            k_pe = _load_tile(k_ptr + rows[:, None] * stride_kt + offs_dpe[None, :], valid_n, mask_dpe, MASKED, not EVEN_DPE, COMPUTE_FP32)
+            qk += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PREC)
+        if HAS_CAP:  # capped scores, already in log2 units
+            qk = logit_cap * _tanh(qk * (sm_scale / logit_cap)) * 1.4426950408889634
+        if MASKED:
+            k_pos = key_pos0 + offs_n
+            vis = valid_n[None, :]
+            if HAS_MASK:
+                in_rows = row_valid[:, None] & vis
+                cm = tl.load(mask_base + (mask_rows[:, None] + k_pos[None, :]), mask=in_rows, other=0)
+                vis = in_rows & (cm != 0)
+            elif IS_CAUSAL:
+                vis = vis & (k_pos[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                vis = vis & (k_pos[None, :] >= q_pos[:, None] - window)
+            qk = tl.where(vis, qk, float("-inf"))
+        # m_i starts at a finite -1e30, so a fully masked row keeps alpha = 1, p = 0.
+        if HAS_CAP:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp2(qk - m_new[:, None])
+        else:  # scale folded into the exponent (one FMA per score)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_ptr + rows[:, None] * stride_vt + offs_dv[None, :], valid_n, mask_dv, MASKED, not EVEN_DV, COMPUTE_FP32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _runs(lo, a, b):
+    """Split ``[lo, ...)`` into masked ``[lo, s1)``, unmasked ``[s1, s2)``, masked ``[s2, hi)``
+    given the window's fully-visible start ``a`` and the end ``b`` of fully visible tiles."""
+    s1 = tl.minimum(tl.maximum(a, lo), tl.maximum(b, lo))
+    s2 = tl.maximum(b, s1)
+    return s1, s2
+
+
+@triton.jit
+def _extend_fwd_kernel(
+    q_ptr, k_ext_ptr, v_ext_ptr, o_ptr, k_buf_ptr, v_buf_ptr,
+    qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+    mask_ptr, mask_indptr_ptr, prefix_start_ptr,
+    sm_scale, logit_cap, window,
+    stride_qt, stride_qh,
+    stride_ket, stride_keh,
+    stride_vet, stride_veh,
+    stride_ot, stride_oh,
+    stride_kbt, stride_kbh,
+    stride_vbt, stride_vbh,
+    num_m_blocks,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    HAS_PREFIX_START: tl.constexpr,
+    EVEN_DK: tl.constexpr,
+    EVEN_DPE: tl.constexpr,
+    EVEN_DV: tl.constexpr,
+    COMPUTE_FP32: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mblk = num_m_blocks - 1 - tl.program_id(2)  # heaviest causal tiles are launched first
+    qo_start = tl.load(qo_indptr_ptr + b)
+    ext_len = tl.load(qo_indptr_ptr + b + 1) - qo_start
+    m0 = mblk * BLOCK_M
+    if m0 >= ext_len:
+        return
+    m1 = tl.minimum(ext_len, m0 + BLOCK_M)
+    kv_start = tl.load(kv_indptr_ptr + b)
+    n_prefix = tl.load(kv_indptr_ptr + b + 1) - kv_start
+    prefix_start = 0
+    if HAS_PREFIX_START:
+        prefix_start = tl.load(prefix_start_ptr + b)
+    prefix_len = prefix_start + n_prefix
+    kv_head = h // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    row_valid = offs_m < ext_len
+    q_pos = prefix_len + offs_m
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dpe = offs_d  # placeholder when there is no remainder block
+    if BLOCK_DPE > 0:
+        offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_rows = q_ptr + (qo_start + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh
+    q = _load_tile(q_rows + offs_d[None, :], row_valid, offs_d < DK, True, not EVEN_DK, COMPUTE_FP32)
+    q_pe = q  # placeholder when there is no remainder block
+    if BLOCK_DPE > 0:
+        q_pe = _load_tile(q_rows + offs_dpe[None, :], row_valid, offs_dpe < DK, True, not EVEN_DPE, COMPUTE_FP32)
+
+    mask_base = mask_ptr
+    mask_rows = offs_m
+    if HAS_MASK:  # int32 offsets inside the request's block keep the mask tile cheap
+        mask_base = mask_ptr + tl.load(mask_indptr_ptr + b).to(tl.int64)
+        mask_rows = offs_m * (prefix_len + ext_len)
+
+    qk_scale = sm_scale * 1.4426950408889634
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+
+    # ---- stage 1: cached prefix, keys j in [0, n_prefix), positions prefix_start + j ----
+    lo = 0
+    a = 0
+    if HAS_WINDOW:
+        lo = (tl.maximum(n_prefix + m0 - window, 0) // BLOCK_N) * BLOCK_N
+        a = tl.cdiv(tl.maximum(n_prefix + m1 - 1 - window, 0), BLOCK_N) * BLOCK_N
+    full_end = (n_prefix // BLOCK_N) * BLOCK_N
+    if HAS_MASK:
+        full_end = lo
+    s1, s2 = _runs(lo, a, full_end)
+    k_buf_head = k_buf_ptr + kv_head.to(tl.int64) * stride_kbh
+    v_buf_head = v_buf_ptr + kv_head.to(tl.int64) * stride_vbh
+    idx_ptr = kv_indices_ptr + kv_start
+    acc, l_i, m_i = _attn_run(
+        acc, l_i, m_i, q, q_pe, lo, s1, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
+        q_pos, prefix_start, mask_base, mask_rows, row_valid, qk_scale, sm_scale, logit_cap, window,
+        offs_d, offs_dpe, offs_dv, True, True, IS_CAUSAL, HAS_MASK, HAS_WINDOW, HAS_CAP,
+        DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
+    )
+    if not HAS_MASK:
+        acc, l_i, m_i = _attn_run(
+            acc, l_i, m_i, q, q_pe, s1, s2, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
+            q_pos, prefix_start, mask_base, mask_rows, row_valid, qk_scale, sm_scale, logit_cap, window,
+            offs_d, offs_dpe, offs_dv, True, False, IS_CAUSAL, HAS_MASK, HAS_WINDOW, HAS_CAP,
+            DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
+        )
+    acc, l_i, m_i = _attn_run(
+        acc, l_i, m_i, q, q_pe, s2, n_prefix, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
+        q_pos, prefix_start, mask_base, mask_rows, row_valid, qk_scale, sm_scale, logit_cap, window,
+        offs_d, offs_dpe, offs_dv, True, True, IS_CAUSAL, HAS_MASK, HAS_WINDOW, HAS_CAP,
+        DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
+    )
+
+    # ---- stage 2: new tokens, keys t in [0, ext_len), positions prefix_len + t ----
+    hi = ext_len
+    full_end = (ext_len // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL and not HAS_MASK:
+        hi = m1
+        full_end = ((m0 + 1) // BLOCK_N) * BLOCK_N
+    lo = 0
+    a = 0
+    if HAS_WINDOW:
+        lo = (tl.maximum(m0 - window, 0) // BLOCK_N) * BLOCK_N
+        a = tl.cdiv(tl.maximum(m1 - 1 - window, 0), BLOCK_N) * BLOCK_N
+    if HAS_MASK:
+        full_end = lo
+    s1, s2 = _runs(lo, a, full_end)
+    k_ext_head = k_ext_ptr + qo_start.to(tl.int64) * stride_ket + kv_head.to(tl.int64) * stride_keh
+    v_ext_head = v_ext_ptr + qo_start.to(tl.int64) * stride_vet + kv_head.to(tl.int64) * stride_veh
+    acc, l_i, m_i = _attn_run(
+        acc, l_i, m_i, q, q_pe, lo, s1, ext_len, k_ext_head, v_ext_head, stride_ket, stride_vet, kv_indices_ptr,
+        q_pos, prefix_len, mask_base, mask_rows, row_valid, qk_scale, sm_scale, logit_cap, window,
+        offs_d, offs_dpe, offs_dv, False, True, IS_CAUSAL, HAS_MASK, HAS_WINDOW, HAS_CAP,
+        DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
+    )
+    if not HAS_MASK:
+        acc, l_i, m_i = _attn_run(
+            acc, l_i, m_i, q, q_pe, s1, s2, ext_len, k_ext_head, v_ext_head, stride_ket, stride_vet, kv_indices_ptr,
+            q_pos, prefix_len, mask_base, mask_rows, row_valid, qk_scale, sm_scale, logit_cap, window,
+            offs_d, offs_dpe, offs_dv, False, False, IS_CAUSAL, HAS_MASK, HAS_WINDOW, HAS_CAP,
+            DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
+        )
+    acc, l_i, m_i = _attn_run(
+        acc, l_i, m_i, q, q_pe, s2, hi, ext_len, k_ext_head, v_ext_head, stride_ket, stride_vet, kv_indices_ptr,
+        q_pos, prefix_len, mask_base, mask_rows, row_valid, qk_scale, sm_scale, logit_cap, window,
+        offs_d, offs_dpe, offs_dv, False, True, IS_CAUSAL, HAS_MASK, HAS_WINDOW, HAS_CAP,
+        DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
+    )
+
+    # Queries that saw no key (l_i == 0) output zeros.
+    out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    o_ptrs = o_ptr + (qo_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_valid[:, None] & (offs_dv < DV)[None, :])
+
+
+def extend_attention_fwd(
+    q_extend: torch.Tensor,
+    k_extend: torch.Tensor,
+    v_extend: torch.Tensor,
+    o_extend: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    custom_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    mask_indptr: Optional[torch.Tensor],
+    max_len_extend: int,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+    sliding_window_size: int = -1,
+    prefix_kv_start: Optional[torch.Tensor] = None,
+    *,
+    config: Optional[ExtendConfig] = None,
+) -> torch.Tensor:
+    """Attention of new tokens over their cached prefix (paged) and over each other.
+
+    One online softmax (FlashAttention-2, arXiv:2307.08691) covers the prefix keys (read
+    from ``k_buffer``/``v_buffer`` at slots ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``)
+    and the new keys ``k_extend``/``v_extend``; accumulation is float32.
+
+    Args:
+        q_extend: ``[T, Hq, Dk]``; k_extend: ``[T, Hkv, Dk]``; v_extend: ``[T, Hkv, Dv]``
+            (fp16/bf16/fp32, one dtype; last dim contiguous; requests concatenated).
+        o_extend: ``[T, Hq, Dv]``, written (every row of every request).
+        k_buffer / v_buffer: paged cache ``[num_slots, Hkv, Dk / Dv]``.
+        qo_indptr: int32/int64 ``[bs + 1]`` new-token offsets.
+        kv_indptr: int32/int64 ``[bs + 1]``; kv_indices: prefix token slots.
+        custom_mask: None, or bool/uint8 flat mask; request i's block starts at
+            ``mask_indptr[i]`` and is row-major ``[E_i, P_i + E_i]`` (column = absolute key
+            position). Replaces causal masking when given (tree verification).
+        is_causal: causal masking over the new tokens (ignored with ``custom_mask``).
+        mask_indptr: int32/int64 ``[bs]`` (or ``[bs+1]``), required with ``custom_mask``.
+        max_len_extend: host int >= max ``E_i`` (sets the grid; no device read).
+        sm_scale: softmax scale.
+        logit_cap: if > 0, scores become ``logit_cap * tanh(score / logit_cap)``.
+        sliding_window_size: if >= 0, a query at position p sees keys at positions k with
+            ``p - sliding_window_size <= k <= p``: the lower bound is applied on top of the
+            causal or custom mask, which provides ``k <= p`` (with ``is_causal=False`` and
+            no custom mask only the lower bound applies). Key tiles below the window are
+            skipped.
+        prefix_kv_start: int32/int64 ``[bs]`` absolute position of each request's first
+            prefix key (None: 0).
+        config: override of `_extend_config` (tuning).
+
+    Returns:
+        ``o_extend``; queries that see no key get zeros.
+
+    Raises:
+        ValueError: on inconsistent shapes, dtypes or devices, or a custom mask without
+            ``mask_indptr`` (host-side checks only).
+    """
+    if q_extend.dim() != 3 or k_extend.dim() != 3 or v_extend.dim() != 3 or o_extend.dim() != 3:
+        raise ValueError("q_extend, k_extend, v_extend and o_extend must be 3-D ([tokens, heads, dim])")
+    if k_buffer.dim() != 3 or v_buffer.dim() != 3:
+        raise ValueError("k_buffer and v_buffer must be 3-D ([slots, heads, dim])")
+    t, hq, dk = q_extend.shape
+    hkv = k_extend.shape[1]
+    dv = v_extend.shape[2]
+    if (
+        k_extend.shape != (t, hkv, dk) or v_extend.shape[:2] != (t, hkv) or o_extend.shape != (t, hq, dv)
+        or k_buffer.shape[1:] != (hkv, dk) or v_buffer.shape[1:] != (hkv, dv)
+    ):
+        raise ValueError(
+            f"shape mismatch: q_extend {tuple(q_extend.shape)}, k_extend {tuple(k_extend.shape)}, "
+            f"v_extend {tuple(v_extend.shape)}, o_extend {tuple(o_extend.shape)}, "
+            f"k_buffer {tuple(k_buffer.shape)}, v_buffer {tuple(v_buffer.shape)}"
+        )
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
+    tensors = [q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices]
+    tensors += [x for x in (custom_mask, mask_indptr, prefix_kv_start) if x is not None]
+    if len({x.device for x in tensors}) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted({str(x.device) for x in tensors})}")
+    dtypes = {x.dtype for x in (q_extend, k_extend, v_extend, k_buffer, v_buffer)}
+    if len(dtypes) != 1 or q_extend.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q/k/v (extend and buffers) must share one of fp16/bf16/fp32, got {sorted(map(str, dtypes))}")
+    for name, x in (("q_extend", q_extend), ("k_extend", k_extend), ("v_extend", v_extend),
+                    ("o_extend", o_extend), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    bs = qo_indptr.shape[0] - 1
+    if qo_indptr.dim() != 1 or bs < 0 or kv_indptr.dim() != 1 or kv_indptr.shape[0] < bs + 1:
+        raise ValueError("qo_indptr must be [bs+1] and kv_indptr [>= bs+1]")
+    if custom_mask is not None:
+        if mask_indptr is None or mask_indptr.dim() != 1 or mask_indptr.shape[0] < bs:
+            raise ValueError("custom_mask needs mask_indptr [>= bs]")
+        if custom_mask.dtype not in (torch.bool, torch.uint8, torch.int8):
+            raise ValueError(f"custom_mask must be bool/uint8, got {custom_mask.dtype}")
+        custom_mask = custom_mask.reshape(-1)
+        if custom_mask.dtype == torch.bool:
+            custom_mask = custom_mask.view(torch.uint8)
+    if prefix_kv_start is not None and (prefix_kv_start.dim() != 1 or prefix_kv_start.shape[0] < bs):
+        raise ValueError("prefix_kv_start must be [>= bs]")
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if q_extend.device.type == "cpu" and not interpret:
+        raise ValueError("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+    if bs == 0 or t == 0 or max_len_extend <= 0:
+        return o_extend
+
+    cfg = config or _extend_config(dk, dv, q_extend.dtype, is_hip=torch.version.hip is not None, interpret=interpret,
+                                   has_custom_mask=custom_mask is not None)
+    block_d, block_dpe = _split_dims(dk)
+    block_dv = max(16, triton.next_power_of_2(dv))
+    num_m_blocks = triton.cdiv(int(max_len_extend), cfg.block_m)
+    compute_fp32 = interpret
+    dot_prec = "ieee" if (compute_fp32 or q_extend.dtype == torch.float32) else None
+    window = int(sliding_window_size) if sliding_window_size is not None else -1
+    dummy = qo_indptr
+    _extend_fwd_kernel[(bs, hq, num_m_blocks)](
+        q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
+        qo_indptr, kv_indptr, kv_indices,
+        custom_mask if custom_mask is not None else dummy,
+        mask_indptr if custom_mask is not None else dummy,
+        prefix_kv_start if prefix_kv_start is not None else dummy,
+        float(sm_scale), float(logit_cap), max(window, 0),
+        q_extend.stride(0), q_extend.stride(1),
+        k_extend.stride(0), k_extend.stride(1),
+        v_extend.stride(0), v_extend.stride(1),
+        o_extend.stride(0), o_extend.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        num_m_blocks,
+        GROUP=hq // hkv,
+        DK=dk,
+        DV=dv,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=block_d,
+        BLOCK_DPE=block_dpe,
+        BLOCK_DV=block_dv,
+        IS_CAUSAL=bool(is_causal),
+        HAS_MASK=custom_mask is not None,
+        HAS_WINDOW=window >= 0,
+        HAS_CAP=logit_cap > 0,
+        HAS_PREFIX_START=prefix_kv_start is not None,
+        EVEN_DK=block_d <= dk,  # the main block never crosses Dk
+        EVEN_DPE=block_d + block_dpe == dk,
+        EVEN_DV=block_dv == dv,
+        COMPUTE_FP32=compute_fp32,
+        DOT_PREC=dot_prec,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return o_extend
