@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One batched GPU session on the lent H100/H200 (see /work/.library/device):
+#   scripts/gpu_run.sh tests|kernels|decode|all   — writes logs and JSON under $OUT.
+# Run from the repository root with the device's own torch/triton (no install).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
+what=${1:-all}
+shift || true
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
+if [[ $what == tests || $what == all ]]; then
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x --timeout 300 -p no:cacheprovider "${@:-tests/gpu tests/unit/test_triton_backend.py}" 2>&1 | tee "$OUT/tests.log" | tail -40
+fi
+if [[ $what == kernels || $what == all ]]; then
+  timeout 400 python3 -m attnserve.bench.kernels --out "$OUT" --mla 2>&1 | tee "$OUT/kernels.log" | tail -60
+fi
+if [[ $what == decode || $what == all ]]; then
+  timeout 500 python3 -m attnserve.bench.decode --out "$OUT" 2>&1 | tee "$OUT/decode.log" | tail -40
+fi

@@ -1,0 +1,82 @@
+"""The `triton` backend end to end (metadata + kernels) against `torch_native`, on CPU under
+the Triton interpreter (small shapes) and on CUDA when present."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from attention_harness import make_batch, naive_reference
+from attnserve.attention.hybrid import HybridAttnBackend
+from attnserve.attention.torch_native import TorchNativeAttnBackend
+from attnserve.forward_batch import ForwardMode
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def _runner(case, window=-1):
+    hq, hkv = case.layer.tp_q_head_num, case.layer.tp_k_head_num
+    mc = SimpleNamespace(num_attention_heads=hq, num_key_value_heads=hkv, v_head_dim=case.layer.v_head_dim,
+                         head_dim=case.layer.head_dim, attention_arch="mha", sliding_window_size=window,
+                         kv_lora_rank=0)
+    return SimpleNamespace(device=torch.device(DEVICE), model_config=mc,
+                           req_to_token_pool=case.fb.req_to_token_pool, page_size=case.pool.page_size,
+                           server_args=SimpleNamespace(enable_deterministic_inference=False),
+                           max_total_num_tokens=case.pool.size)
+
+
+def _run(case, backend):
+    case.fb.attn_backend = backend
+    backend.init_forward_metadata(case.fb)
+    out = case.layer(case.q.reshape(case.q.shape[0], -1), case.k.reshape(case.k.shape[0], -1),
+                     case.v.reshape(case.v.shape[0], -1), case.fb)
+    return out.view(case.q.shape[0], case.layer.tp_q_head_num, case.layer.v_head_dim)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE])
+@pytest.mark.parametrize("page_size,hq,hkv,window,cap", [(1, 4, 4, -1, 0.0), (4, 6, 2, 5, 0.0), (16, 8, 1, -1, 5.0),
+                                                          (4, 4, 2, 3, 3.0)])
+def test_triton_backend_matches_reference(mode, page_size, hq, hkv, window, cap):
+    from attnserve.attention.triton_backend import TritonAttnBackend
+
+    if mode == ForwardMode.DECODE:
+        prefix, ext = [0, 9, 30, 3], [1, 1, 1, 1]
+    elif mode == ForwardMode.MIXED:
+        prefix, ext = [0, 12, 7], [9, 1, 1]
+    else:
+        prefix, ext = [0, 7, 20], [5, 3, 12]
+    case = make_batch(mode, prefix, ext, hq, hkv, 16, page_size, window=window, logit_cap=cap,
+                      seed=page_size * 31 + hq, device=DEVICE)
+    out = _run(case, TritonAttnBackend(_runner(case, window)))
+    assert not torch.isnan(out).any()
+    ref = naive_reference(case)
+    err = (out.double().cpu() - ref).norm() / ref.norm()
+    assert err < 1e-4, err
+
+
+def test_hybrid_routes_by_mode():
+    from attnserve.attention.triton_backend import TritonAttnBackend
+
+    case = make_batch(ForwardMode.DECODE, [4, 9], [1, 1], 4, 2, 16, 1, seed=5, device=DEVICE)
+    calls = []
+
+    class Spy(TorchNativeAttnBackend):
+        def forward_decode(self, *a, **k):
+            calls.append("decode")
+            return super().forward_decode(*a, **k)
+
+        def forward_extend(self, *a, **k):
+            calls.append("extend")
+            return super().forward_extend(*a, **k)
+
+    hybrid = HybridAttnBackend(TritonAttnBackend(_runner(case)), Spy())
+    out = _run(case, hybrid)
+    assert calls == ["decode"]
+    assert torch.allclose(out.double().cpu(), naive_reference(case), atol=1e-4)
+    assert hybrid._select(ForwardMode.EXTEND) is hybrid.prefill_backend
+    assert hybrid._select(ForwardMode.TARGET_VERIFY) is hybrid.prefill_backend
+    hybrid.speculative_attention_mode = "decode"
+    assert hybrid._select(ForwardMode.DRAFT_EXTEND) is hybrid.decode_backend
