@@ -10,7 +10,9 @@ what=${1:-all}
 shift || true
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 if [[ $what == tests || $what == all ]]; then
-  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x --timeout 300 -p no:cacheprovider "${@:-tests/gpu tests/unit/test_triton_backend.py}" 2>&1 | tee "$OUT/tests.log" | tail -40
+  targets=${*:-tests/gpu tests/unit/test_triton_backend.py}
+  # shellcheck disable=SC2086
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q --timeout 300 -p no:cacheprovider $targets 2>&1 | tee "$OUT/tests.log" | tail -40
 fi
 if [[ $what == kernels || $what == all ]]; then
   timeout 400 python3 -m attnserve.bench.kernels --out "$OUT" --mla 2>&1 | tee "$OUT/kernels.log" | tail -60

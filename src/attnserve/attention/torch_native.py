@@ -10,6 +10,11 @@ when ``layer.sliding_window_size >= 0``, ``k >= p - sliding_window_size``; keys 
 the earliest visible one are never gathered. ``spec_info.custom_mask`` (flat bool, per
 request ``[extend_len, seq_len]`` at ``spec_info.mask_indptr[i]``) replaces the causal mask
 for TARGET_VERIFY steps.
+
+MLA models: decode attends over the latent pool through the generic path (one KV head of
+``kv_lora_rank + rope``, values = its first ``kv_lora_rank`` columns); extend receives the
+prefix already expanded to per-head K/V (``k_prefix``/``v_prefix`` keyword arguments, see
+`TorchNativeAttnBackend._run_dense_prefix`).
 """
 
 from __future__ import annotations
@@ -133,4 +138,45 @@ class TorchNativeAttnBackend(AttentionBackend):
         return self._run(q, k, v, layer, forward_batch, save_kv_cache)
 
     def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs):
+        if kwargs.get("k_prefix") is not None:  # MLA: the layer expanded the prefix itself
+            return self._run_dense_prefix(q, k, v, layer, forward_batch, kwargs["k_prefix"], kwargs["v_prefix"])
         return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+
+    # ---- MLA (DeepSeek-V2/V3) extend with a dense prefix ------------------------------------
+    def _run_dense_prefix(self, q, k, v, layer, fb: ForwardBatch, k_prefix, v_prefix) -> torch.Tensor:
+        """Extend whose keys are all given by the caller, none read from the pool.
+
+        MLA layers cache only the latent, so they up-project each request's cached prefix to
+        per-head K/V themselves and pass it densely (`attnserve.models.deepseek_v2`).
+
+        Args:
+            q: ``[T, Hq * Dk]``; k: ``[T, Hkv, Dk]``; v: ``[T, Hkv, Dv]`` of the new tokens.
+            k_prefix / v_prefix: ``[sum(extend_prefix_lens), Hkv, Dk / Dv]``; request ``i``'s
+                prefix (positions ``0 .. prefix_len_i - 1``) at rows
+                ``sum(prefix_lens[:i]) ..``.
+
+        Returns:
+            ``[T, Hq * Dv]`` in ``q``'s dtype. Causal (or ``spec_info.custom_mask``) masking,
+            sliding window and logit cap as in `_run`.
+        """
+        q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        spec = fb.spec_info
+        custom_mask = getattr(spec, "custom_mask", None) if spec is not None else None
+        q_start = p_start = 0
+        for i, (p, ext) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
+            seq_len = p + ext
+            kk = torch.cat([k_prefix[p_start : p_start + p], k[q_start : q_start + ext]])
+            vv = torch.cat([v_prefix[p_start : p_start + p], v[q_start : q_start + ext]])
+            mask = None
+            if custom_mask is not None:
+                off = int(spec.mask_indptr[i])
+                mask = custom_mask[off : off + ext * seq_len].view(ext, seq_len)
+            o = attention_reference(
+                q[q_start : q_start + ext], kk, vv, torch.arange(p, seq_len, device=q.device),
+                torch.arange(seq_len, device=q.device), layer.scaling, layer.logit_cap, layer.sliding_window_size, mask,
+            )
+            out[q_start : q_start + ext] = o.to(out.dtype)
+            q_start += ext
+            p_start += p
+        return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)

@@ -12,8 +12,12 @@ Per step, `init_forward_metadata` builds CSR indices on the device from ``req_to
 
 Sliding-window layers get their own indices that start at the window (keys no query can
 see are never read): for decode ``window+1`` keys, for extend the prefix from
-``prefix_len - window``. MLA models (latent pool) decode with the dedicated MLA kernel over
-a block table when it is available.
+``prefix_len - window``.
+
+MLA models (latent pool; `attnserve.attention.mla_triton`): DECODE builds a block table and
+per-request split counts and runs the MLA decode kernel (`TritonMLADecode`); extend steps
+receive the prefix already expanded by the model (``k_prefix``/``v_prefix`` keyword
+arguments) and run the regular extend kernel over it (`extend_dense_prefix`).
 
 CUDA graphs: `init_cuda_graph_state` allocates fixed buffers sized for ``max_bs``; the
 capture/replay hooks refill them in place (no allocation, no host synchronisation), and
@@ -59,7 +63,7 @@ class TritonForwardMetadata:
         max_extend_len: longest new-token run (extend grid size).
         custom_mask / mask_indptr: speculative tree masks (TARGET_VERIFY) or None.
         window: indices for sliding-window layers or None.
-        block_kv_indices: MLA block table or None.
+        mla: MLA decode metadata (block table, lengths, splits) or None.
     """
 
     kv_indptr: torch.Tensor
@@ -72,7 +76,7 @@ class TritonForwardMetadata:
     custom_mask: Optional[torch.Tensor] = None
     mask_indptr: Optional[torch.Tensor] = None
     window: Optional[WindowIndices] = None
-    block_kv_indices: Optional[torch.Tensor] = None
+    mla: Optional["MLADecodeMetadata"] = None  # noqa: F821 (attnserve.attention.mla_triton)
 
 
 def _cumsum_indptr(lens: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -125,6 +129,13 @@ class TritonAttnBackend(AttentionBackend):
         self.max_total_num_tokens = getattr(model_runner, "max_total_num_tokens", None)
         self.forward_metadata: Optional[TritonForwardMetadata] = None
         self.graph: Optional[dict] = None
+        self.mla = None
+        if self.is_mla:  # ---- MLA decode (attnserve.attention.mla_triton) ----
+            from attnserve.attention.mla_triton import TritonMLADecode
+
+            self.mla = TritonMLADecode(self.device, self.req_to_token, self.page_size, self.num_q_heads,
+                                       mc.kv_lora_rank, self.max_kv_splits, self.num_sms, self.deterministic,
+                                       DETERMINISTIC_SPLIT_TILE)
 
     # ---- metadata ----------------------------------------------------------------------
     def _num_kv_splits(self, seq_lens: torch.Tensor, out: torch.Tensor) -> None:
@@ -165,6 +176,10 @@ class TritonAttnBackend(AttentionBackend):
             return
         seq_lens = fb.seq_lens.to(torch.int32)
         rows = fb.req_pool_indices
+        if mode.is_decode() and self.mla is not None:  # ---- MLA decode: block table + splits only ----
+            max_len = int(fb.seq_lens_cpu.max()) if fb.seq_lens_cpu is not None else int(seq_lens.max())
+            self.forward_metadata = TritonForwardMetadata(None, None, mla=self.mla.metadata(rows, seq_lens, max_len))
+            return
         if mode.is_decode():
             kv_indptr, kv_indices = self._build_indices(rows, seq_lens, total=fb.seq_lens_sum)
             num_kv_splits = torch.empty(bs, dtype=torch.int32, device=self.device)
@@ -180,8 +195,6 @@ class TritonAttnBackend(AttentionBackend):
                 w = self.sliding_window_size
                 total = sum(min(s, w + 1) for s in fb.seq_lens_cpu.tolist())
                 md.window = self._window_decode(rows, seq_lens, total=total)
-            if self.is_mla:
-                md.block_kv_indices = self._mla_block_table(rows, seq_lens, int(fb.seq_lens_cpu.max()))
             self.forward_metadata = md
             return
         # extend-like modes: prefix through the cache, new tokens directly
@@ -204,21 +217,16 @@ class TritonAttnBackend(AttentionBackend):
             md.window = WindowIndices(indptr, indices, start)
         self.forward_metadata = md
 
-    def _mla_block_table(self, rows, seq_lens, max_len: int, out: Optional[torch.Tensor] = None):
-        from attnserve.attention.triton_ops.kv_indices import block_table_width, create_block_kv_indices
-
-        if out is None:
-            width = block_table_width(max_len, self.page_size, 1)
-            out = torch.empty(rows.numel(), width, dtype=torch.int32, device=self.device)
-        create_block_kv_indices(self.req_to_token, rows, seq_lens, self.page_size, out)
-        return out
-
     # ---- kernels -----------------------------------------------------------------------
     def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs):
         from attnserve.attention.triton_ops.extend_attention import extend_attention_fwd
 
         fb = forward_batch
         pool = fb.token_to_kv_pool
+        if kwargs.get("k_prefix") is not None:  # ---- MLA extend: prefix expanded by the model ----
+            from attnserve.attention.mla_triton import extend_dense_prefix
+
+            return extend_dense_prefix(q, k, v, layer, self.forward_metadata, kwargs["k_prefix"], kwargs["v_prefix"])
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
         md = self.forward_metadata
@@ -251,6 +259,8 @@ class TritonAttnBackend(AttentionBackend):
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
         md = self.forward_metadata
+        if md.mla is not None:  # ---- MLA decode kernel over the latent pool ----
+            return self.mla.forward(q, layer, pool, md.mla)
         hq, dv = layer.tp_q_head_num, layer.v_head_dim
         q3 = q.view(-1, hq, layer.qk_head_dim)
         o = q.new_empty(q3.shape[0], hq, dv)
@@ -273,6 +283,10 @@ class TritonAttnBackend(AttentionBackend):
         return 1
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        if self.mla is not None:  # ---- MLA: block table + splits (workspace allocated at init) ----
+            self.mla.init_graph_state(max_bs)
+            self.graph = {}
+            return
         dev = self.device
         cap = (self.max_total_num_tokens or max_num_tokens * 8192) + max_bs * max(self.page_size, 1)
         g = {
@@ -293,6 +307,9 @@ class TritonAttnBackend(AttentionBackend):
         g = self.graph
         seq_lens = seq_lens[:bs].to(torch.int32)
         rows = req_pool_indices[:bs]
+        if self.mla is not None:  # ---- MLA decode ----
+            self.forward_metadata = TritonForwardMetadata(None, None, mla=self.mla.graph_metadata(bs, rows, seq_lens))
+            return
         kv_indptr, kv_indices = self._build_indices(
             rows, seq_lens, indptr_out=g["kv_indptr"][: bs + 1], indices_out=g["kv_indices"]
         )

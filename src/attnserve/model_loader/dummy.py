@@ -61,20 +61,91 @@ DUMMY_MODEL_CONFIGS: Dict[str, Dict[str, Any]] = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # a few-MB DeepSeek-V2 (MLA, dense MLP in every layer) for MLA engine tests
+    "deepseek-v2-tiny": dict(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=256,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        first_k_dense_replace=2,  # = num_hidden_layers: no MoE layer
+        vocab_size=1000,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    # Gemma 3 270M (matches the config transformers reads from the packaged GGUF): 18
+    # layers, every 6th global (5, 11, 17), the others sliding with a 512-token window
+    "gemma3-270m": dict(
+        hidden_size=640,
+        intermediate_size=2048,
+        num_hidden_layers=18,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        vocab_size=262144,
+        sliding_window=512,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        query_pre_attn_scalar=256,
+        hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    ),
+    # Qwen3-0.6B (config.json of the HF release)
+    "qwen3-0.6b": dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
+}
+
+#: named shapes that are not Llama: name -> (transformers config class, architecture)
+_DUMMY_CONFIG_CLASSES: Dict[str, Any] = {
+    "deepseek-v2-tiny": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "gemma3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen3-0.6b": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 
 
 def dummy_hf_config(name: str) -> Any:
-    """HF ``LlamaConfig`` of a named shape (see `DUMMY_MODEL_CONFIGS`).
+    """HF config of a named shape (see `DUMMY_MODEL_CONFIGS`; ``LlamaConfig`` unless listed
+    in `_DUMMY_CONFIG_CLASSES`).
 
     Raises:
         ValueError: for an unknown name (lists the known ones).
     """
     if name not in DUMMY_MODEL_CONFIGS:
         raise ValueError(f"unknown dummy model {name!r}; known: {', '.join(sorted(DUMMY_MODEL_CONFIGS))}")
-    from transformers import LlamaConfig
+    import transformers
 
-    return LlamaConfig(architectures=["LlamaForCausalLM"], **DUMMY_MODEL_CONFIGS[name])
+    cls_name, arch = _DUMMY_CONFIG_CLASSES.get(name, ("LlamaConfig", "LlamaForCausalLM"))
+    return getattr(transformers, cls_name)(architectures=[arch], **DUMMY_MODEL_CONFIGS[name])
 
 
 @torch.no_grad()

@@ -15,6 +15,10 @@ from torch import nn
 # architecture -> (module under attnserve.models, class name, HF model_type values)
 _MODELS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM", ("llama",)),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM", ("gemma3_text",)),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM", ("qwen3",)),
+    "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM", ("deepseek_v2",)),
+    "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM", ("deepseek_v3",)),
 }
 
 #: architecture -> "module:Class" (static; see `_MODELS`)

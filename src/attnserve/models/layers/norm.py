@@ -55,3 +55,26 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``y = x / sqrt(mean(x**2, -1) + eps) * (1 + weight)`` in float32.
+
+    The parameter holds the offset from 1 (HF's Gemma convention; llama.cpp stores
+    ``1 + weight`` and the GGUF loader subtracts 1), so ``weight`` is initialised to zeros
+    and dummy weights fill it with 0 (`GemmaRMSNorm` models set ``dummy_norm_fill = 0``).
+    The product with ``1 + weight`` is taken in float32 before the cast back to the input
+    dtype (Gemma 3 technical report, arXiv:2503.19786; same order as HF's Gemma3RMSNorm).
+
+    Shapes and the ``residual`` form are those of `RMSNorm`.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: Optional[torch.dtype] = None):
+        super().__init__(hidden_size, eps, dtype)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.variance_epsilon)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

@@ -13,6 +13,13 @@ Frequency schedules (``rope_type``):
   ``original_max_position_embeddings / high_freq_factor`` are kept, those longer than
   ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, and
   the band between is interpolated linearly in ``original_max / wavelength``.
+* ``yarn`` -- YaRN (Peng et al., arXiv:2309.00071), as DeepSeek-V2/V3 configure it: the
+  inverse frequencies blend interpolation (``inv_freq / factor``) and extrapolation
+  (``inv_freq``) with a linear ramp over the channels whose number of rotations within
+  ``original_max_position_embeddings`` lies between ``beta_slow`` and ``beta_fast``; the
+  cos/sin table is multiplied by an attention factor (`yarn_attention_factor`), and
+  DeepSeek additionally multiplies the softmax scale by ``yarn_get_mscale(factor,
+  mscale_all_dim) ** 2`` (`yarn_softmax_mscale`; applied by the model, not here).
 """
 
 from __future__ import annotations
@@ -49,12 +56,88 @@ def _inv_freq_llama3(rotary_dim: int, base: float, params: Mapping[str, Any]) ->
     return torch.where(in_band, blended, out)
 
 
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``).
+
+    arXiv:2309.00071 eq. for ``sqrt(1/t)``; DeepSeek-V2 passes its ``mscale`` /
+    ``mscale_all_dim`` config values as ``mscale``.
+    """
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_factor(params: Mapping[str, Any]) -> Tuple[float, float]:
+    """(factor, original_max_position_embeddings); a missing factor is
+    ``max_position_embeddings / original_max_position_embeddings`` (as transformers does)."""
+    orig = params.get("original_max_position_embeddings") or params.get("max_position_embeddings")
+    if orig is None:
+        raise ValueError("yarn RoPE needs original_max_position_embeddings")
+    factor = params.get("factor")
+    if factor is None:
+        factor = float(params["max_position_embeddings"]) / float(orig)
+    return float(factor), float(orig)
+
+
+def yarn_attention_factor(params: Mapping[str, Any]) -> float:
+    """Multiplier of YaRN's cos/sin table (so of both q and k): ``attention_factor`` when
+    given; else ``yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)``
+    when both are set (DeepSeek), else ``yarn_get_mscale(factor)``. Follows transformers'
+    ``_compute_yarn_parameters`` (read, not copied)."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor, _ = _yarn_factor(params)
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_get_mscale(factor, float(mscale)) / yarn_get_mscale(factor, float(mscale_all_dim))
+    return yarn_get_mscale(factor)
+
+
+def yarn_softmax_mscale(params: Mapping[str, Any]) -> float:
+    """Factor DeepSeek-V2/V3 apply to the softmax scale: ``yarn_get_mscale(factor,
+    mscale_all_dim) ** 2`` for a scaled RoPE (``rope_type != "default"``) with a non-zero
+    ``mscale_all_dim``, else 1 (DeepSeek's reference ``softmax_scale *= mscale * mscale``)."""
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    mscale_all_dim = params.get("mscale_all_dim") or 0
+    if rope_type == "default" or not mscale_all_dim:
+        return 1.0
+    m = yarn_get_mscale(_yarn_factor(params)[0], float(mscale_all_dim))
+    return m * m
+
+
+def _inv_freq_yarn(rotary_dim: int, base: float, params: Mapping[str, Any]) -> torch.Tensor:
+    factor, orig = _yarn_factor(params)
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def channel(num_rotations: float) -> float:
+        # channel pair whose wavelength fits ``num_rotations`` times into ``orig`` tokens
+        return rotary_dim * math.log(orig / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = channel(beta_fast), channel(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1: keep the original frequency (fast channels), 0: interpolate
+    pos_freq = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim)
+    return (1.0 / (factor * pos_freq)) * (1 - extrapolate) + (1.0 / pos_freq) * extrapolate
+
+
 #: rope_type -> function(rotary_dim, base, params) -> float32 ``[rotary_dim // 2]`` inverse
 #: frequencies in radians per position. Static table; add a schedule with one line.
 ROPE_INV_FREQ: Dict[str, Callable[[int, float, Mapping[str, Any]], torch.Tensor]] = {
     "default": _inv_freq_default,
     "linear": _inv_freq_linear,
     "llama3": _inv_freq_llama3,
+    "yarn": _inv_freq_yarn,
+}
+
+#: rope_type -> function(params) -> multiplier of the cos/sin table (1 when absent).
+ROPE_ATTENTION_FACTOR: Dict[str, Callable[[Mapping[str, Any]], float]] = {
+    "yarn": yarn_attention_factor,
 }
 
 
@@ -110,6 +193,8 @@ class RotaryEmbedding(nn.Module):
             ``2i+1`` (GPT-J / RoFormer's original interleaving).
         inv_freq: optional float32 ``[rotary_dim // 2]`` inverse frequencies (radians per
             position); default ``base ** (-2i / rotary_dim)``.
+        cos_sin_scale: multiplier of the cos/sin table (YaRN's attention factor; 1.0 = plain
+            rotation).
 
     Buffer ``cos_sin_cache``: float32 ``[max_position, rotary_dim]`` = ``[cos | sin]`` of
     ``position * inv_freq``; not saved in ``state_dict``. It stays float32 when the module
@@ -124,6 +209,7 @@ class RotaryEmbedding(nn.Module):
         base: float,
         is_neox_style: bool = True,
         inv_freq: Optional[torch.Tensor] = None,
+        cos_sin_scale: float = 1.0,
     ):
         super().__init__()
         if rotary_dim > head_dim or rotary_dim % 2:
@@ -133,11 +219,14 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         self.base = float(base)
         self.is_neox_style = is_neox_style
+        self.cos_sin_scale = float(cos_sin_scale)
         if inv_freq is None:
             inv_freq = _inv_freq_default(rotary_dim, self.base, {})
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(device=t.device, dtype=torch.float32))
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        if self.cos_sin_scale != 1.0:
+            cache = cache * self.cos_sin_scale
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def _apply(self, fn, *args, **kwargs):
@@ -188,6 +277,7 @@ class RotaryEmbedding(nn.Module):
         return (
             f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, "
             f"base={self.base}, neox={self.is_neox_style}"
+            + (f", cos_sin_scale={self.cos_sin_scale}" if self.cos_sin_scale != 1.0 else "")
         )
 
 
@@ -205,7 +295,10 @@ def get_rope(
         max_position: cos/sin table length (the model's context length).
         rope_parameters: ``rope_theta``, ``rope_type`` (one of `ROPE_INV_FREQ`) and the
             schedule's keys (``factor``; for llama3 also ``low_freq_factor``,
-            ``high_freq_factor``, ``original_max_position_embeddings``).
+            ``high_freq_factor``, ``original_max_position_embeddings``; for yarn
+            ``original_max_position_embeddings`` (default ``max_position``),
+            ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``,
+            ``attention_factor``, ``truncate``).
         rotary_dim: rotated channels per head (default ``head_dim``; with
             ``partial_rotary_factor`` in the parameters, ``head_dim * factor``).
         is_neox_style: see `RotaryEmbedding`.
@@ -219,5 +312,8 @@ def get_rope(
     if rotary_dim is None:
         rotary_dim = int(head_dim * float(rope_parameters.get("partial_rotary_factor", 1.0)))
     base = float(rope_parameters.get("rope_theta", DEFAULT_ROPE_THETA))
-    inv_freq = ROPE_INV_FREQ[rope_type](rotary_dim, base, rope_parameters)
-    return RotaryEmbedding(head_dim, rotary_dim, max_position, base, is_neox_style, inv_freq)
+    params = dict(rope_parameters)
+    params.setdefault("max_position_embeddings", max_position)
+    inv_freq = ROPE_INV_FREQ[rope_type](rotary_dim, base, params)
+    scale = ROPE_ATTENTION_FACTOR[rope_type](params) if rope_type in ROPE_ATTENTION_FACTOR else 1.0
+    return RotaryEmbedding(head_dim, rotary_dim, max_position, base, is_neox_style, inv_freq, cos_sin_scale=scale)
