@@ -178,6 +178,13 @@ def mla_decode_config(
         return MLADecodeConfig(block_h=bh, block_n=32, num_warps=4, num_stages=1)
     elt = 4 if dtype == torch.float32 else 2
     limit = _DEFAULT_MAX_SMEM if max_shared_mem is None else max_shared_mem
+    if elt == 2 and limit >= _DEFAULT_MAX_SMEM and kv_lora_rank + qk_rope_head_dim <= 576:
+        # Tuned on an H100 (bench/kernels_mla.py sweep, 2026-11-21): 128 heads, b32/16K:
+        # (64, 64, 8, 2) 0.64 ms vs 0.82 ms for (64, 32, 8, 2), 221 KB shared memory as compiled;
+        # 16 heads, b128/4K: (16, 128, 8, 2) 2.65 TB/s vs 1.96 TB/s for (16, 64, 4, 2).
+        if bh >= 64:
+            return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+        return MLADecodeConfig(block_h=bh, block_n=128, num_warps=8, num_stages=2)
     if bh >= 64:
         candidates = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 1), (32, 32, 4, 1), (16, 16, 4, 1)]
     else:
