@@ -279,6 +279,12 @@ class TritonAttnBackend(AttentionBackend):
     def supports_cuda_graph(self) -> bool:
         return True
 
+    @property
+    def replay_hook_is_capturable(self) -> bool:
+        """The MHA replay hook launches only index kernels on fixed buffers (no host reads,
+        no allocation outside the graph pool), so `CudaGraphRunner` records it in the graph."""
+        return not self.is_mla
+
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 

@@ -9,7 +9,10 @@ attention metadata lives in the backend's fixed buffers (DESIGN.md §4 hooks).
 Replay picks the smallest bucket >= the batch, copies the real rows in, pads the rest
 with ``seq_len = backend.get_cuda_graph_seq_len_fill_value()``, request row 0 and
 ``out_cache_loc`` 0 (the reserved dummy slot, so padded rows never write into a real
-request's KV), refills the backend metadata in place and replays.
+request's KV), refills the backend metadata in place and replays. When the backend declares its replay
+hook capturable (``replay_hook_is_capturable``: device work on fixed buffers only, like the
+triton backend's index kernels), the hook is recorded at the head of each graph instead of
+being launched from the host at every step.
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ class CudaGraphRunner:
         self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.full((self.max_bs,), self.fill_value, dtype=torch.int32, device=dev)
         self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        # A backend whose replay hook only launches device work on the fixed buffers (no host
+        # reads, no allocation) can have that hook captured too: replay is then input copies
+        # plus one graph launch.
+        self.metadata_in_graph = bool(getattr(self.backend, "replay_hook_is_capturable", False))
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: Dict[int, torch.Tensor] = {}
         self.backend.init_cuda_graph_state(self.max_bs, self.max_bs)
@@ -94,6 +101,8 @@ class CudaGraphRunner:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
+                if self.metadata_in_graph:
+                    self._refill_metadata(bs, fb.seq_lens_sum)
                 out = self._run_model(fb)
             self.graphs[bs] = graph
             self.outputs[bs] = out
@@ -103,6 +112,11 @@ class CudaGraphRunner:
         logger.warning(
             "captured %d CUDA graphs (bs %s) in %.2f s using %.1f MiB",
             len(self.capture_bs), self.capture_bs, self.capture_seconds, self.graph_memory_bytes / 2**20,
+        )
+
+    def _refill_metadata(self, bs: int, seq_lens_sum: int) -> None:
+        self.backend.init_forward_metadata_replay_cuda_graph(
+            bs, self.req_pool_indices, self.seq_lens, seq_lens_sum, None, ForwardMode.DECODE, None, None
         )
 
     def can_run(self, fb: ForwardBatch) -> bool:
@@ -128,9 +142,7 @@ class CudaGraphRunner:
             self.req_pool_indices[raw:bs].zero_()
             self.seq_lens[raw:bs].fill_(self.fill_value)
             self.out_cache_loc[raw:bs].zero_()
-        self.backend.init_forward_metadata_replay_cuda_graph(
-            bs, self.req_pool_indices, self.seq_lens, fb.seq_lens_sum + (bs - raw) * self.fill_value, None,
-            ForwardMode.DECODE, None, None,
-        )
+        if not self.metadata_in_graph:
+            self._refill_metadata(bs, fb.seq_lens_sum + (bs - raw) * self.fill_value)
         self.graphs[bs].replay()
         return self.outputs[bs][:raw]
