@@ -92,8 +92,10 @@ def run_serve(args) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Our own logger at --log-level (default info: start-up says which backend serves which
+    # phase and why); third-party libraries stay at warning.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("attnserve").setLevel(getattr(logging, str(args.log_level).upper(), logging.INFO))
     try:
         if args.command == "generate":
             return run_generate(args)

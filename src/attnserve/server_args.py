@@ -43,7 +43,7 @@ class ServerArgs:
     cuda_graph_bs: Optional[List[int]] = None
     # misc
     random_seed: int = 0
-    log_level: str = "warning"
+    log_level: str = "info"
 
     def resolved_device(self) -> str:
         if self.device != "auto":
