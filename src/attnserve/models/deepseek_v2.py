@@ -1,0 +1,362 @@
+"""DeepSeek-V2 / V3 decoder with multi-head latent attention (MLA), dense MLP layers only.
+
+MLA (DeepSeek-V2, arXiv:2405.04434, section 2.1). Per token ``x`` and head ``h``:
+
+* query: ``q = q_b_proj(rms(q_a_proj(x)))`` (or ``q_proj(x)`` without ``q_lora_rank``),
+  split per head into ``q_nope`` (``qk_nope_head_dim``) and ``q_pe`` (``qk_rope_head_dim``);
+* latent: ``kv_a_proj_with_mqa(x) = [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]``,
+  ``c_kv = rms(c_kv)``; ``k_pe`` is one rotary key shared by all heads;
+* up-projection ``kv_b_proj.weight`` ``[H * (nope + v_head_dim), kv_lora_rank]`` holds per
+  head ``W_UK`` ``[nope, kv_lora_rank]`` then ``W_UV`` ``[v_head_dim, kv_lora_rank]``:
+  ``k_nope = W_UK c_kv``, ``v = W_UV c_kv``;
+* RoPE on ``q_pe`` and ``k_pe`` only; scores use ``[q_nope | q_pe] . [k_nope | k_pe]``
+  scaled by ``(nope + rope) ** -0.5`` times YaRN's ``mscale ** 2`` when configured.
+
+The KV cache (`MLATokenToKVPool`) stores only ``[c_kv | k_pe]`` (kv_lora_rank + rope per
+token, 576 for the real models); the layer writes it itself with ``set_mla_kv_buffer`` and
+calls the attention backend with ``save_kv_cache=False``. Two ways to attend:
+
+* **Extend / prefill (non-absorbed)**: per-head K/V are computed from the latent, for the
+  new tokens from this step's ``c_kv`` and for the cached prefix by gathering its latent
+  rows from the pool through ``req_to_token`` and up-projecting them (SGLang's "MHA" path
+  with the prefix expanded). The backend's extend path then attends with ``Dk = nope +
+  rope`` and ``Dv = v_head_dim`` over ``prefix + new`` (causal on the new part); the
+  expanded prefix is handed over densely as ``k_prefix``/``v_prefix`` keyword arguments
+  (``[sum(prefix_lens), H, D]`` in batch order; both `TorchNativeAttnBackend` and
+  `TritonAttnBackend` honour them), so the backend never reads the latent pool here.
+* **Decode (absorbed)**: ``W_UK`` is folded into the query (``q_nope W_UK`` ->
+  ``[bs, H, kv_lora_rank]``) and ``W_UV`` into the output, so attention runs directly on the
+  latent cache: one KV head of width ``kv_lora_rank + rope``, values = its first
+  ``kv_lora_rank`` columns (the FlashMLA layout). The triton backend uses the MLA decode
+  kernel there; torch_native its generic path.
+
+RoPE layout (checked against transformers 5's modeling_deepseek_v2/_v3): DeepSeek rotates
+interleaved channel pairs ``(2i, 2i+1)`` (GPT-J style, ``is_neox_style=False``). V2 keeps
+the interleaved output; V3 with ``rope_interleave=True`` (the default) writes the rotated
+pairs de-interleaved (evens then odds), a fixed permutation applied to both ``q_pe`` and
+``k_pe`` that leaves every score unchanged, so we keep the interleaved output for both;
+V3 with ``rope_interleave=False`` rotates halves (neox style). YaRN's cos/sin attention
+factor and the softmax ``mscale ** 2`` come from `attnserve.models.layers.rotary`.
+
+MoE layers are not implemented: a config with routed experts in some layer is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, Optional, Set, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnserve.attention.radix_attention import RadixAttention
+from attnserve.forward_batch import ForwardBatch
+from attnserve.models.layers.linear import Embedding, Linear
+from attnserve.models.layers.norm import RMSNorm
+from attnserve.models.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config, yarn_softmax_mscale
+from attnserve.models.llama import LlamaMLP
+
+#: ForwardBatch.extra key of the step's prefix slots (computed by the first layer).
+_PREFIX_SLOTS_KEY = "mla_prefix_slots"
+
+
+def check_dense_only(config: Any) -> None:
+    """Refuse configs with MoE layers (SGLang's rule: layer ``i`` is MoE when
+    ``n_routed_experts`` is set, ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``).
+
+    Raises:
+        ValueError: when any layer would be MoE.
+    """
+    n_experts = getattr(config, "n_routed_experts", None)
+    if not n_experts:
+        return
+    first_dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
+    freq = int(getattr(config, "moe_layer_freq", 1) or 1)
+    moe = [i for i in range(config.num_hidden_layers) if i >= first_dense and i % freq == 0]
+    if moe:
+        raise ValueError(
+            f"MoE layers are not supported yet; set first_k_dense_replace >= num_hidden_layers "
+            f"(n_routed_experts={n_experts}, first_k_dense_replace={first_dense}, "
+            f"num_hidden_layers={config.num_hidden_layers}: layers {moe[:4]}{'...' if len(moe) > 4 else ''} are MoE)"
+        )
+
+
+def _prefix_slots(fb: ForwardBatch) -> torch.Tensor:
+    """int64 ``[sum(extend_prefix_lens)]``: KV slots of every request's cached prefix, in batch
+    order (request ``i``'s positions ``0 .. prefix_len_i - 1``). Computed once per step (extend
+    steps only: uses the host copy of the prefix lengths) and kept in ``fb.extra``."""
+    slots = fb.extra.get(_PREFIX_SLOTS_KEY)
+    if slots is None:
+        lens = fb.extend_prefix_lens_cpu or [0]
+        max_len = max(lens)
+        dev = fb.req_pool_indices.device
+        if max_len == 0:
+            slots = torch.empty(0, dtype=torch.int64, device=dev)
+        else:
+            cols = torch.arange(max_len, device=dev)
+            table = fb.req_to_token_pool.req_to_token[fb.req_pool_indices.to(torch.int64)[:, None], cols[None, :]]
+            keep = cols[None, :] < fb.extend_prefix_lens.to(dev)[:, None]
+            slots = table[keep].to(torch.int64)
+        fb.extra[_PREFIX_SLOTS_KEY] = slots
+    return slots
+
+
+class DeepseekV2AttentionMLA(nn.Module):
+    """MLA block (see the module docstring). Parameter names are HF's.
+
+    Shapes: ``positions`` int64 ``[T]``, ``hidden_states`` ``[T, hidden]`` -> ``[T, hidden]``.
+
+    Attributes:
+        attn_mha: `RadixAttention` of the extend path: ``H`` query and KV heads,
+            ``head_dim = nope + rope``, ``v_head_dim``.
+        attn_mqa: `RadixAttention` of the decode path over the latent cache: ``H`` query
+            heads, one KV head, ``head_dim = kv_lora_rank + rope``, ``v_head_dim =
+            kv_lora_rank``. Both share ``layer_id`` (one latent buffer per layer).
+    """
+
+    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        self.kv_lora_rank = int(config.kv_lora_rank)
+        self.qk_nope_head_dim = int(config.qk_nope_head_dim)
+        self.qk_rope_head_dim = int(config.qk_rope_head_dim)
+        self.v_head_dim = int(config.v_head_dim)
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        h, nope, rope, r = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+        # HF builds both low-rank norms (q_a, kv_a) with eps 1e-6, not rms_norm_eps
+        if self.q_lora_rank:
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6, dtype=dtype)
+            self.q_b_proj = Linear(self.q_lora_rank, h * self.qk_head_dim, bias=False, dtype=dtype)
+        else:
+            self.q_proj = Linear(hidden, h * self.qk_head_dim, bias=False, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(hidden, r + rope, bias=bias, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(r, 1e-6, dtype=dtype)
+        self.kv_b_proj = Linear(r, h * (nope + self.v_head_dim), bias=False, dtype=dtype)
+        self.o_proj = Linear(h * self.v_head_dim, hidden, bias=bias, dtype=dtype)
+        self.rotary_emb = rotary_emb
+        self.scaling = self.qk_head_dim**-0.5 * yarn_softmax_mscale(rope_parameters_from_config(config))
+        self.attn_mha = RadixAttention(h, self.qk_head_dim, self.scaling, num_kv_heads=h, layer_id=layer_id,
+                                       v_head_dim=self.v_head_dim)
+        self.attn_mqa = RadixAttention(h, r + rope, self.scaling, num_kv_heads=1, layer_id=layer_id, v_head_dim=r)
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _w_uk_uv(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Views of ``kv_b_proj.weight``: ``W_UK`` ``[H, nope, r]`` and ``W_UV`` ``[H, v, r]``."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
+    def _expand(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Latent -> per-head K/V: ``c_kv`` ``[N, r]``, ``k_pe`` ``[N, rope]`` (rotated) ->
+        ``k`` ``[N, H, nope + rope]`` (contiguous) and ``v`` ``[N, H, v_head_dim]`` (a view)."""
+        n, h = c_kv.shape[0], self.num_heads
+        kv = self.kv_b_proj(c_kv).view(n, h, self.qk_nope_head_dim + self.v_head_dim)
+        k = kv.new_empty(n, h, self.qk_head_dim)
+        k[..., : self.qk_nope_head_dim] = kv[..., : self.qk_nope_head_dim]
+        k[..., self.qk_nope_head_dim :] = k_pe.unsqueeze(1)
+        return k, kv[..., self.qk_nope_head_dim :]
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch):
+        fb = forward_batch
+        t, h = hidden_states.shape[0], self.num_heads
+        nope, rope, r = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        else:
+            q = self.q_proj(hidden_states)
+        q = q.view(t, h, self.qk_head_dim)
+        latent = self.kv_a_proj_with_mqa(hidden_states)
+        c_kv = self.kv_a_layernorm(latent[:, :r])
+        q_pe, k_pe = self.rotary_emb(positions, q[..., nope:], latent[:, r:])  # [T, H, rope], [T, rope]
+        mode = fb.forward_mode
+        if not mode.is_idle():
+            fb.token_to_kv_pool.set_mla_kv_buffer(self.attn_mqa, fb.out_cache_loc, c_kv.unsqueeze(1), k_pe.unsqueeze(1))
+        if mode.is_decode_or_idle():
+            out = self._decode(q[..., :nope], q_pe, fb)
+        else:
+            out = self._extend(q[..., :nope], q_pe, c_kv, k_pe, fb)
+        return self.o_proj(out)
+
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Absorbed attention over the latent cache; returns ``[T, H * v_head_dim]``."""
+        t, h, r = q_nope.shape[0], self.num_heads, self.kv_lora_rank
+        w_uk, w_uv = self._w_uk_uv()
+        q = q_nope.new_empty(t, h, r + self.qk_rope_head_dim)
+        q[..., :r] = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [H, T, nope] x [H, nope, r]
+        q[..., r:] = q_pe
+        o = self.attn_mqa(q.view(t, -1), None, None, fb, save_kv_cache=False).view(t, h, r)
+        out = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, r] x [H, r, v] -> [H, T, v]
+        return out.transpose(0, 1).reshape(t, h * self.v_head_dim)
+
+    def _extend(self, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch) -> torch.Tensor:
+        """Non-absorbed attention over the expanded prefix + new tokens; ``[T, H * v_head_dim]``."""
+        t, h, r = q_nope.shape[0], self.num_heads, self.kv_lora_rank
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k, v = self._expand(c_kv, k_pe)
+        slots = _prefix_slots(fb)
+        cached = fb.token_to_kv_pool.get_key_buffer(self.attn_mqa.layer_id)[slots].view(-1, r + self.qk_rope_head_dim)
+        k_prefix, v_prefix = self._expand(cached[:, :r].to(c_kv.dtype), cached[:, r:].to(c_kv.dtype))
+        o = self.attn_mha(q.view(t, -1), k, v, fb, save_kv_cache=False, k_prefix=k_prefix, v_prefix=v_prefix)
+        return o.view(t, h * self.v_head_dim)
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    """Pre-norm block: MLA then a dense SwiGLU MLP; carries the residual stream separately."""
+
+    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = DeepseekV2AttentionMLA(config, layer_id, rotary_emb, dtype)
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
+
+    def forward(self, positions, hidden_states, forward_batch, residual: Optional[torch.Tensor]):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DeepseekV2Model(nn.Module):
+    """Embedding, decoder layers, final norm (HF prefix ``model.``); one shared RoPE table."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, neox_rope: bool):
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        rope = int(config.qk_rope_head_dim)
+        self.rotary_emb = get_rope(rope, int(getattr(config, "max_position_embeddings", 4096)),
+                                   rope_parameters_from_config(config), rotary_dim=rope, is_neox_style=neox_rope)
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(config, i, self.rotary_emb, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def forward(self, input_ids, positions, forward_batch):
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    """DeepSeek-V2 causal LM (dense layers) for the engine.
+
+    Args:
+        config: HF ``DeepseekV2Config``-like: ``hidden_size``, ``intermediate_size``,
+            ``num_hidden_layers``, ``num_attention_heads``, ``q_lora_rank`` (None: plain
+            ``q_proj``), ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
+            ``v_head_dim``, ``rms_norm_eps``, ``rope_parameters`` / ``rope_theta`` +
+            ``rope_scaling`` (default or yarn), ``max_position_embeddings``,
+            ``vocab_size``, ``tie_word_embeddings``, ``attention_bias``, ``mlp_bias``,
+            ``hidden_act`` (silu), MoE fields (``n_routed_experts``,
+            ``first_k_dense_replace``, ``moe_layer_freq``).
+        dtype: parameter dtype (parameters are uninitialised until `load_weights` or
+            `init_dummy_weights`; built on the current default device).
+
+    Raises:
+        ValueError: MoE layers in the config, or an activation other than silu.
+
+    The KV cache is an `MLATokenToKVPool` of ``kv_lora_rank + qk_rope_head_dim`` per token
+    and layer (`ModelConfig` reports ``attention_arch == "mla"``).
+    """
+
+    #: DeepSeek-V2 rotates interleaved pairs; see the module docstring.
+    neox_rope: bool = False
+    #: HF checkpoint tensors without a parameter here
+    ignored_weight_suffixes: Tuple[str, ...] = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        check_dense_only(config)
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"DeepSeek MLP activation {act!r} is not supported (only silu)")
+        self.config = config
+        self.dtype = dtype
+        self.model = DeepseekV2Model(config, dtype, self._neox_rope(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, dtype=dtype)
+
+    def _neox_rope(self, config: Any) -> bool:
+        return self.neox_rope
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        """int64 ``input_ids``/``positions`` ``[T]`` -> ``[T, hidden_size]`` after the final norm."""
+        return self.model(input_ids, positions, forward_batch)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` -> float32 ``[N, vocab_size]``."""
+        return F.linear(hidden_states, self.lm_head_weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
+        """Copy HF-named tensors into the parameters; ``mlp.gate_proj`` / ``mlp.up_proj`` go to
+        the halves of the fused ``mlp.gate_up_proj``. Layers past ``num_hidden_layers`` (the
+        multi-token-prediction layer of V3 checkpoints) are skipped.
+
+        Returns:
+            names of the parameters written.
+
+        Raises:
+            KeyError: a tensor that matches no parameter (e.g. MoE experts, FP8 scales).
+            ValueError: a shape mismatch, or parameters left without a weight.
+        """
+        params: Dict[str, nn.Parameter] = dict(self.named_parameters())
+        inter = self.config.intermediate_size
+        n_layers = self.config.num_hidden_layers
+        filled: Dict[str, Set[int]] = {}
+        for name, tensor in weights:
+            if name.endswith(self.ignored_weight_suffixes):
+                continue
+            if name.startswith("lm_head.") and self.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            if name.startswith("model.layers.") and int(parts[2]) >= n_layers:
+                continue
+            target, shard = name, None
+            for i, hf in enumerate(("gate_proj", "up_proj")):
+                if f".mlp.{hf}." in name:
+                    target, shard = name.replace(f".mlp.{hf}.", ".mlp.gate_up_proj."), i
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+            dst = params[target] if shard is None else params[target].narrow(0, shard * inter, inter)
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))
+            filled.setdefault(target, set()).add(-1 if shard is None else shard)
+        missing = [n for n in params if filled.get(n) not in ({-1}, {0, 1})]
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint left {len(missing)} parameters unset: {shown}")
+        return set(filled)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3 layout (dense layers only): same MLA as V2; ``rope_interleave=False``
+    selects half-split (neox) rotation, the default ``True`` interleaved pairs."""
+
+    def _neox_rope(self, config: Any) -> bool:
+        return getattr(config, "rope_interleave", True) is False
+
+
+EntryClass = [DeepseekV2ForCausalLM, DeepseekV3ForCausalLM]

@@ -1,0 +1,263 @@
+"""MLA through the attention backends: `triton` (CPU: Triton interpreter) vs `torch_native`.
+
+* decode over the latent pool (one KV head of ``kv_lora_rank + rope``, values = the first
+  ``kv_lora_rank`` columns): the triton backend's MLA kernel path, eager and through the
+  CUDA-graph metadata hooks (fixed buffers, padded rows), vs torch_native's generic path
+  and a float64 reference;
+* extend with a dense (model-expanded) prefix (``k_prefix``/``v_prefix``), causal and with
+  a speculative tree mask;
+* the whole DeepSeek-V2 tiny model (dummy weights): chunked prefill then decode, triton vs
+  torch_native.
+
+Latent pools are filled through shuffled pages, with NaN in every slot no request owns.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from types import SimpleNamespace
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from attnserve.attention.radix_attention import RadixAttention  # noqa: E402
+from attnserve.attention.torch_native import TorchNativeAttnBackend, attention_reference  # noqa: E402
+from attnserve.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from attnserve.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+R, ROPE = 64, 16  # small kv_lora_rank + qk_rope_head_dim
+
+
+def _model_config(num_heads, r=R, rope=ROPE):
+    return SimpleNamespace(attention_arch="mla", num_attention_heads=num_heads, num_key_value_heads=1,
+                           kv_lora_rank=r, qk_rope_head_dim=rope, head_dim=r + rope, v_head_dim=r,
+                           sliding_window_size=-1)
+
+
+def _triton(pool, r2t, mc, page_size, deterministic=False):
+    from attnserve.attention.triton_backend import TritonAttnBackend
+
+    runner = SimpleNamespace(device=DEVICE, model_config=mc, req_to_token_pool=r2t, token_to_kv_pool=pool,
+                             page_size=page_size, max_total_num_tokens=pool.size,
+                             server_args=SimpleNamespace(enable_deterministic_inference=deterministic))
+    return TritonAttnBackend(runner)
+
+
+class LatentBatch:
+    """A latent pool whose requests own shuffled pages; unowned slots hold NaN."""
+
+    def __init__(self, cached_lens, page_size, num_layers=1, seed=0, max_reqs=8, r=R, rope=ROPE, room=16):
+        rnd = random.Random(seed)
+        self.g = torch.Generator().manual_seed(seed)
+        self.page_size = page_size
+        pages = sum(-(-(n + room) // page_size) for n in cached_lens) + 4
+        self.alloc = TokenToKVPoolAllocator(pages * page_size, page_size)
+        rnd.shuffle(self.alloc._free_pages)
+        self.pool = MLATokenToKVPool(self.alloc.size, page_size, torch.float32, r, rope, num_layers, DEVICE)
+        for buf in self.pool.kv_buffer:
+            buf.fill_(float("nan"))
+        self.r2t = ReqToTokenPool(max_reqs, max(cached_lens) + room, DEVICE)
+        self.rows = self.r2t.alloc(len(cached_lens))
+        rnd.shuffle(self.rows)
+        self.lens = dict(zip(self.rows, [0] * len(self.rows)))
+        self.grow(list(cached_lens), fill=True)
+
+    def grow(self, new_lens, fill=False):
+        """Allocate ``new_lens[i]`` more slots per request; returns int64 slots (batch order)."""
+        prefix = [self.lens[r] for r in self.rows]
+        seq = [p + n for p, n in zip(prefix, new_lens)]
+        last = [int(self.r2t.req_to_token[r, p - 1]) if p else 0 for r, p in zip(self.rows, prefix)]
+        loc = self.alloc.alloc_extend(prefix, seq, last)
+        start = 0
+        for r, p, n in zip(self.rows, prefix, new_lens):
+            self.r2t.write(r, p, loc[start : start + n])
+            start += n
+            self.lens[r] = p + n
+        loc = loc.to(DEVICE)
+        if fill:
+            for buf in self.pool.kv_buffer:
+                buf[loc] = torch.randn(loc.numel(), 1, buf.shape[-1], generator=self.g).to(DEVICE)
+        return loc, prefix
+
+    def batch(self, mode, prefix, new_lens, loc, backend, spec_info=None):
+        ids = [0] * sum(new_lens)
+        return ForwardBatch.init_new(mode, ids, self.rows, prefix, new_lens, loc, self.r2t, self.pool, backend,
+                                     DEVICE, spec_info=spec_info)
+
+
+def _decode_ref64(case: LatentBatch, q, layer):
+    """float64 per-request reference of absorbed MLA decode."""
+    buf, q, r2t = case.pool.kv_buffer[0].double().cpu(), q.double().cpu(), case.r2t.req_to_token.cpu()
+    out = []
+    for i, row in enumerate(case.rows):
+        n = case.lens[row]
+        lat = buf[r2t[row, :n].long()]  # [n, 1, R + ROPE]
+        pos = torch.arange(n)
+        out.append(attention_reference(q[i : i + 1], lat, lat[..., : layer.v_head_dim], pos[-1:], pos,
+                                       layer.scaling, compute_dtype=torch.float64))
+    return torch.cat(out).reshape(len(case.rows), -1)
+
+
+def _decode(backend, case, layer, q):
+    loc, prefix = case.grow([1] * len(case.rows), fill=True)
+    fb = case.batch(ForwardMode.DECODE, [p for p in prefix], [1] * len(case.rows), loc, backend)
+    backend.init_forward_metadata(fb)
+    return layer(q.reshape(q.shape[0], -1), None, None, fb, save_kv_cache=False)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("num_heads", [8, 16])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_triton_mla_decode_matches_torch_native(page_size, num_heads, deterministic):
+    lens = [0, 37, 300, 5, 129]  # ragged, across tiles, pages and (>128) several splits
+    case = LatentBatch(lens, page_size, seed=page_size * 100 + num_heads + deterministic)
+    layer = RadixAttention(num_heads, R + ROPE, 0.11, num_kv_heads=1, layer_id=0, v_head_dim=R)
+    q = torch.randn(len(lens), num_heads, R + ROPE, generator=case.g).to(DEVICE)
+    tri = _triton(case.pool, case.r2t, _model_config(num_heads), page_size, deterministic)
+    if deterministic:
+        tri.mla.split_tile = 64  # several splits per request under the interpreter too
+    else:
+        tri.mla.num_sms = 64  # the CPU stand-in count (8) would give one split per request
+    out_tri = _decode(tri, case, layer, q)
+    md = tri.forward_metadata.mla
+    assert md.block_kv_indices.dtype == torch.int32 and md.num_kv_splits.dtype == torch.int32
+    if deterministic:
+        assert md.num_kv_splits.tolist() == [max(1, -(-(n + 1) // 64)) for n in lens]
+    else:
+        assert int(md.num_kv_splits.max()) > 1
+    tn = TorchNativeAttnBackend()
+    fb = case.batch(ForwardMode.DECODE, [n for n in lens], [1] * len(lens), torch.zeros(len(lens), dtype=torch.int64,
+                                                                                        device=DEVICE), tn)
+    tn.init_forward_metadata(fb)
+    out_tn = layer(q.reshape(len(lens), -1), None, None, fb, save_kv_cache=False)
+    assert not torch.isnan(out_tri).any()
+    assert out_tri.shape == out_tn.shape == (len(lens), num_heads * R)
+    assert (out_tri - out_tn).abs().max().item() < 2e-5
+    assert (out_tri.double().cpu() - _decode_ref64(case, q, layer).cpu()).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_triton_mla_graph_metadata_matches_eager(page_size):
+    """Capture/replay hooks: fixed buffers refilled in place; padded rows (seq_len 1, row 0)
+    leave the real rows' output unchanged; the workspace is the one allocated at start-up."""
+    lens = [20, 3, 70]
+    case = LatentBatch(lens, page_size, seed=5)
+    layer = RadixAttention(8, R + ROPE, 0.2, num_kv_heads=1, layer_id=0, v_head_dim=R)
+    tri = _triton(case.pool, case.r2t, _model_config(8), page_size)
+    workspace = tri.mla.workspace.data_ptr()
+    q = torch.randn(4, 8, R + ROPE, generator=case.g).to(DEVICE)  # one padded row
+    eager = _decode(tri, case, layer, q[:3])
+    max_bs = 4
+    rows = torch.zeros(max_bs, dtype=torch.int64, device=DEVICE)
+    seq_lens = torch.ones(max_bs, dtype=torch.int32, device=DEVICE)
+    tri.init_cuda_graph_state(max_bs, max_bs)
+    tri.init_forward_metadata_capture_cuda_graph(max_bs, max_bs, rows, seq_lens, None, ForwardMode.DECODE, None)
+    table_ptr = tri.forward_metadata.mla.block_kv_indices.data_ptr()
+    rows[:3] = torch.tensor(case.rows, device=DEVICE)
+    seq_lens[:3] = torch.tensor([case.lens[r] for r in case.rows], dtype=torch.int32, device=DEVICE)
+    tri.init_forward_metadata_replay_cuda_graph(max_bs, rows, seq_lens, int(seq_lens.sum()), None,
+                                                ForwardMode.DECODE, None, None)
+    md = tri.forward_metadata.mla
+    assert md.block_kv_indices.data_ptr() == table_ptr and md.seq_lens.data_ptr() == seq_lens.data_ptr()
+    fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, token_to_kv_pool=case.pool, out_cache_loc=None)
+    graphed = tri.forward_decode(q.reshape(max_bs, -1), None, None, layer, fb, save_kv_cache=False)
+    assert tri.mla.workspace.data_ptr() == workspace
+    assert not torch.isnan(graphed[:3]).any()
+    assert (graphed[:3] - eager).abs().max().item() < 2e-5
+
+
+def _dense_prefix_case(prefix_lens, extend_lens, seed, hq=4, dk=48, dv=32, mask=False):
+    g = torch.Generator().manual_seed(seed)
+    case = LatentBatch(prefix_lens, 4, seed=seed)  # only its req_to_token / allocator are used
+    loc, _ = case.grow(extend_lens)
+    spec = None
+    if mask:  # a random tree mask over [prefix | new] that keeps the diagonal
+        blocks = []
+        for p, e in zip(prefix_lens, extend_lens):
+            m = torch.rand(e, p + e, generator=g) < 0.6
+            m[torch.arange(e), p + torch.arange(e)] = True
+            blocks.append(m.reshape(-1))
+        flat = torch.cat(blocks).to(DEVICE)
+        sizes = [e * (p + e) for p, e in zip(prefix_lens, extend_lens)]
+        indptr = torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0).to(DEVICE)
+        spec = SimpleNamespace(custom_mask=flat, mask_indptr=indptr)
+    t, p = sum(extend_lens), sum(prefix_lens)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
+    tensors = dict(q=rnd(t, hq, dk), k=rnd(t, hq, dk), v=rnd(t, hq, dv), k_prefix=rnd(p, hq, dk),
+                   v_prefix=rnd(p, hq, dv))
+    layer = RadixAttention(hq, dk, dk**-0.5, num_kv_heads=hq, layer_id=0, v_head_dim=dv)
+    return case, loc, spec, tensors, layer
+
+
+def _dense_ref64(prefix_lens, extend_lens, x, layer, spec):
+    x = {k: t.cpu() for k, t in x.items()}
+    out, qs, ps = [], 0, 0
+    for i, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
+        kk = torch.cat([x["k_prefix"][ps : ps + p], x["k"][qs : qs + e]]).double()
+        vv = torch.cat([x["v_prefix"][ps : ps + p], x["v"][qs : qs + e]]).double()
+        m = None
+        if spec is not None:
+            off = int(spec.mask_indptr[i])
+            m = spec.custom_mask[off : off + e * (p + e)].view(e, p + e).cpu()
+        out.append(attention_reference(x["q"][qs : qs + e].double(), kk, vv, torch.arange(p, p + e),
+                                       torch.arange(p + e), layer.scaling, custom_mask=m,
+                                       compute_dtype=torch.float64))
+        qs, ps = qs + e, ps + p
+    return torch.cat(out).reshape(sum(extend_lens), -1)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+@pytest.mark.parametrize("prefix_lens,extend_lens", [([0, 7, 19, 40], [5, 1, 9, 4]), ([0, 0], [12, 3])])
+def test_dense_prefix_extend_both_backends(prefix_lens, extend_lens, mask):
+    case, loc, spec, x, layer = _dense_prefix_case(prefix_lens, extend_lens, seed=len(prefix_lens) + 10 * mask,
+                                                   mask=mask)
+    mode = ForwardMode.TARGET_VERIFY if mask else ForwardMode.EXTEND
+    ref = _dense_ref64(prefix_lens, extend_lens, x, layer, spec)
+    mc = SimpleNamespace(**{**vars(_model_config(4)), "attention_arch": "mha", "num_key_value_heads": 4})
+    for backend in (TorchNativeAttnBackend(), _triton(case.pool, case.r2t, mc, 4)):
+        fb = case.batch(mode, prefix_lens, extend_lens, loc, backend, spec_info=spec)
+        backend.init_forward_metadata(fb)
+        out = layer(x["q"].reshape(loc.numel(), -1), x["k"], x["v"], fb, save_kv_cache=False,
+                    k_prefix=x["k_prefix"], v_prefix=x["v_prefix"])
+        assert (out.double().cpu() - ref).abs().max().item() < 2e-5, type(backend).__name__
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_deepseek_tiny_model_triton_matches_torch_native(page_size):
+    """Chunked prefill (extend over a cached, expanded prefix) then batched decode of the
+    DeepSeek-V2 tiny shape: logits of every step agree between the two backends."""
+    from attnserve.model_loader.loader import load_model
+
+    loaded = load_model("deepseek-v2-tiny", load_format="dummy", device=DEVICE, seed=3)
+    mc = loaded.model_config
+
+    def run(make_backend):
+        case = LatentBatch([0, 0], page_size, num_layers=mc.num_hidden_layers, seed=9, r=mc.kv_lora_rank,
+                           rope=mc.qk_rope_head_dim, room=64)
+        backend = make_backend(case)
+        steps = [(ForwardMode.EXTEND, [21, 0], [(3, 24), ()]), (ForwardMode.EXTEND, [5, 7], [(40, 45), (9, 16)])]
+        steps += [(ForwardMode.DECODE, [1, 1], [(50 + i, 51 + i), (60 + i, 61 + i)]) for i in range(3)]
+        outs = []
+        for mode, new, id_ranges in steps:
+            active = [i for i, n in enumerate(new) if n]
+            rows_all, case.rows = case.rows, [case.rows[i] for i in active]
+            loc, prefix = case.grow([new[i] for i in active])
+            ids = [t for i in active for t in range(*id_ranges[i])]
+            fb = ForwardBatch.init_new(mode, ids, case.rows, prefix, [new[i] for i in active], loc, case.r2t,
+                                       case.pool, backend, DEVICE)
+            backend.init_forward_metadata(fb)
+            outs.append(loaded.model.compute_logits(loaded.model(fb.input_ids, fb.positions, fb)))
+            case.rows = rows_all
+        return outs
+
+    ref = run(lambda case: TorchNativeAttnBackend())
+    got = run(lambda case: _triton(case.pool, case.r2t, mc, page_size))
+    for a, b in zip(ref, got):
+        assert a.shape == b.shape
+        assert (a - b).abs().max().item() < 1e-4
