@@ -1,0 +1,363 @@
+"""`EngineLoop`: the one thread that drives an `Engine`, and the bridge to asyncio.
+
+Threading contract:
+
+* Only the loop thread calls the engine (tokenizer decoding inside `Scheduler.step`,
+  `Scheduler.add_request`, `abort_request`, `step`, the pools). HTTP handlers only call
+  `EngineLoop.submit` / `EngineLoop.abort`, which put commands on a thread-safe
+  ``queue.Queue``.
+* Results go back through a `RequestStream` per request: the loop thread calls
+  `RequestStream.push`, which hands the event to the handler's asyncio loop with
+  ``loop.call_soon_threadsafe``; the handler awaits `RequestStream.get`.
+* Commands are drained before every step, so an abort frees the request's KV slots before
+  the next forward pass ("within one engine step").
+
+Failure isolation: an exception raised while admitting, stepping or emitting one request
+fails the requests it concerns (they get an `EngineError` event, status 500) and the loop
+keeps serving. When `Scheduler.step` itself raises, the requests of the running batch are
+failed and aborted (their KV freed); if slots are still held once nothing runs (a step
+died half-way), both pools are reset so no capacity leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineError:
+    """Why a request failed: HTTP ``status``, ``message``, OpenAI error ``type`` and ``code``."""
+
+    status: int
+    message: str
+    type: str = "server_error"
+    code: Optional[str] = None
+
+
+@dataclass
+class StreamEvent:
+    """One update of a request, in order.
+
+    Attributes:
+        text: new text since the previous event (may be empty; already safe to show, i.e.
+            no half UTF-8 character and no possible start of a stop string).
+        completion_tokens: generated tokens so far (EOS/stop token included).
+        prompt_tokens: prompt length in tokens.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` on the last event, else None.
+        error: set (and final) when the request failed.
+    """
+
+    text: str = ""
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    finish_reason: Optional[str] = None
+    error: Optional[EngineError] = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class RequestStream:
+    """Events of one request, produced on the loop thread and consumed on an asyncio loop.
+
+    Must be created on the consuming event loop (it captures the running loop).
+    """
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: "asyncio.Queue[StreamEvent]" = asyncio.Queue()
+
+    def push(self, event: StreamEvent) -> None:
+        """Thread-safe; a no-op once the consuming loop is closed (server shutting down)."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:
+            pass
+
+    async def get(self) -> StreamEvent:
+        return await self._queue.get()
+
+
+@dataclass
+class SubmitCommand:
+    """Enqueue ``prompt_ids`` with ``sampling_params`` under id ``rid``.
+
+    ``arrival`` is the ``time.perf_counter()`` at which the HTTP request arrived (TTFT and
+    end-to-end latency are measured from it)."""
+
+    rid: str
+    prompt_ids: List[int]
+    sampling_params: Any
+    stream: RequestStream
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _AbortCommand:
+    rid: str
+
+
+@dataclass
+class _Live:
+    """Loop-thread bookkeeping of one admitted request."""
+
+    cmd: SubmitCommand
+    sent: str = ""  # text already pushed
+    last_token_at: Optional[float] = None
+    tokens: int = 0
+
+
+_STOP = object()
+
+
+class EngineLoop:
+    """Runs ``engine`` (an `attnserve.engine.engine.Engine` or anything with ``scheduler``,
+    ``model_runner``, ``step``, ``has_work``, ``add_request``, ``abort_request``) in one
+    daemon thread.
+
+    Args:
+        engine: the engine; after `start` only the loop thread touches it.
+        metrics: optional `attnserve.server.metrics.ServerMetrics` fed from the loop thread.
+        idle_poll_s: how long the idle thread blocks on the command queue (seconds) before
+            refreshing its state snapshot.
+    """
+
+    def __init__(self, engine, metrics=None, idle_poll_s: float = 0.5):
+        self.engine = engine
+        self.metrics = metrics
+        self.idle_poll_s = idle_poll_s
+        self._commands: "queue.Queue[Any]" = queue.Queue()
+        self._live: Dict[str, _Live] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
+        self._state: Dict[str, Any] = {}
+        self.step_errors = 0
+
+    # ---- called from any thread ----------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("EngineLoop already started")
+        self._publish_state()
+        self._thread = threading.Thread(target=self._run, name="attnserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the thread to finish (pending requests fail with 503) and join it."""
+        self._stopping.set()
+        self._commands.put(_STOP)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def thread_id(self) -> Optional[int]:
+        return None if self._thread is None else self._thread.ident
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    def submit(self, cmd: SubmitCommand) -> None:
+        """Queue a request; its first event says whether it was accepted (an empty event)
+        or rejected (``error`` set: 503 when the waiting queue is full, 400 when the engine
+        refuses the prompt)."""
+        if self._stopping.is_set():
+            cmd.stream.push(StreamEvent(error=EngineError(503, "the server is shutting down", "server_error",
+                                                          "shutting_down")))
+            return
+        self._commands.put(cmd)
+
+    def abort(self, rid: str) -> None:
+        """Abort ``rid`` (unknown or finished ids are ignored)."""
+        self._commands.put(_AbortCommand(rid))
+
+    def state(self) -> Dict[str, Any]:
+        """Snapshot taken by the loop thread after its last step (a fresh dict)."""
+        return dict(self._state)
+
+    # ---- loop thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._drain(block=not self.engine.has_work())
+                if self._stopping.is_set():
+                    break
+                if self.engine.has_work():
+                    self._step()
+                self._publish_state()
+            except Exception:  # the loop must survive anything; log and go on
+                logger.exception("engine loop iteration failed")
+                time.sleep(0.01)
+        self._shutdown()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=self.idle_poll_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item is _STOP:
+                return
+            if isinstance(item, _AbortCommand):
+                self._abort(item.rid)
+            else:
+                self._add(item)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, cmd: SubmitCommand) -> None:
+        from attnserve.engine.scheduler import QueueFullError
+
+        try:
+            self.engine.add_request(cmd.prompt_ids, cmd.sampling_params, rid=cmd.rid)
+        except QueueFullError as e:
+            self._reject(cmd, EngineError(503, str(e), "server_overloaded", "queue_full"))
+            return
+        except ValueError as e:
+            self._reject(cmd, EngineError(400, str(e), "invalid_request_error", "invalid_value"))
+            return
+        except Exception as e:
+            logger.exception("add_request failed for %s", cmd.rid)
+            self._reject(cmd, EngineError(500, f"internal error while queueing the request: {e}"))
+            return
+        self._live[cmd.rid] = _Live(cmd)
+        if self.metrics is not None:
+            self.metrics.on_accept(len(cmd.prompt_ids))
+        cmd.stream.push(StreamEvent(prompt_tokens=len(cmd.prompt_ids)))
+
+    def _reject(self, cmd: SubmitCommand, err: EngineError) -> None:
+        if self.metrics is not None:
+            self.metrics.on_reject(err.status)
+        cmd.stream.push(StreamEvent(prompt_tokens=len(cmd.prompt_ids), error=err))
+
+    def _abort(self, rid: str) -> None:
+        live = self._live.pop(rid, None)
+        try:
+            self.engine.abort_request(rid)
+            self.engine.scheduler.forget(rid)
+        except Exception:
+            logger.exception("aborting %s failed", rid)
+        if live is not None:
+            if self.metrics is not None:
+                self.metrics.on_finish("abort", time.perf_counter() - live.cmd.arrival)
+            live.cmd.stream.push(StreamEvent(completion_tokens=live.tokens, prompt_tokens=len(live.cmd.prompt_ids),
+                                             finish_reason="abort"))
+
+    def _fail(self, rid: str, err: EngineError) -> None:
+        """Abort ``rid`` in the scheduler (freeing its KV) and send ``err`` to its client."""
+        live = self._live.pop(rid, None)
+        try:
+            self.engine.abort_request(rid)
+            self.engine.scheduler.forget(rid)
+        except Exception:
+            logger.exception("could not abort failed request %s", rid)
+        if live is not None:
+            if self.metrics is not None:
+                self.metrics.on_finish("error", time.perf_counter() - live.cmd.arrival)
+            live.cmd.stream.push(StreamEvent(completion_tokens=live.tokens, prompt_tokens=len(live.cmd.prompt_ids),
+                                             error=err))
+
+    def _step(self) -> None:
+        try:
+            touched = self.engine.step()
+        except Exception as e:
+            self.step_errors += 1
+            logger.exception("engine step failed; failing the running batch")
+            self._recover(EngineError(500, f"internal error while generating: {type(e).__name__}: {e}"))
+            return
+        for req in touched:
+            try:
+                self._emit(req)
+            except Exception as e:
+                logger.exception("emitting output of %s failed", req.rid)
+                self._fail(req.rid, EngineError(500, f"internal error while streaming: {type(e).__name__}: {e}"))
+
+    def _recover(self, err: EngineError) -> None:
+        sched = self.engine.scheduler
+        for req in list(sched.running):
+            self._fail(req.rid, err)
+        if not sched.running:
+            runner = self.engine.model_runner
+            alloc, rows = runner.token_to_kv_pool_allocator, runner.req_to_token_pool
+            if alloc.available_size() != alloc.size or rows.available_size() != rows.size:
+                logger.warning("KV slots leaked by the failed step; resetting the pools")
+                alloc.clear()
+                rows.clear()
+
+    def _emit(self, req) -> None:
+        from attnserve.engine.detokenizer import stable_text
+
+        live = self._live.get(req.rid)
+        if live is None:  # not ours (or already failed): nothing to report
+            return
+        now = time.perf_counter()
+        new_tokens = len(req.output_ids) - live.tokens
+        if self.metrics is not None and new_tokens > 0:
+            if live.last_token_at is None:
+                self.metrics.on_first_token(now - live.cmd.arrival)
+            else:
+                self.metrics.on_inter_token(now - live.last_token_at, new_tokens)
+            self.metrics.on_generated(new_tokens)
+        if new_tokens > 0:
+            live.last_token_at = now
+            live.tokens = len(req.output_ids)
+        text = stable_text(req)
+        delta = ""
+        if text.startswith(live.sent):
+            delta = text[len(live.sent):]
+            live.sent = text
+        else:  # the detokenizer rewrote text already streamed; nothing sensible to send
+            logger.warning("request %s: decoded text changed after it was streamed", req.rid)
+        reason = req.finish_reason.value if req.finish_reason is not None else None
+        if not delta and reason is None:
+            return
+        live.cmd.stream.push(StreamEvent(delta, live.tokens, len(req.prompt_ids), reason))
+        if reason is not None:
+            del self._live[req.rid]
+            self.engine.scheduler.forget(req.rid)
+            if self.metrics is not None:
+                self.metrics.on_finish(reason, now - live.cmd.arrival)
+
+    def _publish_state(self) -> None:
+        sched = self.engine.scheduler
+        runner = self.engine.model_runner
+        alloc, rows = runner.token_to_kv_pool_allocator, runner.req_to_token_pool
+        state = {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "kv_slots_total": alloc.size,
+            "kv_slots_free": alloc.available_size(),
+            "kv_slots_used": alloc.size - alloc.available_size(),
+            "req_rows_total": rows.size,
+            "req_rows_free": rows.available_size(),
+            "tracked_requests": len(sched.requests),
+            "live_requests": len(self._live),
+            "pending_commands": self._commands.qsize(),
+            "num_steps": getattr(sched, "num_steps", 0),
+            "step_errors": self.step_errors,
+        }
+        self._state = state
+        if self.metrics is not None:
+            self.metrics.set_state(state)
+
+    def _shutdown(self) -> None:
+        err = EngineError(503, "the server is shutting down", "server_error", "shutting_down")
+        for rid in list(self._live):
+            self._fail(rid, err)
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, SubmitCommand):
+                item.stream.push(StreamEvent(error=err))
+

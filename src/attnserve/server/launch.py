@@ -1,0 +1,199 @@
+"""Assemble the FastAPI app and run it under uvicorn (``attnserve serve``).
+
+`create_app` wires an `Engine` to the HTTP routes: one `EngineLoop` thread owns the engine,
+a `ServerMetrics` with its own Prometheus registry, the OpenAI error handlers, the API-key
+middleware and FastAPI's request-body limit (413 above ``max_body_bytes``); `wrap_app` adds
+the declared-length body check in front. `launch_server` serves that for the CLI;
+`ServerThread` runs the same app in a background thread (tests, notebooks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import threading
+import time
+from typing import Any, Dict, Optional
+
+logger = logging.getLogger(__name__)
+
+#: Largest accepted request body (bytes); bigger bodies get 413.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def _cpu_name() -> str:
+    """CPU model and core count, e.g. ``"AMD EPYC 9654 (2 cores)"`` (best effort)."""
+    name = platform.processor() or platform.machine() or "cpu"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{name} ({os.cpu_count()} cores)"
+
+
+def describe_engine(engine) -> Dict[str, Any]:
+    """Static facts about the engine for ``/debug/state`` and benchmark records."""
+    import torch
+
+    import attnserve
+
+    runner = engine.model_runner
+    device = str(runner.device)
+    device_name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else _cpu_name()
+    choice = getattr(runner, "backend_choice", None)
+    return {
+        "model": engine.server_args.model,
+        "device": device,
+        "device_name": device_name,
+        "dtype": str(runner.dtype).replace("torch.", ""),
+        "context_len": engine.context_len,
+        "attention_backend": None if choice is None else {"prefill": choice.prefill, "decode": choice.decode},
+        "page_size": runner.page_size,
+        "versions": {"attnserve": attnserve.__version__, "torch": torch.__version__,
+                     "python": platform.python_version()},
+    }
+
+
+def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, loop=None):
+    """Build the ASGI app serving ``engine``.
+
+    Args:
+        engine: an `attnserve.engine.engine.Engine`; from now on only the app's engine loop
+            thread touches it.
+        api_key: when set, ``/v1/*`` and ``/debug/*`` need ``Authorization: Bearer <key>``.
+        model_name: id under ``/v1/models`` (default: ``engine.server_args.model``).
+        max_body_bytes: request bodies above this many bytes get 413.
+        loop: an `EngineLoop` to use (default: a new one); started with the app's lifespan
+            and stopped at shutdown.
+
+    Returns:
+        the FastAPI app; ``app.state.ctx`` is its `ServingContext`.
+    """
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+
+    from attnserve.server.middleware import ApiKeyMiddleware
+    from attnserve.server.engine_loop import EngineLoop
+    from attnserve.server.errors import install_error_handlers
+    from attnserve.server.metrics import ServerMetrics
+    from attnserve.server.openai_api import ServingContext, build_router
+
+    name = model_name or engine.server_args.model
+    metrics = ServerMetrics(name)
+    if loop is None:
+        loop = EngineLoop(engine, metrics)
+    elif loop.metrics is None:
+        loop.metrics = metrics
+    ctx = ServingContext(loop=loop, engine=engine, model_name=name, metrics=metrics, info=describe_engine(engine))
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if loop.thread_id is None:
+            loop.start()
+        try:
+            yield
+        finally:
+            loop.stop()
+            logger.warning("attnserve: engine loop stopped")
+
+    app = FastAPI(title="attnserve", version=ctx.info["versions"]["attnserve"], lifespan=lifespan,
+                  max_body_size=max_body_bytes, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    app.state.max_body_bytes = max_body_bytes
+    install_error_handlers(app)
+    app.include_router(build_router())
+    app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app
+
+
+def wrap_app(app):
+    """The ASGI callable to serve: ``app`` (from `create_app`) behind
+    `DeclaredBodyLimitMiddleware`, which must sit outside FastAPI's own limiter (whose
+    plain-text 413 would replace the OpenAI error body)."""
+    from attnserve.server.middleware import DeclaredBodyLimitMiddleware
+
+    return DeclaredBodyLimitMiddleware(app, app.state.max_body_bytes)
+
+
+def launch_server(args) -> int:
+    """Load the model from the parsed ``attnserve serve`` arguments and serve until stopped.
+
+    Args:
+        args: argparse namespace with ``host``, ``port``, ``api_key`` and every `ServerArgs`
+            flag (``max_body_bytes`` optional).
+
+    Returns:
+        0 when uvicorn returns. On Ctrl-C / SIGTERM uvicorn shuts down gracefully (in-flight
+        requests get up to 5 s, then the engine loop stops) and then re-raises the signal,
+        so the process ends with that signal's status, as an unhandled one would.
+
+    Raises:
+        ValueError / FileNotFoundError: bad flags or model (the CLI prints them in one line).
+    """
+    import uvicorn
+
+    from attnserve.engine.engine import Engine
+    from attnserve.server_args import ServerArgs
+
+    server_args = ServerArgs.from_cli_args(args)
+    if not 0 <= int(args.port) <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    engine = Engine(server_args)
+    app = create_app(engine, api_key=args.api_key,
+                     max_body_bytes=getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES)
+    log_level = str(server_args.log_level).lower()
+    logger.warning("attnserve serving %s on http://%s:%s", server_args.model, args.host, args.port)
+    uvicorn.run(wrap_app(app), host=args.host, port=int(args.port), log_level=log_level if log_level in (
+        "critical", "error", "warning", "info", "debug", "trace") else "warning", timeout_graceful_shutdown=5)
+    return 0
+
+
+class ServerThread:
+    """Serve ``app`` with uvicorn in a background thread (tests, notebooks).
+
+    Args:
+        app: from `create_app`.
+        host: bind address.
+        port: TCP port; 0 picks a free one (see `port` after `start`).
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        config = uvicorn.Config(wrap_app(app), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.host = host
+        self._thread = threading.Thread(target=self.server.run, name="attnserve-uvicorn", daemon=True)
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        """Start and wait until the socket listens.
+
+        Raises:
+            RuntimeError: uvicorn did not start within ``timeout`` seconds.
+        """
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)

@@ -1,0 +1,115 @@
+"""Prometheus metrics of one server, in a registry of its own.
+
+Every `ServerMetrics` owns a fresh ``prometheus_client.CollectorRegistry`` (nothing is
+registered in the library's global default registry), so several apps or tests in one
+process never share or collide on metrics. The engine loop thread feeds it; ``GET
+/metrics`` renders it with `ServerMetrics.render`.
+
+Exported (prefix ``attnserve_``; seconds for times, tokens for counts):
+
+=====================================  =========  ==============================================
+name                                   type       meaning
+=====================================  =========  ==============================================
+num_running_reqs                       gauge      requests in the running batch
+num_waiting_reqs                       gauge      requests in the waiting queue
+kv_slots_used / kv_slots_total         gauge      KV-cache token slots in use / in the pool
+prompt_tokens_total                    counter    prompt tokens of accepted requests
+generation_tokens_total                counter    generated tokens
+requests_total{finish_reason}          counter    finished requests (stop, length, abort, error)
+requests_rejected_total{status}        counter    requests refused by the engine (400, 503)
+time_to_first_token_seconds            histogram  arrival -> first generated token
+inter_token_latency_seconds            histogram  gap between consecutive tokens of a request
+e2e_request_latency_seconds            histogram  arrival -> last token
+=====================================  =========  ==============================================
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class ServerMetrics:
+    """The metrics of one server (thread-safe: prometheus-client metrics lock internally).
+
+    Args:
+        model_name: value of the ``model_name`` label on every metric.
+    """
+
+    def __init__(self, model_name: str = "default"):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        kw = dict(registry=self.registry, namespace="attnserve")
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, **kw).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, **kw).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, **kw).labels(model_name)
+
+        self.running = gauge("num_running_reqs", "Requests in the running batch.")
+        self.waiting = gauge("num_waiting_reqs", "Requests in the waiting queue.")
+        self.kv_used = gauge("kv_slots_used", "KV-cache token slots in use.")
+        self.kv_total = gauge("kv_slots_total", "KV-cache token slots in the pool.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token (s).",
+                              _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens (s).",
+                             _LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token (s).", _E2E_BUCKETS)
+        self._finished = Counter("requests", "Finished requests by finish reason.", labels + ["finish_reason"], **kw)
+        self._rejected = Counter("requests_rejected", "Requests refused by the engine, by HTTP status.",
+                                 labels + ["status"], **kw)
+        self.model_name = model_name
+
+    # ---- fed by the engine loop thread ---------------------------------------------------------
+    def on_accept(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def on_reject(self, status: int) -> None:
+        self._rejected.labels(self.model_name, str(status)).inc()
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def on_inter_token(self, gap_s: float, num_tokens: int = 1) -> None:
+        """``num_tokens`` tokens arrived ``gap_s`` seconds after the previous one: each is
+        observed at ``gap_s / num_tokens``."""
+        for _ in range(num_tokens):
+            self.itl.observe(gap_s / num_tokens)
+
+    def on_generated(self, num_tokens: int) -> None:
+        self.generation_tokens.inc(num_tokens)
+
+    def on_finish(self, finish_reason: str, e2e_s: float) -> None:
+        self._finished.labels(self.model_name, finish_reason).inc()
+        self.e2e.observe(e2e_s)
+
+    def set_state(self, state: Dict[str, Any]) -> None:
+        """Update the gauges from an `EngineLoop` state snapshot."""
+        self.running.set(state["running"])
+        self.waiting.set(state["waiting"])
+        self.kv_used.set(state["kv_slots_used"])
+        self.kv_total.set(state["kv_slots_total"])
+
+    # ---- read by HTTP handlers -----------------------------------------------------------------
+    def render(self) -> bytes:
+        """Prometheus text exposition format (media type `content_type`)."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+    @staticmethod
+    def content_type() -> str:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return CONTENT_TYPE_LATEST

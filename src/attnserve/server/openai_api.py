@@ -1,0 +1,360 @@
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+plus ``/health``, ``/metrics`` and ``/debug/state``.
+
+A handler validates the request (schema in `attnserve.server.protocol`, then prompt length
+and sampling parameters), tokenizes it in a worker thread, submits it to the
+`EngineLoop`, waits for the engine to accept it (so a full queue is a 503 before any
+byte is streamed), then either streams server-sent events (``data: {...}\\n\\n`` ...
+``data: [DONE]\\n\\n``) or collects the whole completion. A client that disconnects, while
+streaming or while waiting for a non-streamed answer, aborts its request.
+
+This module imports FastAPI; only `attnserve.server.launch` imports it, lazily, so the
+engine works without the server dependencies. Handlers never touch the model, the
+scheduler or the KV pools; they read only immutable facts (context length, vocabulary
+size, tokenizer) and talk to the engine through the loop's queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Dict, List, Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from attnserve.server.engine_loop import EngineLoop, RequestStream, StreamEvent, SubmitCommand
+from attnserve.server.errors import APIError, error_body
+from attnserve.server.protocol import (
+    MAX_STOP_LEN,
+    MAX_STOP_SEQUENCES,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+    new_id,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServingContext:
+    """Per-app state (``app.state.ctx``): everything a handler may use.
+
+    Attributes:
+        loop: the engine loop (the only path to the engine).
+        engine: used only for its immutable parts: ``tokenize`` (tokenizer + vocabulary
+            check), ``tokenizer``, ``context_len``.
+        model_name: id served under ``/v1/models``; requests naming another model get 404.
+        metrics: `ServerMetrics` or None.
+        info: static facts for ``/debug/state`` (device, versions, backend).
+    """
+
+    loop: EngineLoop
+    engine: Any
+    model_name: str
+    metrics: Any = None
+    info: Optional[Dict[str, Any]] = None
+
+
+# ---- request -> (prompt ids, SamplingParams) ---------------------------------------------------
+def _check_model_and_options(ctx: ServingContext, body) -> None:
+    if body.model is not None and body.model != ctx.model_name:
+        raise APIError(404, f"the model {body.model!r} does not exist; this server serves {ctx.model_name!r}",
+                       "model", "model_not_found")
+    field = body.unsupported()
+    if field is not None:
+        hint = "n must be 1" if field == "n" else f"{field} is not supported by attnserve"
+        raise APIError(400, hint, field, "unsupported_parameter")
+    stops = body.stop_list()
+    if len(stops) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_LEN for s in stops):
+        raise APIError(400, f"stop takes at most {MAX_STOP_SEQUENCES} strings of at most {MAX_STOP_LEN} characters",
+                       "stop", "invalid_value")
+
+
+def _prompt_ids(ctx: ServingContext, prompt) -> List[int]:
+    """Token ids of a completion prompt (runs in a worker thread)."""
+    try:
+        return ctx.engine.tokenize(prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), "prompt", "invalid_value") from e
+
+
+def _chat_ids(ctx: ServingContext, body: ChatCompletionRequest) -> List[int]:
+    """Token ids of a conversation in the tokenizer's chat template, with the assistant
+    header appended (runs in a worker thread)."""
+    tok = ctx.engine.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", "messages", "invalid_value")
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    try:
+        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # jinja2 TemplateError and friends: the conversation does not fit the template
+        raise APIError(400, f"the messages do not fit the chat template: {e}", "messages", "invalid_value") from e
+    if hasattr(out, "keys") and "input_ids" in out:  # transformers >= 5 returns a BatchEncoding
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+def _sampling_params(ctx: ServingContext, body, prompt_len: int, max_tokens: Optional[int], prompt_param: str):
+    """Build `SamplingParams`, checking the prompt and the output against the context.
+
+    Raises:
+        APIError 400: a prompt that leaves no room in the context (``context_length_exceeded``),
+            or invalid sampling values (``param`` names the field).
+    """
+    from attnserve.engine.sampling_params import SamplingParams
+
+    ctx_len = ctx.engine.context_len
+    if prompt_len >= ctx_len:
+        raise APIError(400, f"the prompt has {prompt_len} tokens but the context length is {ctx_len}; "
+                            f"shorten it to at most {ctx_len - 1} tokens", prompt_param, "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = ctx_len - prompt_len
+    elif prompt_len + max_tokens > ctx_len:
+        raise APIError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context "
+                            f"length {ctx_len}; lower max_tokens to at most {ctx_len - prompt_len}", "max_tokens",
+                       "context_length_exceeded")
+    try:
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=-1 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            stop=body.stop_list() or None,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=bool(body.ignore_eos),
+            seed=body.seed,
+        )
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        param = {"max_new_tokens": "max_tokens"}.get(name, name)
+        raise APIError(400, str(e), param, "invalid_value") from e
+
+
+async def _submit(ctx: ServingContext, rid: str, prompt_ids: List[int], sp, arrival: float) -> RequestStream:
+    """Hand the request to the engine loop and wait until the engine accepted it.
+
+    Raises:
+        APIError: 503 when the waiting queue is full, 400 when the engine refuses the prompt.
+    """
+    stream = RequestStream()
+    ctx.loop.submit(SubmitCommand(rid, prompt_ids, sp, stream, arrival))
+    try:
+        first = await stream.get()
+    except asyncio.CancelledError:
+        ctx.loop.abort(rid)
+        raise
+    if first.error is not None:
+        e = first.error
+        raise APIError(e.status, e.message, None, e.code, e.type)
+    return stream
+
+
+async def _abort_on_disconnect(request, ctx: ServingContext, rid: str) -> None:
+    """Wait for the client to go away, then abort ``rid`` (cancelled when the answer is ready)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            logger.info("client of %s disconnected; aborting", rid)
+            ctx.loop.abort(rid)
+            return
+
+
+async def _collect(request, ctx: ServingContext, rid: str, stream: RequestStream) -> StreamEvent:
+    """Wait for the whole completion; returns the final event with ``text`` = all text.
+
+    Raises:
+        APIError 500 (or the engine's status) when the request failed.
+    """
+    watcher = asyncio.ensure_future(_abort_on_disconnect(request, ctx, rid))
+    parts: List[str] = []
+    done = False
+    try:
+        while True:
+            ev = await stream.get()
+            if ev.error is not None:
+                done = True
+                raise APIError(ev.error.status, ev.error.message, None, ev.error.code, ev.error.type)
+            parts.append(ev.text)
+            if ev.final:
+                done = True
+                return StreamEvent("".join(parts), ev.completion_tokens, ev.prompt_tokens, ev.finish_reason)
+    finally:
+        watcher.cancel()
+        if not done:
+            ctx.loop.abort(rid)
+
+
+def _sse(obj) -> str:
+    data = obj.model_dump_json(exclude_unset=False) if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+async def _stream_events(stream: RequestStream, make_chunk, make_usage, first_chunks=()) -> AsyncIterator[str]:
+    """SSE body: one chunk per text delta, a last chunk with ``finish_reason``, the usage
+    chunk when asked, then ``data: [DONE]``. An error after the stream started becomes a
+    ``data: {"error": ...}`` event. (Aborting on early exit is `_SSEResponse`'s job.)"""
+    for c in first_chunks:
+        yield _sse(c)
+    while True:
+        ev = await stream.get()
+        if ev.error is not None:
+            yield _sse(error_body(ev.error.status, ev.error.message, None, ev.error.code, ev.error.type))
+            break
+        if ev.text:
+            yield _sse(make_chunk(ev.text, None))
+        if ev.final:
+            yield _sse(make_chunk(None, ev.finish_reason))
+            usage = make_usage(ev)
+            if usage is not None:
+                yield _sse(usage)
+            break
+    yield "data: [DONE]\n\n"
+
+
+class _SSEResponse(StreamingResponse):
+    """`StreamingResponse` that aborts its request unless the whole stream was sent: the
+    client left mid-stream (Starlette cancels the body iterator), left before the first
+    byte (the iterator never started), or sending failed. Aborting a request that has
+    finished in the meantime is a no-op."""
+
+    def __init__(self, gen, on_exit):
+        super().__init__(gen, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_exit = on_exit
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_exit()
+
+
+def _sse_response(ctx: ServingContext, rid: str, gen):
+    state = {"finished": False}
+
+    async def tracked():
+        async for item in gen:
+            yield item
+        state["finished"] = True
+
+    def on_exit():
+        if not state["finished"]:
+            ctx.loop.abort(rid)
+
+    return _SSEResponse(tracked(), on_exit)
+
+
+# ---- routes --------------------------------------------------------------------------------
+def build_router():
+    """The API routes; they read ``request.app.state.ctx`` (a `ServingContext`)."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health(request: Request):
+        ctx: ServingContext = request.app.state.ctx
+        if not ctx.loop.is_alive():
+            return JSONResponse(error_body(503, "the engine loop is not running", code="engine_dead"), 503)
+        return {"status": "ok"}
+
+    @router.get("/metrics")
+    async def metrics(request: Request):
+        ctx: ServingContext = request.app.state.ctx
+        if ctx.metrics is None:
+            raise APIError(404, "metrics are disabled", None, "not_found")
+        return Response(ctx.metrics.render(), media_type=ctx.metrics.content_type())
+
+    @router.get("/debug/state")
+    async def debug_state(request: Request):
+        """Engine snapshot (running/waiting requests, KV slots used/free/total ...) taken
+        by the loop thread after its last step, plus static facts about the server."""
+        ctx: ServingContext = request.app.state.ctx
+        return {**(ctx.info or {}), **ctx.loop.state(), "engine_alive": ctx.loop.is_alive()}
+
+    @router.get("/v1/models")
+    async def list_models(request: Request):
+        ctx: ServingContext = request.app.state.ctx
+        return ModelList(data=[ModelCard(id=ctx.model_name, max_model_len=ctx.engine.context_len)])
+
+    @router.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request):
+        ctx: ServingContext = request.app.state.ctx
+        if model_id != ctx.model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
+        return ModelCard(id=ctx.model_name, max_model_len=ctx.engine.context_len)
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        ctx: ServingContext = request.app.state.ctx
+        arrival = time.perf_counter()
+        _check_model_and_options(ctx, body)
+        prompt_ids = await run_in_threadpool(_prompt_ids, ctx, body.prompt)
+        sp = _sampling_params(ctx, body, len(prompt_ids), body.max_tokens, "prompt")
+        rid = new_id("cmpl")
+        stream = await _submit(ctx, rid, prompt_ids, sp, arrival)
+        model = ctx.model_name
+        if body.stream:
+            def chunk(text, reason):
+                return CompletionResponse(id=rid, model=model,
+                                          choices=[CompletionChoice(text=text or "", finish_reason=reason)])
+
+            def usage(ev):
+                if not body.include_usage:
+                    return None
+                return CompletionResponse(id=rid, model=model, choices=[],
+                                          usage=UsageInfo.of(ev.prompt_tokens, ev.completion_tokens))
+
+            return _sse_response(ctx, rid, _stream_events(stream, chunk, usage))
+        ev = await _collect(request, ctx, rid, stream)
+        return CompletionResponse(id=rid, model=model, choices=[CompletionChoice(text=ev.text,
+                                                                                 finish_reason=ev.finish_reason)],
+                                  usage=UsageInfo.of(len(prompt_ids), ev.completion_tokens))
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        ctx: ServingContext = request.app.state.ctx
+        arrival = time.perf_counter()
+        _check_model_and_options(ctx, body)
+        prompt_ids = await run_in_threadpool(_chat_ids, ctx, body)
+        sp = _sampling_params(ctx, body, len(prompt_ids), body.requested_max_tokens(), "messages")
+        rid = new_id("chatcmpl")
+        stream = await _submit(ctx, rid, prompt_ids, sp, arrival)
+        model = ctx.model_name
+        if body.stream:
+            def chunk(text, reason):
+                delta = {"content": text} if text is not None else {}
+                return ChatCompletionChunk(id=rid, model=model,
+                                           choices=[ChatChunkChoice(delta=delta, finish_reason=reason)])
+
+            def usage(ev):
+                if not body.include_usage:
+                    return None
+                return ChatCompletionChunk(id=rid, model=model, choices=[],
+                                           usage=UsageInfo.of(ev.prompt_tokens, ev.completion_tokens))
+
+            first = ChatCompletionChunk(id=rid, model=model,
+                                        choices=[ChatChunkChoice(delta={"role": "assistant", "content": ""})])
+            return _sse_response(ctx, rid, _stream_events(stream, chunk, usage, first_chunks=[first]))
+        ev = await _collect(request, ctx, rid, stream)
+        return ChatCompletionResponse(
+            id=rid, model=model,
+            choices=[ChatChoice(message=ChatResponseMessage(content=ev.text), finish_reason=ev.finish_reason)],
+            usage=UsageInfo.of(len(prompt_ids), ev.completion_tokens),
+        )
+
+    return router

@@ -1,0 +1,103 @@
+"""``python -m attnserve serve`` in a subprocess: loopback bind, API key, 503 when the
+waiting queue is full, clean shutdown on SIGTERM."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+KEY = "cli-key"
+H = {"Authorization": f"Bearer {KEY}"}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cli_server(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("cli") / "server.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.abspath("src"),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "attnserve", "serve", "--port", str(port), "--api-key", KEY,
+             "--max-running-requests", "1", "--max-queued-requests", "1"],
+            stdout=f, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.5)
+    yield proc, base, log
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_auth_queue_full_and_shutdown(cli_server):
+    proc, base, log = cli_server
+    assert httpx.post(base + "/v1/completions", json={"prompt": "hi"}).status_code == 401
+    st = httpx.get(base + "/debug/state", headers=H).json()
+    assert st["req_rows_total"] == 2 and st["device"] == "cpu"  # --max-running-requests 1 (+1 spare row)
+
+    with httpx.Client(base_url=base, headers=H, timeout=120) as c:
+        body = {"prompt": "Tell me a long story.", "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as long_stream:  # occupies the one running slot
+            assert long_stream.status_code == 200
+            lines = long_stream.iter_lines()
+            assert next(ln for ln in lines if ln.startswith("data: "))
+            waiting_result = {}
+
+            def queued():
+                r = httpx.post(base + "/v1/completions", headers=H, timeout=120,
+                               json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+                waiting_result["r"] = r
+
+            t = threading.Thread(target=queued)
+            t.start()
+            deadline = time.monotonic() + 30
+            while c.get("/debug/state").json()["waiting"] != 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            full = c.post("/v1/completions", json={"prompt": "One more", "max_tokens": 2})
+            assert full.status_code == 503, full.text
+            err = full.json()["error"]
+            assert err["code"] == "queue_full" and err["type"] == "server_overloaded"
+        # leaving the stream aborts the long request; the queued one runs and succeeds
+        t.join(60)
+        assert waiting_result["r"].status_code == 200, waiting_result["r"].text
+        ok = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "What is the capital "
+                                                                "of France?"}], "max_tokens": 8, "temperature": 0})
+        assert ok.status_code == 200 and "Paris" in ok.json()["choices"][0]["message"]["content"]
+        metrics = httpx.get(base + "/metrics").text
+        assert 'attnserve_requests_rejected_total{model_name="smollm2-135m",status="503"} 1.0' in metrics
+
+    proc.send_signal(signal.SIGTERM)
+    # uvicorn shuts down gracefully, then re-raises SIGTERM (exit status -15)
+    assert proc.wait(30) in (0, -signal.SIGTERM), log.read_text()[-3000:]
+    text = log.read_text()
+    assert "engine loop stopped" in text and "Traceback" not in text
+
+
+def test_cli_rejects_bad_flags():
+    r = subprocess.run([sys.executable, "-m", "attnserve", "serve", "--page-size", "0", "--port", "1"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.path.abspath("src")})
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("attnserve: error:")
