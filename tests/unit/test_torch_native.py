@@ -69,3 +69,27 @@ def test_registry_rejects_unknown_backend():
     assert "torch_native" in available_backends()
     with pytest.raises(ValueError, match="valid backends: .*torch_native"):
         create_attention_backend("flashattn9000", None)
+
+
+@pytest.mark.parametrize("window", [-1, 4])
+def test_decode_never_reads_invisible_slots(window):
+    """Poison every KV slot no query may see (outside windows, padding, free slots)."""
+    case = make_batch(ForwardMode.DECODE, [3, 17, 9], [1, 1, 1], 4, 2, 8, 4, window=window, seed=21)
+    ref = None
+    backend = TorchNativeAttnBackend()
+    # write the new tokens' K/V first, then compute the reference from the clean pool
+    case.pool.set_kv_buffer(case.layer, case.fb.out_cache_loc, case.k, case.v)
+    ref = naive_reference(case)
+    visible = set()
+    for row, p in zip(case.rows, case.prefix_lens):
+        lo = 0 if window < 0 else max(0, p - window)
+        visible |= set(case.req_to_token[row, lo:p + 1].tolist())
+    for buf in (case.pool.get_key_buffer(0), case.pool.get_value_buffer(0)):
+        hidden = torch.tensor(sorted(set(range(buf.shape[0])) - visible))
+        buf[hidden] = float("nan")
+    case.fb.attn_backend = backend
+    backend.init_forward_metadata(case.fb)
+    out = backend.forward_decode(case.q.reshape(3, -1), None, None, case.layer, case.fb, save_kv_cache=False)
+    out = out.view(3, 4, 8)
+    assert not torch.isnan(out).any()
+    assert torch.allclose(out.double(), ref, atol=1e-5)

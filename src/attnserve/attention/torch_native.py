@@ -135,7 +135,45 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs):
-        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+        fb = forward_batch
+        if fb.spec_info is not None and getattr(fb.spec_info, "custom_mask", None) is not None:
+            return self._run(q, k, v, layer, fb, save_kv_cache)
+        if save_kv_cache and k is not None:
+            fb.token_to_kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
+        return self._decode_batched(q, layer, fb)
+
+    def _decode_batched(self, q, layer, fb: ForwardBatch) -> torch.Tensor:
+        """All decode queries at once: gather each request's visible keys into a padded
+        ``[bs, W, Hkv, D]`` block (W = longest visible span), mask the padding, and run the
+        same float32 math as `attention_reference` (one batched matmul instead of a Python
+        loop per request)."""
+        lid = layer.layer_id
+        k_buf = fb.token_to_kv_pool.get_key_buffer(lid)
+        v_buf = fb.token_to_kv_pool.get_value_buffer(lid)
+        bs, hkv = fb.batch_size, layer.tp_k_head_num
+        group = layer.tp_q_head_num // hkv
+        seq_lens_cpu = fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens.cpu()
+        window = layer.sliding_window_size
+        first_cpu = torch.clamp(seq_lens_cpu - 1 - window, min=0) if window >= 0 else torch.zeros_like(seq_lens_cpu)
+        width = int((seq_lens_cpu - first_cpu).max())
+        seq_lens = fb.seq_lens.to(torch.int64)
+        first = first_cpu.to(device=q.device, dtype=torch.int64)
+        pos = first[:, None] + torch.arange(width, device=q.device)[None, :]  # [bs, W]
+        valid = pos < seq_lens[:, None]
+        r2t = fb.req_to_token_pool.req_to_token
+        slots = r2t[fb.req_pool_indices[:, None], pos.clamp(max=r2t.shape[1] - 1)].to(torch.int64)
+        slots = torch.where(valid, slots, torch.zeros_like(slots))
+        pad = ~valid[:, :, None, None]  # padding reads slot 0: zero it (it may hold anything)
+        kf = k_buf[slots].float().masked_fill(pad, 0.0)  # [bs, W, Hkv, Dk]
+        vf = v_buf[slots].float().masked_fill(pad, 0.0)
+        qf = q.view(bs, hkv, group, layer.qk_head_dim).float()
+        scores = torch.einsum("bhgd,bwhd->bhgw", qf, kf) * layer.scaling
+        if layer.logit_cap and layer.logit_cap > 0:
+            scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("bhgw,bwhd->bhgd", probs, vf)
+        return out.reshape(bs, layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs):
         if kwargs.get("k_prefix") is not None:  # MLA: the layer expanded the prefix itself
