@@ -43,11 +43,13 @@ DETERMINISTIC_SPLIT_TILE = 256
 
 @dataclass
 class WindowIndices:
-    """Indices of a sliding-window layer: keys start at ``kv_start`` (int32 ``[bs]``)."""
+    """Indices of a sliding-window layer: keys start at ``kv_start`` (int32 ``[bs]``);
+    decode splits (``num_kv_splits``) are sized for the window, not the whole sequence."""
 
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     kv_start: torch.Tensor
+    num_kv_splits: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -165,7 +167,10 @@ class TritonAttnBackend(AttentionBackend):
             indptr_out=None if out is None else out["win_indptr"][: seq_lens.numel() + 1],
             indices_out=None if out is None else out["win_indices"], total=total,
         )
-        return WindowIndices(indptr, indices, start)
+        n = seq_lens.numel()
+        splits = torch.empty(n, dtype=torch.int32, device=self.device) if out is None else out["win_splits"][:n]
+        self._num_kv_splits(win_lens.to(torch.int32), splits)
+        return WindowIndices(indptr, indices, start, splits)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
@@ -264,13 +269,14 @@ class TritonAttnBackend(AttentionBackend):
         hq, dv = layer.tp_q_head_num, layer.v_head_dim
         q3 = q.view(-1, hq, layer.qk_head_dim)
         o = q.new_empty(q3.shape[0], hq, dv)
-        kv_indptr, kv_indices = md.kv_indptr, md.kv_indices
+        kv_indptr, kv_indices, num_kv_splits = md.kv_indptr, md.kv_indices, md.num_kv_splits
         if layer.sliding_window_size >= 0:
-            kv_indptr, kv_indices = md.window.kv_indptr, md.window.kv_indices
+            win = md.window
+            kv_indptr, kv_indices, num_kv_splits = win.kv_indptr, win.kv_indices, win.num_kv_splits
         k_buf = pool.get_key_buffer(layer.layer_id)
         v_buf = pool.get_value_buffer(layer.layer_id)
         decode_attention_fwd(
-            q3, k_buf, v_buf, o, kv_indptr, kv_indices, md.attn_logits, md.attn_lse, md.num_kv_splits,
+            q3, k_buf, v_buf, o, kv_indptr, kv_indices, md.attn_logits, md.attn_lse, num_kv_splits,
             self.max_kv_splits, layer.scaling, logit_cap=layer.logit_cap,
         )
         return o.view(-1, hq * dv)
@@ -307,6 +313,7 @@ class TritonAttnBackend(AttentionBackend):
             g["win_indptr"] = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
             g["win_indices"] = torch.zeros(max_bs * (self.sliding_window_size + 1), dtype=torch.int32, device=dev)
             g["win_start"] = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+            g["win_splits"] = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.graph = g
 
     def _graph_metadata(self, bs: int, req_pool_indices, seq_lens) -> None:
