@@ -134,7 +134,7 @@ def measure(bs: int, ctx: int, dtype, page_size: int = 1, peer: bool = True) -> 
     return row
 
 
-def run(bs: int = 8, contexts: Sequence[int] = (1024, 2048, 4096, 8192), dtype: str = "bfloat16",
+def run(bs: int = 64, contexts: Sequence[int] = (1024, 2048, 4096, 8192), dtype: str = "bfloat16",
         page_size: int = 1, peer: bool = True, ceilings: bool = True) -> dict:
     """All measurements of one run as a JSON-able dict (see the module docstring)."""
     import torch
@@ -166,7 +166,7 @@ def run(bs: int = 8, contexts: Sequence[int] = (1024, 2048, 4096, 8192), dtype: 
 def main(argv: Optional[List[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results", help="directory of the JSON result")
-    ap.add_argument("--bs", type=int, default=8)
+    ap.add_argument("--bs", type=int, default=64)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     ap.add_argument("--page-size", type=int, default=1)
