@@ -16,6 +16,8 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
+from attnserve.mem_cache.store_kv import fused_kernels_enabled, store_kv
+
 
 class ReqToTokenPool:
     """``req_to_token`` int32 ``[size, max_context_len]``: row r holds the KV slot of each
@@ -224,6 +226,9 @@ class MHATokenToKVPool(KVCache):
         head_num: KV heads per layer (after tensor parallelism).
         head_dim / v_head_dim: K and V head sizes (``v_head_dim`` defaults to ``head_dim``).
         layer_num: number of attention layers.
+
+    On a CUDA pool `set_kv_buffer` writes K and V with one Triton launch (`store_kv`) unless
+    ``ATTNSERVE_DISABLE_FUSED`` was set at construction; elsewhere it uses ``index_put``.
     """
 
     def __init__(
@@ -250,6 +255,7 @@ class MHATokenToKVPool(KVCache):
         self.v_buffer = [
             torch.zeros((rows, head_num, self.v_head_dim), dtype=dtype, device=self.device) for _ in range(layer_num)
         ]
+        self.use_fused_store = self.device.type == "cuda" and fused_kernels_enabled()
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]
@@ -261,6 +267,16 @@ class MHATokenToKVPool(KVCache):
         """Write ``cache_k``/``cache_v`` ``[n, head_num, D]`` into rows ``loc`` (int64 ``[n]``)
         of ``layer.layer_id``'s buffers, casting to the pool dtype."""
         lid = layer.layer_id
+        if (
+            self.use_fused_store
+            and cache_k.is_cuda
+            and loc.is_cuda
+            and loc.dtype in (torch.int64, torch.int32)
+            and cache_k.stride(-1) == 1
+            and cache_v.stride(-1) == 1
+        ):
+            store_kv(self.k_buffer[lid], self.v_buffer[lid], loc, cache_k, cache_v)
+            return
         self.k_buffer[lid][loc] = cache_k.to(self.dtype)
         self.v_buffer[lid][loc] = cache_v.to(self.dtype)
 

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnserve.models.layers.fused_kernels import fused_kernels_enabled, gelu_tanh_and_mul, silu_and_mul
+
 
 class SiluAndMul(nn.Module):
     """SwiGLU gate (Shazeer, "GLU Variants Improve Transformer", arXiv:2002.05202).
@@ -13,9 +15,18 @@ class SiluAndMul(nn.Module):
     Shapes:
         ``x`` ``[..., 2 * d]`` holding ``[gate | up]`` (the layout of a fused
         ``gate_up_proj``) -> ``silu(gate) * up`` ``[..., d]``, same dtype.
+
+    On CUDA tensors one Triton launch (`fused_kernels.silu_and_mul`, float32 math) unless
+    ``ATTNSERVE_DISABLE_FUSED`` was set when the module was built.
     """
 
+    def __init__(self):
+        super().__init__()
+        self.use_fused = fused_kernels_enabled()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_fused and x.is_cuda:
+            return silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 
@@ -37,8 +48,12 @@ class GeluAndMul(nn.Module):
         if approximate not in ("tanh", "none"):
             raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
         self.approximate = approximate
+        # fused kernel (CUDA tensors) for the tanh form only; read once, see `SiluAndMul`
+        self.use_fused = approximate == "tanh" and fused_kernels_enabled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_fused and x.is_cuda:
+            return gelu_tanh_and_mul(x)
         d = x.shape[-1] // 2
         return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
 

@@ -7,6 +7,13 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import nn
 
+from attnserve.models.layers.fused_kernels import (
+    fused_add_rmsnorm,
+    fused_add_rmsnorm_supported,
+    fused_kernels_enabled,
+    rmsnorm,
+)
+
 
 class RMSNorm(nn.Module):
     """``y = x / sqrt(mean(x**2, -1) + eps) * weight``, computed in float32.
@@ -21,13 +28,22 @@ class RMSNorm(nn.Module):
 
     Shapes:
         ``x`` ``[..., hidden_size]`` -> same shape and dtype.
+
+    On CUDA tensors the fused Triton kernels of `fused_kernels` do the work in one launch
+    (``use_fused``, read once here from ``ATTNSERVE_DISABLE_FUSED``); the code below is the
+    reference and the CPU path.
     """
+
+    #: the fused kernels compute ``x_hat * (weight + fused_weight_offset)``; a subclass whose
+    #: ``_norm`` is not of that form must set this to None (no fused path)
+    fused_weight_offset: Optional[float] = 0.0
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.hidden_size = hidden_size
         self.variance_epsilon = float(eps)
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.use_fused = self.fused_weight_offset is not None and fused_kernels_enabled()
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -47,7 +63,15 @@ class RMSNorm(nn.Module):
 
         Returns:
             ``norm(x)``, or ``(norm(x + residual), x + residual)`` when ``residual`` is given.
+            On the fused (CUDA) path the sum is written into ``residual`` in place and that
+            tensor is returned.
         """
+        if self.use_fused and x.is_cuda:
+            if residual is None:
+                return rmsnorm(x, self.weight, self.variance_epsilon, self.fused_weight_offset)
+            if fused_add_rmsnorm_supported(x, residual):
+                out = fused_add_rmsnorm(x, residual, self.weight, self.variance_epsilon, self.fused_weight_offset)
+                return out, residual
         if residual is None:
             return self._norm(x)
         s = x + residual
@@ -68,6 +92,8 @@ class GemmaRMSNorm(RMSNorm):
 
     Shapes and the ``residual`` form are those of `RMSNorm`.
     """
+
+    fused_weight_offset = 1.0  # fused kernels: x_hat * (weight + 1)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: Optional[torch.dtype] = None):
         super().__init__(hidden_size, eps, dtype)

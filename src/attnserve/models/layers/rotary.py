@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
+from attnserve.models.layers.fused_kernels import fused_kernels_enabled, rope_layout_supported, rotary_embedding_inplace
+
 DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -199,6 +201,10 @@ class RotaryEmbedding(nn.Module):
     Buffer ``cos_sin_cache``: float32 ``[max_position, rotary_dim]`` = ``[cos | sin]`` of
     ``position * inv_freq``; not saved in ``state_dict``. It stays float32 when the module
     is cast (``.to(torch.bfloat16)`` moves it between devices but keeps its dtype).
+
+    On CUDA tensors (``use_fused``, read once here from ``ATTNSERVE_DISABLE_FUSED``) one
+    Triton launch rotates q and k in place (`fused_kernels.rotary_embedding_inplace`); the
+    PyTorch code is the reference and the CPU path.
     """
 
     def __init__(
@@ -228,6 +234,7 @@ class RotaryEmbedding(nn.Module):
         if self.cos_sin_scale != 1.0:
             cache = cache * self.cos_sin_scale
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.use_fused = fused_kernels_enabled()
 
     def _apply(self, fn, *args, **kwargs):
         # `.to(bfloat16)` / `.half()` on the model must not round the table: keep float32 and
@@ -264,8 +271,15 @@ class RotaryEmbedding(nn.Module):
             key: ``[T, Hk * head_dim]`` or ``[T, Hk, head_dim]``, or None.
 
         Returns:
-            ``(query, key)`` rotated, same shapes and dtypes (new tensors; math in float32).
+            ``(query, key)`` rotated, same shapes and dtypes (math in float32): new tensors on
+            the PyTorch path; on the fused CUDA path the given tensors (or the views into a
+            fused qkv output) rotated in place and returned.
         """
+        if self.use_fused and query.is_cuda and rope_layout_supported(query, key, self.head_dim):
+            rotary_embedding_inplace(
+                positions, query, key, self.cos_sin_cache, self.head_dim, self.rotary_dim, self.is_neox_style
+            )
+            return query, key
         cos_sin = self.cos_sin_cache.index_select(0, positions).float()
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim // 2] each
         query = self._rotate(query, cos, sin)

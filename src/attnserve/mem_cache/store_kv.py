@@ -1,0 +1,90 @@
+"""One-launch KV-cache write (Triton) and the switch for attnserve's fused kernels.
+
+`store_kv` replaces the un-fused write ``k_buffer[loc] = k.to(dtype); v_buffer[loc] =
+v.to(dtype)`` (up to two casts and two ``index_put`` kernels) by one Triton launch. It
+lives in ``mem_cache`` (not ``models``) because `MHATokenToKVPool` uses it and imports run
+downwards (models -> mem_cache); `attnserve.models.layers.fused_kernels` re-exports it.
+
+This module imports without Triton; the kernel module (`store_kv_triton`) is imported only
+when `store_kv` is called.
+
+``ATTNSERVE_DISABLE_FUSED=1`` (also ``true``/``yes``/``on``) turns every fused kernel off;
+modules read it once, in their constructors (`fused_kernels_enabled`), and keep the answer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+#: environment variable that disables attnserve's fused Triton kernels when truthy
+DISABLE_FUSED_ENV = "ATTNSERVE_DISABLE_FUSED"
+
+
+def fused_kernels_enabled() -> bool:
+    """True unless ``ATTNSERVE_DISABLE_FUSED`` is truthy or Triton is not installed.
+
+    Read it once (in a constructor) and store the answer; callers still dispatch to the
+    fused path only for CUDA tensors.
+    """
+    if os.environ.get(DISABLE_FUSED_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def store_kv(
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """``k_buffer[loc[i]] = k[i]`` and ``v_buffer[loc[i]] = v[i]`` in one Triton launch.
+
+    Args:
+        k_buffer: ``[slots, H, Dk]`` cache (last dim contiguous), any float dtype.
+        v_buffer: ``[slots, H, Dv]`` cache (last dim contiguous).
+        loc: int64 (or int32) ``[T]`` destination rows; must lie in ``[0, slots)`` (not
+            checked: no host sync). Duplicate rows get one of the writers (unspecified).
+        k: ``[T, H, Dk]`` (or ``[T, H*Dk]``), any dtype castable to ``k_buffer.dtype``;
+            may be a strided view (e.g. into a fused qkv output) with last dim contiguous.
+        v: ``[T, H, Dv]`` (or ``[T, H*Dv]``), likewise.
+
+    Values go through float32 into the buffer dtype (same rounding as ``Tensor.to``). No
+    allocation, no host sync: CUDA-graph capturable.
+
+    Raises:
+        ValueError: on shape mismatches or a non-contiguous last dimension.
+    """
+    num_heads, dk = k_buffer.shape[1], k_buffer.shape[2]
+    dv = v_buffer.shape[2]
+    if v_buffer.shape[1] != num_heads:
+        raise ValueError(f"store_kv: K and V buffers have {num_heads} and {v_buffer.shape[1]} heads")
+    k3 = k if k.dim() == 3 else k.view(k.shape[0], num_heads, dk)
+    v3 = v if v.dim() == 3 else v.view(v.shape[0], num_heads, dv)
+    t = loc.shape[0]
+    if tuple(k3.shape) != (t, num_heads, dk) or tuple(v3.shape) != (t, num_heads, dv):
+        raise ValueError(
+            f"store_kv: k {tuple(k.shape)} / v {tuple(v.shape)} do not match loc [{t}] and buffers "
+            f"[*, {num_heads}, {dk}] / [*, {num_heads}, {dv}]"
+        )
+    for name, x in (("k", k3), ("v", v3), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"store_kv: {name} must have a contiguous last dimension, strides {x.stride()}")
+    if t == 0:
+        return
+    from attnserve.mem_cache.store_kv_triton import _store_kv_kernel
+
+    block_dk, block_dv = _next_pow2(dk), _next_pow2(dv)
+    block_h = max(1, min(_next_pow2(num_heads), 4096 // max(block_dk, block_dv)))
+    grid = (t, -(-num_heads // block_h))
+    _store_kv_kernel[grid](
+        loc, k3, v3, k_buffer, v_buffer,
+        k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        num_heads, dk, dv,
+        BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+        num_warps=4,
+    )

@@ -1,0 +1,292 @@
+"""Fused Triton kernels of the decoder's small operations (used on CUDA tensors).
+
+Each function replaces a chain of elementwise PyTorch kernels with one Triton launch; the
+pure-PyTorch code of the layers (`RMSNorm`, `RotaryEmbedding`, `SiluAndMul`, `GeluAndMul`,
+`MHATokenToKVPool.set_kv_buffer`) stays the reference and the CPU path. The layers use
+these launchers only for CUDA tensors and only when `fused_kernels_enabled()` said yes in
+their constructor (``ATTNSERVE_DISABLE_FUSED=1`` turns them off).
+
+* `rmsnorm` / `fused_add_rmsnorm` -- RMSNorm (Zhang & Sennrich, arXiv:1910.07467), also in
+  Gemma's ``x * (1 + w)`` form (``weight_offset=1.0``); the residual form adds, stores the
+  new residual stream in place and normalises in one kernel.
+* `rotary_embedding_inplace` -- RoPE (Su et al., RoFormer, arXiv:2104.09864) on q and k in
+  one launch, NeoX ("rotate half") or GPT-J (interleaved) pairing, partial ``rotary_dim``.
+* `silu_and_mul` / `gelu_tanh_and_mul` -- SwiGLU / GeGLU gates (Shazeer,
+  arXiv:2002.05202); GELU with the tanh approximation (Hendrycks & Gimpel,
+  arXiv:1606.08415).
+* `store_kv` -- K and V cache write in one launch (defined in `attnserve.mem_cache.store_kv`).
+
+All math is float32 inside the kernels; inputs may be float16, bfloat16 or float32;
+outputs are in the input's dtype. The launchers allocate nothing but their outputs, never
+read device values on the host, and are CUDA-graph capturable. Algorithms were studied in
+SGLang / vLLM / FlashInfer; the code is our own.
+
+Triton is imported lazily (the kernels live in `fused_kernels_triton`), so this module
+imports on CPU-only installs without Triton. On CPU the kernels run only under the Triton
+interpreter (``TRITON_INTERPRET=1``; the tests use it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from attnserve.mem_cache.store_kv import DISABLE_FUSED_ENV, fused_kernels_enabled, store_kv
+
+__all__ = [
+    "DISABLE_FUSED_ENV",
+    "fused_kernels_enabled",
+    "rmsnorm",
+    "fused_add_rmsnorm",
+    "fused_add_rmsnorm_supported",
+    "rope_layout_supported",
+    "rotary_embedding_inplace",
+    "silu_and_mul",
+    "gelu_tanh_and_mul",
+    "store_kv",
+]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _norm_warps(block: int) -> int:
+    return max(1, min(16, block // 512))
+
+
+def _row_layout(x: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
+    """Rows of ``x`` ``[..., N]`` as (tensor, stride_outer, stride_inner, inner).
+
+    Row ``r`` starts at ``(r // inner) * stride_outer + (r % inner) * stride_inner``: this
+    covers 2-D tensors with any row stride and 3-D views such as ``[T, H, D]`` carved out of
+    a fused projection, without a copy. Other layouts (or a strided last dim) are made
+    contiguous first.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 1:
+        return x, x.shape[0], 0, 1
+    if x.dim() == 2:
+        return x, x.stride(0), 0, 1
+    if x.dim() == 3:
+        return x, x.stride(0), x.stride(1), x.shape[1]
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return x, x.shape[-1], 0, 1
+
+
+def rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``x / sqrt(mean(x**2, -1) + eps) * (weight + weight_offset)`` in one launch.
+
+    Args:
+        x: ``[..., N]`` float16/bfloat16/float32; 2-D/3-D strided views with a contiguous
+            last dim are read in place.
+        weight: ``[N]`` any float dtype (converted to float32 in the kernel).
+        eps: added to the mean square.
+        weight_offset: 0.0 for Llama-style RMSNorm, 1.0 for Gemma's ``(1 + w)`` form.
+        out: optional contiguous output of ``x``'s shape (any float dtype).
+
+    Returns:
+        ``out`` (or a new contiguous tensor of ``x``'s shape and dtype). One program per
+        row; the whole row is held in registers (``BLOCK = next_pow2(N)``).
+    """
+    n = x.shape[-1]
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != tuple(x.shape) or not out.is_contiguous():
+        raise ValueError(f"rmsnorm: out must be contiguous with shape {tuple(x.shape)}")
+    rows = x.numel() // n if n else 0
+    if rows == 0:
+        return out
+    xs, s0, s1, inner = _row_layout(x)
+    weight = weight.contiguous()
+    from attnserve.models.layers.fused_kernels_triton import _rmsnorm_kernel
+
+    block = _next_pow2(n)
+    _rmsnorm_kernel[(rows,)](
+        xs, s0, s1, inner, weight, out, n, n, float(eps), float(weight_offset),
+        BLOCK=block, num_warps=_norm_warps(block),
+    )
+    return out
+
+
+def fused_add_rmsnorm_supported(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether `fused_add_rmsnorm` accepts ``(x, residual)``: same shape and dtype, and a
+    ``residual`` it can update in place (contiguous last dim; 1-3 dims or contiguous)."""
+    return (
+        tuple(x.shape) == tuple(residual.shape)
+        and x.dtype == residual.dtype
+        and residual.stride(-1) == 1
+        and (residual.dim() <= 3 or residual.is_contiguous())
+    )
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+) -> torch.Tensor:
+    """``residual += x`` (in place, in ``residual``'s dtype) and return ``rmsnorm(residual)``.
+
+    One launch. Matches the PyTorch reference ``s = x + residual; norm(s)``: the sum is
+    rounded to the storage dtype before it is normalised in float32.
+
+    Args:
+        x: ``[..., N]`` block output, same shape and dtype as ``residual``.
+        residual: ``[..., N]`` residual stream; overwritten with ``x + residual`` (callers
+            must not need the old value: the decoder layers pass a stream they own).
+        weight / eps / weight_offset: as in `rmsnorm`.
+
+    Returns:
+        new contiguous ``[..., N]`` tensor ``norm(x + residual)`` in ``residual``'s dtype.
+
+    Raises:
+        ValueError: shapes or dtypes differ, or ``residual`` has a strided last dimension
+            or more than 3 dims without being contiguous (it must be updated in place).
+    """
+    if not fused_add_rmsnorm_supported(x, residual):
+        raise ValueError(
+            f"fused_add_rmsnorm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
+            f"{residual.dtype} strides {residual.stride()}: shapes and dtypes must match and residual "
+            "must be updatable in place"
+        )
+    n = x.shape[-1]
+    out = torch.empty(x.shape, dtype=residual.dtype, device=residual.device)
+    rows = x.numel() // n if n else 0
+    if rows == 0:
+        return out
+    xs, xs0, xs1, inner = _row_layout(x)
+    rs, rs0, rs1, r_inner = _row_layout(residual)
+    assert inner == r_inner  # same shape, and neither is re-laid-out when > 3-D (checked above)
+    weight = weight.contiguous()
+    from attnserve.models.layers.fused_kernels_triton import _fused_add_rmsnorm_kernel
+
+    block = _next_pow2(n)
+    _fused_add_rmsnorm_kernel[(rows,)](
+        xs, xs0, xs1, rs, rs0, rs1, inner, weight, out, n, n, float(eps), float(weight_offset),
+        BLOCK=block, num_warps=_norm_warps(block),
+    )
+    return out
+
+
+def _rope_heads(x: torch.Tensor, head_dim: int) -> Optional[Tuple[int, int, int]]:
+    """(num_heads, stride_t, stride_h) of a ``[T, H*D]`` / ``[T, H, D]`` tensor, or None."""
+    if x.stride(-1) != 1:
+        return None
+    if x.dim() == 2 and x.shape[1] % head_dim == 0:
+        return x.shape[1] // head_dim, x.stride(0), head_dim
+    if x.dim() == 3 and x.shape[2] == head_dim:
+        return x.shape[1], x.stride(0), x.stride(1)
+    return None
+
+
+def rope_layout_supported(query: torch.Tensor, key: Optional[torch.Tensor], head_dim: int) -> bool:
+    """Whether `rotary_embedding_inplace` can rotate these tensors where they lie: 2-D
+    ``[T, H*D]`` or 3-D ``[T, H, D]`` with a contiguous last dimension (any row/head
+    stride), and ``key`` (if any) with the same number of tokens."""
+    if _rope_heads(query, head_dim) is None:
+        return False
+    return key is None or (_rope_heads(key, head_dim) is not None and key.shape[0] == query.shape[0])
+
+
+def rotary_embedding_inplace(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+    rotary_dim: int,
+    is_neox: bool,
+) -> None:
+    """Rotate ``q`` and ``k`` in place by their tokens' positions (one launch for both).
+
+    Args:
+        positions: int64 (or int32) ``[T]``; must index ``cos_sin_cache`` (not checked).
+        q: ``[T, Hq*D]`` or ``[T, Hq, D]``, float16/bfloat16/float32, last dim contiguous;
+            may be a strided view (e.g. the q part of a fused qkv output).
+        k: ``[T, Hk*D]`` / ``[T, Hk, D]`` likewise, or None.
+        cos_sin_cache: float32 ``[max_pos, rotary_dim]`` = ``[cos | sin]`` halves of
+            ``position * inv_freq`` (`RotaryEmbedding.cos_sin_cache`; any scale is baked in).
+        head_dim: ``D``.
+        rotary_dim: leading channels of each head that rotate (even, ``<= D``); the others
+            are left untouched.
+        is_neox: True pairs channel ``i`` with ``i + rotary_dim/2``; False pairs ``2i`` with
+            ``2i+1`` (GPT-J interleaving). Pair ``i`` uses ``cos[i]``, ``sin[i]``:
+            ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)`` in float32.
+
+    Grid ``(T, q head blocks + k head blocks)``.
+
+    Raises:
+        ValueError: unsupported layout (see `rope_layout_supported`) or table shape.
+    """
+    if not rope_layout_supported(q, k, head_dim):
+        raise ValueError(f"rotary_embedding_inplace: unsupported q {tuple(q.shape)}/{q.stride()} or k layout")
+    if rotary_dim % 2 or rotary_dim > head_dim or cos_sin_cache.shape[-1] != rotary_dim:
+        raise ValueError(
+            f"rotary_embedding_inplace: rotary_dim={rotary_dim}, head_dim={head_dim}, "
+            f"cos_sin_cache {tuple(cos_sin_cache.shape)}"
+        )
+    if cos_sin_cache.stride(-1) != 1:
+        raise ValueError("rotary_embedding_inplace: cos_sin_cache must have a contiguous last dim")
+    t = q.shape[0]
+    if t == 0:
+        return
+    hq, q_st, q_sh = _rope_heads(q, head_dim)
+    if k is not None:
+        hk, k_st, k_sh = _rope_heads(k, head_dim)
+    else:
+        k, hk, k_st, k_sh = q, 0, 0, 0
+    from attnserve.models.layers.fused_kernels_triton import _rope_kernel
+
+    half = rotary_dim // 2
+    block_r = _next_pow2(half)
+    block_h = max(1, min(_next_pow2(max(hq, hk)), 1024 // block_r))
+    nq = -(-hq // block_h)
+    nk = -(-hk // block_h)
+    _rope_kernel[(t, nq + nk)](
+        positions, q, k, cos_sin_cache, q_st, q_sh, k_st, k_sh, cos_sin_cache.stride(0), hq, hk, nq,
+        HALF=half, BLOCK_R=block_r, BLOCK_H=block_h, IS_NEOX=bool(is_neox), num_warps=4,
+    )
+
+
+def _act_and_mul(x: torch.Tensor, act: int) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if x.stride(-1) != 1 or (x.dim() != 2 and not x.is_contiguous()):
+        x = x.contiguous()
+    rows = out.numel() // d
+    row_stride = x.stride(0) if x.dim() == 2 else x.shape[-1]
+    from attnserve.models.layers.fused_kernels_triton import _act_and_mul_kernel
+
+    block = min(_next_pow2(d), 1024)
+    _act_and_mul_kernel[(rows, -(-d // block))](x, row_stride, out, d, d, BLOCK=block, ACT=act, num_warps=4)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU gate: ``[..., 2I]`` = ``[gate | up]`` -> ``silu(gate) * up`` ``[..., I]``.
+
+    One launch, float32 math, output in ``x``'s dtype. 2-D inputs may have any row stride.
+    """
+    return _act_and_mul(x, 0)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU gate with GELU's tanh approximation (Hendrycks & Gimpel, arXiv:1606.08415):
+    ``[..., 2I]`` = ``[gate | up]`` -> ``0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * up``.
+
+    One launch, float32 math, output in ``x``'s dtype.
+    """
+    return _act_and_mul(x, 1)

@@ -1,0 +1,204 @@
+"""Triton kernels behind `attnserve.models.layers.fused_kernels` (import that module, not this one).
+
+This module imports ``triton`` at the top; `fused_kernels` imports it lazily, only when a
+fused launch is requested, so CPU-only installs without Triton never load it.
+
+Every kernel loads its inputs, converts them to float32, computes in float32 and converts
+once to the output's storage dtype (the Triton interpreter computes bf16 on raw bits, so the
+float32 conversion right after each load also keeps interpreter runs exact). Row and head
+offsets are formed in int64 (``program_id(...).to(tl.int64)``) so large prefill batches
+cannot overflow 32-bit pointer offsets.
+
+Algorithms (read, not copied): RMSNorm (Zhang & Sennrich, arXiv:1910.07467); RoPE (Su et
+al., RoFormer, arXiv:2104.09864) in the NeoX "rotate-half" and GPT-J interleaved pairings;
+SwiGLU / GeGLU gates (Shazeer, arXiv:2002.05202); GELU tanh approximation (Hendrycks &
+Gimpel, arXiv:1606.08415).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr,
+    x_stride_outer,
+    x_stride_inner,
+    inner,
+    w_ptr,
+    out_ptr,
+    out_row_stride,
+    n_cols,
+    eps,
+    w_offset,
+    BLOCK: tl.constexpr,
+):
+    """One program per row: ``out = x * rsqrt(mean(x^2) + eps) * (w + w_offset)``.
+
+    Input row ``r`` starts at ``(r // inner) * x_stride_outer + (r % inner) * x_stride_inner``
+    (2-D rows: ``inner = 1``; 3-D ``[A, B, N]`` views: ``inner = B``); ``out`` rows are
+    ``out_row_stride`` apart.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    x_off = (row // inner) * x_stride_outer + (row % inner) * x_stride_inner
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + x_off + cols, mask=mask, other=0.0).to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=0) / n_cols
+    rstd = 1.0 / tl.sqrt(mean_sq + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + w_offset
+    y = x * rstd * w
+    tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fused_add_rmsnorm_kernel(
+    x_ptr,
+    x_stride_outer,
+    x_stride_inner,
+    res_ptr,
+    res_stride_outer,
+    res_stride_inner,
+    inner,
+    w_ptr,
+    out_ptr,
+    out_row_stride,
+    n_cols,
+    eps,
+    w_offset,
+    BLOCK: tl.constexpr,
+):
+    """One program per row: ``res = x + res`` (rounded to res's dtype, stored in place), then
+    ``out = res * rsqrt(mean(res^2) + eps) * (w + w_offset)``. Row addressing as in
+    `_rmsnorm_kernel` (x and res share ``inner``)."""
+    row = tl.program_id(0).to(tl.int64)
+    outer_i = row // inner
+    inner_i = row % inner
+    x_off = outer_i * x_stride_outer + inner_i * x_stride_inner
+    r_off = outer_i * res_stride_outer + inner_i * res_stride_inner
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + x_off + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + r_off + cols, mask=mask, other=0.0).to(tl.float32)
+    # round the sum to the storage dtype first: the un-fused path adds in that dtype
+    s = (x + r).to(res_ptr.dtype.element_ty)
+    tl.store(res_ptr + r_off + cols, s, mask=mask)
+    s = s.to(tl.float32)
+    mean_sq = tl.sum(s * s, axis=0) / n_cols
+    rstd = 1.0 / tl.sqrt(mean_sq + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + w_offset
+    y = s * rstd * w
+    tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_rotate_heads(
+    ptr,
+    tok,
+    head_start,
+    num_heads,
+    stride_t,
+    stride_h,
+    cos,
+    sin,
+    pairs,
+    pair_mask,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    """Rotate ``BLOCK_H`` heads (from ``head_start``) of token ``tok`` in place.
+
+    ``cos``/``sin``: float32 ``[BLOCK_R]`` of the token's position; ``pairs``: pair index i.
+    NeoX pairs channel ``i`` with ``i + HALF``; GPT-J pairs ``2i`` with ``2i + 1``.
+    """
+    heads = head_start + tl.arange(0, BLOCK_H)
+    mask = (heads < num_heads)[:, None] & pair_mask[None, :]
+    base = ptr + tok * stride_t + heads.to(tl.int64)[:, None] * stride_h
+    if IS_NEOX:
+        off1 = pairs
+        off2 = pairs + HALF
+    else:
+        off1 = 2 * pairs
+        off2 = 2 * pairs + 1
+    x1 = tl.load(base + off1[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + off2[None, :], mask=mask, other=0.0).to(tl.float32)
+    c = cos[None, :]
+    s = sin[None, :]
+    y1 = x1 * c - x2 * s
+    y2 = x2 * c + x1 * s
+    tl.store(base + off1[None, :], y1.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(base + off2[None, :], y2.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    cache_ptr,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    cache_stride,
+    num_q_heads,
+    num_k_heads,
+    num_q_blocks,
+    HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    """Grid ``(T, q head blocks + k head blocks)``: rotate one block of q or k heads of one
+    token in place, reading ``cos``/``sin`` of its position from ``cache`` ``[P, 2*HALF]``."""
+    tok = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    pairs = tl.arange(0, BLOCK_R)
+    pair_mask = pairs < HALF
+    row = cache_ptr + pos * cache_stride
+    cos = tl.load(row + pairs, mask=pair_mask, other=0.0).to(tl.float32)
+    sin = tl.load(row + HALF + pairs, mask=pair_mask, other=0.0).to(tl.float32)
+    if hb < num_q_blocks:
+        _rope_rotate_heads(q_ptr, tok, hb * BLOCK_H, num_q_heads, q_stride_t, q_stride_h, cos, sin, pairs,
+                           pair_mask, HALF, BLOCK_H, IS_NEOX)
+    else:
+        _rope_rotate_heads(k_ptr, tok, (hb - num_q_blocks) * BLOCK_H, num_k_heads, k_stride_t, k_stride_h, cos,
+                           sin, pairs, pair_mask, HALF, BLOCK_H, IS_NEOX)
+
+
+@triton.jit
+def _act_and_mul_kernel(
+    x_ptr,
+    x_row_stride,
+    out_ptr,
+    out_row_stride,
+    n_cols,
+    BLOCK: tl.constexpr,
+    ACT: tl.constexpr,
+):
+    """Grid ``(rows, cdiv(n_cols, BLOCK))``: ``out = act(gate) * up`` with ``x = [gate | up]``.
+
+    ``ACT`` 0: SiLU ``g * sigmoid(g)``. ``ACT`` 1: GELU tanh approximation
+    ``0.5 g (1 + tanh(z))``, ``z = sqrt(2/pi) (g + 0.044715 g^3)``, evaluated as the
+    identical ``g * sigmoid(2 z)`` (no tanh intrinsic needed; saturates cleanly to 0 / g).
+    The sigmoid is formed from ``exp(-|t|)`` so no intermediate overflows.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    base = x_ptr + row * x_row_stride
+    g = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(base + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:
+        t = g
+    else:
+        t = 1.5957691216057308 * (g + 0.044715 * g * g * g)  # 2 * sqrt(2/pi) * (...)
+    # sigmoid(t) without overflowing intermediates: e = exp(-|t|) in (0, 1]
+    e = tl.exp(-tl.abs(t))
+    sig = tl.where(t >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    a = g * sig
+    tl.store(out_ptr + row * out_row_stride + cols, (a * u).to(out_ptr.dtype.element_ty), mask=mask)

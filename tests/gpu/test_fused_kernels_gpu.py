@@ -1,0 +1,215 @@
+"""Fused Triton kernels on a GPU: the checks of ``tests/models/test_fused_kernels.py`` in
+bfloat16 (and float16/float32) at model-sized shapes, the pool's fused K/V write, and a
+whole SmolLM2-shaped step (dummy weights, bfloat16) with the fused kernels on vs
+``ATTNSERVE_DISABLE_FUSED=1``: same logits (rel. error <= 2e-2, same argmax wherever the
+reference's top-2 gap exceeds twice the largest logit difference), a CUDA-graph capture of
+the fused decode step that replays to the eager result, and the device-kernel count of one
+decode step printed for both (run with ``-s`` to see it).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import fused_kernel_checks as C
+from attnserve.forward_batch import ForwardBatch, ForwardMode
+from attnserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from attnserve.models.layers import fused_kernels as fk
+
+pytestmark = pytest.mark.cuda
+DEV = "cuda"
+MODEL = "smollm2-135m"
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (37, 4096), (300, 576), (3, 8192), (5, 80)])
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
+def test_rmsnorm_gpu(dtype, tokens, hidden, gemma):
+    C.check_rmsnorm(DEV, dtype, tokens, hidden, gemma, "contiguous", seed=tokens + hidden)
+    C.check_fused_add_rmsnorm(DEV, dtype, tokens, hidden, gemma, "contiguous", seed=tokens * 3 + hidden)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["strided", "heads3d"])
+def test_rmsnorm_views_gpu(dtype, layout):
+    C.check_rmsnorm(DEV, dtype, 17, 128, False, layout, seed=1)
+    C.check_fused_add_rmsnorm(DEV, dtype, 9, 256, True, layout, seed=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize(
+    "tokens,hq,hk,head_dim,rotary_dim",
+    [(1, 9, 3, 64, 64), (1, 32, 8, 128, 128), (200, 32, 8, 128, 128), (7, 16, 2, 128, 64), (5, 8, 1, 80, 40)],
+)
+def test_rope_gpu(dtype, neox, tokens, hq, hk, head_dim, rotary_dim):
+    C.check_rope(DEV, dtype, tokens, hq, hk, head_dim, rotary_dim, neox, "qkv", seed=tokens + hq)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+def test_rope_other_layouts_gpu(dtype, neox):
+    C.check_rope(DEV, dtype, 6, 16, 1, 64, 64, neox, "mla", seed=3)
+    C.check_rope(DEV, dtype, 4, 8, None, 64, 32, neox, "qkv", seed=4)
+    C.check_rope(DEV, dtype, 4, 8, 8, 64, 64, neox, "contiguous", cos_sin_scale=1.3, seed=5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("tokens,inter,strided", [(1, 1536, False), (1, 14336, False), (64, 2048, True), (3, 80, True)])
+def test_act_and_mul_gpu(dtype, kind, tokens, inter, strided):
+    C.check_act_and_mul(DEV, dtype, kind, tokens, inter, strided, seed=tokens + inter)
+
+
+@pytest.mark.parametrize(
+    "src_dtype,buf_dtype",
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float16, torch.float32)],
+    ids=["bf16-bf16", "f32-bf16", "f16-f32"],
+)
+@pytest.mark.parametrize("tokens,heads,dk,dv,strided", [(1, 3, 64, 64, True), (1, 8, 128, 128, True),
+                                                        (300, 8, 128, 128, False), (9, 1, 192, 128, False)])
+def test_store_kv_gpu(src_dtype, buf_dtype, tokens, heads, dk, dv, strided):
+    C.check_store_kv(DEV, src_dtype, buf_dtype, tokens, heads, dk, dv, strided, seed=tokens + heads)
+
+
+def test_pool_uses_store_kv_on_cuda(monkeypatch):
+    monkeypatch.delenv(fk.DISABLE_FUSED_ENV, raising=False)
+    fused = MHATokenToKVPool(64, 1, torch.bfloat16, 2, 64, 2, DEV)
+    monkeypatch.setenv(fk.DISABLE_FUSED_ENV, "1")
+    plain = MHATokenToKVPool(64, 1, torch.bfloat16, 2, 64, 2, DEV)
+    assert fused.use_fused_store and not plain.use_fused_store
+    qkv = torch.randn(5, 6 * 64, device=DEV)  # float32, cast to the bf16 pool
+    k, v = qkv[:, 2 * 64 : 4 * 64].view(5, 2, 64), qkv[:, 4 * 64 :].view(5, 2, 64)
+    loc = torch.tensor([9, 3, 40, 1, 22], device=DEV)
+    layer = SimpleNamespace(layer_id=1)
+    for pool in (fused, plain):
+        pool.set_kv_buffer(layer, loc, k, v)
+    assert torch.equal(fused.k_buffer[1], plain.k_buffer[1]) and torch.equal(fused.v_buffer[1], plain.v_buffer[1])
+    assert not fused.k_buffer[0].any()
+
+
+# ---- whole model ----------------------------------------------------------------------------
+class _Run:
+    """A SmolLM2-shaped Llama (dummy bf16 weights) + paged KV + triton backend on the GPU."""
+
+    def __init__(self, monkeypatch, disable_fused: bool, weights=None):
+        from attnserve.attention.triton_backend import TritonAttnBackend
+        from attnserve.model_loader.loader import load_model
+
+        if disable_fused:
+            monkeypatch.setenv(fk.DISABLE_FUSED_ENV, "1")
+        else:
+            monkeypatch.delenv(fk.DISABLE_FUSED_ENV, raising=False)
+        loaded = load_model(MODEL, load_format="dummy", device=DEV, dtype=torch.bfloat16,
+                            load_tokenizer=False, progress=False)
+        self.model, mc = loaded.model, loaded.model_config
+        if weights is not None:
+            self.model.load_state_dict(weights)
+        self.req_pool = ReqToTokenPool(4, 512, DEV)
+        self.alloc = TokenToKVPoolAllocator(4096, 1)
+        self.kv = MHATokenToKVPool(4096, 1, torch.bfloat16, mc.num_key_value_heads, mc.head_dim,
+                                   mc.num_hidden_layers, DEV)
+        runner = SimpleNamespace(device=torch.device(DEV), model_config=mc, req_to_token_pool=self.req_pool,
+                                 token_to_kv_pool=self.kv, page_size=1, max_total_num_tokens=4096,
+                                 server_args=SimpleNamespace(enable_deterministic_inference=True))
+        self.backend = TritonAttnBackend(runner)
+        monkeypatch.delenv(fk.DISABLE_FUSED_ENV, raising=False)
+        self.num_layers = mc.num_hidden_layers
+        self.rows = self.req_pool.alloc(2)
+        self.lens = {r: 0 for r in self.rows}
+
+    def batch(self, mode, ids_per_req):
+        prefix = [self.lens[r] for r in self.rows]
+        ext = [len(ids) for ids in ids_per_req]
+        seq = [p + e for p, e in zip(prefix, ext)]
+        last = [int(self.req_pool.req_to_token[r, p - 1]) if p else 0 for r, p in zip(self.rows, prefix)]
+        loc = self.alloc.alloc_extend(prefix, seq, last)
+        start = 0
+        for r, p, e in zip(self.rows, prefix, ext):
+            self.req_pool.write(r, p, loc[start : start + e])
+            start += e
+        for r, s in zip(self.rows, seq):
+            self.lens[r] = s
+        fb = ForwardBatch.init_new(mode, [t for ids in ids_per_req for t in ids], self.rows, prefix, ext, loc,
+                                   self.req_pool, self.kv, self.backend, DEV)
+        self.backend.init_forward_metadata(fb)
+        return fb
+
+    def forward(self, fb):
+        return self.model(fb.input_ids, fb.positions, fb)
+
+
+def _compare(fused: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    fused, ref = fused.double(), ref.double()
+    rel = ((fused - ref).norm() / ref.norm()).item()
+    dmax = (fused - ref).abs().max().item()
+    top2 = ref.topk(2, dim=-1).values
+    decided = (top2[:, 0] - top2[:, 1]) > 2 * dmax
+    same = fused.argmax(-1) == ref.argmax(-1)
+    print(f"{what}: rel err {rel:.2e}, max |diff| {dmax:.3e}, argmax equal {int(same.sum())}/{len(same)} "
+          f"({int(decided.sum())} rows decided beyond the error)")
+    assert rel <= 2e-2, (what, rel)
+    assert same[decided].all(), what
+
+
+def _device_ops(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def test_llama_step_fused_matches_unfused(monkeypatch):
+    ref = _Run(monkeypatch, disable_fused=True)
+    fused = _Run(monkeypatch, disable_fused=False, weights=ref.model.state_dict())
+    assert not ref.kv.use_fused_store and fused.kv.use_fused_store
+    assert not ref.model.model.layers[0].input_layernorm.use_fused
+    assert fused.model.model.layers[0].input_layernorm.use_fused
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 49000, (n,), generator=gen).tolist() for n in (23, 41)]
+    logits = {}
+    for name, run in (("ref", ref), ("fused", fused)):
+        fb = run.batch(ForwardMode.EXTEND, prompts)
+        logits[name] = run.model.compute_logits(run.forward(fb))
+    _compare(logits["fused"], logits["ref"], "prefill logits")
+    last = torch.tensor([22, 63], device=DEV)
+    next_ids = logits["ref"][last].argmax(-1).tolist()
+
+    decode = {}
+    for name, run in (("ref", ref), ("fused", fused)):
+        fb = run.batch(ForwardMode.DECODE, [[t] for t in next_ids])
+        decode[name] = (run, fb, run.model.compute_logits(run.forward(fb)))
+    _compare(decode["fused"][2], decode["ref"][2], "decode logits")
+
+    # kernels of one decode step (model forward only; the same step re-run writes the same KV slots)
+    counts = {name: _device_ops(lambda r=r, fb=fb: r.forward(fb)) for name, (r, fb, _) in decode.items()}
+    layers = fused.num_layers
+    print(f"device kernels per decode step (model forward, {layers} layers): "
+          f"unfused {counts['ref']} (~{counts['ref'] / layers:.1f}/layer), "
+          f"fused {counts['fused']} (~{counts['fused'] / layers:.1f}/layer)")
+    assert counts["fused"] < counts["ref"]
+    assert counts["fused"] <= 12 * layers + 4
+
+    # the fused decode step is CUDA-graph capturable and replays to the eager result
+    run, fb, eager_logits = decode["fused"]
+    eager = run.forward(fb)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run.forward(fb)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = run.forward(fb)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    print(f"graph replay bit-identical to eager: {torch.equal(out, eager)}")
+    torch.testing.assert_close(out.float(), eager.float(), rtol=1e-2, atol=1e-2)

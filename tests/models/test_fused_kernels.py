@@ -1,0 +1,155 @@
+"""Fused Triton kernels (`attnserve.models.layers.fused_kernels`) against the PyTorch
+reference layers and float64 formulas, on CPU under the Triton interpreter (small shapes,
+float32 and float16). The same checks run in bfloat16 on a GPU in
+``tests/gpu/test_fused_kernels_gpu.py``."""
+
+import os
+
+import pytest
+import torch
+
+import fused_kernel_checks as C
+from attnserve.mem_cache.memory_pool import MHATokenToKVPool
+from attnserve.models.layers import fused_kernels as fk
+from attnserve.models.layers.activation import GeluAndMul, SiluAndMul
+from attnserve.models.layers.norm import GemmaRMSNorm, RMSNorm
+from attnserve.models.layers.rotary import RotaryEmbedding
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or TRITON_INTERPRET=1"
+)
+DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (3, 80), (7, 64), (2, 96)])
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
+def test_rmsnorm(dtype, tokens, hidden, gemma):
+    C.check_rmsnorm(DEVICE, dtype, tokens, hidden, gemma, "contiguous", seed=tokens * 7 + hidden)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["strided", "heads3d"])
+def test_rmsnorm_views(dtype, layout):
+    """Column slices of a wider tensor and per-head ``[T, H, D]`` views (QK-norm) in place."""
+    C.check_rmsnorm(DEVICE, dtype, 5, 80, False, layout, seed=1)
+    C.check_rmsnorm(DEVICE, dtype, 2, 64, True, layout, seed=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (4, 80), (7, 64)])
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
+def test_fused_add_rmsnorm(dtype, tokens, hidden, gemma):
+    C.check_fused_add_rmsnorm(DEVICE, dtype, tokens, hidden, gemma, "contiguous", seed=tokens + hidden)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["strided", "heads3d"])
+def test_fused_add_rmsnorm_views(dtype, layout):
+    C.check_fused_add_rmsnorm(DEVICE, dtype, 3, 80, False, layout, seed=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize(
+    "tokens,hq,hk,head_dim,rotary_dim",
+    [(1, 9, 3, 64, 64), (5, 4, 2, 64, 32), (3, 2, 1, 80, 40), (7, 3, 3, 16, 16), (2, 6, 1, 48, 24)],
+)
+def test_rope_qkv_views(dtype, neox, tokens, hq, hk, head_dim, rotary_dim):
+    """q and k rotated in place inside one fused qkv tensor; v and pass-through channels
+    untouched; full and partial rotary_dim (half of 20 or 12 pairs: non-power-of-two)."""
+    C.check_rope(DEVICE, dtype, tokens, hq, hk, head_dim, rotary_dim, neox, "qkv", seed=tokens * 13 + hq)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+def test_rope_contiguous_mla_and_no_key(dtype, neox):
+    C.check_rope(DEVICE, dtype, 4, 5, 5, 32, 32, neox, "contiguous", seed=4)
+    C.check_rope(DEVICE, dtype, 3, 4, 1, 16, 16, neox, "mla", seed=5)  # DeepSeek's q_pe / k_pe views
+    C.check_rope(DEVICE, dtype, 2, 3, None, 32, 16, neox, "qkv", seed=6)  # key=None
+    C.check_rope(DEVICE, dtype, 3, 2, 1, 32, 32, neox, "qkv", cos_sin_scale=1.25, seed=7)  # YaRN-scaled table
+
+
+def test_rope_rejects_strided_last_dim():
+    q = torch.zeros(2, 4, 16)[..., ::2]  # [2, 4, 8] with a stride-2 last dim
+    assert not fk.rope_layout_supported(q, None, 8)
+    with pytest.raises(ValueError):
+        fk.rotary_embedding_inplace(torch.zeros(2, dtype=torch.int64), q, None, torch.zeros(4, 8), 8, 8, True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("tokens,inter,strided", [(1, 64, False), (3, 80, True), (7, 576, False), (2, 1536, True)])
+def test_act_and_mul(dtype, kind, tokens, inter, strided):
+    C.check_act_and_mul(DEVICE, dtype, kind, tokens, inter, strided, seed=tokens + inter)
+
+
+@pytest.mark.parametrize(
+    "src_dtype,buf_dtype",
+    [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float32, torch.float16),
+     (torch.float16, torch.float32)],
+    ids=["f32-f32", "f16-f16", "f32-f16", "f16-f32"],
+)
+@pytest.mark.parametrize("tokens,heads,dk,dv,strided", [(1, 3, 64, 64, True), (5, 2, 16, 16, False),
+                                                        (7, 1, 80, 48, False), (4, 4, 8, 8, True)])
+def test_store_kv(src_dtype, buf_dtype, tokens, heads, dk, dv, strided):
+    C.check_store_kv(DEVICE, src_dtype, buf_dtype, tokens, heads, dk, dv, strided, seed=tokens * 3 + heads)
+
+
+def test_empty_inputs_launch_nothing():
+    x = torch.zeros(0, 64)
+    assert fk.rmsnorm(x, torch.ones(64), 1e-6).shape == (0, 64)
+    assert fk.fused_add_rmsnorm(x, torch.zeros(0, 64), torch.ones(64), 1e-6).shape == (0, 64)
+    assert fk.silu_and_mul(torch.zeros(0, 32)).shape == (0, 16)
+    fk.rotary_embedding_inplace(torch.zeros(0, dtype=torch.int64), x, x, torch.zeros(8, 64), 64, 64, True)
+    fk.store_kv(torch.zeros(4, 1, 64), torch.zeros(4, 1, 64), torch.zeros(0, dtype=torch.int64),
+                torch.zeros(0, 1, 64), torch.zeros(0, 1, 64))
+
+
+def test_fused_add_rmsnorm_rejects_mismatch():
+    with pytest.raises(ValueError):
+        fk.fused_add_rmsnorm(torch.zeros(2, 64), torch.zeros(2, 64, dtype=torch.float16), torch.ones(64), 1e-6)
+    with pytest.raises(ValueError):
+        fk.fused_add_rmsnorm(torch.zeros(2, 64), torch.zeros(2, 128)[:, ::2], torch.ones(64), 1e-6)
+
+
+def _modules(num_slots=8):
+    return [RMSNorm(64), GemmaRMSNorm(64), RotaryEmbedding(64, 64, 16, 1e4), SiluAndMul(), GeluAndMul("tanh")]
+
+
+def test_switch_is_read_once_per_module(monkeypatch):
+    """``ATTNSERVE_DISABLE_FUSED=1`` at construction turns the fused path off for that module;
+    changing the variable later does not affect built modules."""
+    monkeypatch.delenv(fk.DISABLE_FUSED_ENV, raising=False)
+    assert fk.fused_kernels_enabled()
+    on = _modules()
+    assert all(m.use_fused for m in on)
+    assert not GeluAndMul("none").use_fused  # erf GELU has no fused kernel
+    monkeypatch.setenv(fk.DISABLE_FUSED_ENV, "1")
+    assert not fk.fused_kernels_enabled()
+    off = _modules()
+    assert not any(m.use_fused for m in off)
+    assert all(m.use_fused for m in on)
+    monkeypatch.setenv(fk.DISABLE_FUSED_ENV, "0")
+    assert fk.fused_kernels_enabled()
+
+
+def test_cpu_tensors_keep_the_reference_path():
+    """On CPU the modules never dispatch to Triton: results are the PyTorch path's, and RoPE
+    returns new tensors (the inputs are left as they were)."""
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(80)
+    x, r = torch.randn(3, 80, generator=gen), torch.randn(3, 80, generator=gen)
+    r_before = r.clone()
+    out, s = norm(x, r)
+    assert torch.equal(r, r_before) and s is not r
+    assert torch.equal(out, norm._norm(x + r_before))
+    rope = RotaryEmbedding(16, 16, 32, 1e4)
+    q = torch.randn(2, 32, generator=gen)
+    q_before = q.clone()
+    q2, _ = rope(torch.tensor([1, 5]), q, None)
+    assert q2 is not q and torch.equal(q, q_before)
+    pool = MHATokenToKVPool(8, 1, torch.float32, 1, 16, 1, "cpu")
+    assert not pool.use_fused_store
