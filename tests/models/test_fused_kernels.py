@@ -115,7 +115,7 @@ def test_fused_add_rmsnorm_rejects_mismatch():
         fk.fused_add_rmsnorm(torch.zeros(2, 64), torch.zeros(2, 128)[:, ::2], torch.ones(64), 1e-6)
 
 
-def _modules(num_slots=8):
+def _modules():
     return [RMSNorm(64), GemmaRMSNorm(64), RotaryEmbedding(64, 64, 16, 1e4), SiluAndMul(), GeluAndMul("tanh")]
 
 

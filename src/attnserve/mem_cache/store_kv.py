@@ -31,7 +31,10 @@ def fused_kernels_enabled() -> bool:
     """
     if os.environ.get(DISABLE_FUSED_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
         return False
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # e.g. sys.modules["triton"] is None (import blocked)
+        return False
 
 
 def _next_pow2(n: int) -> int:
