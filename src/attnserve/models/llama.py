@@ -105,7 +105,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (HF prefix ``model.``)."""
+    """Embedding, decoder layers and final norm (HF prefix ``model.``). Subclasses change
+    the block by setting ``decoder_layer_cls``."""
+
+    decoder_layer_cls: Any = None  # None: LlamaDecoderLayer
 
     def __init__(self, config: Any, dtype: torch.dtype):
         super().__init__()
@@ -118,7 +121,8 @@ class LlamaModel(nn.Module):
             rope_parameters_from_config(config),
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, dtype) for i in range(config.num_hidden_layers)
+            (self.decoder_layer_cls or LlamaDecoderLayer)(config, i, self.rotary_emb, dtype)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 

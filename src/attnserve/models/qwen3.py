@@ -22,9 +22,9 @@ from torch import nn
 
 from attnserve.attention.radix_attention import RadixAttention
 from attnserve.forward_batch import ForwardBatch
-from attnserve.models.layers.linear import Embedding, Linear
+from attnserve.models.layers.linear import Linear
 from attnserve.models.layers.norm import RMSNorm
-from attnserve.models.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
+from attnserve.models.layers.rotary import RotaryEmbedding
 from attnserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, _head_dim
 
 
@@ -89,19 +89,7 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
 class Qwen3Model(LlamaModel):
     """Embedding, `Qwen3DecoderLayer` stack and final norm (HF prefix ``model.``)."""
 
-    def __init__(self, config: Any, dtype: torch.dtype):
-        nn.Module.__init__(self)
-        self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.rotary_emb = get_rope(
-            _head_dim(config),
-            int(getattr(config, "max_position_embeddings", 8192)),
-            rope_parameters_from_config(config),
-        )
-        self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config, i, self.rotary_emb, dtype) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+    decoder_layer_cls = Qwen3DecoderLayer
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
