@@ -9,7 +9,7 @@ when one is captured.
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+from typing import List
 
 import torch
 
