@@ -20,12 +20,11 @@ from typing import Any, Dict
 import torch
 from torch import nn
 
-from attnserve.attention.radix_attention import RadixAttention
 from attnserve.forward_batch import ForwardBatch
 from attnserve.models.layers.linear import Linear
 from attnserve.models.layers.norm import RMSNorm
 from attnserve.models.layers.rotary import RotaryEmbedding
-from attnserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, _head_dim
+from attnserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 
 def _window(config: Any, layer_id: int) -> int:
@@ -37,7 +36,7 @@ def _window(config: Any, layer_id: int) -> int:
     return int(window) - 1 if types[layer_id] == "sliding_attention" else -1
 
 
-class Qwen3Attention(nn.Module):
+class Qwen3Attention(LlamaAttention):
     """Fused QKV projection, per-head q/k RMSNorm, RoPE, paged attention, output projection.
 
     Shapes: ``positions`` int64 ``[T]``, ``hidden_states`` ``[T, hidden]`` -> ``[T, hidden]``;
@@ -45,26 +44,9 @@ class Qwen3Attention(nn.Module):
     """
 
     def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = _head_dim(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias, dtype=dtype)
+        super().__init__(config, layer_id, rotary_emb, dtype, sliding_window_size=_window(config, layer_id))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
-        self.rotary_emb = rotary_emb
-        self.attn = RadixAttention(
-            self.num_heads,
-            self.head_dim,
-            self.head_dim**-0.5,
-            num_kv_heads=self.num_kv_heads,
-            layer_id=layer_id,
-            sliding_window_size=_window(config, layer_id),
-        )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
