@@ -219,3 +219,49 @@ def check_store_kv(
     pool.use_fused_store = False
     pool.set_kv_buffer(type("L", (), {"layer_id": 0})(), loc, k, v)
     assert torch.equal(pool.k_buffer[0][loc], k_buf[loc]) and torch.equal(pool.v_buffer[0][loc], v_buf[loc])
+
+
+def check_rope_store_kv(
+    device, dtype, buf_dtype, tokens: int, hq: int, hk: int, head_dim: int, rotary_dim: int, neox: bool,
+    seed: int = 0,
+) -> None:
+    """RoPE with the fused KV-cache write (`rotary_embedding_inplace(kv_store=...)`): q and k
+    end exactly as after the rotation alone, the cache rows ``loc`` hold the rotated k and
+    v converted to the cache dtype, every other row keeps its NaN poison, and the PyTorch
+    path of `RotaryEmbedding` (rotate, then ``index_put``) fills the same rows."""
+    gen = torch.Generator().manual_seed(seed)
+    rope = RotaryEmbedding(head_dim, rotary_dim, 64, 10000.0, is_neox_style=neox).to(device)
+    positions = torch.randint(0, 64, (tokens,), generator=gen).to(device)
+    qkv = _rand(gen, tokens, (hq + 2 * hk) * head_dim, device=device, dtype=dtype)
+    q = qkv[:, : hq * head_dim]
+    k = qkv[:, hq * head_dim : (hq + hk) * head_dim]
+    v = qkv[:, (hq + hk) * head_dim :]
+    v_before = v.clone()
+    qkv2 = qkv.clone()
+    slots = 2 * tokens + 5
+    loc = torch.randperm(slots, generator=gen)[:tokens].to(device)
+    k_buf = torch.full((slots, hk, head_dim), float("nan"), dtype=buf_dtype, device=device)
+    v_buf = torch.full((slots, hk, head_dim), float("nan"), dtype=buf_dtype, device=device)
+
+    q_only, k_only = q.clone(), k.clone()
+    fk.rotary_embedding_inplace(positions, q_only, k_only, rope.cos_sin_cache, head_dim, rotary_dim, neox)
+    target = fk.KVStoreTarget(k_buf, v_buf, loc, v)
+    fk.rotary_embedding_inplace(positions, q, k, rope.cos_sin_cache, head_dim, rotary_dim, neox, kv_store=target)
+
+    assert torch.equal(q, q_only) and torch.equal(k, k_only)
+    assert torch.equal(v, v_before)
+    assert torch.equal(k_buf[loc], k.reshape(tokens, hk, head_dim).to(buf_dtype))
+    assert torch.equal(v_buf[loc], v.reshape(tokens, hk, head_dim).to(buf_dtype))
+    untouched = torch.ones(slots, dtype=torch.bool, device=device)
+    untouched[loc] = False
+    assert torch.isnan(k_buf[untouched]).all() and torch.isnan(v_buf[untouched]).all()
+
+    # the reference path of the layer: rotate with PyTorch, then index_put into the cache
+    rope.use_fused = False
+    k_ref = torch.full_like(k_buf, float("nan"))
+    v_ref = torch.full_like(v_buf, float("nan"))
+    q2, k2 = rope(positions, qkv2[:, : hq * head_dim], qkv2[:, hq * head_dim : (hq + hk) * head_dim],
+                  kv_store=fk.KVStoreTarget(k_ref, v_ref, loc, qkv2[:, (hq + hk) * head_dim :]))
+    close(k_ref[loc], k_buf[loc], dtype)
+    assert torch.equal(v_ref[loc], v_buf[loc])
+    assert torch.isnan(k_ref[untouched]).all()

@@ -56,6 +56,15 @@ def test_rope_other_layouts_gpu(dtype, neox):
     C.check_rope(DEV, dtype, 4, 8, 8, 64, 64, neox, "contiguous", cos_sin_scale=1.3, seed=5)
 
 
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens,hq,hk,head_dim,rotary_dim", [(1, 9, 3, 64, 64), (1, 32, 8, 128, 128),
+                                                              (300, 32, 8, 128, 128), (7, 8, 1, 256, 256),
+                                                              (5, 16, 2, 128, 64)])
+def test_rope_with_kv_store_gpu(neox, dtype, tokens, hq, hk, head_dim, rotary_dim):
+    C.check_rope_store_kv(DEV, dtype, dtype, tokens, hq, hk, head_dim, rotary_dim, neox, seed=tokens + hq)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("tokens,inter,strided", [(1, 1536, False), (1, 14336, False), (64, 2048, True), (3, 80, True)])

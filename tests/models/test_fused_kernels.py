@@ -72,6 +72,30 @@ def test_rope_contiguous_mla_and_no_key(dtype, neox):
     C.check_rope(DEVICE, dtype, 3, 2, 1, 32, 32, neox, "qkv", cos_sin_scale=1.25, seed=7)  # YaRN-scaled table
 
 
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize(
+    "dtype,buf_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float32, torch.float16)],
+    ids=["f32", "f16", "f32-f16"],
+)
+@pytest.mark.parametrize("tokens,hq,hk,head_dim,rotary_dim", [(1, 9, 3, 64, 64), (5, 4, 2, 48, 24), (3, 2, 1, 80, 80)])
+def test_rope_with_kv_store(neox, dtype, buf_dtype, tokens, hq, hk, head_dim, rotary_dim):
+    """RoPE and the KV-cache write in one launch (full and partial rotary_dim)."""
+    C.check_rope_store_kv(DEVICE, dtype, buf_dtype, tokens, hq, hk, head_dim, rotary_dim, neox, seed=tokens + hq)
+
+
+def test_rope_kv_store_rejects_mismatch():
+    q = torch.zeros(2, 4 * 16)
+    k = torch.zeros(2, 2 * 16)
+    bad = fk.KVStoreTarget(torch.zeros(8, 3, 16), torch.zeros(8, 3, 16), torch.zeros(2, dtype=torch.int64),
+                           torch.zeros(2, 2 * 16))
+    with pytest.raises(ValueError, match="kv_store does not match"):
+        fk.rotary_embedding_inplace(torch.zeros(2, dtype=torch.int64), q, k, torch.zeros(4, 16), 16, 16, True,
+                                    kv_store=bad)
+    with pytest.raises(ValueError, match="needs k"):
+        fk.rotary_embedding_inplace(torch.zeros(2, dtype=torch.int64), q, None, torch.zeros(4, 16), 16, 16, True,
+                                    kv_store=bad)
+
+
 def test_rope_rejects_strided_last_dim():
     q = torch.zeros(2, 4, 16)[..., ::2]  # [2, 4, 8] with a stride-2 last dim
     assert not fk.rope_layout_supported(q, None, 8)

@@ -68,6 +68,18 @@ class RadixAttention(nn.Module):
             v = v.view(-1, self.tp_v_head_num, self.v_head_dim)
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache, **kwargs)
 
+    def kv_store_target(self, forward_batch: ForwardBatch, value: torch.Tensor):
+        """Where a fused kernel may write this layer's new K/V itself (a
+        `attnserve.mem_cache.store_kv.KVStoreTarget`), or None. The caller that uses it
+        must then call `forward` with ``save_kv_cache=False``. None for idle steps and for
+        pools without a fused store (CPU, ``ATTNSERVE_DISABLE_FUSED``, MLA pools)."""
+        pool = forward_batch.token_to_kv_pool
+        loc = forward_batch.out_cache_loc
+        target = getattr(pool, "fused_store_target", None)
+        if target is None or loc is None or forward_batch.forward_mode.is_idle():
+            return None
+        return target(self.layer_id, loc, value)
+
     def extra_repr(self) -> str:
         return (
             f"layer_id={self.layer_id}, heads={self.tp_q_head_num}/{self.tp_k_head_num}, head_dim={self.head_dim}, "

@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from attnserve.mem_cache.store_kv import fused_kernels_enabled, store_kv
+from attnserve.mem_cache.store_kv import KVStoreTarget, fused_kernels_enabled, store_kv
 
 
 class ReqToTokenPool:
@@ -262,6 +262,14 @@ class MHATokenToKVPool(KVCache):
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         return self.v_buffer[layer_id]
+
+    def fused_store_target(self, layer_id: int, loc: torch.Tensor, value: torch.Tensor) -> Optional[KVStoreTarget]:
+        """The layer's K/V buffers as a `KVStoreTarget` for a kernel that writes the cache
+        itself (RoPE + KV store in one launch), or None when this pool writes through
+        `set_kv_buffer` only (CPU pool, fused kernels disabled, ``loc`` not on a GPU). ``value``: ``[n, head_num * v_head_dim]`` or ``[n, head_num, v_head_dim]``."""
+        if not self.use_fused_store or not loc.is_cuda or loc.dtype not in (torch.int64, torch.int32):
+            return None
+        return KVStoreTarget(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, value)
 
     def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         """Write ``cache_k``/``cache_v`` ``[n, head_num, D]`` into rows ``loc`` (int64 ``[n]``)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +36,24 @@ def fused_kernels_enabled() -> bool:
         return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):  # e.g. sys.modules["triton"] is None (import blocked)
         return False
+
+
+@dataclass(frozen=True)
+class KVStoreTarget:
+    """Where `rotary_embedding_inplace` also writes K and V (fused KV-cache store).
+
+    Attributes:
+        k_buffer: ``[slots, Hkv, head_dim]`` K cache of one layer (last dim contiguous).
+        v_buffer: ``[slots, Hkv, Dv]`` V cache of the same layer.
+        loc: int64/int32 ``[T]`` destination rows (``out_cache_loc``); not range-checked.
+        value: ``[T, Hkv*Dv]`` or ``[T, Hkv, Dv]`` values of the step's tokens (last dim
+            contiguous; e.g. the v part of a fused qkv output).
+    """
+
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    loc: torch.Tensor
+    value: torch.Tensor
 
 
 def _next_pow2(n: int) -> int:

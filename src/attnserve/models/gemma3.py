@@ -42,7 +42,7 @@ from attnserve.models.layers.activation import GeluAndMul
 from attnserve.models.layers.linear import Embedding, Linear
 from attnserve.models.layers.norm import GemmaRMSNorm
 from attnserve.models.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
-from attnserve.models.llama import LlamaForCausalLM
+from attnserve.models.llama import LlamaForCausalLM, rope_then_attention
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +127,7 @@ class Gemma3Attention(nn.Module):
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).reshape(-1, self.q_size)
         k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).reshape(-1, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        return self.o_proj(rope_then_attention(self.rotary_emb, self.attn, positions, q, k, v, forward_batch))
 
 
 class Gemma3MLP(nn.Module):

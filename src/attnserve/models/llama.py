@@ -26,6 +26,19 @@ def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def rope_then_attention(rotary_emb: RotaryEmbedding, attn: RadixAttention, positions: torch.Tensor,
+                        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    """RoPE on ``q`` ``[T, Hq*D]`` / ``k`` ``[T, Hkv*D]``, then paged attention -> ``[T, Hq*Dv]``.
+
+    Where the KV pool allows it (`RadixAttention.kv_store_target`), the rotation kernel also
+    writes the new K (rotated) and V into the cache, one launch instead of two, and the
+    backend is told not to store them again (``save_kv_cache=False``).
+    """
+    target = attn.kv_store_target(forward_batch, v)
+    q, k = rotary_emb(positions, q, k, kv_store=target)
+    return attn(q, k, v, forward_batch, save_kv_cache=target is None)
+
+
 class LlamaAttention(nn.Module):
     """Self-attention block: fused QKV projection, RoPE, paged attention, output projection.
 
@@ -53,12 +66,15 @@ class LlamaAttention(nn.Module):
             sliding_window_size=sliding_window_size,
         )
 
+    def rope_and_attend(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        forward_batch: ForwardBatch) -> torch.Tensor:
+        """`rope_then_attention` with this layer's RoPE table and attention."""
+        return rope_then_attention(self.rotary_emb, self.attn, positions, q, k, v, forward_batch)
+
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, forward_batch)
-        return self.o_proj(out)
+        return self.o_proj(self.rope_and_attend(positions, q, k, v, forward_batch))
 
 
 class LlamaMLP(nn.Module):

@@ -52,8 +52,7 @@ class Qwen3Attention(LlamaAttention):
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).reshape(-1, self.q_size)
         k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).reshape(-1, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        return self.o_proj(self.rope_and_attend(positions, q, k, v, forward_batch))
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

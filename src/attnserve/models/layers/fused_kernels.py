@@ -32,7 +32,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from attnserve.mem_cache.store_kv import DISABLE_FUSED_ENV, fused_kernels_enabled, store_kv
+from attnserve.mem_cache.store_kv import DISABLE_FUSED_ENV, KVStoreTarget, fused_kernels_enabled, store_kv
 
 __all__ = [
     "DISABLE_FUSED_ENV",
@@ -42,6 +42,7 @@ __all__ = [
     "fused_add_rmsnorm_supported",
     "rope_layout_supported",
     "rotary_embedding_inplace",
+    "KVStoreTarget",
     "silu_and_mul",
     "gelu_tanh_and_mul",
     "store_kv",
@@ -207,6 +208,7 @@ def rotary_embedding_inplace(
     head_dim: int,
     rotary_dim: int,
     is_neox: bool,
+    kv_store: Optional[KVStoreTarget] = None,
 ) -> None:
     """Rotate ``q`` and ``k`` in place by their tokens' positions (one launch for both).
 
@@ -224,10 +226,16 @@ def rotary_embedding_inplace(
             ``2i+1`` (GPT-J interleaving). Pair ``i`` uses ``cos[i]``, ``sin[i]``:
             ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)`` in float32.
 
-    Grid ``(T, q head blocks + k head blocks)``.
+        kv_store: also write the rotated ``k`` and ``kv_store.value`` into the KV cache
+            rows ``kv_store.loc`` (see `KVStoreTarget`), replacing a separate
+            `store_kv` launch; needs ``k``. The cache receives exactly the values left in
+            ``k`` (rounded to its dtype, then converted to the cache dtype).
+
+    Grid ``(T, q head blocks + k head blocks [+ v head blocks])``.
 
     Raises:
-        ValueError: unsupported layout (see `rope_layout_supported`) or table shape.
+        ValueError: unsupported layout (see `rope_layout_supported`), table shape, or a
+            ``kv_store`` whose shapes do not match ``k``.
     """
     if not rope_layout_supported(q, k, head_dim):
         raise ValueError(f"rotary_embedding_inplace: unsupported q {tuple(q.shape)}/{q.stride()} or k layout")
@@ -253,9 +261,35 @@ def rotary_embedding_inplace(
     block_h = max(1, min(_next_pow2(max(hq, hk)), 1024 // block_r))
     nq = -(-hq // block_h)
     nk = -(-hk // block_h)
-    _rope_kernel[(t, nq + nk)](
+    if kv_store is None:
+        store_args = (q, q, q, q, 0, 0, 0, 0, 0, 0)
+        nv, dv, block_pass, block_dv = 0, 0, 0, 1
+    else:
+        if hk == 0:
+            raise ValueError("rotary_embedding_inplace: kv_store needs k")
+        value, k_buf, v_buf, loc = kv_store.value, kv_store.k_buffer, kv_store.v_buffer, kv_store.loc
+        dv = v_buf.shape[-1]
+        vl = _rope_heads(value, dv)
+        if (
+            vl is None or vl[0] != hk or value.shape[0] != t or k_buf.dim() != 3 or v_buf.dim() != 3
+            or tuple(k_buf.shape[1:]) != (hk, head_dim) or v_buf.shape[1] != hk or k_buf.stride(-1) != 1
+            or v_buf.stride(-1) != 1 or loc.dim() != 1 or loc.shape[0] != t or loc.device != q.device
+        ):
+            raise ValueError(
+                f"rotary_embedding_inplace: kv_store does not match k ({hk} heads of {head_dim}, {t} tokens): "
+                f"value {tuple(value.shape)}, k_buffer {tuple(k_buf.shape)}, v_buffer {tuple(v_buf.shape)}, "
+                f"loc {tuple(loc.shape)}"
+            )
+        store_args = (loc, value, k_buf, v_buf, vl[1], vl[2], k_buf.stride(0), k_buf.stride(1),
+                      v_buf.stride(0), v_buf.stride(1))
+        block_dv = _next_pow2(dv)
+        nv = -(-hk // block_h)
+        block_pass = _next_pow2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
+    _rope_kernel[(t, nq + nk + nv)](
         positions, q, k, cos_sin_cache, q_st, q_sh, k_st, k_sh, cos_sin_cache.stride(0), hq, hk, nq,
-        HALF=half, BLOCK_R=block_r, BLOCK_H=block_h, IS_NEOX=bool(is_neox), num_warps=4,
+        *store_args, nk, head_dim, dv,
+        HALF=half, BLOCK_R=block_r, BLOCK_H=block_h, IS_NEOX=bool(is_neox), STORE_KV=kv_store is not None,
+        BLOCK_PASS=block_pass, BLOCK_DV=block_dv, num_warps=4,
     )
 
 

@@ -105,17 +105,27 @@ def _rope_rotate_heads(
     sin,
     pairs,
     pair_mask,
+    dst_ptr,
+    dst_row,
+    dst_stride_h,
+    head_dim,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     IS_NEOX: tl.constexpr,
+    STORE: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
 ):
     """Rotate ``BLOCK_H`` heads (from ``head_start``) of token ``tok`` in place.
 
     ``cos``/``sin``: float32 ``[BLOCK_R]`` of the token's position; ``pairs``: pair index i.
     NeoX pairs channel ``i`` with ``i + HALF``; GPT-J pairs ``2i`` with ``2i + 1``.
+    STORE: also write the rotated heads, and their ``head_dim - 2*HALF`` pass-through
+    channels (``BLOCK_PASS`` >= that count), to ``dst_ptr + dst_row + head * dst_stride_h``
+    (a KV-cache row), converting to the destination dtype.
     """
     heads = head_start + tl.arange(0, BLOCK_H)
-    mask = (heads < num_heads)[:, None] & pair_mask[None, :]
+    head_mask = heads < num_heads
+    mask = head_mask[:, None] & pair_mask[None, :]
     base = ptr + tok * stride_t + heads.to(tl.int64)[:, None] * stride_h
     if IS_NEOX:
         off1 = pairs
@@ -127,10 +137,22 @@ def _rope_rotate_heads(
     x2 = tl.load(base + off2[None, :], mask=mask, other=0.0).to(tl.float32)
     c = cos[None, :]
     s = sin[None, :]
-    y1 = x1 * c - x2 * s
-    y2 = x2 * c + x1 * s
-    tl.store(base + off1[None, :], y1.to(ptr.dtype.element_ty), mask=mask)
-    tl.store(base + off2[None, :], y2.to(ptr.dtype.element_ty), mask=mask)
+    y1 = (x1 * c - x2 * s).to(ptr.dtype.element_ty)
+    y2 = (x2 * c + x1 * s).to(ptr.dtype.element_ty)
+    tl.store(base + off1[None, :], y1, mask=mask)
+    tl.store(base + off2[None, :], y2, mask=mask)
+    if STORE:
+        # the cache gets exactly the rounded values written back to ``ptr`` (as if the
+        # un-fused store had read them again)
+        dst = dst_ptr + dst_row + heads.to(tl.int64)[:, None] * dst_stride_h
+        dty = dst_ptr.dtype.element_ty
+        tl.store(dst + off1[None, :], y1.to(tl.float32).to(dty), mask=mask)
+        tl.store(dst + off2[None, :], y2.to(tl.float32).to(dty), mask=mask)
+        if BLOCK_PASS > 0:
+            rest = 2 * HALF + tl.arange(0, BLOCK_PASS)
+            rmask = head_mask[:, None] & (rest < head_dim)[None, :]
+            xr = tl.load(base + rest[None, :], mask=rmask, other=0.0)
+            tl.store(dst + rest[None, :], xr.to(tl.float32).to(dty), mask=rmask)
 
 
 @triton.jit
@@ -147,27 +169,61 @@ def _rope_kernel(
     num_q_heads,
     num_k_heads,
     num_q_blocks,
+    loc_ptr,
+    v_ptr,
+    kb_ptr,
+    vb_ptr,
+    v_stride_t,
+    v_stride_h,
+    kb_stride_s,
+    kb_stride_h,
+    vb_stride_s,
+    vb_stride_h,
+    num_k_blocks,
+    head_dim,
+    v_head_dim,
     HALF: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     IS_NEOX: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
-    """Grid ``(T, q head blocks + k head blocks)``: rotate one block of q or k heads of one
-    token in place, reading ``cos``/``sin`` of its position from ``cache`` ``[P, 2*HALF]``."""
+    """Grid ``(T, q head blocks + k head blocks [+ v head blocks])``: rotate one block of q
+    or k heads of one token in place, reading ``cos``/``sin`` of its position from
+    ``cache`` ``[P, 2*HALF]``. STORE_KV: k programs also write the rotated key heads into
+    row ``loc[tok]`` of ``kb`` (the K cache) and the v programs copy the token's value
+    heads into row ``loc[tok]`` of ``vb`` (the V cache)."""
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    pairs = tl.arange(0, BLOCK_R)
-    pair_mask = pairs < HALF
-    row = cache_ptr + pos * cache_stride
-    cos = tl.load(row + pairs, mask=pair_mask, other=0.0).to(tl.float32)
-    sin = tl.load(row + HALF + pairs, mask=pair_mask, other=0.0).to(tl.float32)
-    if hb < num_q_blocks:
-        _rope_rotate_heads(q_ptr, tok, hb * BLOCK_H, num_q_heads, q_stride_t, q_stride_h, cos, sin, pairs,
-                           pair_mask, HALF, BLOCK_H, IS_NEOX)
+    if STORE_KV:
+        slot = tl.load(loc_ptr + tok).to(tl.int64)
     else:
-        _rope_rotate_heads(k_ptr, tok, (hb - num_q_blocks) * BLOCK_H, num_k_heads, k_stride_t, k_stride_h, cos,
-                           sin, pairs, pair_mask, HALF, BLOCK_H, IS_NEOX)
+        slot = tok
+    if hb >= num_q_blocks + num_k_blocks:
+        # value heads: a plain copy into the V cache
+        heads = (hb - num_q_blocks - num_k_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        dv = tl.arange(0, BLOCK_DV)
+        m = (heads < num_k_heads)[:, None] & (dv < v_head_dim)[None, :]
+        hv = heads.to(tl.int64)[:, None]
+        val = tl.load(v_ptr + tok * v_stride_t + hv * v_stride_h + dv[None, :], mask=m, other=0.0)
+        tl.store(vb_ptr + slot * vb_stride_s + hv * vb_stride_h + dv[None, :],
+                 val.to(tl.float32).to(vb_ptr.dtype.element_ty), mask=m)
+    else:
+        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        pairs = tl.arange(0, BLOCK_R)
+        pair_mask = pairs < HALF
+        row = cache_ptr + pos * cache_stride
+        cos = tl.load(row + pairs, mask=pair_mask, other=0.0).to(tl.float32)
+        sin = tl.load(row + HALF + pairs, mask=pair_mask, other=0.0).to(tl.float32)
+        if hb < num_q_blocks:
+            _rope_rotate_heads(q_ptr, tok, hb * BLOCK_H, num_q_heads, q_stride_t, q_stride_h, cos, sin, pairs,
+                               pair_mask, q_ptr, 0, 0, head_dim, HALF, BLOCK_H, IS_NEOX, False, 0)
+        else:
+            _rope_rotate_heads(k_ptr, tok, (hb - num_q_blocks) * BLOCK_H, num_k_heads, k_stride_t, k_stride_h,
+                               cos, sin, pairs, pair_mask, kb_ptr, slot * kb_stride_s, kb_stride_h, head_dim,
+                               HALF, BLOCK_H, IS_NEOX, STORE_KV, BLOCK_PASS)
 
 
 @triton.jit

@@ -30,7 +30,12 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from attnserve.models.layers.fused_kernels import fused_kernels_enabled, rope_layout_supported, rotary_embedding_inplace
+from attnserve.models.layers.fused_kernels import (
+    KVStoreTarget,
+    fused_kernels_enabled,
+    rope_layout_supported,
+    rotary_embedding_inplace,
+)
 
 DEFAULT_ROPE_THETA = 10000.0
 
@@ -261,7 +266,11 @@ class RotaryEmbedding(nn.Module):
         return out.reshape(shape)
 
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor]
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: Optional[torch.Tensor],
+        kv_store: Optional[KVStoreTarget] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Rotate ``query`` and ``key`` by their tokens' positions.
 
@@ -269,15 +278,22 @@ class RotaryEmbedding(nn.Module):
             positions: int64 ``[T]`` absolute positions.
             query: ``[T, Hq * head_dim]`` or ``[T, Hq, head_dim]``.
             key: ``[T, Hk * head_dim]`` or ``[T, Hk, head_dim]``, or None.
+            kv_store: also write the rotated key and ``kv_store.value`` into the KV cache
+                rows ``kv_store.loc`` (`RadixAttention.kv_store_target`); needs ``key``. On
+                the fused path this is the same launch as the rotation; otherwise the
+                rows are written after it with ``index_put``.
 
         Returns:
             ``(query, key)`` rotated, same shapes and dtypes (math in float32): new tensors on
             the PyTorch path; on the fused CUDA path the given tensors (or the views into a
             fused qkv output) rotated in place and returned.
         """
+        if kv_store is not None and key is None:
+            raise ValueError("RotaryEmbedding: kv_store needs a key to store")
         if self.use_fused and query.is_cuda and rope_layout_supported(query, key, self.head_dim):
             rotary_embedding_inplace(
-                positions, query, key, self.cos_sin_cache, self.head_dim, self.rotary_dim, self.is_neox_style
+                positions, query, key, self.cos_sin_cache, self.head_dim, self.rotary_dim, self.is_neox_style,
+                kv_store=kv_store,
             )
             return query, key
         cos_sin = self.cos_sin_cache.index_select(0, positions).float()
@@ -285,6 +301,10 @@ class RotaryEmbedding(nn.Module):
         query = self._rotate(query, cos, sin)
         if key is not None:
             key = self._rotate(key, cos, sin)
+        if kv_store is not None:
+            k_buf, v_buf = kv_store.k_buffer, kv_store.v_buffer
+            k_buf[kv_store.loc] = key.reshape(key.shape[0], *k_buf.shape[1:]).to(k_buf.dtype)
+            v_buf[kv_store.loc] = kv_store.value.reshape(key.shape[0], *v_buf.shape[1:]).to(v_buf.dtype)
         return query, key
 
     def extra_repr(self) -> str:
