@@ -3,9 +3,8 @@
 Per step, `init_forward_metadata` builds CSR indices on the device from ``req_to_token``:
 
 * DECODE: ``kv_indptr``/``kv_indices`` over each request's whole sequence and a
-  per-request ``num_kv_splits``; the kernel is split-K flash-decoding
-  (`decode_attention_fwd`) whose splits are merged in the same launch by the last
-  program to finish (arrival counters in ``decode_semaphores``).
+  per-request ``num_kv_splits``; the kernel is two-stage flash-decoding
+  (`decode_attention_fwd`).
 * EXTEND / MIXED / TARGET_VERIFY / DRAFT_EXTEND: ``kv_indptr``/``kv_indices`` over the
   cached prefix only, ``qo_indptr`` over the new tokens, and for TARGET_VERIFY the
   ``custom_mask`` of the speculative tree; one kernel attends to prefix and new tokens
@@ -132,16 +131,6 @@ class TritonAttnBackend(AttentionBackend):
         self.max_total_num_tokens = getattr(model_runner, "max_total_num_tokens", None)
         self.forward_metadata: Optional[TritonForwardMetadata] = None
         self.graph: Optional[dict] = None
-        # Arrival counters of the one-launch decode (`decode_attention_fwd(semaphores=)`):
-        # one per (request row, query head) covers any batch; the kernel leaves them zero, so
-        # every layer and step (eager or graph) shares them. ATTNSERVE_DISABLE_FUSED=1 keeps
-        # the two-kernel decode.
-        from attnserve.mem_cache.store_kv import fused_kernels_enabled
-
-        self.decode_semaphores: Optional[torch.Tensor] = None
-        if not self.is_mla and fused_kernels_enabled():
-            rows = self.req_to_token.shape[0]
-            self.decode_semaphores = torch.zeros(rows * self.num_q_heads, dtype=torch.int32, device=self.device)
         self.mla = None
         if self.is_mla:  # ---- MLA decode (attnserve.attention.mla_triton) ----
             from attnserve.attention.mla_triton import TritonMLADecode
@@ -288,7 +277,7 @@ class TritonAttnBackend(AttentionBackend):
         v_buf = pool.get_value_buffer(layer.layer_id)
         decode_attention_fwd(
             q3, k_buf, v_buf, o, kv_indptr, kv_indices, md.attn_logits, md.attn_lse, num_kv_splits,
-            self.max_kv_splits, layer.scaling, logit_cap=layer.logit_cap, semaphores=self.decode_semaphores,
+            self.max_kv_splits, layer.scaling, logit_cap=layer.logit_cap,
         )
         return o.view(-1, hq * dv)
 
