@@ -142,6 +142,8 @@ class Gemma3MLP(nn.Module):
         self.act_fn = GeluAndMul(_GELU_APPROXIMATION[activation])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_fn.approximate == "tanh":  # projection and gate in one kernel for decode batches
+            return self.down_proj(self.gate_up_proj.forward_gated(x, "gelu_tanh"))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

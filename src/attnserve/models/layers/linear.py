@@ -4,6 +4,10 @@ The weights always come from a checkpoint (or `init_dummy_weights`), so the rand
 initialisation ``nn.Linear`` / ``nn.Embedding`` run in their constructors is skipped: it
 costs seconds on CPU for a 135M model and minutes for 8B shapes. Parameter names
 (``weight``, ``bias``) match ``torch.nn`` so HF checkpoint names map one to one.
+
+On CUDA, `Linear` runs decode-sized inputs (2-D, at most ``MAX_SKINNY_M`` rows) through the
+skinny GEMM kernel (`attnserve.models.layers.skinny_gemm`) instead of cuBLAS, unless
+``ATTNSERVE_DISABLE_FUSED`` was set when the module was built.
 """
 
 from __future__ import annotations
@@ -14,11 +18,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnserve.models.layers.fused_kernels import fused_kernels_enabled, gelu_tanh_and_mul, silu_and_mul
+from attnserve.models.layers.skinny_gemm import (
+    MAX_SKINNY_M,
+    SKINNY_ACTIVATIONS,
+    skinny_gemm_supported,
+    skinny_linear,
+    skinny_linear_gated,
+)
+
 
 class Linear(nn.Module):
     """``y = x @ weight.T + bias``; ``weight`` ``[out_features, in_features]`` (uninitialised).
 
     Shapes: ``x`` ``[..., in_features]`` -> ``[..., out_features]``, parameter dtype.
+
+    CUDA inputs that are 2-D with ``1..MAX_SKINNY_M`` rows (decode batches) go through
+    `skinny_linear` (one Triton launch, float32 accumulation) when `skinny_gemm_supported`
+    accepts them and fused kernels were enabled at construction (``self.use_fused``); every
+    other input (CPU, 3-D, prefill-sized) through ``F.linear``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: Optional[torch.dtype] = None):
@@ -26,9 +44,55 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.use_fused = fused_kernels_enabled()
+
+    def _skinny(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` takes the skinny GEMM path."""
+        return (
+            self.use_fused
+            and x.is_cuda
+            and x.dim() == 2
+            and x.shape[0] <= MAX_SKINNY_M
+            and skinny_gemm_supported(x, self.weight, self.bias)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._skinny(x):
+            return skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def forward_gated(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """Gated projection of a fused ``gate_up`` weight ``[2I, K]`` = ``[W_g | W_u]``.
+
+        Args:
+            x: ``[..., K]`` (``K = in_features``).
+            activation: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU, GELU's tanh form).
+
+        Returns:
+            ``act(x W_g^T + b_g) * (x W_u^T + b_u)`` ``[..., I]`` in the parameter dtype
+            (bias terms only when the layer has a bias). Decode-sized CUDA inputs: one
+            `skinny_linear_gated` launch; otherwise ``F.linear`` then the fused act-and-mul
+            kernel (CUDA, fused kernels on) or the PyTorch formula.
+
+        Raises:
+            ValueError: unknown ``activation`` or an odd ``out_features``.
+        """
+        if activation not in SKINNY_ACTIVATIONS:
+            raise ValueError(
+                f"forward_gated: activation must be one of {', '.join(map(repr, SKINNY_ACTIVATIONS))}, got {activation!r}"
+            )
+        if self.out_features % 2:
+            raise ValueError(f"forward_gated: out_features={self.out_features} must be even ([gate | up] rows)")
+        if self._skinny(x):
+            return skinny_linear_gated(x, self.weight, activation, bias=self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        if self.use_fused and y.is_cuda:
+            return silu_and_mul(y) if activation == "silu" else gelu_tanh_and_mul(y)
+        d = self.out_features // 2
+        gate, up = y[..., :d], y[..., d:]
+        if activation == "silu":
+            return F.silu(gate) * up
+        return F.gelu(gate, approximate="tanh") * up
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
