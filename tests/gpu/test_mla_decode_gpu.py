@@ -181,3 +181,109 @@ def test_mla_decode_candidate_configs():
             check(case, 64, o, lse)
     if failed:
         pytest.skip("configs out of resources (informational): " + "; ".join(failed))
+
+
+# ---- opt-in kernel variants (MLADecodeConfig variant fields) -----------------------------
+def _variant_cfg(name, num_heads):
+    from attnserve.attention.triton_ops.mla_decode import MLADecodeConfig
+
+    tiles = dict(block_h=64, block_n=64, num_warps=8, num_stages=2) if num_heads >= 64 else \
+        dict(block_h=16, block_n=64, num_warps=8, num_stages=3)
+    extra = {
+        "peel": dict(peel_tail=True),
+        "tma": dict(kv_load="tma"),
+        "tma_s3": dict(kv_load="tma", num_stages=3),
+        "tma_n32_s3": dict(kv_load="tma", block_n=32, num_stages=3),
+        "tma_device": dict(kv_load="tma_device"),
+        "tma_persistent": dict(kv_load="tma", persistent=True),
+        "tma_lazy8": dict(kv_load="tma", rescale_threshold=8.0),
+        "head_loop_persistent": dict(kv_load="tma_device", head_loop=True, persistent=True),
+    }[name]
+    return MLADecodeConfig(**dict(tiles, **extra))
+
+
+VARIANT_NAMES = ["peel", "tma", "tma_s3", "tma_n32_s3", "tma_device", "tma_persistent", "tma_lazy8",
+                 "head_loop_persistent"]
+
+
+@pytest.mark.parametrize("name", VARIANT_NAMES)
+@pytest.mark.parametrize("num_heads", [128, 16])
+@pytest.mark.parametrize("page_size", [1, 64, 128])
+def test_mla_decode_variants_ragged(name, num_heads, page_size):
+    """Ragged lengths (tail tiles, one-token requests); page 1 is the pointer fallback of TMA."""
+    from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits
+
+    case = make_case(RAGGED, num_heads, page_size, seed=page_size + num_heads + 1)
+    splits = mla_num_kv_splits(max(RAGGED), len(RAGGED), _sm_count())
+    o, lse = run(case, page_size, splits, splits, config=_variant_cfg(name, num_heads))
+    check(case, page_size, o, lse)
+
+
+@pytest.mark.parametrize("name", ["tma", "tma_device", "tma_persistent", "tma_lazy8"])
+def test_mla_decode_variants_device_splits_and_empty(name):
+    from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits_device
+
+    lens = [16384, 1, 2048, 0, 129, 7000]
+    case = make_case(lens, 128, 64, seed=11)
+    splits = mla_num_kv_splits_device(case["seq_lens"], _sm_count(), 32)
+    o, lse = run(case, 64, splits, 32, config=_variant_cfg(name, 128))
+    assert (o[3] == 0).all() and torch.isneginf(lse[3]).all()
+    keep = [i for i, n in enumerate(lens) if n > 0]
+    sub = {k: (v[keep] if torch.is_tensor(v) and k != "kv" else v) for k, v in case.items()}
+    check(sub, 64, o[keep], lse[keep])
+
+
+@pytest.mark.parametrize("name", ["tma", "tma_device", "tma_persistent", "head_loop_persistent"])
+def test_mla_decode_variants_cuda_graph_replay(name):
+    """Capture with device-side split counts; replay on new lengths / pages / queries. The
+    device-descriptor variants draw their scratch from the pre-allocated buffer."""
+    from attnserve.attention.triton_ops.mla_decode import (
+        mla_decode_fwd, mla_num_kv_splits_device, mla_reserve_tma_scratch, mla_workspace_size)
+
+    bs, h, page, max_len, max_splits = 4, 128, 64, 8192, 32
+    cfg = _variant_cfg(name, h)
+    mla_reserve_tma_scratch("cuda")
+    case = make_case([100, 2000, 64, 5000], h, page, seed=1, max_len=max_len)
+    q_nope, q_pe, seq, table = (case[k].clone() for k in ("q_nope", "q_pe", "seq_lens", "table"))
+    splits = torch.empty(bs, dtype=torch.int32, device="cuda")
+    o = torch.full((bs, h, D_C), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((bs, h), float("nan"), dtype=torch.float32, device="cuda")
+    ws = torch.empty(mla_workspace_size(max_len, bs, max_splits, h, D_C), dtype=torch.uint8, device="cuda")
+    sms = _sm_count()
+
+    def step():
+        mla_num_kv_splits_device(seq, sms, max_splits, out=splits)
+        mla_decode_fwd(q_nope, q_pe, case["kv"], table, seq, page, o, case["sm_scale"], splits, max_splits,
+                       workspace=ws, lse=lse, config=cfg)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    case2 = make_case([8192, 3, 700, 4500], h, page, seed=2, max_len=max_len)
+    for k, buf in (("q_nope", q_nope), ("q_pe", q_pe), ("seq_lens", seq), ("table", table)):
+        buf.copy_(case2[k])
+    case["kv"].copy_(case2["kv"])
+    o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(dict(case2, kv=case["kv"]), page, o, lse)
+
+
+def test_mla_decode_variants_close_to_default():
+    """Variant and default kernels agree closely at the benchmark shape (b4 x 4096, page 64)."""
+    from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits
+
+    case = make_case([4096] * 4, 128, 64, seed=5)
+    splits = mla_num_kv_splits(4096, 4, _sm_count())
+    o_ref, lse_ref = run(case, 64, splits, splits)
+    for name in ("tma", "tma_persistent", "tma_lazy8"):
+        o, lse = run(case, 64, splits, splits, config=_variant_cfg(name, 128))
+        rel = ((o.double() - o_ref.double()).norm() / o_ref.double().norm()).item()
+        assert rel <= 5e-3, f"{name}: {rel:.2e}"
+        assert (lse - lse_ref).abs().max().item() <= 1e-2

@@ -163,7 +163,7 @@ class DeepseekV2AttentionMLA(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch):
         fb = forward_batch
         t, h = hidden_states.shape[0], self.num_heads
-        nope, rope, r = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+        nope, r = self.qk_nope_head_dim, self.kv_lora_rank
         if self.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
         else:
