@@ -331,3 +331,15 @@ def test_variant_strided_q_shared_workspace():
     o, lse = run_kernel(case, 16, 3, 3, workspace=ws, o=o, config=_variant("persistent_tma_n32"))
     check(case, o, lse, torch.float16)
     assert torch.isnan(big[..., :16]).all() and torch.isnan(big[..., 16 + D_C :]).all()
+
+
+def test_tma_scratch_reserve_keeps_old_buffers():
+    """The device-descriptor scratch only grows, and a replaced buffer stays alive (graphs
+    captured before keep valid pointers)."""
+    from attnserve.attention.triton_ops.mla_decode import _TMAScratch
+
+    sc = _TMAScratch()
+    a = sc.get(torch.device("cpu"), 100)
+    assert a.numel() >= 1 << 20 and sc.get(torch.device("cpu"), 1000) is a
+    b = sc.get(torch.device("cpu"), (1 << 20) + 1)
+    assert b is not a and b.numel() > 1 << 20 and any(r is a for r in sc.retired)

@@ -123,13 +123,12 @@ def test_gated_extreme_gates(activation, device):
 @pytest.mark.parametrize("layout", ["padded_rows", "every_other_row"])
 def test_strided_x_rows(layout, use_dot, gen, device):
     m, n, k = 5, 40, 72
-    if layout == "padded_rows":
-        buf = torch.randn(m, k + 24, generator=gen)
+    if layout == "padded_rows":  # slice on the device: .to(device) of a view would copy it contiguous
+        buf = torch.randn(m, k + 24, generator=gen).to(device)
         x = buf[:, 3 : 3 + k]
     else:
-        buf = torch.randn(2 * m, k, generator=gen)
+        buf = torch.randn(2 * m, k, generator=gen).to(device)
         x = buf[::2]
-    x = x.to(device)
     assert not x.is_contiguous() and x.stride(1) == 1
     _, w, b = _inputs(gen, m, n, k, torch.float32, device, bias=True)
     cfg = CONFIGS["dot" if use_dot else "bcast"]

@@ -22,6 +22,17 @@ Paging: ``block_kv_indices[i, j]`` is the page holding tokens ``j*page_size ..``
 Entries past ``cdiv(seq_lens[i], page_size)`` (padding, e.g. -1) and slots past
 ``seq_lens[i]`` are never read.
 
+Variants: non-default fields of `MLADecodeConfig` (TMA descriptor loads, persistent grid,
+lazy rescaling, ...) select ``_mla_decode_stage1_v2``, which shares the math and the split /
+merge scheme and differs in how tiles are fetched and scheduled (see the dataclass). Note on
+the many-heads shape, from the sm_90 code Triton emits for it: the QK dot's result feeds the
+PV dot, so Triton lays QK out with all warps along M ([num_warps, 1]); with ``block_h`` 64
+and 8 warps both warpgroups compute the same 64 x ``block_n`` scores (m64n32k16 wgmmas
+reading q from shared memory each time) while PV splits the 512 columns between them. That
+redundant, shared-memory-bound QK (by a rough estimate 3/4 of the tensor-core time per tile) is a limit
+none of the variants removes; a FlashMLA-like split of QK across warpgroups needs explicit
+layouts (Gluon or CUDA).
+
 CUDA graphs: `mla_decode_fwd` syncs nothing with the host and allocates nothing when a
 workspace is given; its grids depend only on ``bs``, the head count and ``max_kv_splits``;
 per-request split counts may live on the device (`mla_num_kv_splits_device`).
@@ -245,8 +256,12 @@ def mla_decode_config(
         # Tuned on an H100 (bench/kernels_mla.py sweep, 2026-11-21): 128 heads, b32/16K:
         # (64, 64, 8, 2) 0.64 ms vs 0.82 ms for (64, 32, 8, 2), 221 KB shared memory as compiled;
         # 16 heads, b128/4K: (16, 128, 8, 2) 2.65 TB/s vs 1.96 TB/s for (16, 64, 4, 2).
+        # Variant sweep (bench/mla_sweep.py, H100, 2026-11-21): TMA descriptor loads of the
+        # latent tiles with a mask-free main loop, 128 heads b32: 0.546 ms at 16K (1.11 TB/s)
+        # and 0.161 ms at 4K vs 0.640 / 0.195 ms for the pointer kernel; page sizes that are
+        # not a multiple of 64 take the same kernel's pointer path (0.565 ms at 16K).
         if bh >= 64:
-            return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+            return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma")
         return MLADecodeConfig(block_h=bh, block_n=128, num_warps=8, num_stages=2)
     if bh >= 64:
         candidates = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 1), (32, 32, 4, 1), (16, 16, 4, 1)]
@@ -728,14 +743,22 @@ class _TMAScratch:
     Triton asks its allocator for ``grid * global_scratch_size`` bytes at every launch of a
     kernel that builds descriptors in the kernel. We hand out this buffer; it only grows
     outside CUDA-graph capture (inside, a too-small buffer is an error, never an
-    allocation), so captured launches keep pointing at memory that stays alive.
+    allocation), and a replaced buffer is kept alive, so graphs captured earlier keep
+    pointing at valid memory.
     """
 
     def __init__(self) -> None:
         self.buffers: dict = {}
+        self.retired: list = []
+
+    @staticmethod
+    def _key(device: torch.device) -> str:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return str(device)
 
     def get(self, device: torch.device, nbytes: int) -> torch.Tensor:
-        key = str(device)
+        key = self._key(device)
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < nbytes:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -743,7 +766,9 @@ class _TMAScratch:
                 raise RuntimeError(
                     f"MLA TMA scratch: {nbytes} bytes needed during CUDA graph capture but {have} reserved; "
                     "run the same launch once before capture or call mla_reserve_tma_scratch()")
-            buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, device=device)
+            if buf is not None:
+                self.retired.append(buf)
+            buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
             self.buffers[key] = buf
         return buf
 
@@ -753,7 +778,7 @@ _TMA_SCRATCH = _TMAScratch()
 
 def mla_reserve_tma_scratch(device: Union[str, torch.device], nbytes: int = 1 << 20) -> torch.Tensor:
     """Pre-allocate the device-side-descriptor scratch (``kv_load="tma_device"``) before a
-    CUDA graph capture; 1 MiB covers 4096 programs x 2 descriptors x 128 bytes."""
+    CUDA graph capture (at least 1 MiB = 4096 programs x 2 descriptors x 128 bytes)."""
     return _TMA_SCRATCH.get(torch.device(device), int(nbytes))
 
 
