@@ -16,13 +16,11 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
-import json
-import os
 import statistics
 
 import torch
 
-from attnserve.bench.offline import device_slug
+from attnserve.bench.results import write_result
 
 
 def copy_bandwidth_gbs(n_bytes: int = 2 << 30) -> float:
@@ -192,11 +190,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "transformers": transformers.__version__, "copy_bandwidth_gbs": copy_gbs, "rows": rows, "hf_rows": hf_rows,
     }
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{device_slug('cuda')}-decode-{result['date']}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    write_result(result, args.out, "decode")
     return 0
 
 

@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import itertools
-import json
-import os
 
 import torch
 
 from attnserve.bench.kernels import bench_graph
-from attnserve.bench.offline import device_slug
+from attnserve.bench.results import write_result
 
 SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}
 
@@ -108,11 +106,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "decode_sweep", "date": dt.date.today().isoformat(), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
               "max_abs_err_any_config": max(errs) if errs else None, "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{device_slug('cuda')}-decode-sweep-{result['date']}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    write_result(result, args.out, "decode-sweep")
     return 0
 
 

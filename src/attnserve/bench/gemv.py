@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import math
-import os
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -278,7 +276,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("attnserve.bench.gemv needs a CUDA GPU (torch.cuda.is_available() is False)")
         return 2
-    from attnserve.bench.offline import device_slug
+    from attnserve.bench.results import write_result
     from attnserve.models.layers.skinny_gemm import MAX_SKINNY_M
 
     bad_m = [m for m in args.ms + args.sweep_ms if not 1 <= m <= MAX_SKINNY_M]
@@ -288,11 +286,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = run(args.ms, args.sweep_ms, not args.no_sweep, args.sweep_budget_s, args.models)
     result["total_seconds"] = time.perf_counter() - t0
     print_table(result)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{device_slug('cuda')}-gemv-{result['date']}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path} ({result['total_seconds']:.0f} s)")
+    write_result(result, args.out, "gemv")
+    print(f"({result['total_seconds']:.0f} s)")
     return 0
 
 

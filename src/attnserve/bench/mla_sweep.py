@@ -537,7 +537,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     import triton
 
     from attnserve.bench.decode import copy_bandwidth_gbs
-    from attnserve.bench.offline import device_slug
+    from attnserve.bench.results import device_slug
 
     t_start = time.perf_counter()
     sm = _sm_count()

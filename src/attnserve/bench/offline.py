@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import time
 
 import torch
+
+from attnserve.bench.results import device_slug, write_result
 
 PROMPTS = [
     "What is the capital of France?",
@@ -37,12 +38,6 @@ PROMPTS = [
     "Name the planets of the solar system.",
     "What is photosynthesis?",
 ]
-
-
-def device_slug(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
-    return "cpu"
 
 
 def bench_attnserve(llm, prompts, max_new_tokens: int) -> dict:
@@ -129,11 +124,7 @@ def main(argv=None) -> int:
         "max_new_tokens": args.max_new_tokens,
         "rows": rows,
     }
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{device_slug(device)}-offline-{result['date']}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    write_result(result, args.out, "offline", device)
     return 0
 
 

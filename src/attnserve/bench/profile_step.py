@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import os
 from collections import defaultdict
 
 import torch
 
 from attnserve.bench.decode import _make_runner, _prefill_kv, _time_ms
-from attnserve.bench.offline import device_slug
+from attnserve.bench.results import write_result
 
 
 def _short(name: str) -> str:
@@ -81,11 +79,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "profile_step", "date": dt.date.today().isoformat(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "cuda": torch.version.cuda, "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{device_slug('cuda')}-profile-step-{result['date']}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    write_result(result, args.out, "profile-step")
     return 0
 
 

@@ -1,0 +1,25 @@
+"""Where benchmark results go: ``<out>/<device-slug>-<kind>-<date>.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+
+def device_slug(device: str) -> str:
+    """File-name form of the device: ``"h100-80gb-hbm3"`` for CUDA, ``"cpu"`` otherwise."""
+    if device == "cuda":
+        return torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
+    return "cpu"
+
+
+def write_result(result: dict, out_dir: str, kind: str, device: str = "cuda") -> str:
+    """Write ``result`` (which must hold ``"date"``) as indented JSON; print and return the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{device_slug(device)}-{kind}-{result['date']}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
+    return path
