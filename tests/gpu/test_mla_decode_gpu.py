@@ -194,16 +194,11 @@ def _variant_cfg(name, num_heads):
         "tma": dict(kv_load="tma"),
         "tma_s3": dict(kv_load="tma", num_stages=3),
         "tma_n32_s3": dict(kv_load="tma", block_n=32, num_stages=3),
-        "tma_device": dict(kv_load="tma_device"),
-        "tma_persistent": dict(kv_load="tma", persistent=True),
-        "tma_lazy8": dict(kv_load="tma", rescale_threshold=8.0),
-        "head_loop_persistent": dict(kv_load="tma_device", head_loop=True, persistent=True),
     }[name]
     return MLADecodeConfig(**dict(tiles, **extra))
 
 
-VARIANT_NAMES = ["peel", "tma", "tma_s3", "tma_n32_s3", "tma_device", "tma_persistent", "tma_lazy8",
-                 "head_loop_persistent"]
+VARIANT_NAMES = ["peel", "tma", "tma_s3", "tma_n32_s3"]
 
 
 @pytest.mark.parametrize("name", VARIANT_NAMES)
@@ -219,7 +214,7 @@ def test_mla_decode_variants_ragged(name, num_heads, page_size):
     check(case, page_size, o, lse)
 
 
-@pytest.mark.parametrize("name", ["tma", "tma_device", "tma_persistent", "tma_lazy8"])
+@pytest.mark.parametrize("name", ["tma", "tma_s3", "peel"])
 def test_mla_decode_variants_device_splits_and_empty(name):
     from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits_device
 
@@ -233,16 +228,14 @@ def test_mla_decode_variants_device_splits_and_empty(name):
     check(sub, 64, o[keep], lse[keep])
 
 
-@pytest.mark.parametrize("name", ["tma", "tma_device", "tma_persistent", "head_loop_persistent"])
+@pytest.mark.parametrize("name", ["tma", "tma_s3", "peel"])
 def test_mla_decode_variants_cuda_graph_replay(name):
-    """Capture with device-side split counts; replay on new lengths / pages / queries. The
-    device-descriptor variants draw their scratch from the pre-allocated buffer."""
-    from attnserve.attention.triton_ops.mla_decode import (
-        mla_decode_fwd, mla_num_kv_splits_device, mla_reserve_tma_scratch, mla_workspace_size)
+    """Capture with device-side split counts; replay on new lengths / pages / queries (the
+    host TMA descriptors are kernel parameters, captured by value)."""
+    from attnserve.attention.triton_ops.mla_decode import mla_decode_fwd, mla_num_kv_splits_device, mla_workspace_size
 
     bs, h, page, max_len, max_splits = 4, 128, 64, 8192, 32
     cfg = _variant_cfg(name, h)
-    mla_reserve_tma_scratch("cuda")
     case = make_case([100, 2000, 64, 5000], h, page, seed=1, max_len=max_len)
     q_nope, q_pe, seq, table = (case[k].clone() for k in ("q_nope", "q_pe", "seq_lens", "table"))
     splits = torch.empty(bs, dtype=torch.int32, device="cuda")
@@ -276,14 +269,17 @@ def test_mla_decode_variants_cuda_graph_replay(name):
 
 
 def test_mla_decode_variants_close_to_default():
-    """Variant and default kernels agree closely at the benchmark shape (b4 x 4096, page 64)."""
-    from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits
+    """Variant kernels agree closely with the original pointer kernel (and the default pick)
+    at the benchmark shape (b4 x 4096, page 64)."""
+    from attnserve.attention.triton_ops.mla_decode import MLADecodeConfig, mla_num_kv_splits
 
     case = make_case([4096] * 4, 128, 64, seed=5)
     splits = mla_num_kv_splits(4096, 4, _sm_count())
-    o_ref, lse_ref = run(case, 64, splits, splits)
-    for name in ("tma", "tma_persistent", "tma_lazy8"):
-        o, lse = run(case, 64, splits, splits, config=_variant_cfg(name, 128))
+    o_ref, lse_ref = run(case, 64, splits, splits, config=MLADecodeConfig(block_h=64, block_n=64, num_warps=8,
+                                                                          num_stages=2))
+    for name in ("tma", "tma_s3", "tma_n32_s3", "peel", "default"):
+        cfg = None if name == "default" else _variant_cfg(name, 128)
+        o, lse = run(case, 64, splits, splits, config=cfg)
         rel = ((o.double() - o_ref.double()).norm() / o_ref.double().norm()).item()
         assert rel <= 5e-3, f"{name}: {rel:.2e}"
         assert (lse - lse_ref).abs().max().item() <= 1e-2

@@ -228,22 +228,14 @@ def test_workspace_size_and_errors():
 
 
 # ---- opt-in kernel variants (MLADecodeConfig variant fields -> _mla_decode_stage1_v2) -----
-# Under the interpreter the TMA modes run through Triton's emulation of tensor descriptors
-# (host TensorDescriptor and tl.make_tensor_descriptor both), so their indexing (row
-# page*page_size + offset, zero-filled columns past kv_lora_rank / rope) is checked here;
-# pipelining, warp specialization and the scratch allocator are GPU-only (tests/gpu).
+# Under the interpreter the TMA mode runs through Triton's emulation of host tensor
+# descriptors, so its indexing (row page*page_size + offset, zero-filled columns past
+# kv_lora_rank / rope) is checked here; pipelining is GPU-only (tests/gpu).
 _VAR_BASE = dict(block_h=16, block_n=16, num_warps=4, num_stages=1)
 VARIANTS = {
     "peel": dict(peel_tail=True),
     "tma": dict(kv_load="tma"),
-    "tma_device": dict(kv_load="tma_device"),
-    "persistent": dict(persistent=True, persistent_ctas=3),
-    "persistent_tma_n32": dict(persistent=True, kv_load="tma", block_n=32),
-    "head_loop": dict(head_loop=True, kv_load="tma"),
-    "head_loop_persistent": dict(head_loop=True, persistent=True, persistent_ctas=2),
-    "q_in_loop": dict(q_in_loop=True, kv_load="tma"),
-    "lazy_rescale": dict(rescale_threshold=8.0, kv_load="tma"),
-    "loop_knobs": dict(loop_stages=3, loop_unroll=2, warp_specialize=True, kv_load="tma"),
+    "tma_n32": dict(kv_load="tma", block_n=32),
 }
 
 
@@ -260,7 +252,7 @@ def test_variant_config_fields():
     for name in VARIANTS:
         assert _variant(name).is_variant, name
     with pytest.raises(ValueError, match="kv_load"):
-        MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, kv_load="tmaa")
+        MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, kv_load="tma_device")
 
 
 def test_tma_applicable():
@@ -274,10 +266,9 @@ def test_tma_applicable():
     assert not mla_tma_applicable(rows[:, 4:], D_C - 4, 16, 16)  # base not 16-byte aligned
 
 
-# page 1: the TMA modes fall back to pointer gathers (a tile spans pages); the pointer-only
-# variants cover the per-row page lookup without masks
-_VARIANT_CASES = [(n, p) for n in VARIANTS for p in (16, 64)] + [
-    (n, 1) for n in ("peel", "tma", "persistent", "head_loop_persistent")]
+# page 1: the TMA mode falls back to pointer gathers (a tile spans pages); the pointer-only
+# variant covers the per-row page lookup without masks
+_VARIANT_CASES = [(n, p) for n in VARIANTS for p in (16, 64)] + [(n, 1) for n in ("peel", "tma")]
 
 
 @pytest.mark.parametrize("name,page_size", _VARIANT_CASES)
@@ -290,7 +281,7 @@ def test_variant_matches_reference(name, page_size):
     assert (o[0] == 0).all() and torch.isneginf(lse[0].cpu()).all()
 
 
-@pytest.mark.parametrize("name", ["tma", "persistent", "lazy_rescale"])
+@pytest.mark.parametrize("name", ["tma", "peel"])
 def test_variant_device_splits_fp16(name):
     lens = [40, 0, 300, 16]
     case = make_case(lens, 16, 16, torch.float16, seed=41)
@@ -302,22 +293,8 @@ def test_variant_device_splits_fp16(name):
 def test_variant_tma_padded_dims_bf16():
     # kv_lora_rank 48 / rope 8: the descriptors' shapes cut the boxes, the padding is zero
     case = make_case([33, 90, 64], 16, 16, torch.bfloat16, d_c=48, d_r=8, seed=43)
-    for name in ("tma", "tma_device"):
-        o, lse = run_kernel(case, 16, 2, 2, config=_variant(name))
-        check(case, o, lse, torch.bfloat16)
-
-
-def test_variant_lazy_rescale_large_scores():
-    """Scores spread over hundreds of log2 units: the reference max moves often (rescale
-    branch taken) and also stays put for whole tiles (branch skipped)."""
-    case = make_case([5, 200, 97], 16, 16, torch.float32, seed=47)
-    case["q_nope"] = case["q_nope"] * 30
-    case["q_nope64"] = case["q_nope64"] * 30
-    ref = run_kernel(case, 16, 2, 2)
-    for tau in (8.0, 1.0):
-        o, lse = run_kernel(case, 16, 2, 2, config=_variant("lazy_rescale", rescale_threshold=tau))
-        check(case, o, lse, torch.float32)
-        assert torch.allclose(o, ref[0], rtol=1e-4, atol=1e-5)
+    o, lse = run_kernel(case, 16, 2, 2, config=_variant("tma"))
+    check(case, o, lse, torch.bfloat16)
 
 
 def test_variant_strided_q_shared_workspace():
@@ -328,18 +305,6 @@ def test_variant_strided_q_shared_workspace():
     big = torch.full((bs, h, D_C + 32), float("nan"), dtype=torch.float16, device=DEVICE)
     o = big[..., 16 : 16 + D_C]
     ws = torch.empty(mla_workspace_size(4096, 8, 8, h, D_C), dtype=torch.uint8, device=DEVICE)
-    o, lse = run_kernel(case, 16, 3, 3, workspace=ws, o=o, config=_variant("persistent_tma_n32"))
+    o, lse = run_kernel(case, 16, 3, 3, workspace=ws, o=o, config=_variant("tma_n32"))
     check(case, o, lse, torch.float16)
     assert torch.isnan(big[..., :16]).all() and torch.isnan(big[..., 16 + D_C :]).all()
-
-
-def test_tma_scratch_reserve_keeps_old_buffers():
-    """The device-descriptor scratch only grows, and a replaced buffer stays alive (graphs
-    captured before keep valid pointers)."""
-    from attnserve.attention.triton_ops.mla_decode import _TMAScratch
-
-    sc = _TMAScratch()
-    a = sc.get(torch.device("cpu"), 100)
-    assert a.numel() >= 1 << 20 and sc.get(torch.device("cpu"), 1000) is a
-    b = sc.get(torch.device("cpu"), (1 << 20) + 1)
-    assert b is not a and b.numel() > 1 << 20 and any(r is a for r in sc.retired)

@@ -129,10 +129,11 @@ def time_one(bs, kv_len, heads, page, copy_tbps, *, config=None, peer=True, sm_c
         mla.mla_decode_fwd(q_nope, q_pe, kv, table, seq_lens, page, o, sm_scale, splits, splits,
                            workspace=ws, config=cfg)
 
-    before = {id(k) for k in _compiled(mla._mla_decode_stage1)}
+    stage1 = (mla._mla_decode_stage1, mla._mla_decode_stage1_v2)  # v2: variant configs (the many-heads default)
+    before = {id(k) for f in stage1 for k in _compiled(f)}
     kernel()
     torch.cuda.synchronize()
-    stats = _kernel_stats([k for k in _compiled(mla._mla_decode_stage1) if id(k) not in before])
+    stats = _kernel_stats([k for f in stage1 for k in _compiled(f) if id(k) not in before])
     eager_ms = triton.testing.do_bench(kernel, return_mode="median")
     # decode runs under CUDA graphs: time the captured launch pair without Python overhead
     graph = torch.cuda.CUDAGraph()

@@ -93,8 +93,6 @@ def sweep_configs() -> List[Dict]:
     heuristic, rounded, >= 1) and ref (the row every other row of the shape is compared with:
     the original kernel's tiles, listed first)."""
     tma = dict(kv_load="tma")
-    dev = dict(kv_load="tma_device")
-    per = dict(persistent=True)
     h128 = [
         ("ref_v1_n64_s2", _c(64, 64, 8, 2), 1),
         ("default", None, 1),
@@ -102,31 +100,16 @@ def sweep_configs() -> List[Dict]:
         ("v1_n64_s2_splits0.5x", _c(64, 64, 8, 2), 0.5),
         ("peel_n64_s2", _c(64, 64, 8, 2, peel_tail=True), 1),
         ("peel_n32_s3", _c(64, 32, 8, 3, peel_tail=True), 1),
-        ("ptr_persistent_n64_s2", _c(64, 64, 8, 2, **per), 1),
         ("tma_n64_s2", _c(64, 64, 8, 2, **tma), 1),
         ("tma_n64_s3", _c(64, 64, 8, 3, **tma), 1),
         ("tma_n64_s1", _c(64, 64, 8, 1, **tma), 1),
         ("tma_n32_s2", _c(64, 32, 8, 2, **tma), 1),
         ("tma_n32_s3", _c(64, 32, 8, 3, **tma), 1),
         ("tma_n32_s4", _c(64, 32, 8, 4, **tma), 1),
-        ("tmadev_n64_s2", _c(64, 64, 8, 2, **dev), 1),
-        ("tmadev_n64_s3", _c(64, 64, 8, 3, **dev), 1),
-        ("tma_persistent_n64_s2", _c(64, 64, 8, 2, **tma, **per), 1),
-        ("tma_persistent_n64_s3", _c(64, 64, 8, 3, **tma, **per), 1),
-        ("tmadev_persistent_n64_s3", _c(64, 64, 8, 3, **dev, **per), 1),
-        ("tma_lazy8_n64_s2", _c(64, 64, 8, 2, **tma, rescale_threshold=8.0), 1),
-        ("tma_lazy8_n64_s3", _c(64, 64, 8, 3, **tma, rescale_threshold=8.0), 1),
-        ("tma_persistent_lazy8_n64_s3", _c(64, 64, 8, 3, **tma, **per, rescale_threshold=8.0), 1),
-        ("tma_ws_n64_s2", _c(64, 64, 8, 2, **tma, warp_specialize=True), 1),
-        ("tma_loopst3_n64_s2", _c(64, 64, 8, 2, **tma, loop_stages=3), 1),
-        ("tma_qloop_n64_s2", _c(64, 64, 8, 2, **tma, q_in_loop=True), 1),
-        ("tma_headloop_n64_s2", _c(64, 64, 8, 2, **tma, head_loop=True), 1),
-        ("tma_headloop_persistent_n64_s3", _c(64, 64, 8, 3, **tma, head_loop=True, **per), 1),
         ("tma_h32_w4_n64_s2", _c(32, 64, 4, 2, **tma), 1),
         ("tma_n64_s2_splits0.5x", _c(64, 64, 8, 2, **tma), 0.5),
         ("tma_n64_s3_splits0.5x", _c(64, 64, 8, 3, **tma), 0.5),
         ("tma_n64_s3_splits2x", _c(64, 64, 8, 3, **tma), 2),
-        ("tma_persistent_n64_s3_splits2x", _c(64, 64, 8, 3, **tma, **per), 2),
     ]
     h16 = [
         ("ref_v1_h16_n128_w8_s2", _c(16, 128, 8, 2), 1),
@@ -141,7 +124,6 @@ def sweep_configs() -> List[Dict]:
         ("tma_h16_n32_w4_s4", _c(16, 32, 4, 4, **tma), 1),
         ("tma_h16_n32_w8_s3", _c(16, 32, 8, 3, **tma), 1),
         ("tma_h16_n32_w4_s4_splits2x", _c(16, 32, 4, 4, **tma), 2),
-        ("tma_persistent_h16_n64_w8_s3", _c(16, 64, 8, 3, **tma, **per), 1),
         ("tma_h16_n64_w8_s3_splits2x", _c(16, 64, 8, 3, **tma), 2),
         ("tma_h64pad_n64_w8_s2", _c(64, 64, 8, 2, **tma), 1),
     ]
@@ -232,7 +214,9 @@ def torch_isnan_any(t) -> bool:
 
 
 def _runner(inp: Dict, cfg, splits: int):
-    """A closure running one decode (stage 1 + merge) into a fixed output; no allocation."""
+    """A closure running one decode (stage 1 + merge) into a fixed output; no allocation.
+    Returns ``(fn, o, last)``: ``last["stage1"]`` is the compiled stage-1 kernel of the
+    latest call (see `_kernel_stats`)."""
     import torch
 
     from attnserve.attention.triton_ops import mla_decode as mla
@@ -240,21 +224,20 @@ def _runner(inp: Dict, cfg, splits: int):
     bs, heads, _ = inp["q_nope"].shape
     ws = torch.empty(mla.mla_workspace_size(0, bs, splits, heads, D_C), dtype=torch.uint8, device=_DEV)
     o = torch.empty(bs, heads, D_C, dtype=torch.bfloat16, device=_DEV)
+    last: Dict = {}
 
     def fn():
-        mla.mla_decode_fwd(inp["q_nope"], inp["q_pe"], inp["kv"], inp["table"], inp["seq_lens"], inp["page"], o,
-                           SM_SCALE, splits, splits, workspace=ws, config=cfg)
+        last["stage1"] = mla._mla_decode_fwd(inp["q_nope"], inp["q_pe"], inp["kv"], inp["table"], inp["seq_lens"],
+                                             inp["page"], o, SM_SCALE, splits, splits, workspace=ws, config=cfg)[1]
 
-    return fn, o
+    return fn, o, last
 
 
-def _kernel_stats() -> Dict:
-    from attnserve.attention.triton_ops import mla_decode as mla
-
-    k = mla.last_stage1_kernel()
+def _kernel_stats(k) -> Dict:
+    """n_regs / n_spills / shared of a compiled kernel (None under the interpreter)."""
     md = getattr(k, "metadata", None)
     return dict(n_regs=getattr(k, "n_regs", None), n_spills=getattr(k, "n_spills", None),
-                shared=getattr(md, "shared", None), global_scratch=getattr(md, "global_scratch_size", None))
+                shared=getattr(md, "shared", None))
 
 
 def _tma_applies(cfg, inp: Dict) -> Optional[bool]:
@@ -289,14 +272,14 @@ def _worker(jobs: List[Dict]) -> int:
                 inputs[heads] = make_inputs(len(CHECK_LENS), heads, CHECK_LENS, PAGE, seed=1)
             inp = inputs[heads]
             cfg = _make_config(spec, heads)
-            fn, o = _runner(inp, cfg, splits)
+            fn, o, last = _runner(inp, cfg, splits)
             o.fill_(float("nan"))
             fn()
             _sync()
             res["compile_s"] = time.perf_counter() - t0
             errs = _rel_errs(o, reference_f64(inp))
             res.update(ok=not errs["nan"] and errs["rel_err"] <= 1e-2, f64_rel_err=errs["rel_err"],
-                       f64_max_rel_err=errs["max_rel_err"], f64_nan=errs["nan"], **_kernel_stats())
+                       f64_max_rel_err=errs["max_rel_err"], f64_nan=errs["nan"], **_kernel_stats(last.get("stage1")))
         except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
             res.update(ok=False, error=_short(e), compile_s=time.perf_counter() - t0)
         print(json.dumps(res), flush=True)
@@ -463,12 +446,12 @@ def sweep_shape(shape: Dict, specs: List[Dict], pre: Dict[str, Dict], base_split
             row["tma_applies"] = _tma_applies(cfg, inp)
             if p and not p.get("ok") and p.get("error"):
                 raise RuntimeError("precompile failed: " + p["error"])
-            fn, o = _runner(inp, cfg, splits)
+            fn, o, last = _runner(inp, cfg, splits)
             t0 = time.perf_counter()
             fn()
             _sync()
             row["first_call_s"] = time.perf_counter() - t0
-            row.update(_kernel_stats())
+            row.update(_kernel_stats(last.get("stage1")))
             if spec["ref"]:
                 ref = o.clone()
             if ref is not None:

@@ -22,16 +22,17 @@ Paging: ``block_kv_indices[i, j]`` is the page holding tokens ``j*page_size ..``
 Entries past ``cdiv(seq_lens[i], page_size)`` (padding, e.g. -1) and slots past
 ``seq_lens[i]`` are never read.
 
-Variants: non-default fields of `MLADecodeConfig` (TMA descriptor loads, persistent grid,
-lazy rescaling, ...) select ``_mla_decode_stage1_v2``, which shares the math and the split /
-merge scheme and differs in how tiles are fetched and scheduled (see the dataclass). Note on
-the many-heads shape, from the sm_90 code Triton emits for it: the QK dot's result feeds the
-PV dot, so Triton lays QK out with all warps along M ([num_warps, 1]); with ``block_h`` 64
-and 8 warps both warpgroups compute the same 64 x ``block_n`` scores (m64n32k16 wgmmas
-reading q from shared memory each time) while PV splits the 512 columns between them. That
-redundant, shared-memory-bound QK (by a rough estimate 3/4 of the tensor-core time per tile) is a limit
-none of the variants removes; a FlashMLA-like split of QK across warpgroups needs explicit
-layouts (Gluon or CUDA).
+Variant: non-default fields of `MLADecodeConfig` (TMA descriptor loads, peeled tail) select
+``_mla_decode_stage1_v2``, which shares the math, the grid and the split / merge scheme and
+differs in how tiles are fetched (see the dataclass). Note on the many-heads shape, from the
+sm_90 code Triton emits for it: the QK dot's result feeds the PV dot, so Triton lays QK out
+with all warps along M ([num_warps, 1]); with ``block_h`` 64 and 8 warps both warpgroups
+compute the same 64 x ``block_n`` scores (m64n32k16 wgmmas reading q from shared memory
+each time) while PV splits the 512 columns between them. That redundant, shared-memory-bound
+QK (by a rough estimate 3/4 of the tensor-core time per tile) is a limit the variant does
+not remove (nor did a persistent grid, a head loop, lazy rescaling or the loop pipelining
+knobs, measured and dropped: benchmarks/NOTES.md "MLA decode"); a FlashMLA-like split of QK
+across warpgroups needs explicit layouts (Gluon or CUDA).
 
 CUDA graphs: `mla_decode_fwd` syncs nothing with the host and allocates nothing when a
 workspace is given; its grids depend only on ``bs``, the head count and ``max_kv_splits``;
@@ -57,7 +58,6 @@ __all__ = [
     "mla_num_kv_splits_device",
     "mla_workspace_size",
     "mla_decode_fwd",
-    "mla_reserve_tma_scratch",
     "mla_tma_applicable",
 ]
 
@@ -148,7 +148,7 @@ def mla_workspace_size(max_seq_len: int, bs: int, num_kv_splits: int, num_heads:
 # ---------------------------------------------------------------------------------------
 # tuning
 # ---------------------------------------------------------------------------------------
-_KV_LOADS = ("ptr", "tma", "tma_device")
+_KV_LOADS = ("ptr", "tma")
 
 
 @dataclass(frozen=True)
@@ -160,42 +160,22 @@ class MLADecodeConfig:
     num_warps / num_stages: Triton launch options of stage 1.
     merge_num_warps: num_warps of the merge kernel.
 
-    Opt-in variants (many-heads tuning; all defaults = the original kernel, bit for bit).
-    Any non-default field below selects the variant kernel ``_mla_decode_stage1_v2``,
-    which always peels the tail: every split runs its full ``block_n`` tiles without any
-    mask and at most one masked tail tile (pointer loads) after the loop.
+    Variant fields (``kv_load="tma"`` is `mla_decode_config`'s many-heads pick; the field
+    defaults give the original kernel, bit for bit): a non-default field selects
+    ``_mla_decode_stage1_v2``, which always peels the tail: every split runs its full
+    ``block_n`` tiles without any mask and at most one masked tail tile (pointer loads)
+    after the loop.
 
     kv_load: how full KV tiles are fetched.
         ``"ptr"``: pointer gathers (as the original kernel).
         ``"tma"``: host-side ``triton.tools.tensor_descriptor.TensorDescriptor`` over the
         pool viewed as ``[num_slots, D]`` (one descriptor for c_kv ``[block_n, 512]`` boxes
         and one for k_pe ``[block_n, 64]`` boxes at row ``page * page_size + offset``). Passed
-        by value as kernel parameters: no allocation, CUDA-graph capturable.
-        ``"tma_device"``: the same descriptors built in the kernel with
-        ``tl.make_tensor_descriptor``; they need a global scratch of 128 bytes per
-        descriptor per program, which Triton requests from ``triton.set_allocator`` at each
-        launch. We install, for the duration of the launch only, an allocator handing out
-        a pre-allocated per-device buffer (`mla_reserve_tma_scratch`; grown outside CUDA
-        graph capture only: during capture a too-small buffer raises instead of
-        allocating). Launches on two streams at once must not share it.
-        Both TMA modes apply only when ``page_size % block_n == 0`` (a tile is
-        ``block_n`` contiguous pool rows), the row stride and ``kv_lora_rank`` are
-        16-byte multiples, and the pool has < 2**31 rows; otherwise the pointer path runs.
+        by value as kernel parameters: no allocation, CUDA-graph capturable. Applies only
+        when ``page_size % block_n == 0`` (a tile is ``block_n`` contiguous pool rows), the
+        row stride and ``kv_lora_rank`` are 16-byte multiples, and the pool has < 2**31
+        rows (`mla_tma_applicable`); otherwise the same kernel's pointer path runs.
     peel_tail: select the variant kernel with pointer loads only (mask-free main loop).
-    persistent: a grid of ``persistent_ctas`` programs (0: the SM count) looping over work
-        items (request, split, head tile), head tile fastest so concurrent programs share
-        KV tiles through L2.
-    head_loop: one program per (request, split) runs every head tile in turn (the KV
-        split is re-read from L2/DRAM per head tile; it cannot stay in registers: 128
-        heads x 512 fp32 accumulators are the whole register file).
-    q_in_loop: reload q_nope / q_pe inside the KV loop (shorter live ranges; L2 hits).
-    loop_stages / loop_unroll / warp_specialize: ``tl.range(num_stages=, loop_unroll_factor=,
-        warp_specialize=)`` of the KV loop (None / False: not passed).
-    rescale_threshold: > 0 enables lazy online-softmax rescaling (log2 units, e.g. 8.0): a
-        row's reference max only moves when the tile max exceeds it by more than this, and
-        the ``block_h x 512`` accumulator multiply is skipped for tiles where no row moved.
-        Exact up to rounding: ``p = exp2(s - reference) <= 2**threshold`` stays finite in fp32 and
-        bf16, and l and acc share the reference, which cancels in the final division.
     """
 
     block_h: int
@@ -205,14 +185,6 @@ class MLADecodeConfig:
     merge_num_warps: int = 4
     kv_load: str = "ptr"
     peel_tail: bool = False
-    persistent: bool = False
-    persistent_ctas: int = 0
-    head_loop: bool = False
-    q_in_loop: bool = False
-    loop_stages: Optional[int] = None
-    loop_unroll: Optional[int] = None
-    warp_specialize: bool = False
-    rescale_threshold: float = 0.0
 
     def __post_init__(self):
         if self.kv_load not in _KV_LOADS:
@@ -221,9 +193,7 @@ class MLADecodeConfig:
     @property
     def is_variant(self) -> bool:
         """True when a non-default variant field selects ``_mla_decode_stage1_v2``."""
-        return (self.kv_load != "ptr" or self.peel_tail or self.persistent or self.head_loop or self.q_in_loop
-                or self.loop_stages is not None or self.loop_unroll is not None or self.warp_specialize
-                or self.rescale_threshold > 0)
+        return self.kv_load != "ptr" or self.peel_tail
 
     def smem_estimate(self, kv_lora_rank: int, rope_dim: int, elt_bytes: int = 2) -> int:
         """Rough shared-memory bytes: KV tile per stage + the query tile + a P tile."""
@@ -393,7 +363,7 @@ def _mla_decode_stage1(
 
 
 # ---------------------------------------------------------------------------------------
-# variant stage 1 (opt-in through MLADecodeConfig's variant fields; see its docstring)
+# variant stage 1 (selected by MLADecodeConfig's variant fields; see its docstring)
 # ---------------------------------------------------------------------------------------
 @triton.jit
 def _v2_load_q(QNope, QPe, b, offs_h, mask_h, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
@@ -469,40 +439,25 @@ def _v2_load_kv_tma(desc_c, desc_r, table, n0, PAGE_SIZE: tl.constexpr, DOT_FP32
 
 @triton.jit
 def _v2_update(qn, qp, ckv, kpe, m_i, l_i, acc, offs_n, end, sm_scale_log2,
-               MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, RESCALE_TAU: tl.constexpr):
+               MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online-softmax step of one KV tile for a head tile."""
     qk = tl.dot(qn, tl.trans(ckv), input_precision=DOT_PRECISION)
     qk = tl.dot(qp, tl.trans(kpe), acc=qk, input_precision=DOT_PRECISION)
     s = qk * sm_scale_log2
     if MASKED:
         s = tl.where((offs_n < end)[None, :], s, float("-inf"))
-    m_cand = tl.maximum(m_i, tl.max(s, 1))
-    if RESCALE_TAU > 0:
-        # lazy rescaling: keep the reference max of a row until the tile max exceeds it
-        # by more than RESCALE_TAU (log2 units; p <= 2**RESCALE_TAU, exact after the final
-        # division since l and acc share the reference); skip the acc multiply (a
-        # BLOCK_H x 512 fp32 pass) when no row of the tile moved its reference.
-        grow = m_cand > m_i + RESCALE_TAU
-        m_new = tl.where(grow, m_cand, m_i)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if tl.max(grow.to(tl.int32), 0) > 0:
-            acc = acc * alpha[:, None]
-    else:
-        m_new = m_cand
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
     acc = tl.dot(p.to(ckv.dtype), ckv, acc=acc, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
-@triton.jit
-def _v2_item(
-    b, split_id, pid_h,
-    QNope, QPe, KV, desc_c, desc_r, BlockTable, SeqLens, NumSplits,
+@triton.jit(do_not_specialize=["num_heads", "num_splits_scalar"])
+def _mla_decode_stage1_v2(
+    QNope, QPe, KV, DescC, DescR, BlockTable, SeqLens, NumSplits,
     OPart, LsePart, O, Lse,
     sm_scale_log2, num_heads, num_splits_scalar,
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
@@ -512,11 +467,16 @@ def _v2_item(
     D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr, PER_REQ_SPLITS: tl.constexpr, HAS_LSE: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, Q_IN_LOOP: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, LOOP_UNROLL: tl.constexpr, WARP_SPEC: tl.constexpr, RESCALE_TAU: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """One work item: head tile ``pid_h`` of request ``b``, split ``split_id``."""
+    """Variant stage 1, grid (head tiles, MAX_KV_SPLITS, bs) as the original kernel. Full
+    tiles run mask-free, through the host descriptors DescC / DescR when USE_TMA (else
+    pointers; DescC / DescR are unused placeholders then); at most one masked pointer tail
+    tile follows."""
+    pid_h = tl.program_id(0)
+    split_id = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+
     kv_len = tl.load(SeqLens + b).to(tl.int32)
     if PER_REQ_SPLITS:
         n_req = tl.load(NumSplits + b).to(tl.int32)
@@ -531,35 +491,27 @@ def _v2_item(
         mask_h = offs_h < num_heads
         offs_c = tl.arange(0, BLOCK_C)
         mask_c = offs_c < D_C
-        if not Q_IN_LOOP:
-            qn, qp = _v2_load_q(QNope, QPe, b, offs_h, mask_h, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
-                                D_C, D_R, BLOCK_C, BLOCK_R, DOT_FP32)
+        qn, qp = _v2_load_q(QNope, QPe, b, offs_h, mask_h, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+                            D_C, D_R, BLOCK_C, BLOCK_R, DOT_FP32)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
         table = BlockTable + b * stride_bt_b
         # full tiles, no masks; then at most one partial tail tile
         full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
-        for n0 in tl.range(start, full_end, BLOCK_N, num_stages=LOOP_STAGES, loop_unroll_factor=LOOP_UNROLL,
-                           warp_specialize=WARP_SPEC):
-            if Q_IN_LOOP:
-                qn, qp = _v2_load_q(QNope, QPe, b, offs_h, mask_h, stride_qn_b, stride_qn_h, stride_qp_b,
-                                    stride_qp_h, D_C, D_R, BLOCK_C, BLOCK_R, DOT_FP32)
+        for n0 in tl.range(start, full_end, BLOCK_N):
             if USE_TMA:
-                ckv, kpe = _v2_load_kv_tma(desc_c, desc_r, table, n0, PAGE_SIZE, DOT_FP32)
+                ckv, kpe = _v2_load_kv_tma(DescC, DescR, table, n0, PAGE_SIZE, DOT_FP32)
             else:
                 ckv, kpe = _v2_load_kv_ptr(KV, table, n0, end, stride_kv_t, D_C, D_R, BLOCK_C, BLOCK_R,
                                            BLOCK_N, PAGE_SIZE, False, DOT_FP32)
             m_i, l_i, acc = _v2_update(qn, qp, ckv, kpe, m_i, l_i, acc, n0, end, sm_scale_log2,
-                                       False, DOT_PRECISION, RESCALE_TAU)
+                                       False, DOT_PRECISION)
         if full_end < end:
-            if Q_IN_LOOP:
-                qn, qp = _v2_load_q(QNope, QPe, b, offs_h, mask_h, stride_qn_b, stride_qn_h, stride_qp_b,
-                                    stride_qp_h, D_C, D_R, BLOCK_C, BLOCK_R, DOT_FP32)
             ckv, kpe = _v2_load_kv_ptr(KV, table, full_end, end, stride_kv_t, D_C, D_R, BLOCK_C, BLOCK_R,
                                        BLOCK_N, PAGE_SIZE, True, DOT_FP32)
             m_i, l_i, acc = _v2_update(qn, qp, ckv, kpe, m_i, l_i, acc, full_end + tl.arange(0, BLOCK_N), end,
-                                       sm_scale_log2, True, DOT_PRECISION, RESCALE_TAU)
+                                       sm_scale_log2, True, DOT_PRECISION)
 
         out = acc / l_i[:, None]
         lse2 = m_i + tl.log2(l_i)
@@ -573,88 +525,6 @@ def _v2_item(
             tl.store(OPart + b * stride_op_b + offs_h[:, None] * stride_op_h + split_id * stride_op_s
                      + offs_c[None, :], out, mask=mask_hc)
             tl.store(LsePart + b * stride_lp_b + offs_h * stride_lp_h + split_id, lse2, mask=mask_h)
-
-
-@triton.jit(do_not_specialize=["num_heads", "num_splits_scalar", "bs", "num_slots"])
-def _mla_decode_stage1_v2(
-    QNope, QPe, KV, DescC, DescR, BlockTable, SeqLens, NumSplits,
-    OPart, LsePart, O, Lse,
-    sm_scale_log2, num_heads, num_splits_scalar, bs, num_slots,
-    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
-    stride_kv_t, stride_bt_b,
-    stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h,
-    stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-    D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    MAX_KV_SPLITS: tl.constexpr, PER_REQ_SPLITS: tl.constexpr, HAS_LSE: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_MODE: tl.constexpr, Q_IN_LOOP: tl.constexpr, PERSISTENT: tl.constexpr, HEAD_LOOP: tl.constexpr,
-    NUM_HEAD_TILES: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, LOOP_UNROLL: tl.constexpr, WARP_SPEC: tl.constexpr, RESCALE_TAU: tl.constexpr,
-):
-    """Variant stage 1. KV_MODE 0: pointers; 1: host descriptors DescC / DescR; 2: device
-    descriptors built here (DescC / DescR unused). Grid: PERSISTENT: (programs,);
-    HEAD_LOOP: (1, MAX_KV_SPLITS, bs); else (NUM_HEAD_TILES, MAX_KV_SPLITS, bs)."""
-    if KV_MODE == 2:
-        desc_c = tl.make_tensor_descriptor(KV, shape=[num_slots, D_C], strides=[stride_kv_t, 1],
-                                           block_shape=[BLOCK_N, BLOCK_C])
-        desc_r = tl.make_tensor_descriptor(KV + D_C, shape=[num_slots, D_R], strides=[stride_kv_t, 1],
-                                           block_shape=[BLOCK_N, BLOCK_R])
-    else:
-        desc_c = DescC
-        desc_r = DescR
-    if PERSISTENT:
-        if HEAD_LOOP:
-            n_items = bs * MAX_KV_SPLITS
-        else:
-            n_items = bs * MAX_KV_SPLITS * NUM_HEAD_TILES
-        for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
-            if HEAD_LOOP:
-                split_id = item % MAX_KV_SPLITS
-                b = tl.cast(item // MAX_KV_SPLITS, tl.int64)
-                for pid_h in tl.range(0, NUM_HEAD_TILES):
-                    _v2_item(b, split_id, pid_h, QNope, QPe, KV, desc_c, desc_r, BlockTable, SeqLens, NumSplits,
-                             OPart, LsePart, O, Lse, sm_scale_log2, num_heads, num_splits_scalar,
-                             stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_kv_t, stride_bt_b,
-                             stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h,
-                             stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-                             D_C, D_R, BLOCK_C, BLOCK_R, BLOCK_H, BLOCK_N, PAGE_SIZE, MAX_KV_SPLITS,
-                             PER_REQ_SPLITS, HAS_LSE, DOT_FP32, DOT_PRECISION, KV_MODE != 0, Q_IN_LOOP,
-                             LOOP_STAGES, LOOP_UNROLL, WARP_SPEC, RESCALE_TAU)
-            else:
-                pid_h = item % NUM_HEAD_TILES
-                split_id = (item // NUM_HEAD_TILES) % MAX_KV_SPLITS
-                b = tl.cast(item // (NUM_HEAD_TILES * MAX_KV_SPLITS), tl.int64)
-                _v2_item(b, split_id, pid_h, QNope, QPe, KV, desc_c, desc_r, BlockTable, SeqLens, NumSplits,
-                         OPart, LsePart, O, Lse, sm_scale_log2, num_heads, num_splits_scalar,
-                         stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_kv_t, stride_bt_b,
-                         stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h,
-                         stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-                         D_C, D_R, BLOCK_C, BLOCK_R, BLOCK_H, BLOCK_N, PAGE_SIZE, MAX_KV_SPLITS,
-                         PER_REQ_SPLITS, HAS_LSE, DOT_FP32, DOT_PRECISION, KV_MODE != 0, Q_IN_LOOP,
-                         LOOP_STAGES, LOOP_UNROLL, WARP_SPEC, RESCALE_TAU)
-    else:
-        split_id = tl.program_id(1)
-        b = tl.program_id(2).to(tl.int64)
-        if HEAD_LOOP:
-            for pid_h in tl.range(0, NUM_HEAD_TILES):
-                _v2_item(b, split_id, pid_h, QNope, QPe, KV, desc_c, desc_r, BlockTable, SeqLens, NumSplits,
-                         OPart, LsePart, O, Lse, sm_scale_log2, num_heads, num_splits_scalar,
-                         stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_kv_t, stride_bt_b,
-                         stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h,
-                         stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-                         D_C, D_R, BLOCK_C, BLOCK_R, BLOCK_H, BLOCK_N, PAGE_SIZE, MAX_KV_SPLITS,
-                         PER_REQ_SPLITS, HAS_LSE, DOT_FP32, DOT_PRECISION, KV_MODE != 0, Q_IN_LOOP,
-                         LOOP_STAGES, LOOP_UNROLL, WARP_SPEC, RESCALE_TAU)
-        else:
-            _v2_item(b, split_id, tl.program_id(0), QNope, QPe, KV, desc_c, desc_r, BlockTable, SeqLens,
-                     NumSplits, OPart, LsePart, O, Lse, sm_scale_log2, num_heads, num_splits_scalar,
-                     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_kv_t, stride_bt_b,
-                     stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h,
-                     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-                     D_C, D_R, BLOCK_C, BLOCK_R, BLOCK_H, BLOCK_N, PAGE_SIZE, MAX_KV_SPLITS,
-                     PER_REQ_SPLITS, HAS_LSE, DOT_FP32, DOT_PRECISION, KV_MODE != 0, Q_IN_LOOP,
-                     LOOP_STAGES, LOOP_UNROLL, WARP_SPEC, RESCALE_TAU)
 
 
 @triton.jit(do_not_specialize=["num_splits_scalar"])
@@ -701,16 +571,6 @@ def _mla_decode_stage2(
 # ---------------------------------------------------------------------------------------
 # host entry
 # ---------------------------------------------------------------------------------------
-# the compiled stage-1 kernel of the latest launch (what ``kernel[grid](...)`` returns), for
-# benchmarks reading n_regs / n_spills / metadata.shared; None under the interpreter
-_LAST_STAGE1: list = [None]
-
-
-def last_stage1_kernel():
-    """The compiled stage-1 kernel object of the latest `mla_decode_fwd` call (or None)."""
-    return _LAST_STAGE1[0]
-
-
 def _interpreting() -> bool:
     return type(_mla_decode_stage1).__name__ == "InterpretedFunction"
 
@@ -723,7 +583,7 @@ def _check_last_dim(name: str, t: torch.Tensor, ndim: int) -> None:
 
 
 def mla_tma_applicable(kv_rows: torch.Tensor, kv_lora_rank: int, page_size: int, block_n: int) -> bool:
-    """Whether the TMA variants can load full tiles of ``kv_rows`` ([num_slots, D] view):
+    """Whether the TMA variant can load full tiles of ``kv_rows`` ([num_slots, D] view):
     a tile must be ``block_n`` whole rows of one page and every box start 16-byte aligned."""
     elt = kv_rows.element_size()
     return (
@@ -737,124 +597,34 @@ def mla_tma_applicable(kv_rows: torch.Tensor, kv_lora_rank: int, page_size: int,
     )
 
 
-class _TMAScratch:
-    """Pre-allocated global scratch for device-side tensor descriptors, one buffer per device.
-
-    Triton asks its allocator for ``grid * global_scratch_size`` bytes at every launch of a
-    kernel that builds descriptors in the kernel. We hand out this buffer; it only grows
-    outside CUDA-graph capture (inside, a too-small buffer is an error, never an
-    allocation), and a replaced buffer is kept alive, so graphs captured earlier keep
-    pointing at valid memory.
-    """
-
-    def __init__(self) -> None:
-        self.buffers: dict = {}
-        self.retired: list = []
-
-    @staticmethod
-    def _key(device: torch.device) -> str:
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        return str(device)
-
-    def get(self, device: torch.device, nbytes: int) -> torch.Tensor:
-        key = self._key(device)
-        buf = self.buffers.get(key)
-        if buf is None or buf.numel() < nbytes:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                have = 0 if buf is None else buf.numel()
-                raise RuntimeError(
-                    f"MLA TMA scratch: {nbytes} bytes needed during CUDA graph capture but {have} reserved; "
-                    "run the same launch once before capture or call mla_reserve_tma_scratch()")
-            if buf is not None:
-                self.retired.append(buf)
-            buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
-            self.buffers[key] = buf
-        return buf
-
-
-_TMA_SCRATCH = _TMAScratch()
-
-
-def mla_reserve_tma_scratch(device: Union[str, torch.device], nbytes: int = 1 << 20) -> torch.Tensor:
-    """Pre-allocate the device-side-descriptor scratch (``kv_load="tma_device"``) before a
-    CUDA graph capture (at least 1 MiB = 4096 programs x 2 descriptors x 128 bytes)."""
-    return _TMA_SCRATCH.get(torch.device(device), int(nbytes))
-
-
-def _launch_with_scratch_allocator(device: torch.device, launch) -> None:
-    """Run ``launch()`` with a Triton allocator that serves `_TMA_SCRATCH`, restoring the
-    previous allocator afterwards (Triton keeps it in a ContextVar; older/newer layouts fall
-    back to the public ``triton.set_allocator``, which then stays installed)."""
-
-    def alloc(size: int, alignment: int, stream) -> torch.Tensor:
-        buf = _TMA_SCRATCH.get(device, size + alignment)
-        off = (-buf.data_ptr()) % max(int(alignment), 1)
-        return buf[off : off + size]
-
-    try:
-        from triton.runtime import _allocation
-
-        var = _allocation._allocator
-        token = var.set(alloc)
-    except (ImportError, AttributeError):
-        triton.set_allocator(alloc)
-        launch()
-        return
-    try:
-        launch()
-    finally:
-        var.reset(token)
-
-
 def _launch_stage1_v2(cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part, o,
-                      lse_arg, sm_scale_log2, num_heads, splits_scalar, bs, lse_strides, page_size, max_kv_splits,
-                      per_req, has_lse, interpret, fp32_dot, block_c, block_r) -> None:
+                      lse_arg, sm_scale_log2, num_heads, splits_scalar, lse_strides, page_size, max_kv_splits,
+                      per_req, has_lse, fp32_dot, interpret, block_c, block_r):
+    """Launch `_mla_decode_stage1_v2`; returns what the launch returns (the compiled kernel)."""
     d_c, d_r = q_nope.shape[2], q_pe.shape[2]
-    kv_mode = 0
-    if cfg.kv_load != "ptr" and mla_tma_applicable(kv_rows, d_c, page_size, cfg.block_n):
-        kv_mode = 1 if cfg.kv_load == "tma" else 2
-    desc_c = desc_r = kv_rows  # unused placeholders unless kv_mode == 1
-    if kv_mode == 1:
+    use_tma = cfg.kv_load == "tma" and mla_tma_applicable(kv_rows, d_c, page_size, cfg.block_n)
+    desc_c = desc_r = kv_rows  # unused placeholders unless use_tma
+    if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         n = kv_rows.shape[0]
         desc_c = TensorDescriptor(kv_rows, [n, d_c], [kv_rows.stride(0), 1], [cfg.block_n, block_c])
         desc_r = TensorDescriptor(kv_rows[:, d_c:], [n, d_r], [kv_rows.stride(0), 1], [cfg.block_n, block_r])
-    n_head_tiles = triton.cdiv(num_heads, cfg.block_h)
-    if cfg.persistent:
-        n_items = bs * max_kv_splits * (1 if cfg.head_loop else n_head_tiles)
-        ctas = cfg.persistent_ctas
-        if ctas <= 0:
-            ctas = 3 if interpret else torch.cuda.get_device_properties(o.device).multi_processor_count
-        grid = (max(1, min(ctas, n_items)),)
-    else:
-        grid = (1 if cfg.head_loop else n_head_tiles, max_kv_splits, bs)
-
-    def launch():
-        _LAST_STAGE1[0] = _mla_decode_stage1_v2[grid](
-            q_nope, q_pe, kv_rows, desc_c, desc_r, block_kv_indices, seq_lens, splits_ptr,
-            o_part, lse_part, o, lse_arg,
-            sm_scale_log2, num_heads, splits_scalar, bs, kv_rows.shape[0],
-            q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-            kv_rows.stride(0), block_kv_indices.stride(0),
-            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-            o.stride(0), o.stride(1), *lse_strides,
-            D_C=d_c, D_R=d_r, BLOCK_C=block_c, BLOCK_R=block_r,
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
-            MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse,
-            DOT_FP32=interpret, DOT_PRECISION="ieee" if fp32_dot else "tf32",
-            KV_MODE=kv_mode, Q_IN_LOOP=cfg.q_in_loop, PERSISTENT=cfg.persistent, HEAD_LOOP=cfg.head_loop,
-            NUM_HEAD_TILES=n_head_tiles,
-            LOOP_STAGES=cfg.loop_stages, LOOP_UNROLL=cfg.loop_unroll, WARP_SPEC=cfg.warp_specialize,
-            RESCALE_TAU=float(cfg.rescale_threshold),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-
-    if kv_mode == 2 and not interpret:
-        _launch_with_scratch_allocator(o.device, launch)
-    else:
-        launch()
+    grid = (triton.cdiv(num_heads, cfg.block_h), max_kv_splits, q_nope.shape[0])
+    return _mla_decode_stage1_v2[grid](
+        q_nope, q_pe, kv_rows, desc_c, desc_r, block_kv_indices, seq_lens, splits_ptr,
+        o_part, lse_part, o, lse_arg,
+        sm_scale_log2, num_heads, splits_scalar,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_rows.stride(0), block_kv_indices.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        o.stride(0), o.stride(1), *lse_strides,
+        D_C=d_c, D_R=d_r, BLOCK_C=block_c, BLOCK_R=block_r,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
+        MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse,
+        DOT_FP32=interpret, DOT_PRECISION="ieee" if fp32_dot else "tf32", USE_TMA=use_tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
 
 
 def mla_decode_fwd(
@@ -897,6 +667,15 @@ def mla_decode_fwd(
     Raises ValueError on shape/dtype/device mismatches or a too-small workspace. No host
     sync: lengths and split counts are read on the device only.
     """
+    return _mla_decode_fwd(q_nope, q_pe, kv_buffer, block_kv_indices, seq_lens, page_size, o, sm_scale,
+                           num_kv_splits, max_kv_splits, workspace, lse, config=config)[0]
+
+
+def _mla_decode_fwd(q_nope, q_pe, kv_buffer, block_kv_indices, seq_lens, page_size, o, sm_scale, num_kv_splits,
+                    max_kv_splits, workspace=None, lse=None, *, config=None):
+    """`mla_decode_fwd`, returning ``(o, stage1)``: ``stage1`` is what the stage-1 launch
+    returned (the compiled kernel, for n_regs / n_spills / metadata.shared in benchmarks;
+    None when ``bs == 0``)."""
     _check_last_dim("q_nope", q_nope, 3)
     _check_last_dim("q_pe", q_pe, 3)
     _check_last_dim("o", o, 3)
@@ -960,7 +739,7 @@ def mla_decode_fwd(
     o_part = ws[: 4 * n_o].view(torch.float32).view(bs, num_heads, max_kv_splits, d_c)
     lse_part = ws[4 * n_o : need].view(torch.float32).view(bs, num_heads, max_kv_splits)
     if bs == 0:
-        return o
+        return o, None
 
     if config is None:
         smem = None
@@ -976,14 +755,14 @@ def mla_decode_fwd(
     block_r = max(16, triton.next_power_of_2(d_r))
 
     if cfg.is_variant:
-        _launch_stage1_v2(
+        stage1 = _launch_stage1_v2(
             cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part, o, lse_arg,
-            float(sm_scale) * _LOG2E, num_heads, splits_scalar, bs, lse_strides, int(page_size), max_kv_splits,
-            per_req, has_lse, interpret, fp32_dot, block_c, block_r,
+            float(sm_scale) * _LOG2E, num_heads, splits_scalar, lse_strides, int(page_size), max_kv_splits,
+            per_req, has_lse, fp32_dot, interpret, block_c, block_r,
         )
     else:
         grid1 = (triton.cdiv(num_heads, cfg.block_h), max_kv_splits, bs)
-        _LAST_STAGE1[0] = _mla_decode_stage1[grid1](
+        stage1 = _mla_decode_stage1[grid1](
             q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr,
             o_part, lse_part, o, lse_arg,
             float(sm_scale) * _LOG2E, num_heads, splits_scalar,
@@ -1005,4 +784,4 @@ def mla_decode_fwd(
         MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse,
         num_warps=cfg.merge_num_warps,
     )
-    return o
+    return o, stage1
