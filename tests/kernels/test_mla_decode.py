@@ -227,7 +227,7 @@ def test_workspace_size_and_errors():
         run_kernel(bad, 16, 2, 4)
 
 
-# ---- opt-in kernel variants (MLADecodeConfig variant fields -> _mla_decode_stage1_v2) -----
+# ---- opt-in kernel variants (MLADecodeConfig variant fields -> the PEEL loop of stage 1) ----
 # Under the interpreter the TMA mode runs through Triton's emulation of host tensor
 # descriptors, so its indexing (row page*page_size + offset, zero-filled columns past
 # kv_lora_rank / rope) is checked here; pipelining is GPU-only (tests/gpu).

@@ -129,7 +129,7 @@ def time_one(bs, kv_len, heads, page, copy_tbps, *, config=None, peer=True, sm_c
         mla.mla_decode_fwd(q_nope, q_pe, kv, table, seq_lens, page, o, sm_scale, splits, splits,
                            workspace=ws, config=cfg)
 
-    stage1 = (mla._mla_decode_stage1, mla._mla_decode_stage1_v2)  # v2: variant configs (the many-heads default)
+    stage1 = (mla._mla_decode_stage1,)
     before = {id(k) for f in stage1 for k in _compiled(f)}
     kernel()
     torch.cuda.synchronize()

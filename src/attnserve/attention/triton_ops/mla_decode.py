@@ -22,9 +22,9 @@ Paging: ``block_kv_indices[i, j]`` is the page holding tokens ``j*page_size ..``
 Entries past ``cdiv(seq_lens[i], page_size)`` (padding, e.g. -1) and slots past
 ``seq_lens[i]`` are never read.
 
-Variant: non-default fields of `MLADecodeConfig` (TMA descriptor loads, peeled tail) select
-``_mla_decode_stage1_v2``, which shares the math, the grid and the split / merge scheme and
-differs in how tiles are fetched (see the dataclass). Note on the many-heads shape, from the
+Variant: non-default fields of `MLADecodeConfig` (TMA descriptor loads, peeled tail) switch
+stage 1 to its ``PEEL`` loop: the same math, grid and split / merge scheme, with mask-free
+full tiles fetched differently (see the dataclass). Note on the many-heads shape, from the
 sm_90 code Triton emits for it: the QK dot's result feeds the PV dot, so Triton lays QK out
 with all warps along M ([num_warps, 1]); with ``block_h`` 64 and 8 warps both warpgroups
 compute the same 64 x ``block_n`` scores (m64n32k16 wgmmas reading q from shared memory
@@ -161,10 +161,9 @@ class MLADecodeConfig:
     merge_num_warps: num_warps of the merge kernel.
 
     Variant fields (``kv_load="tma"`` is `mla_decode_config`'s many-heads pick; the field
-    defaults give the original kernel, bit for bit): a non-default field selects
-    ``_mla_decode_stage1_v2``, which always peels the tail: every split runs its full
-    ``block_n`` tiles without any mask and at most one masked tail tile (pointer loads)
-    after the loop.
+    defaults give the original masked loop, bit for bit): a non-default field makes stage 1
+    peel the tail: every split runs its full ``block_n`` tiles without any mask and at most
+    one masked tail tile (pointer loads) after the loop.
 
     kv_load: how full KV tiles are fetched.
         ``"ptr"``: pointer gathers (as the original kernel).
@@ -175,7 +174,7 @@ class MLADecodeConfig:
         when ``page_size % block_n == 0`` (a tile is ``block_n`` contiguous pool rows), the
         row stride and ``kv_lora_rank`` are 16-byte multiples, and the pool has < 2**31
         rows (`mla_tma_applicable`); otherwise the same kernel's pointer path runs.
-    peel_tail: select the variant kernel with pointer loads only (mask-free main loop).
+    peel_tail: the peeled (mask-free) main loop with pointer loads only.
     """
 
     block_h: int
@@ -192,7 +191,7 @@ class MLADecodeConfig:
 
     @property
     def is_variant(self) -> bool:
-        """True when a non-default variant field selects ``_mla_decode_stage1_v2``."""
+        """True when a non-default variant field selects stage 1's peeled loop (``PEEL``)."""
         return self.kv_load != "ptr" or self.peel_tail
 
     def smem_estimate(self, kv_lora_rank: int, rope_dim: int, elt_bytes: int = 2) -> int:
@@ -257,116 +256,11 @@ def _split_bounds(kv_len, n_req, MAX_KV_SPLITS: tl.constexpr, BLOCK_N: tl.conste
     return per_split, n_eff
 
 
-# ints equal to 1 would otherwise become constexprs (Triton specialization)
-@triton.jit(do_not_specialize=["num_heads", "num_splits_scalar"])
-def _mla_decode_stage1(
-    QNope, QPe, KV, BlockTable, SeqLens, NumSplits,
-    OPart, LsePart, O, Lse,
-    sm_scale_log2, num_heads, num_splits_scalar,
-    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
-    stride_kv_t, stride_bt_b,
-    stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h,
-    stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-    D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    MAX_KV_SPLITS: tl.constexpr, PER_REQ_SPLITS: tl.constexpr, HAS_LSE: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    # head tile fastest: the head tiles of one (request, split) run together and share
-    # the KV tile through L2
-    pid_h = tl.program_id(0)
-    split_id = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-
-    kv_len = tl.load(SeqLens + b).to(tl.int32)
-    if PER_REQ_SPLITS:
-        n_req = tl.load(NumSplits + b).to(tl.int32)
-    else:
-        n_req = num_splits_scalar
-    per_split, n_eff = _split_bounds(kv_len, n_req, MAX_KV_SPLITS, BLOCK_N)
-    start = split_id * per_split
-    end = tl.minimum(start + per_split, kv_len)
-
-    if start < end:
-        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask_h = offs_h < num_heads
-        offs_c = tl.arange(0, BLOCK_C)
-        offs_r = tl.arange(0, BLOCK_R)
-        mask_c = offs_c < D_C
-        mask_r = offs_r < D_R
-
-        qn = tl.load(
-            QNope + b * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_c[None, :],
-            mask=mask_h[:, None] & mask_c[None, :], other=0.0,
-        )
-        qp = tl.load(
-            QPe + b * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_r[None, :],
-            mask=mask_h[:, None] & mask_r[None, :], other=0.0,
-        )
-        if DOT_FP32:
-            qn = qn.to(tl.float32)
-            qp = qp.to(tl.float32)
-
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
-        table = BlockTable + b * stride_bt_b
-
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            if PAGE_SIZE % BLOCK_N == 0:
-                # the tile lies inside one page (split starts are multiples of BLOCK_N)
-                page = tl.load(table + n0 // PAGE_SIZE).to(tl.int64)
-                slot = page * PAGE_SIZE + (offs_n % PAGE_SIZE)
-            else:
-                page = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-                slot = page * PAGE_SIZE + (offs_n % PAGE_SIZE)
-            row = KV + slot * stride_kv_t
-            if BLOCK_C == D_C:
-                ckv = tl.load(row[:, None] + offs_c[None, :], mask=mask_n[:, None], other=0.0)
-            else:
-                ckv = tl.load(row[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
-            if BLOCK_R == D_R:
-                kpe = tl.load(row[:, None] + D_C + offs_r[None, :], mask=mask_n[:, None], other=0.0)
-            else:
-                kpe = tl.load(row[:, None] + D_C + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-            if DOT_FP32:
-                ckv = ckv.to(tl.float32)
-                kpe = kpe.to(tl.float32)
-
-            qk = tl.dot(qn, tl.trans(ckv), input_precision=DOT_PRECISION)
-            qk = tl.dot(qp, tl.trans(kpe), acc=qk, input_precision=DOT_PRECISION)
-            s = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(ckv.dtype), ckv, acc=acc, input_precision=DOT_PRECISION)
-            m_i = m_new
-
-        out = acc / l_i[:, None]
-        lse2 = m_i + tl.log2(l_i)
-        mask_hc = mask_h[:, None] & mask_c[None, :]
-        if n_eff == 1:
-            # whole sequence in this split: write the final result, no merge needed
-            tl.store(O + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :],
-                     out.to(O.dtype.element_ty), mask=mask_hc)
-            if HAS_LSE:
-                tl.store(Lse + b * stride_lse_b + offs_h * stride_lse_h, lse2 / 1.4426950408889634, mask=mask_h)
-        else:
-            tl.store(OPart + b * stride_op_b + offs_h[:, None] * stride_op_h + split_id * stride_op_s + offs_c[None, :],
-                     out, mask=mask_hc)
-            tl.store(LsePart + b * stride_lp_b + offs_h * stride_lp_h + split_id, lse2, mask=mask_h)
-
-
 # ---------------------------------------------------------------------------------------
-# variant stage 1 (selected by MLADecodeConfig's variant fields; see its docstring)
+# stage 1 pieces
 # ---------------------------------------------------------------------------------------
 @triton.jit
-def _v2_load_q(QNope, QPe, b, offs_h, mask_h, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+def _load_q(QNope, QPe, b, offs_h, mask_h, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
                D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                DOT_FP32: tl.constexpr):
     offs_c = tl.arange(0, BLOCK_C)
@@ -382,7 +276,7 @@ def _v2_load_q(QNope, QPe, b, offs_h, mask_h, stride_qn_b, stride_qn_h, stride_q
 
 
 @triton.jit
-def _v2_load_kv_ptr(KV, table, n0, end, stride_kv_t,
+def _load_kv_ptr(KV, table, n0, end, stride_kv_t,
                     D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr):
     """One [BLOCK_N, BLOCK_C] c_kv and [BLOCK_N, BLOCK_R] k_pe tile through pointers.
@@ -404,9 +298,15 @@ def _v2_load_kv_ptr(KV, table, n0, end, stride_kv_t,
         slot = page * PAGE_SIZE + (offs_n % PAGE_SIZE)
     row = KV + slot * stride_kv_t
     if MASKED:
-        ckv = tl.load(row[:, None] + offs_c[None, :], mask=mask_n[:, None] & (offs_c < D_C)[None, :], other=0.0)
-        kpe = tl.load(row[:, None] + D_C + offs_r[None, :], mask=mask_n[:, None] & (offs_r < D_R)[None, :],
-                      other=0.0)
+        if BLOCK_C == D_C:
+            ckv = tl.load(row[:, None] + offs_c[None, :], mask=mask_n[:, None], other=0.0)
+        else:
+            ckv = tl.load(row[:, None] + offs_c[None, :], mask=mask_n[:, None] & (offs_c < D_C)[None, :], other=0.0)
+        if BLOCK_R == D_R:
+            kpe = tl.load(row[:, None] + D_C + offs_r[None, :], mask=mask_n[:, None], other=0.0)
+        else:
+            kpe = tl.load(row[:, None] + D_C + offs_r[None, :], mask=mask_n[:, None] & (offs_r < D_R)[None, :],
+                          other=0.0)
     else:
         if BLOCK_C == D_C:
             ckv = tl.load(row[:, None] + offs_c[None, :])
@@ -423,7 +323,7 @@ def _v2_load_kv_ptr(KV, table, n0, end, stride_kv_t,
 
 
 @triton.jit
-def _v2_load_kv_tma(desc_c, desc_r, table, n0, PAGE_SIZE: tl.constexpr, DOT_FP32: tl.constexpr):
+def _load_kv_tma(desc_c, desc_r, table, n0, PAGE_SIZE: tl.constexpr, DOT_FP32: tl.constexpr):
     """A full tile through the TMA descriptors (needs PAGE_SIZE % BLOCK_N == 0): rows
     page * PAGE_SIZE + n0 % PAGE_SIZE .. + BLOCK_N of the pool; columns past D_C / D_R of
     the descriptors' shapes are zero-filled by the hardware."""
@@ -438,7 +338,7 @@ def _v2_load_kv_tma(desc_c, desc_r, table, n0, PAGE_SIZE: tl.constexpr, DOT_FP32
 
 
 @triton.jit
-def _v2_update(qn, qp, ckv, kpe, m_i, l_i, acc, offs_n, end, sm_scale_log2,
+def _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, offs_n, end, sm_scale_log2,
                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online-softmax step of one KV tile for a head tile."""
     qk = tl.dot(qn, tl.trans(ckv), input_precision=DOT_PRECISION)
@@ -455,8 +355,9 @@ def _v2_update(qn, qp, ckv, kpe, m_i, l_i, acc, offs_n, end, sm_scale_log2,
     return m_new, l_i, acc
 
 
+# ints equal to 1 would otherwise become constexprs (Triton specialization)
 @triton.jit(do_not_specialize=["num_heads", "num_splits_scalar"])
-def _mla_decode_stage1_v2(
+def _mla_decode_stage1(
     QNope, QPe, KV, DescC, DescR, BlockTable, SeqLens, NumSplits,
     OPart, LsePart, O, Lse,
     sm_scale_log2, num_heads, num_splits_scalar,
@@ -467,12 +368,15 @@ def _mla_decode_stage1_v2(
     D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr, PER_REQ_SPLITS: tl.constexpr, HAS_LSE: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, PEEL: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Variant stage 1, grid (head tiles, MAX_KV_SPLITS, bs) as the original kernel. Full
-    tiles run mask-free, through the host descriptors DescC / DescR when USE_TMA (else
-    pointers; DescC / DescR are unused placeholders then); at most one masked pointer tail
-    tile follows."""
+    """Grid (head tiles, MAX_KV_SPLITS, bs); the head tile is the fastest axis, so the head
+    tiles of one (request, split) run together and share each KV tile through L2.
+
+    PEEL=False: every tile of a split is loaded through pointers with a row mask (the
+    original kernel). PEEL=True: the split's full ``BLOCK_N`` tiles run mask-free, through
+    the host descriptors DescC / DescR when USE_TMA (else pointers; DescC / DescR are
+    unused placeholders then), and at most one masked pointer tail tile follows."""
     pid_h = tl.program_id(0)
     split_id = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -491,27 +395,35 @@ def _mla_decode_stage1_v2(
         mask_h = offs_h < num_heads
         offs_c = tl.arange(0, BLOCK_C)
         mask_c = offs_c < D_C
-        qn, qp = _v2_load_q(QNope, QPe, b, offs_h, mask_h, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+        qn, qp = _load_q(QNope, QPe, b, offs_h, mask_h, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
                             D_C, D_R, BLOCK_C, BLOCK_R, DOT_FP32)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
         table = BlockTable + b * stride_bt_b
-        # full tiles, no masks; then at most one partial tail tile
-        full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
-        for n0 in tl.range(start, full_end, BLOCK_N):
-            if USE_TMA:
-                ckv, kpe = _v2_load_kv_tma(DescC, DescR, table, n0, PAGE_SIZE, DOT_FP32)
-            else:
-                ckv, kpe = _v2_load_kv_ptr(KV, table, n0, end, stride_kv_t, D_C, D_R, BLOCK_C, BLOCK_R,
-                                           BLOCK_N, PAGE_SIZE, False, DOT_FP32)
-            m_i, l_i, acc = _v2_update(qn, qp, ckv, kpe, m_i, l_i, acc, n0, end, sm_scale_log2,
-                                       False, DOT_PRECISION)
-        if full_end < end:
-            ckv, kpe = _v2_load_kv_ptr(KV, table, full_end, end, stride_kv_t, D_C, D_R, BLOCK_C, BLOCK_R,
-                                       BLOCK_N, PAGE_SIZE, True, DOT_FP32)
-            m_i, l_i, acc = _v2_update(qn, qp, ckv, kpe, m_i, l_i, acc, full_end + tl.arange(0, BLOCK_N), end,
-                                       sm_scale_log2, True, DOT_PRECISION)
+        if PEEL:
+            # full tiles, no masks; then at most one partial tail tile
+            full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
+            for n0 in tl.range(start, full_end, BLOCK_N):
+                if USE_TMA:
+                    ckv, kpe = _load_kv_tma(DescC, DescR, table, n0, PAGE_SIZE, DOT_FP32)
+                else:
+                    ckv, kpe = _load_kv_ptr(KV, table, n0, end, stride_kv_t, D_C, D_R, BLOCK_C, BLOCK_R,
+                                            BLOCK_N, PAGE_SIZE, False, DOT_FP32)
+                m_i, l_i, acc = _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, n0, end, sm_scale_log2,
+                                                     False, DOT_PRECISION)
+            if full_end < end:
+                ckv, kpe = _load_kv_ptr(KV, table, full_end, end, stride_kv_t, D_C, D_R, BLOCK_C, BLOCK_R,
+                                        BLOCK_N, PAGE_SIZE, True, DOT_FP32)
+                m_i, l_i, acc = _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc,
+                                                     full_end + tl.arange(0, BLOCK_N), end, sm_scale_log2,
+                                                     True, DOT_PRECISION)
+        else:
+            for n0 in range(start, end, BLOCK_N):
+                ckv, kpe = _load_kv_ptr(KV, table, n0, end, stride_kv_t, D_C, D_R, BLOCK_C, BLOCK_R,
+                                        BLOCK_N, PAGE_SIZE, True, DOT_FP32)
+                m_i, l_i, acc = _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, n0 + tl.arange(0, BLOCK_N),
+                                                     end, sm_scale_log2, True, DOT_PRECISION)
 
         out = acc / l_i[:, None]
         lse2 = m_i + tl.log2(l_i)
@@ -597,10 +509,10 @@ def mla_tma_applicable(kv_rows: torch.Tensor, kv_lora_rank: int, page_size: int,
     )
 
 
-def _launch_stage1_v2(cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part, o,
+def _launch_stage1(cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part, o,
                       lse_arg, sm_scale_log2, num_heads, splits_scalar, lse_strides, page_size, max_kv_splits,
                       per_req, has_lse, fp32_dot, interpret, block_c, block_r):
-    """Launch `_mla_decode_stage1_v2`; returns what the launch returns (the compiled kernel)."""
+    """Launch `_mla_decode_stage1`; returns what the launch returns (the compiled kernel)."""
     d_c, d_r = q_nope.shape[2], q_pe.shape[2]
     use_tma = cfg.kv_load == "tma" and mla_tma_applicable(kv_rows, d_c, page_size, cfg.block_n)
     desc_c = desc_r = kv_rows  # unused placeholders unless use_tma
@@ -611,7 +523,7 @@ def _launch_stage1_v2(cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, sp
         desc_c = TensorDescriptor(kv_rows, [n, d_c], [kv_rows.stride(0), 1], [cfg.block_n, block_c])
         desc_r = TensorDescriptor(kv_rows[:, d_c:], [n, d_r], [kv_rows.stride(0), 1], [cfg.block_n, block_r])
     grid = (triton.cdiv(num_heads, cfg.block_h), max_kv_splits, q_nope.shape[0])
-    return _mla_decode_stage1_v2[grid](
+    return _mla_decode_stage1[grid](
         q_nope, q_pe, kv_rows, desc_c, desc_r, block_kv_indices, seq_lens, splits_ptr,
         o_part, lse_part, o, lse_arg,
         sm_scale_log2, num_heads, splits_scalar,
@@ -622,7 +534,7 @@ def _launch_stage1_v2(cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, sp
         D_C=d_c, D_R=d_r, BLOCK_C=block_c, BLOCK_R=block_r,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
         MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse,
-        DOT_FP32=interpret, DOT_PRECISION="ieee" if fp32_dot else "tf32", USE_TMA=use_tma,
+        DOT_FP32=interpret, DOT_PRECISION="ieee" if fp32_dot else "tf32", PEEL=cfg.is_variant, USE_TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -754,28 +666,11 @@ def _mla_decode_fwd(q_nope, q_pe, kv_buffer, block_kv_indices, seq_lens, page_si
     block_c = triton.next_power_of_2(d_c)
     block_r = max(16, triton.next_power_of_2(d_r))
 
-    if cfg.is_variant:
-        stage1 = _launch_stage1_v2(
-            cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part, o, lse_arg,
-            float(sm_scale) * _LOG2E, num_heads, splits_scalar, lse_strides, int(page_size), max_kv_splits,
-            per_req, has_lse, fp32_dot, interpret, block_c, block_r,
-        )
-    else:
-        grid1 = (triton.cdiv(num_heads, cfg.block_h), max_kv_splits, bs)
-        stage1 = _mla_decode_stage1[grid1](
-            q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr,
-            o_part, lse_part, o, lse_arg,
-            float(sm_scale) * _LOG2E, num_heads, splits_scalar,
-            q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-            kv_rows.stride(0), block_kv_indices.stride(0),
-            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-            o.stride(0), o.stride(1), *lse_strides,
-            D_C=d_c, D_R=d_r, BLOCK_C=block_c, BLOCK_R=block_r,
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE_SIZE=int(page_size),
-            MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse,
-            DOT_FP32=interpret, DOT_PRECISION="ieee" if fp32_dot else "tf32",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+    stage1 = _launch_stage1(
+        cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part, o, lse_arg,
+        float(sm_scale) * _LOG2E, num_heads, splits_scalar, lse_strides, int(page_size), max_kv_splits,
+        per_req, has_lse, fp32_dot, interpret, block_c, block_r,
+    )
     _mla_decode_stage2[(num_heads, bs)](
         o_part, lse_part, o, lse_arg, seq_lens, splits_ptr, splits_scalar,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
