@@ -65,15 +65,10 @@ class LlamaAttention(nn.Module):
             sliding_window_size=sliding_window_size,
         )
 
-    def rope_and_attend(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        forward_batch: ForwardBatch) -> torch.Tensor:
-        """`rope_then_attention` with this layer's RoPE table and attention."""
-        return rope_then_attention(self.rotary_emb, self.attn, positions, q, k, v, forward_batch)
-
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return self.o_proj(self.rope_and_attend(positions, q, k, v, forward_batch))
+        return self.o_proj(rope_then_attention(self.rotary_emb, self.attn, positions, q, k, v, forward_batch))
 
 
 class LlamaMLP(nn.Module):

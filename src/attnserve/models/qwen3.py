@@ -24,7 +24,14 @@ from attnserve.forward_batch import ForwardBatch
 from attnserve.models.layers.linear import Linear
 from attnserve.models.layers.norm import RMSNorm
 from attnserve.models.layers.rotary import RotaryEmbedding
-from attnserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from attnserve.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    rope_then_attention,
+)
 
 
 def _window(config: Any, layer_id: int) -> int:
@@ -52,7 +59,7 @@ class Qwen3Attention(LlamaAttention):
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).reshape(-1, self.q_size)
         k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).reshape(-1, self.kv_size)
-        return self.o_proj(self.rope_and_attend(positions, q, k, v, forward_batch))
+        return self.o_proj(rope_then_attention(self.rotary_emb, self.attn, positions, q, k, v, forward_batch))
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

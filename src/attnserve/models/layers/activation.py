@@ -9,6 +9,22 @@ from torch import nn
 from attnserve.models.layers.fused_kernels import fused_kernels_enabled, gelu_tanh_and_mul, silu_and_mul
 
 
+def act_and_mul(x: torch.Tensor, activation: str, use_fused: bool) -> torch.Tensor:
+    """``act(gate) * up`` of ``x`` ``[..., 2 * d]`` = ``[gate | up]`` -> ``[..., d]``, same dtype.
+
+    activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` (GeGLU, GELU's tanh form) or ``"gelu"``
+    (erf GELU). ``use_fused`` and a CUDA tensor: one Triton launch (`fused_kernels`; not for
+    erf GELU); otherwise the PyTorch formula, the reference.
+    """
+    if use_fused and x.is_cuda and activation != "gelu":
+        return silu_and_mul(x) if activation == "silu" else gelu_tanh_and_mul(x)
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d], x[..., d:]
+    if activation == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none") * up
+
+
 class SiluAndMul(nn.Module):
     """SwiGLU gate (Shazeer, "GLU Variants Improve Transformer", arXiv:2002.05202).
 
@@ -25,10 +41,7 @@ class SiluAndMul(nn.Module):
         self.use_fused = fused_kernels_enabled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_fused and x.is_cuda:
-            return silu_and_mul(x)
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        return act_and_mul(x, "silu", self.use_fused)
 
 
 class GeluAndMul(nn.Module):
@@ -52,10 +65,7 @@ class GeluAndMul(nn.Module):
         self.use_fused = approximate == "tanh" and fused_kernels_enabled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_fused and x.is_cuda:
-            return gelu_tanh_and_mul(x)
-        d = x.shape[-1] // 2
-        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
+        return act_and_mul(x, "gelu_tanh" if self.approximate == "tanh" else "gelu", self.use_fused)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnserve.models.layers.fused_kernels import fused_kernels_enabled, gelu_tanh_and_mul, silu_and_mul
+from attnserve.models.layers.activation import act_and_mul
+from attnserve.models.layers.fused_kernels import fused_kernels_enabled
 from attnserve.models.layers.skinny_gemm import (
     MAX_SKINNY_M,
     SKINNY_ACTIVATIONS,
@@ -85,14 +86,7 @@ class Linear(nn.Module):
             raise ValueError(f"forward_gated: out_features={self.out_features} must be even ([gate | up] rows)")
         if self._skinny(x):
             return skinny_linear_gated(x, self.weight, activation, bias=self.bias)
-        y = F.linear(x, self.weight, self.bias)
-        if self.use_fused and y.is_cuda:
-            return silu_and_mul(y) if activation == "silu" else gelu_tanh_and_mul(y)
-        d = self.out_features // 2
-        gate, up = y[..., :d], y[..., d:]
-        if activation == "silu":
-            return F.silu(gate) * up
-        return F.gelu(gate, approximate="tanh") * up
+        return act_and_mul(F.linear(x, self.weight, self.bias), activation, self.use_fused)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
