@@ -236,6 +236,8 @@ VARIANTS = {
     "peel": dict(peel_tail=True),
     "tma": dict(kv_load="tma"),
     "tma_n32": dict(kv_load="tma", block_n=32),
+    "tma_kv_major": dict(kv_load="tma", kv_major=True),
+    "peel_kv_major": dict(peel_tail=True, kv_major=True),
 }
 
 
@@ -253,6 +255,17 @@ def test_variant_config_fields():
         assert _variant(name).is_variant, name
     with pytest.raises(ValueError, match="kv_load"):
         MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, kv_load="tma_device")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kv_major_masked_loop(page_size, dtype):
+    """kv_major alone keeps the masked pointer loop (not a PEEL variant); ragged heads/lengths."""
+    cfg = MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=1, kv_major=True)
+    assert not cfg.is_variant
+    case = make_case([0, 1, 33, 64, 200], 20, page_size, dtype, seed=51 + page_size)
+    o, lse = run_kernel(case, page_size, 3, 4, config=cfg)
+    check(case, o, lse, dtype)
 
 
 def test_tma_applicable():

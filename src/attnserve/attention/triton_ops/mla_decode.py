@@ -59,6 +59,7 @@ __all__ = [
     "mla_workspace_size",
     "mla_decode_fwd",
     "mla_tma_applicable",
+    "mla_gluon_applicable",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -175,6 +176,14 @@ class MLADecodeConfig:
         row stride and ``kv_lora_rank`` are 16-byte multiples, and the pool has < 2**31
         rows (`mla_tma_applicable`); otherwise the same kernel's pointer path runs.
     peel_tail: the peeled (mask-free) main loop with pointer loads only.
+    kv_major: compute the transposed products (scores ``[block_n, block_h]``, output
+        ``[kv_lora_rank, block_h]``): tokens, then latent columns, lie on the MMA M
+        dimension, so the warps split the score tile instead of each warpgroup computing
+        all of it (see the module note). Independent of the fields above.
+    gluon: run stage 1 as the Gluon kernel of `mla_decode_gluon` (FlashMLA's split of the
+        tile over the two warpgroups; TMA loads, ``num_stages`` deep) where
+        `mla_gluon_applicable` holds; elsewhere the Triton kernel with the fields above runs.
+        Needs ``block_h`` 64 and ``num_warps`` 8.
     """
 
     block_h: int
@@ -184,10 +193,14 @@ class MLADecodeConfig:
     merge_num_warps: int = 4
     kv_load: str = "ptr"
     peel_tail: bool = False
+    kv_major: bool = False
+    gluon: bool = False
 
     def __post_init__(self):
         if self.kv_load not in _KV_LOADS:
             raise ValueError(f"kv_load must be one of {_KV_LOADS}, got {self.kv_load!r}")
+        if self.gluon and (self.block_h != 64 or self.num_warps != 8):
+            raise ValueError(f"gluon=True needs block_h=64 and num_warps=8, got {self.block_h}, {self.num_warps}")
 
     @property
     def is_variant(self) -> bool:
@@ -355,6 +368,42 @@ def _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, offs_n, end, sm_scale_
     return m_new, l_i, acc
 
 
+@triton.jit
+def _online_softmax_step_kv_major(qnT, qpT, ckv, kpe, m_i, l_i, accT, offs_n, end, sm_scale_log2,
+                                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """`_online_softmax_step` transposed: scores ``sT = ckv @ qnT + kpe @ qpT`` are
+    ``[BLOCK_N, BLOCK_H]`` (tokens on the MMA M dimension, so the warps split the tokens and
+    no warpgroup recomputes another's scores) and the output is ``accT [BLOCK_C, BLOCK_H]
+    += ckv^T @ pT`` (latent columns on M, P^T the shared-memory B operand). Softmax
+    reductions run over axis 0."""
+    sT = tl.dot(ckv, qnT, input_precision=DOT_PRECISION)
+    sT = tl.dot(kpe, qpT, acc=sT, input_precision=DOT_PRECISION)
+    sT = sT * sm_scale_log2
+    if MASKED:
+        sT = tl.where((offs_n < end)[:, None], sT, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sT, 0))
+    alpha = tl.exp2(m_i - m_new)
+    pT = tl.exp2(sT - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(pT, 0)
+    accT = accT * alpha[None, :]
+    accT = tl.dot(tl.trans(ckv), pT.to(ckv.dtype), acc=accT, input_precision=DOT_PRECISION)
+    return m_new, l_i, accT
+
+
+@triton.jit
+def _softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, offs_n, end, sm_scale_log2,
+                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_MAJOR: tl.constexpr):
+    """Head-major (`_online_softmax_step`) or, with KV_MAJOR, the transposed step
+    (``qn``/``qp``/``acc`` then hold q^T and o^T)."""
+    if KV_MAJOR:
+        m_i, l_i, acc = _online_softmax_step_kv_major(qn, qp, ckv, kpe, m_i, l_i, acc, offs_n, end, sm_scale_log2,
+                                                      MASKED, DOT_PRECISION)
+    else:
+        m_i, l_i, acc = _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, offs_n, end, sm_scale_log2,
+                                             MASKED, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
 # ints equal to 1 would otherwise become constexprs (Triton specialization)
 @triton.jit(do_not_specialize=["num_heads", "num_splits_scalar"])
 def _mla_decode_stage1(
@@ -369,6 +418,7 @@ def _mla_decode_stage1(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr, PER_REQ_SPLITS: tl.constexpr, HAS_LSE: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, PEEL: tl.constexpr, USE_TMA: tl.constexpr,
+    KV_MAJOR: tl.constexpr,
 ):
     """Grid (head tiles, MAX_KV_SPLITS, bs); the head tile is the fastest axis, so the head
     tiles of one (request, split) run together and share each KV tile through L2.
@@ -399,7 +449,12 @@ def _mla_decode_stage1(
                             D_C, D_R, BLOCK_C, BLOCK_R, DOT_FP32)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+        if KV_MAJOR:
+            qn = tl.trans(qn)
+            qp = tl.trans(qp)
+            acc = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
         table = BlockTable + b * stride_bt_b
         if PEEL:
             # full tiles, no masks; then at most one partial tail tile
@@ -410,21 +465,23 @@ def _mla_decode_stage1(
                 else:
                     ckv, kpe = _load_kv_ptr(KV, table, n0, end, stride_kv_t, D_C, D_R, BLOCK_C, BLOCK_R,
                                             BLOCK_N, PAGE_SIZE, False, DOT_FP32)
-                m_i, l_i, acc = _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, n0, end, sm_scale_log2,
-                                                     False, DOT_PRECISION)
+                m_i, l_i, acc = _softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, n0, end, sm_scale_log2,
+                                              False, DOT_PRECISION, KV_MAJOR)
             if full_end < end:
                 ckv, kpe = _load_kv_ptr(KV, table, full_end, end, stride_kv_t, D_C, D_R, BLOCK_C, BLOCK_R,
                                         BLOCK_N, PAGE_SIZE, True, DOT_FP32)
-                m_i, l_i, acc = _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc,
-                                                     full_end + tl.arange(0, BLOCK_N), end, sm_scale_log2,
-                                                     True, DOT_PRECISION)
+                m_i, l_i, acc = _softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc,
+                                              full_end + tl.arange(0, BLOCK_N), end, sm_scale_log2,
+                                              True, DOT_PRECISION, KV_MAJOR)
         else:
             for n0 in range(start, end, BLOCK_N):
                 ckv, kpe = _load_kv_ptr(KV, table, n0, end, stride_kv_t, D_C, D_R, BLOCK_C, BLOCK_R,
                                         BLOCK_N, PAGE_SIZE, True, DOT_FP32)
-                m_i, l_i, acc = _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, n0 + tl.arange(0, BLOCK_N),
-                                                     end, sm_scale_log2, True, DOT_PRECISION)
+                m_i, l_i, acc = _softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, n0 + tl.arange(0, BLOCK_N),
+                                              end, sm_scale_log2, True, DOT_PRECISION, KV_MAJOR)
 
+        if KV_MAJOR:
+            acc = tl.trans(acc)
         out = acc / l_i[:, None]
         lse2 = m_i + tl.log2(l_i)
         mask_hc = mask_h[:, None] & mask_c[None, :]
@@ -509,11 +566,38 @@ def mla_tma_applicable(kv_rows: torch.Tensor, kv_lora_rank: int, page_size: int,
     )
 
 
+def mla_gluon_applicable(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch.Tensor, page_size: int,
+                         block_n: int) -> bool:
+    """Whether the Gluon stage 1 (`mla_decode_gluon`) can run: a CUDA device of compute
+    capability 9.x (wgmma, TMA), fp16/bf16, DeepSeek's kv_lora_rank 512 + rope 64, 64-token
+    tiles (a P tile of 64 bf16 is one 128-byte swizzle row) that the TMA can fetch (`mla_tma_applicable`) and a Triton with Gluon's Hopper module."""
+    if q_nope.device.type != "cuda" or q_nope.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if q_nope.shape[2] != 512 or q_pe.shape[2] != 64 or block_n != 64:
+        return False
+    if torch.cuda.get_device_capability(q_nope.device)[0] != 9:
+        return False
+    if not mla_tma_applicable(kv_rows, q_nope.shape[2], page_size, block_n):
+        return False
+    try:
+        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _launch_stage1(cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part, o,
                       lse_arg, sm_scale_log2, num_heads, splits_scalar, lse_strides, page_size, max_kv_splits,
                       per_req, has_lse, fp32_dot, interpret, block_c, block_r):
-    """Launch `_mla_decode_stage1`; returns what the launch returns (the compiled kernel)."""
+    """Launch `_mla_decode_stage1` (or the Gluon stage 1 when ``cfg.gluon`` applies); returns
+    what the launch returns (the compiled kernel)."""
     d_c, d_r = q_nope.shape[2], q_pe.shape[2]
+    if cfg.gluon and not interpret and mla_gluon_applicable(q_nope, q_pe, kv_rows, page_size, cfg.block_n):
+        from .mla_decode_gluon import launch_stage1_gluon
+
+        return launch_stage1_gluon(q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part,
+                                   o, lse_arg, sm_scale_log2, num_heads, splits_scalar, lse_strides, page_size,
+                                   max_kv_splits, per_req, has_lse, cfg.block_n, cfg.num_stages)
     use_tma = cfg.kv_load == "tma" and mla_tma_applicable(kv_rows, d_c, page_size, cfg.block_n)
     desc_c = desc_r = kv_rows  # unused placeholders unless use_tma
     if use_tma:
@@ -535,6 +619,7 @@ def _launch_stage1(cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, split
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
         MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse,
         DOT_FP32=interpret, DOT_PRECISION="ieee" if fp32_dot else "tf32", PEEL=cfg.is_variant, USE_TMA=use_tma,
+        KV_MAJOR=cfg.kv_major,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -1,0 +1,209 @@
+"""MLA decode stage 1 for many heads on Hopper, in Triton's Gluon dialect (explicit layouts).
+
+Same math, grid, split scheme and outputs as ``_mla_decode_stage1`` in `mla_decode`
+(which also runs the merge, stage 2); see that module for the formulas. What differs is
+how the work of one 64-head x 64-token tile is laid over the two warpgroups of a program,
+which plain Triton does not let us choose (`mla_decode` module note):
+
+* scores ``S = q_nope @ c_kv^T + q_pe @ k_pe^T`` ([64 heads, 64 tokens]) in an MMA layout with
+  warps ``[4, 2]``: warpgroup ``w`` computes tokens ``32w .. 32w + 31`` only, so no score is
+  computed twice (plain Triton lays this dot out with both warpgroups computing all 64);
+* row max / row sum of the online softmax reduce across the two warpgroups;
+* ``P`` (bf16) goes through shared memory, and ``O += P @ c_kv`` ([64, 512], warps
+  ``[4, 2]``) gives each warpgroup 256 of the 512 latent columns (128 fp32 accumulator
+  registers per thread).
+
+This is the work split of FlashMLA's sm90 decode kernel (github.com/deepseek-ai/FlashMLA,
+read for the idea, not copied). Loads: full tiles by TMA (host descriptors over the pool rows,
+``NUM_STAGES`` deep, completion on mbarriers); the split's partial last tile through masked
+pointer loads (zero past ``seq_lens``) stored to shared memory. Needs sm_90, 16-bit dtypes,
+``page_size % BLOCK_N == 0`` and TMA-compatible strides (`gluon_applicable`).
+
+Gluon is experimental and its API changes between Triton releases; this file was written
+against Triton 3.6. It is imported only when the kernel is used.
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+__all__ = ["launch_stage1_gluon"]
+
+BLOCK_H = gl.constexpr(64)
+NUM_WARPS = gl.constexpr(8)
+
+
+@gluon.jit
+def _tile_step(qn_s, qp_s, kc, kr, p_s, m_i, l_i, acc, n0, end, sm_scale_log2,
+               s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr):
+    """One online-softmax step over the tile in ``kc`` [BLOCK_N, D_C] / ``kr`` [BLOCK_N, D_R]."""
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(qn_s, kc.permute((1, 0)), s, use_acc=False)
+    s = warpgroup_mma(qp_s, kr.permute((1, 0)), s)
+    s = s * sm_scale_log2
+    if MASKED:
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where((offs_n < end)[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    p_s.store(p.to(p_s.dtype))
+    fence_async_shared()
+    gl.thread_barrier()  # P complete (both warpgroups) before either reads it
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    acc = warpgroup_mma(p_s, kc, acc)
+    gl.thread_barrier()  # kc / kr / P free for the next writes
+    return m_new, l_i, acc
+
+
+@gluon.jit
+def _issue_tile(desc_c, desc_r, table, n0, bar, kc, kr, PAGE_SIZE: gl.constexpr):
+    page = gl.load(table + n0 // PAGE_SIZE)
+    row0 = page * PAGE_SIZE + n0 % PAGE_SIZE
+    mbarrier.expect(bar, desc_c.block_type.nbytes + desc_r.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc_c, [row0, 0], bar, kc)
+    tma.async_copy_global_to_shared(desc_r, [row0, 0], bar, kr)
+
+
+@gluon.jit(do_not_specialize=["num_heads", "num_splits_scalar"])
+def _mla_decode_stage1_gluon(
+    QNope, QPe, KV, desc_c, desc_r, BlockTable, SeqLens, NumSplits,
+    OPart, LsePart, O, Lse,
+    sm_scale_log2, num_heads, num_splits_scalar,
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+    stride_kv_t, stride_bt_b,
+    stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h,
+    stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
+    D_C: gl.constexpr, D_R: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    MAX_KV_SPLITS: gl.constexpr, PER_REQ_SPLITS: gl.constexpr, HAS_LSE: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, BLOCK_N // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, D_C // 2, 16])
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+    sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    dtype: gl.constexpr = desc_c.dtype
+
+    pid_h = gl.program_id(0)
+    split_id = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    kv_len = gl.load(SeqLens + b).to(gl.int32)
+    if PER_REQ_SPLITS:
+        n_req = gl.load(NumSplits + b).to(gl.int32)
+    else:
+        n_req = num_splits_scalar
+    # same split bounds as mla_decode._split_bounds
+    n = gl.minimum(gl.maximum(n_req, 1), MAX_KV_SPLITS)
+    n_blocks = (kv_len + BLOCK_N - 1) // BLOCK_N
+    per_split = gl.maximum((n_blocks + n - 1) // n, 1) * BLOCK_N
+    n_eff = (kv_len + per_split - 1) // per_split
+    start = split_id * per_split
+    end = gl.minimum(start + per_split, kv_len)
+
+    if start < end:
+        # q tile -> shared memory (rows past num_heads are zero)
+        offs_hl = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_layout))
+        offs_cl = gl.arange(0, D_C, layout=gl.SliceLayout(0, ld_layout))
+        offs_rl = gl.arange(0, D_R, layout=gl.SliceLayout(0, ld_layout))
+        mh = (offs_hl < num_heads)[:, None]
+        qn = gl.load(QNope + b * stride_qn_b + offs_hl[:, None] * stride_qn_h + offs_cl[None, :], mask=mh, other=0.0)
+        qp = gl.load(QPe + b * stride_qp_b + offs_hl[:, None] * stride_qp_h + offs_rl[None, :], mask=mh, other=0.0)
+        qn_s = gl.allocate_shared_memory(dtype, [BLOCK_H, D_C], sw, qn)
+        qp_s = gl.allocate_shared_memory(dtype, [BLOCK_H, D_R], sw, qp)
+        kc_s = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_C], sw)
+        kr_s = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_R], sw)
+        p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], sw)
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_H, D_C], gl.float32, o_layout)
+        table = BlockTable + b * stride_bt_b
+
+        n_full = (end - start) // BLOCK_N
+        for i in gl.static_range(NUM_STAGES - 1):
+            if i < n_full:
+                _issue_tile(desc_c, desc_r, table, start + i * BLOCK_N, bars.index(i), kc_s.index(i),
+                            kr_s.index(i), PAGE_SIZE)
+        for i in range(n_full):
+            nxt = i + NUM_STAGES - 1
+            if nxt < n_full:  # its stage was freed by the barrier ending iteration i - 1
+                st_n = nxt % NUM_STAGES
+                _issue_tile(desc_c, desc_r, table, start + nxt * BLOCK_N, bars.index(st_n), kc_s.index(st_n),
+                            kr_s.index(st_n), PAGE_SIZE)
+            st = i % NUM_STAGES
+            mbarrier.wait(bars.index(st), (i // NUM_STAGES) & 1)
+            m_i, l_i, acc = _tile_step(qn_s, qp_s, kc_s.index(st), kr_s.index(st), p_s, m_i, l_i, acc,
+                                       start + i * BLOCK_N, end, sm_scale_log2, s_layout, o_layout, BLOCK_N, False)
+
+        n0 = start + n_full * BLOCK_N
+        if n0 < end:  # partial last tile: masked loads (zero past end) into stage 0
+            offs_nl = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
+            page = gl.load(table + n0 // PAGE_SIZE).to(gl.int64)
+            rows = KV + (page * PAGE_SIZE + n0 % PAGE_SIZE + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
+                         ).to(gl.int64) * stride_kv_t
+            mn = (offs_nl < end)[:, None]
+            ckv = gl.load(rows[:, None] + offs_cl[None, :], mask=mn, other=0.0)
+            kpe = gl.load(rows[:, None] + D_C + offs_rl[None, :], mask=mn, other=0.0)
+            kc_s.index(0).store(ckv)
+            kr_s.index(0).store(kpe)
+            fence_async_shared()
+            gl.thread_barrier()
+            m_i, l_i, acc = _tile_step(qn_s, qp_s, kc_s.index(0), kr_s.index(0), p_s, m_i, l_i, acc,
+                                       n0, end, sm_scale_log2, s_layout, o_layout, BLOCK_N, True)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+        out = acc / l_o[:, None]
+        lse2 = m_o + gl.log2(l_o)
+        offs_h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+        offs_c = gl.arange(0, D_C, layout=gl.SliceLayout(0, o_layout))
+        mask_h = offs_h < num_heads
+        mask_hc = mask_h[:, None] & (offs_c < D_C)[None, :]
+        if n_eff == 1:
+            gl.store(O + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :],
+                     out.to(O.dtype.element_ty), mask=mask_hc)
+            if HAS_LSE:
+                gl.store(Lse + b * stride_lse_b + offs_h * stride_lse_h, lse2 / 1.4426950408889634, mask=mask_h)
+        else:
+            gl.store(OPart + b * stride_op_b + offs_h[:, None] * stride_op_h + split_id * stride_op_s
+                     + offs_c[None, :], out, mask=mask_hc)
+            gl.store(LsePart + b * stride_lp_b + offs_h * stride_lp_h + split_id, lse2, mask=mask_h)
+
+
+def launch_stage1_gluon(q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part, o,
+                        lse_arg, sm_scale_log2, num_heads, splits_scalar, lse_strides, page_size, max_kv_splits,
+                        per_req, has_lse, block_n, num_stages):
+    """Launch the Gluon stage 1 (grid ``(cdiv(H, 64), max_kv_splits, bs)``); same arguments
+    and outputs as `mla_decode._launch_stage1`. Returns the compiled kernel."""
+    d_c, d_r = q_nope.shape[2], q_pe.shape[2]
+    sw = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    n = kv_rows.shape[0]
+    desc_c = TensorDescriptor(kv_rows, [n, d_c], [kv_rows.stride(0), 1], [block_n, d_c], sw)
+    desc_r = TensorDescriptor(kv_rows[:, d_c:], [n, d_r], [kv_rows.stride(0), 1], [block_n, d_r], sw)
+    grid = (triton.cdiv(num_heads, BLOCK_H), max_kv_splits, q_nope.shape[0])
+    return _mla_decode_stage1_gluon[grid](
+        q_nope, q_pe, kv_rows, desc_c, desc_r, block_kv_indices, seq_lens, splits_ptr,
+        o_part, lse_part, o, lse_arg,
+        sm_scale_log2, num_heads, splits_scalar,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_rows.stride(0), block_kv_indices.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        o.stride(0), o.stride(1), *lse_strides,
+        D_C=d_c, D_R=d_r, BLOCK_N=block_n, PAGE_SIZE=page_size,
+        MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse, NUM_STAGES=num_stages,
+        num_warps=NUM_WARPS,
+    )
