@@ -195,15 +195,11 @@ def _variant_cfg(name, num_heads):
         "tma_s3": dict(kv_load="tma", num_stages=3),
         "tma_n32_s3": dict(kv_load="tma", block_n=32, num_stages=3),
         "gluon": dict(block_h=64, num_warps=8, num_stages=2, gluon=True),
-        "gluon_s1": dict(block_h=64, num_warps=8, num_stages=1, gluon=True),
-        "kvm": dict(kv_major=True),
-        "tma_kvm": dict(kv_load="tma", kv_major=True),
-        "tma_kvm_n32_s3": dict(kv_load="tma", kv_major=True, block_n=32, num_stages=3),
     }[name]
     return MLADecodeConfig(**dict(tiles, **extra))
 
 
-VARIANT_NAMES = ["peel", "tma", "tma_s3", "tma_n32_s3", "kvm", "tma_kvm", "tma_kvm_n32_s3", "gluon", "gluon_s1"]
+VARIANT_NAMES = ["peel", "tma", "tma_s3", "tma_n32_s3", "gluon"]
 
 
 @pytest.mark.parametrize("name", VARIANT_NAMES)
@@ -219,7 +215,7 @@ def test_mla_decode_variants_ragged(name, num_heads, page_size):
     check(case, page_size, o, lse)
 
 
-@pytest.mark.parametrize("name", ["tma", "tma_s3", "peel", "tma_kvm", "gluon"])
+@pytest.mark.parametrize("name", ["tma", "tma_s3", "peel", "gluon"])
 def test_mla_decode_variants_device_splits_and_empty(name):
     from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits_device
 
@@ -233,7 +229,7 @@ def test_mla_decode_variants_device_splits_and_empty(name):
     check(sub, 64, o[keep], lse[keep])
 
 
-@pytest.mark.parametrize("name", ["tma", "tma_s3", "peel", "tma_kvm", "gluon"])
+@pytest.mark.parametrize("name", ["tma", "tma_s3", "peel", "gluon"])
 def test_mla_decode_variants_cuda_graph_replay(name):
     """Capture with device-side split counts; replay on new lengths / pages / queries (the
     host TMA descriptors are kernel parameters, captured by value)."""
@@ -282,8 +278,7 @@ def test_mla_decode_variants_close_to_default():
     splits = mla_num_kv_splits(4096, 4, _sm_count())
     o_ref, lse_ref = run(case, 64, splits, splits, config=MLADecodeConfig(block_h=64, block_n=64, num_warps=8,
                                                                           num_stages=2))
-    for name in ("tma", "tma_s3", "tma_n32_s3", "peel", "kvm", "tma_kvm", "tma_kvm_n32_s3", "gluon", "gluon_s1",
-                 "default"):
+    for name in ("tma", "tma_s3", "tma_n32_s3", "peel", "gluon", "default"):
         cfg = None if name == "default" else _variant_cfg(name, 128)
         o, lse = run(case, 64, splits, splits, config=cfg)
         rel = ((o.double() - o_ref.double()).norm() / o_ref.double().norm()).item()

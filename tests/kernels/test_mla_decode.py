@@ -128,6 +128,19 @@ def test_num_kv_splits_formula(max_seq_len, bs, sm, expected):
     assert mla_num_kv_splits(max_seq_len, bs, sm) == expected
 
 
+def test_split_sm_count_divides_by_head_tiles():
+    from attnserve.attention.triton_ops.mla_decode import mla_split_sm_count
+
+    assert mla_split_sm_count(132, 128) == 66  # two 64-head programs per request and split
+    assert mla_split_sm_count(132, 16) == 132 and mla_split_sm_count(132, 64) == 132
+    assert mla_split_sm_count(132, 65) == 66 and mla_split_sm_count(1, 128) == 1
+    # DeepSeek-V3 at b32 x 16K on 132 SMs: 2 splits (one wave of 128 programs), not 4
+    assert mla_num_kv_splits(16384, 32, mla_split_sm_count(132, 128)) == 2
+    assert mla_num_kv_splits(16384, 32, 132) == 4
+    with pytest.raises(ValueError):
+        mla_split_sm_count(0, 128)
+
+
 def test_num_kv_splits_rejects_bad_args():
     with pytest.raises(ValueError):
         mla_num_kv_splits(100, 0, 132)
@@ -236,8 +249,6 @@ VARIANTS = {
     "peel": dict(peel_tail=True),
     "tma": dict(kv_load="tma"),
     "tma_n32": dict(kv_load="tma", block_n=32),
-    "tma_kv_major": dict(kv_load="tma", kv_major=True),
-    "peel_kv_major": dict(peel_tail=True, kv_major=True),
 }
 
 
@@ -255,17 +266,26 @@ def test_variant_config_fields():
         assert _variant(name).is_variant, name
     with pytest.raises(ValueError, match="kv_load"):
         MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, kv_load="tma_device")
+    with pytest.raises(ValueError, match="gluon"):
+        MLADecodeConfig(block_h=32, block_n=64, num_warps=8, num_stages=2, gluon=True)
+    with pytest.raises(ValueError, match="num_stages >= 2"):
+        MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, gluon=True)
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kv_major_masked_loop(page_size, dtype):
-    """kv_major alone keeps the masked pointer loop (not a PEEL variant); ragged heads/lengths."""
-    cfg = MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=1, kv_major=True)
-    assert not cfg.is_variant
-    case = make_case([0, 1, 33, 64, 200], 20, page_size, dtype, seed=51 + page_size)
-    o, lse = run_kernel(case, page_size, 3, 4, config=cfg)
-    check(case, o, lse, dtype)
+def test_gluon_config_falls_back_off_sm90():
+    """The many-heads default asks for the Gluon stage 1; off an sm_90 GPU (here: the CPU /
+    interpreter) it is not applicable and the Triton kernel gives the reference result."""
+    from attnserve.attention.triton_ops.mla_decode import mla_decode_config, mla_gluon_applicable
+
+    cfg = mla_decode_config(128, 512, 64, torch.bfloat16)
+    assert cfg.gluon and cfg.block_h == 64 and cfg.num_warps == 8
+    rows = torch.zeros(128, 576, dtype=torch.bfloat16)
+    q_nope, q_pe = torch.zeros(1, 128, 512, dtype=torch.bfloat16), torch.zeros(1, 128, 64, dtype=torch.bfloat16)
+    assert not mla_gluon_applicable(q_nope, q_pe, rows, 64, 64)  # CPU tensors
+    gcfg = MLADecodeConfig(block_h=64, block_n=16, num_warps=8, num_stages=2, gluon=True)
+    case = make_case([0, 1, 40, 70], 20, 16, torch.float32, seed=77)
+    o, lse = run_kernel(case, 16, 2, 2, config=gcfg)
+    check(case, o, lse, torch.float32)
 
 
 def test_tma_applicable():

@@ -13,8 +13,8 @@ passes it densely (`extend_dense_prefix`); the regular extend kernel then reads 
 prefix from that dense tensor through ``kv_indices = arange(sum(prefix_lens))`` instead of
 from the latent pool.
 
-Split counts: the CUTLASS-MLA heuristic (`mla_num_kv_splits_device`) depends on the batch
-size, so a request's float rounding may differ between batches; with
+Split counts: the CUTLASS-MLA heuristic (`mla_num_kv_splits_device`, fed with the SMs per
+head tile, `mla_split_sm_count`) depends on the batch size, so a request's float rounding may differ between batches; with
 ``--enable-deterministic-inference`` the count is ``cdiv(seq_len, split_tile)`` capped at
 ``max_kv_splits``, independent of the batch (and of CUDA-graph padding).
 
@@ -87,13 +87,14 @@ class TritonMLADecode:
 
     # ---- metadata ----------------------------------------------------------------------
     def _splits(self, seq_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits_device
+        from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits_device, mla_split_sm_count
 
         if self.deterministic:
             tiles = torch.div(seq_lens + (self.split_tile - 1), self.split_tile, rounding_mode="floor")
             out.copy_(torch.clamp(tiles, 1, self.max_kv_splits))
             return out
-        return mla_num_kv_splits_device(seq_lens, self.num_sms, self.max_kv_splits, out)
+        return mla_num_kv_splits_device(seq_lens, mla_split_sm_count(self.num_sms, self.num_heads),
+                                        self.max_kv_splits, out)
 
     def _build(self, rows, seq_lens, table: torch.Tensor, splits: torch.Tensor) -> MLADecodeMetadata:
         from attnserve.attention.triton_ops.kv_indices import create_block_kv_indices

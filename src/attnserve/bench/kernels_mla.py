@@ -120,16 +120,25 @@ def time_one(bs, kv_len, heads, page, copy_tbps, *, config=None, peer=True, sm_c
     sm_count = sm_count or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     q_nope, q_pe, kv, table, seq_lens = make_inputs(bs, kv_len, heads, page)
     sm_scale = 1.0 / (192 ** 0.5)
-    splits = mla.mla_num_kv_splits(kv_len, bs, sm_count)
+    splits = mla.mla_num_kv_splits(kv_len, bs, mla.mla_split_sm_count(sm_count, heads))
     ws = torch.empty(mla.mla_workspace_size(kv_len, bs, splits, heads, D_C), dtype=torch.uint8, device="cuda")
     o = torch.empty(bs, heads, D_C, dtype=torch.bfloat16, device="cuda")
     cfg = config or mla.mla_decode_config(heads, D_C, D_R, torch.bfloat16)
 
+    ran = {}
+
     def kernel():
-        mla.mla_decode_fwd(q_nope, q_pe, kv, table, seq_lens, page, o, sm_scale, splits, splits,
-                           workspace=ws, config=cfg)
+        ran["stage1"] = mla._mla_decode_fwd(q_nope, q_pe, kv, table, seq_lens, page, o, sm_scale, splits, splits,
+                                            workspace=ws, config=cfg)[1]
 
     stage1 = (mla._mla_decode_stage1,)
+    if cfg.gluon:
+        try:
+            from attnserve.attention.triton_ops.mla_decode_gluon import _mla_decode_stage1_gluon
+
+            stage1 += (_mla_decode_stage1_gluon,)
+        except ImportError:
+            pass
     before = {id(k) for f in stage1 for k in _compiled(f)}
     kernel()
     torch.cuda.synchronize()
@@ -145,7 +154,9 @@ def time_one(bs, kv_len, heads, page, copy_tbps, *, config=None, peer=True, sm_c
     flops = 2 * bs * heads * kv_len * (LATENT + D_C)
     row = dict(
         bs=bs, kv_len=kv_len, heads=heads, page_size=page, num_kv_splits=splits,
-        config=dict(block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        config=dict(block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                    kv_load=cfg.kv_load, gluon=cfg.gluon),
+        stage1_name=getattr(ran.get("stage1"), "name", None),
         ms=ms, eager_ms=eager_ms, tbps=nbytes / (ms * 1e-3) / 1e12, tflops=flops / (ms * 1e-3) / 1e12,
     )
     row["pct_copy"] = 100.0 * row["tbps"] / copy_tbps

@@ -111,15 +111,8 @@ def sweep_configs() -> List[Dict]:
         ("tma_n64_s3_splits0.5x", _c(64, 64, 8, 3, **tma), 0.5),
         ("tma_n64_s3_splits2x", _c(64, 64, 8, 3, **tma), 2),
         ("gluon_n64_s2", _c(64, 64, 8, 2, gluon=True), 1),
-        ("gluon_n64_s1", _c(64, 64, 8, 1, gluon=True), 1),
         ("gluon_n64_s2_splits0.5x", _c(64, 64, 8, 2, gluon=True), 0.5),
         ("gluon_n64_s2_splits2x", _c(64, 64, 8, 2, gluon=True), 2),
-        ("kvm_tma_n64_s1", _c(64, 64, 8, 1, kv_major=True, **tma), 1),
-        ("kvm_tma_n64_s2", _c(64, 64, 8, 2, kv_major=True, **tma), 1),
-        ("kvm_tma_n32_s3", _c(64, 32, 8, 3, kv_major=True, **tma), 1),
-        ("kvm_tma_n32_s4", _c(64, 32, 8, 4, kv_major=True, **tma), 1),
-        ("kvm_ptr_n64_s2", _c(64, 64, 8, 2, kv_major=True), 1),
-        ("kvm_tma_n64_s2_splits0.5x", _c(64, 64, 8, 2, kv_major=True, **tma), 0.5),
     ]
     h16 = [
         ("ref_v1_h16_n128_w8_s2", _c(16, 128, 8, 2), 1),
@@ -136,9 +129,6 @@ def sweep_configs() -> List[Dict]:
         ("tma_h16_n32_w4_s4_splits2x", _c(16, 32, 4, 4, **tma), 2),
         ("tma_h16_n64_w8_s3_splits2x", _c(16, 64, 8, 3, **tma), 2),
         ("tma_h64pad_n64_w8_s2", _c(64, 64, 8, 2, **tma), 1),
-        ("kvm_h16_n128_w8_s2", _c(16, 128, 8, 2, kv_major=True), 1),
-        ("kvm_tma_h16_n64_w4_s3", _c(16, 64, 4, 3, kv_major=True, **tma), 1),
-        ("kvm_tma_h16_n128_w8_s1", _c(16, 128, 8, 1, kv_major=True, **tma), 1),
     ]
     out = []
     for heads, rows in ((128, h128), (16, h16)):
@@ -537,9 +527,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     t_start = time.perf_counter()
     sm = _sm_count()
-    from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits
+    from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits, mla_split_sm_count
 
-    base = {sh["name"]: mla_num_kv_splits(sh["kv_len"], sh["bs"], sm) for sh in shapes}
+    base = {sh["name"]: mla_num_kv_splits(sh["kv_len"], sh["bs"], mla_split_sm_count(sm, sh["heads"]))
+            for sh in shapes}
     jobs, seen = [], set()
     for i, spec in enumerate(sweep_configs()):
         if spec not in specs:

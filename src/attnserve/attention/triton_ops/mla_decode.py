@@ -31,8 +31,10 @@ compute the same 64 x ``block_n`` scores (m64n32k16 wgmmas reading q from shared
 each time) while PV splits the 512 columns between them. That redundant, shared-memory-bound
 QK (by a rough estimate 3/4 of the tensor-core time per tile) is a limit the variant does
 not remove (nor did a persistent grid, a head loop, lazy rescaling or the loop pipelining
-knobs, measured and dropped: benchmarks/NOTES.md "MLA decode"); a FlashMLA-like split of QK
-across warpgroups needs explicit layouts (Gluon or CUDA).
+knobs, measured and dropped: benchmarks/NOTES.md "MLA decode"). The FlashMLA-like split
+of the tile across warpgroups, which needs explicit layouts, is `mla_decode_gluon` (the
+many-heads default on sm_90, ``MLADecodeConfig.gluon``); a transposed Triton formulation
+(tokens on the MMA M dimension) was tried and was slower (255 registers with spills).
 
 CUDA graphs: `mla_decode_fwd` syncs nothing with the host and allocates nothing when a
 workspace is given; its grids depend only on ``bs``, the head count and ``max_kv_splits``;
@@ -56,6 +58,7 @@ __all__ = [
     "mla_decode_config",
     "mla_num_kv_splits",
     "mla_num_kv_splits_device",
+    "mla_split_sm_count",
     "mla_workspace_size",
     "mla_decode_fwd",
     "mla_tma_applicable",
@@ -87,6 +90,22 @@ def mla_num_kv_splits(max_seq_len: int, bs: int, sm_count: int) -> int:
     split = min(max_splits, sms_per_batch)
     k_waves = triton.cdiv(max_splits, split)
     return triton.cdiv(max_splits, k_waves)
+
+
+def mla_split_sm_count(sm_count: int, num_heads: int) -> int:
+    """The ``sm_count`` to feed the split heuristic: SMs per head tile of a request.
+
+    CUTLASS MLA runs all heads of a request in one CTA, so its ``sm_count // bs`` counts
+    CTAs per request. Our programs hold ``block_h = min(64, next_pow2(H))`` heads (see
+    `mla_decode_config`), so a request takes ``cdiv(H, block_h)`` programs per split;
+    dividing by that keeps the heuristic's one-wave intent. Measured on an H200 (Gluon
+    kernel, 128 heads, b32): 2 splits instead of 4 gave 0.339 vs 0.355 ms at kv_len 16K and
+    0.096 vs 0.109 ms at 4K (benchmarks/NOTES.md).
+    """
+    if sm_count < 1 or num_heads < 1:
+        raise ValueError(f"sm_count and num_heads must be >= 1, got {sm_count}, {num_heads}")
+    block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
+    return max(1, sm_count // triton.cdiv(num_heads, block_h))
 
 
 @triton.jit(do_not_specialize=["bs", "sms_per_batch", "max_kv_splits"])
@@ -176,14 +195,10 @@ class MLADecodeConfig:
         row stride and ``kv_lora_rank`` are 16-byte multiples, and the pool has < 2**31
         rows (`mla_tma_applicable`); otherwise the same kernel's pointer path runs.
     peel_tail: the peeled (mask-free) main loop with pointer loads only.
-    kv_major: compute the transposed products (scores ``[block_n, block_h]``, output
-        ``[kv_lora_rank, block_h]``): tokens, then latent columns, lie on the MMA M
-        dimension, so the warps split the score tile instead of each warpgroup computing
-        all of it (see the module note). Independent of the fields above.
     gluon: run stage 1 as the Gluon kernel of `mla_decode_gluon` (FlashMLA's split of the
         tile over the two warpgroups; TMA loads, ``num_stages`` deep) where
         `mla_gluon_applicable` holds; elsewhere the Triton kernel with the fields above runs.
-        Needs ``block_h`` 64 and ``num_warps`` 8.
+        Needs ``block_h`` 64, ``num_warps`` 8 and ``num_stages`` >= 2.
     """
 
     block_h: int
@@ -193,14 +208,15 @@ class MLADecodeConfig:
     merge_num_warps: int = 4
     kv_load: str = "ptr"
     peel_tail: bool = False
-    kv_major: bool = False
     gluon: bool = False
 
     def __post_init__(self):
         if self.kv_load not in _KV_LOADS:
             raise ValueError(f"kv_load must be one of {_KV_LOADS}, got {self.kv_load!r}")
-        if self.gluon and (self.block_h != 64 or self.num_warps != 8):
-            raise ValueError(f"gluon=True needs block_h=64 and num_warps=8, got {self.block_h}, {self.num_warps}")
+        if self.gluon and (self.block_h != 64 or self.num_warps != 8 or self.num_stages < 2):
+            raise ValueError("gluon=True needs block_h=64, num_warps=8 and num_stages >= 2 (the scores of the next "
+                             f"tile are computed while this one is resident), got {self.block_h}, {self.num_warps}, "
+                             f"{self.num_stages}")
 
     @property
     def is_variant(self) -> bool:
@@ -242,8 +258,11 @@ def mla_decode_config(
         # latent tiles with a mask-free main loop, 128 heads b32: 0.546 ms at 16K (1.11 TB/s)
         # and 0.161 ms at 4K vs 0.640 / 0.195 ms for the pointer kernel; page sizes that are
         # not a multiple of 64 take the same kernel's pointer path (0.565 ms at 16K).
+        # Gluon stage 1 (mla_decode_gluon, 2026-11-21, H200): 0.339 ms at 16K / 0.096 ms at
+        # 4K (2 splits) vs 0.507 / 0.141 ms for the Triton TMA kernel in the same run; where it
+        # does not apply (not sm_90, other dims or pages) the Triton TMA kernel runs.
         if bh >= 64:
-            return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma")
+            return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma", gluon=True)
         return MLADecodeConfig(block_h=bh, block_n=128, num_warps=8, num_stages=2)
     if bh >= 64:
         candidates = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 1), (32, 32, 4, 1), (16, 16, 4, 1)]
@@ -368,42 +387,6 @@ def _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, offs_n, end, sm_scale_
     return m_new, l_i, acc
 
 
-@triton.jit
-def _online_softmax_step_kv_major(qnT, qpT, ckv, kpe, m_i, l_i, accT, offs_n, end, sm_scale_log2,
-                                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """`_online_softmax_step` transposed: scores ``sT = ckv @ qnT + kpe @ qpT`` are
-    ``[BLOCK_N, BLOCK_H]`` (tokens on the MMA M dimension, so the warps split the tokens and
-    no warpgroup recomputes another's scores) and the output is ``accT [BLOCK_C, BLOCK_H]
-    += ckv^T @ pT`` (latent columns on M, P^T the shared-memory B operand). Softmax
-    reductions run over axis 0."""
-    sT = tl.dot(ckv, qnT, input_precision=DOT_PRECISION)
-    sT = tl.dot(kpe, qpT, acc=sT, input_precision=DOT_PRECISION)
-    sT = sT * sm_scale_log2
-    if MASKED:
-        sT = tl.where((offs_n < end)[:, None], sT, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(sT, 0))
-    alpha = tl.exp2(m_i - m_new)
-    pT = tl.exp2(sT - m_new[None, :])
-    l_i = l_i * alpha + tl.sum(pT, 0)
-    accT = accT * alpha[None, :]
-    accT = tl.dot(tl.trans(ckv), pT.to(ckv.dtype), acc=accT, input_precision=DOT_PRECISION)
-    return m_new, l_i, accT
-
-
-@triton.jit
-def _softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, offs_n, end, sm_scale_log2,
-                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_MAJOR: tl.constexpr):
-    """Head-major (`_online_softmax_step`) or, with KV_MAJOR, the transposed step
-    (``qn``/``qp``/``acc`` then hold q^T and o^T)."""
-    if KV_MAJOR:
-        m_i, l_i, acc = _online_softmax_step_kv_major(qn, qp, ckv, kpe, m_i, l_i, acc, offs_n, end, sm_scale_log2,
-                                                      MASKED, DOT_PRECISION)
-    else:
-        m_i, l_i, acc = _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, offs_n, end, sm_scale_log2,
-                                             MASKED, DOT_PRECISION)
-    return m_i, l_i, acc
-
-
 # ints equal to 1 would otherwise become constexprs (Triton specialization)
 @triton.jit(do_not_specialize=["num_heads", "num_splits_scalar"])
 def _mla_decode_stage1(
@@ -418,7 +401,6 @@ def _mla_decode_stage1(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr, PER_REQ_SPLITS: tl.constexpr, HAS_LSE: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, PEEL: tl.constexpr, USE_TMA: tl.constexpr,
-    KV_MAJOR: tl.constexpr,
 ):
     """Grid (head tiles, MAX_KV_SPLITS, bs); the head tile is the fastest axis, so the head
     tiles of one (request, split) run together and share each KV tile through L2.
@@ -449,12 +431,7 @@ def _mla_decode_stage1(
                             D_C, D_R, BLOCK_C, BLOCK_R, DOT_FP32)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        if KV_MAJOR:
-            qn = tl.trans(qn)
-            qp = tl.trans(qp)
-            acc = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
         table = BlockTable + b * stride_bt_b
         if PEEL:
             # full tiles, no masks; then at most one partial tail tile
@@ -465,23 +442,21 @@ def _mla_decode_stage1(
                 else:
                     ckv, kpe = _load_kv_ptr(KV, table, n0, end, stride_kv_t, D_C, D_R, BLOCK_C, BLOCK_R,
                                             BLOCK_N, PAGE_SIZE, False, DOT_FP32)
-                m_i, l_i, acc = _softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, n0, end, sm_scale_log2,
-                                              False, DOT_PRECISION, KV_MAJOR)
+                m_i, l_i, acc = _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, n0, end, sm_scale_log2,
+                                                     False, DOT_PRECISION)
             if full_end < end:
                 ckv, kpe = _load_kv_ptr(KV, table, full_end, end, stride_kv_t, D_C, D_R, BLOCK_C, BLOCK_R,
                                         BLOCK_N, PAGE_SIZE, True, DOT_FP32)
-                m_i, l_i, acc = _softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc,
-                                              full_end + tl.arange(0, BLOCK_N), end, sm_scale_log2,
-                                              True, DOT_PRECISION, KV_MAJOR)
+                m_i, l_i, acc = _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc,
+                                                     full_end + tl.arange(0, BLOCK_N), end, sm_scale_log2,
+                                                     True, DOT_PRECISION)
         else:
             for n0 in range(start, end, BLOCK_N):
                 ckv, kpe = _load_kv_ptr(KV, table, n0, end, stride_kv_t, D_C, D_R, BLOCK_C, BLOCK_R,
                                         BLOCK_N, PAGE_SIZE, True, DOT_FP32)
-                m_i, l_i, acc = _softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, n0 + tl.arange(0, BLOCK_N),
-                                              end, sm_scale_log2, True, DOT_PRECISION, KV_MAJOR)
+                m_i, l_i, acc = _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, n0 + tl.arange(0, BLOCK_N),
+                                                     end, sm_scale_log2, True, DOT_PRECISION)
 
-        if KV_MAJOR:
-            acc = tl.trans(acc)
         out = acc / l_i[:, None]
         lse2 = m_i + tl.log2(l_i)
         mask_hc = mask_h[:, None] & mask_c[None, :]
@@ -570,7 +545,8 @@ def mla_gluon_applicable(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torc
                          block_n: int) -> bool:
     """Whether the Gluon stage 1 (`mla_decode_gluon`) can run: a CUDA device of compute
     capability 9.x (wgmma, TMA), fp16/bf16, DeepSeek's kv_lora_rank 512 + rope 64, 64-token
-    tiles (a P tile of 64 bf16 is one 128-byte swizzle row) that the TMA can fetch (`mla_tma_applicable`) and a Triton with Gluon's Hopper module."""
+    tiles (a P row of 64 bf16 is one 128-byte swizzle row; 32 did not compile) that the TMA
+    can fetch (`mla_tma_applicable`), and a Triton with Gluon's Hopper module."""
     if q_nope.device.type != "cuda" or q_nope.dtype not in (torch.float16, torch.bfloat16):
         return False
     if q_nope.shape[2] != 512 or q_pe.shape[2] != 64 or block_n != 64:
@@ -619,7 +595,6 @@ def _launch_stage1(cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, split
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
         MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse,
         DOT_FP32=interpret, DOT_PRECISION="ieee" if fp32_dot else "tf32", PEEL=cfg.is_variant, USE_TMA=use_tma,
-        KV_MAJOR=cfg.kv_major,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -28,7 +28,13 @@ from __future__ import annotations
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 __all__ = ["launch_stage1_gluon"]
@@ -38,12 +44,22 @@ NUM_WARPS = gl.constexpr(8)
 
 
 @gluon.jit
-def _tile_step(qn_s, qp_s, kc, kr, p_s, m_i, l_i, acc, n0, end, sm_scale_log2,
-               s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr):
-    """One online-softmax step over the tile in ``kc`` [BLOCK_N, D_C] / ``kr`` [BLOCK_N, D_R]."""
+def _qk(qn_s, qp_s, kc, kr, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, IS_ASYNC: gl.constexpr):
+    """Unscaled scores ``q_nope @ kc^T + q_pe @ kr^T``: [BLOCK_H, BLOCK_N] in ``s_layout``
+    (a wgmma token when IS_ASYNC)."""
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
-    s = warpgroup_mma(qn_s, kc.permute((1, 0)), s, use_acc=False)
-    s = warpgroup_mma(qp_s, kr.permute((1, 0)), s)
+    s = warpgroup_mma(qn_s, kc.permute((1, 0)), s, use_acc=False, is_async=IS_ASYNC)
+    s = warpgroup_mma(qp_s, kr.permute((1, 0)), s, is_async=IS_ASYNC)
+    return s
+
+
+@gluon.jit
+def _softmax_p(s, m_i, l_i, p_s, n0, end, sm_scale_log2, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+               MASKED: gl.constexpr):
+    """Online-softmax update with one tile's scores ``s``; writes P to ``p_s`` (visible to
+    all warps on return) and returns (m_new, l_i, alpha). ``l_i`` is kept as a
+    [BLOCK_H, BLOCK_N] partial sum, reduced across the warpgroups once at the end, so the
+    only cross-warpgroup reduction per tile is the row max."""
     s = s * sm_scale_log2
     if MASKED:
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -51,14 +67,11 @@ def _tile_step(qn_s, qp_s, kc, kr, p_s, m_i, l_i, acc, n0, end, sm_scale_log2,
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    l_i = l_i * alpha[:, None] + p
     p_s.store(p.to(p_s.dtype))
     fence_async_shared()
     gl.thread_barrier()  # P complete (both warpgroups) before either reads it
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    acc = warpgroup_mma(p_s, kc, acc)
-    gl.thread_barrier()  # kc / kr / P free for the next writes
-    return m_new, l_i, acc
+    return m_new, l_i, alpha
 
 
 @gluon.jit
@@ -127,44 +140,61 @@ def _mla_decode_stage1_gluon(
         gl.thread_barrier()
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
         acc = gl.zeros([BLOCK_H, D_C], gl.float32, o_layout)
         table = BlockTable + b * stride_bt_b
 
+        # Full tiles. Tile i + NUM_STAGES is fetched into stage i % NUM_STAGES once tile i
+        # is consumed; the scores of tile i + 1 are issued right behind P @ V of tile i, so
+        # the tensor cores run the two back to back and the softmax of tile i + 1 starts
+        # from finished scores.
         n_full = (end - start) // BLOCK_N
-        for i in gl.static_range(NUM_STAGES - 1):
+        for i in gl.static_range(NUM_STAGES):
             if i < n_full:
                 _issue_tile(desc_c, desc_r, table, start + i * BLOCK_N, bars.index(i), kc_s.index(i),
                             kr_s.index(i), PAGE_SIZE)
+        if n_full > 0:
+            mbarrier.wait(bars.index(0), 0)
+            s_cur = _qk(qn_s, qp_s, kc_s.index(0), kr_s.index(0), s_layout, BLOCK_N, False)
+        else:
+            s_cur = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
         for i in range(n_full):
-            nxt = i + NUM_STAGES - 1
-            if nxt < n_full:  # its stage was freed by the barrier ending iteration i - 1
-                st_n = nxt % NUM_STAGES
-                _issue_tile(desc_c, desc_r, table, start + nxt * BLOCK_N, bars.index(st_n), kc_s.index(st_n),
-                            kr_s.index(st_n), PAGE_SIZE)
             st = i % NUM_STAGES
-            mbarrier.wait(bars.index(st), (i // NUM_STAGES) & 1)
-            m_i, l_i, acc = _tile_step(qn_s, qp_s, kc_s.index(st), kr_s.index(st), p_s, m_i, l_i, acc,
-                                       start + i * BLOCK_N, end, sm_scale_log2, s_layout, o_layout, BLOCK_N, False)
+            m_i, l_i, alpha = _softmax_p(s_cur, m_i, l_i, p_s, start + i * BLOCK_N, end, sm_scale_log2,
+                                         s_layout, BLOCK_N, False)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            acc_t = warpgroup_mma(p_s, kc_s.index(st), acc, is_async=True)
+            if i + 1 < n_full:
+                st1 = (i + 1) % NUM_STAGES
+                mbarrier.wait(bars.index(st1), ((i + 1) // NUM_STAGES) & 1)
+                s_t = _qk(qn_s, qp_s, kc_s.index(st1), kr_s.index(st1), s_layout, BLOCK_N, True)
+                acc, s_cur = warpgroup_mma_wait(0, deps=[acc_t, s_t])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[acc_t])
+            gl.thread_barrier()  # both warpgroups are done with stage st and P
+            if i + NUM_STAGES < n_full:
+                _issue_tile(desc_c, desc_r, table, start + (i + NUM_STAGES) * BLOCK_N, bars.index(st),
+                            kc_s.index(st), kr_s.index(st), PAGE_SIZE)
 
         n0 = start + n_full * BLOCK_N
-        if n0 < end:  # partial last tile: masked loads (zero past end) into stage 0
+        if n0 < end:  # partial last tile: masked loads (zero past end) into stage 0, no TMA in flight
             offs_nl = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
             page = gl.load(table + n0 // PAGE_SIZE).to(gl.int64)
             rows = KV + (page * PAGE_SIZE + n0 % PAGE_SIZE + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
                          ).to(gl.int64) * stride_kv_t
             mn = (offs_nl < end)[:, None]
-            ckv = gl.load(rows[:, None] + offs_cl[None, :], mask=mn, other=0.0)
-            kpe = gl.load(rows[:, None] + D_C + offs_rl[None, :], mask=mn, other=0.0)
-            kc_s.index(0).store(ckv)
-            kr_s.index(0).store(kpe)
+            kc_s.index(0).store(gl.load(rows[:, None] + offs_cl[None, :], mask=mn, other=0.0))
+            kr_s.index(0).store(gl.load(rows[:, None] + D_C + offs_rl[None, :], mask=mn, other=0.0))
             fence_async_shared()
             gl.thread_barrier()
-            m_i, l_i, acc = _tile_step(qn_s, qp_s, kc_s.index(0), kr_s.index(0), p_s, m_i, l_i, acc,
-                                       n0, end, sm_scale_log2, s_layout, o_layout, BLOCK_N, True)
+            s = _qk(qn_s, qp_s, kc_s.index(0), kr_s.index(0), s_layout, BLOCK_N, False)
+            m_i, l_i, alpha = _softmax_p(s, m_i, l_i, p_s, n0, end, sm_scale_log2, s_layout, BLOCK_N, True)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            acc = warpgroup_mma(p_s, kc_s.index(0), acc)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(bars.index(i))
 
+        l_i = gl.sum(l_i, axis=1)
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
         out = acc / l_o[:, None]
