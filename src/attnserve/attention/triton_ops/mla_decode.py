@@ -195,8 +195,9 @@ class MLADecodeConfig:
         row stride and ``kv_lora_rank`` are 16-byte multiples, and the pool has < 2**31
         rows (`mla_tma_applicable`); otherwise the same kernel's pointer path runs.
     peel_tail: the peeled (mask-free) main loop with pointer loads only.
-    gluon: run stage 1 as the Gluon kernel of `mla_decode_gluon` (FlashMLA's split of the
-        tile over the two warpgroups; TMA loads, ``num_stages`` deep) where
+    gluon: run stage 1 as the Gluon kernel of `mla_decode_gluon` (the tile split over the
+        two warpgroups by tokens for QK and by columns for PV; TMA loads, ``num_stages``
+        deep) where
         `mla_gluon_applicable` holds; elsewhere the Triton kernel with the fields above runs.
         Needs ``block_h`` 64, ``num_warps`` 8 and ``num_stages`` >= 2.
     """
@@ -555,9 +556,9 @@ def mla_gluon_applicable(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torc
         return False
     if not mla_tma_applicable(kv_rows, q_nope.shape[2], page_size, block_n):
         return False
-    try:
-        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
-    except ImportError:
+    try:  # a Triton without Gluon's Hopper module (or with a different API) falls back
+        from . import mla_decode_gluon  # noqa: F401
+    except (ImportError, AttributeError):
         return False
     return True
 

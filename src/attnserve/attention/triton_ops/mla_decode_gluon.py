@@ -8,16 +8,24 @@ which plain Triton does not let us choose (`mla_decode` module note):
 * scores ``S = q_nope @ c_kv^T + q_pe @ k_pe^T`` ([64 heads, 64 tokens]) in an MMA layout with
   warps ``[4, 2]``: warpgroup ``w`` computes tokens ``32w .. 32w + 31`` only, so no score is
   computed twice (plain Triton lays this dot out with both warpgroups computing all 64);
-* row max / row sum of the online softmax reduce across the two warpgroups;
+* the row max of the online softmax is reduced across the two warpgroups every tile; the
+  row sum is kept as a [64, 64] partial and reduced once, after the last tile;
 * ``P`` (bf16) goes through shared memory, and ``O += P @ c_kv`` ([64, 512], warps
   ``[4, 2]``) gives each warpgroup 256 of the 512 latent columns (128 fp32 accumulator
-  registers per thread).
+  registers per thread);
+* schedule: the scores of tile ``i + 1`` are issued asynchronously right behind ``P @ V`` of
+  tile ``i``, so the softmax of tile ``i + 1`` starts from finished scores (needs
+  ``NUM_STAGES >= 2``).
 
-This is the work split of FlashMLA's sm90 decode kernel (github.com/deepseek-ai/FlashMLA,
-read for the idea, not copied). Loads: full tiles by TMA (host descriptors over the pool rows,
-``NUM_STAGES`` deep, completion on mbarriers); the split's partial last tile through masked
-pointer loads (zero past ``seq_lens``) stored to shared memory. Needs sm_90, 16-bit dtypes,
-``page_size % BLOCK_N == 0`` and TMA-compatible strides (`gluon_applicable`).
+The output split and P through shared memory follow FlashMLA's sm90 decode kernel
+(github.com/deepseek-ai/FlashMLA and its 2025-04-22 deep-dive note; read for the idea, not
+copied). FlashMLA goes further: each warpgroup computes the scores of a whole 64-token
+block of a 128-token pair (N=64 wgmmas, "seesaw" schedule) with shared memory refilled
+chunk by chunk; this kernel's N=32 score wgmmas are its main cost (benchmarks/NOTES.md).
+Loads: full tiles by TMA (host descriptors over the pool rows, ``NUM_STAGES`` deep,
+completion on mbarriers); the split's partial last tile through masked pointer loads (zero
+past ``seq_lens``) stored to shared memory. Needs sm_90, 16-bit dtypes, ``page_size %
+BLOCK_N == 0`` and TMA-compatible strides (`mla_decode.mla_gluon_applicable`).
 
 Gluon is experimental and its API changes between Triton releases; this file was written
 against Triton 3.6. It is imported only when the kernel is used.
