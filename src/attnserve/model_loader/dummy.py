@@ -82,28 +82,6 @@ DUMMY_MODEL_CONFIGS: Dict[str, Dict[str, Any]] = {
         bos_token_id=1,
         eos_token_id=2,
     ),
-    # DeepSeek-V3's attention shape (128 heads, kv_lora_rank 512, rope 64, nope 128, v 128)
-    # in 2 small dense layers: the MLA decode kernels at their production dims
-    "deepseek-v3-mla-tiny": dict(
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=2,
-        num_attention_heads=128,
-        num_key_value_heads=128,
-        q_lora_rank=256,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        first_k_dense_replace=2,  # = num_hidden_layers: no MoE layer
-        vocab_size=1000,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    ),
     # Gemma 3 270M (matches the config transformers reads from the packaged GGUF): 18
     # layers, every 6th global (5, 11, 17), the others sliding with a 512-token window
     "gemma3-270m": dict(
@@ -146,6 +124,13 @@ DUMMY_MODEL_CONFIGS: Dict[str, Dict[str, Any]] = {
         eos_token_id=151645,
     ),
 }
+
+# DeepSeek-V3's attention shape (128 heads, kv_lora_rank 512, rope 64, nope 128, v 128) in
+# deepseek-v2-tiny's 2 small dense layers: the MLA decode kernels at their production dims
+DUMMY_MODEL_CONFIGS["deepseek-v3-mla-tiny"] = dict(
+    DUMMY_MODEL_CONFIGS["deepseek-v2-tiny"], num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=4096,
+)
 
 #: named shapes that are not Llama: name -> (transformers config class, architecture)
 _DUMMY_CONFIG_CLASSES: Dict[str, Any] = {
