@@ -112,8 +112,8 @@ def test_deepseek_v3_attention_shape_gluon_kernel_end_to_end(monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon MLA kernel targets sm_90")
     calls = []
-    orig = mla_decode_gluon.launch_stage1_gluon
-    monkeypatch.setattr(mla_decode_gluon, "launch_stage1_gluon", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    orig = mla_decode_gluon.gluon_descriptors  # built once per Gluon launch
+    monkeypatch.setattr(mla_decode_gluon, "gluon_descriptors", lambda *a, **k: calls.append(1) or orig(*a, **k))
     prompts = _prompts(6, 11, hi=400)
     kw = dict(model="deepseek-v3-mla-tiny", dtype="bfloat16", page_size=64, max_total_tokens=8192,
               context_length=2048, enable_deterministic_inference=True)

@@ -569,22 +569,22 @@ def _launch_stage1(cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, split
     """Launch `_mla_decode_stage1` (or the Gluon stage 1 when ``cfg.gluon`` applies); returns
     what the launch returns (the compiled kernel)."""
     d_c, d_r = q_nope.shape[2], q_pe.shape[2]
-    if cfg.gluon and not interpret and mla_gluon_applicable(q_nope, q_pe, kv_rows, page_size, cfg.block_n):
-        from .mla_decode_gluon import launch_stage1_gluon
+    use_gluon = cfg.gluon and not interpret and mla_gluon_applicable(q_nope, q_pe, kv_rows, page_size, cfg.block_n)
+    use_tma = not use_gluon and cfg.kv_load == "tma" and mla_tma_applicable(kv_rows, d_c, page_size, cfg.block_n)
+    desc_c = desc_r = kv_rows  # unused placeholders unless a descriptor path runs
+    if use_gluon:
+        from .mla_decode_gluon import gluon_descriptors
 
-        return launch_stage1_gluon(q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part,
-                                   o, lse_arg, sm_scale_log2, num_heads, splits_scalar, lse_strides, page_size,
-                                   max_kv_splits, per_req, has_lse, cfg.block_n, cfg.num_stages)
-    use_tma = cfg.kv_load == "tma" and mla_tma_applicable(kv_rows, d_c, page_size, cfg.block_n)
-    desc_c = desc_r = kv_rows  # unused placeholders unless use_tma
-    if use_tma:
+        desc_c, desc_r = gluon_descriptors(kv_rows, d_c, d_r, cfg.block_n)
+    elif use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         n = kv_rows.shape[0]
         desc_c = TensorDescriptor(kv_rows, [n, d_c], [kv_rows.stride(0), 1], [cfg.block_n, block_c])
         desc_r = TensorDescriptor(kv_rows[:, d_c:], [n, d_r], [kv_rows.stride(0), 1], [cfg.block_n, block_r])
     grid = (triton.cdiv(num_heads, cfg.block_h), max_kv_splits, q_nope.shape[0])
-    return _mla_decode_stage1[grid](
+    # the positional arguments both stage-1 kernels take
+    args = (
         q_nope, q_pe, kv_rows, desc_c, desc_r, block_kv_indices, seq_lens, splits_ptr,
         o_part, lse_part, o, lse_arg,
         sm_scale_log2, num_heads, splits_scalar,
@@ -592,11 +592,17 @@ def _launch_stage1(cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, split
         kv_rows.stride(0), block_kv_indices.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         o.stride(0), o.stride(1), *lse_strides,
-        D_C=d_c, D_R=d_r, BLOCK_C=block_c, BLOCK_R=block_r,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
-        MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse,
+    )
+    common = dict(D_C=d_c, D_R=d_r, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, MAX_KV_SPLITS=max_kv_splits,
+                  PER_REQ_SPLITS=per_req, HAS_LSE=has_lse, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if use_gluon:
+        from .mla_decode_gluon import _mla_decode_stage1_gluon
+
+        return _mla_decode_stage1_gluon[grid](*args, NUM_STAGES=cfg.num_stages, **common)
+    return _mla_decode_stage1[grid](
+        *args, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_H=cfg.block_h,
         DOT_FP32=interpret, DOT_PRECISION="ieee" if fp32_dot else "tf32", PEEL=cfg.is_variant, USE_TMA=use_tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **common,
     )
 
 

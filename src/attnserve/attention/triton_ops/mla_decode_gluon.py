@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["launch_stage1_gluon"]
+__all__ = ["gluon_descriptors"]
 
 BLOCK_H = gl.constexpr(64)
 NUM_WARPS = gl.constexpr(8)
@@ -222,26 +222,12 @@ def _mla_decode_stage1_gluon(
             gl.store(LsePart + b * stride_lp_b + offs_h * stride_lp_h + split_id, lse2, mask=mask_h)
 
 
-def launch_stage1_gluon(q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part, o,
-                        lse_arg, sm_scale_log2, num_heads, splits_scalar, lse_strides, page_size, max_kv_splits,
-                        per_req, has_lse, block_n, num_stages):
-    """Launch the Gluon stage 1 (grid ``(cdiv(H, 64), max_kv_splits, bs)``); same arguments
-    and outputs as `mla_decode._launch_stage1`. Returns the compiled kernel."""
-    d_c, d_r = q_nope.shape[2], q_pe.shape[2]
+def gluon_descriptors(kv_rows, d_c: int, d_r: int, block_n: int):
+    """Host TMA descriptors of the latent pool rows ``kv_rows`` ``[num_slots, d_c + d_r]``
+    for `_mla_decode_stage1_gluon`: ``[block_n, d_c]`` c_kv boxes and ``[block_n, d_r]``
+    k_pe boxes, 128-byte swizzled as the kernel's shared-memory tiles."""
     sw = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     n = kv_rows.shape[0]
     desc_c = TensorDescriptor(kv_rows, [n, d_c], [kv_rows.stride(0), 1], [block_n, d_c], sw)
     desc_r = TensorDescriptor(kv_rows[:, d_c:], [n, d_r], [kv_rows.stride(0), 1], [block_n, d_r], sw)
-    grid = (triton.cdiv(num_heads, BLOCK_H), max_kv_splits, q_nope.shape[0])
-    return _mla_decode_stage1_gluon[grid](
-        q_nope, q_pe, kv_rows, desc_c, desc_r, block_kv_indices, seq_lens, splits_ptr,
-        o_part, lse_part, o, lse_arg,
-        sm_scale_log2, num_heads, splits_scalar,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_rows.stride(0), block_kv_indices.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        o.stride(0), o.stride(1), *lse_strides,
-        D_C=d_c, D_R=d_r, BLOCK_N=block_n, PAGE_SIZE=page_size,
-        MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse, NUM_STAGES=num_stages,
-        num_warps=NUM_WARPS,
-    )
+    return desc_c, desc_r
