@@ -262,10 +262,8 @@ def _launch(
     )
     b = bias if bias is not None else weight  # never read when HAS_BIAS is False
     grid = (_cdiv(cols, config.block_n),)
-    if gated:
-        kt._skinny_gemm_gated_kernel[grid](x, weight, b, out, m, cols, k, x.stride(0), out.stride(0), ACT=act, **common)
-    else:
-        kt._skinny_gemm_kernel[grid](x, weight, b, out, m, n, k, x.stride(0), out.stride(0), **common)
+    kt._skinny_gemm_kernel[grid](x, weight, b, out, m, cols, k, x.stride(0), out.stride(0), GATED=gated,
+                                 ACT=act if gated else 0, **common)
     return out
 
 

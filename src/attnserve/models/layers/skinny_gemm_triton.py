@@ -3,7 +3,7 @@
 This module imports ``triton`` at the top; `skinny_gemm` imports it lazily, only when a
 launch is requested, so CPU-only installs without Triton never load it.
 
-Both kernels compute ``y = x @ W^T`` for a few rows of ``x`` (``M <= 16``) and a row-major
+The kernel computes ``y = x @ W^T`` for a few rows of ``x`` (``M <= 16``) and a row-major
 weight ``W [N, K]`` (``nn.Linear`` layout). The grid is one program per ``BLOCK_N`` output
 columns (= weight rows); each program walks the whole of ``K`` in ``BLOCK_K`` chunks, so
 every weight element is read exactly once, with loads contiguous along ``K``; there is no
@@ -23,7 +23,7 @@ Loads are converted to float32 before any arithmetic of the non-dot path, which 
 keeps interpreter runs on bfloat16 exact (the interpreter handles bf16 as raw bits); for
 the same reason the host sets ``DOT_UPCAST`` (float32 operands of ``tl.dot``) there.
 
-The gated kernel reads a fused ``gate_up`` weight ``[2I, K]`` = ``[gate rows | up rows]``:
+Gated (constexpr ``GATED``), it reads a fused ``gate_up`` weight ``[2I, K]`` = ``[gate rows | up rows]``:
 program ``p`` accumulates gate columns ``n`` and up columns ``n + I`` for the same ``n``
 and writes ``act(gate) * up`` ``[M, I]`` (SwiGLU / GeGLU, Shazeer arXiv:2002.05202; GELU
 tanh form, Hendrycks & Gimpel arXiv:1606.08415), with all activation math in float32.
@@ -107,12 +107,19 @@ def _skinny_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
 ):
-    """Grid ``(cdiv(N, BLOCK_N),)``: ``y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])``.
+    """Grid ``(cdiv(N, BLOCK_N),)``; ``y`` is ``[M, N]``.
 
-    ``x`` ``[M, K]`` rows ``stride_xm`` apart (unit stride along K); ``w`` contiguous
-    ``[N, K]``; ``b`` ``[N]`` (read only when HAS_BIAS); ``y`` ``[M, N]`` rows ``stride_ym``
-    apart, unit column stride. Requires ``M <= BLOCK_M``.
+    Plain (GATED False): ``y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])``, ``w`` ``[N, K]``,
+    ``b`` ``[N]``. Gated: ``y[m, n] = act(g[m, n]) * u[m, n]`` with ``g = x @ w[:N]^T
+    (+ b[:N])`` and ``u = x @ w[N:]^T (+ b[N:])``: ``w`` ``[2N, K]`` (gate rows then up
+    rows), ``b`` ``[2N]``; ``ACT`` 0 SiLU, 1 GELU (tanh form), unused when not GATED.
+
+    ``x`` ``[M, K]`` rows ``stride_xm`` apart (unit stride along K); ``w`` contiguous; ``b``
+    read only when HAS_BIAS; ``y`` rows ``stride_ym`` apart, unit column stride. Requires
+    ``M <= BLOCK_M``.
     """
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -121,73 +128,29 @@ def _skinny_gemm_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (offs_k + k0) < K
-        x_tile = tl.load(x_ptrs, mask=mask_m[:, None] & k_mask[None, :], other=0.0)
-        w_tile = tl.load(w_ptrs, mask=mask_n[:, None] & k_mask[None, :], other=0.0)
-        acc += _tile_dot(x_tile, w_tile, BLOCK_M, USE_DOT, DOT_PRECISION, DOT_UPCAST)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit(do_not_specialize=["M"])
-def _skinny_gemm_gated_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    y_ptr,
-    M,
-    I,
-    K,
-    stride_xm,
-    stride_ym,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr,
-):
-    """Grid ``(cdiv(I, BLOCK_N),)``: ``y[m, n] = act(g[m, n]) * u[m, n]`` with
-    ``g = x @ w[:I]^T (+ b[:I])`` and ``u = x @ w[I:]^T (+ b[I:])``.
-
-    ``w`` contiguous ``[2I, K]`` (gate rows then up rows), ``b`` ``[2I]``, ``y`` ``[M, I]``;
-    other layouts as in `_skinny_gemm_kernel`. ``ACT``: 0 SiLU, 1 GELU (tanh form).
-    """
-    pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < I
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     rows = offs_n.to(tl.int64)
-    g_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]
-    u_ptrs = w_ptr + (rows + I)[:, None] * K + offs_k[None, :]
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]
+    u_ptrs = w_ptr + (rows + N)[:, None] * K + offs_k[None, :]  # up rows (GATED only)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (offs_k + k0) < K
         x_tile = tl.load(x_ptrs, mask=mask_m[:, None] & k_mask[None, :], other=0.0)
         w_mask = mask_n[:, None] & k_mask[None, :]
-        g_tile = tl.load(g_ptrs, mask=w_mask, other=0.0)
-        u_tile = tl.load(u_ptrs, mask=w_mask, other=0.0)
-        acc_g += _tile_dot(x_tile, g_tile, BLOCK_M, USE_DOT, DOT_PRECISION, DOT_UPCAST)
-        acc_u += _tile_dot(x_tile, u_tile, BLOCK_M, USE_DOT, DOT_PRECISION, DOT_UPCAST)
+        w_tile = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if GATED:
+            u_tile = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        acc += _tile_dot(x_tile, w_tile, BLOCK_M, USE_DOT, DOT_PRECISION, DOT_UPCAST)
+        if GATED:
+            acc_u += _tile_dot(x_tile, u_tile, BLOCK_M, USE_DOT, DOT_PRECISION, DOT_UPCAST)
+            u_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     if HAS_BIAS:
-        acc_g += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        acc_u += tl.load(b_ptr + I + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out = _gate_act(acc_g, ACT) * acc_u
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        acc = _gate_act(acc, ACT) * acc_u
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
