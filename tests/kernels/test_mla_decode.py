@@ -207,9 +207,11 @@ def test_decode_empty_request_and_no_lse():
     check(case, o, lse, torch.float32)
 
 
-def test_decode_strided_q_and_o_and_shared_workspace():
+@pytest.mark.parametrize("variant", [None, "tma_n32"])
+def test_decode_strided_q_and_o_and_shared_workspace(variant):
     """q_nope/q_pe as slices of one [bs, H, 80] tensor, o a slice of a wider buffer, and a
-    workspace sized for a larger batch and more splits than used."""
+    workspace sized for a larger batch and more splits than used (original kernel, and the
+    TMA variant with its peeled loop)."""
     case = make_case([50, 9, 300], 16, 16, torch.float16, seed=5)
     bs, h = 3, 16
     q = torch.cat([case["q_nope"], case["q_pe"]], dim=-1)
@@ -217,7 +219,7 @@ def test_decode_strided_q_and_o_and_shared_workspace():
     big = torch.full((bs, h, D_C + 32), float("nan"), dtype=torch.float16, device=DEVICE)
     o = big[..., 16 : 16 + D_C]
     ws = torch.empty(mla_workspace_size(4096, 8, 8, h, D_C), dtype=torch.uint8, device=DEVICE)
-    o, lse = run_kernel(case, 16, 3, 3, workspace=ws, o=o)
+    o, lse = run_kernel(case, 16, 3, 3, workspace=ws, o=o, config=variant and _variant(variant))
     check(case, o, lse, torch.float16)
     assert torch.isnan(big[..., :16]).all() and torch.isnan(big[..., 16 + D_C :]).all()
 
@@ -328,16 +330,3 @@ def test_variant_tma_padded_dims_bf16():
     case = make_case([33, 90, 64], 16, 16, torch.bfloat16, d_c=48, d_r=8, seed=43)
     o, lse = run_kernel(case, 16, 2, 2, config=_variant("tma"))
     check(case, o, lse, torch.bfloat16)
-
-
-def test_variant_strided_q_shared_workspace():
-    case = make_case([50, 9, 300], 16, 16, torch.float16, seed=5)
-    bs, h = 3, 16
-    q = torch.cat([case["q_nope"], case["q_pe"]], dim=-1)
-    case["q_nope"], case["q_pe"] = q[..., :D_C], q[..., D_C:]
-    big = torch.full((bs, h, D_C + 32), float("nan"), dtype=torch.float16, device=DEVICE)
-    o = big[..., 16 : 16 + D_C]
-    ws = torch.empty(mla_workspace_size(4096, 8, 8, h, D_C), dtype=torch.uint8, device=DEVICE)
-    o, lse = run_kernel(case, 16, 3, 3, workspace=ws, o=o, config=_variant("tma_n32"))
-    check(case, o, lse, torch.float16)
-    assert torch.isnan(big[..., :16]).all() and torch.isnan(big[..., 16 + D_C :]).all()
