@@ -11,6 +11,20 @@ import triton.language as tl
 
 
 @triton.jit
+def copy_heads_to_slot(src_ptr, tok, src_stride_t, src_stride_h, dst_ptr, slot, dst_stride_s, dst_stride_h,
+                       heads, head_mask, head_dim, BLOCK_D: tl.constexpr):
+    """Copy heads ``heads`` (int64 ``[BLOCK_H]``, ``head_mask`` valid) of token ``tok`` of
+    ``src`` into row ``slot`` of the cache ``dst``, converting to ``dst``'s dtype through
+    float32 (round-to-nearest-even, like ``Tensor.to``). Also used by the fused RoPE +
+    KV-store kernel (`attnserve.models.layers.fused_kernels_triton`)."""
+    d = tl.arange(0, BLOCK_D)
+    m = head_mask[:, None] & (d < head_dim)[None, :]
+    x = tl.load(src_ptr + tok * src_stride_t + heads[:, None] * src_stride_h + d[None, :], mask=m, other=0.0)
+    tl.store(dst_ptr + slot * dst_stride_s + heads[:, None] * dst_stride_h + d[None, :],
+             x.to(tl.float32).to(dst_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _store_kv_kernel(
     loc_ptr,
     k_ptr,
@@ -41,14 +55,7 @@ def _store_kv_kernel(
     heads = heads.to(tl.int64)
     slot = tl.load(loc_ptr + tok).to(tl.int64)
 
-    dk = tl.arange(0, BLOCK_DK)
-    mk = head_mask[:, None] & (dk < head_dim_k)[None, :]
-    kv = tl.load(k_ptr + tok * k_stride_t + heads[:, None] * k_stride_h + dk[None, :], mask=mk, other=0.0)
-    kv = kv.to(tl.float32).to(k_buf_ptr.dtype.element_ty)
-    tl.store(k_buf_ptr + slot * kb_stride_s + heads[:, None] * kb_stride_h + dk[None, :], kv, mask=mk)
-
-    dv = tl.arange(0, BLOCK_DV)
-    mv = head_mask[:, None] & (dv < head_dim_v)[None, :]
-    vv = tl.load(v_ptr + tok * v_stride_t + heads[:, None] * v_stride_h + dv[None, :], mask=mv, other=0.0)
-    vv = vv.to(tl.float32).to(v_buf_ptr.dtype.element_ty)
-    tl.store(v_buf_ptr + slot * vb_stride_s + heads[:, None] * vb_stride_h + dv[None, :], vv, mask=mv)
+    copy_heads_to_slot(k_ptr, tok, k_stride_t, k_stride_h, k_buf_ptr, slot, kb_stride_s, kb_stride_h, heads,
+                       head_mask, head_dim_k, BLOCK_DK)
+    copy_heads_to_slot(v_ptr, tok, v_stride_t, v_stride_h, v_buf_ptr, slot, vb_stride_s, vb_stride_h, heads,
+                       head_mask, head_dim_v, BLOCK_DV)

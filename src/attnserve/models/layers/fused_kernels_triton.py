@@ -20,6 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from attnserve.mem_cache.store_kv_triton import copy_heads_to_slot
+
 
 @triton.jit
 def _rmsnorm_kernel(
@@ -204,12 +206,8 @@ def _rope_kernel(
     if hb >= num_q_blocks + num_k_blocks:
         # value heads: a plain copy into the V cache
         heads = (hb - num_q_blocks - num_k_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        dv = tl.arange(0, BLOCK_DV)
-        m = (heads < num_k_heads)[:, None] & (dv < v_head_dim)[None, :]
-        hv = heads.to(tl.int64)[:, None]
-        val = tl.load(v_ptr + tok * v_stride_t + hv * v_stride_h + dv[None, :], mask=m, other=0.0)
-        tl.store(vb_ptr + slot * vb_stride_s + hv * vb_stride_h + dv[None, :],
-                 val.to(tl.float32).to(vb_ptr.dtype.element_ty), mask=m)
+        copy_heads_to_slot(v_ptr, tok, v_stride_t, v_stride_h, vb_ptr, slot, vb_stride_s, vb_stride_h,
+                           heads.to(tl.int64), heads < num_k_heads, v_head_dim, BLOCK_DV)
     else:
         pos = tl.load(pos_ptr + tok).to(tl.int64)
         pairs = tl.arange(0, BLOCK_R)
