@@ -157,11 +157,12 @@ def _variant_cfg(name, num_heads):
         "tma_s3": dict(kv_load="tma", num_stages=3),
         "tma_n32_s3": dict(kv_load="tma", block_n=32, num_stages=3),
         "gluon": dict(block_h=64, num_warps=8, num_stages=2, gluon=True),
+        "seesaw": dict(block_h=64, num_warps=8, num_stages=2, seesaw=True),
     }[name]
     return MLADecodeConfig(**dict(tiles, **extra))
 
 
-VARIANT_NAMES = ["peel", "tma", "tma_s3", "tma_n32_s3", "gluon"]
+VARIANT_NAMES = ["peel", "tma", "tma_s3", "tma_n32_s3", "gluon", "seesaw"]
 
 
 @pytest.mark.parametrize("name", VARIANT_NAMES)
@@ -177,7 +178,7 @@ def test_mla_decode_variants_ragged(name, num_heads, page_size):
     check(case, page_size, o, lse)
 
 
-@pytest.mark.parametrize("name", ["tma", "tma_s3", "peel", "gluon"])
+@pytest.mark.parametrize("name", ["tma", "tma_s3", "peel", "gluon", "seesaw"])
 def test_mla_decode_variants_device_splits_and_empty(name):
     from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits_device
 
@@ -191,7 +192,7 @@ def test_mla_decode_variants_device_splits_and_empty(name):
     check(sub, 64, o[keep], lse[keep])
 
 
-@pytest.mark.parametrize("name", ["default", "tma", "tma_s3", "peel", "gluon"])
+@pytest.mark.parametrize("name", ["default", "tma", "tma_s3", "peel", "gluon", "seesaw"])
 def test_mla_decode_cuda_graph_replay(name):
     """Capture with device-side split counts; replay on new lengths / pages / queries in the
     same buffers (the host TMA descriptors are kernel parameters, captured by value)."""
@@ -240,7 +241,7 @@ def test_mla_decode_variants_close_to_default():
     splits = mla_num_kv_splits(4096, 4, _sm_count())
     o_ref, lse_ref = run(case, 64, splits, splits, config=MLADecodeConfig(block_h=64, block_n=64, num_warps=8,
                                                                           num_stages=2))
-    for name in ("tma", "tma_s3", "tma_n32_s3", "peel", "gluon", "default"):
+    for name in ("tma", "tma_s3", "tma_n32_s3", "peel", "gluon", "seesaw", "default"):
         cfg = None if name == "default" else _variant_cfg(name, 128)
         o, lse = run(case, 64, splits, splits, config=cfg)
         rel = ((o.double() - o_ref.double()).norm() / o_ref.double().norm()).item()
@@ -248,8 +249,9 @@ def test_mla_decode_variants_close_to_default():
         assert (lse - lse_ref).abs().max().item() <= 1e-2
 
 
+@pytest.mark.parametrize("kernel", ["gluon", "seesaw"])
 @pytest.mark.parametrize("page_size,expect_gluon", [(64, True), (128, True), (1, False), (32, False)])
-def test_mla_decode_gluon_runs_where_applicable(page_size, expect_gluon):
+def test_mla_decode_gluon_runs_where_applicable(kernel, page_size, expect_gluon):
     """The Gluon stage 1 really runs on an sm_90 device at pages that are multiples of 64
     (and the Triton kernel elsewhere), with the same results as the float64 reference."""
     from attnserve.attention.triton_ops.mla_decode import _mla_decode_fwd, mla_num_kv_splits
@@ -262,7 +264,7 @@ def test_mla_decode_gluon_runs_where_applicable(page_size, expect_gluon):
     o = torch.full((len(lens), 128, D_C), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((len(lens), 128), float("nan"), dtype=torch.float32, device="cuda")
     _, k = _mla_decode_fwd(case["q_nope"], case["q_pe"], case["kv"], case["table"], case["seq_lens"], page_size, o,
-                           case["sm_scale"], splits, splits, lse=lse, config=_variant_cfg("gluon", 128))
+                           case["sm_scale"], splits, splits, lse=lse, config=_variant_cfg(kernel, 128))
     torch.cuda.synchronize()
-    assert (k.name == "_mla_decode_stage1_gluon") == expect_gluon, k.name
+    assert (k.name == f"_mla_decode_stage1_{kernel}") == expect_gluon, k.name
     check(case, page_size, o, lse)

@@ -113,6 +113,9 @@ def sweep_configs() -> List[Dict]:
         ("gluon_n64_s2", _c(64, 64, 8, 2, gluon=True), 1),
         ("gluon_n64_s2_splits0.5x", _c(64, 64, 8, 2, gluon=True), 0.5),
         ("gluon_n64_s2_splits2x", _c(64, 64, 8, 2, gluon=True), 2),
+        ("seesaw", _c(64, 64, 8, 2, seesaw=True), 1),
+        ("seesaw_splits0.5x", _c(64, 64, 8, 2, seesaw=True), 0.5),
+        ("seesaw_splits2x", _c(64, 64, 8, 2, seesaw=True), 2),
     ]
     h16 = [
         ("ref_v1_h16_n128_w8_s2", _c(16, 128, 8, 2), 1),

@@ -200,6 +200,11 @@ class MLADecodeConfig:
         deep) where
         `mla_gluon_applicable` holds; elsewhere the Triton kernel with the fields above runs.
         Needs ``block_h`` 64, ``num_warps`` 8 and ``num_stages`` >= 2.
+    seesaw: run stage 1 as the warp-specialized Gluon kernel of `mla_decode_seesaw` (each
+        warpgroup computes the scores of a whole 64-token block of a pair; chunked TMA loads
+        by a loader warp) where `mla_gluon_applicable` holds. It launches its own warps
+        (4 + 4 + 1); ``num_warps`` / ``num_stages`` apply to the Triton kernel that runs
+        elsewhere. Same field requirements as ``gluon``; exclusive with it.
     """
 
     block_h: int
@@ -210,12 +215,15 @@ class MLADecodeConfig:
     kv_load: str = "ptr"
     peel_tail: bool = False
     gluon: bool = False
+    seesaw: bool = False
 
     def __post_init__(self):
         if self.kv_load not in _KV_LOADS:
             raise ValueError(f"kv_load must be one of {_KV_LOADS}, got {self.kv_load!r}")
-        if self.gluon and (self.block_h != 64 or self.num_warps != 8 or self.num_stages < 2):
-            raise ValueError("gluon=True needs block_h=64, num_warps=8 and num_stages >= 2 (the scores of the next "
+        if self.gluon and self.seesaw:
+            raise ValueError("gluon and seesaw select different stage-1 kernels; set one")
+        if (self.gluon or self.seesaw) and (self.block_h != 64 or self.num_warps != 8 or self.num_stages < 2):
+            raise ValueError("gluon=True / seesaw=True need block_h=64, num_warps=8 and num_stages >= 2 (the scores of the next "
                              f"tile are computed while this one is resident), got {self.block_h}, {self.num_warps}, "
                              f"{self.num_stages}")
 
@@ -557,7 +565,7 @@ def mla_gluon_applicable(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torc
     if not mla_tma_applicable(kv_rows, q_nope.shape[2], page_size, block_n):
         return False
     try:  # a Triton without Gluon's Hopper module (or with a different API) falls back
-        from . import mla_decode_gluon  # noqa: F401
+        from . import mla_decode_gluon, mla_decode_seesaw  # noqa: F401
     except (ImportError, AttributeError):
         return False
     return True
@@ -569,10 +577,15 @@ def _launch_stage1(cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, split
     """Launch `_mla_decode_stage1` (or the Gluon stage 1 when ``cfg.gluon`` applies); returns
     what the launch returns (the compiled kernel)."""
     d_c, d_r = q_nope.shape[2], q_pe.shape[2]
-    use_gluon = cfg.gluon and not interpret and mla_gluon_applicable(q_nope, q_pe, kv_rows, page_size, cfg.block_n)
+    use_gluon = ((cfg.gluon or cfg.seesaw) and not interpret
+                 and mla_gluon_applicable(q_nope, q_pe, kv_rows, page_size, cfg.block_n))
     use_tma = not use_gluon and cfg.kv_load == "tma" and mla_tma_applicable(kv_rows, d_c, page_size, cfg.block_n)
     desc_c = desc_r = kv_rows  # unused placeholders unless a descriptor path runs
-    if use_gluon:
+    if use_gluon and cfg.seesaw:
+        from .mla_decode_seesaw import seesaw_descriptor
+
+        desc_c = seesaw_descriptor(kv_rows)
+    elif use_gluon:
         from .mla_decode_gluon import gluon_descriptors
 
         desc_c, desc_r = gluon_descriptors(kv_rows, d_c, d_r, cfg.block_n)
@@ -595,6 +608,11 @@ def _launch_stage1(cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, split
     )
     common = dict(D_C=d_c, D_R=d_r, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, MAX_KV_SPLITS=max_kv_splits,
                   PER_REQ_SPLITS=per_req, HAS_LSE=has_lse, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if use_gluon and cfg.seesaw:
+        from .mla_decode_seesaw import SEESAW_MAXNREG, _mla_decode_stage1_seesaw
+
+        common.update(num_warps=4, num_stages=1)  # the default partition; the kernel adds 4 + 1 worker warps
+        return _mla_decode_stage1_seesaw[grid](*args, maxnreg=SEESAW_MAXNREG, **common)
     if use_gluon:
         from .mla_decode_gluon import _mla_decode_stage1_gluon
 

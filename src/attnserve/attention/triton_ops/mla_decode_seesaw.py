@@ -1,0 +1,426 @@
+"""MLA decode stage 1 for many heads on Hopper: warp-specialized "seesaw" Gluon kernel.
+
+Same math, grid, split scheme, workspace and outputs as ``_mla_decode_stage1`` in
+`mla_decode` (which also runs the merge, stage 2). One program holds 64 heads of one
+request and one KV split; it walks the split in pairs of 64-token blocks. Three partitions
+(Gluon ``warp_specialize``):
+
+* ``wg0`` (default partition, 4 warps) owns the left half of the output, ``O_L`` =
+  columns 0..255 of ``[64, 512]`` (128 fp32 registers per thread), and computes the scores
+  of the even block of each pair;
+* ``wg1`` (worker, 4 warps) owns ``O_R`` (columns 256..511) and the odd block's scores;
+* ``loader`` (worker, 1 warp) issues the TMA copies, one per 64-column chunk of a block
+  (9 chunks: c_kv 0..7, k_pe 8), as soon as the chunk's last reader released it.
+
+Per pair (blocks ``B0`` in buffer 0, ``B1`` in buffer 1; ``m`` the running row max, kept
+identical in both warpgroups; all scores in log2 units):
+
+1. wg0: ``S0 = q @ B0^T`` (N=64 wgmmas); ``m0 = max(m, rowmax S0)``, ``a0 = 2^(m - m0)``,
+   ``P0 = 2^(S0 - m0)``; publishes ``P0`` (bf16, own buffer), ``m0``, ``a0``;
+   ``O_L = O_L * a0 + P0 @ B0[:, :256]`` (P0 from registers).
+2. wg1 (``S1 = q @ B1^T`` already computed): ``O_R = O_R * a0 + P0 @ B0[:, 256:]``
+   (P0 from shared memory, asynchronous) while ``m1 = max(m0, rowmax S1)``, ``a1 = 2^(m0 -
+   m1)``, ``P1 = 2^(S1 - m1)``; publishes ``P1`` (into B1's k_pe chunk, no longer needed),
+   ``m1``, ``a1``; then ``O_R = O_R * a1 + P1 @ B1[:, 256:]``.
+3. wg0: ``O_L = O_L * a1 + P1 @ B1[:, :256]``; ``m = m1``.
+
+Row sums are kept per warpgroup (``l0``, ``l1`` rescaled by both ``a0`` and ``a1``) and
+added once at the end. Each warpgroup computes a whole block's scores with N=64 wgmmas and
+the two warpgroups alternate their softmax with each other's matmuls. This is the schedule
+of FlashMLA's sm90 decode kernel ("seesaw"; github.com/deepseek-ai/FlashMLA,
+docs/20250422-new-kernel-deep-dive.md; read for the algorithm, not copied), with one
+change: wg1 folds ``P0`` in before its own block (rescaling ``O_R`` twice) so that B0's
+right half is released early.
+
+Shared memory: q ``[64, 576]`` + two blocks ``[64, 576]`` + ``P0`` ``[64, 64]`` (bf16):
+229,376 B plus barriers. The split's partial last block is loaded whole by TMA (its rows
+lie inside the page) and the rows past ``seq_lens`` are zeroed in shared memory by the
+warpgroup that owns the block before anyone reads them as V.
+
+Needs sm_90, 16-bit dtypes, kv_lora_rank 512 + rope 64, ``page_size % 64 == 0`` and
+TMA-compatible strides (`mla_decode.mla_gluon_applicable`). Gluon is experimental; written
+against Triton 3.6 and imported only when used.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+__all__ = ["seesaw_descriptor", "SEESAW_MAXNREG"]
+
+BLOCK_H = gl.constexpr(64)
+BLOCK_N = gl.constexpr(64)
+CHUNK = gl.constexpr(64)
+N_CHUNKS = gl.constexpr(9)  # 512 / 64 c_kv chunks + 1 k_pe chunk
+HALF = gl.constexpr(256)  # output columns per warpgroup
+# registers: 12 warps (3 warpgroups, the loader's padded) x 32 x 168 <= 65536 at launch;
+# setmaxnreg then gives the loader warpgroup 24 and each compute warpgroup 240.
+SEESAW_MAXNREG = 168
+WG_REGS = gl.constexpr(240)
+LOADER_REGS = gl.constexpr(24)
+# scores [64 heads, 64 tokens] and output half [64, 256] of one warpgroup (4 warps)
+S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
+O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
+
+
+@gluon.jit
+def _chunk(buf, c: gl.constexpr):
+    """Chunk ``c`` of a (c_kv ``[8, 64, 64]``, k_pe ``[64, 64]``) pair of shared buffers."""
+    if c == 8:
+        r = buf[1]
+    else:
+        r = buf[0].index(c)
+    return r
+
+
+@gluon.jit
+def _qk_chunk(q_s, kv, ready, ph, c: gl.constexpr, s, USE_ACC: gl.constexpr):
+    mbarrier.wait(ready.index(c), ph)
+    return warpgroup_mma(_chunk(q_s, c), _chunk(kv, c).permute((1, 0)), s, use_acc=USE_ACC, is_async=True)
+
+
+@gluon.jit
+def _qk(q_s, kv, ready, ph, FIRST: gl.constexpr):
+    """Scores ``q @ kv^T`` [64, 64] fp32 (unscaled); waits for each chunk's TMA and issues
+    its wgmmas. Chunk order, matching the order in which the loader can refill the buffer:
+    ``FIRST == 8``: k_pe, then c_kv 0..7; ``FIRST == 4``: c_kv 4..7, 0..3, then k_pe."""
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
+    if FIRST == 8:
+        s = _qk_chunk(q_s, kv, ready, ph, 8, s, False)
+        for c in gl.static_range(8):
+            s = _qk_chunk(q_s, kv, ready, ph, c, s, True)
+    else:
+        for c in gl.static_range(4, 8):
+            s = _qk_chunk(q_s, kv, ready, ph, c, s, c > 4)
+        for c in gl.static_range(4):
+            s = _qk_chunk(q_s, kv, ready, ph, c, s, True)
+        s = _qk_chunk(q_s, kv, ready, ph, 8, s, True)
+    return warpgroup_mma_wait(0, deps=[s])
+
+
+@gluon.jit
+def _zero_tail_rows(kv, valid):
+    """Zero rows ``valid..63`` of the c_kv chunks of block buffer ``kv`` (they are read as V;
+    the pool rows past the sequence may hold anything)."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+    for c in gl.static_range(N_CHUNKS - 1):
+        x = kv[0].index(c).load(ld)
+        kv[0].index(c).store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _softmax(s, m_prev, n0, end, sm_scale_log2):
+    """(m_new, alpha, p) of one block's scores against the running max ``m_prev``."""
+    s = s * sm_scale_log2
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    s = gl.where((offs_n < end)[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_prev, gl.max(s, axis=1))
+    alpha = gl.exp2(m_prev - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    return m_new, alpha, p
+
+
+@gluon.jit
+def _publish(p_dst, p, m_dst, m_new, a_dst, alpha, bar):
+    """Write P (bf16) and the row max / rescale factor to shared memory, then arrive ``bar``."""
+    p_dst.store(p)
+    m_dst.store(m_new)
+    a_dst.store(alpha)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(bar)
+
+
+@gluon.jit
+def _v_half(kv, h: gl.constexpr):
+    """Columns ``h * 256 .. h * 256 + 255`` of a block's c_kv chunks as one ``[64, 256]`` B
+    operand: four consecutive 128-byte-swizzled [64, 64] chunks are laid out exactly as a
+    swizzled [64, 256] tile."""
+    sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    return kv[0]._reinterpret(kv[0].dtype, [BLOCK_N, 2 * HALF], sw).slice(h * HALF, HALF, 1)
+
+
+@gluon.jit
+def _o_park(q_s):
+    """The q c_kv chunks (64 KB) viewed as a ``[64, 256]`` fp32 buffer for ``O_R``."""
+    return q_s[0]._reinterpret(gl.float32, [BLOCK_H, HALF], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+
+
+@gluon.jit
+def _rows_o(x):
+    return gl.convert_layout(x, gl.SliceLayout(1, O_LAYOUT))
+
+
+@gluon.jit
+def _store_half(acc, l_i, col0, out_args):
+    """Normalize one ``[64, 256]`` output half by the row sums ``l_i`` and store it."""
+    (b, pid_h, split_id, n_eff, num_heads, O, OPart, LsePart, Lse, stride_o_b, stride_o_h, stride_op_b, stride_op_h,
+     stride_op_s, stride_lp_b, stride_lp_h, stride_lse_b, stride_lse_h) = out_args
+    out = acc / _rows_o(l_i)[:, None]
+    offs_h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_LAYOUT))
+    offs_c = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_LAYOUT))
+    mask_hc = (offs_h < num_heads)[:, None] & (offs_c < col0 + HALF)[None, :]
+    if n_eff == 1:
+        gl.store(O + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_c[None, :], out.to(O.dtype.element_ty),
+                 mask=mask_hc)
+    else:
+        gl.store(OPart + b * stride_op_b + offs_h[:, None] * stride_op_h + split_id * stride_op_s + offs_c[None, :],
+                 out, mask=mask_hc)
+
+
+@gluon.jit
+def _store_lse(m_i, l_i, out_args, HAS_LSE: gl.constexpr):
+    (b, pid_h, split_id, n_eff, num_heads, O, OPart, LsePart, Lse, stride_o_b, stride_o_h, stride_op_b, stride_op_h,
+     stride_op_s, stride_lp_b, stride_lp_h, stride_lse_b, stride_lse_h) = out_args
+    vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    offs_h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=vec)
+    lse2 = gl.convert_layout(m_i + gl.log2(l_i), vec)
+    if n_eff == 1:
+        if HAS_LSE:
+            gl.store(Lse + b * stride_lse_b + offs_h * stride_lse_h, lse2 / 1.4426950408889634, mask=offs_h < num_heads)
+    else:
+        gl.store(LsePart + b * stride_lp_b + offs_h * stride_lp_h + split_id, lse2, mask=offs_h < num_heads)
+
+
+@gluon.jit
+def _wg0(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args):
+    """Default partition: even blocks' scores, ``O_L``."""
+    ready0, ready1, free_r0, free_a0, free_b0, free_a1, free_b1, p0_ready, p1_ready, l_bars = bars
+    m0_s, a0_s, m1_s, a1_s, l0_s, l1_s = xch
+    row_s: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    o_layout: gl.constexpr = O_LAYOUT
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    kv0 = kv_s[0]
+    kv1 = kv_s[1]
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
+    n_blocks = (end - start + BLOCK_N - 1) // BLOCK_N
+    for t in range((n_blocks + 1) // 2):
+        ph = t & 1
+        n0 = start + 2 * t * BLOCK_N
+        s = _qk(q_s, kv0, ready0, ph, 8)
+        mbarrier.arrive(free_r0)  # k_pe chunk of B0 read
+        if n0 + BLOCK_N > end:
+            _zero_tail_rows(kv0, end - n0)
+        m_new, alpha, p = _softmax(s, m_i, n0, end, sm_scale_log2)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        p = p.to(p0_s.dtype)
+        if t > 0:
+            mbarrier.wait(free_b0, ph ^ 1)  # wg1 is done with the previous P0 / m0 / a0
+        _publish(p0_s, p, m0_s, m_new, a0_s, alpha, p0_ready)
+        acc = acc * _rows_o(alpha)[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p, p_op), _v_half(kv0, 0), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(free_a0)  # c_kv chunks 0..3 of B0 read
+        m_i = m_new
+        if n0 + BLOCK_N < end:  # B1 exists
+            mbarrier.wait(p1_ready, ph)
+            a1 = a1_s.load(row_s)
+            m_i = m1_s.load(row_s)
+            l_i = l_i * a1
+            acc = acc * _rows_o(a1)[:, None]
+            acc = warpgroup_mma(kv1[1], _v_half(kv1, 0), acc)
+            mbarrier.arrive(free_a1)  # c_kv chunks 0..3 and P1 (k_pe chunk) of B1 read
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _wg1(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, table, PAGE_SIZE: gl.constexpr):
+    """Worker partition (4 warps): odd blocks' scores, ``O_R``."""
+    ready0, ready1, free_r0, free_a0, free_b0, free_a1, free_b1, p0_ready, p1_ready, l_bars = bars
+    m0_s, a0_s, m1_s, a1_s, l0_s, l1_s = xch
+    row_s: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    o_layout: gl.constexpr = O_LAYOUT
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    kv0 = kv_s[0]
+    kv1 = kv_s[1]
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
+    n_blocks = (end - start + BLOCK_N - 1) // BLOCK_N
+    for t in range((n_blocks + 1) // 2):
+        ph = t & 1
+        n1 = start + (2 * t + 1) * BLOCK_N
+        has1 = n1 < end
+        if has1:
+            s = _qk(q_s, kv1, ready1, ph, 4)
+            if n1 + BLOCK_N > end:
+                _zero_tail_rows(kv1, end - n1)
+        else:
+            s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
+        mbarrier.wait(p0_ready, ph)
+        m0 = m0_s.load(row_s)
+        a0 = a0_s.load(row_s)
+        acc = acc * _rows_o(a0)[:, None]
+        acc_t = warpgroup_mma(p0_s, _v_half(kv0, 1), acc, is_async=True)
+        l_i = l_i * a0
+        m_i = m0
+        if has1:
+            m_new, alpha, p = _softmax(s, m0, n1, end, sm_scale_log2)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            p = p.to(p0_s.dtype)
+            _publish(kv1[1], p, m1_s, m_new, a1_s, alpha, p1_ready)
+            acc = warpgroup_mma_wait(0, deps=[acc_t])
+            mbarrier.arrive(free_b0)  # c_kv chunks 4..7 of B0, P0, m0, a0 read
+            acc = acc * _rows_o(alpha)[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p, p_op), _v_half(kv1, 1), acc)
+            mbarrier.arrive(free_b1)  # c_kv chunks 4..7 of B1 read
+            m_i = m_new
+        else:
+            acc = warpgroup_mma_wait(0, deps=[acc_t])
+            mbarrier.arrive(free_b0)
+    # park O_R and l1 for the parent's epilogue (global stores from inside a partition do
+    # not compile in Triton 3.6); q is free: every score of this split has been computed
+    _o_park(q_s).store(acc)
+    l1_s.store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(l_bars[1])
+
+
+@gluon.jit
+def _issue(desc, row0, c: gl.constexpr, bar, kv):
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row0, c * CHUNK], bar, _chunk(kv, c))
+
+
+@gluon.jit
+def _loader(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, table,
+            PAGE_SIZE: gl.constexpr):
+    """Worker partition (1 warp): TMA copies of each block, chunk by chunk, as the chunks are
+    released (the release order of the seesaw: B0's k_pe, c_kv 0..3, 4..7; B1's c_kv 4..7,
+    then 0..3 with k_pe)."""
+    ready0, ready1, free_r0, free_a0, free_b0, free_a1, free_b1, p0_ready, p1_ready, l_bars = bars
+    kv0 = kv_s[0]
+    kv1 = kv_s[1]
+    n_blocks = (end - start + BLOCK_N - 1) // BLOCK_N
+    for t in range((n_blocks + 1) // 2):
+        ph = (t & 1) ^ 1  # a fresh barrier counts as released (phase 1 complete)
+        n0 = start + 2 * t * BLOCK_N
+        page = gl.load(table + n0 // PAGE_SIZE)
+        row0 = page * PAGE_SIZE + n0 % PAGE_SIZE
+        mbarrier.wait(free_r0, ph)
+        _issue(desc, row0, 8, ready0.index(8), kv0)
+        mbarrier.wait(free_a0, ph)
+        for c in gl.static_range(4):
+            _issue(desc, row0, c, ready0.index(c), kv0)
+        mbarrier.wait(free_b0, ph)
+        for c in gl.static_range(4, 8):
+            _issue(desc, row0, c, ready0.index(c), kv0)
+        n1 = n0 + BLOCK_N
+        if n1 < end:
+            page1 = gl.load(table + n1 // PAGE_SIZE)
+            row1 = page1 * PAGE_SIZE + n1 % PAGE_SIZE
+            mbarrier.wait(free_b1, ph)
+            for c in gl.static_range(4, 8):
+                _issue(desc, row1, c, ready1.index(c), kv1)
+            mbarrier.wait(free_a1, ph)
+            for c in gl.static_range(4):
+                _issue(desc, row1, c, ready1.index(c), kv1)
+            _issue(desc, row1, 8, ready1.index(8), kv1)
+
+
+@gluon.jit(do_not_specialize=["num_heads", "num_splits_scalar"])
+def _mla_decode_stage1_seesaw(
+    QNope, QPe, KV, desc, desc_unused, BlockTable, SeqLens, NumSplits,
+    OPart, LsePart, O, Lse,
+    sm_scale_log2, num_heads, num_splits_scalar,
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+    stride_kv_t, stride_bt_b,
+    stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h,
+    stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
+    D_C: gl.constexpr, D_R: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    MAX_KV_SPLITS: gl.constexpr, PER_REQ_SPLITS: gl.constexpr, HAS_LSE: gl.constexpr,
+):
+    gl.static_assert(D_C == 512 and D_R == 64 and BLOCK_N == 64, "seesaw kernel: 512 + 64 dims, 64-token blocks")
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    dtype: gl.constexpr = desc.dtype
+
+    pid_h = gl.program_id(0)
+    split_id = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    kv_len = gl.load(SeqLens + b).to(gl.int32)
+    if PER_REQ_SPLITS:
+        n_req = gl.load(NumSplits + b).to(gl.int32)
+    else:
+        n_req = num_splits_scalar
+    # same split bounds as mla_decode._split_bounds
+    n = gl.minimum(gl.maximum(n_req, 1), MAX_KV_SPLITS)
+    n_blocks = (kv_len + BLOCK_N - 1) // BLOCK_N
+    per_split = gl.maximum((n_blocks + n - 1) // n, 1) * BLOCK_N
+    n_eff = (kv_len + per_split - 1) // per_split
+    start = split_id * per_split
+    end = gl.minimum(start + per_split, kv_len)
+
+    if start < end:
+        # q and each block as 9 [64, 64] chunks (c_kv 0..7, k_pe 8): 576 is not a power of two
+        q_s = (gl.allocate_shared_memory(dtype, [8, BLOCK_H, CHUNK], sw),
+               gl.allocate_shared_memory(dtype, [BLOCK_H, CHUNK], sw))
+        offs_h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld))
+        offs_k = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, ld))
+        mh = (offs_h < num_heads)[:, None]
+        for c in gl.static_range(N_CHUNKS - 1):
+            x = gl.load(QNope + b * stride_qn_b + offs_h[:, None] * stride_qn_h + c * CHUNK + offs_k[None, :],
+                        mask=mh, other=0.0)
+            q_s[0].index(c).store(x)
+        x = gl.load(QPe + b * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_k[None, :], mask=mh, other=0.0)
+        q_s[1].store(x)
+        kv_s = ((gl.allocate_shared_memory(dtype, [8, BLOCK_N, CHUNK], sw),
+                 gl.allocate_shared_memory(dtype, [BLOCK_N, CHUNK], sw)),
+                (gl.allocate_shared_memory(dtype, [8, BLOCK_N, CHUNK], sw),
+                 gl.allocate_shared_memory(dtype, [BLOCK_N, CHUNK], sw)))
+        p0_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], sw)
+        xch = (
+            gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat),  # m0
+            gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat),  # a0
+            gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat),  # m1
+            gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat),  # a1
+            gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat),  # l0
+            gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat),  # l1
+        )
+        ready0 = gl.allocate_shared_memory(gl.int64, [N_CHUNKS, 1], mbarrier.MBarrierLayout())
+        ready1 = gl.allocate_shared_memory(gl.int64, [N_CHUNKS, 1], mbarrier.MBarrierLayout())
+        one = gl.allocate_shared_memory(gl.int64, [9, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(N_CHUNKS):
+            mbarrier.init(ready0.index(i), count=1)
+            mbarrier.init(ready1.index(i), count=1)
+            mbarrier.init(one.index(i), count=1)
+        bars = (ready0, ready1, one.index(0), one.index(1), one.index(2), one.index(3), one.index(4),
+                one.index(5), one.index(6), (one.index(7), one.index(8)))
+        fence_async_shared()
+        gl.thread_barrier()
+        table = BlockTable + b * stride_bt_b
+        out_args = (b, pid_h, split_id, n_eff, num_heads, O, OPart, LsePart, Lse, stride_o_b, stride_o_h,
+                    stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h, stride_lse_b, stride_lse_h)
+        acc, m_i, l_i = gl.warp_specialize([
+            (_wg0, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args)),
+            (_wg1, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, table, PAGE_SIZE)),
+            (_loader, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, table, PAGE_SIZE)),
+        ], [4, 1], [WG_REGS, LOADER_REGS])
+        mbarrier.wait(one.index(8), 0)  # wg1 parked O_R and l1
+        l_i = l_i + xch[5].load(gl.SliceLayout(1, S_LAYOUT))
+        _store_lse(m_i, l_i, out_args, HAS_LSE)
+        _store_half(acc, l_i, 0, out_args)
+        _store_half(_o_park(q_s).load(O_LAYOUT), l_i, HALF, out_args)
+
+
+def seesaw_descriptor(kv_rows):
+    """Host TMA descriptor of the latent pool rows ``kv_rows`` ``[num_slots, 576]`` for
+    `_mla_decode_stage1_seesaw`: ``[64, 64]`` boxes (one 64-column chunk of a 64-token
+    block), 128-byte swizzled as the kernel's shared-memory chunks."""
+    sw = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    return TensorDescriptor(kv_rows, list(kv_rows.shape), [kv_rows.stride(0), 1], [64, 64], sw)
