@@ -105,15 +105,15 @@ def test_bf16_graphs_run_and_mostly_agree_with_float32():
 
 def test_deepseek_v3_attention_shape_gluon_kernel_end_to_end(monkeypatch):
     """DeepSeek-V3's MLA dims (128 heads, 512 + 64) in bf16, page 64: on an sm_90 GPU the
-    decode steps run the Gluon stage 1 (counted); graphs replay the eager tokens
-    (batch-invariant splits) and the first greedy tokens agree with torch_native."""
-    from attnserve.attention.triton_ops import mla_decode_gluon
+    decode steps run the default (seesaw) Gluon stage 1 (counted); graphs replay the eager
+    tokens (batch-invariant splits) and the first greedy tokens agree with torch_native."""
+    from attnserve.attention.triton_ops import mla_decode_seesaw
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon MLA kernel targets sm_90")
     calls = []
-    orig = mla_decode_gluon.gluon_descriptors  # built once per Gluon launch
-    monkeypatch.setattr(mla_decode_gluon, "gluon_descriptors", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    orig = mla_decode_seesaw.seesaw_descriptor  # built once per launch
+    monkeypatch.setattr(mla_decode_seesaw, "seesaw_descriptor", lambda *a, **k: calls.append(1) or orig(*a, **k))
     prompts = _prompts(6, 11, hi=400)
     kw = dict(model="deepseek-v3-mla-tiny", dtype="bfloat16", page_size=64, max_total_tokens=8192,
               context_length=2048, enable_deterministic_inference=True)

@@ -272,19 +272,25 @@ def test_variant_config_fields():
         MLADecodeConfig(block_h=32, block_n=64, num_warps=8, num_stages=2, gluon=True)
     with pytest.raises(ValueError, match="num_stages >= 2"):
         MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, gluon=True)
+    with pytest.raises(ValueError, match="seesaw"):
+        MLADecodeConfig(block_h=32, block_n=64, num_warps=8, num_stages=2, seesaw=True)
+    with pytest.raises(ValueError, match="set one"):
+        MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, gluon=True, seesaw=True)
 
 
-def test_gluon_config_falls_back_off_sm90():
-    """The many-heads default asks for the Gluon stage 1; off an sm_90 GPU (here: the CPU /
-    interpreter) it is not applicable and the Triton kernel gives the reference result."""
+@pytest.mark.parametrize("kernel", ["gluon", "seesaw"])
+def test_gluon_config_falls_back_off_sm90(kernel):
+    """The many-heads default asks for the seesaw Gluon stage 1; off an sm_90 GPU (here: the
+    CPU / interpreter) neither Gluon kernel applies and the Triton kernel gives the reference
+    result."""
     from attnserve.attention.triton_ops.mla_decode import mla_decode_config, mla_gluon_applicable
 
     cfg = mla_decode_config(128, 512, 64, torch.bfloat16)
-    assert cfg.gluon and cfg.block_h == 64 and cfg.num_warps == 8
+    assert cfg.seesaw and not cfg.gluon and cfg.block_h == 64 and cfg.num_warps == 8
     rows = torch.zeros(128, 576, dtype=torch.bfloat16)
     q_nope, q_pe = torch.zeros(1, 128, 512, dtype=torch.bfloat16), torch.zeros(1, 128, 64, dtype=torch.bfloat16)
     assert not mla_gluon_applicable(q_nope, q_pe, rows, 64, 64)  # CPU tensors
-    gcfg = MLADecodeConfig(block_h=64, block_n=16, num_warps=8, num_stages=2, gluon=True)
+    gcfg = MLADecodeConfig(block_h=64, block_n=16, num_warps=8, num_stages=2, **{kernel: True})
     case = make_case([0, 1, 40, 70], 20, 16, torch.float32, seed=77)
     o, lse = run_kernel(case, 16, 2, 2, config=gcfg)
     check(case, o, lse, torch.float32)

@@ -32,8 +32,9 @@ each time) while PV splits the 512 columns between them. That redundant, shared-
 QK (by a rough estimate 3/4 of the tensor-core time per tile) is a limit the variant does
 not remove (nor did a persistent grid, a head loop, lazy rescaling or the loop pipelining
 knobs, measured and dropped: benchmarks/NOTES.md "MLA decode"). The FlashMLA-like split
-of the tile across warpgroups, which needs explicit layouts, is `mla_decode_gluon` (the
-many-heads default on sm_90, ``MLADecodeConfig.gluon``); a transposed Triton formulation
+of the tile across warpgroups, which needs explicit layouts, is `mla_decode_gluon`
+(``MLADecodeConfig.gluon``), and the warp-specialized `mla_decode_seesaw` (each warpgroup
+a whole block's scores; the many-heads default on sm_90, ``MLADecodeConfig.seesaw``); a transposed Triton formulation
 (tokens on the MMA M dimension) was tried and was slower (255 registers with spills).
 
 CUDA graphs: `mla_decode_fwd` syncs nothing with the host and allocates nothing when a
@@ -270,8 +271,10 @@ def mla_decode_config(
         # Gluon stage 1 (mla_decode_gluon, 2026-11-21, H200): 0.339 ms at 16K / 0.096 ms at
         # 4K (2 splits) vs 0.507 / 0.141 ms for the Triton TMA kernel in the same run; where it
         # does not apply (not sm_90, other dims or pages) the Triton TMA kernel runs.
+        # Warp-specialized seesaw stage 1 (mla_decode_seesaw, 2026-11-21, H100): 0.268 ms at
+        # 16K / 0.090 ms at 4K vs 0.327 / 0.102 ms for the Gluon kernel above in the same run.
         if bh >= 64:
-            return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma", gluon=True)
+            return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma", seesaw=True)
         return MLADecodeConfig(block_h=bh, block_n=128, num_warps=8, num_stages=2)
     if bh >= 64:
         candidates = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 1), (32, 32, 4, 1), (16, 16, 4, 1)]
@@ -552,7 +555,7 @@ def mla_tma_applicable(kv_rows: torch.Tensor, kv_lora_rank: int, page_size: int,
 
 def mla_gluon_applicable(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch.Tensor, page_size: int,
                          block_n: int) -> bool:
-    """Whether the Gluon stage 1 (`mla_decode_gluon`) can run: a CUDA device of compute
+    """Whether the Gluon stage 1 kernels (`mla_decode_gluon`, `mla_decode_seesaw`) can run: a CUDA device of compute
     capability 9.x (wgmma, TMA), fp16/bf16, DeepSeek's kv_lora_rank 512 + rope 64, 64-token
     tiles (a P row of 64 bf16 is one 128-byte swizzle row; 32 did not compile) that the TMA
     can fetch (`mla_tma_applicable`), and a Triton with Gluon's Hopper module."""
@@ -574,7 +577,8 @@ def mla_gluon_applicable(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torc
 def _launch_stage1(cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part, o,
                       lse_arg, sm_scale_log2, num_heads, splits_scalar, lse_strides, page_size, max_kv_splits,
                       per_req, has_lse, fp32_dot, interpret, block_c, block_r):
-    """Launch `_mla_decode_stage1` (or the Gluon stage 1 when ``cfg.gluon`` applies); returns
+    """Launch `_mla_decode_stage1` (or a Gluon stage 1 when ``cfg.gluon`` / ``cfg.seesaw``
+    applies); returns
     what the launch returns (the compiled kernel)."""
     d_c, d_r = q_nope.shape[2], q_pe.shape[2]
     use_gluon = ((cfg.gluon or cfg.seesaw) and not interpret

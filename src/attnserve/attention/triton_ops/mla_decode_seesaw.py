@@ -18,7 +18,8 @@ identical in both warpgroups; all scores in log2 units):
 1. wg0: ``S0 = q @ B0^T`` (N=64 wgmmas); ``m0 = max(m, rowmax S0)``, ``a0 = 2^(m - m0)``,
    ``P0 = 2^(S0 - m0)``; publishes ``P0`` (bf16, own buffer), ``m0``, ``a0``;
    ``O_L = O_L * a0 + P0 @ B0[:, :256]`` (P0 from registers).
-2. wg1 (``S1 = q @ B1^T`` already computed): ``O_R = O_R * a0 + P0 @ B0[:, 256:]``
+2. wg1 (``S1 = q @ B1^T``, issued once wg0's ``S0`` is done so that wg0's softmax runs
+   under it): ``O_R = O_R * a0 + P0 @ B0[:, 256:]``
    (P0 from shared memory, asynchronous) while ``m1 = max(m0, rowmax S1)``, ``a1 = 2^(m0 -
    m1)``, ``P1 = 2^(S1 - m1)``; publishes ``P1`` (into B1's k_pe chunk, no longer needed),
    ``m1``, ``a1``; then ``O_R = O_R * a1 + P1 @ B1[:, 256:]``.
@@ -222,8 +223,7 @@ def _wg0(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args):
             mbarrier.wait(free_b0, ph ^ 1)  # wg1 is done with the previous P0 / m0 / a0
         _publish(p0_s, p, m0_s, m_new, a0_s, alpha, p0_ready)
         acc = acc * _rows_o(alpha)[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p, p_op), _v_half(kv0, 0), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
+        acc = warpgroup_mma(gl.convert_layout(p, p_op), _v_half(kv0, 0), acc)
         mbarrier.arrive(free_a0)  # c_kv chunks 0..3 of B0 read
         m_i = m_new
         if n0 + BLOCK_N < end:  # B1 exists
@@ -256,6 +256,7 @@ def _wg1(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, 
         n1 = start + (2 * t + 1) * BLOCK_N
         has1 = n1 < end
         if has1:
+            mbarrier.wait(free_r0, ph)  # wg0's scores of B0 are done: QK1 runs behind QK0
             s = _qk(q_s, kv1, ready1, ph, 4)
             if n1 + BLOCK_N > end:
                 _zero_tail_rows(kv1, end - n1)
@@ -282,8 +283,8 @@ def _wg1(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, 
         else:
             acc = warpgroup_mma_wait(0, deps=[acc_t])
             mbarrier.arrive(free_b0)
-    # park O_R and l1 for the parent's epilogue (global stores from inside a partition do
-    # not compile in Triton 3.6); q is free: every score of this split has been computed
+    # park O_R and l1 for the epilogue, which runs after the partitions join (a worker
+    # partition cannot return tensors); q is free: every score of this split is computed
     _o_park(q_s).store(acc)
     l1_s.store(l_i)
     gl.thread_barrier()
