@@ -268,3 +268,24 @@ def test_mla_decode_gluon_runs_where_applicable(kernel, page_size, expect_gluon)
     torch.cuda.synchronize()
     assert (k.name == f"_mla_decode_stage1_{kernel}") == expect_gluon, k.name
     check(case, page_size, o, lse)
+
+
+@pytest.mark.parametrize("num_heads,dtype", [(64, torch.bfloat16), (96, torch.bfloat16), (128, torch.float16)])
+def test_mla_decode_seesaw_heads_and_dtypes(num_heads, dtype):
+    """The seesaw stage 1 at one head tile (64), a partial second tile (96: rows 96..127 of the
+    second program are padding) and fp16, on ragged lengths (partial last blocks, odd block
+    counts, one-token requests) with host-side splits."""
+    from attnserve.attention.triton_ops.mla_decode import _mla_decode_fwd, mla_num_kv_splits
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the seesaw kernel targets sm_90")
+    lens = [1, 63, 64, 65, 129, 1000, 4097]
+    case = make_case(lens, num_heads, 64, dtype=dtype, seed=num_heads + 7)
+    splits = mla_num_kv_splits(max(lens), len(lens), _sm_count())
+    o = torch.full((len(lens), num_heads, D_C), float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full((len(lens), num_heads), float("nan"), dtype=torch.float32, device="cuda")
+    _, k = _mla_decode_fwd(case["q_nope"], case["q_pe"], case["kv"], case["table"], case["seq_lens"], 64, o,
+                           case["sm_scale"], splits, splits, lse=lse, config=_variant_cfg("seesaw", num_heads))
+    torch.cuda.synchronize()
+    assert k.name == "_mla_decode_stage1_seesaw", k.name
+    check(case, 64, o, lse)
