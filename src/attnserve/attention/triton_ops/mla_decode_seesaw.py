@@ -56,6 +56,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .mla_decode_gluon import split_range
+
 __all__ = ["seesaw_descriptor", "SEESAW_MAXNREG"]
 
 BLOCK_H = gl.constexpr(64)
@@ -196,19 +198,25 @@ def _store_lse(m_i, l_i, out_args, HAS_LSE: gl.constexpr):
 
 
 @gluon.jit
+def _init_state(start, end):
+    """A warpgroup's running max and row sum ([64] fp32), its output half ([64, 256] fp32)
+    and the number of 64-token blocks of the split."""
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_LAYOUT)
+    return m_i, l_i, acc, (end - start + BLOCK_N - 1) // BLOCK_N
+
+
+@gluon.jit
 def _wg0(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args):
     """Default partition: even blocks' scores, ``O_L``."""
     ready0, ready1, free_r0, free_a0, free_b0, free_a1, free_b1, p0_ready, p1_ready, l_bars = bars
     m0_s, a0_s, m1_s, a1_s, l0_s, l1_s = xch
     row_s: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    o_layout: gl.constexpr = O_LAYOUT
-    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     kv0 = kv_s[0]
     kv1 = kv_s[1]
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
-    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
-    n_blocks = (end - start + BLOCK_N - 1) // BLOCK_N
+    m_i, l_i, acc, n_blocks = _init_state(start, end)
     for t in range((n_blocks + 1) // 2):
         ph = t & 1
         n0 = start + 2 * t * BLOCK_N
@@ -243,14 +251,10 @@ def _wg1(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, 
     ready0, ready1, free_r0, free_a0, free_b0, free_a1, free_b1, p0_ready, p1_ready, l_bars = bars
     m0_s, a0_s, m1_s, a1_s, l0_s, l1_s = xch
     row_s: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    o_layout: gl.constexpr = O_LAYOUT
-    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     kv0 = kv_s[0]
     kv1 = kv_s[1]
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
-    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
-    n_blocks = (end - start + BLOCK_N - 1) // BLOCK_N
+    m_i, l_i, acc, n_blocks = _init_state(start, end)
     for t in range((n_blocks + 1) // 2):
         ph = t & 1
         n1 = start + (2 * t + 1) * BLOCK_N
@@ -354,18 +358,8 @@ def _mla_decode_stage1_seesaw(
     pid_h = gl.program_id(0)
     split_id = gl.program_id(1)
     b = gl.program_id(2).to(gl.int64)
-    kv_len = gl.load(SeqLens + b).to(gl.int32)
-    if PER_REQ_SPLITS:
-        n_req = gl.load(NumSplits + b).to(gl.int32)
-    else:
-        n_req = num_splits_scalar
-    # same split bounds as mla_decode._split_bounds
-    n = gl.minimum(gl.maximum(n_req, 1), MAX_KV_SPLITS)
-    n_blocks = (kv_len + BLOCK_N - 1) // BLOCK_N
-    per_split = gl.maximum((n_blocks + n - 1) // n, 1) * BLOCK_N
-    n_eff = (kv_len + per_split - 1) // per_split
-    start = split_id * per_split
-    end = gl.minimum(start + per_split, kv_len)
+    start, end, n_eff = split_range(SeqLens, NumSplits, b, split_id, num_splits_scalar, BLOCK_N, MAX_KV_SPLITS,
+                                    PER_REQ_SPLITS)
 
     if start < end:
         # q and each block as 9 [64, 64] chunks (c_kv 0..7, k_pe 8): 576 is not a power of two
