@@ -87,14 +87,16 @@ def _chunk(buf, c: gl.constexpr):
 
 @gluon.jit
 def _qk_chunk(q_s, kv, ready, ph, c: gl.constexpr, s, USE_ACC: gl.constexpr):
-    mbarrier.wait(ready.index(c), ph)
+    if c % 4 == 0:  # first chunk of its TMA group (c_kv 0..3, c_kv 4..7, k_pe): wait for the group
+        mbarrier.wait(ready.index(c), ph)
     return warpgroup_mma(_chunk(q_s, c), _chunk(kv, c).permute((1, 0)), s, use_acc=USE_ACC, is_async=True)
 
 
 @gluon.jit
 def _qk(q_s, kv, ready, ph, FIRST: gl.constexpr):
-    """Scores ``q @ kv^T`` [64, 64] fp32 (unscaled); waits for each chunk's TMA and issues
-    its wgmmas. Chunk order, matching the order in which the loader can refill the buffer:
+    """Scores ``q @ kv^T`` [64, 64] fp32 (unscaled); waits for each group of chunks' TMA
+    (one barrier per group: c_kv 0..3 at index 0, c_kv 4..7 at 4, k_pe at 8) and issues its
+    wgmmas. Chunk order, matching the order in which the loader can refill the buffer:
     ``FIRST == 8``: k_pe, then c_kv 0..7; ``FIRST == 4``: c_kv 4..7, 0..3, then k_pe."""
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
     if FIRST == 8:
@@ -296,9 +298,12 @@ def _wg1(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, 
 
 
 @gluon.jit
-def _issue(desc, row0, c: gl.constexpr, bar, kv):
-    mbarrier.expect(bar, desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [row0, c * CHUNK], bar, _chunk(kv, c))
+def _issue(desc, row0, c0: gl.constexpr, n: gl.constexpr, ready, kv):
+    """TMA copies of chunks ``c0 .. c0 + n - 1`` of one block, completing on ``ready[c0]``."""
+    bar = ready.index(c0)
+    mbarrier.expect(bar, n * desc.block_type.nbytes)
+    for c in gl.static_range(c0, c0 + n):
+        tma.async_copy_global_to_shared(desc, [row0, c * CHUNK], bar, _chunk(kv, c))
 
 
 @gluon.jit
@@ -317,24 +322,20 @@ def _loader(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, des
         page = gl.load(table + n0 // PAGE_SIZE)
         row0 = page * PAGE_SIZE + n0 % PAGE_SIZE
         mbarrier.wait(free_r0, ph)
-        _issue(desc, row0, 8, ready0.index(8), kv0)
+        _issue(desc, row0, 8, 1, ready0, kv0)
         mbarrier.wait(free_a0, ph)
-        for c in gl.static_range(4):
-            _issue(desc, row0, c, ready0.index(c), kv0)
+        _issue(desc, row0, 0, 4, ready0, kv0)
         mbarrier.wait(free_b0, ph)
-        for c in gl.static_range(4, 8):
-            _issue(desc, row0, c, ready0.index(c), kv0)
+        _issue(desc, row0, 4, 4, ready0, kv0)
         n1 = n0 + BLOCK_N
         if n1 < end:
             page1 = gl.load(table + n1 // PAGE_SIZE)
             row1 = page1 * PAGE_SIZE + n1 % PAGE_SIZE
             mbarrier.wait(free_b1, ph)
-            for c in gl.static_range(4, 8):
-                _issue(desc, row1, c, ready1.index(c), kv1)
+            _issue(desc, row1, 4, 4, ready1, kv1)
             mbarrier.wait(free_a1, ph)
-            for c in gl.static_range(4):
-                _issue(desc, row1, c, ready1.index(c), kv1)
-            _issue(desc, row1, 8, ready1.index(8), kv1)
+            _issue(desc, row1, 0, 4, ready1, kv1)
+            _issue(desc, row1, 8, 1, ready1, kv1)
 
 
 @gluon.jit(do_not_specialize=["num_heads", "num_splits_scalar"])
