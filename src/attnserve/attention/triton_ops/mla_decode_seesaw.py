@@ -10,7 +10,8 @@ request and one KV split; it walks the split in pairs of 64-token blocks. Three 
   of the even block of each pair;
 * ``wg1`` (worker, 4 warps) owns ``O_R`` (columns 256..511) and the odd block's scores;
 * ``loader`` (worker, 1 warp) issues the TMA copies, one per 64-column chunk of a block
-  (9 chunks: c_kv 0..7, k_pe 8), as soon as the chunk's last reader released it.
+  (9 chunks: c_kv 0..7, k_pe 8) in three groups (c_kv 0..3, c_kv 4..7, k_pe), each group
+  as soon as its last reader released it (one "free" and one "ready" mbarrier per group).
 
 Per pair (blocks ``B0`` in buffer 0, ``B1`` in buffer 1; ``m`` the running row max, kept
 identical in both warpgroups; all scores in log2 units):
