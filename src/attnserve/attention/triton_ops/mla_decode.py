@@ -291,13 +291,21 @@ def mla_decode_config(
 # kernels
 # ---------------------------------------------------------------------------------------
 @triton.jit
-def _split_bounds(kv_len, n_req, MAX_KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tokens per split (a multiple of BLOCK_N, >= BLOCK_N) and the number of non-empty splits."""
+def _split_bounds(SeqLens, NumSplits, b, num_splits_scalar, MAX_KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PER_REQ_SPLITS: tl.constexpr):
+    """Request ``b``'s length, tokens per split (a multiple of BLOCK_N, >= BLOCK_N) and
+    number of non-empty splits; the split count is ``NumSplits[b]`` when PER_REQ_SPLITS,
+    else ``num_splits_scalar``. Shared by stage 1 (Triton and Gluon kernels) and the merge."""
+    kv_len = tl.load(SeqLens + b).to(tl.int32)
+    if PER_REQ_SPLITS:
+        n_req = tl.load(NumSplits + b).to(tl.int32)
+    else:
+        n_req = num_splits_scalar
     n = tl.minimum(tl.maximum(n_req, 1), MAX_KV_SPLITS)
     n_blocks = (kv_len + BLOCK_N - 1) // BLOCK_N
     per_split = tl.maximum((n_blocks + n - 1) // n, 1) * BLOCK_N
     n_eff = (kv_len + per_split - 1) // per_split
-    return per_split, n_eff
+    return kv_len, per_split, n_eff
 
 
 # ---------------------------------------------------------------------------------------
@@ -425,12 +433,8 @@ def _mla_decode_stage1(
     split_id = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
 
-    kv_len = tl.load(SeqLens + b).to(tl.int32)
-    if PER_REQ_SPLITS:
-        n_req = tl.load(NumSplits + b).to(tl.int32)
-    else:
-        n_req = num_splits_scalar
-    per_split, n_eff = _split_bounds(kv_len, n_req, MAX_KV_SPLITS, BLOCK_N)
+    kv_len, per_split, n_eff = _split_bounds(SeqLens, NumSplits, b, num_splits_scalar, MAX_KV_SPLITS, BLOCK_N,
+                                             PER_REQ_SPLITS)
     start = split_id * per_split
     end = tl.minimum(start + per_split, kv_len)
 
@@ -493,12 +497,8 @@ def _mla_decode_stage2(
 ):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    kv_len = tl.load(SeqLens + b).to(tl.int32)
-    if PER_REQ_SPLITS:
-        n_req = tl.load(NumSplits + b).to(tl.int32)
-    else:
-        n_req = num_splits_scalar
-    per_split, n_eff = _split_bounds(kv_len, n_req, MAX_KV_SPLITS, BLOCK_N)
+    kv_len, per_split, n_eff = _split_bounds(SeqLens, NumSplits, b, num_splits_scalar, MAX_KV_SPLITS, BLOCK_N,
+                                             PER_REQ_SPLITS)
 
     if n_eff != 1:  # n_eff == 1 was written by stage 1
         offs_s = tl.arange(0, BLOCK_S)

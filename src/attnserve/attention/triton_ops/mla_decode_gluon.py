@@ -45,7 +45,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["gluon_descriptors", "split_range"]
+from .mla_decode import _split_bounds
+
+__all__ = ["gluon_descriptors"]
 
 BLOCK_H = gl.constexpr(64)
 NUM_WARPS = gl.constexpr(8)
@@ -91,25 +93,6 @@ def _issue_tile(desc_c, desc_r, table, n0, bar, kc, kr, PAGE_SIZE: gl.constexpr)
     tma.async_copy_global_to_shared(desc_r, [row0, 0], bar, kr)
 
 
-@gluon.jit
-def split_range(SeqLens, NumSplits, b, split_id, num_splits_scalar, BLOCK_N: gl.constexpr,
-                MAX_KV_SPLITS: gl.constexpr, PER_REQ_SPLITS: gl.constexpr):
-    """Token range ``[start, end)`` of split ``split_id`` of request ``b`` and the number of
-    non-empty splits: the same bounds as `mla_decode._split_bounds` (for the Gluon kernels)."""
-    kv_len = gl.load(SeqLens + b).to(gl.int32)
-    if PER_REQ_SPLITS:
-        n_req = gl.load(NumSplits + b).to(gl.int32)
-    else:
-        n_req = num_splits_scalar
-    n = gl.minimum(gl.maximum(n_req, 1), MAX_KV_SPLITS)
-    n_blocks = (kv_len + BLOCK_N - 1) // BLOCK_N
-    per_split = gl.maximum((n_blocks + n - 1) // n, 1) * BLOCK_N
-    n_eff = (kv_len + per_split - 1) // per_split
-    start = split_id * per_split
-    end = gl.minimum(start + per_split, kv_len)
-    return start, end, n_eff
-
-
 @gluon.jit(do_not_specialize=["num_heads", "num_splits_scalar"])
 def _mla_decode_stage1_gluon(
     QNope, QPe, KV, desc_c, desc_r, BlockTable, SeqLens, NumSplits,
@@ -134,8 +117,10 @@ def _mla_decode_stage1_gluon(
     pid_h = gl.program_id(0)
     split_id = gl.program_id(1)
     b = gl.program_id(2).to(gl.int64)
-    start, end, n_eff = split_range(SeqLens, NumSplits, b, split_id, num_splits_scalar, BLOCK_N, MAX_KV_SPLITS,
-                                    PER_REQ_SPLITS)
+    kv_len, per_split, n_eff = _split_bounds(SeqLens, NumSplits, b, num_splits_scalar, MAX_KV_SPLITS, BLOCK_N,
+                                             PER_REQ_SPLITS)
+    start = split_id * per_split
+    end = gl.minimum(start + per_split, kv_len)
 
     if start < end:
         # q tile -> shared memory (rows past num_heads are zero)

@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .mla_decode_gluon import split_range
+from .mla_decode import _split_bounds
 
 __all__ = ["seesaw_descriptor", "SEESAW_MAXNREG"]
 
@@ -74,6 +74,10 @@ LOADER_REGS = gl.constexpr(24)
 # scores [64 heads, 64 tokens] and output half [64, 256] of one warpgroup (4 warps)
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
 O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
+# per-row vectors (row max, row sum, rescale factors) of the scores, and P as the A operand
+# of the P @ V wgmma taken from registers
+ROWS = gl.constexpr(gl.SliceLayout(1, S_LAYOUT))
+P_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
 
 
 @gluon.jit
@@ -204,8 +208,8 @@ def _store_lse(m_i, l_i, out_args, HAS_LSE: gl.constexpr):
 def _init_state(start, end):
     """A warpgroup's running max and row sum ([64] fp32), its output half ([64, 256] fp32)
     and the number of 64-token blocks of the split."""
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
-    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROWS)
+    l_i = gl.zeros([BLOCK_H], gl.float32, ROWS)
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_LAYOUT)
     return m_i, l_i, acc, (end - start + BLOCK_N - 1) // BLOCK_N
 
@@ -215,8 +219,6 @@ def _wg0(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args):
     """Default partition: even blocks' scores, ``O_L``."""
     ready0, ready1, free_r0, free_a0, free_b0, free_a1, free_b1, p0_ready, p1_ready, l_bars = bars
     m0_s, a0_s, m1_s, a1_s, l0_s, l1_s = xch
-    row_s: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     kv0 = kv_s[0]
     kv1 = kv_s[1]
     m_i, l_i, acc, n_blocks = _init_state(start, end)
@@ -234,13 +236,13 @@ def _wg0(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args):
             mbarrier.wait(free_b0, ph ^ 1)  # wg1 is done with the previous P0 / m0 / a0
         _publish(p0_s, p, m0_s, m_new, a0_s, alpha, p0_ready)
         acc = acc * _rows_o(alpha)[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p, p_op), _v_half(kv0, 0), acc)
+        acc = warpgroup_mma(gl.convert_layout(p, P_OPERAND), _v_half(kv0, 0), acc)
         mbarrier.arrive(free_a0)  # c_kv chunks 0..3 of B0 read
         m_i = m_new
         if n0 + BLOCK_N < end:  # B1 exists
             mbarrier.wait(p1_ready, ph)
-            a1 = a1_s.load(row_s)
-            m_i = m1_s.load(row_s)
+            a1 = a1_s.load(ROWS)
+            m_i = m1_s.load(ROWS)
             l_i = l_i * a1
             acc = acc * _rows_o(a1)[:, None]
             acc = warpgroup_mma(kv1[1], _v_half(kv1, 0), acc)
@@ -253,8 +255,6 @@ def _wg1(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, 
     """Worker partition (4 warps): odd blocks' scores, ``O_R``."""
     ready0, ready1, free_r0, free_a0, free_b0, free_a1, free_b1, p0_ready, p1_ready, l_bars = bars
     m0_s, a0_s, m1_s, a1_s, l0_s, l1_s = xch
-    row_s: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     kv0 = kv_s[0]
     kv1 = kv_s[1]
     m_i, l_i, acc, n_blocks = _init_state(start, end)
@@ -270,8 +270,8 @@ def _wg1(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, 
         else:
             s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
         mbarrier.wait(p0_ready, ph)
-        m0 = m0_s.load(row_s)
-        a0 = a0_s.load(row_s)
+        m0 = m0_s.load(ROWS)
+        a0 = a0_s.load(ROWS)
         acc = acc * _rows_o(a0)[:, None]
         acc_t = warpgroup_mma(p0_s, _v_half(kv0, 1), acc, is_async=True)
         l_i = l_i * a0
@@ -284,7 +284,7 @@ def _wg1(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, 
             acc = warpgroup_mma_wait(0, deps=[acc_t])
             mbarrier.arrive(free_b0)  # c_kv chunks 4..7 of B0, P0, m0, a0 read
             acc = acc * _rows_o(alpha)[:, None]
-            acc = warpgroup_mma(gl.convert_layout(p, p_op), _v_half(kv1, 1), acc)
+            acc = warpgroup_mma(gl.convert_layout(p, P_OPERAND), _v_half(kv1, 1), acc)
             mbarrier.arrive(free_b1)  # c_kv chunks 4..7 of B1 read
             m_i = m_new
         else:
@@ -360,8 +360,10 @@ def _mla_decode_stage1_seesaw(
     pid_h = gl.program_id(0)
     split_id = gl.program_id(1)
     b = gl.program_id(2).to(gl.int64)
-    start, end, n_eff = split_range(SeqLens, NumSplits, b, split_id, num_splits_scalar, BLOCK_N, MAX_KV_SPLITS,
-                                    PER_REQ_SPLITS)
+    kv_len, per_split, n_eff = _split_bounds(SeqLens, NumSplits, b, num_splits_scalar, MAX_KV_SPLITS, BLOCK_N,
+                                             PER_REQ_SPLITS)
+    start = split_id * per_split
+    end = gl.minimum(start + per_split, kv_len)
 
     if start < end:
         # q and each block as 9 [64, 64] chunks (c_kv 0..7, k_pe 8): 576 is not a power of two
@@ -409,7 +411,7 @@ def _mla_decode_stage1_seesaw(
             (_loader, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, table, PAGE_SIZE)),
         ], [4, 1], [WG_REGS, LOADER_REGS])
         mbarrier.wait(one.index(8), 0)  # wg1 parked O_R and l1
-        l_i = l_i + xch[5].load(gl.SliceLayout(1, S_LAYOUT))
+        l_i = l_i + xch[5].load(ROWS)
         _store_lse(m_i, l_i, out_args, HAS_LSE)
         _store_half(acc, l_i, 0, out_args)
         _store_half(_o_park(q_s).load(O_LAYOUT), l_i, HALF, out_args)
