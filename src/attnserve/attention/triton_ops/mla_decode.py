@@ -71,6 +71,8 @@ _LOG2E = 1.4426950408889634
 _SPLIT_UNIT = 128
 # H100/H200 opt-in shared memory per block, used when the device is not asked
 _DEFAULT_MAX_SMEM = 232448
+# partial rows the merge loads per step (4 warps x 512 fp32: 8 rows = 32 registers a thread)
+_MERGE_SPLIT_CHUNK = 8
 
 
 # ---------------------------------------------------------------------------------------
@@ -493,7 +495,7 @@ def _mla_decode_stage2(
     stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h,
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
     D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    MAX_KV_SPLITS: tl.constexpr, PER_REQ_SPLITS: tl.constexpr, HAS_LSE: tl.constexpr,
+    MAX_KV_SPLITS: tl.constexpr, PER_REQ_SPLITS: tl.constexpr, HAS_LSE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -514,9 +516,14 @@ def _mla_decode_stage2(
         mask_d = offs_d < D_V
         acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
         op = OPart + b * stride_op_b + h * stride_op_h + offs_d
-        for s in range(0, n_eff):
-            w_s = tl.exp2(tl.load(lp + s) - m)
-            acc += w_s * tl.load(op + s * stride_op_s, mask=mask_d, other=0.0)
+        # SPLIT_CHUNK partial rows per step, so that their loads are in flight together
+        offs_c = tl.arange(0, SPLIT_CHUNK)
+        for s0 in range(0, n_eff, SPLIT_CHUNK):
+            ms = (s0 + offs_c) < n_eff
+            w_c = tl.where(ms, tl.exp2(tl.load(lp + s0 + offs_c, mask=ms, other=float("-inf")) - m), 0.0)
+            part = tl.load(op[None, :] + (s0 + offs_c)[:, None] * stride_op_s, mask=ms[:, None] & mask_d[None, :],
+                           other=0.0)
+            acc += tl.sum(w_c[:, None] * part, axis=0)
         out = acc / tl.where(denom > 0, denom, 1.0)
         tl.store(O + b * stride_o_b + h * stride_o_h + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
         if HAS_LSE:
@@ -766,6 +773,7 @@ def _mla_decode_fwd(q_nope, q_pe, kv_buffer, block_kv_indices, seq_lens, page_si
         o.stride(0), o.stride(1), *lse_strides,
         D_V=d_c, BLOCK_DV=block_c, BLOCK_S=max(2, triton.next_power_of_2(max_kv_splits)), BLOCK_N=cfg.block_n,
         MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse,
+        SPLIT_CHUNK=min(_MERGE_SPLIT_CHUNK, max(2, triton.next_power_of_2(max_kv_splits))),
         num_warps=cfg.merge_num_warps,
     )
     return o, stage1

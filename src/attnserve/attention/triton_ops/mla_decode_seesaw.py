@@ -27,7 +27,8 @@ identical in both warpgroups; all scores in log2 units):
 3. wg0: ``O_L = O_L * a1 + P1 @ B1[:, :256]``; ``m = m1``.
 
 Row sums are kept per warpgroup (``l0``, ``l1`` rescaled by both ``a0`` and ``a1``) and
-added once at the end. Each warpgroup computes a whole block's scores with N=64 wgmmas and
+exchanged once at the end; each warpgroup then normalizes and stores its own output half
+(wg0 also the LSE), so the two halves are written concurrently. Each warpgroup computes a whole block's scores with N=64 wgmmas and
 the two warpgroups alternate their softmax with each other's matmuls. This is the schedule
 of FlashMLA's sm90 decode kernel ("seesaw"; github.com/deepseek-ai/FlashMLA,
 docs/20250422-new-kernel-deep-dive.md; read for the algorithm, not copied), with one
@@ -163,9 +164,15 @@ def _v_half(kv, h: gl.constexpr):
 
 
 @gluon.jit
-def _o_park(q_s):
-    """The q c_kv chunks (64 KB) viewed as a ``[64, 256]`` fp32 buffer for ``O_R``."""
-    return q_s[0]._reinterpret(gl.float32, [BLOCK_H, HALF], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+def _exchange_row_sums(l_own, own_s, other_s, own_bar, other_bar):
+    """Total row sums ``l0 + l1`` [64] fp32: publish this warpgroup's partial sums in
+    ``own_s``, arrive ``own_bar``, wait for the other warpgroup's on ``other_bar`` (each
+    barrier completes once per launch)."""
+    own_s.store(l_own)
+    gl.thread_barrier()
+    mbarrier.arrive(own_bar)
+    mbarrier.wait(other_bar, 0)
+    return l_own + other_s.load(ROWS)
 
 
 @gluon.jit
@@ -215,8 +222,8 @@ def _init_state(start, end):
 
 
 @gluon.jit
-def _wg0(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args):
-    """Default partition: even blocks' scores, ``O_L``."""
+def _wg0(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, HAS_LSE: gl.constexpr):
+    """Default partition: even blocks' scores, ``O_L``; stores ``O_L`` and the LSE."""
     ready0, ready1, free_r0, free_a0, free_b0, free_a1, free_b1, p0_ready, p1_ready, l_bars = bars
     m0_s, a0_s, m1_s, a1_s, l0_s, l1_s = xch
     kv0 = kv_s[0]
@@ -247,7 +254,9 @@ def _wg0(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args):
             acc = acc * _rows_o(a1)[:, None]
             acc = warpgroup_mma(kv1[1], _v_half(kv1, 0), acc)
             mbarrier.arrive(free_a1)  # c_kv chunks 0..3 and P1 (k_pe chunk) of B1 read
-    return acc, m_i, l_i
+    l_i = _exchange_row_sums(l_i, l0_s, l1_s, l_bars[0], l_bars[1])
+    _store_lse(m_i, l_i, out_args, HAS_LSE)
+    _store_half(acc, l_i, 0, out_args)
 
 
 @gluon.jit
@@ -290,12 +299,8 @@ def _wg1(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, 
         else:
             acc = warpgroup_mma_wait(0, deps=[acc_t])
             mbarrier.arrive(free_b0)
-    # park O_R and l1 for the epilogue, which runs after the partitions join (a worker
-    # partition cannot return tensors); q is free: every score of this split is computed
-    _o_park(q_s).store(acc)
-    l1_s.store(l_i)
-    gl.thread_barrier()
-    mbarrier.arrive(l_bars[1])
+    l_i = _exchange_row_sums(l_i, l1_s, l0_s, l_bars[1], l_bars[0])
+    _store_half(acc, l_i, HALF, out_args)
 
 
 @gluon.jit
@@ -405,16 +410,11 @@ def _mla_decode_stage1_seesaw(
         table = BlockTable + b * stride_bt_b
         out_args = (b, pid_h, split_id, n_eff, num_heads, O, OPart, LsePart, Lse, stride_o_b, stride_o_h,
                     stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h, stride_lse_b, stride_lse_h)
-        acc, m_i, l_i = gl.warp_specialize([
-            (_wg0, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args)),
+        gl.warp_specialize([
+            (_wg0, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, HAS_LSE)),
             (_wg1, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, table, PAGE_SIZE)),
             (_loader, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, table, PAGE_SIZE)),
         ], [4, 1], [WG_REGS, LOADER_REGS])
-        mbarrier.wait(one.index(8), 0)  # wg1 parked O_R and l1
-        l_i = l_i + xch[5].load(ROWS)
-        _store_lse(m_i, l_i, out_args, HAS_LSE)
-        _store_half(acc, l_i, 0, out_args)
-        _store_half(_o_park(q_s).load(O_LAYOUT), l_i, HALF, out_args)
 
 
 def seesaw_descriptor(kv_rows):
