@@ -212,13 +212,19 @@ def _store_lse(m_i, l_i, out_args, HAS_LSE: gl.constexpr):
 
 
 @gluon.jit
-def _init_state(start, end):
-    """A warpgroup's running max and row sum ([64] fp32), its output half ([64, 256] fp32)
-    and the number of 64-token blocks of the split."""
+def _num_pairs(start, end):
+    """Number of 128-token pairs of 64-token blocks in the split ``[start, end)`` (the last
+    pair may hold one block, the last block may be partial)."""
+    return (end - start + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
+
+
+@gluon.jit
+def _init_state():
+    """A warpgroup's running max and row sum ([64] fp32) and its output half ([64, 256] fp32)."""
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROWS)
     l_i = gl.zeros([BLOCK_H], gl.float32, ROWS)
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_LAYOUT)
-    return m_i, l_i, acc, (end - start + BLOCK_N - 1) // BLOCK_N
+    return m_i, l_i, acc
 
 
 @gluon.jit
@@ -228,8 +234,8 @@ def _wg0(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, HAS_LS
     m0_s, a0_s, m1_s, a1_s, l0_s, l1_s = xch
     kv0 = kv_s[0]
     kv1 = kv_s[1]
-    m_i, l_i, acc, n_blocks = _init_state(start, end)
-    for t in range((n_blocks + 1) // 2):
+    m_i, l_i, acc = _init_state()
+    for t in range(_num_pairs(start, end)):
         ph = t & 1
         n0 = start + 2 * t * BLOCK_N
         s = _qk(q_s, kv0, ready0, ph, 8)
@@ -260,14 +266,14 @@ def _wg0(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, HAS_LS
 
 
 @gluon.jit
-def _wg1(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, table, PAGE_SIZE: gl.constexpr):
+def _wg1(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args):
     """Worker partition (4 warps): odd blocks' scores, ``O_R``."""
     ready0, ready1, free_r0, free_a0, free_b0, free_a1, free_b1, p0_ready, p1_ready, l_bars = bars
     m0_s, a0_s, m1_s, a1_s, l0_s, l1_s = xch
     kv0 = kv_s[0]
     kv1 = kv_s[1]
-    m_i, l_i, acc, n_blocks = _init_state(start, end)
-    for t in range((n_blocks + 1) // 2):
+    m_i, l_i, acc = _init_state()
+    for t in range(_num_pairs(start, end)):
         ph = t & 1
         n1 = start + (2 * t + 1) * BLOCK_N
         has1 = n1 < end
@@ -313,16 +319,14 @@ def _issue(desc, row0, c0: gl.constexpr, n: gl.constexpr, ready, kv):
 
 
 @gluon.jit
-def _loader(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, table,
-            PAGE_SIZE: gl.constexpr):
+def _loader(kv_s, bars, start, end, desc, table, PAGE_SIZE: gl.constexpr):
     """Worker partition (1 warp): TMA copies of each block, chunk by chunk, as the chunks are
     released (the release order of the seesaw: B0's k_pe, c_kv 0..3, 4..7; B1's c_kv 4..7,
     then 0..3 with k_pe)."""
     ready0, ready1, free_r0, free_a0, free_b0, free_a1, free_b1, p0_ready, p1_ready, l_bars = bars
     kv0 = kv_s[0]
     kv1 = kv_s[1]
-    n_blocks = (end - start + BLOCK_N - 1) // BLOCK_N
-    for t in range((n_blocks + 1) // 2):
+    for t in range(_num_pairs(start, end)):
         ph = (t & 1) ^ 1  # a fresh barrier counts as released (phase 1 complete)
         n0 = start + 2 * t * BLOCK_N
         page = gl.load(table + n0 // PAGE_SIZE)
@@ -412,8 +416,8 @@ def _mla_decode_stage1_seesaw(
                     stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h, stride_lse_b, stride_lse_h)
         gl.warp_specialize([
             (_wg0, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, HAS_LSE)),
-            (_wg1, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, table, PAGE_SIZE)),
-            (_loader, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, desc, table, PAGE_SIZE)),
+            (_wg1, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args)),
+            (_loader, (kv_s, bars, start, end, desc, table, PAGE_SIZE)),
         ], [4, 1], [WG_REGS, LOADER_REGS])
 
 
