@@ -289,3 +289,87 @@ def test_mla_decode_seesaw_heads_and_dtypes(num_heads, dtype):
     torch.cuda.synchronize()
     assert k.name == "_mla_decode_stage1_seesaw", k.name
     check(case, 64, o, lse)
+
+
+
+def _seesaw_or_skip():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the seesaw kernel targets sm_90")
+    return _variant_cfg("seesaw", 128)
+
+
+def _spy_merge(monkeypatch):
+    """Record the grids of merge-kernel launches (the launcher stays the real one)."""
+    from attnserve.attention.triton_ops import mla_decode as mla
+
+    grids = []
+    real = mla._mla_decode_stage2
+    monkeypatch.setattr(mla, "_mla_decode_stage2", type("Spy", (), {
+        "__getitem__": lambda self, grid: (grids.append(grid), real[grid])[1]})())
+    return grids
+
+
+@pytest.mark.parametrize("num_heads", [128, 96])
+def test_mla_decode_seesaw_one_split_no_merge(num_heads, monkeypatch):
+    """max_kv_splits 1 (large batches): the seesaw stage 1 writes every request itself,
+    zeros and -inf for empty ones, and the merge kernel is not launched; with 2 splits it is."""
+    from attnserve.attention.triton_ops.mla_decode import _mla_decode_fwd
+
+    cfg = _seesaw_or_skip()
+    grids = _spy_merge(monkeypatch)
+    lens = [4097, 1, 0, 129, 64, 65, 0, 2000]
+    case = make_case(lens, num_heads, 64, seed=num_heads + 31)
+    keep = [i for i, n in enumerate(lens) if n > 0]
+    sub = {key: (v[keep] if torch.is_tensor(v) and key != "kv" else v) for key, v in case.items()}
+    for max_splits in (1, 2):
+        o = torch.full((len(lens), num_heads, D_C), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((len(lens), num_heads), float("nan"), dtype=torch.float32, device="cuda")
+        _, k = _mla_decode_fwd(case["q_nope"], case["q_pe"], case["kv"], case["table"], case["seq_lens"], 64, o,
+                               case["sm_scale"], max_splits, max_splits, lse=lse, config=cfg)
+        torch.cuda.synchronize()
+        assert k.name == "_mla_decode_stage1_seesaw", k.name
+        assert len(grids) == max_splits - 1, grids
+        for i in (2, 6):
+            assert (o[i] == 0).all() and torch.isneginf(lse[i]).all()
+        check(sub, 64, o[keep], lse[keep])
+
+
+def test_mla_decode_seesaw_one_split_graph_replay():
+    """Captured with max_kv_splits 1 (no merge launch); replays on new lengths, some empty."""
+    from attnserve.attention.triton_ops.mla_decode import mla_decode_fwd, mla_workspace_size
+
+    cfg = _seesaw_or_skip()
+    bs, h, page, max_len = 5, 128, 64, 4096
+    case = make_case([100, 2000, 64, 0, 4000], h, page, seed=41, max_len=max_len)
+    q_nope, q_pe, seq, table = (case[k].clone() for k in ("q_nope", "q_pe", "seq_lens", "table"))
+    o = torch.empty((bs, h, D_C), dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty((bs, h), dtype=torch.float32, device="cuda")
+    ws = torch.empty(mla_workspace_size(max_len, bs, 1, h, D_C), dtype=torch.uint8, device="cuda")
+
+    def step():
+        mla_decode_fwd(q_nope, q_pe, case["kv"], table, seq, page, o, case["sm_scale"], 1, 1, workspace=ws, lse=lse,
+                       config=cfg)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed, lens in ((42, [4096, 0, 700, 3, 129]), (43, [0, 1, 4000, 4000, 0])):
+        case2 = make_case(lens, h, page, seed=seed, max_len=max_len)
+        for k, buf in (("q_nope", q_nope), ("q_pe", q_pe), ("seq_lens", seq), ("table", table)):
+            buf.copy_(case2[k])
+        case["kv"].copy_(case2["kv"])
+        o.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        keep = [i for i, n in enumerate(lens) if n > 0]
+        for i in set(range(bs)) - set(keep):
+            assert (o[i] == 0).all() and torch.isneginf(lse[i]).all()
+        sub = {key: (v[keep] if torch.is_tensor(v) and key != "kv" else v)
+               for key, v in dict(case2, kv=case["kv"]).items()}
+        check(sub, page, o[keep], lse[keep])

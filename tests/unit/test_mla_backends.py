@@ -142,6 +142,35 @@ def test_triton_mla_decode_matches_torch_native(page_size, num_heads, determinis
     assert (out_tri.double().cpu() - _decode_ref64(case, q, layer).cpu()).abs().max().item() < 2e-5
 
 
+@pytest.mark.parametrize("num_heads,num_sms", [(128, 132), (128, 78), (16, 132), (8, 64)])
+def test_triton_mla_grid_splits_bound_the_heuristic(num_heads, num_sms):
+    """The per-batch split grid is never below what the device heuristic gives a request of
+    any length at that batch size (so no request is clamped), never above max_kv_splits,
+    a power of two or max_kv_splits; deterministic mode keeps max_kv_splits (its counts do
+    not depend on the batch)."""
+    from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits, mla_split_sm_count
+
+    case = LatentBatch([5], 1, seed=1)
+    for deterministic in (False, True):
+        tri = _triton(case.pool, case.r2t, _model_config(8), 1, deterministic)  # small workspace
+        tri.mla.num_sms = num_sms
+        tri.mla.num_heads = num_heads
+        cap = tri.mla.max_kv_splits
+        grids = []
+        for bs in range(1, 161):
+            g = tri.mla.grid_splits(bs)
+            grids.append(g)
+            if deterministic:
+                assert g == cap
+                continue
+            most = max(min(cap, mla_num_kv_splits(n, bs, mla_split_sm_count(num_sms, num_heads)))
+                       for n in (1, 127, 128, 129, 1000, 4096, 16384, 65536, 10**6))
+            assert most <= g <= cap, (bs, most, g)
+            assert g == cap or g & (g - 1) == 0, g
+        if not deterministic:
+            assert grids[0] == cap and min(grids) == 1  # large batches launch one program per head tile
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_mla_graph_metadata_matches_eager(page_size):
     """Capture/replay hooks: fixed buffers refilled in place; padded rows (seq_len 1, row 0)

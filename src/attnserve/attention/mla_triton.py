@@ -57,7 +57,8 @@ class TritonMLADecode:
         page_size: tokens per page of the latent pool.
         num_heads: query heads (``tp_q_head_num``).
         kv_lora_rank: latent width ``D_c`` (values and output per head).
-        max_kv_splits: split grid size (fixed, so graphs can be captured).
+        max_kv_splits: most splits per request (workspace size); the launch grid is
+            `grid_splits` of the batch size.
         num_sms: streaming multiprocessors (split heuristic).
         deterministic: batch-invariant split counts (see module doc).
         split_tile: tokens per split in deterministic mode.
@@ -84,6 +85,20 @@ class TritonMLADecode:
         size = mla_workspace_size(0, max_bs, self.max_kv_splits, num_heads, kv_lora_rank)
         self.workspace = torch.empty(size, dtype=torch.uint8, device=self.device)
         self.graph: Optional[Dict[str, torch.Tensor]] = None
+
+    def grid_splits(self, bs: int) -> int:
+        """The kernel's split grid for a batch of ``bs``: ``max_kv_splits``, or in the
+        default (non-deterministic) mode the most splits the heuristic can give at this
+        batch size, ``sms_per_batch = split_sm_count // bs``, rounded up to a power of two
+        (fewer compiled variants). Smaller grids launch fewer empty programs, and at 1
+        the seesaw kernel needs no merge launch (`mla_decode_fwd`). Depends on ``bs`` only, so a
+        captured graph keeps it."""
+        from attnserve.attention.triton_ops.mla_decode import mla_split_sm_count
+
+        if self.deterministic:
+            return self.max_kv_splits
+        per_batch = max(1, mla_split_sm_count(self.num_sms, self.num_heads) // max(1, bs))
+        return min(self.max_kv_splits, 1 << (per_batch - 1).bit_length())
 
     # ---- metadata ----------------------------------------------------------------------
     def _splits(self, seq_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -165,7 +180,8 @@ class TritonMLADecode:
         o = q.new_empty(q3.shape[0], hq, r)
         mla_decode_fwd(
             q3[..., :r], q3[..., r:], pool.get_key_buffer(layer.layer_id), md.block_kv_indices, md.seq_lens,
-            self.page_size, o, layer.scaling, md.num_kv_splits, self.max_kv_splits, workspace=self.workspace,
+            self.page_size, o, layer.scaling, md.num_kv_splits, self.grid_splits(q3.shape[0]),
+            workspace=self.workspace,
         )
         return o.view(-1, hq * r)
 

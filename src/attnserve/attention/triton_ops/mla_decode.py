@@ -581,18 +581,27 @@ def mla_gluon_applicable(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torc
     return True
 
 
-def _launch_stage1(cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part, o,
+def _stage1_kernel(cfg, q_nope, q_pe, kv_rows, page_size, interpret) -> str:
+    """Which stage 1 runs: ``"seesaw"`` / ``"gluon"`` (where `mla_gluon_applicable`),
+    ``"tma"`` (where `mla_tma_applicable`) or ``"triton"``."""
+    if (cfg.gluon or cfg.seesaw) and not interpret and mla_gluon_applicable(q_nope, q_pe, kv_rows, page_size,
+                                                                            cfg.block_n):
+        return "seesaw" if cfg.seesaw else "gluon"
+    if cfg.kv_load == "tma" and mla_tma_applicable(kv_rows, q_nope.shape[2], page_size, cfg.block_n):
+        return "tma"
+    return "triton"
+
+
+def _launch_stage1(cfg, kind, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part, o,
                       lse_arg, sm_scale_log2, num_heads, splits_scalar, lse_strides, page_size, max_kv_splits,
                       per_req, has_lse, fp32_dot, interpret, block_c, block_r):
-    """Launch `_mla_decode_stage1` (or a Gluon stage 1 when ``cfg.gluon`` / ``cfg.seesaw``
-    applies); returns
-    what the launch returns (the compiled kernel)."""
+    """Launch the stage 1 named by ``kind`` (`_stage1_kernel`); returns what the launch
+    returns (the compiled kernel)."""
     d_c, d_r = q_nope.shape[2], q_pe.shape[2]
-    use_gluon = ((cfg.gluon or cfg.seesaw) and not interpret
-                 and mla_gluon_applicable(q_nope, q_pe, kv_rows, page_size, cfg.block_n))
-    use_tma = not use_gluon and cfg.kv_load == "tma" and mla_tma_applicable(kv_rows, d_c, page_size, cfg.block_n)
+    use_gluon = kind in ("seesaw", "gluon")
+    use_tma = kind == "tma"
     desc_c = desc_r = kv_rows  # unused placeholders unless a descriptor path runs
-    if use_gluon and cfg.seesaw:
+    if kind == "seesaw":
         from .mla_decode_seesaw import seesaw_descriptor
 
         desc_c = seesaw_descriptor(kv_rows)
@@ -619,7 +628,7 @@ def _launch_stage1(cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, split
     )
     common = dict(D_C=d_c, D_R=d_r, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, MAX_KV_SPLITS=max_kv_splits,
                   PER_REQ_SPLITS=per_req, HAS_LSE=has_lse, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if use_gluon and cfg.seesaw:
+    if kind == "seesaw":
         from .mla_decode_seesaw import SEESAW_MAXNREG, _mla_decode_stage1_seesaw
 
         common.update(num_warps=4, num_stages=1)  # the default partition; the kernel adds 4 + 1 worker warps
@@ -671,6 +680,9 @@ def mla_decode_fwd(
             contiguous, any dtype; allocated here when None (not capturable then).
         lse: optional float32 ``[bs, H]``: natural-log sum-exp of the scaled scores.
         config: stage-1 tiles; `mla_decode_config` when None.
+
+    With ``max_kv_splits == 1`` the seesaw stage 1 writes every request itself (zeros for
+    empty ones) and the merge kernel is not launched.
 
     Raises ValueError on shape/dtype/device mismatches or a too-small workspace. No host
     sync: lengths and split counts are read on the device only.
@@ -762,11 +774,14 @@ def _mla_decode_fwd(q_nope, q_pe, kv_buffer, block_kv_indices, seq_lens, page_si
     block_c = triton.next_power_of_2(d_c)
     block_r = max(16, triton.next_power_of_2(d_r))
 
+    kind = _stage1_kernel(cfg, q_nope, q_pe, kv_rows, int(page_size), interpret)
     stage1 = _launch_stage1(
-        cfg, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part, o, lse_arg,
+        cfg, kind, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part, o, lse_arg,
         float(sm_scale) * _LOG2E, num_heads, splits_scalar, lse_strides, int(page_size), max_kv_splits,
         per_req, has_lse, fp32_dot, interpret, block_c, block_r,
     )
+    if kind == "seesaw" and max_kv_splits == 1:  # stage 1 wrote o (and lse) of every request, empty ones included
+        return o, stage1
     _mla_decode_stage2[(num_heads, bs)](
         o_part, lse_part, o, lse_arg, seq_lens, splits_ptr, splits_scalar,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),

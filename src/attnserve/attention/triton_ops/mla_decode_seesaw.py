@@ -40,6 +40,9 @@ Shared memory: q ``[64, 576]`` + two blocks ``[64, 576]`` + ``P0`` ``[64, 64]`` 
 lie inside the page) and the rows past ``seq_lens`` are zeroed in shared memory by the
 warpgroup that owns the block before anyone reads them as V.
 
+One split (``MAX_KV_SPLITS == 1``): every request is written directly (the empty ones get
+zeros from `_store_empty`), so `mla_decode.mla_decode_fwd` does not launch the merge.
+
 Needs sm_90, 16-bit dtypes, kv_lora_rank 512 + rope 64, ``page_size % 64 == 0`` and
 TMA-compatible strides (`mla_decode.mla_gluon_applicable`). Gluon is experimental; written
 against Triton 3.6 and imported only when used.
@@ -209,6 +212,23 @@ def _store_lse(m_i, l_i, out_args, HAS_LSE: gl.constexpr):
             gl.store(Lse + b * stride_lse_b + offs_h * stride_lse_h, lse2 / 1.4426950408889634, mask=offs_h < num_heads)
     else:
         gl.store(LsePart + b * stride_lp_b + offs_h * stride_lp_h + split_id, lse2, mask=offs_h < num_heads)
+
+
+@gluon.jit
+def _store_empty(b, pid_h, num_heads, O, Lse, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
+                 HAS_LSE: gl.constexpr):
+    """``O = 0`` and ``Lse = -inf`` for this program's heads of an empty request (what the
+    merge kernel writes; with one split it is not launched)."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld))
+    mrow = rows < num_heads
+    zeros = gl.zeros([BLOCK_H, CHUNK], O.dtype.element_ty, ld)
+    for c in gl.static_range(2 * HALF // CHUNK):
+        cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, ld))
+        gl.store(O + b * stride_o_b + rows[:, None] * stride_o_h + cols[None, :], zeros, mask=mrow[:, None])
+    if HAS_LSE:
+        gl.store(Lse + b * stride_lse_b + rows * stride_lse_h,
+                 gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, ld)), mask=mrow)
 
 
 @gluon.jit
@@ -419,6 +439,9 @@ def _mla_decode_stage1_seesaw(
             (_wg1, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args)),
             (_loader, (kv_s, bars, start, end, desc, table, PAGE_SIZE)),
         ], [4, 1], [WG_REGS, LOADER_REGS])
+    elif MAX_KV_SPLITS == 1:
+        if kv_len == 0:
+            _store_empty(b, pid_h, num_heads, O, Lse, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, HAS_LSE)
 
 
 def seesaw_descriptor(kv_rows):
