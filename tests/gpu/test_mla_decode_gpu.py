@@ -51,6 +51,19 @@ def make_case(seq_lens, num_heads, page_size, *, dtype=torch.bfloat16, seed=0, m
     return dict(q_nope=q_nope, q_pe=q_pe, kv=kv, table=table, seq_lens=seq, sm_scale=1.0 / math.sqrt(192))
 
 
+def _capture(step):
+    """Run ``step`` once on a side stream (compiles outside the capture), then capture it."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def reference(case, page_size):
     outs, lses = [], []
     for i, n in enumerate(case["seq_lens"].tolist()):
@@ -213,14 +226,7 @@ def test_mla_decode_cuda_graph_replay(name):
         mla_decode_fwd(q_nope, q_pe, case["kv"], table, seq, page, o, case["sm_scale"], splits, max_splits,
                        workspace=ws, lse=lse, config=cfg)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _capture(step)
 
     case2 = make_case([8192, 3, 700, 4500], h, page, seed=2, max_len=max_len)  # same geometry
     for k, buf in (("q_nope", q_nope), ("q_pe", q_pe), ("seq_lens", seq), ("table", table)):
@@ -350,14 +356,7 @@ def test_mla_decode_seesaw_one_split_graph_replay():
         mla_decode_fwd(q_nope, q_pe, case["kv"], table, seq, page, o, case["sm_scale"], 1, 1, workspace=ws, lse=lse,
                        config=cfg)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _capture(step)
     for seed, lens in ((42, [4096, 0, 700, 3, 129]), (43, [0, 1, 4000, 4000, 0])):
         case2 = make_case(lens, h, page, seed=seed, max_len=max_len)
         for k, buf in (("q_nope", q_nope), ("q_pe", q_pe), ("seq_lens", seq), ("table", table)):
