@@ -598,18 +598,16 @@ def _launch_stage1(cfg, kind, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens,
     """Launch the stage 1 named by ``kind`` (`_stage1_kernel`); returns what the launch
     returns (the compiled kernel)."""
     d_c, d_r = q_nope.shape[2], q_pe.shape[2]
-    use_gluon = kind in ("seesaw", "gluon")
-    use_tma = kind == "tma"
     desc_c = desc_r = kv_rows  # unused placeholders unless a descriptor path runs
     if kind == "seesaw":
         from .mla_decode_seesaw import seesaw_descriptor
 
         desc_c = seesaw_descriptor(kv_rows)
-    elif use_gluon:
+    elif kind == "gluon":
         from .mla_decode_gluon import gluon_descriptors
 
         desc_c, desc_r = gluon_descriptors(kv_rows, d_c, d_r, cfg.block_n)
-    elif use_tma:
+    elif kind == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         n = kv_rows.shape[0]
@@ -633,13 +631,13 @@ def _launch_stage1(cfg, kind, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens,
 
         common.update(num_warps=4, num_stages=1)  # the default partition; the kernel adds 4 + 1 worker warps
         return _mla_decode_stage1_seesaw[grid](*args, maxnreg=SEESAW_MAXNREG, **common)
-    if use_gluon:
+    if kind == "gluon":
         from .mla_decode_gluon import _mla_decode_stage1_gluon
 
         return _mla_decode_stage1_gluon[grid](*args, NUM_STAGES=cfg.num_stages, **common)
     return _mla_decode_stage1[grid](
         *args, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_H=cfg.block_h,
-        DOT_FP32=interpret, DOT_PRECISION="ieee" if fp32_dot else "tf32", PEEL=cfg.is_variant, USE_TMA=use_tma,
+        DOT_FP32=interpret, DOT_PRECISION="ieee" if fp32_dot else "tf32", PEEL=cfg.is_variant, USE_TMA=kind == "tma",
         **common,
     )
 
