@@ -136,13 +136,15 @@ def _zero_tail_rows(kv, valid):
 
 @gluon.jit
 def _softmax(s, m_prev, n0, end, sm_scale_log2):
-    """(m_new, alpha, p) of one block's scores against the running max ``m_prev``."""
-    s = s * sm_scale_log2
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-    s = gl.where((offs_n < end)[None, :], s, float("-inf"))
-    m_new = gl.maximum(m_prev, gl.max(s, axis=1))
+    """(m_new, alpha, p) of one block's unscaled scores ``s`` against the running max
+    ``m_prev`` (log2 units). The scale is applied to the row max and inside ``exp2``'s
+    argument (one FMA a score), and only a partial last block is masked."""
+    if n0 + BLOCK_N > end:
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+        s = gl.where((offs_n < end)[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_prev, gl.max(s, axis=1) * sm_scale_log2)
     alpha = gl.exp2(m_prev - m_new)
-    p = gl.exp2(s - m_new[:, None])
+    p = gl.exp2(s * sm_scale_log2 - m_new[:, None])
     return m_new, alpha, p
 
 
