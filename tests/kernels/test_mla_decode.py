@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 
 from attnserve.attention.triton_ops.mla_decode import (  # noqa: E402
     MLADecodeConfig,
+    _merge_tiles,
     mla_decode_fwd,
     mla_num_kv_splits,
     mla_num_kv_splits_device,
@@ -205,6 +206,26 @@ def test_decode_empty_request_and_no_lse():
     o, lse = run_kernel(case, 16, 2, 2)
     assert torch.isneginf(lse[0].cpu()).all() and (o[0] == 0).all()
     check(case, o, lse, torch.float32)
+
+
+@pytest.mark.parametrize("max_kv_splits,d_c", [(16, 512), (32, 256), (32, 200)])
+def test_decode_many_splits_merge(max_kv_splits, d_c):
+    """16 / 32 splits a request: the merge loads all split rows of a column block in one step
+    and several programs share a row (512 columns in 256-column blocks, 256 / 200 in 128-column
+    blocks, the last one masked; `_merge_tiles`). Ragged split counts: 32 (1000 tokens in
+    32-token tiles), 10, 1 and an empty request."""
+    case = make_case([0, 5, 300, 1000], 16, 16, torch.float32, d_c=d_c, seed=max_kv_splits + d_c)
+    o, lse = run_kernel(case, 16, max_kv_splits, max_kv_splits)
+    check(case, o, lse, torch.float32)
+
+
+def test_merge_tiles_keep_32_registers_a_thread():
+    assert _merge_tiles(512, 2) == (512, 2)
+    assert _merge_tiles(512, 8) == (512, 8)
+    assert _merge_tiles(512, 16) == (256, 16)
+    assert _merge_tiles(512, 32) == (128, 32)
+    assert _merge_tiles(512, 64) == (128, 32)  # more splits: several steps
+    assert _merge_tiles(64, 32) == (64, 32)  # never wider than the padded row
 
 
 @pytest.mark.parametrize("variant", [None, "tma_n32"])

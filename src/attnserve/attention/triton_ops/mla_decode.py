@@ -71,8 +71,9 @@ _LOG2E = 1.4426950408889634
 _SPLIT_UNIT = 128
 # H100/H200 opt-in shared memory per block, used when the device is not asked
 _DEFAULT_MAX_SMEM = 232448
-# partial rows the merge loads per step (4 warps x 512 fp32: 8 rows = 32 registers a thread)
-_MERGE_SPLIT_CHUNK = 8
+# partial elements the merge loads per step: [split rows, columns] with 4 warps = 32 fp32
+# registers a thread (8 x 512 at <= 8 splits, 16 x 256, 32 x 128 at 32 splits)
+_MERGE_TILE = 4096
 
 
 # ---------------------------------------------------------------------------------------
@@ -497,8 +498,12 @@ def _mla_decode_stage2(
     D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr, PER_REQ_SPLITS: tl.constexpr, HAS_LSE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
 ):
+    """Log-sum-exp merge of one head's split partials, ``BLOCK_DV`` output columns a program.
+    Grid (H, cdiv(D_V, BLOCK_DV), bs); `_merge_tiles` picks ``BLOCK_DV`` and ``SPLIT_CHUNK``
+    (partial rows loaded per step) so that many splits are read in one step by more programs."""
     h = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    pid_d = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
     kv_len, per_split, n_eff = _split_bounds(SeqLens, NumSplits, b, num_splits_scalar, MAX_KV_SPLITS, BLOCK_N,
                                              PER_REQ_SPLITS)
 
@@ -512,7 +517,7 @@ def _mla_decode_stage2(
         w = tl.where(mask_s, tl.exp2(lse_s - m), 0.0)
         denom = tl.sum(w, 0)
 
-        offs_d = tl.arange(0, BLOCK_DV)
+        offs_d = pid_d * BLOCK_DV + tl.arange(0, BLOCK_DV)
         mask_d = offs_d < D_V
         acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
         op = OPart + b * stride_op_b + h * stride_op_h + offs_d
@@ -527,13 +532,24 @@ def _mla_decode_stage2(
         out = acc / tl.where(denom > 0, denom, 1.0)
         tl.store(O + b * stride_o_b + h * stride_o_h + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
         if HAS_LSE:
-            lse = tl.where(denom > 0, (m + tl.log2(tl.where(denom > 0, denom, 1.0))) / 1.4426950408889634, float("-inf"))
-            tl.store(Lse + b * stride_lse_b + h * stride_lse_h, lse)
+            if pid_d == 0:
+                lse = tl.where(denom > 0, (m + tl.log2(tl.where(denom > 0, denom, 1.0))) / 1.4426950408889634,
+                               float("-inf"))
+                tl.store(Lse + b * stride_lse_b + h * stride_lse_h, lse)
 
 
 # ---------------------------------------------------------------------------------------
 # host entry
 # ---------------------------------------------------------------------------------------
+def _merge_tiles(block_c: int, max_kv_splits: int) -> tuple:
+    """``(BLOCK_DV, SPLIT_CHUNK)`` of the merge: all splits (up to 32) in one load step,
+    ``_MERGE_TILE`` elements a step, so up to 8 splits keep whole 512-column rows and 32 splits
+    take 128-column programs (4x the programs, each with one step instead of four)."""
+    chunk = min(32, max(2, triton.next_power_of_2(max_kv_splits)))
+    block_dv = min(block_c, max(16, _MERGE_TILE // chunk))
+    return block_dv, chunk
+
+
 def _interpreting() -> bool:
     return type(_mla_decode_stage1).__name__ == "InterpretedFunction"
 
@@ -780,13 +796,13 @@ def _mla_decode_fwd(q_nope, q_pe, kv_buffer, block_kv_indices, seq_lens, page_si
     )
     if kind == "seesaw" and max_kv_splits == 1:  # stage 1 wrote o (and lse) of every request, empty ones included
         return o, stage1
-    _mla_decode_stage2[(num_heads, bs)](
+    block_dv, chunk = _merge_tiles(block_c, max_kv_splits)
+    _mla_decode_stage2[(num_heads, triton.cdiv(d_c, block_dv), bs)](
         o_part, lse_part, o, lse_arg, seq_lens, splits_ptr, splits_scalar,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         o.stride(0), o.stride(1), *lse_strides,
-        D_V=d_c, BLOCK_DV=block_c, BLOCK_S=max(2, triton.next_power_of_2(max_kv_splits)), BLOCK_N=cfg.block_n,
-        MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse,
-        SPLIT_CHUNK=min(_MERGE_SPLIT_CHUNK, max(2, triton.next_power_of_2(max_kv_splits))),
+        D_V=d_c, BLOCK_DV=block_dv, BLOCK_S=max(2, triton.next_power_of_2(max_kv_splits)), BLOCK_N=cfg.block_n,
+        MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse, SPLIT_CHUNK=chunk,
         num_warps=cfg.merge_num_warps,
     )
     return o, stage1
