@@ -86,14 +86,15 @@ def check(case, page_size, o, lse):
     assert (lse.double() - ref_lse).abs().max().item() <= 2e-2
 
 
-def run(case, page_size, num_kv_splits, max_kv_splits, config=None, workspace=None):
+def run(case, page_size, num_kv_splits, max_kv_splits, config=None, workspace=None, work=None):
     from attnserve.attention.triton_ops.mla_decode import mla_decode_fwd
 
     bs, h, _ = case["q_nope"].shape
     o = torch.full((bs, h, D_C), float("nan"), dtype=case["q_nope"].dtype, device="cuda")
     lse = torch.full((bs, h), float("nan"), dtype=torch.float32, device="cuda")
     mla_decode_fwd(case["q_nope"], case["q_pe"], case["kv"], case["table"], case["seq_lens"], page_size, o,
-                   case["sm_scale"], num_kv_splits, max_kv_splits, workspace=workspace, lse=lse, config=config)
+                   case["sm_scale"], num_kv_splits, max_kv_splits, workspace=workspace, lse=lse, config=config,
+                   work=work)
     torch.cuda.synchronize()
     return o, lse
 
@@ -112,16 +113,40 @@ def test_mla_decode_ragged_host_splits(num_heads, page_size):
     check(case, page_size, o, lse)
 
 
+def _work(bs, sms, max_splits, use_work):
+    """An int32 work list of `mla_num_work_items` entries, or None."""
+    from attnserve.attention.triton_ops.mla_decode import mla_num_work_items
+
+    return torch.empty(mla_num_work_items(bs, sms, max_splits), dtype=torch.int32, device="cuda") if use_work else None
+
+
 @pytest.mark.parametrize("num_heads", [128, 16])
 @pytest.mark.parametrize("page_size", [64, 128])
-def test_mla_decode_device_splits(num_heads, page_size):
+@pytest.mark.parametrize("use_work", [False, True])
+def test_mla_decode_device_splits(num_heads, page_size, use_work):
     from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits_device
 
     lens = [16384, 1, 2048, 129, 7000]
     case = make_case(lens, num_heads, page_size, seed=7 * page_size + num_heads)
-    splits = mla_num_kv_splits_device(case["seq_lens"], _sm_count(), 32)
-    o, lse = run(case, page_size, splits, 32)
+    work = _work(len(lens), _sm_count(), 32, use_work)
+    splits = mla_num_kv_splits_device(case["seq_lens"], _sm_count(), 32, work=work)
+    o, lse = run(case, page_size, splits, 32, work=work)
     check(case, page_size, o, lse)
+
+
+@pytest.mark.parametrize("name", ["default", "seesaw"])
+def test_mla_decode_work_list_one_long_request(name):
+    """One 16K request among 31 short ones, launched over the work list (66 SMs a head
+    tile): the long request runs as 22 splits, the short ones as one each."""
+    from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits_device
+
+    lens = [16384] + [1024] * 28 + [5, 700, 64]
+    case = make_case(lens, 128, 64, seed=21)
+    work = _work(len(lens), 66, 32, True)
+    splits = mla_num_kv_splits_device(case["seq_lens"], 66, 32, work=work)
+    assert splits[0].item() == 22 and int(splits[1:].max()) == 1
+    o, lse = run(case, 64, splits, 32, config=None if name == "default" else _variant_cfg(name, 128), work=work)
+    check(case, 64, o, lse)
 
 
 @pytest.mark.parametrize("batch", [1, 32])
@@ -192,23 +217,27 @@ def test_mla_decode_variants_ragged(name, num_heads, page_size):
 
 
 @pytest.mark.parametrize("name", ["tma", "tma_s3", "peel", "gluon", "seesaw"])
-def test_mla_decode_variants_device_splits_and_empty(name):
+@pytest.mark.parametrize("use_work", [False, True])
+def test_mla_decode_variants_device_splits_and_empty(name, use_work):
     from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits_device
 
     lens = [16384, 1, 2048, 0, 129, 7000]
     case = make_case(lens, 128, 64, seed=11)
-    splits = mla_num_kv_splits_device(case["seq_lens"], _sm_count(), 32)
-    o, lse = run(case, 64, splits, 32, config=_variant_cfg(name, 128))
+    work = _work(len(lens), _sm_count(), 32, use_work)
+    splits = mla_num_kv_splits_device(case["seq_lens"], _sm_count(), 32, work=work)
+    o, lse = run(case, 64, splits, 32, config=_variant_cfg(name, 128), work=work)
     assert (o[3] == 0).all() and torch.isneginf(lse[3]).all()
     keep = [i for i, n in enumerate(lens) if n > 0]
     sub = {k: (v[keep] if torch.is_tensor(v) and k != "kv" else v) for k, v in case.items()}
     check(sub, 64, o[keep], lse[keep])
 
 
-@pytest.mark.parametrize("name", ["default", "tma", "tma_s3", "peel", "gluon", "seesaw"])
-def test_mla_decode_cuda_graph_replay(name):
-    """Capture with device-side split counts; replay on new lengths / pages / queries in the
-    same buffers (the host TMA descriptors are kernel parameters, captured by value)."""
+@pytest.mark.parametrize("name,use_work", [("default", False), ("tma", False), ("tma_s3", False), ("peel", False),
+                                           ("gluon", False), ("seesaw", False), ("default", True), ("seesaw", True)])
+def test_mla_decode_cuda_graph_replay(name, use_work):
+    """Capture with device-side split counts (and work list); replay on new lengths / pages /
+    queries in the same buffers (the host TMA descriptors are kernel parameters, captured by
+    value)."""
     from attnserve.attention.triton_ops.mla_decode import mla_decode_fwd, mla_num_kv_splits_device, mla_workspace_size
 
     bs, h, page, max_len, max_splits = 4, 128, 64, 8192, 32
@@ -220,11 +249,12 @@ def test_mla_decode_cuda_graph_replay(name):
     lse = torch.full((bs, h), float("nan"), dtype=torch.float32, device="cuda")
     ws = torch.empty(mla_workspace_size(max_len, bs, max_splits, h, D_C), dtype=torch.uint8, device="cuda")
     sms = _sm_count()
+    work = _work(bs, sms, max_splits, use_work)
 
     def step():
-        mla_num_kv_splits_device(seq, sms, max_splits, out=splits)
+        mla_num_kv_splits_device(seq, sms, max_splits, out=splits, work=work)
         mla_decode_fwd(q_nope, q_pe, case["kv"], table, seq, page, o, case["sm_scale"], splits, max_splits,
-                       workspace=ws, lse=lse, config=cfg)
+                       workspace=ws, lse=lse, config=cfg, work=work)
 
     graph = _capture(step)
 

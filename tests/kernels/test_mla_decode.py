@@ -23,6 +23,7 @@ from attnserve.attention.triton_ops.mla_decode import (  # noqa: E402
     mla_decode_fwd,
     mla_num_kv_splits,
     mla_num_kv_splits_device,
+    mla_num_work_items,
     mla_workspace_size,
 )
 
@@ -80,14 +81,15 @@ def reference(case):
     return torch.stack(outs), torch.stack(lses)
 
 
-def run_kernel(case, page_size, num_kv_splits, max_kv_splits, *, config=None, with_lse=True, workspace=None, o=None):
+def run_kernel(case, page_size, num_kv_splits, max_kv_splits, *, config=None, with_lse=True, workspace=None, o=None,
+               work=None):
     bs, h, d_c = case["q_nope"].shape
     if o is None:
         o = torch.full((bs, h, d_c), float("nan"), dtype=case["q_nope"].dtype, device=DEVICE)
     lse = torch.full((bs, h), float("nan"), dtype=torch.float32, device=DEVICE) if with_lse else None
     ret = mla_decode_fwd(
         case["q_nope"], case["q_pe"], case["kv"], case["table"], case["seq_lens"], page_size, o,
-        case["sm_scale"], num_kv_splits, max_kv_splits, workspace=workspace, lse=lse, config=config,
+        case["sm_scale"], num_kv_splits, max_kv_splits, workspace=workspace, lse=lse, config=config, work=work,
     )
     assert ret is o
     return o, lse
@@ -149,31 +151,84 @@ def test_num_kv_splits_rejects_bad_args():
         mla_num_kv_splits(100, 1, 0)
 
 
-def test_num_kv_splits_device_matches_host():
+def test_num_kv_splits_device_uniform_matches_host():
+    """Equal lengths: the device counts are the CUTLASS heuristic's (`mla_num_kv_splits`)."""
+    for n, bs in ((1, 3), (127, 5), (1000, 8), (4096, 32), (16384, 32), (65536, 2), (4096, 200)):
+        seq = torch.full((bs,), n, dtype=torch.int32, device=DEVICE)
+        for sm, cap in ((66, 32), (132, 64), (132, 3), (20, 64), (1, 8)):
+            out = torch.full((bs,), -7, dtype=torch.int32, device=DEVICE)
+            got = mla_num_kv_splits_device(seq, sm, cap, out=out)
+            assert got is out
+            assert got.cpu().tolist() == [min(cap, mla_num_kv_splits(n, bs, sm))] * bs, (n, bs, sm, cap)
+
+
+def _weighted_splits(lens, sm, cap):
+    """The device formula in Python: SMs shared by length, then the CUTLASS wave balancing."""
+    total = max(1, sum(lens))
+    out = []
+    for n in lens:
+        share = max(1, sm * n // total)
+        max_splits = max(1, _cdiv(n, 128))
+        split = min(max_splits, share)
+        split = _cdiv(max_splits, _cdiv(max_splits, split))
+        out.append(min(cap, split))
+    return out
+
+
+def test_num_kv_splits_device_ragged_shares_sms_by_length():
     lens = [0, 1, 127, 128, 129, 1000, 1152, 4096, 16384, 65536, 300, 777]
     seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     for sm, cap in ((132, 64), (132, 3), (20, 64), (1, 8)):
-        out = torch.full((len(lens),), -7, dtype=torch.int32, device=DEVICE)
-        got = mla_num_kv_splits_device(seq, sm, cap, out=out)
-        assert got is out
-        want = [min(cap, mla_num_kv_splits(n, len(lens), sm)) for n in lens]
-        assert got.cpu().tolist() == want
+        got = mla_num_kv_splits_device(seq, sm, cap).cpu().tolist()
+        assert got == _weighted_splits(lens, sm, cap), (sm, cap)
+    # one long request among short ones (66 SMs a head tile): 22 splits of 6 pairs for the
+    # 16K request instead of the batch's 2 (CUTLASS: 66 // 32)
+    seq = torch.tensor([16384] + [1024] * 31, dtype=torch.int32, device=DEVICE)
+    got = mla_num_kv_splits_device(seq, 66, 32).cpu().tolist()
+    assert got == [22] + [1] * 31
+    assert mla_num_kv_splits(16384, 32, 66) == 2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_work_list_holds_every_split_once(seed):
+    g = torch.Generator().manual_seed(seed)
+    bs = int(torch.randint(1, 300, (1,), generator=g))
+    lens = torch.randint(0, 40000, (bs,), generator=g)
+    lens[torch.rand(bs, generator=g) < 0.2] = 0
+    sm, cap = (66, 132, 7, 1)[seed % 4], (32, 8, 64, 1)[seed % 4]
+    n_work = mla_num_work_items(bs, sm, cap)
+    work = torch.full((n_work + 5,), -9, dtype=torch.int32, device=DEVICE)
+    splits = mla_num_kv_splits_device(lens.to(torch.int32).to(DEVICE), sm, cap, work=work).cpu().tolist()
+    want = [b * 256 + s for b in range(bs) for s in range(splits[b])]
+    assert len(want) <= n_work  # the bound holds
+    assert work.cpu().tolist() == want + [-1] * (n_work + 5 - len(want))
+
+
+def test_work_list_errors():
+    seq = torch.tensor([10, 20], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="work"):
+        mla_num_kv_splits_device(seq, 66, 32, work=torch.empty(3, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="max_kv_splits <= 256"):
+        mla_num_kv_splits_device(seq, 600, 300, work=torch.empty(600, dtype=torch.int32, device=DEVICE))
 
 
 # ---- kernel vs reference ----------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("split_mode", ["int", "device"])
+@pytest.mark.parametrize("split_mode", ["int", "device", "work"])
 def test_decode_matches_reference(dtype, page_size, split_mode):
     lens = [1, 17, 64, 130, 257]  # ragged; one-token, page-edge and multi-split requests
     case = make_case(lens, 16, page_size, dtype, seed=page_size * 10 + (dtype == torch.float16) * 3 + (split_mode == "int"))
     max_kv_splits = 4
+    work = None
     if split_mode == "int":
         splits = 3
     else:
-        splits = mla_num_kv_splits_device(case["seq_lens"], 20, max_kv_splits)  # 4 SMs per request
+        if split_mode == "work":  # one program per (request, split) entry; 12 of the 20 entries unused
+            work = torch.empty(mla_num_work_items(len(lens), 20, max_kv_splits), dtype=torch.int32, device=DEVICE)
+        splits = mla_num_kv_splits_device(case["seq_lens"], 20, max_kv_splits, work=work)  # 20 SMs by length
         assert splits.cpu().tolist() == [1, 1, 1, 2, 3]
-    o, lse = run_kernel(case, page_size, splits, max_kv_splits)
+    o, lse = run_kernel(case, page_size, splits, max_kv_splits, work=work)
     check(case, o, lse, dtype)
 
 
@@ -217,6 +272,20 @@ def test_decode_many_splits_merge(max_kv_splits, d_c):
     case = make_case([0, 5, 300, 1000], 16, 16, torch.float32, d_c=d_c, seed=max_kv_splits + d_c)
     o, lse = run_kernel(case, 16, max_kv_splits, max_kv_splits)
     check(case, o, lse, torch.float32)
+
+
+def test_decode_work_list_long_request_loops_merge_chunks():
+    """A work list sized for 8 requests on 16 SMs (24 entries): the merge tiles are picked for
+    the uniform count (2 splits), so the long request's 8 splits are merged in 4 steps."""
+    lens = [1000, 5, 40, 0, 17, 64, 3, 90]
+    case = make_case(lens, 16, 16, torch.float16, seed=31)
+    work = torch.empty(mla_num_work_items(len(lens), 16, 32), dtype=torch.int32, device=DEVICE)
+    assert work.numel() == 24
+    splits = mla_num_kv_splits_device(case["seq_lens"], 16, 32, work=work)
+    assert splits.cpu().tolist() == [8, 1, 1, 1, 1, 1, 1, 1]
+    o, lse = run_kernel(case, 16, splits, 32, work=work)
+    assert (o[3] == 0).all() and torch.isneginf(lse[3].cpu()).all()
+    check(case, o, lse, torch.float16)
 
 
 def test_merge_tiles_keep_32_registers_a_thread():

@@ -131,6 +131,10 @@ def test_triton_mla_decode_matches_torch_native(page_size, num_heads, determinis
         assert md.num_kv_splits.tolist() == [max(1, -(-(n + 1) // 64)) for n in lens]
     else:
         assert int(md.num_kv_splits.max()) > 1
+        # launched over the work list: every split of every request once, then -1
+        splits = md.num_kv_splits.tolist()
+        want = [b * 256 + s for b in range(len(lens)) for s in range(splits[b])]
+        assert md.work.tolist() == want + [-1] * (md.work.numel() - len(want))
     tn = TorchNativeAttnBackend()
     fb = case.batch(ForwardMode.DECODE, [n for n in lens], [1] * len(lens), torch.zeros(len(lens), dtype=torch.int64,
                                                                                         device=DEVICE), tn)
@@ -144,8 +148,9 @@ def test_triton_mla_decode_matches_torch_native(page_size, num_heads, determinis
 
 @pytest.mark.parametrize("num_heads,num_sms", [(128, 132), (128, 78), (16, 132), (8, 64)])
 def test_triton_mla_grid_splits_bound_the_heuristic(num_heads, num_sms):
-    """The per-batch split grid is never below what the device heuristic gives a request of
-    any length at that batch size (so no request is clamped), never above max_kv_splits,
+    """The per-batch split grid is never below what the heuristic gives a request of any
+    length in a uniform batch of that size (so no request is clamped; ragged batches below
+    ``split_sm_count`` requests run over the work list, `work_items`), never above max_kv_splits,
     a power of two or max_kv_splits; deterministic mode keeps max_kv_splits (its counts do
     not depend on the batch)."""
     from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits, mla_split_sm_count
@@ -194,6 +199,7 @@ def test_triton_mla_graph_metadata_matches_eager(page_size):
                                                 ForwardMode.DECODE, None, None)
     md = tri.forward_metadata.mla
     assert md.block_kv_indices.data_ptr() == table_ptr and md.seq_lens.data_ptr() == seq_lens.data_ptr()
+    assert md.work is not None and md.work.data_ptr() == tri.mla.graph["work"].data_ptr()  # refilled in place
     fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, token_to_kv_pool=case.pool, out_cache_loc=None)
     graphed = tri.forward_decode(q.reshape(max_bs, -1), None, None, layer, fb, save_kv_cache=False)
     assert tri.mla.workspace.data_ptr() == workspace

@@ -13,8 +13,12 @@ passes it densely (`extend_dense_prefix`); the regular extend kernel then reads 
 prefix from that dense tensor through ``kv_indices = arange(sum(prefix_lens))`` instead of
 from the latent pool.
 
-Split counts: the CUTLASS-MLA heuristic (`mla_num_kv_splits_device`, fed with the SMs per
-head tile, `mla_split_sm_count`) depends on the batch size, so a request's float rounding may differ between batches; with
+Split counts: the CUTLASS-MLA heuristic with the SMs per head tile (`mla_split_sm_count`)
+shared among the requests by length (`mla_num_kv_splits_device`: equal lengths split as
+CUTLASS does, a long request among short ones gets more splits). Below ``split_sm_count``
+requests stage 1 is launched over a work list of (request, split) entries
+(`TritonMLADecode.work_items`), so those splits cost no grid of empty programs. The counts
+depend on the batch, so a request's float rounding may differ between batches; with
 ``--enable-deterministic-inference`` the count is ``cdiv(seq_len, split_tile)`` capped at
 ``max_kv_splits``, independent of the batch (and of CUDA-graph padding).
 
@@ -40,11 +44,14 @@ class MLADecodeMetadata:
         block_kv_indices: int32 ``[bs, width]`` page ids per request, -1 past its last page.
         seq_lens: int32 ``[bs]`` tokens per request (the kernel's lengths).
         num_kv_splits: int32 ``[bs]`` sequence splits per request.
+        work: int32 ``[W]`` work list (one entry per request split, then -1) when the
+            kernel is launched over work items (`TritonMLADecode.work_items`), else None.
     """
 
     block_kv_indices: torch.Tensor
     seq_lens: torch.Tensor
     num_kv_splits: torch.Tensor
+    work: Optional[torch.Tensor] = None
 
 
 class TritonMLADecode:
@@ -57,8 +64,8 @@ class TritonMLADecode:
         page_size: tokens per page of the latent pool.
         num_heads: query heads (``tp_q_head_num``).
         kv_lora_rank: latent width ``D_c`` (values and output per head).
-        max_kv_splits: most splits per request (workspace size); the launch grid is
-            `grid_splits` of the batch size.
+        max_kv_splits: most splits per request (workspace size); stage 1 runs over the work
+            list (`work_items`) or the grid `grid_splits` of the batch size.
         num_sms: streaming multiprocessors (split heuristic).
         deterministic: batch-invariant split counts (see module doc).
         split_tile: tokens per split in deterministic mode.
@@ -100,8 +107,21 @@ class TritonMLADecode:
         per_batch = max(1, mla_split_sm_count(self.num_sms, self.num_heads) // max(1, bs))
         return min(self.max_kv_splits, 1 << (per_batch - 1).bit_length())
 
+    def work_items(self, bs: int) -> Optional[int]:
+        """Length of the work list stage 1 is launched over for a batch of ``bs``, or None
+        for the ``(head tiles, grid_splits(bs), bs)`` grid: in deterministic mode, and where
+        every request gets one split anyway (``grid_splits(bs) == 1``; the seesaw kernel then
+        needs no merge). The list (`mla_num_kv_splits_device`) holds each request's splits,
+        which are sized by its share of the SMs, so a long request among short ones is
+        spread over many programs without a grid of empty ones. Depends on ``bs`` only."""
+        from attnserve.attention.triton_ops.mla_decode import mla_num_work_items, mla_split_sm_count
+
+        if self.deterministic or self.grid_splits(bs) == 1 or self.max_kv_splits > 256:  # entries b * 256 + split
+            return None
+        return mla_num_work_items(bs, mla_split_sm_count(self.num_sms, self.num_heads), self.max_kv_splits)
+
     # ---- metadata ----------------------------------------------------------------------
-    def _splits(self, seq_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _splits(self, seq_lens: torch.Tensor, out: torch.Tensor, work: Optional[torch.Tensor]) -> torch.Tensor:
         from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits_device, mla_split_sm_count
 
         if self.deterministic:
@@ -109,13 +129,14 @@ class TritonMLADecode:
             out.copy_(torch.clamp(tiles, 1, self.max_kv_splits))
             return out
         return mla_num_kv_splits_device(seq_lens, mla_split_sm_count(self.num_sms, self.num_heads),
-                                        self.max_kv_splits, out)
+                                        self.max_kv_splits, out, work=work)
 
-    def _build(self, rows, seq_lens, table: torch.Tensor, splits: torch.Tensor) -> MLADecodeMetadata:
+    def _build(self, rows, seq_lens, table: torch.Tensor, splits: torch.Tensor,
+               work: Optional[torch.Tensor]) -> MLADecodeMetadata:
         from attnserve.attention.triton_ops.kv_indices import create_block_kv_indices
 
         create_block_kv_indices(self.req_to_token, rows, seq_lens, self.page_size, table)
-        return MLADecodeMetadata(table, seq_lens, self._splits(seq_lens, splits))
+        return MLADecodeMetadata(table, seq_lens, self._splits(seq_lens, splits, work), work)
 
     def metadata(self, rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int) -> MLADecodeMetadata:
         """Eager decode step: a block table just wide enough for ``max_seq_len`` (host int).
@@ -129,7 +150,9 @@ class TritonMLADecode:
         width = max(1, block_table_width(max_seq_len, self.page_size, 1))
         table = torch.empty(bs, width, dtype=torch.int32, device=self.device)
         splits = torch.empty(bs, dtype=torch.int32, device=self.device)
-        return self._build(rows, seq_lens, table, splits)
+        n_work = self.work_items(bs)
+        work = None if n_work is None else torch.empty(n_work, dtype=torch.int32, device=self.device)
+        return self._build(rows, seq_lens, table, splits, work)
 
     def init_graph_state(self, max_bs: int) -> None:
         """Fixed buffers for captured decode graphs of up to ``max_bs`` requests."""
@@ -138,9 +161,11 @@ class TritonMLADecode:
         if max_bs > self.req_to_token.shape[0]:
             raise ValueError(f"CUDA-graph batch {max_bs} exceeds the request pool ({self.req_to_token.shape[0]} rows)")
         width = block_table_width(self.req_to_token.shape[1], self.page_size, 1)
+        n_work = max((self.work_items(bs) or 0) for bs in range(1, max_bs + 1))
         self.graph = {
             "block_kv_indices": torch.full((max_bs, width), -1, dtype=torch.int32, device=self.device),
             "num_kv_splits": torch.ones(max_bs, dtype=torch.int32, device=self.device),
+            "work": torch.full((max(1, n_work),), -1, dtype=torch.int32, device=self.device),
         }
 
     def graph_metadata(self, bs: int, rows: torch.Tensor, seq_lens: torch.Tensor) -> MLADecodeMetadata:
@@ -148,7 +173,9 @@ class TritonMLADecode:
 
         ``seq_lens`` must be the graph runner's static int32 buffer (kept by reference)."""
         g = self.graph
-        return self._build(rows[:bs], seq_lens[:bs], g["block_kv_indices"][:bs], g["num_kv_splits"][:bs])
+        n_work = self.work_items(bs)
+        work = None if n_work is None else g["work"][:n_work]
+        return self._build(rows[:bs], seq_lens[:bs], g["block_kv_indices"][:bs], g["num_kv_splits"][:bs], work)
 
     # ---- kernel ------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, layer, pool, md: MLADecodeMetadata) -> torch.Tensor:
@@ -180,8 +207,9 @@ class TritonMLADecode:
         o = q.new_empty(q3.shape[0], hq, r)
         mla_decode_fwd(
             q3[..., :r], q3[..., r:], pool.get_key_buffer(layer.layer_id), md.block_kv_indices, md.seq_lens,
-            self.page_size, o, layer.scaling, md.num_kv_splits, self.grid_splits(q3.shape[0]),
-            workspace=self.workspace,
+            self.page_size, o, layer.scaling, md.num_kv_splits,
+            self.grid_splits(q3.shape[0]) if md.work is None else self.max_kv_splits,
+            workspace=self.workspace, work=md.work,
         )
         return o.view(-1, hq * r)
 

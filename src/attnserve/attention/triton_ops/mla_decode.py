@@ -38,8 +38,9 @@ a whole block's scores; the many-heads default on sm_90, ``MLADecodeConfig.seesa
 (tokens on the MMA M dimension) was tried and was slower (255 registers with spills).
 
 CUDA graphs: `mla_decode_fwd` syncs nothing with the host and allocates nothing when a
-workspace is given; its grids depend only on ``bs``, the head count and ``max_kv_splits``;
-per-request split counts may live on the device (`mla_num_kv_splits_device`).
+workspace is given; its grids depend only on ``bs``, the head count, ``max_kv_splits`` and
+the length of the optional work list; per-request split counts (and the work list) may live
+on the device (`mla_num_kv_splits_device`).
 
 All code here is original; algorithms after the sources above (SGLang's Triton
 ``decode_attention`` grouped kernel and CUTLASS-MLA wrapper, FlashMLA) were read, not copied.
@@ -59,6 +60,7 @@ __all__ = [
     "mla_decode_config",
     "mla_num_kv_splits",
     "mla_num_kv_splits_device",
+    "mla_num_work_items",
     "mla_split_sm_count",
     "mla_workspace_size",
     "mla_decode_fwd",
@@ -69,6 +71,9 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 # tokens per split unit of the split heuristic (CUTLASS MLA's tile of the sequence)
 _SPLIT_UNIT = 128
+# a work-list entry is b * 256 + split (so max_kv_splits <= 256 with a work list)
+_WORK_SPAN = 256
+_WORK_SPLIT_SPAN: tl.constexpr = tl.constexpr(_WORK_SPAN)
 # H100/H200 opt-in shared memory per block, used when the device is not asked
 _DEFAULT_MAX_SMEM = 232448
 # partial elements the merge loads per step: [split rows, columns] with 4 warps = 32 fp32
@@ -112,27 +117,69 @@ def mla_split_sm_count(sm_count: int, num_heads: int) -> int:
     return max(1, sm_count // triton.cdiv(num_heads, block_h))
 
 
-@triton.jit(do_not_specialize=["bs", "sms_per_batch", "max_kv_splits"])
-def _mla_splits_kernel(SeqLens, Out, bs, sms_per_batch, max_kv_splits, SPLIT_UNIT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < bs
-    kv_len = tl.load(SeqLens + offs, mask=mask, other=0).to(tl.int32)
-    max_splits = tl.maximum((kv_len + SPLIT_UNIT - 1) // SPLIT_UNIT, 1)
-    split = tl.minimum(max_splits, sms_per_batch)
-    k_waves = (max_splits + split - 1) // split
-    split = (max_splits + k_waves - 1) // k_waves
-    split = tl.minimum(split, max_kv_splits)
-    tl.store(Out + offs, split.to(tl.int32), mask=mask)
+@triton.jit(do_not_specialize=["bs", "sm_count", "max_kv_splits", "num_work"])
+def _mla_splits_kernel(SeqLens, Out, Work, bs, sm_count, max_kv_splits, num_work,
+                       SPLIT_UNIT: tl.constexpr, BLOCK: tl.constexpr, WORK_ITEMS: tl.constexpr):
+    """One program: split counts of all requests (`mla_num_kv_splits_device`) and, with
+    WORK_ITEMS, the work list ``Work[:num_work]`` (request-major, -1 past the last item)."""
+    offs0 = tl.arange(0, BLOCK)
+    total = tl.full([], 0, tl.int64)
+    for c0 in range(0, bs, BLOCK):
+        kv = tl.load(SeqLens + c0 + offs0, mask=c0 + offs0 < bs, other=0).to(tl.int64)
+        total += tl.sum(tl.maximum(kv, 0), 0)
+    total = tl.maximum(total, 1)
+    n_items = tl.full([], 0, tl.int32)
+    for c0 in range(0, bs, BLOCK):
+        offs = c0 + offs0
+        mask = offs < bs
+        kv_len = tl.maximum(tl.load(SeqLens + offs, mask=mask, other=0).to(tl.int64), 0)
+        share = tl.maximum((sm_count * kv_len) // total, 1).to(tl.int32)  # this request's SMs
+        max_splits = tl.maximum((kv_len + SPLIT_UNIT - 1) // SPLIT_UNIT, 1).to(tl.int32)
+        split = tl.minimum(max_splits, share)
+        k_waves = (max_splits + split - 1) // split
+        split = (max_splits + k_waves - 1) // k_waves
+        split = tl.minimum(split, max_kv_splits)
+        tl.store(Out + offs, split, mask=mask)
+        if WORK_ITEMS:
+            split = tl.where(mask, split, 0)
+            first = n_items + tl.cumsum(split, 0) - split
+            for s in range(0, max_kv_splits):
+                j = first + s
+                tl.store(Work + j, offs * _WORK_SPLIT_SPAN + s, mask=(s < split) & (j < num_work))
+            n_items += tl.sum(split, 0)
+    if WORK_ITEMS:
+        for j0 in range(0, num_work, BLOCK):
+            j = j0 + offs0
+            tl.store(Work + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= n_items) & (j < num_work))
+
+
+def mla_num_work_items(bs: int, sm_count: int, max_kv_splits: int) -> int:
+    """Length of the work list `mla_num_kv_splits_device` fills for ``bs`` requests: a bound
+    on the sum of their split counts, ``min(bs * max_kv_splits, sm_count + bs)`` (each
+    request's count is at most ``max(1, sm_count * len / total_len)``). Depends on ``bs``
+    only, so a captured graph keeps it."""
+    return min(bs * max_kv_splits, sm_count + bs)
 
 
 def mla_num_kv_splits_device(
-    seq_lens: torch.Tensor, sm_count: int, max_kv_splits: int, out: Optional[torch.Tensor] = None
+    seq_lens: torch.Tensor, sm_count: int, max_kv_splits: int, out: Optional[torch.Tensor] = None,
+    work: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Per-request split counts on the device, without a host sync (CUDA-graph safe).
 
-    Applies the `mla_num_kv_splits` formula to each ``seq_lens[i]`` with ``bs =
-    seq_lens.numel()`` and caps the result at ``max_kv_splits``. ``out``: int32 ``[bs]`` to
-    fill (allocated when None). Returns ``out``.
+    The `mla_num_kv_splits` formula per request with the SMs shared by length: request
+    ``i`` gets ``sms_i = max(1, sm_count * seq_lens[i] // sum(seq_lens))`` SMs where the
+    CUTLASS heuristic has ``sm_count // bs`` (the same number for equal lengths, so uniform
+    batches split exactly as `mla_num_kv_splits`; a long request among short ones gets more
+    splits instead of the batch's share), then caps at ``max_kv_splits``.
+
+    Args:
+        seq_lens: int32/int64 ``[bs]``.
+        out: int32 ``[bs]`` to fill (allocated when None). Returned.
+        work: optional int32 ``[W]`` work list to fill for a launch over items
+            (`mla_decode_fwd` ``work=``): ``b * 256 + split`` for every split of every
+            request, request-major, then -1; ``W >= mla_num_work_items(bs, sm_count,
+            max_kv_splits)`` holds them all. Needs ``max_kv_splits <= 256``.
     """
     bs = seq_lens.numel()
     if bs < 1 or sm_count < 1 or max_kv_splits < 1:
@@ -141,9 +188,16 @@ def mla_num_kv_splits_device(
         out = torch.empty(bs, dtype=torch.int32, device=seq_lens.device)
     if out.dtype != torch.int32 or out.numel() < bs or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous int32 tensor of >= {bs} elements, got {out.dtype} {tuple(out.shape)}")
-    block = 128
-    _mla_splits_kernel[(triton.cdiv(bs, block),)](
-        seq_lens, out, bs, max(1, sm_count // bs), max_kv_splits, SPLIT_UNIT=_SPLIT_UNIT, BLOCK=block
+    if work is not None:
+        need = mla_num_work_items(bs, sm_count, max_kv_splits)
+        if work.dtype != torch.int32 or work.dim() != 1 or work.numel() < need or not work.is_contiguous():
+            raise ValueError(f"work must be a contiguous int32 [>= {need}] tensor, got {work.dtype} {tuple(work.shape)}")
+        if max_kv_splits > _WORK_SPAN:
+            raise ValueError(f"a work list needs max_kv_splits <= {_WORK_SPAN}, got {max_kv_splits}")
+    block = min(1024, max(16, triton.next_power_of_2(bs)))
+    _mla_splits_kernel[(1,)](
+        seq_lens, out, out if work is None else work, bs, sm_count, max_kv_splits,
+        0 if work is None else work.numel(), SPLIT_UNIT=_SPLIT_UNIT, BLOCK=block, WORK_ITEMS=work is not None,
     )
     return out
 
@@ -311,6 +365,21 @@ def _split_bounds(SeqLens, NumSplits, b, num_splits_scalar, MAX_KV_SPLITS: tl.co
     return kv_len, per_split, n_eff
 
 
+@triton.jit
+def _program_item(Work, pid1, pid2, MAX_KV_SPLITS: tl.constexpr, WORK_ITEMS: tl.constexpr):
+    """``(b, split_id)`` of a stage-1 program: from the grid ``(.., split, b)``, or with
+    WORK_ITEMS from the work list entry ``Work[pid1]`` = ``b * 256 + split`` (-1: no work;
+    then ``split_id = MAX_KV_SPLITS``, which starts past every request's end)."""
+    if WORK_ITEMS:
+        item = tl.load(Work + pid1)
+        b = (tl.maximum(item, 0) // _WORK_SPLIT_SPAN).to(tl.int64)
+        split_id = tl.where(item >= 0, item % _WORK_SPLIT_SPAN, MAX_KV_SPLITS)
+    else:
+        b = pid2.to(tl.int64)
+        split_id = pid1
+    return b, split_id
+
+
 # ---------------------------------------------------------------------------------------
 # stage 1 pieces
 # ---------------------------------------------------------------------------------------
@@ -413,7 +482,7 @@ def _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, offs_n, end, sm_scale_
 # ints equal to 1 would otherwise become constexprs (Triton specialization)
 @triton.jit(do_not_specialize=["num_heads", "num_splits_scalar"])
 def _mla_decode_stage1(
-    QNope, QPe, KV, DescC, DescR, BlockTable, SeqLens, NumSplits,
+    QNope, QPe, KV, DescC, DescR, BlockTable, SeqLens, NumSplits, Work,
     OPart, LsePart, O, Lse,
     sm_scale_log2, num_heads, num_splits_scalar,
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
@@ -424,6 +493,7 @@ def _mla_decode_stage1(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr, PER_REQ_SPLITS: tl.constexpr, HAS_LSE: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, PEEL: tl.constexpr, USE_TMA: tl.constexpr,
+    WORK_ITEMS: tl.constexpr,
 ):
     """Grid (head tiles, MAX_KV_SPLITS, bs); the head tile is the fastest axis, so the head
     tiles of one (request, split) run together and share each KV tile through L2.
@@ -433,8 +503,7 @@ def _mla_decode_stage1(
     the host descriptors DescC / DescR when USE_TMA (else pointers; DescC / DescR are
     unused placeholders then), and at most one masked pointer tail tile follows."""
     pid_h = tl.program_id(0)
-    split_id = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    b, split_id = _program_item(Work, tl.program_id(1), tl.program_id(2), MAX_KV_SPLITS, WORK_ITEMS)
 
     kv_len, per_split, n_eff = _split_bounds(SeqLens, NumSplits, b, num_splits_scalar, MAX_KV_SPLITS, BLOCK_N,
                                              PER_REQ_SPLITS)
@@ -608,7 +677,7 @@ def _stage1_kernel(cfg, q_nope, q_pe, kv_rows, page_size, interpret) -> str:
     return "triton"
 
 
-def _launch_stage1(cfg, kind, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part, o,
+def _launch_stage1(cfg, kind, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, work, o_part, lse_part, o,
                       lse_arg, sm_scale_log2, num_heads, splits_scalar, lse_strides, page_size, max_kv_splits,
                       per_req, has_lse, fp32_dot, interpret, block_c, block_r):
     """Launch the stage 1 named by ``kind`` (`_stage1_kernel`); returns what the launch
@@ -629,10 +698,12 @@ def _launch_stage1(cfg, kind, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens,
         n = kv_rows.shape[0]
         desc_c = TensorDescriptor(kv_rows, [n, d_c], [kv_rows.stride(0), 1], [cfg.block_n, block_c])
         desc_r = TensorDescriptor(kv_rows[:, d_c:], [n, d_r], [kv_rows.stride(0), 1], [cfg.block_n, block_r])
-    grid = (triton.cdiv(num_heads, cfg.block_h), max_kv_splits, q_nope.shape[0])
-    # the positional arguments both stage-1 kernels take
+    tiles = triton.cdiv(num_heads, cfg.block_h)
+    grid = (tiles, max_kv_splits, q_nope.shape[0]) if work is None else (tiles, work.numel(), 1)
+    # the positional arguments the stage-1 kernels take
     args = (
         q_nope, q_pe, kv_rows, desc_c, desc_r, block_kv_indices, seq_lens, splits_ptr,
+        seq_lens if work is None else work,
         o_part, lse_part, o, lse_arg,
         sm_scale_log2, num_heads, splits_scalar,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -641,7 +712,8 @@ def _launch_stage1(cfg, kind, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens,
         o.stride(0), o.stride(1), *lse_strides,
     )
     common = dict(D_C=d_c, D_R=d_r, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, MAX_KV_SPLITS=max_kv_splits,
-                  PER_REQ_SPLITS=per_req, HAS_LSE=has_lse, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  PER_REQ_SPLITS=per_req, HAS_LSE=has_lse, WORK_ITEMS=work is not None, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
     if kind == "seesaw":
         from .mla_decode_seesaw import SEESAW_MAXNREG, _mla_decode_stage1_seesaw
 
@@ -673,6 +745,7 @@ def mla_decode_fwd(
     lse: Optional[torch.Tensor] = None,
     *,
     config: Optional[MLADecodeConfig] = None,
+    work: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Paged MLA decode with absorbed weights; writes ``o`` (and ``lse``) and returns ``o``.
 
@@ -694,6 +767,12 @@ def mla_decode_fwd(
             contiguous, any dtype; allocated here when None (not capturable then).
         lse: optional float32 ``[bs, H]``: natural-log sum-exp of the scaled scores.
         config: stage-1 tiles; `mla_decode_config` when None.
+        work: optional int32 ``[W]`` work list from `mla_num_kv_splits_device` (with
+            ``num_kv_splits`` the tensor it filled): stage 1 then runs one program per
+            list entry and head tile (grid ``(head tiles, W)``) instead of ``(head tiles,
+            max_kv_splits, bs)``, so a long request can take many splits without a grid of
+            empty programs for the others. ``max_kv_splits`` stays the workspace's split
+            dimension and the merge's cap.
 
     With ``max_kv_splits == 1`` the seesaw stage 1 writes every request itself (zeros for
     empty ones) and the merge kernel is not launched.
@@ -702,11 +781,11 @@ def mla_decode_fwd(
     sync: lengths and split counts are read on the device only.
     """
     return _mla_decode_fwd(q_nope, q_pe, kv_buffer, block_kv_indices, seq_lens, page_size, o, sm_scale,
-                           num_kv_splits, max_kv_splits, workspace, lse, config=config)[0]
+                           num_kv_splits, max_kv_splits, workspace, lse, config=config, work=work)[0]
 
 
 def _mla_decode_fwd(q_nope, q_pe, kv_buffer, block_kv_indices, seq_lens, page_size, o, sm_scale, num_kv_splits,
-                    max_kv_splits, workspace=None, lse=None, *, config=None):
+                    max_kv_splits, workspace=None, lse=None, *, config=None, work=None):
     """`mla_decode_fwd`, returning ``(o, stage1)``: ``stage1`` is what the stage-1 launch
     returned (the compiled kernel, for n_regs / n_spills / metadata.shared in benchmarks;
     None when ``bs == 0``)."""
@@ -757,6 +836,13 @@ def _mla_decode_fwd(q_nope, q_pe, kv_buffer, block_kv_indices, seq_lens, page_si
         if not 1 <= int(num_kv_splits) <= int(max_kv_splits):
             raise ValueError(f"num_kv_splits must be in [1, max_kv_splits={max_kv_splits}], got {num_kv_splits}")
         per_req, splits_ptr, splits_scalar = False, seq_lens, int(num_kv_splits)
+    if work is not None:
+        if not per_req:
+            raise ValueError("a work list needs num_kv_splits as the int32 [bs] tensor mla_num_kv_splits_device filled")
+        if work.dtype != torch.int32 or work.dim() != 1 or work.numel() < 1 or work.device != q_nope.device:
+            raise ValueError(f"work must be a 1-D int32 tensor on {q_nope.device}, got {work.dtype} {tuple(work.shape)}")
+        if int(max_kv_splits) > _WORK_SPAN:
+            raise ValueError(f"a work list needs max_kv_splits <= {_WORK_SPAN}, got {max_kv_splits}")
     if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (bs, num_heads) or lse.device != o.device):
         raise ValueError(f"lse must be float32 [{bs}, {num_heads}] on {o.device}")
 
@@ -790,13 +876,17 @@ def _mla_decode_fwd(q_nope, q_pe, kv_buffer, block_kv_indices, seq_lens, page_si
 
     kind = _stage1_kernel(cfg, q_nope, q_pe, kv_rows, int(page_size), interpret)
     stage1 = _launch_stage1(
-        cfg, kind, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, o_part, lse_part, o, lse_arg,
+        cfg, kind, q_nope, q_pe, kv_rows, block_kv_indices, seq_lens, splits_ptr, work, o_part, lse_part, o, lse_arg,
         float(sm_scale) * _LOG2E, num_heads, splits_scalar, lse_strides, int(page_size), max_kv_splits,
         per_req, has_lse, fp32_dot, interpret, block_c, block_r,
     )
     if kind == "seesaw" and max_kv_splits == 1:  # stage 1 wrote o (and lse) of every request, empty ones included
         return o, stage1
-    block_dv, chunk = _merge_tiles(block_c, max_kv_splits)
+    # merge tiles for the split count most requests have: max_kv_splits on a grid, the
+    # uniform batch's count (split_sm_count // bs = (W - bs) // bs) with a work list; a
+    # request with more splits loops over chunks
+    typical = max_kv_splits if work is None else max(1, min(max_kv_splits, (work.numel() - bs) // bs))
+    block_dv, chunk = _merge_tiles(block_c, typical)
     _mla_decode_stage2[(num_heads, triton.cdiv(d_c, block_dv), bs)](
         o_part, lse_part, o, lse_arg, seq_lens, splits_ptr, splits_scalar,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),

@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .mla_decode import _split_bounds
+from .mla_decode import _program_item, _split_bounds
 
 __all__ = ["gluon_descriptors"]
 
@@ -95,7 +95,7 @@ def _issue_tile(desc_c, desc_r, table, n0, bar, kc, kr, PAGE_SIZE: gl.constexpr)
 
 @gluon.jit(do_not_specialize=["num_heads", "num_splits_scalar"])
 def _mla_decode_stage1_gluon(
-    QNope, QPe, KV, desc_c, desc_r, BlockTable, SeqLens, NumSplits,
+    QNope, QPe, KV, desc_c, desc_r, BlockTable, SeqLens, NumSplits, Work,
     OPart, LsePart, O, Lse,
     sm_scale_log2, num_heads, num_splits_scalar,
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
@@ -104,7 +104,7 @@ def _mla_decode_stage1_gluon(
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
     D_C: gl.constexpr, D_R: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
     MAX_KV_SPLITS: gl.constexpr, PER_REQ_SPLITS: gl.constexpr, HAS_LSE: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
+    NUM_STAGES: gl.constexpr, WORK_ITEMS: gl.constexpr,
 ):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, BLOCK_N // 2, 16])
@@ -115,8 +115,7 @@ def _mla_decode_stage1_gluon(
     dtype: gl.constexpr = desc_c.dtype
 
     pid_h = gl.program_id(0)
-    split_id = gl.program_id(1)
-    b = gl.program_id(2).to(gl.int64)
+    b, split_id = _program_item(Work, gl.program_id(1), gl.program_id(2), MAX_KV_SPLITS, WORK_ITEMS)
     kv_len, per_split, n_eff = _split_bounds(SeqLens, NumSplits, b, num_splits_scalar, MAX_KV_SPLITS, BLOCK_N,
                                              PER_REQ_SPLITS)
     start = split_id * per_split

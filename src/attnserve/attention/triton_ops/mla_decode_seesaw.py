@@ -61,7 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .mla_decode import _split_bounds
+from .mla_decode import _program_item, _split_bounds
 
 __all__ = ["seesaw_descriptor", "SEESAW_MAXNREG"]
 
@@ -372,7 +372,7 @@ def _loader(kv_s, bars, start, end, desc, table, PAGE_SIZE: gl.constexpr):
 
 @gluon.jit(do_not_specialize=["num_heads", "num_splits_scalar"])
 def _mla_decode_stage1_seesaw(
-    QNope, QPe, KV, desc, desc_unused, BlockTable, SeqLens, NumSplits,
+    QNope, QPe, KV, desc, desc_unused, BlockTable, SeqLens, NumSplits, Work,
     OPart, LsePart, O, Lse,
     sm_scale_log2, num_heads, num_splits_scalar,
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
@@ -380,7 +380,7 @@ def _mla_decode_stage1_seesaw(
     stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h,
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
     D_C: gl.constexpr, D_R: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    MAX_KV_SPLITS: gl.constexpr, PER_REQ_SPLITS: gl.constexpr, HAS_LSE: gl.constexpr,
+    MAX_KV_SPLITS: gl.constexpr, PER_REQ_SPLITS: gl.constexpr, HAS_LSE: gl.constexpr, WORK_ITEMS: gl.constexpr,
 ):
     gl.static_assert(D_C == 512 and D_R == 64 and BLOCK_N == 64, "seesaw kernel: 512 + 64 dims, 64-token blocks")
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -389,8 +389,7 @@ def _mla_decode_stage1_seesaw(
     dtype: gl.constexpr = desc.dtype
 
     pid_h = gl.program_id(0)
-    split_id = gl.program_id(1)
-    b = gl.program_id(2).to(gl.int64)
+    b, split_id = _program_item(Work, gl.program_id(1), gl.program_id(2), MAX_KV_SPLITS, WORK_ITEMS)
     kv_len, per_split, n_eff = _split_bounds(SeqLens, NumSplits, b, num_splits_scalar, MAX_KV_SPLITS, BLOCK_N,
                                              PER_REQ_SPLITS)
     start = split_id * per_split
@@ -442,7 +441,7 @@ def _mla_decode_stage1_seesaw(
             (_loader, (kv_s, bars, start, end, desc, table, PAGE_SIZE)),
         ], [4, 1], [WG_REGS, LOADER_REGS])
     elif MAX_KV_SPLITS == 1:
-        if kv_len == 0:
+        if kv_len == 0 and split_id == 0:  # (an unused work-list entry has split_id 1)
             _store_empty(b, pid_h, num_heads, O, Lse, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, HAS_LSE)
 
 
