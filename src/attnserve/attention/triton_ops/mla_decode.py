@@ -495,8 +495,9 @@ def _mla_decode_stage1(
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, PEEL: tl.constexpr, USE_TMA: tl.constexpr,
     WORK_ITEMS: tl.constexpr,
 ):
-    """Grid (head tiles, MAX_KV_SPLITS, bs); the head tile is the fastest axis, so the head
-    tiles of one (request, split) run together and share each KV tile through L2.
+    """Grid (head tiles, MAX_KV_SPLITS, bs), or (head tiles, W) over a work list
+    (WORK_ITEMS, `_program_item`); the head tile is the fastest axis, so the head tiles of
+    one (request, split) run together and share each KV tile through L2.
 
     PEEL=False: every tile of a split is loaded through pointers with a row mask (the
     original kernel). PEEL=True: the split's full ``BLOCK_N`` tiles run mask-free, through
