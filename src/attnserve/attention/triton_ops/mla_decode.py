@@ -143,7 +143,7 @@ def _mla_splits_kernel(SeqLens, Out, Work, bs, sm_count, max_kv_splits, num_work
         if WORK_ITEMS:
             split = tl.where(mask, split, 0)
             first = n_items + tl.cumsum(split, 0) - split
-            for s in range(0, max_kv_splits):
+            for s in range(0, tl.max(split, 0)):
                 j = first + s
                 tl.store(Work + j, offs * _WORK_SPLIT_SPAN + s, mask=(s < split) & (j < num_work))
             n_items += tl.sum(split, 0)
