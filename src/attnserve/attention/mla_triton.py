@@ -114,9 +114,13 @@ class TritonMLADecode:
         needs no merge). The list (`mla_num_kv_splits_device`) holds each request's splits,
         which are sized by its share of the SMs, so a long request among short ones is
         spread over many programs without a grid of empty ones. Depends on ``bs`` only."""
-        from attnserve.attention.triton_ops.mla_decode import mla_num_work_items, mla_split_sm_count
+        from attnserve.attention.triton_ops.mla_decode import (
+            MLA_WORK_SPLIT_SPAN,
+            mla_num_work_items,
+            mla_split_sm_count,
+        )
 
-        if self.deterministic or self.grid_splits(bs) == 1 or self.max_kv_splits > 256:  # entries b * 256 + split
+        if self.deterministic or self.grid_splits(bs) == 1 or self.max_kv_splits > MLA_WORK_SPLIT_SPAN:
             return None
         return mla_num_work_items(bs, mla_split_sm_count(self.num_sms, self.num_heads), self.max_kv_splits)
 

@@ -61,6 +61,7 @@ __all__ = [
     "mla_num_kv_splits",
     "mla_num_kv_splits_device",
     "mla_num_work_items",
+    "MLA_WORK_SPLIT_SPAN",
     "mla_split_sm_count",
     "mla_workspace_size",
     "mla_decode_fwd",
@@ -71,9 +72,9 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 # tokens per split unit of the split heuristic (CUTLASS MLA's tile of the sequence)
 _SPLIT_UNIT = 128
-# a work-list entry is b * 256 + split (so max_kv_splits <= 256 with a work list)
-_WORK_SPAN = 256
-_WORK_SPLIT_SPAN: tl.constexpr = tl.constexpr(_WORK_SPAN)
+# a work-list entry is b * MLA_WORK_SPLIT_SPAN + split (so max_kv_splits <= 256 with a work list)
+MLA_WORK_SPLIT_SPAN = 256
+_WORK_SPLIT_SPAN: tl.constexpr = tl.constexpr(MLA_WORK_SPLIT_SPAN)
 # H100/H200 opt-in shared memory per block, used when the device is not asked
 _DEFAULT_MAX_SMEM = 232448
 # partial elements the merge loads per step: [split rows, columns] with 4 warps = 32 fp32
@@ -153,6 +154,12 @@ def _mla_splits_kernel(SeqLens, Out, Work, bs, sm_count, max_kv_splits, num_work
             tl.store(Work + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= n_items) & (j < num_work))
 
 
+def _check_work_splits(max_kv_splits: int) -> None:
+    """A work-list entry holds the split below ``MLA_WORK_SPLIT_SPAN``: raise ValueError past it."""
+    if int(max_kv_splits) > MLA_WORK_SPLIT_SPAN:
+        raise ValueError(f"a work list needs max_kv_splits <= {MLA_WORK_SPLIT_SPAN}, got {max_kv_splits}")
+
+
 def mla_num_work_items(bs: int, sm_count: int, max_kv_splits: int) -> int:
     """Length of the work list `mla_num_kv_splits_device` fills for ``bs`` requests: a bound
     on the sum of their split counts, ``min(bs * max_kv_splits, sm_count + bs)`` (each
@@ -192,8 +199,7 @@ def mla_num_kv_splits_device(
         need = mla_num_work_items(bs, sm_count, max_kv_splits)
         if work.dtype != torch.int32 or work.dim() != 1 or work.numel() < need or not work.is_contiguous():
             raise ValueError(f"work must be a contiguous int32 [>= {need}] tensor, got {work.dtype} {tuple(work.shape)}")
-        if max_kv_splits > _WORK_SPAN:
-            raise ValueError(f"a work list needs max_kv_splits <= {_WORK_SPAN}, got {max_kv_splits}")
+        _check_work_splits(max_kv_splits)
     block = min(1024, max(16, triton.next_power_of_2(bs)))
     _mla_splits_kernel[(1,)](
         seq_lens, out, out if work is None else work, bs, sm_count, max_kv_splits,
@@ -611,11 +617,12 @@ def _mla_decode_stage2(
 # ---------------------------------------------------------------------------------------
 # host entry
 # ---------------------------------------------------------------------------------------
-def _merge_tiles(block_c: int, max_kv_splits: int) -> tuple:
-    """``(BLOCK_DV, SPLIT_CHUNK)`` of the merge: all splits (up to 32) in one load step,
-    ``_MERGE_TILE`` elements a step, so up to 8 splits keep whole 512-column rows and 32 splits
-    take 128-column programs (4x the programs, each with one step instead of four)."""
-    chunk = min(32, max(2, triton.next_power_of_2(max_kv_splits)))
+def _merge_tiles(block_c: int, splits: int) -> tuple:
+    """``(BLOCK_DV, SPLIT_CHUNK)`` of the merge for requests of ``splits`` splits: all of
+    them (up to 32) in one load step of ``_MERGE_TILE`` elements, so up to 8 splits keep whole
+    512-column rows and 32 splits take 128-column programs (4x the programs, each with one
+    step instead of four); a request with more splits takes several steps."""
+    chunk = min(32, max(2, triton.next_power_of_2(splits)))
     block_dv = min(block_c, max(16, _MERGE_TILE // chunk))
     return block_dv, chunk
 
@@ -842,8 +849,7 @@ def _mla_decode_fwd(q_nope, q_pe, kv_buffer, block_kv_indices, seq_lens, page_si
             raise ValueError("a work list needs num_kv_splits as the int32 [bs] tensor mla_num_kv_splits_device filled")
         if work.dtype != torch.int32 or work.dim() != 1 or work.numel() < 1 or work.device != q_nope.device:
             raise ValueError(f"work must be a 1-D int32 tensor on {q_nope.device}, got {work.dtype} {tuple(work.shape)}")
-        if int(max_kv_splits) > _WORK_SPAN:
-            raise ValueError(f"a work list needs max_kv_splits <= {_WORK_SPAN}, got {max_kv_splits}")
+        _check_work_splits(max_kv_splits)
     if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (bs, num_heads) or lse.device != o.device):
         raise ValueError(f"lse must be float32 [{bs}, {num_heads}] on {o.device}")
 

@@ -28,8 +28,9 @@ identical in both warpgroups; all scores in log2 units):
 
 Row sums are kept per warpgroup (``l0``, ``l1`` rescaled by both ``a0`` and ``a1``) and
 exchanged once at the end; each warpgroup then normalizes and stores its own output half
-(wg0 also the LSE), so the two halves are written concurrently. Each warpgroup computes a whole block's scores with N=64 wgmmas and
-the two warpgroups alternate their softmax with each other's matmuls. This is the schedule
+(wg0 also the LSE), so the two halves are written concurrently. Each warpgroup computes a
+whole block's scores with N=64 wgmmas and the two warpgroups alternate their softmax with
+each other's matmuls. This is the schedule
 of FlashMLA's sm90 decode kernel ("seesaw"; github.com/deepseek-ai/FlashMLA,
 docs/20250422-new-kernel-deep-dive.md; read for the algorithm, not copied), with one
 change: wg1 folds ``P0`` in before its own block (rescaling ``O_R`` twice) so that B0's
