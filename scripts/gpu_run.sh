@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched GPU session on the lent H100/H200 (see /work/.library/device):
-#   scripts/gpu_run.sh tests|kernels|decode|all   — writes logs and JSON under $OUT.
+#   scripts/gpu_run.sh tests|kernels|decode|offline|all   — writes logs and JSON under $OUT.
 # Run from the repository root with the device's own torch/triton (no install).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -19,4 +19,7 @@ if [[ $what == kernels || $what == all ]]; then
 fi
 if [[ $what == decode || $what == all ]]; then
   timeout 500 python3 -m attnserve.bench.decode --out "$OUT" 2>&1 | tee "$OUT/decode.log" | tail -40
+fi
+if [[ $what == offline || $what == all ]]; then
+  timeout ${OFFLINE_TIMEOUT:-500} python3 -m attnserve.bench.offline --device cuda --load-format dummy --out "$OUT" ${OFFLINE_ARGS:-} 2>&1 | tee "$OUT/offline.log" | tail -40
 fi

@@ -41,7 +41,7 @@ def make_batch(mode, prefix_lens, extend_lens, hq, hkv, d, page_size, dtype=torc
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     total_pages = sum(-(-s // page_size) for s in seq_lens) + 4
     alloc = TokenToKVPoolAllocator(total_pages * page_size, page_size)
-    rnd.shuffle(alloc._free_pages)  # random physical order of pages
+    alloc.shuffle_free_pages(rnd)  # random physical order of pages
     pool = MHATokenToKVPool(alloc.size, page_size, dtype, hkv, d, 1, device, v_head_dim=dv)
     r2t = ReqToTokenPool(bs + 2, max(seq_lens) + 1, device)
     rows = r2t.alloc(bs)

@@ -37,6 +37,7 @@ class ServerArgs:
     chunked_prefill_size: int = 8192
     enable_mixed_chunk: bool = False
     max_queued_requests: Optional[int] = None
+    disable_overlap_schedule: Optional[bool] = None  # None: overlap on CUDA, off on CPU
     # CUDA graphs
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None  # None: 64
@@ -99,6 +100,14 @@ class ServerArgs:
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be >= 1")
 
+    def overlap_schedule_enabled(self, device_type: str) -> bool:
+        """Overlap scheduling: on by default on CUDA (where it hides the host's work behind
+        the GPU's), off on CPU (nothing to hide); ``disable_overlap_schedule`` True/False
+        forces it off/on on any device."""
+        if self.disable_overlap_schedule is None:
+            return device_type == "cuda"
+        return not self.disable_overlap_schedule
+
     def cuda_graph_requested(self) -> bool:
         """True when the user explicitly configured CUDA graphs."""
         return self.cuda_graph_bs is not None or self.cuda_graph_max_bs is not None
@@ -130,6 +139,8 @@ class ServerArgs:
           help="max prompt tokens prefilled per step")
         a("--enable-mixed-chunk", action="store_true", help="prefill and decode in the same step")
         a("--max-queued-requests", type=int, default=None)
+        a("--disable-overlap-schedule", action="store_const", const=True, default=None,
+          help="process each step's results before launching the next (overlap is on by default on CUDA)")
         a("--disable-cuda-graph", action="store_true")
         a("--cuda-graph-max-bs", type=int, default=None, help="largest captured decode batch (default 64)")
         a("--cuda-graph-bs", type=int, nargs="+", default=None)

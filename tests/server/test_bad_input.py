@@ -153,14 +153,14 @@ def test_engine_failure_fails_only_that_request(server, client):
     not), frees its KV, and the loop keeps serving."""
     runner = server.engine.model_runner
     poison = 31337
-    original = runner.forward_step
+    original = runner.forward
 
-    def flaky(mode, input_ids, *a, **kw):
-        if poison in input_ids:
+    def flaky(fb, *a, **kw):
+        if poison in fb.input_ids.tolist():
             raise RuntimeError("injected failure")
-        return original(mode, input_ids, *a, **kw)
+        return original(fb, *a, **kw)
 
-    runner.forward_step = flaky
+    runner.forward = flaky
     try:
         r = client.post(C, json={"prompt": [1, 2, poison], "max_tokens": 4})
         assert r.status_code == 500, r.text
@@ -171,7 +171,7 @@ def test_engine_failure_fails_only_that_request(server, client):
         assert "injected failure" in json.loads(lines[0][len("data: "):])["error"]["message"]
         assert lines[-1] == "data: [DONE]"
     finally:
-        runner.forward_step = original
+        runner.forward = original
     st = server.wait_idle(timeout=5)
     assert st["step_errors"] >= 2 and st["engine_alive"]
     assert client.get("/health").status_code == 200

@@ -58,7 +58,7 @@ class LatentBatch:
         self.page_size = page_size
         pages = sum(-(-(n + room) // page_size) for n in cached_lens) + 4
         self.alloc = TokenToKVPoolAllocator(pages * page_size, page_size)
-        rnd.shuffle(self.alloc._free_pages)
+        self.alloc.shuffle_free_pages(rnd)
         self.pool = MLATokenToKVPool(self.alloc.size, page_size, torch.float32, r, rope, num_layers, DEVICE)
         for buf in self.pool.kv_buffer:
             buf.fill_(float("nan"))

@@ -144,9 +144,10 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def _decode_batched(self, q, layer, fb: ForwardBatch) -> torch.Tensor:
         """All decode queries at once: gather each request's visible keys into a padded
-        ``[bs, W, Hkv, D]`` block (W = longest visible span), mask the padding, and run the
-        same float32 math as `attention_reference` (one batched matmul instead of a Python
-        loop per request)."""
+        ``[bs, W, Hkv, D]`` block (W = longest visible span, one ``index_select`` each for
+        K and V), mask the padding, and run the same float32 math as `attention_reference`
+        as batched matmuls over (request, KV head) with the query heads of a group side by
+        side (no repeated K/V)."""
         lid = layer.layer_id
         k_buf = fb.token_to_kv_pool.get_key_buffer(lid)
         v_buf = fb.token_to_kv_pool.get_value_buffer(lid)
@@ -162,17 +163,20 @@ class TorchNativeAttnBackend(AttentionBackend):
         valid = pos < seq_lens[:, None]
         r2t = fb.req_to_token_pool.req_to_token
         slots = r2t[fb.req_pool_indices[:, None], pos.clamp(max=r2t.shape[1] - 1)].to(torch.int64)
-        slots = torch.where(valid, slots, torch.zeros_like(slots))
-        pad = ~valid[:, :, None, None]  # padding reads slot 0: zero it (it may hold anything)
-        kf = k_buf[slots].float().masked_fill(pad, 0.0)  # [bs, W, Hkv, Dk]
-        vf = v_buf[slots].float().masked_fill(pad, 0.0)
+        flat = torch.where(valid, slots, torch.zeros_like(slots)).flatten()
+        kf = k_buf.index_select(0, flat).view(bs, width, hkv, -1).float()  # [bs, W, Hkv, Dk]
+        # Padding reads slot 0, which may hold anything: its scores are replaced by -inf
+        # below (NaN included), and its V rows are zeroed (a zero probability would not
+        # cancel a NaN in probs @ V).
+        vf = v_buf.index_select(0, flat).view(bs, width, hkv, -1).float()
+        vf = vf.masked_fill(~valid[:, :, None, None], 0.0)
         qf = q.view(bs, hkv, group, layer.qk_head_dim).float()
-        scores = torch.einsum("bhgd,bwhd->bhgw", qf, kf) * layer.scaling
+        scores = torch.matmul(qf, kf.permute(0, 2, 3, 1)) * layer.scaling  # [bs, Hkv, group, W]
         if layer.logit_cap and layer.logit_cap > 0:
             scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        scores = torch.where(valid[:, None, None, :], scores, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("bhgw,bwhd->bhgd", probs, vf)
+        out = torch.matmul(probs, vf.transpose(1, 2))  # [bs, Hkv, group, Dv]
         return out.reshape(bs, layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs):

@@ -1,11 +1,25 @@
-"""Offline generation throughput: attnserve vs HF ``transformers.generate`` in one run.
+"""Offline generation throughput, two modes. Writes ``<out>/<device>-offline-<date>.json``.
 
+Real weights (default; CPU or GPU):
 ``python -m attnserve.bench.offline [--model smollm2-135m] [--max-new-tokens 128]``
-
-Measures generated tokens/s for 1 and 16 concurrent requests (``ignore_eos`` so every
+measures generated tokens/s for 1 and 16 concurrent requests (``ignore_eos`` so every
 request generates exactly ``max_new_tokens``), then HF ``generate`` on the same prompts
-with batch 1 and batch 8 (left-padded), greedy, the same dtype and device. Writes
-``benchmarks/results/<device>-offline-<date>.json``.
+with batch 1 and batch 8 (left-padded), greedy, the same dtype and device.
+
+Engine loop on a GPU (dummy weights, any shape):
+``python -m attnserve.bench.offline --device cuda --load-format dummy
+[--models smollm2-135m llama-3-8b] [--requests 1 64] [--input-len 512] [--output-len 256]``
+runs, per model shape and request count, with overlap scheduling on and off in the same
+run, each workload once to warm up and then timed:
+
+* ``output_tokens_per_s``: generated tokens / wall time of the whole workload;
+* ``prefill_s``: the same prompts with one new token (prefill alone);
+* ``graph_step_ms``: the engine's captured decode step replayed at that batch and the
+  workload's mean context (CUDA events, median);
+* ``decode_efficiency`` = decode steps x ``graph_step_ms`` / (wall - ``prefill_s``): the
+  share of the decode wall time the GPU would need anyway (1.0: the host never stalls it);
+* ``host_ms_per_step``: the scheduler's own count of host time per decode step (time in
+  ``Scheduler.step`` minus time blocked on the GPU's results).
 """
 
 from __future__ import annotations
@@ -80,15 +94,125 @@ def bench_hf(model_dir: str, gguf_file: str, prompts, max_new_tokens: int, batch
             "tokens_per_s": gen / secs}
 
 
+def _graph_step_ms(llm, bs: int, ctx: int, iters: int = 50) -> float:
+    """GPU time of one replay of the engine's captured decode graph for ``bs`` requests of
+    ``ctx`` cached tokens: ``iters`` replays back to back between two CUDA events (so the
+    host's launch work overlaps the GPU's, as in a running engine), divided by ``iters``.
+    The pool must be free; it is free again afterwards."""
+    from attnserve.bench.decode import _prefill_kv
+
+    runner = llm.engine.model_runner
+    rows, slots, out_loc, fb = _prefill_kv(runner, bs, ctx)
+    try:
+        with torch.inference_mode():
+            for _ in range(5):
+                runner.cuda_graph_runner.replay(fb)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(iters):
+                runner.cuda_graph_runner.replay(fb)
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / iters
+    finally:
+        runner.token_to_kv_pool_allocator.free(torch.cat([slots, out_loc]))
+        runner.req_to_token_pool.free(rows)
+
+
+def _timed_generate(llm, prompts, sp) -> tuple:
+    """(wall seconds, scheduler stats) of one ``generate`` call, stats reset before it."""
+    from attnserve.engine.scheduler import SchedulerStats
+
+    sched = llm.engine.scheduler
+    sched.stats = SchedulerStats()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    assert all(len(o.token_ids) == sp.max_new_tokens for o in outs)
+    return wall, sched.stats
+
+
+def bench_engine_loop(model: str, request_counts, input_len: int, output_len: int) -> list:
+    """The GPU engine-loop cases of one model shape (see the module doc)."""
+    import gc
+
+    from attnserve.engine.llm import LLM
+    from attnserve.engine.sampling_params import SamplingParams
+
+    ctx_len = input_len + output_len + 16
+    llm = LLM(model, load_format="dummy", device="cuda", context_length=ctx_len,
+              max_running_requests=max(request_counts))
+    vocab = llm.engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n in request_counts:
+        prompts = [torch.randint(1, vocab, (input_len,), generator=gen).tolist() for _ in range(n)]
+        sp = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+        sp1 = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        graph_ms = _graph_step_ms(llm, n, input_len + output_len // 2)
+        for overlap in (True, False):
+            llm.engine.scheduler.overlap = overlap
+            llm.generate(prompts, sp)  # warm-up
+            prefill_s, _ = _timed_generate(llm, prompts, sp1)
+            wall, stats = _timed_generate(llm, prompts, sp)
+            decode_wall = wall - prefill_s
+            row = {
+                "model": model, "requests": n, "input_len": input_len, "output_len": output_len,
+                "overlap": overlap, "wall_s": wall, "output_tokens_per_s": n * output_len / wall,
+                "prefill_s": prefill_s, "decode_steps": stats.num_decode_steps, "graph_step_ms": graph_ms,
+                "decode_wall_ms_per_step": 1e3 * decode_wall / max(stats.num_decode_steps, 1),
+                "decode_efficiency": stats.num_decode_steps * graph_ms / 1e3 / decode_wall,
+                "host_ms_per_step": stats.host_ms_per_decode_step, "retractions": stats.num_retractions,
+            }
+            rows.append(row)
+            print(f"{model:14s} n={n:3d} overlap={'on ' if overlap else 'off'} {row['output_tokens_per_s']:9.0f} tok/s "
+                  f"prefill {prefill_s:.3f} s  step {row['decode_wall_ms_per_step']:.2f} ms (graph {graph_ms:.2f}) "
+                  f"eff {row['decode_efficiency']:.2f}  host {row['host_ms_per_step']:.2f} ms", flush=True)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main_engine_loop(args) -> int:
+    import triton
+    import transformers
+
+    rows = []
+    for m in args.models:
+        rows += bench_engine_loop(m, args.requests, args.input_len, args.output_len)
+    result = {
+        "benchmark": "offline", "mode": "engine_loop", "date": dt.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": torch.version.cuda, "transformers": transformers.__version__, "dtype": "bfloat16",
+        "load_format": "dummy", "rows": rows,
+    }
+    write_result(result, args.out, "offline", "cuda")
+    return 0
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: the GPU engine-loop cases with random weights")
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "llama-3-8b"], help="shapes for dummy mode")
+    ap.add_argument("--requests", type=int, nargs="+", default=[1, 64], help="request counts for dummy mode")
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args(argv)
+    if args.load_format == "dummy":
+        if args.device not in ("cuda", "auto") or not torch.cuda.is_available():
+            ap.error("--load-format dummy measures the engine loop on a GPU: needs CUDA (--device cuda)")
+        return main_engine_loop(args)
 
     from attnserve.engine.llm import LLM
     import transformers

@@ -1,10 +1,21 @@
-"""Incremental detokenisation and stop conditions of one request."""
+"""Detokenisation and stop conditions of one request.
+
+The scheduler calls `check_stop` once per new token. Token-level conditions (EOS, stop
+token ids, length) cost no decoding; stop strings are looked for in the decoded tail of
+the output only (a stop string newly completed by the last token lies within it), so the
+per-token cost does not grow with the output. The full text is decoded once, when the
+request finishes (`finalize_text`), or on demand for streaming (`stable_text`).
+"""
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Set
+from typing import Iterable, Set
 
 from attnserve.engine.request import FinishReason, Req
+
+#: tokens decoded per character of the longest stop string when looking for it in the tail
+#: (a character can take several byte-level tokens, e.g. 3-4 for CJK or emoji)
+_TAIL_TOKENS_PER_CHAR = 4
 
 
 def decode_text(tokenizer, token_ids) -> str:
@@ -13,46 +24,75 @@ def decode_text(tokenizer, token_ids) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-def update_text_and_check_stop(req: Req, tokenizer, eos_token_ids: Iterable[int], context_len: int) -> None:
-    """After a token was appended to ``req.output_ids``: refresh ``req.text`` and set
-    ``req.finish_reason`` when a stop condition holds.
+def _stop_ids(req: Req, eos_token_ids: Iterable[int]) -> Set[int]:
+    p = req.sampling_params
+    ids: Set[int] = set(p.stop_token_ids or ())
+    if not p.ignore_eos:
+        ids |= set(eos_token_ids)
+    return ids
 
-    Order of checks: stop token ids and EOS (unless ``ignore_eos``), stop strings (the text
-    is cut before the earliest match), then length (``max_new_tokens`` or the context).
+
+def finalize_text(req: Req, tokenizer) -> None:
+    """Set ``req.text`` to the whole output: a stop token is not part of it, and the text
+    is cut before the earliest stop string (``req.matched_stop`` names it)."""
+    ids = req.output_ids
+    if req.finish_reason == FinishReason.STOP and not isinstance(req.matched_stop, str) and ids:
+        ids = ids[:-1]  # EOS / stop token
+    text = decode_text(tokenizer, ids)
+    cut = -1
+    for s in req.sampling_params.stop_strs:
+        pos = text.find(s)
+        if pos >= 0 and (cut < 0 or pos < cut):
+            cut = pos
+            if req.finish_reason == FinishReason.STOP and isinstance(req.matched_stop, str):
+                req.matched_stop = s
+    req.text = text[:cut] if cut >= 0 else text
+
+
+def check_stop(req: Req, tokenizer, eos_token_ids: Iterable[int], context_len: int) -> None:
+    """After a token was appended to ``req.output_ids``: set ``req.finish_reason`` when a
+    stop condition holds, and then the final ``req.text``.
+
+    Order of checks: stop token ids and EOS (unless ``ignore_eos``), stop strings, then
+    length (``max_new_tokens``, ``max_total_len`` or the context).
     """
     p = req.sampling_params
     last = req.output_ids[-1]
-    stop_ids: Set[int] = set(p.stop_token_ids or ())
-    if not p.ignore_eos:
-        stop_ids |= set(eos_token_ids)
-    # EOS / stop tokens are not part of the text
-    text_ids = req.output_ids[:-1] if last in stop_ids else req.output_ids
-    req.text = decode_text(tokenizer, text_ids)
-    if last in stop_ids:
+    if last in _stop_ids(req, eos_token_ids):
         req.finish_reason = FinishReason.STOP
         req.matched_stop = last
-        return
-    if p.stop_strs:
-        cut: Optional[int] = None
+    elif p.stop_strs and tokenizer is not None:
+        window = _TAIL_TOKENS_PER_CHAR * max(len(s) for s in p.stop_strs) + 2
+        tail = decode_text(tokenizer, req.output_ids[-window:])
         for s in p.stop_strs:
-            pos = req.text.find(s)
-            if pos >= 0 and (cut is None or pos < cut):
-                cut, req.matched_stop = pos, s
-        if cut is not None:
-            req.text = req.text[:cut]
-            req.finish_reason = FinishReason.STOP
-            return
-    if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= req.max_total_len or req.seq_len >= context_len:
+            if s in tail:
+                req.finish_reason = FinishReason.STOP
+                req.matched_stop = s
+                break
+    if req.finish_reason is None and (
+        len(req.output_ids) >= p.max_new_tokens or req.seq_len >= req.max_total_len or req.seq_len >= context_len
+    ):
         req.finish_reason = FinishReason.LENGTH
+    if req.finish_reason is not None:
+        finalize_text(req, tokenizer)
 
 
-def stable_text(req: Req) -> str:
-    """The part of ``req.text`` safe to stream: while unfinished, hold back a trailing
-    replacement character (an incomplete UTF-8 sequence) and any tail that could still be
-    the start of a stop string."""
-    text = req.text
+def update_text_and_check_stop(req: Req, tokenizer, eos_token_ids: Iterable[int], context_len: int) -> None:
+    """`check_stop`, and also refresh ``req.text`` of an unfinished request (the decoded
+    output so far)."""
+    check_stop(req, tokenizer, eos_token_ids, context_len)
+    if req.finish_reason is None:
+        req.text = decode_text(tokenizer, req.output_ids)
+
+
+def stable_text(req: Req, tokenizer=None) -> str:
+    """The part of the output text safe to stream: while unfinished, the decoded output
+    without a trailing replacement character (an incomplete UTF-8 sequence) and without any
+    tail that could still be the start of a stop string. ``tokenizer`` decodes an
+    unfinished request (without it, ``req.text`` is used as is)."""
     if req.finished:
-        return text
+        return req.text
+    text = decode_text(tokenizer, req.output_ids) if tokenizer is not None else req.text
     while text.endswith("\ufffd"):
         text = text[:-1]
     hold = 0

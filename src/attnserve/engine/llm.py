@@ -79,6 +79,7 @@ class LLM:
                 now = sum(r.finished for r in reqs)
                 pbar.update(now - done)
                 done = now
+        self.engine.scheduler.flush()  # overlap: the last launched step's extra tokens are dropped
         if pbar is not None:
             pbar.close()
         outs = [GenerateOutput.from_req(r) for r in reqs]

@@ -2,8 +2,9 @@
 
 It sizes and owns the two-level KV cache (`ReqToTokenPool` + `TokenToKVPoolAllocator` +
 `MHATokenToKVPool`/`MLATokenToKVPool`), chooses the attention backend(s), and runs one
-forward step from host lists (`forward_step`), replaying a CUDA graph for decode batches
-when one is captured.
+forward step from a `ForwardBatch` (`forward`), replaying a CUDA graph for decode batches
+when one is captured. The scheduler builds the batch (`attnserve.engine.step_inputs`);
+`build_forward_batch` builds one from host lists for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -152,11 +153,3 @@ class ModelRunner:
             last = fb.extend_start_loc.to(torch.int64) + fb.extend_seq_lens.to(torch.int64) - 1
             hidden = hidden[last]
         return self.model.compute_logits(hidden)
-
-    def forward_step(
-        self, mode: ForwardMode, input_ids: List[int], req_pool_indices: List[int], prefix_lens: List[int],
-        extend_lens: List[int], out_cache_loc: torch.Tensor,
-    ) -> torch.Tensor:
-        """Build the `ForwardBatch` from host lists and return last-token logits ``[bs, V]``."""
-        fb = self.build_forward_batch(mode, input_ids, req_pool_indices, prefix_lens, extend_lens, out_cache_loc)
-        return self.forward(fb)

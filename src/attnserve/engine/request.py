@@ -7,24 +7,28 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-import torch
-
 from attnserve.engine.sampling_params import SamplingParams
 
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_new_tokens or the context length
-    ABORT = "abort"  # cancelled by the client
+    ABORT = "abort"  # cancelled by the client, or failed alone (``Req.error`` says why)
 
 
 @dataclass
 class Req:
     """A request from admission to completion.
 
-    ``fill_ids = prompt_ids + output_ids``; ``kv_len`` of them have K/V in the cache (their
-    slots are ``req_to_token[req_pool_idx, :kv_len]``). ``max_total_len`` bounds the tokens
-    the request may ever hold and is what the scheduler reserves KV for at admission.
+    ``fill_ids = prompt_ids + output_ids``; ``kv_len`` tokens have K/V in the cache or
+    being computed by a launched step (their slots are ``req_to_token[req_pool_idx,
+    :kv_len]``). ``max_total_len`` bounds the tokens the request may ever hold.
+
+    ``prefill_target`` is how many of ``fill_ids`` the request prefills after admission
+    (the prompt, or prompt + output after a retraction); once ``kv_len`` reaches it the
+    request decodes. ``num_inflight`` counts tokens sampled by launched steps whose ids
+    have not reached the host yet (overlap scheduling). ``seed`` keys the request's
+    sampling noise (`attnserve.engine.sampler`).
     """
 
     rid: str
@@ -34,11 +38,14 @@ class Req:
     output_ids: List[int] = field(default_factory=list)
     req_pool_idx: Optional[int] = None
     kv_len: int = 0
-    last_loc: int = 0
+    prefill_target: int = 0
+    num_inflight: int = 0
+    seed: int = 0
+    num_retractions: int = 0
+    error: Optional[str] = None
     finish_reason: Optional[FinishReason] = None
     matched_stop: Optional[object] = None
     text: str = ""
-    generator: Optional[torch.Generator] = None
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: Optional[float] = None
     finished_at: Optional[float] = None
@@ -57,5 +64,17 @@ class Req:
 
     @property
     def is_prefilling(self) -> bool:
-        """Prompt tokens (other than the last) still lack K/V."""
-        return self.kv_len < len(self.prompt_ids)
+        """Tokens of ``fill_ids`` up to ``prefill_target`` still lack K/V."""
+        return self.kv_len < self.prefill_target
+
+    @property
+    def num_launched_outputs(self) -> int:
+        """Output tokens on the host plus those still being sampled."""
+        return len(self.output_ids) + self.num_inflight
+
+    def can_decode_more(self) -> bool:
+        """Another decode step may still produce a token this request keeps: its launched
+        outputs are below ``max_new_tokens`` and its length below ``max_total_len``."""
+        n = self.num_launched_outputs
+        return (not self.finished and n < self.sampling_params.max_new_tokens
+                and len(self.prompt_ids) + n < self.max_total_len)

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
+#: temperatures below this are greedy (SGLang's ``_SAMPLING_EPS`` is 1e-6; 1e-5 keeps
+#: ``logits / T`` well inside float32 for any logit a model produces, so a tiny temperature
+#: can never turn into inf/NaN probabilities).
+SAMPLING_EPS = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -12,7 +17,8 @@ class SamplingParams:
 
     Attributes:
         max_new_tokens: tokens to generate at most (>= 1).
-        temperature: 0 means greedy; otherwise logits are divided by it (>= 0).
+        temperature: 0 (or anything below `SAMPLING_EPS`) means greedy; otherwise logits
+            are divided by it (>= 0, finite).
         top_k: keep the k most likely tokens (-1 or 0: all).
         top_p: nucleus sampling, keep the smallest set with cumulative probability >= top_p,
             in (0, 1] (Holtzman et al., arXiv:1904.09751).
@@ -47,8 +53,9 @@ class SamplingParams:
         """Raise ValueError naming the first invalid field."""
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
+                or not 0 <= self.temperature < float("inf")):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
@@ -66,4 +73,4 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1

@@ -1,18 +1,36 @@
-"""Continuous-batching scheduler.
+"""Continuous-batching scheduler with overlap scheduling and retraction.
 
 Each `step`:
 
 1. **Admit** waiting requests in arrival order while a `ReqToTokenPool` row is free and
-   the KV pool can hold the request's whole future (prompt + ``max_new_tokens``, in
-   pages) on top of what running requests have reserved. Reserving the worst case means
-   a running request never runs out of KV, so nothing is ever preempted.
-2. **Pick a batch**: if some admitted request still has prompt tokens without K/V, an
-   EXTEND batch of prompt chunks (at most ``chunked_prefill_size`` tokens in all; with
-   ``enable_mixed_chunk`` the decoding requests ride along in a MIXED batch); otherwise a
-   DECODE batch of every running request.
-3. **Run** it (slots from `TokenToKVPoolAllocator.alloc_extend`, written into
-   ``req_to_token``, then `ModelRunner.forward`), sample, check stop conditions, and free a
-   finished request's KV slots and row at once.
+   the KV pool covers their prompt plus an *estimate* of their future output
+   (``new_token_ratio * remaining max_new_tokens``, SGLang's admission rule) on top of the
+   running requests' own estimates. The ratio starts at `AdmissionPolicy.init_ratio`,
+   decays by ``decay`` a decode step down to ``min_ratio``, and is raised after a
+   retraction.
+2. **Pick a batch** on the host: EXTEND chunks for requests still prefilling (at most
+   ``chunked_prefill_size`` tokens; with ``enable_mixed_chunk`` decode requests ride
+   along in a MIXED batch), else a DECODE batch of every running request that may still
+   produce a token. When the pool lacks pages for the batch, the running requests with
+   the fewest generated tokens are **retracted**: their KV is freed, their output kept, and
+   they go back to the front of the waiting queue to prefill prompt + output later
+   (SGLang ``retract_decode``). A request that fits the pool alone is never refused.
+3. **Launch** it: slots from the tensor allocator, every integer input in one packed
+   host->device copy (`StepInputPacker`), one batched ``req_to_token`` write, the forward
+   (a CUDA-graph replay for decode), batched sampling (`sampler.sample`). Decode inputs are
+   read on the device from the future-token map ``token_map[req_pool_idx]`` that each
+   sampling step scatters its ids into, so a step never needs the previous one's ids on
+   the host. The sampled ids go to the host through a non-blocking copy and an event.
+4. **Process** a launched step's results: append tokens, check stop conditions, free the
+   KV of finished requests in one batched free.
+
+Without overlap (the default on CPU, ``--disable-overlap-schedule``), a step processes its
+own results (3 then 4). With overlap (the default on CUDA) step N+1 is launched *before*
+step N's results are processed, so the host builds the next batch and post-processes the
+previous one while the GPU computes (SGLang's overlap scheduler). A request that finished
+at step N may then get one more token computed at N+1; it is discarded, never emitted,
+and its KV is freed with the rest. Length limits are known on the host, so a request never
+gets a step beyond ``max_new_tokens``.
 
 Requests that are still decoding keep their place in the running batch while new ones are
 prefilled (continuous batching, Yu et al., "Orca", OSDI 2022).
@@ -24,17 +42,82 @@ import itertools
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Sequence
 
 import torch
 
-from attnserve.engine.detokenizer import update_text_and_check_stop
+from attnserve.engine.detokenizer import check_stop
 from attnserve.engine.request import FinishReason, Req
-from attnserve.engine.sampler import sample
+from attnserve.engine.sampler import SamplingBatchInfo, sample
 from attnserve.engine.sampling_params import SamplingParams
-from attnserve.forward_batch import ForwardMode
+from attnserve.engine.step_inputs import StepInputPacker, host_step_layout
+from attnserve.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AdmissionPolicy:
+    """SGLang's estimate of future KV use (``schedule_policy.py`` / ``global_config``):
+    a running request is expected to still need ``new_token_ratio`` of its remaining
+    ``max_new_tokens``. After a retraction the ratio is set to
+    ``(decoded + retract_decode_steps * running) / sum(max_new_tokens)`` (at most 1)."""
+
+    init_ratio: float = 0.7
+    min_ratio: float = 0.098
+    decay_steps: int = 600
+    retract_decode_steps: int = 20
+
+    @property
+    def decay(self) -> float:
+        return (self.init_ratio - self.min_ratio) / self.decay_steps
+
+
+@dataclass
+class SchedulerStats:
+    """Counters of one scheduler (read by benchmarks and ``/metrics``).
+
+    ``host_seconds`` is the time spent inside `Scheduler.step` minus the time blocked
+    waiting for the GPU's results, split by the kind of step that was launched.
+    """
+
+    num_steps: int = 0
+    num_decode_steps: int = 0
+    num_extend_steps: int = 0
+    decode_host_seconds: float = 0.0
+    extend_host_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    num_retractions: int = 0
+    num_retracted_requests: int = 0
+    discarded_tokens: int = 0
+
+    @property
+    def host_ms_per_decode_step(self) -> float:
+        return 1e3 * self.decode_host_seconds / max(self.num_decode_steps, 1)
+
+
+@dataclass
+class ScheduleBatch:
+    """A step chosen on the host: ``reqs`` with ``prefix_lens[i]`` cached tokens and
+    ``extend_lens[i]`` computed now; ``emit[i]``: row i samples an output token."""
+
+    forward_mode: ForwardMode
+    reqs: List[Req]
+    prefix_lens: List[int]
+    extend_lens: List[int]
+    emit: List[bool] = field(default_factory=list)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose GPU work is enqueued: ``emit_reqs`` get ``next_ids_host`` (valid once
+    ``event`` has completed; None on the CPU, where it is valid at once)."""
+
+    batch: ScheduleBatch
+    emit_reqs: List[Req]
+    next_ids_host: Optional[torch.Tensor]
+    event: Optional["torch.cuda.Event"] = None
 
 
 class Scheduler:
@@ -45,20 +128,38 @@ class Scheduler:
         server_args: the engine's `ServerArgs`.
         tokenizer: HF tokenizer (for stop strings and text), or None.
         eos_token_ids: ids that end a request unless ``ignore_eos``.
+        policy: the admission estimate (`AdmissionPolicy`).
     """
 
-    def __init__(self, model_runner, server_args, tokenizer=None, eos_token_ids: Sequence[int] = ()):
+    def __init__(self, model_runner, server_args, tokenizer=None, eos_token_ids: Sequence[int] = (),
+                 policy: Optional[AdmissionPolicy] = None):
         self.runner = model_runner
         self.args = server_args
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         self.context_len = model_runner.context_len
+        self.device = torch.device(model_runner.device)
+        self.overlap = server_args.overlap_schedule_enabled(self.device.type)
+        self.policy = policy or AdmissionPolicy()
+        self.new_token_ratio = self.policy.init_ratio
         self.waiting: Deque[Req] = deque()
         self.running: List[Req] = []
         self.requests: Dict[str, Req] = {}
         self._rid_counter = itertools.count()
-        self.default_generator = torch.Generator(device=model_runner.device).manual_seed(server_args.random_seed)
-        self.num_steps = 0
+        self.seed_generator = torch.Generator().manual_seed(server_args.random_seed)
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.allocator = model_runner.token_to_kv_pool_allocator
+        # future-token map: the last sampled id of the request in each req_to_token row
+        self.token_map = torch.zeros(self.req_to_token_pool.size, dtype=torch.int64, device=self.device)
+        self.packer = StepInputPacker(self.device)
+        self._ids_ring: List[Optional[torch.Tensor]] = [None] * 4
+        self._ids_next = 0
+        self._pending: Optional[LaunchedStep] = None
+        self.stats = SchedulerStats()
+
+    @property
+    def num_steps(self) -> int:
+        return self.stats.num_steps
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, prompt_ids: List[int], sampling_params: SamplingParams, rid: Optional[str] = None) -> Req:
@@ -76,9 +177,9 @@ class Scheduler:
                 f"the prompt has {n} tokens but the context length is {self.context_len}; "
                 f"shorten it to at most {self.context_len - 1} tokens"
             )
-        capacity = self.runner.token_to_kv_pool_allocator.size
+        capacity = self.allocator.size
         if n + 1 > capacity:
-            raise ValueError(f"the prompt has {n} tokens but the KV pool holds {capacity}; raise --max-total-tokens")
+            raise ValueError(f"the prompt has {n} tokens but the KV pool holds {capacity}")
         if self.args.max_queued_requests is not None and len(self.waiting) >= self.args.max_queued_requests:
             raise QueueFullError(f"the waiting queue is full ({self.args.max_queued_requests} requests)")
         rid = rid if rid is not None else f"req-{next(self._rid_counter)}"
@@ -87,7 +188,9 @@ class Scheduler:
         max_total = min(n + sampling_params.max_new_tokens, self.context_len, capacity)
         req = Req(rid=rid, prompt_ids=list(prompt_ids), sampling_params=sampling_params, max_total_len=max_total)
         if sampling_params.seed is not None:
-            req.generator = torch.Generator(device=self.runner.device).manual_seed(sampling_params.seed)
+            req.seed = int(sampling_params.seed)
+        else:
+            req.seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.seed_generator))
         self.requests[rid] = req
         self.waiting.append(req)
         return req
@@ -106,117 +209,286 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    # ---- KV accounting -----------------------------------------------------------------
-    def _pages_to_finish(self, req: Req) -> int:
-        return self.runner.token_to_kv_pool_allocator.pages_needed(req.kv_len, req.max_total_len)
-
-    def _admit(self) -> None:
-        alloc = self.runner.token_to_kv_pool_allocator
-        reserved = sum(self._pages_to_finish(r) for r in self.running)
-        while self.waiting and len(self.running) < self.args.max_running_requests:
-            req = self.waiting[0]
-            need = self._pages_to_finish(req)
-            if alloc.num_free_pages() - reserved < need:
-                break
-            rows = self.runner.req_to_token_pool.alloc(1)
-            if rows is None:
-                break
-            self.waiting.popleft()
-            req.req_pool_idx = rows[0]
-            reserved += need
-            self.running.append(req)
-
-    def _release(self, req: Req) -> None:
-        if req.req_pool_idx is None:
-            return
-        if req.kv_len:
-            slots = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len]
-            self.runner.token_to_kv_pool_allocator.free(slots.to("cpu", torch.int64))
-        self.runner.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-        req.kv_len = 0
-
-    # ---- one step ----------------------------------------------------------------------
-    def _select(self):
-        """Return (mode, reqs, extend_lens) for this step, or None when idle."""
-        prefilling = [r for r in self.running if r.is_prefilling]
-        decoding = [r for r in self.running if not r.is_prefilling]
-        if not prefilling:
-            if not decoding:
-                return None
-            return ForwardMode.DECODE, decoding, [1] * len(decoding)
-        budget = self.args.chunked_prefill_size
-        reqs, lens = [], []
-        for r in prefilling:
-            if budget <= 0:
-                break
-            n = min(len(r.prompt_ids) - r.kv_len, budget)
-            reqs.append(r)
-            lens.append(n)
-            budget -= n
-        if self.args.enable_mixed_chunk and decoding:
-            return ForwardMode.MIXED, reqs + decoding, lens + [1] * len(decoding)
-        return ForwardMode.EXTEND, reqs, lens
-
-    def step(self) -> List[Req]:
-        """Run one engine step; return the requests that got a token or finished."""
-        self._admit()
-        sel = self._select()
-        if sel is None:
-            return []
-        mode, reqs, extend_lens = sel
-        prefix_lens = [r.kv_len for r in reqs]
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        out_cache_loc = self.runner.token_to_kv_pool_allocator.alloc_extend(
-            prefix_lens, seq_lens, [r.last_loc for r in reqs]
-        )
-        if out_cache_loc is None:  # cannot happen: admission reserved the pages
-            raise RuntimeError("KV pool exhausted despite admission reservation (scheduler bug)")
-        input_ids: List[int] = []
-        offset = 0
-        for r, p, e in zip(reqs, prefix_lens, extend_lens):
-            input_ids.extend(r.fill_ids[p : p + e])
-            self.runner.req_to_token_pool.write(r.req_pool_idx, p, out_cache_loc[offset : offset + e])
-            r.kv_len = p + e
-            r.last_loc = int(out_cache_loc[offset + e - 1])
-            offset += e
-        logits = self.runner.forward_step(
-            mode, input_ids, [r.req_pool_idx for r in reqs], prefix_lens, extend_lens, out_cache_loc
-        )
-        # Requests whose prompt is now complete (or that are decoding) get a token.
-        emit = [i for i, r in enumerate(reqs) if not r.is_prefilling]
-        touched: List[Req] = []
-        if emit:
-            next_ids = sample(
-                logits[emit],
-                [reqs[i].sampling_params for i in emit],
-                [reqs[i].generator for i in emit],
-                self.default_generator,
-            )
-            for i, tok in zip(emit, next_ids):
-                r = reqs[i]
-                r.output_ids.append(int(tok))
-                if r.first_token_at is None:
-                    r.first_token_at = time.perf_counter()
-                update_text_and_check_stop(r, self.tokenizer, self.eos_token_ids, self.context_len)
-                touched.append(r)
-                if r.finished:
-                    self._finish(r)
-        self.num_steps += 1
-        return touched
-
-    def _finish(self, req: Req) -> None:
-        req.finished_at = time.perf_counter()
-        self.running.remove(req)
-        self._release(req)
+        return bool(self.waiting or self.running or self._pending is not None)
 
     def forget(self, rid: str) -> None:
         """Drop a finished request's record (the caller has consumed its output)."""
         req = self.requests.get(rid)
         if req is not None and req.finished:
             del self.requests[rid]
+
+    # ---- KV accounting -----------------------------------------------------------------
+    def _future_tokens(self, req: Req) -> float:
+        """Tokens ``req`` is expected to still add to the cache (prefill exactly, decode by
+        the estimate ratio), plus a partly filled page."""
+        prefill = max(req.prefill_target - req.kv_len, 0) if req.req_pool_idx is not None else len(req.prompt_ids) + len(req.output_ids)
+        decode = req.sampling_params.max_new_tokens - req.num_launched_outputs
+        return prefill + self.new_token_ratio * max(decode, 0) + (self.allocator.page_size - 1)
+
+    def _admit(self) -> None:
+        free = self.allocator.available_size()
+        reserved = sum(self._future_tokens(r) for r in self.running)
+        while self.waiting and len(self.running) < self.args.max_running_requests:
+            req = self.waiting[0]
+            need = self._future_tokens(req)
+            if self.running and free - reserved < need:
+                break
+            rows = self.req_to_token_pool.alloc(1)
+            if rows is None:
+                break
+            self.waiting.popleft()
+            req.req_pool_idx = rows[0]
+            req.kv_len = 0
+            req.prefill_target = len(req.prompt_ids) + len(req.output_ids)
+            reserved += need
+            self.running.append(req)
+
+    def _release(self, req: Req) -> None:
+        """Give ``req``'s KV slots and row back (slots read from the host mirror)."""
+        if req.req_pool_idx is None:
+            return
+        if req.kv_len:
+            self.allocator.free(self.req_to_token_pool.slots_of(req.req_pool_idx, req.kv_len))
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.kv_len = 0
+
+    def _retract(self, victims: List[Req]) -> None:
+        """Send ``victims`` (no token in flight) back to the front of the waiting queue."""
+        for req in victims:
+            self.running.remove(req)
+            self._release(req)
+            req.prefill_target = 0
+            req.num_retractions += 1
+            self.waiting.appendleft(req)
+        self.stats.num_retractions += 1
+        self.stats.num_retracted_requests += len(victims)
+        decoded = sum(len(r.output_ids) for r in self.running)
+        total = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
+        self.new_token_ratio = min(1.0, (decoded + self.policy.retract_decode_steps * len(self.running)) / total)
+        logger.warning(
+            "KV pool exhausted: retracted %d request(s) (%s); %d running, new_token_ratio %.3f",
+            len(victims), ", ".join(r.rid for r in victims), len(self.running), self.new_token_ratio,
+        )
+
+    def _pages_for(self, reqs: List[Req], extend_lens: List[int]) -> int:
+        return sum(self.allocator.pages_needed(r.kv_len, r.kv_len + e) for r, e in zip(reqs, extend_lens))
+
+    # ---- choosing a step ---------------------------------------------------------------
+    def _select(self) -> Optional[ScheduleBatch]:
+        prefilling = [r for r in self.running if r.is_prefilling]
+        decoding = [r for r in self.running if not r.is_prefilling and r.can_decode_more()]
+        if not prefilling:
+            if not decoding:
+                return None
+            return ScheduleBatch(ForwardMode.DECODE, decoding, [r.kv_len for r in decoding], [1] * len(decoding))
+        budget = self.args.chunked_prefill_size
+        reqs, lens = [], []
+        for r in prefilling:
+            if budget <= 0:
+                break
+            n = min(r.prefill_target - r.kv_len, budget)
+            reqs.append(r)
+            lens.append(n)
+            budget -= n
+        if self.args.enable_mixed_chunk and decoding:
+            return ScheduleBatch(ForwardMode.MIXED, reqs + decoding, [r.kv_len for r in reqs + decoding],
+                                 lens + [1] * len(decoding))
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, [r.kv_len for r in reqs], lens)
+
+    def _schedule(self, touched: List[Req]) -> Optional[ScheduleBatch]:
+        """The next batch, with enough free pages for it (retracting when needed)."""
+        while True:
+            batch = self._select()
+            if batch is None:
+                return None
+            need = self._pages_for(batch.reqs, batch.extend_lens)
+            if need <= self.allocator.num_free_pages():
+                return batch
+            if self._pending is not None:  # finished requests of the pending step may free enough
+                touched.extend(self._process(self._pending))
+                self._pending = None
+                continue
+            in_batch = set(map(id, batch.reqs))
+            victims = [r for r in self.running if id(r) not in in_batch]
+            if not victims:
+                victims = batch.reqs[1:] if len(batch.reqs) > 1 else []
+            if not victims:
+                raise RuntimeError(
+                    f"request {batch.reqs[0].rid} needs {need} KV pages but the pool has "
+                    f"{self.allocator.num_free_pages()} free of {self.allocator.num_pages} (scheduler bug)"
+                )
+            # fewest generated tokens first, then the longest prompt (SGLang retract_decode)
+            victims.sort(key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
+            freed, chosen = 0, []
+            short = need - self.allocator.num_free_pages()
+            for r in victims:
+                chosen.append(r)
+                freed += -(-r.kv_len // self.allocator.page_size)
+                if freed >= short:
+                    break
+            self._retract(chosen)
+
+    # ---- one step ----------------------------------------------------------------------
+    def step(self) -> List[Req]:
+        """Run one engine step; return the requests that got a token or finished."""
+        t0 = time.perf_counter()
+        wait0 = self.stats.wait_seconds
+        touched: List[Req] = []
+        launched = None
+        try:
+            self._admit()
+            batch = self._schedule(touched)
+            if batch is not None:
+                launched = self._launch(batch)
+            if self.overlap:
+                if self._pending is not None:
+                    touched.extend(self._process(self._pending))
+                self._pending = launched
+            elif launched is not None:
+                touched.extend(self._process(launched))
+        except BaseException:
+            self._pending = None
+            raise
+        host = time.perf_counter() - t0 - (self.stats.wait_seconds - wait0)
+        if launched is not None:
+            self.stats.num_steps += 1
+            if launched.batch.forward_mode.is_decode():
+                self.stats.num_decode_steps += 1
+                self.stats.decode_host_seconds += host
+                self.new_token_ratio = max(self.policy.min_ratio, self.new_token_ratio - self.policy.decay)
+            else:
+                self.stats.num_extend_steps += 1
+                self.stats.extend_host_seconds += host
+        return touched
+
+    def flush(self) -> List[Req]:
+        """Process the launched step whose results are still pending (overlap); returns
+        the requests it touched."""
+        pending, self._pending = self._pending, None
+        return self._process(pending) if pending is not None else []
+
+    def _ids_buffer(self, n: int) -> Optional[torch.Tensor]:
+        if self.device.type != "cuda":
+            return None
+        i = self._ids_next
+        self._ids_next = (i + 1) % len(self._ids_ring)
+        buf = self._ids_ring[i]
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
+            self._ids_ring[i] = buf
+        return buf[:n]
+
+    def _launch(self, batch: ScheduleBatch) -> LaunchedStep:
+        reqs, prefix_lens, extend_lens = batch.reqs, batch.prefix_lens, batch.extend_lens
+        rows = [r.req_pool_idx for r in reqs]
+        host = host_step_layout(rows, prefix_lens, extend_lens)
+        r2t = self.req_to_token_pool
+        last_loc = r2t.req_to_token_host[host["req_pool_indices"], (host["extend_prefix_lens"].long() - 1).clamp_min(0)]
+        loc = self.allocator.alloc_extend(host["extend_prefix_lens"], host["seq_lens"], last_loc)
+        if loc is None:  # _schedule checked the pages
+            raise RuntimeError("KV pool exhausted after the schedule reserved pages (scheduler bug)")
+        input_ids: List[int] = []
+        emit: List[bool] = []
+        has_future = False
+        for r, p, e in zip(reqs, prefix_lens, extend_lens):
+            if p < r.prefill_target:  # prefill chunk: ids known on the host
+                input_ids.extend(r.fill_ids[p: p + e])
+                r.kv_len = p + e
+                emit.append(r.kv_len == r.prefill_target)
+            else:  # decode: the input is the request's last sampled token, read on the device
+                input_ids.append(-1)
+                has_future = True
+                r.kv_len = p + 1
+                emit.append(True)
+        batch.emit = emit
+        emit_reqs = [r for r, e in zip(reqs, emit) if e]
+        emit_index = [i for i, e in enumerate(emit) if e]
+        host.update(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64), out_cache_loc=loc,
+            out_cache_loc_i32=loc.to(torch.int32), emit_index=torch.tensor(emit_index, dtype=torch.int64),
+        )
+        dev = self.packer.pack(host)
+        r2t.write_batch(host["token_rows"], host["positions"], host["out_cache_loc_i32"],
+                        dev.token_rows, dev.positions, dev.out_cache_loc_i32)
+        input_ids_dev = dev.input_ids
+        if has_future:
+            if batch.forward_mode.is_decode():
+                input_ids_dev = self.token_map[dev.req_pool_indices]
+            else:
+                input_ids_dev = torch.where(input_ids_dev >= 0, input_ids_dev, self.token_map[dev.token_rows])
+        seq_lens_list = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        fb = ForwardBatch(
+            forward_mode=batch.forward_mode, batch_size=len(reqs), input_ids=input_ids_dev,
+            positions=dev.positions, req_pool_indices=dev.req_pool_indices, seq_lens=dev.seq_lens,
+            out_cache_loc=dev.out_cache_loc, seq_lens_cpu=host["seq_lens"], seq_lens_sum=sum(seq_lens_list),
+            extend_prefix_lens=dev.extend_prefix_lens, extend_seq_lens=dev.extend_seq_lens,
+            extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=list(extend_lens),
+            extend_start_loc=dev.extend_start_loc, req_to_token_pool=r2t,
+            token_to_kv_pool=self.runner.token_to_kv_pool, attn_backend=self.runner.attn_backend,
+        )
+        logits = self.runner.forward(fb)
+        if not emit_reqs:
+            return LaunchedStep(batch, [], None)
+        if len(emit_reqs) != len(reqs):
+            logits = logits[dev.emit_index]
+        params = [r.sampling_params for r in emit_reqs]
+        if all(p.is_greedy for p in params):
+            next_ids = torch.argmax(logits, dim=-1)
+        else:
+            info = SamplingBatchInfo.from_params(params, [r.seed for r in emit_reqs],
+                                                 [r.num_launched_outputs for r in emit_reqs], self.device)
+            next_ids = sample(logits, info)
+        self.token_map[dev.req_pool_indices if len(emit_reqs) == len(reqs) else dev.req_pool_indices[dev.emit_index]] = next_ids
+        for r in emit_reqs:
+            r.num_inflight += 1
+        host_ids = self._ids_buffer(len(emit_reqs))
+        if host_ids is None:
+            return LaunchedStep(batch, emit_reqs, next_ids)
+        host_ids.copy_(next_ids, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return LaunchedStep(batch, emit_reqs, host_ids, ev)
+
+    def _process(self, launched: LaunchedStep) -> List[Req]:
+        """Apply a launched step's sampled ids: append, check stops, free finished KV."""
+        if not launched.emit_reqs:
+            return []
+        if launched.event is not None:
+            t = time.perf_counter()
+            launched.event.synchronize()
+            self.stats.wait_seconds += time.perf_counter() - t
+        ids = launched.next_ids_host.tolist()
+        touched: List[Req] = []
+        now = time.perf_counter()
+        self.allocator.free_group_begin()
+        try:
+            for r, tok in zip(launched.emit_reqs, ids):
+                r.num_inflight -= 1
+                if r.finished:  # finished or aborted while this step ran: the token is dropped
+                    self.stats.discarded_tokens += 1
+                    continue
+                try:
+                    r.output_ids.append(tok)
+                    if r.first_token_at is None:
+                        r.first_token_at = now
+                    check_stop(r, self.tokenizer, self.eos_token_ids, self.context_len)
+                except Exception as e:  # this request alone fails; the batch goes on
+                    logger.exception("post-processing request %s failed", r.rid)
+                    r.finish_reason = FinishReason.ABORT
+                    r.error = f"{type(e).__name__}: {e}"
+                touched.append(r)
+                if r.finished:
+                    self._finish(r)
+        finally:
+            self.allocator.free_group_end()
+        return touched
+
+    def _finish(self, req: Req) -> None:
+        req.finished_at = time.perf_counter()
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
 
 
 class QueueFullError(ValueError):

@@ -1,7 +1,8 @@
 """Two-level paged KV cache (SGLang ``mem_cache/memory_pool.py`` design).
 
 * `ReqToTokenPool` maps (request row, token position) -> KV slot.
-* `TokenToKVPoolAllocator` hands out KV slots in pages of ``page_size`` tokens.
+* `TokenToKVPoolAllocator` (``allocator.py``, re-exported here) hands out KV slots in
+  pages of ``page_size`` tokens.
 * `MHATokenToKVPool` / `MLATokenToKVPool` own the physical K/V (or MLA latent) storage.
 
 Slot layout: the physical buffers have ``size + page_size`` rows; page 0 (slots
@@ -16,6 +17,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
+from attnserve.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: F401 (re-export)
 from attnserve.mem_cache.store_kv import KVStoreTarget, fused_kernels_enabled, store_kv
 
 
@@ -23,10 +25,20 @@ class ReqToTokenPool:
     """``req_to_token`` int32 ``[size, max_context_len]``: row r holds the KV slot of each
     token of the request that owns row r.
 
+    On a GPU the table lives on the device (the attention kernels read it there) and a host
+    mirror ``req_to_token_host`` holds the same values, so the scheduler can find a request's
+    slots (to free them, or the last one to continue a page) without reading the device. On
+    the CPU both names are the same tensor. Writes go to both: `write_batch` takes the
+    step's (row, position, slot) triples once, as host tensors plus the device copies of
+    them that travel in the step's packed input buffer.
+
     Args:
         size: maximum number of concurrently running requests (rows).
         max_context_len: maximum tokens per request (columns).
-        device: where ``req_to_token`` lives (the attention kernels read it there).
+        device: where ``req_to_token`` lives.
+
+    Raises:
+        ValueError: ``size`` or ``max_context_len`` below 1.
     """
 
     def __init__(self, size: int, max_context_len: int, device: Union[str, torch.device]):
@@ -36,6 +48,10 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.device = torch.device(device)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
+        if self.device.type == "cpu":
+            self.req_to_token_host = self.req_to_token
+        else:
+            self.req_to_token_host = torch.zeros((size, max_context_len), dtype=torch.int32)
         self._free_rows: List[int] = list(range(size))
         self._in_use = [False] * size
 
@@ -61,129 +77,41 @@ class ReqToTokenPool:
             self._free_rows.append(r)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        """``req_to_token[row, start:start+len(slots)] = slots``."""
-        self.req_to_token[row, start : start + slots.numel()] = slots.to(self.device, torch.int32)
+        """``req_to_token[row, start:start+len(slots)] = slots`` (one request; tests and
+        benchmarks; the scheduler uses `write_batch`)."""
+        n = slots.numel()
+        self.req_to_token[row, start : start + n] = slots.to(self.device, torch.int32)
+        if self.req_to_token_host is not self.req_to_token:
+            self.req_to_token_host[row, start : start + n] = slots.to("cpu", torch.int32)
+
+    def write_batch(
+        self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor,
+        rows_dev: Optional[torch.Tensor] = None, cols_dev: Optional[torch.Tensor] = None,
+        slots_dev: Optional[torch.Tensor] = None,
+    ) -> None:
+        """``req_to_token[rows[j], cols[j]] = slots[j]`` for every j, in one indexed write.
+
+        Args:
+            rows / cols: int64 ``[n]`` host tensors; slots: int32 or int64 ``[n]`` host.
+            rows_dev / cols_dev / slots_dev: the same values already on the device (int64,
+                int64, int32); when given, the device table is written from them (no copy
+                of its own); otherwise from the host tensors.
+        """
+        self.req_to_token_host[rows, cols] = slots.to(torch.int32)
+        if self.req_to_token_host is self.req_to_token:
+            return
+        if rows_dev is None:
+            rows_dev, cols_dev = rows.to(self.device), cols.to(self.device)
+            slots_dev = slots.to(self.device, torch.int32)
+        self.req_to_token.index_put_((rows_dev, cols_dev), slots_dev)
+
+    def slots_of(self, row: int, length: int) -> torch.Tensor:
+        """Host int32 view of the first ``length`` slots of ``row``."""
+        return self.req_to_token_host[row, :length]
 
     def clear(self) -> None:
         self._free_rows = list(range(self.size))
         self._in_use = [False] * self.size
-
-
-class TokenToKVPoolAllocator:
-    """Hands out KV slots in pages of ``page_size`` tokens; page 0 is reserved.
-
-    A request's tokens fill its pages in order: a new token goes to the slot after the
-    request's last one while that page has room, and opens a fresh page otherwise
-    (`alloc_extend`). Bookkeeping lives on the host; returned slot tensors are int64 on
-    the host (callers move them to the device once per step).
-
-    Args:
-        size: usable token slots; rounded down to a multiple of ``page_size``.
-        page_size: tokens per page (>= 1).
-    """
-
-    def __init__(self, size: int, page_size: int = 1):
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        self.page_size = page_size
-        self.num_pages = size // page_size
-        if self.num_pages < 1:
-            raise ValueError(f"KV pool of {size} tokens holds no page of {page_size} tokens")
-        self.size = self.num_pages * page_size
-        self.clear()
-
-    def clear(self) -> None:
-        self._free_pages: List[int] = list(range(1, self.num_pages + 1))
-        self._page_free = [False] + [True] * self.num_pages
-
-    def available_size(self) -> int:
-        """Free token slots (whole free pages only)."""
-        return len(self._free_pages) * self.page_size
-
-    def num_free_pages(self) -> int:
-        return len(self._free_pages)
-
-    def _take_pages(self, n: int) -> Optional[List[int]]:
-        if n > len(self._free_pages):
-            return None
-        pages, self._free_pages = self._free_pages[:n], self._free_pages[n:]
-        for p in pages:
-            self._page_free[p] = False
-        return pages
-
-    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
-        """Slots for ``need_size`` tokens on fresh pages, or None when the pool is too full.
-
-        With ``page_size > 1`` the last page may be partly used; its unused slots stay with
-        the caller until `free`.
-        """
-        if need_size < 0:
-            raise ValueError(f"need_size must be >= 0, got {need_size}")
-        num_pages = -(-need_size // self.page_size)
-        pages = self._take_pages(num_pages)
-        if pages is None:
-            return None
-        if not pages:
-            return torch.empty(0, dtype=torch.int64)
-        page_t = torch.tensor(pages, dtype=torch.int64)
-        slots = (page_t[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
-        return slots[:need_size]
-
-    def pages_needed(self, prefix_len: int, seq_len: int) -> int:
-        """Fresh pages a request needs to grow from ``prefix_len`` to ``seq_len`` tokens."""
-        ps = self.page_size
-        return -(-seq_len // ps) - (-(-prefix_len // ps))
-
-    def alloc_extend(
-        self, prefix_lens: Sequence[int], seq_lens: Sequence[int], last_loc: Sequence[int]
-    ) -> Optional[torch.Tensor]:
-        """Slots for the new tokens ``prefix_lens[i] .. seq_lens[i]-1`` of each request.
-
-        Args:
-            prefix_lens: tokens each request already has in the cache.
-            seq_lens: tokens each request will have after this step.
-            last_loc: slot of each request's last cached token (ignored when its
-                ``prefix_len`` is 0).
-
-        Returns:
-            int64 ``[sum(seq_lens - prefix_lens)]`` slots in batch order, or None (nothing
-            taken) when the pool lacks pages.
-        """
-        ps = self.page_size
-        need = sum(self.pages_needed(p, s) for p, s in zip(prefix_lens, seq_lens))
-        pages = self._take_pages(need)
-        if pages is None:
-            return None
-        out: List[int] = []
-        it = iter(pages)
-        for p, s, last in zip(prefix_lens, seq_lens, last_loc):
-            nxt = int(last) + 1 if p % ps else None
-            for pos in range(p, s):
-                if pos % ps == 0:
-                    nxt = next(it) * ps
-                out.append(nxt)
-                nxt += 1
-        return torch.tensor(out, dtype=torch.int64)
-
-    def alloc_decode(self, seq_lens: Sequence[int], last_loc: Sequence[int]) -> Optional[torch.Tensor]:
-        """One new slot per request whose length grows from ``seq_lens[i]-1`` to ``seq_lens[i]``."""
-        return self.alloc_extend([s - 1 for s in seq_lens], seq_lens, last_loc)
-
-    def free(self, slots: torch.Tensor) -> None:
-        """Return the pages that hold ``slots`` (all slots of the freed requests).
-
-        Raises:
-            ValueError: on a slot of the reserved page 0 or of a page that is already free.
-        """
-        if slots.numel() == 0:
-            return
-        pages = torch.unique(slots.detach().to("cpu", torch.int64) // self.page_size).tolist()
-        for p in pages:
-            if p < 1 or p > self.num_pages or self._page_free[p]:
-                raise ValueError(f"TokenToKVPoolAllocator.free: page {p} is not allocated")
-        for p in pages:
-            self._page_free[p] = True
-        self._free_pages.extend(pages)
 
 
 class KVCache:
