@@ -112,3 +112,39 @@ def test_abort_mid_decode_frees_the_pool(llm_factory):
     for r in reqs:
         eng.scheduler.forget(r.rid)
     _assert_idle(llm)
+
+
+def test_fault_in_one_step_fails_only_its_requests(llm_factory):
+    """A forward that raises for one step (a newcomer's prefill) fails that step's request
+    alone: the requests decoding in the pending step keep their tokens and finish exactly
+    as without the fault, and the pool empties."""
+    llm = llm_factory(disable_overlap_schedule=False)
+    eng = llm.engine
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    ref = [o.token_ids for o in llm.generate(PROMPTS[:3], sp, chat=True)]
+    reqs = [eng.add_request(eng.tokenize(p, chat=True), sp) for p in PROMPTS[:3]]
+    while min(len(r.output_ids) for r in reqs) < 3:
+        eng.step()
+    newcomer = eng.add_request(eng.tokenize(PROMPTS[5], chat=True), sp)
+    runner = eng.model_runner
+    original = runner.forward
+
+    def flaky(fb, *a, **kw):
+        if fb.forward_mode.is_extend():
+            raise RuntimeError("injected failure")
+        return original(fb, *a, **kw)
+
+    runner.forward = flaky
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            eng.step()
+    finally:
+        runner.forward = original
+    assert eng.scheduler.failed_reqs == [newcomer]
+    eng.abort_request(newcomer.rid)
+    while eng.has_work():
+        eng.step()
+    assert [r.output_ids for r in reqs] == ref
+    for r in reqs + [newcomer]:
+        eng.scheduler.forget(r.rid)
+    _assert_idle(llm)

@@ -123,7 +123,7 @@ def test_sampling_params_mix_and_seeds_on_gpu():
     alone = _run(eng, prompts[:1], [seeded])[0].output_ids
     params = [seeded, SamplingParams(max_new_tokens=24, temperature=1e-300, ignore_eos=True),
               SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_new_tokens=24, temperature=1.5, min_p=0.1, ignore_eos=True)]
+              SamplingParams(max_new_tokens=24, temperature=1.5, min_p=0.1, seed=3, ignore_eos=True)]
     reqs = _run(eng, prompts, params)
     assert reqs[0].output_ids == alone
     # the same batch with row 1 plainly greedy: identical rows (one row's settings never

@@ -155,6 +155,12 @@ class Scheduler:
         self._ids_ring: List[Optional[torch.Tensor]] = [None] * 4
         self._ids_next = 0
         self._pending: Optional[LaunchedStep] = None
+        self._current: List[Req] = []  # requests of the step being launched or processed
+        #: after `step` raised: the requests of the step it was working on (the caller
+        #: fails these alone; everything else stays consistent and keeps running), and the
+        #: requests it had already updated (the caller still reports their progress)
+        self.failed_reqs: List[Req] = []
+        self.touched_before_failure: List[Req] = []
         self.stats = SchedulerStats()
 
     @property
@@ -306,8 +312,8 @@ class Scheduler:
             if need <= self.allocator.num_free_pages():
                 return batch
             if self._pending is not None:  # finished requests of the pending step may free enough
-                touched.extend(self._process(self._pending))
-                self._pending = None
+                pending, self._pending = self._pending, None
+                touched.extend(self._process(pending))
                 continue
             in_batch = set(map(id, batch.reqs))
             victims = [r for r in self.running if id(r) not in in_batch]
@@ -336,20 +342,29 @@ class Scheduler:
         wait0 = self.stats.wait_seconds
         touched: List[Req] = []
         launched = None
+        self.failed_reqs = []
+        self.touched_before_failure = []
         try:
             self._admit()
             batch = self._schedule(touched)
             if batch is not None:
+                self._current = batch.reqs
                 launched = self._launch(batch)
             if self.overlap:
-                if self._pending is not None:
-                    touched.extend(self._process(self._pending))
-                self._pending = launched
+                pending, self._pending = self._pending, launched
+                if pending is not None:
+                    touched.extend(self._process(pending))
             elif launched is not None:
                 touched.extend(self._process(launched))
         except BaseException:
-            self._pending = None
+            # Only the step that raised is lost: a launch that failed leaves the pending
+            # step pending; a pending step whose results could not be read is dropped while
+            # the step launched after it stays pending.
+            self.failed_reqs = [r for r in self._current if not r.finished]
+            self.touched_before_failure = touched
             raise
+        finally:
+            self._current = []
         host = time.perf_counter() - t0 - (self.stats.wait_seconds - wait0)
         if launched is not None:
             self.stats.num_steps += 1
@@ -388,6 +403,10 @@ class Scheduler:
         loc = self.allocator.alloc_extend(host["extend_prefix_lens"], host["seq_lens"], last_loc)
         if loc is None:  # _schedule checked the pages
             raise RuntimeError("KV pool exhausted after the schedule reserved pages (scheduler bug)")
+        # Record the slots at once (host mirror + kv_len), so that whatever fails later in
+        # this step, freeing these requests returns exactly the slots they hold.
+        loc_i32 = loc.to(torch.int32)
+        r2t.write_host(host["token_rows"], host["positions"], loc_i32)
         input_ids: List[int] = []
         emit: List[bool] = []
         has_future = False
@@ -406,11 +425,11 @@ class Scheduler:
         emit_index = [i for i, e in enumerate(emit) if e]
         host.update(
             input_ids=torch.tensor(input_ids, dtype=torch.int64), out_cache_loc=loc,
-            out_cache_loc_i32=loc.to(torch.int32), emit_index=torch.tensor(emit_index, dtype=torch.int64),
+            out_cache_loc_i32=loc_i32, emit_index=torch.tensor(emit_index, dtype=torch.int64),
         )
         dev = self.packer.pack(host)
-        r2t.write_batch(host["token_rows"], host["positions"], host["out_cache_loc_i32"],
-                        dev.token_rows, dev.positions, dev.out_cache_loc_i32)
+        r2t.write_device(host["token_rows"], host["positions"], loc_i32, dev.token_rows, dev.positions,
+                         dev.out_cache_loc_i32)
         input_ids_dev = dev.input_ids
         if has_future:
             if batch.forward_mode.is_decode():
@@ -452,6 +471,7 @@ class Scheduler:
 
     def _process(self, launched: LaunchedStep) -> List[Req]:
         """Apply a launched step's sampled ids: append, check stops, free finished KV."""
+        self._current = launched.batch.reqs
         if not launched.emit_reqs:
             return []
         if launched.event is not None:

@@ -30,7 +30,8 @@ class ReqToTokenPool:
     slots (to free them, or the last one to continue a page) without reading the device. On
     the CPU both names are the same tensor. Writes go to both: `write_batch` takes the
     step's (row, position, slot) triples once, as host tensors plus the device copies of
-    them that travel in the step's packed input buffer.
+    them that travel in the step's packed input buffer (`write_host` as soon as the slots
+    are allocated, `write_device` once the step's inputs are on the device).
 
     Args:
         size: maximum number of concurrently running requests (rows).
@@ -89,15 +90,33 @@ class ReqToTokenPool:
         rows_dev: Optional[torch.Tensor] = None, cols_dev: Optional[torch.Tensor] = None,
         slots_dev: Optional[torch.Tensor] = None,
     ) -> None:
-        """``req_to_token[rows[j], cols[j]] = slots[j]`` for every j, in one indexed write.
+        """``req_to_token[rows[j], cols[j]] = slots[j]`` for every j: `write_host` then
+        `write_device` (see both)."""
+        self.write_host(rows, cols, slots)
+        self.write_device(rows, cols, slots, rows_dev, cols_dev, slots_dev)
+
+    def write_host(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """The host mirror's part of a batched write (on the CPU, the table itself).
 
         Args:
             rows / cols: int64 ``[n]`` host tensors; slots: int32 or int64 ``[n]`` host.
-            rows_dev / cols_dev / slots_dev: the same values already on the device (int64,
-                int64, int32); when given, the device table is written from them (no copy
-                of its own); otherwise from the host tensors.
         """
         self.req_to_token_host[rows, cols] = slots.to(torch.int32)
+
+    def write_device(
+        self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor,
+        rows_dev: Optional[torch.Tensor] = None, cols_dev: Optional[torch.Tensor] = None,
+        slots_dev: Optional[torch.Tensor] = None,
+    ) -> None:
+        """The device table's part of a batched write, in one indexed write (nothing to do
+        on the CPU, where `write_host` wrote the table).
+
+        Args:
+            rows / cols / slots: the host tensors of `write_host`.
+            rows_dev / cols_dev / slots_dev: the same values already on the device (int64,
+                int64, int32); when given, the table is written from them (no copy of its
+                own); otherwise the host tensors are copied over.
+        """
         if self.req_to_token_host is self.req_to_token:
             return
         if rows_dev is None:

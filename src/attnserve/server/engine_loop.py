@@ -14,9 +14,10 @@ Threading contract:
 
 Failure isolation: an exception raised while admitting, stepping or emitting one request
 fails the requests it concerns (they get an `EngineError` event, status 500) and the loop
-keeps serving. When `Scheduler.step` itself raises, the requests of the running batch are
-failed and aborted (their KV freed); if slots are still held once nothing runs (a step
-died half-way), both pools are reset so no capacity leaks.
+keeps serving. When `Scheduler.step` itself raises, the requests of the step that raised
+(`Scheduler.failed_reqs`) are failed and aborted (their KV freed) and the others keep
+running; if slots are still held once nothing runs (a step died half-way), both pools are
+reset so no capacity leaks.
 """
 
 from __future__ import annotations
@@ -273,7 +274,7 @@ class EngineLoop:
             self.step_errors += 1
             logger.exception("engine step failed; failing the running batch")
             self._recover(EngineError(500, f"internal error while generating: {type(e).__name__}: {e}"))
-            return
+            touched = list(getattr(self.engine.scheduler, "touched_before_failure", None) or [])
         for req in touched:
             try:
                 self._emit(req)
@@ -282,8 +283,11 @@ class EngineLoop:
                 self._fail(req.rid, EngineError(500, f"internal error while streaming: {type(e).__name__}: {e}"))
 
     def _recover(self, err: EngineError) -> None:
+        """Fail the requests of the step that raised (`Scheduler.failed_reqs`; all running
+        requests when the failure was outside a step's batch) and keep serving the rest."""
         sched = self.engine.scheduler
-        for req in list(sched.running):
+        failed = list(getattr(sched, "failed_reqs", None) or sched.running)
+        for req in failed:
             self._fail(req.rid, err)
         if not sched.running:
             runner = self.engine.model_runner
