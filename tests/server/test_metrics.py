@@ -26,6 +26,16 @@ def test_registries_are_per_instance():
     assert REGISTRY.get_sample_value("attnserve_prompt_tokens_total", {"model_name": "a"}) is None
 
 
+def test_retractions_counted_from_engine_totals():
+    m = ServerMetrics("r")
+    base = dict(running=1, waiting=0, kv_slots_used=0, kv_slots_total=10)
+    for total, reqs in ((0, 0), (2, 3), (2, 3), (5, 9)):
+        m.set_state(dict(base, retractions=total, retracted_requests=reqs, new_token_ratio=0.5))
+    s = _samples(m.render().decode())
+    assert s["attnserve_retractions_total"] == 5 and s["attnserve_retracted_requests_total"] == 9
+    assert s["attnserve_new_token_ratio"] == 0.5
+
+
 def test_live_metrics(server, client):
     before = _samples(client.get("/metrics").text)
     r = client.post("/v1/completions", json={"prompt": "One two three", "max_tokens": 5, "temperature": 0,

@@ -349,6 +349,10 @@ class EngineLoop:
             "num_steps": getattr(sched, "num_steps", 0),
             "step_errors": self.step_errors,
         }
+        stats = getattr(sched, "stats", None)
+        if stats is not None:
+            state.update(retractions=stats.num_retractions, retracted_requests=stats.num_retracted_requests,
+                         new_token_ratio=sched.new_token_ratio)
         self._state = state
         if self.metrics is not None:
             self.metrics.set_state(state)

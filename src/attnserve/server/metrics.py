@@ -17,6 +17,9 @@ prompt_tokens_total                    counter    prompt tokens of accepted requ
 generation_tokens_total                counter    generated tokens
 requests_total{finish_reason}          counter    finished requests (stop, length, abort, error)
 requests_rejected_total{status}        counter    requests refused by the engine (400, 503)
+retractions_total                      counter    times decode ran out of KV pages and retracted
+retracted_requests_total               counter    requests sent back to the queue by retractions
+new_token_ratio                        gauge      admission estimate of future output per request
 time_to_first_token_seconds            histogram  arrival -> first generated token
 inter_token_latency_seconds            histogram  gap between consecutive tokens of a request
 e2e_request_latency_seconds            histogram  arrival -> last token
@@ -69,6 +72,10 @@ class ServerMetrics:
         self._finished = Counter("requests", "Finished requests by finish reason.", labels + ["finish_reason"], **kw)
         self._rejected = Counter("requests_rejected", "Requests refused by the engine, by HTTP status.",
                                  labels + ["status"], **kw)
+        self.retractions = counter("retractions", "Times decode ran out of KV pages and retracted requests.")
+        self.retracted = counter("retracted_requests", "Requests sent back to the waiting queue by retractions.")
+        self.new_token_ratio = gauge("new_token_ratio", "Admission estimate of future output per request.")
+        self._seen = {"retractions": 0, "retracted_requests": 0}
         self.model_name = model_name
 
     # ---- fed by the engine loop thread ---------------------------------------------------------
@@ -100,6 +107,13 @@ class ServerMetrics:
         self.waiting.set(state["waiting"])
         self.kv_used.set(state["kv_slots_used"])
         self.kv_total.set(state["kv_slots_total"])
+        for key, metric in (("retractions", self.retractions), ("retracted_requests", self.retracted)):
+            value = state.get(key, 0)
+            if value > self._seen[key]:  # the snapshot holds totals; the counter takes increments
+                metric.inc(value - self._seen[key])
+                self._seen[key] = value
+        if "new_token_ratio" in state:
+            self.new_token_ratio.set(state["new_token_ratio"])
 
     # ---- read by HTTP handlers -----------------------------------------------------------------
     def render(self) -> bytes:
