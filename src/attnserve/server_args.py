@@ -38,6 +38,8 @@ class ServerArgs:
     enable_mixed_chunk: bool = False
     max_queued_requests: Optional[int] = None
     disable_overlap_schedule: Optional[bool] = None  # None: overlap on CUDA, off on CPU
+    disable_radix_cache: bool = False
+    schedule_policy: str = "lpm"  # lpm | fcfs
     # CUDA graphs
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None  # None: 64
@@ -97,6 +99,8 @@ class ServerArgs:
             raise ValueError("--cuda-graph-bs needs positive batch sizes")
         if self.disable_cuda_graph and self.cuda_graph_requested():
             raise ValueError("--disable-cuda-graph contradicts --cuda-graph-bs/--cuda-graph-max-bs; drop one")
+        if self.schedule_policy not in ("lpm", "fcfs"):
+            raise ValueError(f"--schedule-policy must be lpm or fcfs, got {self.schedule_policy!r}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be >= 1")
 
@@ -139,6 +143,9 @@ class ServerArgs:
           help="max prompt tokens prefilled per step")
         a("--enable-mixed-chunk", action="store_true", help="prefill and decode in the same step")
         a("--max-queued-requests", type=int, default=None)
+        a("--disable-radix-cache", action="store_true", help="no prefix caching across requests")
+        a("--schedule-policy", default=d.schedule_policy, choices=["lpm", "fcfs"],
+          help="lpm: longest cached prefix first (fcfs when the queue is long); fcfs: arrival order")
         a("--disable-overlap-schedule", action="store_const", const=True, default=None,
           help="process each step's results before launching the next (overlap is on by default on CUDA)")
         a("--disable-cuda-graph", action="store_true")

@@ -25,7 +25,9 @@ def test_batched_equals_alone(llm_factory, page_size):
         alone = llm.generate([prompt], sp, chat=True)[0]
         assert out.token_ids == alone.token_ids, prompt
     alloc = llm.engine.model_runner.token_to_kv_pool_allocator
-    assert alloc.available_size() == alloc.size  # every finished request freed its KV
+    tree = llm.engine.scheduler.tree_cache
+    # every finished request gave its KV back (to the allocator, or cached and unlocked)
+    assert alloc.available_size() + tree.evictable_size() == alloc.size and tree.protected_size() == 0
 
 
 def test_chunked_and_mixed_prefill_match(llm_factory):

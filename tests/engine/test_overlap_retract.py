@@ -53,7 +53,8 @@ def _summary(outs):
 def _assert_idle(llm):
     runner = llm.engine.model_runner
     alloc, rows = runner.token_to_kv_pool_allocator, runner.req_to_token_pool
-    assert alloc.available_size() == alloc.size
+    tree = llm.engine.scheduler.tree_cache
+    assert alloc.available_size() + tree.evictable_size() == alloc.size and tree.protected_size() == 0
     assert rows.available_size() == rows.size
     assert not llm.engine.scheduler.has_work()
 

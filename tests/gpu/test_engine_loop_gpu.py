@@ -52,7 +52,9 @@ def _run(engine, prompts, params, join_every=0):
 def _assert_free(engine):
     runner = engine.model_runner
     alloc, rows = runner.token_to_kv_pool_allocator, runner.req_to_token_pool
-    assert alloc.available_size() == alloc.size and rows.available_size() == rows.size
+    tree = engine.scheduler.tree_cache
+    assert alloc.available_size() + tree.evictable_size() == alloc.size and tree.protected_size() == 0
+    assert rows.available_size() == rows.size
     assert not engine.has_work()
 
 

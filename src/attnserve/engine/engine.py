@@ -25,7 +25,8 @@ Prompt = Union[str, List[int]]
 class GenerateOutput:
     """One finished request: ``text`` (stop strings cut off), generated ``token_ids``
     (EOS/stop token included when it ended the request), ``finish_reason`` ("stop",
-    "length" or "abort")."""
+    "length" or "abort"), ``cached_tokens`` (prompt tokens served from the prefix cache),
+    ``error`` (why an aborted request failed, when it did)."""
 
     rid: str
     text: str
@@ -33,11 +34,14 @@ class GenerateOutput:
     finish_reason: Optional[str]
     prompt_token_ids: List[int]
     matched_stop: object = None
+    cached_tokens: int = 0
+    error: Optional[str] = None
 
     @classmethod
     def from_req(cls, req: Req) -> "GenerateOutput":
         reason = req.finish_reason.value if req.finish_reason is not None else None
-        return cls(req.rid, req.text, list(req.output_ids), reason, list(req.prompt_ids), req.matched_stop)
+        return cls(req.rid, req.text, list(req.output_ids), reason, list(req.prompt_ids), req.matched_stop,
+                   req.cached_tokens, req.error)
 
 
 class Engine:

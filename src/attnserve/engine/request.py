@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from attnserve.engine.sampling_params import SamplingParams
 
@@ -29,6 +29,11 @@ class Req:
     request decodes. ``num_inflight`` counts tokens sampled by launched steps whose ids
     have not reached the host yet (overlap scheduling). ``seed`` keys the request's
     sampling noise (`attnserve.engine.sampler`).
+
+    Prefix cache (`attnserve.engine.prefix_cache`): the first ``cache_own_len`` slots of the
+    row belong to the tree (locked through ``last_node``), the rest to the request;
+    ``cached_tokens`` counts prompt tokens served from the cache; ``kv_committed`` is False
+    when the step computing the request's K/V failed (they are then not cached).
     """
 
     rid: str
@@ -43,6 +48,10 @@ class Req:
     seed: int = 0
     num_retractions: int = 0
     error: Optional[str] = None
+    last_node: Optional[Any] = None
+    cache_own_len: int = 0
+    cached_tokens: int = 0
+    kv_committed: bool = True
     finish_reason: Optional[FinishReason] = None
     matched_stop: Optional[object] = None
     text: str = ""

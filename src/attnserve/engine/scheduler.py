@@ -48,30 +48,20 @@ from typing import Deque, Dict, List, Optional, Sequence
 import torch
 
 from attnserve.engine.detokenizer import check_stop
+from attnserve.engine.prefix_cache import PrefixCacheManager
 from attnserve.engine.request import FinishReason, Req
 from attnserve.engine.sampler import SamplingBatchInfo, sample
 from attnserve.engine.sampling_params import SamplingParams
+from attnserve.engine.schedule_policy import (  # noqa: F401 (AdmissionPolicy re-exported)
+    LPM_MAX_QUEUE,
+    AdmissionPolicy,
+    InBatchPrefixCheck,
+    order_waiting,
+)
 from attnserve.engine.step_inputs import StepInputPacker, host_step_layout
 from attnserve.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class AdmissionPolicy:
-    """SGLang's estimate of future KV use (``schedule_policy.py`` / ``global_config``):
-    a running request is expected to still need ``new_token_ratio`` of its remaining
-    ``max_new_tokens``. After a retraction the ratio is set to
-    ``(decoded + retract_decode_steps * running) / sum(max_new_tokens)`` (at most 1)."""
-
-    init_ratio: float = 0.7
-    min_ratio: float = 0.098
-    decay_steps: int = 600
-    retract_decode_steps: int = 20
-
-    @property
-    def decay(self) -> float:
-        return (self.init_ratio - self.min_ratio) / self.decay_steps
 
 
 @dataclass
@@ -91,6 +81,8 @@ class SchedulerStats:
     num_retractions: int = 0
     num_retracted_requests: int = 0
     discarded_tokens: int = 0
+    admitted_prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
     @property
     def host_ms_per_decode_step(self) -> float:
@@ -149,6 +141,7 @@ class Scheduler:
         self.seed_generator = torch.Generator().manual_seed(server_args.random_seed)
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.allocator = model_runner.token_to_kv_pool_allocator
+        self._use_prefix_cache(not server_args.disable_radix_cache)
         # future-token map: the last sampled id of the request in each req_to_token row
         self.token_map = torch.zeros(self.req_to_token_pool.size, dtype=torch.int64, device=self.device)
         self.packer = StepInputPacker(self.device)
@@ -166,6 +159,35 @@ class Scheduler:
     @property
     def num_steps(self) -> int:
         return self.stats.num_steps
+
+    # ---- prefix cache ------------------------------------------------------------------
+    def _use_prefix_cache(self, enabled: bool) -> None:
+        from attnserve.mem_cache.radix_cache import ChunkCache, RadixCache
+
+        cls = RadixCache if enabled else ChunkCache
+        self.radix_enabled = enabled
+        self.tree_cache = cls(self.allocator, self.allocator.page_size)
+        self.cache = PrefixCacheManager(self.tree_cache, self.allocator, self.req_to_token_pool)
+
+    def flush_prefix_cache(self) -> bool:
+        """Drop every cached prefix (slots back to the allocator), as SGLang's
+        ``/flush_cache``. Only while no request runs or waits; returns whether it did."""
+        self.flush()
+        if self.running or self.waiting:
+            return False
+        self.tree_cache.evict(self.tree_cache.evictable_size())
+        self.tree_cache.reset()
+        return True
+
+    def set_prefix_cache(self, enabled: bool) -> None:
+        """Switch the radix cache on or off (benchmarks compare both in one engine).
+
+        Raises:
+            RuntimeError: requests are running or waiting.
+        """
+        if not self.flush_prefix_cache():
+            raise RuntimeError("the prefix cache can only be switched while the engine is idle")
+        self._use_prefix_cache(enabled)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, prompt_ids: List[int], sampling_params: SamplingParams, rid: Optional[str] = None) -> Req:
@@ -224,46 +246,67 @@ class Scheduler:
             del self.requests[rid]
 
     # ---- KV accounting -----------------------------------------------------------------
-    def _future_tokens(self, req: Req) -> float:
+    def _future_tokens(self, req: Req, cached: int = 0) -> float:
         """Tokens ``req`` is expected to still add to the cache (prefill exactly, decode by
-        the estimate ratio), plus a partly filled page."""
-        prefill = max(req.prefill_target - req.kv_len, 0) if req.req_pool_idx is not None else len(req.prompt_ids) + len(req.output_ids)
+        the estimate ratio), plus a partly filled page; ``cached``: tokens a waiting
+        request would take from the prefix cache."""
+        if req.req_pool_idx is not None:
+            prefill = max(req.prefill_target - req.kv_len, 0)
+        else:
+            prefill = len(req.prompt_ids) + len(req.output_ids) - cached
         decode = req.sampling_params.max_new_tokens - req.num_launched_outputs
         return prefill + self.new_token_ratio * max(decode, 0) + (self.allocator.page_size - 1)
 
     def _admit(self) -> None:
-        free = self.allocator.available_size()
+        if not self.waiting or len(self.running) >= self.args.max_running_requests:
+            return
+        policy = self.args.schedule_policy
+        matches = {}
+        if self.radix_enabled and policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
+            matches = {id(r): self.cache.match(r) for r in self.waiting}
+        order = order_waiting(self.waiting, {k: int(m.slots.numel()) for k, m in matches.items()}, policy)
+        free = self.cache.available_tokens()
         reserved = sum(self._future_tokens(r) for r in self.running)
-        while self.waiting and len(self.running) < self.args.max_running_requests:
-            req = self.waiting[0]
-            need = self._future_tokens(req)
+        check = InBatchPrefixCheck(self.allocator.page_size) if self.radix_enabled else None
+        admitted = set()
+        for req in order:
+            if len(self.running) >= self.args.max_running_requests:
+                break
+            match = matches.get(id(req)) or self.cache.match(req)
+            cached = int(match.slots.numel())
+            key = req.fill_ids
+            if check is not None and check.holds_back(key, cached):
+                continue  # shares an uncached prefix with a request admitted now: next step
+            need = self._future_tokens(req, cached)
             if self.running and free - reserved < need:
                 break
             rows = self.req_to_token_pool.alloc(1)
             if rows is None:
                 break
-            self.waiting.popleft()
             req.req_pool_idx = rows[0]
-            req.kv_len = 0
+            self.cache.attach(req, match)
             req.prefill_target = len(req.prompt_ids) + len(req.output_ids)
+            if req.num_retractions == 0:
+                self.stats.admitted_prompt_tokens += len(req.prompt_ids)
+                self.stats.cached_prompt_tokens += req.cached_tokens
+            free = self.cache.available_tokens()
             reserved += need
             self.running.append(req)
+            admitted.add(id(req))
+            if check is not None:
+                check.add(key)
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
 
-    def _release(self, req: Req) -> None:
-        """Give ``req``'s KV slots and row back (slots read from the host mirror)."""
-        if req.req_pool_idx is None:
-            return
-        if req.kv_len:
-            self.allocator.free(self.req_to_token_pool.slots_of(req.req_pool_idx, req.kv_len))
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-        req.kv_len = 0
+    def _release(self, req: Req, cache: bool = True) -> None:
+        """Give ``req``'s KV to the prefix cache (or back to the allocator) and its row back."""
+        self.cache.release(req, cache=cache)
 
     def _retract(self, victims: List[Req]) -> None:
         """Send ``victims`` (no token in flight) back to the front of the waiting queue."""
         for req in victims:
             self.running.remove(req)
-            self._release(req)
+            self._release(req)  # cached: a re-admission may find its own prefix still there
             req.prefill_target = 0
             req.num_retractions += 1
             self.waiting.appendleft(req)
@@ -309,7 +352,7 @@ class Scheduler:
             if batch is None:
                 return None
             need = self._pages_for(batch.reqs, batch.extend_lens)
-            if need <= self.allocator.num_free_pages():
+            if self.cache.make_room(need):  # evicts cached prefixes (LRU) when short
                 return batch
             if self._pending is not None:  # finished requests of the pending step may free enough
                 pending, self._pending = self._pending, None
@@ -361,6 +404,8 @@ class Scheduler:
             # step pending; a pending step whose results could not be read is dropped while
             # the step launched after it stays pending.
             self.failed_reqs = [r for r in self._current if not r.finished]
+            for r in self.failed_reqs:
+                r.kv_committed = False  # never cache K/V this step may not have written
             self.touched_before_failure = touched
             raise
         finally:
@@ -395,6 +440,16 @@ class Scheduler:
         return buf[:n]
 
     def _launch(self, batch: ScheduleBatch) -> LaunchedStep:
+        """Enqueue ``batch``'s GPU work; then put its prefill chunks in the prefix cache
+        (once the forward that writes their K/V is enqueued)."""
+        launched = self._launch_forward(batch)
+        if self.radix_enabled:
+            for r, p in zip(batch.reqs, batch.prefix_lens):
+                if p < r.prefill_target:
+                    self.cache.cache_unfinished(r)
+        return launched
+
+    def _launch_forward(self, batch: ScheduleBatch) -> LaunchedStep:
         reqs, prefix_lens, extend_lens = batch.reqs, batch.prefix_lens, batch.extend_lens
         rows = [r.req_pool_idx for r in reqs]
         host = host_step_layout(rows, prefix_lens, extend_lens)

@@ -292,10 +292,14 @@ class EngineLoop:
         if not sched.running:
             runner = self.engine.model_runner
             alloc, rows = runner.token_to_kv_pool_allocator, runner.req_to_token_pool
-            if alloc.available_size() != alloc.size or rows.available_size() != rows.size:
-                logger.warning("KV slots leaked by the failed step; resetting the pools")
+            tree = getattr(sched, "tree_cache", None)
+            cached = tree.evictable_size() if tree is not None else 0
+            if alloc.available_size() + cached != alloc.size or rows.available_size() != rows.size:
+                logger.warning("KV slots leaked by the failed step; resetting the pools and the prefix cache")
                 alloc.clear()
                 rows.clear()
+                if tree is not None:
+                    tree.reset()
 
     def _emit(self, req) -> None:
         from attnserve.engine.detokenizer import stable_text
@@ -335,12 +339,18 @@ class EngineLoop:
         sched = self.engine.scheduler
         runner = self.engine.model_runner
         alloc, rows = runner.token_to_kv_pool_allocator, runner.req_to_token_pool
+        tree = getattr(sched, "tree_cache", None)
+        cached = tree.evictable_size() if tree is not None else 0
+        protected = tree.protected_size() if tree is not None else 0
         state = {
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "kv_slots_total": alloc.size,
-            "kv_slots_free": alloc.available_size(),
-            "kv_slots_used": alloc.size - alloc.available_size(),
+            # free = handed out on demand: unused, or a cached prefix no request holds
+            "kv_slots_free": alloc.available_size() + cached,
+            "kv_slots_used": alloc.size - alloc.available_size() - cached,
+            "kv_slots_cached": cached,
+            "kv_slots_protected": protected,
             "req_rows_total": rows.size,
             "req_rows_free": rows.available_size(),
             "tracked_requests": len(sched.requests),

@@ -1,0 +1,117 @@
+"""Prefix caching end to end (real weights, fp32, CPU): outputs identical with and without
+the radix cache, ``cached_tokens`` equal to what was reused, the pool whole afterwards."""
+
+import pytest
+
+from attnserve.engine.sampling_params import SamplingParams
+
+SYSTEM = ("You are a meticulous assistant. Answer in one short sentence, mention the most "
+          "important fact first, and never use lists or headings in the answer. ")
+QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "Name a large mammal.",
+             "What do bees make?"]
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
+
+
+def _chat(llm, turns):
+    return llm.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+
+
+def _ids(tok_out):
+    return list(tok_out["input_ids"]) if isinstance(tok_out, dict) or hasattr(tok_out, "keys") else list(tok_out)
+
+
+def _assert_whole(llm):
+    sched = llm.engine.scheduler
+    alloc = llm.engine.model_runner.token_to_kv_pool_allocator
+    assert not sched.has_work()
+    assert sched.tree_cache.protected_size() == 0
+    assert alloc.available_size() + sched.tree_cache.evictable_size() == alloc.size
+
+
+def _common(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _workload(llm, ps=1):
+    """Shared system prompt, exact repeats, a fully cached prompt and a three-turn chat.
+
+    Returns the token ids of every answer and each request's ``cached_tokens``, and checks
+    ``cached_tokens`` against what the earlier requests left in the tree: at least the
+    longest common prefix with an earlier prompt + output minus its last token (always
+    cached), at most with the whole output (cached when an overlap step computed it), cut
+    to whole pages and leaving one prompt token to compute."""
+    assert llm.engine.scheduler.flush_prefix_cache()  # engines are shared across test modules
+    tokens, cached, seen = [], [], []
+
+    def run(prompts):
+        outs = llm.generate(prompts, GREEDY)
+        for p, o in zip(prompts, outs):
+            lo = max([_common(p[:-1], s + out[:-1]) for s, out in seen] + [0]) // ps * ps
+            hi = max([_common(p[:-1], s + out) for s, out in seen] + [0]) // ps * ps
+            if llm.engine.scheduler.radix_enabled:
+                assert lo <= o.cached_tokens <= hi, (o.cached_tokens, lo, hi)
+            tokens.append(o.token_ids)
+            cached.append(o.cached_tokens)
+        seen.extend((p, o.token_ids) for p, o in zip(prompts, outs))
+        return outs
+
+    shared = [_ids(_chat(llm, [{"role": "user", "content": SYSTEM + q}])) for q in QUESTIONS]
+    run(shared[:1])
+    run(shared)  # shared prefix (and one exact repeat)
+    run(shared[1:2])  # entirely cached prompt
+    history = [{"role": "user", "content": SYSTEM + QUESTIONS[0]}]
+    for follow_up in ("And of Italy?", "And of Spain?", "Thanks!"):
+        out = run([_ids(_chat(llm, history))])[0]
+        history += [{"role": "assistant", "content": llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)},
+                    {"role": "user", "content": follow_up}]
+    return tokens, cached
+
+
+@pytest.fixture(scope="module")
+def reference(llm_factory):
+    llm = llm_factory(disable_radix_cache=True)
+    tokens, cached = _workload(llm)
+    assert cached == [0] * len(cached)
+    return tokens
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(page_size=16), dict(page_size=16, chunked_prefill_size=40),
+                                dict(chunked_prefill_size=7, disable_overlap_schedule=False)],
+                         ids=["page1", "page16", "page16-chunk40", "page1-chunk7-overlap"])
+def test_outputs_identical_and_cached_tokens(llm_factory, reference, kw):
+    llm = llm_factory(**kw)
+    ps = kw.get("page_size", 1)
+    tokens, cached = _workload(llm, ps)
+    assert tokens == reference
+    first = _ids(_chat(llm, [{"role": "user", "content": SYSTEM + QUESTIONS[0]}]))
+    assert cached[0] == 0 and cached[1] == (len(first) - 1) // ps * ps  # exact repeat: all but one token
+    assert min(cached[2:5]) > 30 and cached[5] >= cached[2]  # system prompt shared; then fully cached
+    assert cached[-1] > cached[-3] > 0 and cached[-2] >= cached[-3]  # each chat turn reuses the last
+    _assert_whole(llm)
+    stats = llm.engine.scheduler.stats
+    assert stats.cached_prompt_tokens >= sum(cached)
+
+
+def test_gemma3_sliding_window_with_cache(llm_factory):
+    """Gemma 3 (sliding-window layers, window 512) with a cached prefix longer than the
+    window: same tokens as without the cache."""
+    pytest.importorskip("gguf")
+    long_system = " ".join(f"Fact {i}: the number {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(90))
+    outs = {}
+    for disable in (True, False):
+        llm = llm_factory(model="gemma3-270m", disable_radix_cache=disable)
+        llm.engine.scheduler.flush_prefix_cache()
+        prompts = [llm.tokenizer.encode(long_system + " Question: " + q) for q in QUESTIONS[:2]]
+        assert len(prompts[0]) > 600
+        first = llm.generate(prompts[:1], GREEDY)
+        rest = llm.generate(prompts, GREEDY)
+        outs[disable] = [o.token_ids for o in first + rest]
+        if not disable:
+            assert rest[0].cached_tokens == len(prompts[0]) - 1 and rest[1].cached_tokens > 500
+            _assert_whole(llm)
+    assert outs[False] == outs[True]
