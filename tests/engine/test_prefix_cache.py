@@ -115,3 +115,30 @@ def test_gemma3_sliding_window_with_cache(llm_factory):
             assert rest[0].cached_tokens == len(prompts[0]) - 1 and rest[1].cached_tokens > 500
             _assert_whole(llm)
     assert outs[False] == outs[True]
+
+
+@pytest.mark.parametrize("model,page_size", [("deepseek-v2-tiny", 1), ("deepseek-v2-tiny", 16),
+                                             ("llama-tiny", 16)])
+def test_random_weight_models_with_cache(llm_factory, model, page_size):
+    """MLA (DeepSeek-V2 latent pool) and GQA shapes with random weights: a shared 40-token
+    prefix, an exact repeat and a fully cached prompt give the same tokens as without the
+    cache, and the pool is whole afterwards."""
+    import random
+
+    rnd = random.Random(page_size)
+    prefix = [rnd.randrange(3, 200) for _ in range(40)]
+    prompts = [prefix + [rnd.randrange(3, 200) for _ in range(n)] for n in (5, 9, 17)]
+    prompts += [prompts[0], prompts[1][:30]]
+    outs = {}
+    for disable in (True, False):
+        llm = llm_factory(model=model, load_format="dummy", page_size=page_size, disable_radix_cache=disable)
+        llm.engine.scheduler.flush_prefix_cache()
+        first = llm.generate(prompts[:1], GREEDY)
+        rest = llm.generate(prompts[1:], GREEDY)
+        outs[disable] = [o.token_ids for o in first + rest]
+        if not disable:
+            assert rest[0].cached_tokens >= 40 // page_size * page_size  # the shared prefix
+            assert rest[-2].cached_tokens == (len(prompts[0]) - 1) // page_size * page_size  # exact repeat
+            assert rest[-1].cached_tokens == 29 // page_size * page_size  # a prompt wholly in the tree
+            _assert_whole(llm)
+    assert outs[False] == outs[True]

@@ -133,3 +133,28 @@ def test_sampling_params_mix_and_seeds_on_gpu():
     again = _run(eng, prompts, [params[0], params[2], params[2], params[3]])
     assert [r.output_ids for r in again] == [r.output_ids for r in reqs]
     _assert_free(eng)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefix_cache_with_graphs_and_overlap(page_size):
+    """Shared prefixes, repeats and prompts wholly in the tree, with CUDA graphs and the
+    overlap scheduler: same tokens with and without the radix cache (exact settings), and
+    the cache really served the prefix."""
+    rnd = random.Random(page_size)
+    prefix = [rnd.randrange(100, 40000) for _ in range(300)]
+    prompts = [prefix + [rnd.randrange(100, 40000) for _ in range(rnd.randrange(3, 60))] for _ in range(12)]
+    prompts += [prompts[0], prompts[3][:250]]
+    params = [SamplingParams(max_new_tokens=16 + i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    outs = {}
+    for disable in (True, False):
+        eng = _engine(page_size=page_size, disable_radix_cache=disable, **EXACT)
+        assert eng.scheduler.overlap and eng.model_runner.cuda_graph_runner is not None
+        first = _run(eng, prompts[:1], params[:1])
+        rest = _run(eng, prompts[1:], params[1:], join_every=2)
+        outs[disable] = [r.output_ids for r in first + rest]
+        if not disable:
+            assert all(r.cached_tokens >= 300 // page_size * page_size for r in rest)
+            assert eng.scheduler.stats.cached_prompt_tokens >= 12 * (300 // page_size * page_size)
+        _assert_free(eng)
+        del eng
+    assert outs[False] == outs[True]

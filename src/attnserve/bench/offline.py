@@ -59,6 +59,7 @@ def bench_attnserve(llm, prompts, max_new_tokens: int) -> dict:
 
     sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=0.0), chat=True)  # warm-up
+    llm.engine.scheduler.flush_prefix_cache()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, chat=True)
     secs = time.perf_counter() - t0
@@ -125,6 +126,7 @@ def _timed_generate(llm, prompts, sp) -> tuple:
     from attnserve.engine.scheduler import SchedulerStats
 
     sched = llm.engine.scheduler
+    sched.flush_prefix_cache()  # the warm-up ran the same prompts: no cached prefill in a timed run
     sched.stats = SchedulerStats()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
