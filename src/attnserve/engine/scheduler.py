@@ -513,7 +513,8 @@ class Scheduler:
             info = SamplingBatchInfo.from_params(params, [r.seed for r in emit_reqs],
                                                  [r.num_launched_outputs for r in emit_reqs], self.device)
             next_ids = sample(logits, info)
-        self.token_map[dev.req_pool_indices if len(emit_reqs) == len(reqs) else dev.req_pool_indices[dev.emit_index]] = next_ids
+        emit_rows = dev.req_pool_indices if len(emit_reqs) == len(reqs) else dev.req_pool_indices[dev.emit_index]
+        self.token_map[emit_rows] = next_ids
         for r in emit_reqs:
             r.num_inflight += 1
         host_ids = self._ids_buffer(len(emit_reqs))

@@ -54,6 +54,7 @@ class StreamEvent:
         prompt_tokens: prompt length in tokens.
         finish_reason: ``"stop"``, ``"length"``, ``"abort"`` on the last event, else None.
         error: set (and final) when the request failed.
+        cached_tokens: prompt tokens served from the prefix cache (known once admitted).
     """
 
     text: str = ""
@@ -61,6 +62,7 @@ class StreamEvent:
     prompt_tokens: int = 0
     finish_reason: Optional[str] = None
     error: Optional[EngineError] = None
+    cached_tokens: int = 0
 
     @property
     def final(self) -> bool:
@@ -328,7 +330,8 @@ class EngineLoop:
         reason = req.finish_reason.value if req.finish_reason is not None else None
         if not delta and reason is None:
             return
-        live.cmd.stream.push(StreamEvent(delta, live.tokens, len(req.prompt_ids), reason))
+        live.cmd.stream.push(StreamEvent(delta, live.tokens, len(req.prompt_ids), reason,
+                                         cached_tokens=getattr(req, "cached_tokens", 0)))
         if reason is not None:
             del self._live[req.rid]
             self.engine.scheduler.forget(req.rid)
@@ -362,7 +365,8 @@ class EngineLoop:
         stats = getattr(sched, "stats", None)
         if stats is not None:
             state.update(retractions=stats.num_retractions, retracted_requests=stats.num_retracted_requests,
-                         new_token_ratio=sched.new_token_ratio)
+                         new_token_ratio=sched.new_token_ratio, cached_prompt_tokens=stats.cached_prompt_tokens,
+                         admitted_prompt_tokens=stats.admitted_prompt_tokens)
         self._state = state
         if self.metrics is not None:
             self.metrics.set_state(state)

@@ -20,6 +20,9 @@ requests_rejected_total{status}        counter    requests refused by the engine
 retractions_total                      counter    times decode ran out of KV pages and retracted
 retracted_requests_total               counter    requests sent back to the queue by retractions
 new_token_ratio                        gauge      admission estimate of future output per request
+cached_prompt_tokens_total             counter    prompt tokens served from the prefix cache
+prefix_cache_hit_rate                  gauge      cached / admitted prompt tokens since start
+kv_slots_evictable / kv_slots_protected gauge     cached tokens no request holds / held by requests
 time_to_first_token_seconds            histogram  arrival -> first generated token
 inter_token_latency_seconds            histogram  gap between consecutive tokens of a request
 e2e_request_latency_seconds            histogram  arrival -> last token
@@ -75,7 +78,11 @@ class ServerMetrics:
         self.retractions = counter("retractions", "Times decode ran out of KV pages and retracted requests.")
         self.retracted = counter("retracted_requests", "Requests sent back to the waiting queue by retractions.")
         self.new_token_ratio = gauge("new_token_ratio", "Admission estimate of future output per request.")
-        self._seen = {"retractions": 0, "retracted_requests": 0}
+        self.cached_prompt_tokens = counter("cached_prompt_tokens", "Prompt tokens served from the prefix cache.")
+        self.hit_rate = gauge("prefix_cache_hit_rate", "Cached / admitted prompt tokens since start.")
+        self.kv_evictable = gauge("kv_slots_evictable", "Cached KV tokens no running request holds.")
+        self.kv_protected = gauge("kv_slots_protected", "Cached KV tokens held by running requests.")
+        self._seen = {"retractions": 0, "retracted_requests": 0, "cached_prompt_tokens": 0}
         self.model_name = model_name
 
     # ---- fed by the engine loop thread ---------------------------------------------------------
@@ -107,13 +114,18 @@ class ServerMetrics:
         self.waiting.set(state["waiting"])
         self.kv_used.set(state["kv_slots_used"])
         self.kv_total.set(state["kv_slots_total"])
-        for key, metric in (("retractions", self.retractions), ("retracted_requests", self.retracted)):
+        for key, metric in (("retractions", self.retractions), ("retracted_requests", self.retracted),
+                            ("cached_prompt_tokens", self.cached_prompt_tokens)):
             value = state.get(key, 0)
             if value > self._seen[key]:  # the snapshot holds totals; the counter takes increments
                 metric.inc(value - self._seen[key])
                 self._seen[key] = value
         if "new_token_ratio" in state:
             self.new_token_ratio.set(state["new_token_ratio"])
+        if state.get("admitted_prompt_tokens"):
+            self.hit_rate.set(state.get("cached_prompt_tokens", 0) / state["admitted_prompt_tokens"])
+        self.kv_evictable.set(state.get("kv_slots_cached", 0))
+        self.kv_protected.set(state.get("kv_slots_protected", 0))
 
     # ---- read by HTTP handlers -----------------------------------------------------------------
     def render(self) -> bytes:

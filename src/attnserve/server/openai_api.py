@@ -193,7 +193,8 @@ async def _collect(request, ctx: ServingContext, rid: str, stream: RequestStream
             parts.append(ev.text)
             if ev.final:
                 done = True
-                return StreamEvent("".join(parts), ev.completion_tokens, ev.prompt_tokens, ev.finish_reason)
+                return StreamEvent("".join(parts), ev.completion_tokens, ev.prompt_tokens, ev.finish_reason,
+                                   cached_tokens=ev.cached_tokens)
     finally:
         watcher.cancel()
         if not done:
@@ -317,13 +318,13 @@ def build_router():
                 if not body.include_usage:
                     return None
                 return CompletionResponse(id=rid, model=model, choices=[],
-                                          usage=UsageInfo.of(ev.prompt_tokens, ev.completion_tokens))
+                                          usage=UsageInfo.of(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))
 
             return _sse_response(ctx, rid, _stream_events(stream, chunk, usage))
         ev = await _collect(request, ctx, rid, stream)
         return CompletionResponse(id=rid, model=model, choices=[CompletionChoice(text=ev.text,
                                                                                  finish_reason=ev.finish_reason)],
-                                  usage=UsageInfo.of(len(prompt_ids), ev.completion_tokens))
+                                  usage=UsageInfo.of(len(prompt_ids), ev.completion_tokens, ev.cached_tokens))
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -345,7 +346,7 @@ def build_router():
                 if not body.include_usage:
                     return None
                 return ChatCompletionChunk(id=rid, model=model, choices=[],
-                                           usage=UsageInfo.of(ev.prompt_tokens, ev.completion_tokens))
+                                           usage=UsageInfo.of(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))
 
             first = ChatCompletionChunk(id=rid, model=model,
                                         choices=[ChatChunkChoice(delta={"role": "assistant", "content": ""})])
@@ -354,7 +355,7 @@ def build_router():
         return ChatCompletionResponse(
             id=rid, model=model,
             choices=[ChatChoice(message=ChatResponseMessage(content=ev.text), finish_reason=ev.finish_reason)],
-            usage=UsageInfo.of(len(prompt_ids), ev.completion_tokens),
+            usage=UsageInfo.of(len(prompt_ids), ev.completion_tokens, ev.cached_tokens),
         )
 
     return router

@@ -153,15 +153,24 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # ---- responses ---------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    """OpenAI ``usage.prompt_tokens_details``: ``cached_tokens`` prompt tokens were served
+    from the prefix cache instead of being computed."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "UsageInfo":
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 def new_id(prefix: str) -> str:
