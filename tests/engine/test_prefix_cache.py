@@ -142,3 +142,30 @@ def test_random_weight_models_with_cache(llm_factory, model, page_size):
             assert rest[-1].cached_tokens == 29 // page_size * page_size  # a prompt wholly in the tree
             _assert_whole(llm)
     assert outs[False] == outs[True]
+
+
+def test_abort_mid_prefill_and_small_pool(llm_factory):
+    """A request aborted between two prefill chunks leaves the tree consistent (its
+    computed chunks stay cached and serve the next request); a prompt larger than the pool
+    is refused with a clear error and the engine goes on."""
+    llm = llm_factory(chunked_prefill_size=16, disable_overlap_schedule=False)
+    eng, sched = llm.engine, llm.engine.scheduler
+    assert sched.flush_prefix_cache()
+    prompt = _ids(_chat(llm, [{"role": "user", "content": SYSTEM + QUESTIONS[2]}]))
+    req = eng.add_request(prompt, GREEDY)
+    while req.kv_len < 40:
+        eng.step()
+    assert req.is_prefilling
+    assert eng.abort_request(req.rid)
+    sched.flush()
+    sched.forget(req.rid)
+    _assert_whole(llm)
+    assert sched.tree_cache.evictable_size() >= 32  # the finished chunks were kept
+    again = llm.generate([prompt], GREEDY)[0]
+    assert again.cached_tokens >= 32
+    assert again.token_ids == llm_factory(disable_radix_cache=True).generate([prompt], GREEDY)[0].token_ids
+    small = llm_factory(max_total_tokens=48)
+    with pytest.raises(ValueError, match="KV pool"):
+        small.generate([prompt], GREEDY)
+    assert small.generate(["Hi"], SamplingParams(max_new_tokens=4, temperature=0.0))[0].token_ids
+    _assert_whole(small)

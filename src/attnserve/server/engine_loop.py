@@ -320,7 +320,7 @@ class EngineLoop:
         if new_tokens > 0:
             live.last_token_at = now
             live.tokens = len(req.output_ids)
-        text = stable_text(req, self.engine.tokenizer)
+        text = stable_text(req, getattr(self.engine, "tokenizer", None))
         delta = ""
         if text.startswith(live.sent):
             delta = text[len(live.sent):]
