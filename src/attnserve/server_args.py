@@ -44,6 +44,8 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None  # None: 64
     cuda_graph_bs: Optional[List[int]] = None
+    # server
+    graceful_shutdown_timeout: float = 30.0  # seconds running requests get after SIGTERM
     # misc
     random_seed: int = 0
     log_level: str = "info"
@@ -99,6 +101,8 @@ class ServerArgs:
             raise ValueError("--cuda-graph-bs needs positive batch sizes")
         if self.disable_cuda_graph and self.cuda_graph_requested():
             raise ValueError("--disable-cuda-graph contradicts --cuda-graph-bs/--cuda-graph-max-bs; drop one")
+        if not self.graceful_shutdown_timeout >= 0:
+            raise ValueError(f"--graceful-shutdown-timeout must be >= 0 seconds, got {self.graceful_shutdown_timeout}")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError(f"--schedule-policy must be lpm or fcfs, got {self.schedule_policy!r}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
@@ -151,6 +155,8 @@ class ServerArgs:
         a("--disable-cuda-graph", action="store_true")
         a("--cuda-graph-max-bs", type=int, default=None, help="largest captured decode batch (default 64)")
         a("--cuda-graph-bs", type=int, nargs="+", default=None)
+        a("--graceful-shutdown-timeout", type=float, default=d.graceful_shutdown_timeout,
+          help="on SIGTERM, seconds running requests get to finish before they are ended with an error")
         a("--random-seed", type=int, default=d.random_seed)
         a("--log-level", default=d.log_level)
 

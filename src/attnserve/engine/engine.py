@@ -77,6 +77,11 @@ class Engine:
     def context_len(self) -> int:
         return self.model_runner.context_len
 
+    @property
+    def max_total_tokens(self) -> int:
+        """KV-pool size in tokens: no request can hold more (prompt + output)."""
+        return self.model_runner.token_to_kv_pool_allocator.size
+
     def tokenize(self, prompt: Prompt, chat: bool = False) -> List[int]:
         """Token ids of ``prompt`` (a string, or already ids); ``chat`` applies the model's
         chat template as one user message.

@@ -120,6 +120,7 @@ class _Live:
 
 
 _STOP = object()
+_WAKE = object()  # nudges an idle loop thread (a drain began)
 
 
 class EngineLoop:
@@ -142,6 +143,8 @@ class EngineLoop:
         self._live: Dict[str, _Live] = {}
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
+        self._draining = threading.Event()
+        self._drain_deadline = float("inf")
         self._state: Dict[str, Any] = {}
         self.step_errors = 0
 
@@ -160,6 +163,18 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def begin_drain(self, grace_s: float) -> None:
+        """Graceful shutdown: refuse new requests (503 ``shutting_down``) from now on, let
+        running ones finish for ``grace_s`` seconds, then end the rest with a 503 error
+        event (their streams then close with the error and ``[DONE]``)."""
+        self._drain_deadline = time.monotonic() + max(grace_s, 0.0)
+        self._draining.set()
+        self._commands.put(_WAKE)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
     @property
     def thread_id(self) -> Optional[int]:
         return None if self._thread is None else self._thread.ident
@@ -171,9 +186,13 @@ class EngineLoop:
         """Queue a request; its first event says whether it was accepted (an empty event)
         or rejected (``error`` set: 503 when the waiting queue is full, 400 when the engine
         refuses the prompt)."""
-        if self._stopping.is_set():
+        if self._stopping.is_set() or self._draining.is_set():
             cmd.stream.push(StreamEvent(error=EngineError(503, "the server is shutting down", "server_error",
                                                           "shutting_down")))
+            return
+        if self._thread is not None and not self._thread.is_alive():
+            cmd.stream.push(StreamEvent(error=EngineError(503, "the engine loop is not running", "server_error",
+                                                          "engine_dead")))
             return
         self._commands.put(cmd)
 
@@ -192,6 +211,11 @@ class EngineLoop:
                 self._drain(block=not self.engine.has_work())
                 if self._stopping.is_set():
                     break
+                if self._draining.is_set() and self._live and time.monotonic() >= self._drain_deadline:
+                    err = EngineError(503, "the server is shutting down; the request did not finish within "
+                                           "the graceful-shutdown timeout", "server_error", "shutting_down")
+                    for rid in list(self._live):
+                        self._fail(rid, err)
                 if self.engine.has_work():
                     self._step()
                 self._publish_state()
@@ -208,7 +232,9 @@ class EngineLoop:
         while True:
             if item is _STOP:
                 return
-            if isinstance(item, _AbortCommand):
+            if item is _WAKE:
+                pass
+            elif isinstance(item, _AbortCommand):
                 self._abort(item.rid)
             else:
                 self._add(item)

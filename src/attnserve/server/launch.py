@@ -116,10 +116,16 @@ def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] 
 def wrap_app(app):
     """The ASGI callable to serve: ``app`` (from `create_app`) behind
     `DeclaredBodyLimitMiddleware`, which must sit outside FastAPI's own limiter (whose
-    plain-text 413 would replace the OpenAI error body)."""
-    from attnserve.server.middleware import DeclaredBodyLimitMiddleware
+    plain-text 413 would replace the OpenAI error body), `JsonContentTypeMiddleware` (415)
+    and, outermost, `CloseOnServerErrorMiddleware` (``Connection: close`` on any 5xx)."""
+    from attnserve.server.middleware import (
+        CloseOnServerErrorMiddleware,
+        DeclaredBodyLimitMiddleware,
+        JsonContentTypeMiddleware,
+    )
 
-    return DeclaredBodyLimitMiddleware(app, app.state.max_body_bytes)
+    inner = JsonContentTypeMiddleware(DeclaredBodyLimitMiddleware(app, app.state.max_body_bytes))
+    return CloseOnServerErrorMiddleware(inner)
 
 
 def launch_server(args) -> int:
@@ -130,9 +136,10 @@ def launch_server(args) -> int:
             flag (``max_body_bytes`` optional).
 
     Returns:
-        0 when uvicorn returns. On Ctrl-C / SIGTERM uvicorn shuts down gracefully (in-flight
-        requests get up to 5 s, then the engine loop stops) and then re-raises the signal,
-        so the process ends with that signal's status, as an unhandled one would.
+        0 when uvicorn returns. On Ctrl-C / SIGTERM the server drains (`draining_server`:
+        no new requests, running ones get ``--graceful-shutdown-timeout`` seconds, then end
+        with an error event), uvicorn shuts down, the engine loop stops, and the signal is
+        re-raised, so the process ends with that signal's status, as an unhandled one would.
 
     Raises:
         ValueError / FileNotFoundError: bad flags or model (the CLI prints them in one line).
@@ -150,9 +157,29 @@ def launch_server(args) -> int:
                      max_body_bytes=getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES)
     log_level = str(server_args.log_level).lower()
     logger.warning("attnserve serving %s on http://%s:%s", server_args.model, args.host, args.port)
-    uvicorn.run(wrap_app(app), host=args.host, port=int(args.port), log_level=log_level if log_level in (
-        "critical", "error", "warning", "info", "debug", "trace") else "warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(wrap_app(app), host=args.host, port=int(args.port), log_level=log_level if log_level in (
+        "critical", "error", "warning", "info", "debug", "trace") else "warning",
+        timeout_graceful_shutdown=server_args.graceful_shutdown_timeout + 5)
+    draining_server(config, app.state.ctx.loop, server_args.graceful_shutdown_timeout).run()
     return 0
+
+
+def draining_server(config, loop, grace_s: float):
+    """A uvicorn ``Server`` whose first SIGTERM / Ctrl-C starts a graceful drain of ``loop``
+    (`EngineLoop.begin_drain`: new requests get 503 ``shutting_down``, running ones get
+    ``grace_s`` seconds, then end with an error event and ``[DONE]``) before uvicorn's own
+    shutdown, which waits for those last answers (``config.timeout_graceful_shutdown``
+    should exceed ``grace_s``)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not loop.draining:
+                logger.warning("attnserve: shutting down; running requests get %.1f s to finish", grace_s)
+                loop.begin_drain(grace_s)
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)
 
 
 class ServerThread:

@@ -1,4 +1,5 @@
-"""ASGI middlewares that answer before the body is parsed: API key and body size.
+"""ASGI middlewares that answer before the body is parsed: API key, body size, media type;
+and one that closes the connection after any server error.
 
 `ApiKeyMiddleware` is middleware rather than a FastAPI dependency so that a request with a
 wrong key gets 401 even when its body is also malformed (dependencies run after body
@@ -99,3 +100,61 @@ class DeclaredBodyLimitMiddleware:
             413, f"the request body has {declared} bytes; the limit is {self.max_body_bytes}", None,
             "request_too_large"))
         await response(scope, receive, send)
+
+
+class JsonContentTypeMiddleware:
+    """415 with an OpenAI error body for a ``POST /v1/...`` whose ``Content-Type`` is set to
+    anything but JSON (``application/json``, optionally with parameters, or another
+    ``+json`` type). A request without the header is read as JSON, as clients that omit
+    it expect.
+
+    Args:
+        app: the wrapped ASGI app.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    @staticmethod
+    def _is_json(value: bytes) -> bool:
+        media = value.decode("latin-1").split(";", 1)[0].strip().lower()
+        return media == "application/json" or media.endswith("+json")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path", "").startswith("/v1/"):
+            for name, value in scope.get("headers", ()):
+                if name == b"content-type" and not self._is_json(value):
+                    from attnserve.server.errors import APIError, error_response
+
+                    media = value.decode("latin-1").split(";", 1)[0].strip()
+                    response = error_response(APIError(
+                        415, f"the request body must be JSON (Content-Type: application/json), got {media!r}",
+                        None, "unsupported_media_type"))
+                    await response(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+class CloseOnServerErrorMiddleware:
+    """Adds ``Connection: close`` to every 5xx response, so a keep-alive connection is never
+    reused after the server failed in an unknown state (uvicorn closes it after the body).
+
+    Args:
+        app: the wrapped ASGI app.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start" and message.get("status", 200) >= 500:
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+                message = {**message, "headers": headers + [(b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, send_wrapper)

@@ -17,11 +17,12 @@ size, tokenizer) and talk to the engine through the loop's queues.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -45,6 +46,7 @@ from attnserve.server.protocol import (
     ModelList,
     UsageInfo,
     new_id,
+    now_s,
 )
 
 logger = logging.getLogger(__name__)
@@ -77,12 +79,30 @@ def _check_model_and_options(ctx: ServingContext, body) -> None:
                        "model", "model_not_found")
     field = body.unsupported()
     if field is not None:
-        hint = "n must be 1" if field == "n" else f"{field} is not supported by attnserve"
+        hint = ("best_of is not supported (only best_of == n)" if field == "best_of"
+                else f"{field} is not supported by attnserve")
         raise APIError(400, hint, field, "unsupported_parameter")
     stops = body.stop_list()
     if len(stops) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_LEN for s in stops):
         raise APIError(400, f"stop takes at most {MAX_STOP_SEQUENCES} strings of at most {MAX_STOP_LEN} characters",
                        "stop", "invalid_value")
+    for s in stops:
+        _check_unicode(s, "stop")
+    if isinstance(body, ChatCompletionRequest):
+        for m in body.messages:
+            _check_unicode(m.text(), "messages")
+    elif isinstance(body.prompt, str):
+        _check_unicode(body.prompt, "prompt")
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """400 ``invalid_value`` for text that is not valid Unicode (a lone UTF-16 surrogate,
+    which JSON's ``\\uD800`` escapes can carry but UTF-8 cannot encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} is not valid Unicode: a lone surrogate at character {e.start}", param,
+                       "invalid_value") from None
 
 
 def _prompt_ids(ctx: ServingContext, prompt) -> List[int]:
@@ -119,15 +139,21 @@ def _sampling_params(ctx: ServingContext, body, prompt_len: int, max_tokens: Opt
     from attnserve.engine.sampling_params import SamplingParams
 
     ctx_len = ctx.engine.context_len
-    if prompt_len >= ctx_len:
-        raise APIError(400, f"the prompt has {prompt_len} tokens but the context length is {ctx_len}; "
-                            f"shorten it to at most {ctx_len - 1} tokens", prompt_param, "context_length_exceeded")
-    if max_tokens is None:
-        max_tokens = ctx_len - prompt_len
-    elif prompt_len + max_tokens > ctx_len:
-        raise APIError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context "
-                            f"length {ctx_len}; lower max_tokens to at most {ctx_len - prompt_len}", "max_tokens",
+    pool = getattr(ctx.engine, "max_total_tokens", None) or ctx_len
+    limit = min(ctx_len, pool)  # what one request can ever hold: the context, and the KV pool
+    if limit < ctx_len and prompt_len + (max_tokens or 1) > limit:
+        logger.warning("a request needs %d tokens but the KV pool holds %d; raise --max-total-tokens "
+                       "(or --mem-fraction-static) to serve it", prompt_len + (max_tokens or 1), pool)
+    if prompt_len >= limit:
+        raise APIError(400, f"the prompt has {prompt_len} tokens but this server holds at most {limit} tokens per "
+                            f"request; shorten it to at most {limit - 1} tokens", prompt_param,
                        "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = limit - prompt_len
+    elif prompt_len + max_tokens > limit:
+        raise APIError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                            f"{limit} tokens this server holds per request; lower max_tokens to at most "
+                            f"{limit - prompt_len}", "max_tokens", "context_length_exceeded")
     try:
         return SamplingParams(
             max_new_tokens=max_tokens,
@@ -165,40 +191,100 @@ async def _submit(ctx: ServingContext, rid: str, prompt_ids: List[int], sp, arri
     return stream
 
 
-async def _abort_on_disconnect(request, ctx: ServingContext, rid: str) -> None:
-    """Wait for the client to go away, then abort ``rid`` (cancelled when the answer is ready)."""
+async def _submit_choices(ctx: ServingContext, rid: str, prompt_ids: List[int], sp, n: int,
+                          arrival: float) -> List[Tuple[str, RequestStream]]:
+    """Submit the ``n`` choices of one request (ids ``rid`` or ``rid-i``; a seeded request's
+    choice i uses seed + i, so the choices differ but the response is reproducible). The
+    engine computes the shared prompt once: the later choices find it in the prefix cache.
+
+    Raises:
+        APIError: as `_submit`; choices already accepted are aborted first.
+    """
+    out: List[Tuple[str, RequestStream]] = []
+    try:
+        for i in range(n):
+            crid = rid if n == 1 else f"{rid}-{i}"
+            csp = sp if i == 0 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + i)
+            out.append((crid, await _submit(ctx, crid, prompt_ids, csp, arrival)))
+    except BaseException:
+        for crid, _ in out:
+            ctx.loop.abort(crid)
+        raise
+    return out
+
+
+async def _abort_on_disconnect(request, ctx: ServingContext, rids: List[str]) -> None:
+    """Wait for the client to go away, then abort ``rids`` (cancelled when the answer is ready)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            logger.info("client of %s disconnected; aborting", rid)
-            ctx.loop.abort(rid)
+            logger.info("client of %s disconnected; aborting", rids[0])
+            for rid in rids:
+                ctx.loop.abort(rid)
             return
 
 
-async def _collect(request, ctx: ServingContext, rid: str, stream: RequestStream) -> StreamEvent:
-    """Wait for the whole completion; returns the final event with ``text`` = all text.
+async def _merged(choices: List[Tuple[str, RequestStream]]) -> AsyncIterator[Tuple[int, StreamEvent]]:
+    """``(choice index, event)`` of every choice's stream in arrival order, until each
+    choice's final event."""
+    if len(choices) == 1:
+        while True:
+            ev = await choices[0][1].get()
+            yield 0, ev
+            if ev.final:
+                return
+    queue: "asyncio.Queue[Tuple[int, StreamEvent]]" = asyncio.Queue()
 
-    Raises:
-        APIError 500 (or the engine's status) when the request failed.
-    """
-    watcher = asyncio.ensure_future(_abort_on_disconnect(request, ctx, rid))
-    parts: List[str] = []
-    done = False
-    try:
+    async def pump(i: int, stream: RequestStream) -> None:
         while True:
             ev = await stream.get()
-            if ev.error is not None:
-                done = True
-                raise APIError(ev.error.status, ev.error.message, None, ev.error.code, ev.error.type)
-            parts.append(ev.text)
+            await queue.put((i, ev))
             if ev.final:
-                done = True
-                return StreamEvent("".join(parts), ev.completion_tokens, ev.prompt_tokens, ev.finish_reason,
-                                   cached_tokens=ev.cached_tokens)
+                return
+
+    tasks = [asyncio.ensure_future(pump(i, st)) for i, (_, st) in enumerate(choices)]
+    try:
+        remaining = len(choices)
+        while remaining:
+            i, ev = await queue.get()
+            remaining -= ev.final
+            yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _collect(request, ctx: ServingContext, choices: List[Tuple[str, RequestStream]]) -> List[StreamEvent]:
+    """Wait for every choice; returns each one's final event with ``text`` = all its text.
+
+    Raises:
+        APIError 500 (or the engine's status) when a choice failed (the others are aborted).
+    """
+    rids = [rid for rid, _ in choices]
+    watcher = asyncio.ensure_future(_abort_on_disconnect(request, ctx, rids))
+    parts: List[List[str]] = [[] for _ in choices]
+    finals: List[Optional[StreamEvent]] = [None] * len(choices)
+    try:
+        async for i, ev in _merged(choices):
+            if ev.error is not None:
+                raise APIError(ev.error.status, ev.error.message, None, ev.error.code, ev.error.type)
+            parts[i].append(ev.text)
+            if ev.final:
+                finals[i] = StreamEvent("".join(parts[i]), ev.completion_tokens, ev.prompt_tokens,
+                                        ev.finish_reason, cached_tokens=ev.cached_tokens)
+        return finals
     finally:
         watcher.cancel()
-        if not done:
-            ctx.loop.abort(rid)
+        for rid, f in zip(rids, finals):
+            if f is None:
+                ctx.loop.abort(rid)
+
+
+def _usage(prompt_tokens: int, finals: List[StreamEvent]) -> UsageInfo:
+    """One usage for all choices: the prompt counted once, every choice's tokens, and the
+    prompt tokens the request as a whole found cached (its first choice computed the rest)."""
+    return UsageInfo.of(prompt_tokens, sum(f.completion_tokens for f in finals),
+                        min(f.cached_tokens for f in finals))
 
 
 def _sse(obj) -> str:
@@ -206,25 +292,30 @@ def _sse(obj) -> str:
     return f"data: {data}\n\n"
 
 
-async def _stream_events(stream: RequestStream, make_chunk, make_usage, first_chunks=()) -> AsyncIterator[str]:
-    """SSE body: one chunk per text delta, a last chunk with ``finish_reason``, the usage
-    chunk when asked, then ``data: [DONE]``. An error after the stream started becomes a
-    ``data: {"error": ...}`` event. (Aborting on early exit is `_SSEResponse`'s job.)"""
+async def _stream_events(ctx: ServingContext, choices, make_chunk, make_usage, first_chunks=()) -> AsyncIterator[str]:
+    """SSE body: one chunk per text delta of any choice (``make_chunk(index, text,
+    finish_reason)``), a chunk with each choice's ``finish_reason``, the usage chunk when
+    asked (``make_usage(final events)``), then ``data: [DONE]``. An error after the stream
+    started becomes a ``data: {"error": ...}`` event (the other choices are aborted).
+    (Aborting on early exit is `_SSEResponse`'s job.)"""
     for c in first_chunks:
         yield _sse(c)
-    while True:
-        ev = await stream.get()
+    finals: List[Optional[StreamEvent]] = [None] * len(choices)
+    async for i, ev in _merged(choices):
         if ev.error is not None:
+            for rid, _ in choices:
+                ctx.loop.abort(rid)
             yield _sse(error_body(ev.error.status, ev.error.message, None, ev.error.code, ev.error.type))
             break
         if ev.text:
-            yield _sse(make_chunk(ev.text, None))
+            yield _sse(make_chunk(i, ev.text, None))
         if ev.final:
-            yield _sse(make_chunk(None, ev.finish_reason))
-            usage = make_usage(ev)
-            if usage is not None:
-                yield _sse(usage)
-            break
+            finals[i] = ev
+            yield _sse(make_chunk(i, None, ev.finish_reason))
+    else:
+        usage = make_usage(finals)
+        if usage is not None:
+            yield _sse(usage)
     yield "data: [DONE]\n\n"
 
 
@@ -246,7 +337,7 @@ class _SSEResponse(StreamingResponse):
             self._on_exit()
 
 
-def _sse_response(ctx: ServingContext, rid: str, gen):
+def _sse_response(ctx: ServingContext, rids: List[str], gen):
     state = {"finished": False}
 
     async def tracked():
@@ -256,7 +347,8 @@ def _sse_response(ctx: ServingContext, rid: str, gen):
 
     def on_exit():
         if not state["finished"]:
-            ctx.loop.abort(rid)
+            for rid in rids:
+                ctx.loop.abort(rid)
 
     return _SSEResponse(tracked(), on_exit)
 
@@ -307,24 +399,27 @@ def build_router():
         prompt_ids = await run_in_threadpool(_prompt_ids, ctx, body.prompt)
         sp = _sampling_params(ctx, body, len(prompt_ids), body.max_tokens, "prompt")
         rid = new_id("cmpl")
-        stream = await _submit(ctx, rid, prompt_ids, sp, arrival)
-        model = ctx.model_name
+        choices = await _submit_choices(ctx, rid, prompt_ids, sp, body.n or 1, arrival)
+        model, created = ctx.model_name, now_s()  # one `created` for every chunk of the response
         if body.stream:
-            def chunk(text, reason):
-                return CompletionResponse(id=rid, model=model,
-                                          choices=[CompletionChoice(text=text or "", finish_reason=reason)])
+            def chunk(i, text, reason):
+                return CompletionResponse(id=rid, model=model, created=created,
+                                          choices=[CompletionChoice(index=i, text=text or "", finish_reason=reason)])
 
-            def usage(ev):
+            def usage(finals):
                 if not body.include_usage:
                     return None
-                return CompletionResponse(id=rid, model=model, choices=[],
-                                          usage=UsageInfo.of(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))
+                return CompletionResponse(id=rid, model=model, created=created, choices=[],
+                                          usage=_usage(len(prompt_ids), finals))
 
-            return _sse_response(ctx, rid, _stream_events(stream, chunk, usage))
-        ev = await _collect(request, ctx, rid, stream)
-        return CompletionResponse(id=rid, model=model, choices=[CompletionChoice(text=ev.text,
-                                                                                 finish_reason=ev.finish_reason)],
-                                  usage=UsageInfo.of(len(prompt_ids), ev.completion_tokens, ev.cached_tokens))
+            return _sse_response(ctx, [r for r, _ in choices], _stream_events(ctx, choices, chunk, usage))
+        finals = await _collect(request, ctx, choices)
+        return CompletionResponse(
+            id=rid, model=model, created=created,
+            choices=[CompletionChoice(index=i, text=f.text, finish_reason=f.finish_reason)
+                     for i, f in enumerate(finals)],
+            usage=_usage(len(prompt_ids), finals),
+        )
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -334,28 +429,31 @@ def build_router():
         prompt_ids = await run_in_threadpool(_chat_ids, ctx, body)
         sp = _sampling_params(ctx, body, len(prompt_ids), body.requested_max_tokens(), "messages")
         rid = new_id("chatcmpl")
-        stream = await _submit(ctx, rid, prompt_ids, sp, arrival)
-        model = ctx.model_name
+        choices = await _submit_choices(ctx, rid, prompt_ids, sp, body.n or 1, arrival)
+        model, created = ctx.model_name, now_s()  # one `created` for every chunk of the response
         if body.stream:
-            def chunk(text, reason):
+            def chunk(i, text, reason):
                 delta = {"content": text} if text is not None else {}
-                return ChatCompletionChunk(id=rid, model=model,
-                                           choices=[ChatChunkChoice(delta=delta, finish_reason=reason)])
+                return ChatCompletionChunk(id=rid, model=model, created=created,
+                                           choices=[ChatChunkChoice(index=i, delta=delta, finish_reason=reason)])
 
-            def usage(ev):
+            def usage(finals):
                 if not body.include_usage:
                     return None
-                return ChatCompletionChunk(id=rid, model=model, choices=[],
-                                           usage=UsageInfo.of(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))
+                return ChatCompletionChunk(id=rid, model=model, created=created, choices=[],
+                                           usage=_usage(len(prompt_ids), finals))
 
-            first = ChatCompletionChunk(id=rid, model=model,
-                                        choices=[ChatChunkChoice(delta={"role": "assistant", "content": ""})])
-            return _sse_response(ctx, rid, _stream_events(stream, chunk, usage, first_chunks=[first]))
-        ev = await _collect(request, ctx, rid, stream)
+            first = [ChatCompletionChunk(id=rid, model=model, created=created,
+                                         choices=[ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
+                     for i in range(len(choices))]
+            return _sse_response(ctx, [r for r, _ in choices],
+                                 _stream_events(ctx, choices, chunk, usage, first_chunks=first))
+        finals = await _collect(request, ctx, choices)
         return ChatCompletionResponse(
-            id=rid, model=model,
-            choices=[ChatChoice(message=ChatResponseMessage(content=ev.text), finish_reason=ev.finish_reason)],
-            usage=UsageInfo.of(len(prompt_ids), ev.completion_tokens, ev.cached_tokens),
+            id=rid, model=model, created=created,
+            choices=[ChatChoice(index=i, message=ChatResponseMessage(content=f.text), finish_reason=f.finish_reason)
+                     for i, f in enumerate(finals)],
+            usage=_usage(len(prompt_ids), finals),
         )
 
     return router

@@ -24,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 MAX_STOP_SEQUENCES = 16
 #: Longest accepted stop string, in characters.
 MAX_STOP_LEN = 256
+#: Most parallel samples (``n``) of one request.
+MAX_N = 16
 #: Most accepted ``stop_token_ids``.
 MAX_STOP_TOKEN_IDS = 64
 #: Seeds must fit a 64-bit generator state (``torch.Generator.manual_seed``).
@@ -43,13 +45,13 @@ class _SamplingFields(BaseModel):
     model_config = _STRICT
 
     model: Optional[StrictStr] = None
-    temperature: Optional[float] = Field(default=None, ge=0.0)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)  # OpenAI's range
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[StrictInt] = None
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     stop: Optional[Union[StrictStr, List[StrictStr]]] = None
     stop_token_ids: Optional[List[StrictInt]] = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
-    n: Optional[StrictInt] = 1
+    n: Optional[StrictInt] = Field(default=1, ge=1, le=MAX_N)
     seed: Optional[StrictInt] = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
@@ -64,8 +66,6 @@ class _SamplingFields(BaseModel):
 
     def unsupported(self) -> Optional[str]:
         """Name of the first field set to a value attnserve cannot honour, else None."""
-        if self.n not in (None, 1):
-            return "n"
         if self.logprobs not in (None, False, 0):
             return "logprobs"
         if self.top_logprobs not in (None, 0):
@@ -100,7 +100,7 @@ class CompletionRequest(_SamplingFields):
     def unsupported(self) -> Optional[str]:
         if self.echo:
             return "echo"
-        if self.best_of not in (None, 1):
+        if self.best_of is not None and self.best_of != (self.n or 1):
             return "best_of"
         if self.suffix:
             return "suffix"
