@@ -1,6 +1,7 @@
 """``python -m attnserve serve`` in a subprocess: loopback bind, API key, 503 when the
 waiting queue is full, clean shutdown on SIGTERM."""
 
+import json
 import os
 import signal
 import socket
@@ -22,17 +23,14 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def cli_server(tmp_path_factory):
+def _start(log, *flags):
+    """``attnserve serve`` on a free loopback port; returns (process, base URL) once healthy."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("cli") / "server.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.abspath("src"),
                                                                       os.environ.get("PYTHONPATH")]))}
     with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "attnserve", "serve", "--port", str(port), "--api-key", KEY,
-             "--max-running-requests", "1", "--max-queued-requests", "1"],
-            stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen([sys.executable, "-m", "attnserve", "serve", "--port", str(port), *flags],
+                                stdout=f, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
     while True:
@@ -44,6 +42,13 @@ def cli_server(tmp_path_factory):
             pass
         assert time.monotonic() < deadline, "server did not come up"
         time.sleep(0.5)
+    return proc, base
+
+
+@pytest.fixture(scope="module")
+def cli_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("cli") / "server.log"
+    proc, base = _start(log, "--api-key", KEY, "--max-running-requests", "1", "--max-queued-requests", "1")
     yield proc, base, log
     if proc.poll() is None:
         proc.kill()
@@ -101,3 +106,43 @@ def test_cli_rejects_bad_flags():
                        capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": os.path.abspath("src")})
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("attnserve: error:")
+
+
+def test_sigterm_ends_running_streams_with_an_error_event_and_done(tmp_path):
+    """SIGTERM while three long streams run: after --graceful-shutdown-timeout each stream
+    gets an error event (code shutting_down) and then ``data: [DONE]``; the process exits."""
+    log = tmp_path / "server.log"
+    proc, base = _start(log, "--graceful-shutdown-timeout", "1")
+    try:
+        results, started = {}, threading.Semaphore(0)
+
+        def stream(i):
+            body = {"prompt": f"Story {i}:", "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+                lines = []
+                for ln in r.iter_lines():
+                    if ln.startswith("data: "):
+                        if not lines:
+                            started.release()
+                        lines.append(ln)
+                results[i] = lines
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for _ in threads:
+            assert started.acquire(timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(60) in (0, -signal.SIGTERM), log.read_text()[-3000:]
+        for i in range(3):
+            lines = results[i]
+            assert lines[-1] == "data: [DONE]", lines[-3:]
+            err = json.loads(lines[-2][len("data: "):])["error"]
+            assert err["code"] == "shutting_down", err
+        assert "Traceback" not in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
