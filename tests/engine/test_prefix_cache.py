@@ -169,3 +169,22 @@ def test_abort_mid_prefill_and_small_pool(llm_factory):
         small.generate([prompt], GREEDY)
     assert small.generate(["Hi"], SamplingParams(max_new_tokens=4, temperature=0.0))[0].token_ids
     _assert_whole(small)
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(llm_factory):
+    """Eight requests that share a 64-token prefix nobody has cached yet arrive in one
+    batch: the in-batch check holds the duplicates back one step, so the prefix is
+    computed once and seven requests read it from the cache."""
+    import random
+
+    llm = llm_factory(model="llama-tiny", load_format="dummy")
+    sched = llm.engine.scheduler
+    assert sched.flush_prefix_cache()
+    rnd = random.Random(3)
+    prefix = [rnd.randrange(3, 200) for _ in range(64)]
+    prompts = [prefix + [rnd.randrange(3, 200) for _ in range(6)] for _ in range(8)]
+    before = sched.stats.cached_prompt_tokens
+    outs = llm.generate(prompts, GREEDY)
+    assert sum(o.cached_tokens >= 64 for o in outs) == 7
+    assert sched.stats.cached_prompt_tokens - before >= 7 * 64
+    _assert_whole(llm)

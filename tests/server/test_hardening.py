@@ -156,3 +156,35 @@ def test_length_rule_uses_the_pool_and_a_dead_loop_answers_503():
             assert r.headers.get("connection") == "close"
     finally:
         thread.stop()
+
+
+def test_post_processing_error_fails_that_request_alone(server, auth, monkeypatch):
+    """An exception while checking one request's stop conditions fails that request (500
+    with the reason; streamed: an error event, then [DONE]) and its neighbours finish."""
+    import attnserve.engine.scheduler as scheduler_module
+
+    poison = 31337
+    original = scheduler_module.check_stop
+
+    def flaky(req, *a, **kw):
+        if poison in req.prompt_ids:
+            raise RuntimeError("stop check exploded")
+        return original(req, *a, **kw)
+
+    monkeypatch.setattr(scheduler_module, "check_stop", flaky)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.base_url, headers=auth, timeout=120) as c:
+            return await asyncio.gather(
+                c.post(C, json={"prompt": "Hello there", "max_tokens": 6, "temperature": 0}),
+                c.post(C, json={"prompt": [1, 2, poison], "max_tokens": 6}),
+                c.post(C, json={"prompt": [3, poison], "max_tokens": 6, "stream": True}),
+                c.post(C, json={"prompt": "General Kenobi", "max_tokens": 6, "temperature": 0}),
+            )
+
+    good, bad, bad_stream, good2 = asyncio.run(run())
+    assert good.status_code == 200 and good2.status_code == 200
+    assert bad.status_code == 500 and "stop check exploded" in bad.json()["error"]["message"]
+    lines = [ln for ln in bad_stream.text.splitlines() if ln.startswith("data: ")]
+    assert "stop check exploded" in lines[-2] and lines[-1] == "data: [DONE]"
+    server.wait_idle(timeout=10)

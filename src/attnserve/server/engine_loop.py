@@ -335,6 +335,9 @@ class EngineLoop:
         live = self._live.get(req.rid)
         if live is None:  # not ours (or already failed): nothing to report
             return
+        if req.finished and getattr(req, "error", None):  # failed alone while post-processing
+            self._fail(req.rid, EngineError(500, f"internal error while finishing the request: {req.error}"))
+            return
         now = time.perf_counter()
         new_tokens = len(req.output_ids) - live.tokens
         if self.metrics is not None and new_tokens > 0:
