@@ -19,6 +19,7 @@ prefix already expanded to per-head K/V (``k_prefix``/``v_prefix`` keyword argum
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -72,6 +73,37 @@ def attention_reference(
     return torch.matmul(probs, vf).transpose(0, 1)
 
 
+@dataclass
+class DecodeGatherPlan:
+    """Which pool rows a decode step gathers, shared by every layer of one window size.
+
+    Attributes:
+        width: ``W``, the longest visible span of the batch.
+        flat: int64 ``[bs * W]`` slots, request-major (padding reads slot 0).
+        valid: bool ``[bs, W]``; pad: its negation as ``[bs, W, 1, 1]``; score_mask: it as
+            ``[bs, 1, 1, W]``.
+    """
+
+    width: int
+    flat: torch.Tensor
+    valid: torch.Tensor
+    pad: torch.Tensor
+    score_mask: torch.Tensor
+
+    @classmethod
+    def build(cls, fb: ForwardBatch, window: int, device) -> "DecodeGatherPlan":
+        seq_lens_cpu = fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens.cpu()
+        first_cpu = torch.clamp(seq_lens_cpu - 1 - window, min=0) if window >= 0 else torch.zeros_like(seq_lens_cpu)
+        width = int((seq_lens_cpu - first_cpu).max())
+        first = first_cpu.to(device=device, dtype=torch.int64)
+        pos = first[:, None] + torch.arange(width, device=device)[None, :]  # [bs, W]
+        valid = pos < fb.seq_lens.to(torch.int64)[:, None]
+        r2t = fb.req_to_token_pool.req_to_token
+        slots = r2t[fb.req_pool_indices[:, None], pos.clamp(max=r2t.shape[1] - 1)].to(torch.int64)
+        flat = torch.where(valid, slots, torch.zeros_like(slots)).flatten()
+        return cls(width, flat, valid, (~valid)[:, :, None, None], valid[:, None, None, :])
+
+
 @register_attention_backend("torch_native")
 class TorchNativeAttnBackend(AttentionBackend):
     """Reference backend: loops over requests, dense math in float32.
@@ -84,9 +116,21 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.model_runner = model_runner
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        """Nothing to precompute: every step reads ``req_to_token`` directly."""
+        """Nothing to precompute eagerly; decode gather plans are built on first use per
+        window size and shared by all layers of the step (`_decode_plan`)."""
         if forward_batch.seq_lens_cpu is None:
             forward_batch.seq_lens_cpu = forward_batch.seq_lens.cpu()
+        self._plans_for = forward_batch
+        self._plans = {}
+
+    def _decode_plan(self, fb: ForwardBatch, window: int, device) -> "DecodeGatherPlan":
+        """The step's gather plan for layers with sliding window ``window`` (-1: none)."""
+        if getattr(self, "_plans_for", None) is not fb:
+            self._plans_for, self._plans = fb, {}
+        plan = self._plans.get(window)
+        if plan is None:
+            plan = self._plans[window] = DecodeGatherPlan.build(fb, window, device)
+        return plan
 
     def _run(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
         if save_kv_cache and k is not None:
@@ -153,28 +197,19 @@ class TorchNativeAttnBackend(AttentionBackend):
         v_buf = fb.token_to_kv_pool.get_value_buffer(lid)
         bs, hkv = fb.batch_size, layer.tp_k_head_num
         group = layer.tp_q_head_num // hkv
-        seq_lens_cpu = fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens.cpu()
-        window = layer.sliding_window_size
-        first_cpu = torch.clamp(seq_lens_cpu - 1 - window, min=0) if window >= 0 else torch.zeros_like(seq_lens_cpu)
-        width = int((seq_lens_cpu - first_cpu).max())
-        seq_lens = fb.seq_lens.to(torch.int64)
-        first = first_cpu.to(device=q.device, dtype=torch.int64)
-        pos = first[:, None] + torch.arange(width, device=q.device)[None, :]  # [bs, W]
-        valid = pos < seq_lens[:, None]
-        r2t = fb.req_to_token_pool.req_to_token
-        slots = r2t[fb.req_pool_indices[:, None], pos.clamp(max=r2t.shape[1] - 1)].to(torch.int64)
-        flat = torch.where(valid, slots, torch.zeros_like(slots)).flatten()
-        kf = k_buf.index_select(0, flat).view(bs, width, hkv, -1).float()  # [bs, W, Hkv, Dk]
+        plan = self._decode_plan(fb, layer.sliding_window_size, q.device)
+        width, valid = plan.width, plan.valid
+        kf = k_buf.index_select(0, plan.flat).view(bs, width, hkv, -1).float()  # [bs, W, Hkv, Dk]
         # Padding reads slot 0, which may hold anything: its scores are replaced by -inf
         # below (NaN included), and its V rows are zeroed (a zero probability would not
         # cancel a NaN in probs @ V).
-        vf = v_buf.index_select(0, flat).view(bs, width, hkv, -1).float()
-        vf = vf.masked_fill(~valid[:, :, None, None], 0.0)
+        vf = v_buf.index_select(0, plan.flat).view(bs, width, hkv, -1).float()
+        vf = vf.masked_fill(plan.pad, 0.0)
         qf = q.view(bs, hkv, group, layer.qk_head_dim).float()
         scores = torch.matmul(qf, kf.permute(0, 2, 3, 1)) * layer.scaling  # [bs, Hkv, group, W]
         if layer.logit_cap and layer.logit_cap > 0:
             scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
-        scores = torch.where(valid[:, None, None, :], scores, float("-inf"))
+        scores = torch.where(plan.score_mask, scores, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, vf.transpose(1, 2))  # [bs, Hkv, group, Dv]
         return out.reshape(bs, layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
