@@ -42,7 +42,6 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Sequence
 
 import torch
@@ -52,6 +51,7 @@ from attnserve.engine.prefix_cache import PrefixCacheManager
 from attnserve.engine.request import FinishReason, Req
 from attnserve.engine.sampler import SamplingBatchInfo, sample
 from attnserve.engine.sampling_params import SamplingParams
+from attnserve.engine.schedule_batch import LaunchedStep, ScheduleBatch, SchedulerStats  # noqa: F401 (re-export)
 from attnserve.engine.schedule_policy import (  # noqa: F401 (AdmissionPolicy re-exported)
     LPM_MAX_QUEUE,
     AdmissionPolicy,
@@ -62,54 +62,6 @@ from attnserve.engine.step_inputs import StepInputPacker, host_step_layout
 from attnserve.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SchedulerStats:
-    """Counters of one scheduler (read by benchmarks and ``/metrics``).
-
-    ``host_seconds`` is the time spent inside `Scheduler.step` minus the time blocked
-    waiting for the GPU's results, split by the kind of step that was launched.
-    """
-
-    num_steps: int = 0
-    num_decode_steps: int = 0
-    num_extend_steps: int = 0
-    decode_host_seconds: float = 0.0
-    extend_host_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    num_retractions: int = 0
-    num_retracted_requests: int = 0
-    discarded_tokens: int = 0
-    admitted_prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-
-    @property
-    def host_ms_per_decode_step(self) -> float:
-        return 1e3 * self.decode_host_seconds / max(self.num_decode_steps, 1)
-
-
-@dataclass
-class ScheduleBatch:
-    """A step chosen on the host: ``reqs`` with ``prefix_lens[i]`` cached tokens and
-    ``extend_lens[i]`` computed now; ``emit[i]``: row i samples an output token."""
-
-    forward_mode: ForwardMode
-    reqs: List[Req]
-    prefix_lens: List[int]
-    extend_lens: List[int]
-    emit: List[bool] = field(default_factory=list)
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose GPU work is enqueued: ``emit_reqs`` get ``next_ids_host`` (valid once
-    ``event`` has completed; None on the CPU, where it is valid at once)."""
-
-    batch: ScheduleBatch
-    emit_reqs: List[Req]
-    next_ids_host: Optional[torch.Tensor]
-    event: Optional["torch.cuda.Event"] = None
 
 
 class Scheduler:
