@@ -70,6 +70,18 @@ CASES = [
                                                .encode()), 400, "messages"),
     ("lone-surrogate-stop", "POST", C, _raw(json.dumps({"prompt": "hi", "stop": ["a\ud83d"]}).encode()), 400,
      "stop"),
+    ("lone-surrogate-prompt-list", "POST", C, _raw(json.dumps({"prompt": ["ok", "a\ud800"]}).encode()), 400,
+     "prompt"),
+    ("lone-surrogate-content-part", "POST", CHAT, _raw(json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "ok"}, {"type": "text", "text": "\udc00"}]}]}).encode()), 400, "messages"),
+    ("lone-surrogate-message-name", "POST", CHAT, _raw(json.dumps({"messages": [{"role": "user", "content": "hi",
+                                                                                  "name": "a\ud800"}]}).encode()),
+     400, "messages"),
+    ("lone-surrogate-chat-stop", "POST", CHAT, _raw(json.dumps({"messages": MSG, "stop": "\udbff"}).encode()), 400,
+     "stop"),
+    ("lone-surrogate-user", "POST", C, _raw(json.dumps({"prompt": "hi", "user": "\ud800"}).encode()), 400, "user"),
+    ("lone-surrogate-model", "POST", C, _raw(json.dumps({"prompt": "hi", "model": "x\ud800"}).encode()), 400,
+     "model"),
     ("form-content-type", "POST", CHAT, _raw(json.dumps({"messages": MSG}).encode(),
                                               "application/x-www-form-urlencoded"), 415, None),
     ("stop-wrong-type", "POST", C, {"json": {"prompt": "hi", "stop": 5}}, 400, "stop"),
@@ -132,6 +144,8 @@ def test_bad_request_then_good_request(server, auth, client, name, method, path,
         assert err["param"] == param, err
     if status == 400:
         assert err["type"] == "invalid_request_error"
+    if name.startswith("lone-surrogate"):
+        assert err["code"] == "invalid_value", err
     # the server is still fine
     good = client.post(C, json=OK)
     assert good.status_code == 200, good.text
@@ -175,7 +189,7 @@ def test_engine_failure_fails_only_that_request(server, client):
     runner.forward = flaky
     try:
         r = client.post(C, json={"prompt": [1, 2, poison], "max_tokens": 4})
-        assert r.status_code == 500, r.text
+        assert r.status_code == 500 and r.headers.get("connection") == "close", (r.text, r.headers)
         assert r.json()["error"]["type"] == "server_error" and "injected failure" in r.json()["error"]["message"]
         with client.stream("POST", C, json={"prompt": [3, poison], "max_tokens": 4, "stream": True}) as s:
             assert s.status_code == 200

@@ -108,16 +108,21 @@ def test_cli_rejects_bad_flags():
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("attnserve: error:")
 
 
-def test_sigterm_ends_running_streams_with_an_error_event_and_done(tmp_path):
-    """SIGTERM while three long streams run: after --graceful-shutdown-timeout each stream
-    gets an error event (code shutting_down) and then ``data: [DONE]``; the process exits."""
+def test_sigterm_drains_then_ends_running_requests_with_an_error(tmp_path):
+    """SIGTERM while three long streams, one short stream and one long non-streamed request
+    run: new requests (and /health) get 503 ``shutting_down`` at once, the short stream
+    finishes normally within --graceful-shutdown-timeout, then each long stream gets an
+    error event (code shutting_down) and ``data: [DONE]``, the non-streamed one a 503 JSON
+    error; the process exits."""
     log = tmp_path / "server.log"
-    proc, base = _start(log, "--graceful-shutdown-timeout", "1")
+    grace = 3
+    proc, base = _start(log, "--graceful-shutdown-timeout", str(grace))
     try:
         results, started = {}, threading.Semaphore(0)
 
-        def stream(i):
-            body = {"prompt": f"Story {i}:", "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
+        def stream(i, max_tokens):
+            body = {"prompt": f"Story {i}:", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+                    "stream": True}
             with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
                 lines = []
                 for ln in r.iter_lines():
@@ -127,20 +132,39 @@ def test_sigterm_ends_running_streams_with_an_error_event_and_done(tmp_path):
                         lines.append(ln)
                 results[i] = lines
 
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
-        for t in threads:
+        def plain():
+            body = {"prompt": "A long essay:", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+            results["plain"] = httpx.post(base + "/v1/completions", json=body, timeout=120)
+
+        threads = [threading.Thread(target=plain)]
+        threads[0].start()
+        deadline = time.monotonic() + 60
+        while httpx.get(base + "/debug/state").json()["running"] < 1:  # the non-streamed request runs
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        threads += [threading.Thread(target=stream, args=(i, 3000 if i < 3 else 8)) for i in range(4)]
+        for t in threads[1:]:
             t.start()
-        for _ in threads:
+        for _ in range(4):
             assert started.acquire(timeout=120)
         proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        refused = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        health = httpx.get(base + "/health", timeout=30)
+        assert time.monotonic() - t0 < grace, "the drain must answer new requests at once"
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down", refused.text
+        assert health.status_code == 503 and health.json()["error"]["code"] == "shutting_down"
         for t in threads:
             t.join(60)
         assert proc.wait(60) in (0, -signal.SIGTERM), log.read_text()[-3000:]
+        short = results[3]
+        assert short[-1] == "data: [DONE]" and '"finish_reason":"length"' in short[-2] and "error" not in "".join(short)
         for i in range(3):
             lines = results[i]
             assert lines[-1] == "data: [DONE]", lines[-3:]
             err = json.loads(lines[-2][len("data: "):])["error"]
             assert err["code"] == "shutting_down", err
+        assert results["plain"].status_code == 503 and results["plain"].json()["error"]["code"] == "shutting_down"
         assert "Traceback" not in log.read_text()
     finally:
         if proc.poll() is None:

@@ -1,8 +1,10 @@
 """`EngineLoop` with a fake engine (no model): thread contract, failure isolation, queue
-full, abort, shutdown; and the same thread contract on the real server."""
+full, abort, shutdown, a dying loop thread, a graceful drain; and the same thread contract
+on the real server."""
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -12,7 +14,11 @@ from attnserve.engine.scheduler import QueueFullError
 from attnserve.server.engine_loop import EngineLoop, RequestStream, SubmitCommand
 from attnserve.server.metrics import ServerMetrics
 
-POISON_STEP, POISON_ADD = 666, 777
+POISON_STEP, POISON_ADD, POISON_KILL = 666, 777, 888
+
+
+class LoopKilled(BaseException):
+    """Escapes the loop's per-iteration ``except Exception``: the loop thread dies."""
 
 
 class _Pool:
@@ -86,6 +92,8 @@ class FakeEngine:
         if any(POISON_STEP in r.prompt_ids for r in self.running):
             self.model_runner.token_to_kv_pool_allocator.free -= 3  # a half-done step leaks slots
             raise RuntimeError("boom in step")
+        if any(POISON_KILL in r.prompt_ids for r in self.running):
+            raise LoopKilled("the engine loop thread dies")
         for r in self.running:
             r.output_ids.append(1)
             r.text += "a"
@@ -185,6 +193,63 @@ def test_abort_and_shutdown(fake):
         return await _run(loop, "late", [1])
 
     assert asyncio.run(after_stop())[0].error.status == 503
+
+
+def test_dead_loop_fails_running_and_later_requests_with_503():
+    """The loop thread dies (an exception its guard cannot catch) while a request runs:
+    that request and the one that killed it end with 503 ``engine_dead`` instead of
+    hanging, the loop reports itself dead, and a later submit is refused at once."""
+    engine = FakeEngine()
+    loop = EngineLoop(engine, None, idle_poll_s=0.01)
+    loop.start()
+
+    async def main():
+        running = RequestStream()
+        loop.submit(SubmitCommand("long", [1], SamplingParams(max_new_tokens=10**6), running))
+        assert (await running.get()).error is None
+        assert (await running.get()).text == "a"  # generating
+        killer = asyncio.ensure_future(_run(loop, "killer", [POISON_KILL]))
+        while True:
+            ev = await asyncio.wait_for(running.get(), 5)
+            if ev.final:
+                break
+        killed = await asyncio.wait_for(killer, 5)
+        t0 = time.monotonic()
+        late = await asyncio.wait_for(_run(loop, "late", [1]), 5)
+        return ev, killed, late, time.monotonic() - t0
+
+    ev, killed, late, late_s = asyncio.run(main())
+    assert ev.error is not None and ev.error.status == 503 and ev.error.code == "engine_dead"
+    assert killed[-1].error is not None and killed[-1].error.code == "engine_dead"
+    assert len(late) == 1 and late[0].error.code == "engine_dead" and late_s < 1.0
+    assert not loop.is_alive() and loop.wait_drained(1.0)
+    assert engine.requests == {} and not engine.running  # aborted and forgotten on the way out
+
+
+def test_drain_refuses_new_requests_and_ends_running_ones_at_the_deadline(fake):
+    engine, loop = fake
+    grace = 0.3
+
+    async def main():
+        running = RequestStream()
+        loop.submit(SubmitCommand("long", [1], SamplingParams(max_new_tokens=10**7), running))
+        assert (await running.get()).error is None
+        await running.get()  # generating
+        t0 = time.monotonic()
+        loop.begin_drain(grace)
+        refused = await asyncio.wait_for(_run(loop, "new", [1]), 5)
+        texts = 0
+        while True:
+            ev = await asyncio.wait_for(running.get(), 5)
+            texts += bool(ev.text)
+            if ev.final:
+                return refused, ev, texts, time.monotonic() - t0
+
+    refused, ev, texts, ended_s = asyncio.run(main())
+    assert refused[0].error.status == 503 and refused[0].error.code == "shutting_down"
+    assert texts > 1  # the running request kept generating during the grace period
+    assert ev.error is not None and ev.error.code == "shutting_down" and ended_s >= grace
+    assert loop.wait_drained(5.0) and loop.draining and engine.requests == {}
 
 
 def test_real_server_scheduler_only_on_loop_thread(server, client):

@@ -52,6 +52,7 @@ def test_keep_alive_survives_a_lone_surrogate(server, auth):
         r = conn.getresponse()
         body = json.loads(r.read())
         assert r.status == 400 and body["error"]["code"] == "invalid_value" and body["error"]["param"] == "prompt"
+        assert r.getheader("connection") != "close"  # a 4xx keeps the connection
         conn.request("POST", C, body=json.dumps({"prompt": "Hello", "max_tokens": 2}).encode(), headers=headers)
         r = conn.getresponse()  # same socket: http.client would raise if the server had dropped it
         assert r.status == 200 and json.loads(r.read())["choices"][0]["finish_reason"] in ("stop", "length")
@@ -78,6 +79,24 @@ def test_one_created_and_n_choices(server, client):
     assert finishes == {0, 1} and lines[-1] == "data: [DONE]"
     assert events[-1]["usage"]["completion_tokens"] >= 2
     server.wait_idle(timeout=10)
+
+
+def test_n_streamed_choices_are_indexed_and_a_disconnect_aborts_them_all(server, client):
+    """``n=4`` streamed: chunks carry each choice's index; leaving after every choice has
+    produced text aborts all four sub-requests (the pool is free at once, though each
+    asked for 400 tokens)."""
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "n": 4, "ignore_eos": True, "temperature": 0.8,
+            "stream": True}
+    seen = set()
+    with client.stream("POST", C, json=body) as s:
+        assert s.status_code == 200
+        for ln in s.iter_lines():
+            if ln.startswith("data: ") and ln != "data: [DONE]":
+                seen.update(c["index"] for c in json.loads(ln[6:])["choices"] if c["text"])
+                if len(seen) == 4:
+                    break
+    assert seen == {0, 1, 2, 3}
+    server.wait_idle(timeout=5)
 
 
 def test_bounded_load_no_failures_and_empty_pool(server, auth):
@@ -112,12 +131,10 @@ def test_bounded_load_no_failures_and_empty_pool(server, auth):
     assert st["kv_slots_free"] == st["kv_slots_total"]
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop is killed on purpose
-def test_length_rule_uses_the_pool_and_a_dead_loop_answers_503():
-    """On a 2,048-token pool: prompt + max_tokens beyond it is a 400 naming max_tokens (or
-    prompt), with no server-flag advice; then the engine loop dies: /health and new
-    requests get 503 at once."""
-    pytest.importorskip("fastapi")
+@pytest.fixture(scope="module")
+def small_pool():
+    """Its own server on a 2,048-token KV pool (the context is 8,192), without an API key.
+    `test_dead_engine_loop_answers_503` kills its engine loop, so it is the last user."""
     from attnserve.engine.engine import Engine
     from attnserve.server.launch import ServerThread, create_app
     from attnserve.server_args import ServerArgs
@@ -125,37 +142,86 @@ def test_length_rule_uses_the_pool_and_a_dead_loop_answers_503():
     engine = Engine(ServerArgs(max_total_tokens=2048))
     app = create_app(engine)
     thread = ServerThread(app).start()
-    try:
-        with httpx.Client(base_url=thread.base_url, timeout=60) as c:
-            r = c.post(C, json={"prompt": [42] * 1900, "max_tokens": 500})
-            err = r.json()["error"]
-            assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
-            assert "--" not in err["message"]
-            r = c.post(C, json={"prompt": [42] * 2100, "max_tokens": 1})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-            assert "--" not in r.json()["error"]["message"]
-            r = c.post(C, json={"prompt": [42] * 1900})  # no max_tokens: the default fits what is left
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 148
-            assert c.get("/health").status_code == 200
-            loop = app.state.ctx.loop
+    yield engine, app, thread
+    thread.stop()
 
-            def die():
-                raise SystemExit("engine loop killed by the test")
 
-            loop._step = die
-            loop.engine.scheduler.waiting.append(None)  # has_work() -> the loop steps -> dies
-            loop._commands.put(object.__new__(type("Nudge", (), {})))
-            deadline = time.monotonic() + 10
-            while loop._thread.is_alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert not loop._thread.is_alive()
-            assert c.get("/health").status_code == 503
+def _context_error(r, param):
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == param, r.text
+    assert "--" not in err["message"] and "max-total-tokens" not in err["message"]  # no server-flag advice
+    return err["message"]
+
+
+def test_length_rule_uses_the_pool(small_pool, caplog):
+    """On a 2,048-token pool: prompt + max_tokens beyond it is a 400 naming max_tokens (or
+    the prompt, when the prompt alone does not fit), never a silently shortened answer; the
+    flag advice goes to the server log; without max_tokens the default is clamped to what
+    fits; the offline API's `Engine.check_prompt` applies the same rule."""
+    from attnserve.engine.sampling_params import SamplingParams
+
+    engine, app, thread = small_pool
+    assert engine.max_request_tokens == 2048 < engine.context_len
+    with httpx.Client(base_url=thread.base_url, timeout=120) as c:
+        msg = _context_error(c.post(C, json={"prompt": [42] * 1900, "max_tokens": 500}), "max_tokens")
+        assert "148" in msg  # says how much would fit
+        _context_error(c.post(C, json={"prompt": [42] * 2100, "max_tokens": 1}), "prompt")
+        _context_error(c.post(C, json={"prompt": [42] * 2048}), "prompt")  # no room for one token
+        _context_error(c.post(CHAT, json={"messages": [{"role": "user", "content": "hi " * 2100}]}), "messages")
+        _context_error(c.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2048}),
+                       "max_tokens")
+        assert "--max-total-tokens" in caplog.text  # the operator learns which flag to raise
+        r = c.post(C, json={"prompt": [42] * 2040})  # no max_tokens: the default (16) is clamped to the 8 left
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] == 2040 and 1 <= usage["completion_tokens"] <= 8
+        r = c.post(C, json={"prompt": [42] * 2040, "max_tokens": 8, "ignore_eos": True})  # exactly full: fine
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+        _context_error(c.post(C, json={"prompt": [42] * 2040, "max_tokens": 9}), "max_tokens")
+    with pytest.raises(ValueError, match="KV pool"):
+        engine.check_prompt([42] * 1900, SamplingParams(max_new_tokens=500))
+    with pytest.raises(ValueError, match="context length"):
+        engine.check_prompt([42] * 100, SamplingParams(max_new_tokens=engine.context_len))
+    engine.check_prompt([42] * 1900, SamplingParams(max_new_tokens=148))  # fits exactly
+    deadline = time.monotonic() + 10
+    while app.state.ctx.loop.state()["kv_slots_used"] or app.state.ctx.loop.state()["tracked_requests"]:
+        assert time.monotonic() < deadline, app.state.ctx.loop.state()
+        time.sleep(0.05)
+
+
+class _LoopKilled(BaseException):
+    """Escapes the engine loop's per-iteration ``except Exception``: the thread dies."""
+
+
+def test_dead_engine_loop_answers_503(small_pool):
+    """The engine loop thread dies while a stream runs: the stream ends with an
+    ``engine_dead`` error event and ``[DONE]``, /health answers 503, and a new request gets
+    503 (with ``Connection: close``) within a second instead of hanging."""
+    engine, app, thread = small_pool
+
+    def dying_step():
+        raise _LoopKilled("engine loop killed by the test")
+
+    with httpx.Client(base_url=thread.base_url, timeout=60) as c:
+        assert c.get("/health").status_code == 200
+        body = {"prompt": "Tell me a long story.", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with c.stream("POST", C, json=body) as s:
+            assert s.status_code == 200
+            lines = s.iter_lines()
+            assert '"text"' in next(ln for ln in lines if ln.startswith("data: "))
+            engine.step = dying_step  # the loop's next step kills its thread
             t0 = time.monotonic()
-            r = c.post(C, json={"prompt": "hi", "max_tokens": 2})
-            assert r.status_code == 503 and time.monotonic() - t0 < 5
-            assert r.headers.get("connection") == "close"
-    finally:
-        thread.stop()
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        assert time.monotonic() - t0 < 5 and rest[-1] == "data: [DONE]", rest[-3:]
+        assert json.loads(rest[-2][len("data: "):])["error"]["code"] == "engine_dead"
+        health = c.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        assert c.get("/debug/state").json()["engine_alive"] is False
+        for stream in (False, True):
+            t0 = time.monotonic()
+            r = c.post(C, json={"prompt": "hi", "max_tokens": 2, "stream": stream})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+            assert time.monotonic() - t0 < 1.0 and r.headers.get("connection") == "close"
 
 
 def test_post_processing_error_fails_that_request_alone(server, auth, monkeypatch):

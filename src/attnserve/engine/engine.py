@@ -108,17 +108,37 @@ class Engine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
 
+    @property
+    def max_request_tokens(self) -> int:
+        """Most tokens (prompt + output) one request can ever hold: the context length, or
+        the KV pool when that is smaller."""
+        return min(self.context_len, self.max_total_tokens)
+
     def check_prompt(self, prompt_ids: Sequence[int], sampling_params: SamplingParams) -> None:
-        """Raise ValueError if the request could never be served (before enqueueing)."""
+        """Raise ValueError if the request could not be served as asked (checked before
+        enqueueing, so nothing is silently truncated): an empty prompt, invalid sampling
+        parameters, or prompt + ``max_new_tokens`` beyond what one request can ever hold
+        (`max_request_tokens`: the context length and the KV pool)."""
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
-        if n >= self.context_len:
-            raise ValueError(
-                f"the prompt has {n} tokens but the context length is {self.context_len}; "
-                f"shorten it to at most {self.context_len - 1} tokens"
-            )
         sampling_params.verify()
+        ctx, pool = self.context_len, self.max_total_tokens
+        if n >= ctx:
+            raise ValueError(
+                f"the prompt has {n} tokens but the context length is {ctx}; shorten it to at most {ctx - 1} tokens"
+            )
+        if n >= pool:
+            raise ValueError(f"the prompt has {n} tokens but the KV pool holds {pool}; shorten it to at most "
+                             f"{pool - 1} tokens or give the engine a larger pool (max_total_tokens)")
+        want = n + sampling_params.max_new_tokens
+        if want > ctx:
+            raise ValueError(f"the prompt ({n} tokens) plus max_new_tokens ({sampling_params.max_new_tokens}) "
+                             f"exceeds the context length {ctx}; lower max_new_tokens to at most {ctx - n}")
+        if want > pool:
+            raise ValueError(f"the prompt ({n} tokens) plus max_new_tokens ({sampling_params.max_new_tokens}) "
+                             f"exceeds the KV pool of {pool} tokens; lower max_new_tokens to at most {pool - n} "
+                             f"or give the engine a larger pool (max_total_tokens)")
 
     def add_request(self, prompt_ids: List[int], sampling_params: SamplingParams, rid: Optional[str] = None) -> Req:
         return self.scheduler.add_request(prompt_ids, sampling_params, rid)

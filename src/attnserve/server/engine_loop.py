@@ -18,6 +18,13 @@ keeps serving. When `Scheduler.step` itself raises, the requests of the step tha
 (`Scheduler.failed_reqs`) are failed and aborted (their KV freed) and the others keep
 running; if slots are still held once nothing runs (a step died half-way), both pools are
 reset so no capacity leaks.
+
+End of the loop: `stop` (the app's shutdown) and a loop thread that dies (an exception
+the per-iteration guard cannot catch) both end every admitted and every queued request
+with a 503 event (``shutting_down`` / ``engine_dead``), so no handler waits forever; a
+request submitted after that is answered 503 at once (`submit`). A graceful drain
+(`begin_drain`) refuses new requests, lets running ones finish until its deadline, then
+ends the rest the same way; `wait_drained` tells the HTTP server when it may exit.
 """
 
 from __future__ import annotations
@@ -123,6 +130,14 @@ _STOP = object()
 _WAKE = object()  # nudges an idle loop thread (a drain began)
 
 
+def _shutting_down(detail: str = "") -> EngineError:
+    return EngineError(503, "the server is shutting down" + detail, "server_error", "shutting_down")
+
+
+def _engine_dead() -> EngineError:
+    return EngineError(503, "the engine loop is not running", "server_error", "engine_dead")
+
+
 class EngineLoop:
     """Runs ``engine`` (an `attnserve.engine.engine.Engine` or anything with ``scheduler``,
     ``model_runner``, ``step``, ``has_work``, ``add_request``, ``abort_request``) in one
@@ -144,6 +159,9 @@ class EngineLoop:
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
         self._draining = threading.Event()
+        self._drained = threading.Event()  # draining, and nothing admitted or queued is left
+        self._closed = threading.Event()  # the thread left its loop (stopped or died)
+        self._close_error = _shutting_down()
         self._drain_deadline = float("inf")
         self._state: Dict[str, Any] = {}
         self.step_errors = 0
@@ -166,8 +184,9 @@ class EngineLoop:
     def begin_drain(self, grace_s: float) -> None:
         """Graceful shutdown: refuse new requests (503 ``shutting_down``) from now on, let
         running ones finish for ``grace_s`` seconds, then end the rest with a 503 error
-        event (their streams then close with the error and ``[DONE]``)."""
-        self._drain_deadline = time.monotonic() + max(grace_s, 0.0)
+        event (their streams then close with the error and ``[DONE]``). Calling it again
+        can only bring the deadline forward (a second Ctrl-C: ``grace_s=0``)."""
+        self._drain_deadline = min(self._drain_deadline, time.monotonic() + max(grace_s, 0.0))
         self._draining.set()
         self._commands.put(_WAKE)
 
@@ -175,26 +194,42 @@ class EngineLoop:
     def draining(self) -> bool:
         return self._draining.is_set()
 
+    def wait_drained(self, timeout: Optional[float] = None) -> bool:
+        """Block until a drain has ended every request (finished, or failed at the
+        deadline) or the loop thread has ended; False if ``timeout`` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._drained.is_set():
+            if self._closed.is_set() or (self._thread is not None and not self._thread.is_alive()):
+                return True
+            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            self._drained.wait(left)
+        return True
+
     @property
     def thread_id(self) -> Optional[int]:
         return None if self._thread is None else self._thread.ident
 
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+        """True while the loop thread runs and has not been asked to stop."""
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+                and not self._closed.is_set())
 
     def submit(self, cmd: SubmitCommand) -> None:
         """Queue a request; its first event says whether it was accepted (an empty event)
-        or rejected (``error`` set: 503 when the waiting queue is full, 400 when the engine
-        refuses the prompt)."""
+        or rejected (``error`` set: 503 ``shutting_down`` while draining or stopped, 503
+        ``engine_dead`` when the loop thread died, 503 ``queue_full`` when the waiting queue
+        is full, 400 when the engine refuses the prompt)."""
         if self._stopping.is_set() or self._draining.is_set():
-            cmd.stream.push(StreamEvent(error=EngineError(503, "the server is shutting down", "server_error",
-                                                          "shutting_down")))
+            cmd.stream.push(StreamEvent(error=_shutting_down()))
             return
-        if self._thread is not None and not self._thread.is_alive():
-            cmd.stream.push(StreamEvent(error=EngineError(503, "the engine loop is not running", "server_error",
-                                                          "engine_dead")))
+        if self._closed.is_set() or (self._thread is not None and not self._thread.is_alive()):
+            cmd.stream.push(StreamEvent(error=_engine_dead()))
             return
         self._commands.put(cmd)
+        if self._closed.is_set():  # the loop ended while we queued: it may never read the command
+            self._flush_commands(self._close_error)
 
     def abort(self, rid: str) -> None:
         """Abort ``rid`` (unknown or finished ids are ignored)."""
@@ -204,25 +239,48 @@ class EngineLoop:
         """Snapshot taken by the loop thread after its last step (a fresh dict)."""
         return dict(self._state)
 
+    def _flush_commands(self, err: EngineError) -> None:
+        """Answer every queued submit with ``err`` (thread-safe: it touches only the queue
+        and the requests' streams, never the engine)."""
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, SubmitCommand):
+                item.stream.push(StreamEvent(error=err))
+
     # ---- loop thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                self._drain(block=not self.engine.has_work())
-                if self._stopping.is_set():
-                    break
-                if self._draining.is_set() and self._live and time.monotonic() >= self._drain_deadline:
-                    err = EngineError(503, "the server is shutting down; the request did not finish within "
-                                           "the graceful-shutdown timeout", "server_error", "shutting_down")
-                    for rid in list(self._live):
-                        self._fail(rid, err)
-                if self.engine.has_work():
-                    self._step()
-                self._publish_state()
-            except Exception:  # the loop must survive anything; log and go on
-                logger.exception("engine loop iteration failed")
-                time.sleep(0.01)
-        self._shutdown()
+        try:
+            while not self._stopping.is_set():
+                try:
+                    self._iterate()
+                except Exception:  # the loop must survive anything; log and go on
+                    logger.exception("engine loop iteration failed")
+                    time.sleep(0.01)
+        except BaseException:  # the thread is ending: its requests must not hang
+            logger.critical("the engine loop died; failing every request with 503", exc_info=True)
+            self._close_error = _engine_dead()
+        finally:
+            self._closed.set()
+            self._shutdown(self._close_error)
+            self._drained.set()
+
+    def _iterate(self) -> None:
+        """One round: drain commands, end requests past a drain's deadline, step, publish."""
+        self._drain(block=not self.engine.has_work())
+        if self._stopping.is_set():
+            return
+        if self._draining.is_set() and self._live and time.monotonic() >= self._drain_deadline:
+            err = _shutting_down("; the request did not finish within the graceful-shutdown timeout")
+            for rid in list(self._live):
+                self._fail(rid, err)
+        if self.engine.has_work():
+            self._step()
+        self._publish_state()
+        if self._draining.is_set() and not self._live and self._commands.empty():
+            self._drained.set()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -400,15 +458,10 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.set_state(state)
 
-    def _shutdown(self) -> None:
-        err = EngineError(503, "the server is shutting down", "server_error", "shutting_down")
+    def _shutdown(self, err: EngineError) -> None:
+        """End every admitted request (KV freed where the engine still can) and every
+        queued submit with ``err``."""
         for rid in list(self._live):
             self._fail(rid, err)
-        while True:
-            try:
-                item = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, SubmitCommand):
-                item.stream.push(StreamEvent(error=err))
+        self._flush_commands(err)
 

@@ -2,15 +2,21 @@
 
 Status codes:
 
-* 400 ``invalid_request_error``: malformed JSON, non-UTF-8 bodies, wrong types, values out
-  of range, unsupported options, prompts that do not fit the context (code
-  ``context_length_exceeded``). Schema errors are 400 (as OpenAI answers), not FastAPI's
-  default 422.
+* 400 ``invalid_request_error``: malformed JSON, non-UTF-8 bodies, text that is not valid
+  Unicode (a lone surrogate; code ``invalid_value``), wrong types, values out of range,
+  unsupported options, prompt + ``max_tokens`` beyond what one request can hold (code
+  ``context_length_exceeded``, ``param`` ``prompt``/``messages`` or ``max_tokens``).
+  Schema errors are 400 (as OpenAI answers), not FastAPI's default 422.
 * 401 ``authentication_error``: missing or wrong ``Authorization: Bearer`` key.
 * 404 ``not_found_error``: unknown route or model.
-* 405 / 413 (``request_too_large``, the body is over the server's limit) / 415.
-* 503 ``server_overloaded``: the waiting queue is full (``--max-queued-requests``).
+* 405 / 413 (``request_too_large``, the body is over the server's limit) / 415
+  (``unsupported_media_type``, a ``Content-Type`` other than JSON).
+* 503: ``server_overloaded`` / ``queue_full`` (the waiting queue is full,
+  ``--max-queued-requests``); ``server_error`` / ``shutting_down`` (draining after SIGTERM)
+  or ``engine_dead`` (the engine loop thread died).
 * 500 ``server_error``: a bug; the request fails, the server keeps running.
+
+Every 5xx carries ``Connection: close`` (`attnserve.server.middleware.CloseOnServerErrorMiddleware`).
 """
 
 from __future__ import annotations

@@ -137,9 +137,10 @@ def launch_server(args) -> int:
 
     Returns:
         0 when uvicorn returns. On Ctrl-C / SIGTERM the server drains (`draining_server`:
-        no new requests, running ones get ``--graceful-shutdown-timeout`` seconds, then end
-        with an error event), uvicorn shuts down, the engine loop stops, and the signal is
-        re-raised, so the process ends with that signal's status, as an unhandled one would.
+        new requests get 503 ``shutting_down``, running ones get
+        ``--graceful-shutdown-timeout`` seconds, then end with an error), uvicorn shuts
+        down, the engine loop stops, and the signal is re-raised, so the process ends with
+        that signal's status, as an unhandled one would.
 
     Raises:
         ValueError / FileNotFoundError: bad flags or model (the CLI prints them in one line).
@@ -165,19 +166,32 @@ def launch_server(args) -> int:
 
 
 def draining_server(config, loop, grace_s: float):
-    """A uvicorn ``Server`` whose first SIGTERM / Ctrl-C starts a graceful drain of ``loop``
-    (`EngineLoop.begin_drain`: new requests get 503 ``shutting_down``, running ones get
-    ``grace_s`` seconds, then end with an error event and ``[DONE]``) before uvicorn's own
-    shutdown, which waits for those last answers (``config.timeout_graceful_shutdown``
-    should exceed ``grace_s``)."""
+    """A uvicorn ``Server`` that drains ``loop`` before it exits.
+
+    The first SIGTERM / Ctrl-C starts `EngineLoop.begin_drain`: the socket stays open and
+    every new request (and ``/health``) gets 503 ``shutting_down``, running requests get
+    ``grace_s`` seconds to finish, then the rest end with an error (a 503 body, or an error
+    event and ``[DONE]`` on a stream). Once nothing runs, uvicorn's own shutdown starts; it
+    waits for those last answers to be written (``config.timeout_graceful_shutdown`` should
+    exceed ``grace_s``). A second signal ends the remaining requests at once and exits."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            if not loop.draining:
-                logger.warning("attnserve: shutting down; running requests get %.1f s to finish", grace_s)
-                loop.begin_drain(grace_s)
-            super().handle_exit(sig, frame)
+            if loop.draining or self.should_exit:
+                loop.begin_drain(0.0)
+                super().handle_exit(sig, frame)
+                return
+            logger.warning("attnserve: shutting down; running requests get %.1f s to finish", grace_s)
+            if isinstance(getattr(self, "_captured_signals", None), list):
+                self._captured_signals.append(sig)  # uvicorn re-raises it once served (exit status)
+            loop.begin_drain(grace_s)
+            threading.Thread(target=self._exit_when_drained, name="attnserve-drain", daemon=True).start()
+
+        def _exit_when_drained(self) -> None:
+            if not loop.wait_drained(grace_s + 10.0):
+                logger.warning("attnserve: requests still open after the graceful-shutdown timeout; exiting")
+            self.should_exit = True
 
     return DrainingServer(config)
 

@@ -31,6 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from attnserve.server.engine_loop import EngineLoop, RequestStream, StreamEvent, SubmitCommand
 from attnserve.server.errors import APIError, error_body
 from attnserve.server.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_STOP_LEN,
     MAX_STOP_SEQUENCES,
     ChatChoice,
@@ -59,7 +60,7 @@ class ServingContext:
     Attributes:
         loop: the engine loop (the only path to the engine).
         engine: used only for its immutable parts: ``tokenize`` (tokenizer + vocabulary
-            check), ``tokenizer``, ``context_len``.
+            check), ``tokenizer``, ``context_len``, ``max_request_tokens``.
         model_name: id served under ``/v1/models``; requests naming another model get 404.
         metrics: `ServerMetrics` or None.
         info: static facts for ``/debug/state`` (device, versions, backend).
@@ -74,35 +75,62 @@ class ServingContext:
 
 # ---- request -> (prompt ids, SamplingParams) ---------------------------------------------------
 def _check_model_and_options(ctx: ServingContext, body) -> None:
+    """Checks that need no tokenizer: valid Unicode, the model name, unsupported options,
+    stop strings.
+
+    Raises:
+        APIError: 400 (``invalid_value`` / ``unsupported_parameter``) or 404 (unknown model).
+    """
+    _check_unicode(body)
     if body.model is not None and body.model != ctx.model_name:
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves {ctx.model_name!r}",
                        "model", "model_not_found")
     field = body.unsupported()
     if field is not None:
-        hint = ("best_of is not supported (only best_of == n)" if field == "best_of"
+        hint = (f"best_of={getattr(body, 'best_of', None)} is not supported: attnserve returns n independent "
+                f"samples and does not rank them; leave best_of out or set it equal to n" if field == "best_of"
                 else f"{field} is not supported by attnserve")
         raise APIError(400, hint, field, "unsupported_parameter")
     stops = body.stop_list()
     if len(stops) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_LEN for s in stops):
         raise APIError(400, f"stop takes at most {MAX_STOP_SEQUENCES} strings of at most {MAX_STOP_LEN} characters",
                        "stop", "invalid_value")
-    for s in stops:
-        _check_unicode(s, "stop")
-    if isinstance(body, ChatCompletionRequest):
-        for m in body.messages:
-            _check_unicode(m.text(), "messages")
-    elif isinstance(body.prompt, str):
-        _check_unicode(body.prompt, "prompt")
 
 
-def _check_unicode(text: str, param: str) -> None:
-    """400 ``invalid_value`` for text that is not valid Unicode (a lone UTF-16 surrogate,
-    which JSON's ``\\uD800`` escapes can carry but UTF-8 cannot encode)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise APIError(400, f"{param} is not valid Unicode: a lone surrogate at character {e.start}", param,
-                       "invalid_value") from None
+def _check_unicode(body) -> None:
+    """400 ``invalid_value`` naming the field when any text of the request (prompt,
+    messages, stop strings, model, user ...) is not valid Unicode: a lone UTF-16 surrogate,
+    which JSON's ``\\uD800`` escapes can carry but UTF-8 cannot encode, so it could reach
+    neither the tokenizer nor a response."""
+    for name, value in body:
+        where = _lone_surrogate(value)
+        if where is not None:
+            raise APIError(400, f"{name} is not valid Unicode: a lone surrogate at character {where} of a string",
+                           name, "invalid_value")
+
+
+def _lone_surrogate(value) -> Optional[int]:
+    """Index of the first lone surrogate in the first string inside ``value`` (strings,
+    lists, dicts, pydantic models, nested) that has one; None when all text is valid."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return e.start
+        return None
+    if isinstance(value, dict):
+        items = [x for kv in value.items() for x in kv]
+    elif isinstance(value, (list, tuple)):
+        items = value
+    elif hasattr(value, "model_fields_set"):  # a nested pydantic model (a chat message, a content part)
+        items = [v for _, v in value]
+    else:
+        return None
+    for item in items:
+        where = _lone_surrogate(item)
+        if where is not None:
+            return where
+    return None
 
 
 def _prompt_ids(ctx: ServingContext, prompt) -> List[int]:
@@ -129,31 +157,67 @@ def _chat_ids(ctx: ServingContext, body: ChatCompletionRequest) -> List[int]:
     return [int(t) for t in out]
 
 
-def _sampling_params(ctx: ServingContext, body, prompt_len: int, max_tokens: Optional[int], prompt_param: str):
-    """Build `SamplingParams`, checking the prompt and the output against the context.
+def _request_limit(ctx: ServingContext) -> int:
+    """Most tokens (prompt + output) one request can ever hold: the context length, and the
+    KV pool when that is smaller (`Engine.max_request_tokens`, the rule the offline API's
+    `Engine.check_prompt` applies too)."""
+    limit = getattr(ctx.engine, "max_request_tokens", None)
+    if limit is None:  # an engine without a pool size (a test double): the context alone
+        limit = ctx.engine.context_len
+    return limit
+
+
+def _max_new_tokens(ctx: ServingContext, prompt_len: int, max_tokens: Optional[int], default: Optional[int],
+                    prompt_param: str) -> int:
+    """The one length rule: prompt + output must fit what one request can ever hold
+    (`_request_limit`); nothing is silently truncated.
+
+    Args:
+        max_tokens: the client's explicit limit, or None when it sent none.
+        default: the limit used without an explicit one (None: the rest of the context);
+            clamped to what fits, so a prompt that fits never fails for want of room.
+
+    Returns:
+        ``max_new_tokens`` for the request.
 
     Raises:
-        APIError 400: a prompt that leaves no room in the context (``context_length_exceeded``),
-            or invalid sampling values (``param`` names the field).
+        APIError 400 ``context_length_exceeded``: the prompt alone does not fit (``param``
+            is ``prompt_param``), or prompt + explicit ``max_tokens`` does not (``max_tokens``).
+    """
+    limit = _request_limit(ctx)
+    need = prompt_len + (max_tokens or 1)
+    if limit < need <= ctx.engine.context_len:  # a larger pool would serve it: advice for the operator's log only
+        logger.warning("a request needs %d tokens but the KV pool holds %d; raise --max-total-tokens "
+                       "(or --mem-fraction-static) to serve such requests", need, limit)
+    if prompt_len >= limit:
+        raise APIError(400, f"the prompt has {prompt_len} tokens but this server holds at most {limit} tokens per "
+                            f"request (prompt and output); shorten it to at most {limit - 1} tokens", prompt_param,
+                       "context_length_exceeded")
+    room = limit - prompt_len
+    if max_tokens is None:
+        return room if default is None else min(default, room)
+    if max_tokens > room:
+        raise APIError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                            f"{limit} tokens this server holds per request; lower max_tokens to at most {room}",
+                       "max_tokens", "context_length_exceeded")
+    return max_tokens
+
+
+def _sampling_params(ctx: ServingContext, body, prompt_len: int, max_tokens: Optional[int], prompt_param: str,
+                     default_max_tokens: Optional[int] = None):
+    """Build `SamplingParams`, checking the prompt and the output against the context.
+
+    Args:
+        max_tokens: the client's explicit output limit, or None (then ``default_max_tokens``,
+            clamped to what fits; see `_max_new_tokens`).
+
+    Raises:
+        APIError 400: a request that cannot fit (``context_length_exceeded``), or invalid
+            sampling values (``param`` names the field).
     """
     from attnserve.engine.sampling_params import SamplingParams
 
-    ctx_len = ctx.engine.context_len
-    pool = getattr(ctx.engine, "max_total_tokens", None) or ctx_len
-    limit = min(ctx_len, pool)  # what one request can ever hold: the context, and the KV pool
-    if limit < ctx_len and prompt_len + (max_tokens or 1) > limit:
-        logger.warning("a request needs %d tokens but the KV pool holds %d; raise --max-total-tokens "
-                       "(or --mem-fraction-static) to serve it", prompt_len + (max_tokens or 1), pool)
-    if prompt_len >= limit:
-        raise APIError(400, f"the prompt has {prompt_len} tokens but this server holds at most {limit} tokens per "
-                            f"request; shorten it to at most {limit - 1} tokens", prompt_param,
-                       "context_length_exceeded")
-    if max_tokens is None:
-        max_tokens = limit - prompt_len
-    elif prompt_len + max_tokens > limit:
-        raise APIError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                            f"{limit} tokens this server holds per request; lower max_tokens to at most "
-                            f"{limit - prompt_len}", "max_tokens", "context_length_exceeded")
+    max_tokens = _max_new_tokens(ctx, prompt_len, max_tokens, default_max_tokens, prompt_param)
     try:
         return SamplingParams(
             max_new_tokens=max_tokens,
@@ -172,45 +236,43 @@ def _sampling_params(ctx: ServingContext, body, prompt_len: int, max_tokens: Opt
         raise APIError(400, str(e), param, "invalid_value") from e
 
 
-async def _submit(ctx: ServingContext, rid: str, prompt_ids: List[int], sp, arrival: float) -> RequestStream:
-    """Hand the request to the engine loop and wait until the engine accepted it.
-
-    Raises:
-        APIError: 503 when the waiting queue is full, 400 when the engine refuses the prompt.
-    """
-    stream = RequestStream()
-    ctx.loop.submit(SubmitCommand(rid, prompt_ids, sp, stream, arrival))
-    try:
-        first = await stream.get()
-    except asyncio.CancelledError:
-        ctx.loop.abort(rid)
-        raise
-    if first.error is not None:
-        e = first.error
-        raise APIError(e.status, e.message, None, e.code, e.type)
-    return stream
+def _raise_engine_error(ev: StreamEvent) -> None:
+    """Raise the `APIError` (status, message, code, type) of an event whose ``error`` is set."""
+    e = ev.error
+    raise APIError(e.status, e.message, None, e.code, e.type)
 
 
 async def _submit_choices(ctx: ServingContext, rid: str, prompt_ids: List[int], sp, n: int,
                           arrival: float) -> List[Tuple[str, RequestStream]]:
-    """Submit the ``n`` choices of one request (ids ``rid`` or ``rid-i``; a seeded request's
-    choice i uses seed + i, so the choices differ but the response is reproducible). The
-    engine computes the shared prompt once: the later choices find it in the prefix cache.
+    """Submit the ``n`` choices of one request together (ids ``rid``, or ``rid-0`` ...
+    ``rid-{n-1}``; a seeded request's choice i uses seed + i, so the choices differ but the
+    response is reproducible) and wait until the engine accepted every one. Submitted in
+    one go, the choices reach the scheduler together, so it can compute the shared prompt
+    once and let the others read it from the prefix cache.
 
     Raises:
-        APIError: as `_submit`; choices already accepted are aborted first.
+        APIError: 503 when the waiting queue is full or the server is shutting down, 400
+            when the engine refuses the prompt; every choice is aborted first.
     """
-    out: List[Tuple[str, RequestStream]] = []
+    choices: List[Tuple[str, RequestStream]] = []
+    for i in range(n):
+        crid = rid if n == 1 else f"{rid}-{i}"
+        csp = sp if i == 0 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + i)
+        stream = RequestStream()
+        ctx.loop.submit(SubmitCommand(crid, prompt_ids, csp, stream, arrival))
+        choices.append((crid, stream))
     try:
-        for i in range(n):
-            crid = rid if n == 1 else f"{rid}-{i}"
-            csp = sp if i == 0 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + i)
-            out.append((crid, await _submit(ctx, crid, prompt_ids, csp, arrival)))
-    except BaseException:
-        for crid, _ in out:
+        firsts = [await stream.get() for _, stream in choices]
+    except BaseException:  # cancelled (client gone): abort whatever was accepted
+        for crid, _ in choices:
             ctx.loop.abort(crid)
         raise
-    return out
+    refused = [ev for ev in firsts if ev.error is not None]
+    if refused:
+        for crid, _ in choices:
+            ctx.loop.abort(crid)  # unknown (refused) ids are ignored
+        _raise_engine_error(refused[0])
+    return choices
 
 
 async def _abort_on_disconnect(request, ctx: ServingContext, rids: List[str]) -> None:
@@ -267,7 +329,7 @@ async def _collect(request, ctx: ServingContext, choices: List[Tuple[str, Reques
     try:
         async for i, ev in _merged(choices):
             if ev.error is not None:
-                raise APIError(ev.error.status, ev.error.message, None, ev.error.code, ev.error.type)
+                _raise_engine_error(ev)
             parts[i].append(ev.text)
             if ev.final:
                 finals[i] = StreamEvent("".join(parts[i]), ev.completion_tokens, ev.prompt_tokens,
@@ -361,6 +423,8 @@ def build_router():
     @router.get("/health")
     async def health(request: Request):
         ctx: ServingContext = request.app.state.ctx
+        if ctx.loop.draining:
+            return JSONResponse(error_body(503, "the server is shutting down", code="shutting_down"), 503)
         if not ctx.loop.is_alive():
             return JSONResponse(error_body(503, "the engine loop is not running", code="engine_dead"), 503)
         return {"status": "ok"}
@@ -397,7 +461,8 @@ def build_router():
         arrival = time.perf_counter()
         _check_model_and_options(ctx, body)
         prompt_ids = await run_in_threadpool(_prompt_ids, ctx, body.prompt)
-        sp = _sampling_params(ctx, body, len(prompt_ids), body.max_tokens, "prompt")
+        sp = _sampling_params(ctx, body, len(prompt_ids), body.requested_max_tokens(), "prompt",
+                              DEFAULT_COMPLETION_MAX_TOKENS)
         rid = new_id("cmpl")
         choices = await _submit_choices(ctx, rid, prompt_ids, sp, body.n or 1, arrival)
         model, created = ctx.model_name, now_s()  # one `created` for every chunk of the response

@@ -24,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 MAX_STOP_SEQUENCES = 16
 #: Longest accepted stop string, in characters.
 MAX_STOP_LEN = 256
+#: ``max_tokens`` of a completion that sets none (OpenAI's default), clamped to what fits.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: Most parallel samples (``n``) of one request.
 MAX_N = 16
 #: Most accepted ``stop_token_ids``.
@@ -89,10 +91,12 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: ``prompt`` is one string or one list of token ids."""
+    """``POST /v1/completions``: ``prompt`` is one string or one list of token ids. Without
+    ``max_tokens`` a completion stops after `DEFAULT_COMPLETION_MAX_TOKENS` tokens, or
+    earlier where the context or the KV pool ends."""
 
     prompt: Union[StrictStr, List[StrictInt]]
-    max_tokens: Optional[StrictInt] = Field(default=16, ge=1)
+    max_tokens: Optional[StrictInt] = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
     echo: Optional[StrictBool] = False
     best_of: Optional[StrictInt] = None
     suffix: Optional[StrictStr] = None
@@ -105,6 +109,10 @@ class CompletionRequest(_SamplingFields):
         if self.suffix:
             return "suffix"
         return super().unsupported()
+
+    def requested_max_tokens(self) -> Optional[int]:
+        """The client's explicit ``max_tokens``; None when it sent none (or null)."""
+        return self.max_tokens if "max_tokens" in self.model_fields_set else None
 
 
 class TextContentPart(BaseModel):
