@@ -77,14 +77,6 @@ def check_stop(req: Req, tokenizer, eos_token_ids: Iterable[int], context_len: i
         finalize_text(req, tokenizer)
 
 
-def update_text_and_check_stop(req: Req, tokenizer, eos_token_ids: Iterable[int], context_len: int) -> None:
-    """`check_stop`, and also refresh ``req.text`` of an unfinished request (the decoded
-    output so far)."""
-    check_stop(req, tokenizer, eos_token_ids, context_len)
-    if req.finish_reason is None:
-        req.text = decode_text(tokenizer, req.output_ids)
-
-
 def stable_text(req: Req, tokenizer=None) -> str:
     """The part of the output text safe to stream: while unfinished, the decoded output
     without a trailing replacement character (an incomplete UTF-8 sequence) and without any

@@ -28,8 +28,8 @@ class ReqToTokenPool:
     On a GPU the table lives on the device (the attention kernels read it there) and a host
     mirror ``req_to_token_host`` holds the same values, so the scheduler can find a request's
     slots (to free them, or the last one to continue a page) without reading the device. On
-    the CPU both names are the same tensor. Writes go to both: `write_batch` takes the
-    step's (row, position, slot) triples once, as host tensors plus the device copies of
+    the CPU both names are the same tensor. Writes go to both: a step passes its
+    (row, position, slot) triples once, as host tensors plus the device copies of
     them that travel in the step's packed input buffer (`write_host` as soon as the slots
     are allocated, `write_device` once the step's inputs are on the device).
 
@@ -79,21 +79,11 @@ class ReqToTokenPool:
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """``req_to_token[row, start:start+len(slots)] = slots`` (one request; tests and
-        benchmarks; the scheduler uses `write_batch`)."""
+        benchmarks; the scheduler uses `write_host` + `write_device`)."""
         n = slots.numel()
         self.req_to_token[row, start : start + n] = slots.to(self.device, torch.int32)
         if self.req_to_token_host is not self.req_to_token:
             self.req_to_token_host[row, start : start + n] = slots.to("cpu", torch.int32)
-
-    def write_batch(
-        self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor,
-        rows_dev: Optional[torch.Tensor] = None, cols_dev: Optional[torch.Tensor] = None,
-        slots_dev: Optional[torch.Tensor] = None,
-    ) -> None:
-        """``req_to_token[rows[j], cols[j]] = slots[j]`` for every j: `write_host` then
-        `write_device` (see both)."""
-        self.write_host(rows, cols, slots)
-        self.write_device(rows, cols, slots, rows_dev, cols_dev, slots_dev)
 
     def write_host(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
         """The host mirror's part of a batched write (on the CPU, the table itself).
