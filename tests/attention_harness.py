@@ -102,3 +102,11 @@ def naive_reference(case: Case, custom_masks=None) -> torch.Tensor:
             outs.append(o)
         t += e
     return torch.stack(outs)
+
+
+def backend_config(case: Case, **kw):
+    """`AttentionBackendConfig` over the case's pools (windows from its layer)."""
+    from attnserve.attention.backend_config import AttentionBackendConfig
+
+    return AttentionBackendConfig.from_pools(case.fb.req_to_token_pool, case.pool, case.layer.tp_q_head_num,
+                                             layer_windows=(case.layer.sliding_window_size,), **kw)

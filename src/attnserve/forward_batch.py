@@ -21,7 +21,7 @@ Conventions (all per request ``i`` of the batch, in batch order):
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
@@ -118,7 +118,6 @@ class ForwardBatch:
     attn_backend: Optional["AttentionBackend"] = None
     spec_info: Any = None
     sampling_info: Any = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:

@@ -29,6 +29,8 @@ class ServerArgs:
     decode_attention_backend: Optional[str] = None
     speculative_attention_mode: str = "prefill"  # prefill | decode
     enable_deterministic_inference: bool = False
+    triton_attention_num_kv_splits: int = 32  # most split-K partitions per request (decode)
+    triton_attention_split_tile_size: int = 256  # tokens per split in deterministic mode
     # memory and scheduling
     page_size: int = 1
     max_total_tokens: Optional[int] = None
@@ -87,6 +89,11 @@ class ServerArgs:
                 get_attention_backend_class(name)  # ValueError listing the valid names
         if self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.triton_attention_num_kv_splits < 1 or self.triton_attention_split_tile_size < 1:
+            raise ValueError(
+                "--triton-attention-num-kv-splits and --triton-attention-split-tile-size must be >= 1, got "
+                f"{self.triton_attention_num_kv_splits} and {self.triton_attention_split_tile_size}"
+            )
         if self.chunked_prefill_size < 1:
             raise ValueError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -138,6 +145,11 @@ class ServerArgs:
         a("--speculative-attention-mode", default=d.speculative_attention_mode, choices=["prefill", "decode"])
         a("--enable-deterministic-inference", action="store_true",
           help="batch-invariant attention (fixed split sizes)")
+        a("--triton-attention-num-kv-splits", type=int, default=d.triton_attention_num_kv_splits,
+          help="most split-K partitions per request in the Triton decode kernels (the heuristic picks fewer "
+               "for short sequences and large batches)")
+        a("--triton-attention-split-tile-size", type=int, default=d.triton_attention_split_tile_size,
+          help="tokens per split with --enable-deterministic-inference")
         a("--page-size", type=int, default=d.page_size, help="tokens per KV page")
         a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
         a("--mem-fraction-static", type=float, default=d.mem_fraction_static,

@@ -10,7 +10,6 @@ extend steps over a cached prefix (the latent read back and expanded).
 
 import copy
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -70,8 +69,8 @@ def _run_schedule(engine, schedule, max_new):
 def test_triton_matches_torch_native_eager_and_graphs(page_size):
     prompts = _prompts(7, page_size)
     ref = _generate(_engine(attention_backend="torch_native", disable_cuda_graph=True, page_size=page_size), prompts)
-    eager = _generate(_engine(attention_backend="triton", disable_cuda_graph=True, page_size=page_size), prompts)
-    graphed_engine = _engine(attention_backend="triton", page_size=page_size)
+    eager = _generate(_engine(attention_backend="triton_mla", disable_cuda_graph=True, page_size=page_size), prompts)
+    graphed_engine = _engine(attention_backend="triton_mla", page_size=page_size)
     assert graphed_engine.model_runner.cuda_graph_runner is not None
     assert graphed_engine.model_runner.token_to_kv_pool.kv_buffer[0].shape[1:] == (1, 128 + 32)
     graphed = _generate(graphed_engine, prompts)
@@ -84,7 +83,7 @@ def test_deterministic_graphs_match_eager_while_batch_grows_and_shrinks():
     prompts = _prompts(13, 7, hi=200)
     schedule = {0: prompts[:3], 6: prompts[3:8], 15: prompts[8:]}
     max_new = [48, 20, 48, 48, 12, 48, 25, 48, 10, 48, 15, 30, 48]
-    kw = dict(attention_backend="triton", enable_deterministic_inference=True, page_size=16)
+    kw = dict(attention_backend="triton_mla", enable_deterministic_inference=True, page_size=16)
     eager = _run_schedule(_engine(disable_cuda_graph=True, **kw), schedule, max_new)
     graphed = _run_schedule(_engine(**kw), schedule, max_new)
     ref = _run_schedule(_engine(attention_backend="torch_native", disable_cuda_graph=True, page_size=16), schedule,
@@ -97,8 +96,8 @@ def test_bf16_graphs_run_and_mostly_agree_with_float32():
     """bf16 (tensor-core MLA kernel path) runs end to end; its first greedy token agrees with
     float32 for most prompts (rounding may flip a near tie)."""
     prompts = _prompts(8, 3)
-    bf16 = _generate(_engine(attention_backend="triton", dtype="bfloat16", page_size=64), prompts, max_new=8)
-    fp32 = _generate(_engine(attention_backend="triton", page_size=64), prompts, max_new=8)
+    bf16 = _generate(_engine(attention_backend="triton_mla", dtype="bfloat16", page_size=64), prompts, max_new=8)
+    fp32 = _generate(_engine(attention_backend="triton_mla", page_size=64), prompts, max_new=8)
     assert all(len(o) == 8 and all(0 <= t < VOCAB for t in o) for o in bf16)
     assert sum(a[0] == b[0] for a, b in zip(bf16, fp32)) >= 6
 
@@ -117,9 +116,9 @@ def test_deepseek_v3_attention_shape_gluon_kernel_end_to_end(monkeypatch):
     prompts = _prompts(6, 11, hi=400)
     kw = dict(model="deepseek-v3-mla-tiny", dtype="bfloat16", page_size=64, max_total_tokens=8192,
               context_length=2048, enable_deterministic_inference=True)
-    eager = _generate(_engine(attention_backend="triton", disable_cuda_graph=True, **kw), prompts, max_new=12)
+    eager = _generate(_engine(attention_backend="triton_mla", disable_cuda_graph=True, **kw), prompts, max_new=12)
     assert calls, "the Gluon stage 1 did not run"
-    graphed_engine = _engine(attention_backend="triton", **kw)
+    graphed_engine = _engine(attention_backend="triton_mla", **kw)
     assert graphed_engine.model_runner.cuda_graph_runner is not None
     graphed = _generate(graphed_engine, prompts, max_new=12)
     ref = _generate(_engine(attention_backend="torch_native", disable_cuda_graph=True, **kw), prompts, max_new=12)
@@ -130,19 +129,16 @@ def test_deepseek_v3_attention_shape_gluon_kernel_end_to_end(monkeypatch):
 def _step_logits(model, mc, device, backend_name, page_size=16):
     """Chunked prefill of two requests, then three batched decode steps, on ``device``;
     returns every step's float32 logits (on the CPU)."""
+    from attnserve.attention.backend_config import AttentionBackendConfig
     from attnserve.attention.torch_native import TorchNativeAttnBackend
-    from attnserve.attention.triton_backend import TritonAttnBackend
+    from attnserve.attention.triton_mla_backend import TritonMLAAttnBackend
 
     r2t = ReqToTokenPool(4, 512, device)
     alloc = TokenToKVPoolAllocator(2048, page_size)
     pool = MLATokenToKVPool(alloc.size, page_size, torch.float32, mc.kv_lora_rank, mc.qk_rope_head_dim,
                             mc.num_hidden_layers, device)
-    if backend_name == "triton":
-        runner = SimpleNamespace(device=device, model_config=mc, req_to_token_pool=r2t, token_to_kv_pool=pool,
-                                 page_size=page_size, max_total_num_tokens=alloc.size, server_args=None)
-        backend = TritonAttnBackend(runner)
-    else:
-        backend = TorchNativeAttnBackend()
+    config = AttentionBackendConfig.from_pools(r2t, pool, mc.num_attention_heads)
+    backend = TritonMLAAttnBackend(config) if backend_name == "triton" else TorchNativeAttnBackend(config)
     rows, lens, outs = r2t.alloc(2), {}, []
     prompts = _prompts(2, 99, lo=150, hi=260)
     steps = [(ForwardMode.EXTEND, [(rows[0], prompts[0][:100]), (rows[1], prompts[1][:37])]),
@@ -181,3 +177,24 @@ def test_cuda_model_matches_cpu_reference():
         for a, b in zip(ref, got):
             assert a.shape == b.shape
             assert (a - b).abs().max().item() < 1e-4, backend
+
+
+def test_128_head_mla_at_1024_running_requests_counts_its_workspace(caplog):
+    """A 128-head MLA shape with --max-running-requests 1024 starts; the split workspace is
+    sized for the largest batch that can run (not ``rows x 32 splits``: ~8.6 GB), counted
+    before the KV pool and reported in the memory log; a batch of 1024 decodes."""
+    import logging
+
+    from attnserve.attention.triton_ops.mla_decode import mla_workspace_size
+
+    with caplog.at_level(logging.INFO, logger="attnserve.engine.model_runner"):
+        engine = _engine(model="deepseek-v3-mla-tiny", dtype="bfloat16", max_running_requests=1024,
+                         max_total_tokens=None, context_length=64, cuda_graph_max_bs=64, chunked_prefill_size=4096)
+    runner = engine.model_runner
+    ws = runner.attn_backend.mla.workspace
+    assert runner.attn_workspace_bytes == ws.numel() > 0
+    assert ws.numel() < mla_workspace_size(0, 1025, 32, 128, 512) / 10
+    assert any("attention workspace" in r.getMessage() and "1024 requests" in r.getMessage() for r in caplog.records)
+    print("workspace MiB", ws.numel() / 2**20)
+    outs = _generate(engine, _prompts(1024, 5, lo=3, hi=20), max_new=3)
+    assert all(len(o) == 3 for o in outs)

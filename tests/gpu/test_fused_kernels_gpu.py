@@ -104,6 +104,7 @@ class _Run:
     """A SmolLM2-shaped Llama (dummy bf16 weights) + paged KV + triton backend on the GPU."""
 
     def __init__(self, monkeypatch, disable_fused: bool, weights=None):
+        from attnserve.attention.backend_config import AttentionBackendConfig
         from attnserve.attention.triton_backend import TritonAttnBackend
         from attnserve.model_loader.loader import load_model
 
@@ -120,10 +121,8 @@ class _Run:
         self.alloc = TokenToKVPoolAllocator(4096, 1)
         self.kv = MHATokenToKVPool(4096, 1, torch.bfloat16, mc.num_key_value_heads, mc.head_dim,
                                    mc.num_hidden_layers, DEV)
-        runner = SimpleNamespace(device=torch.device(DEV), model_config=mc, req_to_token_pool=self.req_pool,
-                                 token_to_kv_pool=self.kv, page_size=1, max_total_num_tokens=4096,
-                                 server_args=SimpleNamespace(enable_deterministic_inference=True))
-        self.backend = TritonAttnBackend(runner)
+        self.backend = TritonAttnBackend(AttentionBackendConfig.from_pools(
+            self.req_pool, self.kv, mc.num_attention_heads, deterministic=True))
         monkeypatch.delenv(fk.DISABLE_FUSED_ENV, raising=False)
         self.num_layers = mc.num_hidden_layers
         self.rows = self.req_pool.alloc(2)

@@ -18,6 +18,7 @@ class StepRunner:
     """Paged-KV bookkeeping for a handful of requests (a tiny stand-in for the scheduler)."""
 
     def __init__(self, model, model_config, page_size: int = 1, max_reqs: int = 4, max_ctx: int = 512, kv_size: int = 4096):
+        from attnserve.attention.backend_config import AttentionBackendConfig
         from attnserve.attention.torch_native import TorchNativeAttnBackend
 
         self.model = model
@@ -33,7 +34,9 @@ class StepRunner:
             model_config.num_hidden_layers,
             "cpu",
         )
-        self.backend = TorchNativeAttnBackend(None)
+        self.backend = TorchNativeAttnBackend(
+            AttentionBackendConfig.from_pools(self.req_pool, self.kv_pool, model_config.num_attention_heads)
+        )
         self.seq_lens: Dict[int, int] = {}
 
     def new_request(self) -> int:

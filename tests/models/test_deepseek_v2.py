@@ -93,10 +93,15 @@ def ours():
 
 def _mla_runner(step_runner, loaded, page_size=1):
     """The shared `StepRunner` (torch_native) with its KV pool swapped for a latent pool."""
+    from attnserve.attention.backend_config import AttentionBackendConfig
+    from attnserve.attention.torch_native import TorchNativeAttnBackend
+
     mc = loaded.model_config
     runner = step_runner(loaded.model, mc, page_size=page_size)
     runner.kv_pool = MLATokenToKVPool(runner.allocator.size, page_size, torch.float32, mc.kv_lora_rank,
                                       mc.qk_rope_head_dim, mc.num_hidden_layers, "cpu")
+    runner.backend = TorchNativeAttnBackend(
+        AttentionBackendConfig.from_pools(runner.req_pool, runner.kv_pool, mc.num_attention_heads))
     return runner
 
 

@@ -227,14 +227,15 @@ def test_tiny_local_layers_read_only_their_window(tiny_pair, step_runner, backen
 
 def _triton_backend(runner, model_config):
     """A triton backend over a `StepRunner`'s pools (Triton's CPU interpreter without a GPU)."""
-    from types import SimpleNamespace
-
+    from attnserve.attention.backend_config import AttentionBackendConfig
     from attnserve.attention.triton_backend import TritonAttnBackend
 
-    return TritonAttnBackend(SimpleNamespace(
-        device="cpu", model_config=model_config, req_to_token_pool=runner.req_pool, token_to_kv_pool=runner.kv_pool,
-        page_size=runner.allocator.page_size, server_args=None, max_total_num_tokens=runner.allocator.size,
-    ))
+    windows = [-1] * model_config.num_hidden_layers
+    for i, sliding in enumerate(model_config.is_sliding_layer):
+        if sliding:
+            windows[i] = model_config.sliding_window_size
+    return TritonAttnBackend(AttentionBackendConfig.from_pools(
+        runner.req_pool, runner.kv_pool, model_config.num_attention_heads, layer_windows=windows))
 
 
 def test_tiny_triton_backend_matches_torch_native(tiny_pair, step_runner):

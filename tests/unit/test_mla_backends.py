@@ -1,11 +1,12 @@
-"""MLA through the attention backends: `triton` (CPU: Triton interpreter) vs `torch_native`.
+"""MLA through the attention backends: `triton_mla` (CPU: Triton interpreter) vs `torch_native`.
 
 * decode over the latent pool (one KV head of ``kv_lora_rank + rope``, values = the first
-  ``kv_lora_rank`` columns): the triton backend's MLA kernel path, eager and through the
+  ``kv_lora_rank`` columns): the triton_mla backend's MLA kernel path, eager and through the
   CUDA-graph metadata hooks (fixed buffers, padded rows), vs torch_native's generic path
   and a float64 reference;
-* extend with a dense (model-expanded) prefix (``k_prefix``/``v_prefix``), causal and with
-  a speculative tree mask;
+* extend through the latent layer over a cached prefix (causal and with a speculative
+  tree mask), and through the expanded layer without prefixes (a prefix is refused);
+* the split policy and the workspace sized for the largest batch;
 * the whole DeepSeek-V2 tiny model (dummy weights): chunked prefill then decode, triton vs
   torch_native.
 
@@ -34,19 +35,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 R, ROPE = 64, 16  # small kv_lora_rank + qk_rope_head_dim
 
 
-def _model_config(num_heads, r=R, rope=ROPE):
-    return SimpleNamespace(attention_arch="mla", num_attention_heads=num_heads, num_key_value_heads=1,
-                           kv_lora_rank=r, qk_rope_head_dim=rope, head_dim=r + rope, v_head_dim=r,
-                           sliding_window_size=-1)
+def _config(pool, r2t, num_heads, **kw):
+    from attnserve.attention.backend_config import AttentionBackendConfig
+
+    return AttentionBackendConfig.from_pools(r2t, pool, num_heads, **kw)
 
 
-def _triton(pool, r2t, mc, page_size, deterministic=False):
-    from attnserve.attention.triton_backend import TritonAttnBackend
+def _triton(pool, r2t, num_heads, deterministic=False, **kw):
+    from attnserve.attention.triton_mla_backend import TritonMLAAttnBackend
 
-    runner = SimpleNamespace(device=DEVICE, model_config=mc, req_to_token_pool=r2t, token_to_kv_pool=pool,
-                             page_size=page_size, max_total_num_tokens=pool.size,
-                             server_args=SimpleNamespace(enable_deterministic_inference=deterministic))
-    return TritonAttnBackend(runner)
+    return TritonMLAAttnBackend(_config(pool, r2t, num_heads, deterministic=deterministic, **kw))
 
 
 class LatentBatch:
@@ -119,13 +117,11 @@ def test_triton_mla_decode_matches_torch_native(page_size, num_heads, determinis
     case = LatentBatch(lens, page_size, seed=page_size * 100 + num_heads + deterministic)
     layer = RadixAttention(num_heads, R + ROPE, 0.11, num_kv_heads=1, layer_id=0, v_head_dim=R)
     q = torch.randn(len(lens), num_heads, R + ROPE, generator=case.g).to(DEVICE)
-    tri = _triton(case.pool, case.r2t, _model_config(num_heads), page_size, deterministic)
-    if deterministic:
-        tri.mla.split_tile = 64  # several splits per request under the interpreter too
-    else:
-        tri.mla.num_sms = 64  # the CPU stand-in count (8) would give one split per request
+    # deterministic: small tiles give several splits per request under the interpreter too;
+    # otherwise 64 SMs (the CPU stand-in count, 8, would give one split per request)
+    tri = _triton(case.pool, case.r2t, num_heads, deterministic, split_tile_size=64, num_sms=64)
     out_tri = _decode(tri, case, layer, q)
-    md = tri.forward_metadata.mla
+    md = tri.forward_metadata
     assert md.block_kv_indices.dtype == torch.int32 and md.num_kv_splits.dtype == torch.int32
     if deterministic:
         assert md.num_kv_splits.tolist() == [max(1, -(-(n + 1) // 64)) for n in lens]
@@ -135,7 +131,7 @@ def test_triton_mla_decode_matches_torch_native(page_size, num_heads, determinis
         splits = md.num_kv_splits.tolist()
         want = [b * 256 + s for b in range(len(lens)) for s in range(splits[b])]
         assert md.work.tolist() == want + [-1] * (md.work.numel() - len(want))
-    tn = TorchNativeAttnBackend()
+    tn = TorchNativeAttnBackend(_config(case.pool, case.r2t, num_heads))
     fb = case.batch(ForwardMode.DECODE, [n for n in lens], [1] * len(lens), torch.zeros(len(lens), dtype=torch.int64,
                                                                                         device=DEVICE), tn)
     tn.init_forward_metadata(fb)
@@ -153,17 +149,15 @@ def test_triton_mla_grid_splits_bound_the_heuristic(num_heads, num_sms):
     ``split_sm_count`` requests run over the work list, `work_items`), never above max_kv_splits,
     a power of two or max_kv_splits; deterministic mode keeps max_kv_splits (its counts do
     not depend on the batch)."""
+    from attnserve.attention.mla_triton import MLASplitPolicy
     from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits, mla_split_sm_count
 
-    case = LatentBatch([5], 1, seed=1)
     for deterministic in (False, True):
-        tri = _triton(case.pool, case.r2t, _model_config(8), 1, deterministic)  # small workspace
-        tri.mla.num_sms = num_sms
-        tri.mla.num_heads = num_heads
-        cap = tri.mla.max_kv_splits
+        policy = MLASplitPolicy(num_sms, num_heads, 32, deterministic)
+        cap = policy.max_kv_splits
         grids = []
         for bs in range(1, 161):
-            g = tri.mla.grid_splits(bs)
+            g = policy.grid_splits(bs)
             grids.append(g)
             if deterministic:
                 assert g == cap
@@ -176,6 +170,26 @@ def test_triton_mla_grid_splits_bound_the_heuristic(num_heads, num_sms):
             assert grids[0] == cap and min(grids) == 1  # large batches launch one program per head tile
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_mla_workspace_sized_for_the_largest_batch(deterministic):
+    """128 heads x 512 latent, 132 SMs, up to 1,024 running requests: the workspace holds
+    the most (request, split) rows of any batch size (checked by brute force against what
+    `mla_decode_fwd` is launched with), and in the default mode stays far below the old
+    ``rows x 32 splits`` sizing (about 8.6 GB at 1,024 rows)."""
+    from attnserve.attention.mla_triton import MLASplitPolicy
+    from attnserve.attention.triton_ops.mla_decode import mla_workspace_size
+
+    policy = MLASplitPolicy(132, 128, 32, deterministic)
+    need = max(mla_workspace_size(0, bs, policy.split_stride(bs), 128, 512) for bs in range(1, 1025))
+    got = policy.workspace_bytes(1024, 512)
+    assert got == need
+    old = mla_workspace_size(0, 1025, 32, 128, 512)
+    if deterministic:
+        assert got == mla_workspace_size(0, 1024, 32, 128, 512)
+    else:
+        assert got < old / 10, (got, old)
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_mla_graph_metadata_matches_eager(page_size):
     """Capture/replay hooks: fixed buffers refilled in place; padded rows (seq_len 1, row 0)
@@ -183,7 +197,7 @@ def test_triton_mla_graph_metadata_matches_eager(page_size):
     lens = [20, 3, 70]
     case = LatentBatch(lens, page_size, seed=5)
     layer = RadixAttention(8, R + ROPE, 0.2, num_kv_heads=1, layer_id=0, v_head_dim=R)
-    tri = _triton(case.pool, case.r2t, _model_config(8), page_size)
+    tri = _triton(case.pool, case.r2t, 8, num_sms=64)
     workspace = tri.mla.workspace.data_ptr()
     q = torch.randn(4, 8, R + ROPE, generator=case.g).to(DEVICE)  # one padded row
     eager = _decode(tri, case, layer, q[:3])
@@ -192,14 +206,14 @@ def test_triton_mla_graph_metadata_matches_eager(page_size):
     seq_lens = torch.ones(max_bs, dtype=torch.int32, device=DEVICE)
     tri.init_cuda_graph_state(max_bs, max_bs)
     tri.init_forward_metadata_capture_cuda_graph(max_bs, max_bs, rows, seq_lens, None, ForwardMode.DECODE, None)
-    table_ptr = tri.forward_metadata.mla.block_kv_indices.data_ptr()
+    table_ptr = tri.forward_metadata.block_kv_indices.data_ptr()
     rows[:3] = torch.tensor(case.rows, device=DEVICE)
     seq_lens[:3] = torch.tensor([case.lens[r] for r in case.rows], dtype=torch.int32, device=DEVICE)
     tri.init_forward_metadata_replay_cuda_graph(max_bs, rows, seq_lens, int(seq_lens.sum()), None,
                                                 ForwardMode.DECODE, None, None)
-    md = tri.forward_metadata.mla
+    md = tri.forward_metadata
     assert md.block_kv_indices.data_ptr() == table_ptr and md.seq_lens.data_ptr() == seq_lens.data_ptr()
-    assert md.work is not None and md.work.data_ptr() == tri.mla.graph["work"].data_ptr()  # refilled in place
+    assert md.work is not None and md.work.data_ptr() == tri.mla.graph.work.data_ptr()  # refilled in place
     fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, token_to_kv_pool=case.pool, out_cache_loc=None)
     graphed = tri.forward_decode(q.reshape(max_bs, -1), None, None, layer, fb, save_kv_cache=False)
     assert tri.mla.workspace.data_ptr() == workspace
@@ -207,65 +221,92 @@ def test_triton_mla_graph_metadata_matches_eager(page_size):
     assert (graphed[:3] - eager).abs().max().item() < 2e-5
 
 
-def _dense_prefix_case(prefix_lens, extend_lens, seed, hq=4, dk=48, dv=32, mask=False):
-    g = torch.Generator().manual_seed(seed)
-    case = LatentBatch(prefix_lens, 4, seed=seed)  # only its req_to_token / allocator are used
-    loc, _ = case.grow(extend_lens)
-    spec = None
-    if mask:  # a random tree mask over [prefix | new] that keeps the diagonal
-        blocks = []
-        for p, e in zip(prefix_lens, extend_lens):
-            m = torch.rand(e, p + e, generator=g) < 0.6
-            m[torch.arange(e), p + torch.arange(e)] = True
-            blocks.append(m.reshape(-1))
-        flat = torch.cat(blocks).to(DEVICE)
-        sizes = [e * (p + e) for p, e in zip(prefix_lens, extend_lens)]
-        indptr = torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0).to(DEVICE)
-        spec = SimpleNamespace(custom_mask=flat, mask_indptr=indptr)
-    t, p = sum(extend_lens), sum(prefix_lens)
-    rnd = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
-    tensors = dict(q=rnd(t, hq, dk), k=rnd(t, hq, dk), v=rnd(t, hq, dv), k_prefix=rnd(p, hq, dk),
-                   v_prefix=rnd(p, hq, dv))
-    layer = RadixAttention(hq, dk, dk**-0.5, num_kv_heads=hq, layer_id=0, v_head_dim=dv)
-    return case, loc, spec, tensors, layer
+def _tree_mask(prefix_lens, extend_lens, g):
+    """A random tree mask over [prefix | new] that keeps the diagonal, as a spec_info."""
+    blocks = []
+    for p, e in zip(prefix_lens, extend_lens):
+        m = torch.rand(e, p + e, generator=g) < 0.6
+        m[torch.arange(e), p + torch.arange(e)] = True
+        blocks.append(m.reshape(-1))
+    sizes = [e * (p + e) for p, e in zip(prefix_lens, extend_lens)]
+    indptr = torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0).to(DEVICE)
+    return SimpleNamespace(custom_mask=torch.cat(blocks).to(DEVICE), mask_indptr=indptr)
 
 
-def _dense_ref64(prefix_lens, extend_lens, x, layer, spec):
-    x = {k: t.cpu() for k, t in x.items()}
-    out, qs, ps = [], 0, 0
+def _extend_ref64(q, keys, values, prefix_lens, extend_lens, scaling, spec):
+    """float64 reference: ``keys[i]``/``values[i]`` ``[p_i + e_i, Hkv, D]`` per request."""
+    out, qs = [], 0
     for i, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
-        kk = torch.cat([x["k_prefix"][ps : ps + p], x["k"][qs : qs + e]]).double()
-        vv = torch.cat([x["v_prefix"][ps : ps + p], x["v"][qs : qs + e]]).double()
         m = None
         if spec is not None:
             off = int(spec.mask_indptr[i])
             m = spec.custom_mask[off : off + e * (p + e)].view(e, p + e).cpu()
-        out.append(attention_reference(x["q"][qs : qs + e].double(), kk, vv, torch.arange(p, p + e),
-                                       torch.arange(p + e), layer.scaling, custom_mask=m,
-                                       compute_dtype=torch.float64))
-        qs, ps = qs + e, ps + p
+        out.append(attention_reference(q[qs : qs + e].double().cpu(), keys[i].double().cpu(),
+                                       values[i].double().cpu(), torch.arange(p, p + e), torch.arange(p + e),
+                                       scaling, custom_mask=m, compute_dtype=torch.float64))
+        qs += e
     return torch.cat(out).reshape(sum(extend_lens), -1)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("mask", [False, True])
-@pytest.mark.parametrize("prefix_lens,extend_lens", [([0, 7, 19, 40], [5, 1, 9, 4]), ([0, 0], [12, 3])])
-def test_dense_prefix_extend_both_backends(prefix_lens, extend_lens, mask):
-    case, loc, spec, x, layer = _dense_prefix_case(prefix_lens, extend_lens, seed=len(prefix_lens) + 10 * mask,
-                                                   mask=mask)
-    mode = ForwardMode.TARGET_VERIFY if mask else ForwardMode.EXTEND
-    ref = _dense_ref64(prefix_lens, extend_lens, x, layer, spec)
-    mc = SimpleNamespace(**{**vars(_model_config(4)), "attention_arch": "mha", "num_key_value_heads": 4})
-    for backend in (TorchNativeAttnBackend(), _triton(case.pool, case.r2t, mc, 4)):
-        fb = case.batch(mode, prefix_lens, extend_lens, loc, backend, spec_info=spec)
+def test_latent_extend_over_cached_prefix_both_backends(page_size, mask):
+    """Absorbed extend: the backend stores the new latent rows and reads the cached prefix
+    through its own indices (ragged prefixes, one request without prefix)."""
+    prefix_lens, extend_lens, hq = [0, 7, 19, 40], [5, 1, 9, 4], 8
+    layer = RadixAttention(hq, R + ROPE, 0.13, num_kv_heads=1, layer_id=0, v_head_dim=R)
+    for make in ("torch_native", "triton_mla"):
+        case = LatentBatch(prefix_lens, page_size, seed=3 + 10 * mask + page_size)
+        g = torch.Generator().manual_seed(17)
+        spec = _tree_mask(prefix_lens, extend_lens, g) if mask else None
+        loc, _ = case.grow(extend_lens)
+        t = sum(extend_lens)
+        q = torch.randn(t, hq, R + ROPE, generator=g).to(DEVICE)
+        latent = torch.randn(t, R + ROPE, generator=g).to(DEVICE)
+        backend = (TorchNativeAttnBackend(_config(case.pool, case.r2t, hq)) if make == "torch_native"
+                   else _triton(case.pool, case.r2t, hq))
+        fb = case.batch(ForwardMode.TARGET_VERIFY if mask else ForwardMode.EXTEND, prefix_lens, extend_lens, loc,
+                        backend, spec_info=spec)
         backend.init_forward_metadata(fb)
-        out = layer(x["q"].reshape(loc.numel(), -1), x["k"], x["v"], fb, save_kv_cache=False,
-                    k_prefix=x["k_prefix"], v_prefix=x["v_prefix"])
-        assert (out.double().cpu() - ref).abs().max().item() < 2e-5, type(backend).__name__
+        out = layer(q.reshape(t, -1), latent, None, fb)
+        buf = case.pool.kv_buffer[0]
+        assert torch.equal(buf[loc, 0], latent)  # stored by the backend
+        keys = [buf[case.r2t.req_to_token[r, : p + e].long()] for r, p, e in zip(case.rows, prefix_lens, extend_lens)]
+        ref = _extend_ref64(q, keys, [k[..., :R] for k in keys], prefix_lens, extend_lens, layer.scaling, spec)
+        assert not torch.isnan(out).any(), make
+        assert (out.double().cpu() - ref).abs().max().item() < 2e-5, make
+
+
+def test_expanded_extend_without_prefix_both_backends():
+    """Expanded (per-head) K/V of a prefill with no cached prefix: new tokens only; nothing
+    is read from the pool (NaN everywhere); a step with a cached prefix is refused."""
+    extend_lens, hq, dk, dv = [12, 3, 7], 4, 48, 32
+    layer = RadixAttention(hq, dk, dk**-0.5, num_kv_heads=hq, layer_id=0, v_head_dim=dv)
+    g = torch.Generator().manual_seed(4)
+    t = sum(extend_lens)
+    q, k, v = (torch.randn(t, hq, d, generator=g).to(DEVICE) for d in (dk, dk, dv))
+    starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
+    ref = _extend_ref64(q, [k[s : s + e] for s, e in zip(starts, extend_lens)],
+                        [v[s : s + e] for s, e in zip(starts, extend_lens)], [0] * 3, extend_lens, layer.scaling, None)
+    for make in ("torch_native", "triton_mla"):
+        case = LatentBatch([0, 0, 0], 4, seed=8)
+        loc, _ = case.grow(extend_lens)
+        backend = (TorchNativeAttnBackend(_config(case.pool, case.r2t, hq)) if make == "torch_native"
+                   else _triton(case.pool, case.r2t, hq))
+        fb = case.batch(ForwardMode.EXTEND, [0, 0, 0], extend_lens, loc, backend)
+        backend.init_forward_metadata(fb)
+        out = layer(q.reshape(t, -1), k, v, fb, save_kv_cache=False)
+        assert (out.double().cpu() - ref).abs().max().item() < 2e-5, make
+        loc2, prefix = case.grow([1, 1, 1])
+        fb = case.batch(ForwardMode.EXTEND, prefix, [1, 1, 1], loc2, backend)
+        backend.init_forward_metadata(fb)
+        with pytest.raises(ValueError, match="cached prefixes; use the latent layer"):
+            layer(q[:3].reshape(3, -1), k[:3], v[:3], fb, save_kv_cache=False)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_deepseek_tiny_model_triton_matches_torch_native(page_size):
-    """Chunked prefill (extend over a cached, expanded prefix) then batched decode of the
+    """Chunked prefill (expanded first chunk, then latent extend over the cached prefix) then batched decode of the
     DeepSeek-V2 tiny shape: logits of every step agree between the two backends."""
     from attnserve.model_loader.loader import load_model
 
@@ -291,8 +332,8 @@ def test_deepseek_tiny_model_triton_matches_torch_native(page_size):
             case.rows = rows_all
         return outs
 
-    ref = run(lambda case: TorchNativeAttnBackend())
-    got = run(lambda case: _triton(case.pool, case.r2t, mc, page_size))
+    ref = run(lambda case: TorchNativeAttnBackend(_config(case.pool, case.r2t, mc.num_attention_heads)))
+    got = run(lambda case: _triton(case.pool, case.r2t, mc.num_attention_heads))
     for a, b in zip(ref, got):
         assert a.shape == b.shape
         assert (a - b).abs().max().item() < 1e-4

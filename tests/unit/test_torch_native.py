@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from attention_harness import make_batch, naive_reference
+from attention_harness import backend_config, make_batch, naive_reference
 from attnserve.attention.registry import available_backends, create_attention_backend
 from attnserve.attention.torch_native import TorchNativeAttnBackend
 from attnserve.forward_batch import ForwardMode
@@ -22,7 +22,7 @@ def test_extend_with_prefix_matches_float64(hq, hkv, page_size, window, logit_ca
     seed = hash((hq, hkv, page_size, window, logit_cap)) % 1000
     case = make_batch(ForwardMode.EXTEND, [0, 7, 3, 20], [5, 1, 9, 4], hq, hkv, 16, page_size,
                       window=window, logit_cap=logit_cap, seed=seed)
-    out = _run(case, TorchNativeAttnBackend())
+    out = _run(case, TorchNativeAttnBackend(backend_config(case)))
     ref = naive_reference(case)
     assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -32,13 +32,13 @@ def test_extend_with_prefix_matches_float64(hq, hkv, page_size, window, logit_ca
 def test_decode_matches_float64(page_size, window):
     case = make_batch(ForwardMode.DECODE, [0, 12, 33, 5], [1, 1, 1, 1], 6, 2, 8, page_size, window=window,
                       seed=page_size + window, sm_scale=0.3)
-    out = _run(case, TorchNativeAttnBackend())
+    out = _run(case, TorchNativeAttnBackend(backend_config(case)))
     assert torch.allclose(out.double(), naive_reference(case), atol=1e-5, rtol=1e-5)
 
 
 def test_mixed_batch_and_writes_kv():
     case = make_batch(ForwardMode.MIXED, [0, 9, 4], [6, 1, 1], 4, 2, 8, 4, seed=3)
-    out = _run(case, TorchNativeAttnBackend())
+    out = _run(case, TorchNativeAttnBackend(backend_config(case)))
     assert torch.allclose(out.double(), naive_reference(case), atol=1e-5, rtol=1e-5)
     # the new tokens' K/V landed in their out_cache_loc slots
     k_buf = case.pool.get_key_buffer(0)
@@ -60,7 +60,7 @@ def test_float16_and_custom_mask():
         mask_indptr = torch.tensor([0, masks[0].numel()])
 
     case.fb.spec_info = Spec()
-    out = _run(case, TorchNativeAttnBackend())
+    out = _run(case, TorchNativeAttnBackend(backend_config(case)))
     ref = naive_reference(case, custom_masks=masks)
     assert (out.double() - ref).abs().max() < 2e-3
 
@@ -76,7 +76,7 @@ def test_decode_never_reads_invisible_slots(window):
     """Poison every KV slot no query may see (outside windows, padding, free slots)."""
     case = make_batch(ForwardMode.DECODE, [3, 17, 9], [1, 1, 1], 4, 2, 8, 4, window=window, seed=21)
     ref = None
-    backend = TorchNativeAttnBackend()
+    backend = TorchNativeAttnBackend(backend_config(case))
     # write the new tokens' K/V first, then compute the reference from the clean pool
     case.pool.set_kv_buffer(case.layer, case.fb.out_cache_loc, case.k, case.v)
     ref = naive_reference(case)

@@ -2,12 +2,11 @@
 the Triton interpreter (small shapes) and on CUDA when present."""
 
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from attention_harness import make_batch, naive_reference
+from attention_harness import backend_config, make_batch, naive_reference
 from attnserve.attention.hybrid import HybridAttnBackend
 from attnserve.attention.torch_native import TorchNativeAttnBackend
 from attnserve.forward_batch import ForwardMode
@@ -15,17 +14,6 @@ from attnserve.forward_batch import ForwardMode
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs CUDA or TRITON_INTERPRET=1")
-
-
-def _runner(case, window=-1):
-    hq, hkv = case.layer.tp_q_head_num, case.layer.tp_k_head_num
-    mc = SimpleNamespace(num_attention_heads=hq, num_key_value_heads=hkv, v_head_dim=case.layer.v_head_dim,
-                         head_dim=case.layer.head_dim, attention_arch="mha", sliding_window_size=window,
-                         kv_lora_rank=0)
-    return SimpleNamespace(device=torch.device(DEVICE), model_config=mc,
-                           req_to_token_pool=case.fb.req_to_token_pool, page_size=case.pool.page_size,
-                           server_args=SimpleNamespace(enable_deterministic_inference=False),
-                           max_total_num_tokens=case.pool.size)
 
 
 def _run(case, backend):
@@ -50,7 +38,7 @@ def test_triton_backend_matches_reference(mode, page_size, hq, hkv, window, cap)
         prefix, ext = [0, 7, 20], [5, 3, 12]
     case = make_batch(mode, prefix, ext, hq, hkv, 16, page_size, window=window, logit_cap=cap,
                       seed=page_size * 31 + hq, device=DEVICE)
-    out = _run(case, TritonAttnBackend(_runner(case, window)))
+    out = _run(case, TritonAttnBackend(backend_config(case)))
     assert not torch.isnan(out).any()
     ref = naive_reference(case)
     err = (out.double().cpu() - ref).norm() / ref.norm()
@@ -72,7 +60,7 @@ def test_hybrid_routes_by_mode():
             calls.append("extend")
             return super().forward_extend(*a, **k)
 
-    hybrid = HybridAttnBackend(TritonAttnBackend(_runner(case)), Spy())
+    hybrid = HybridAttnBackend(TritonAttnBackend(backend_config(case)), Spy(backend_config(case)))
     out = _run(case, hybrid)
     assert calls == ["decode"]
     assert torch.allclose(out.double().cpu(), naive_reference(case), atol=1e-4)

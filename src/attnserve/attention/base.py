@@ -1,9 +1,13 @@
 """`AttentionBackend`: the interface every attention implementation provides (DESIGN.md §4).
 
-A backend turns a `ForwardBatch` into kernel metadata (`init_forward_metadata`), picks the
-kernel for the step's phase (`forward` -> `forward_decode` / `forward_extend`) and, when it
-can be captured in CUDA graphs, keeps its metadata in fixed buffers
-(`init_cuda_graph_state` and the capture/replay hooks).
+A backend is constructed from one `AttentionBackendConfig` (model facts, pools, page size,
+device, limits; never the model runner). It turns a `ForwardBatch` into kernel metadata
+(`init_forward_metadata`), picks the kernel for the step's phase (`forward` ->
+`forward_decode` / `forward_extend`) and, when it can be captured in CUDA graphs, keeps its
+metadata in fixed buffers (`init_cuda_graph_state` and the capture/replay hooks).
+
+Capabilities are class attributes every backend declares (and `HybridAttnBackend`
+forwards): `supports_cuda_graph`, `replay_hook_is_capturable`, `supported_archs`.
 
 Tensor conventions for ``forward*``: ``q`` ``[T, tp_q_head_num * head_dim]`` (or already
 ``[T, H, D]``), ``k``/``v`` ``[T, tp_k_head_num, head_dim / v_head_dim]`` or flattened; the
@@ -13,10 +17,11 @@ result is ``[T, tp_q_head_num * v_head_dim]`` in ``q``'s dtype.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
+from attnserve.attention.backend_config import AttentionBackendConfig
 from attnserve.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -28,6 +33,31 @@ class AttentionBackend(ABC):
 
     #: registry name, set by `register_attention_backend`
     name: str = "abstract"
+    #: attention architectures (``AttentionBackendConfig.attention_arch``) it runs
+    supported_archs: Tuple[str, ...] = ("mha",)
+    #: device types it runs on without the Triton interpreter
+    supported_devices: Tuple[str, ...] = ("cuda",)
+
+    def __init__(self, config: AttentionBackendConfig):
+        self.config = config
+
+    @classmethod
+    def workspace_bytes(cls, config: AttentionBackendConfig) -> int:
+        """Device bytes the backend allocates at construction whatever the batch (scratch
+        that must be counted before the KV pool is sized); ``config`` may have no pools."""
+        return 0
+
+    def check_config(self) -> None:
+        """Refuse a config this backend cannot serve.
+
+        Raises:
+            ValueError: the model's attention architecture is not in `supported_archs`.
+        """
+        if self.config.attention_arch not in self.supported_archs:
+            raise ValueError(
+                f"attention backend '{self.name}' runs {'/'.join(a.upper() for a in self.supported_archs)} models, "
+                f"not {self.config.attention_arch.upper()}"
+            )
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -66,8 +96,11 @@ class AttentionBackend(ABC):
             "use --disable-cuda-graph or a capturable backend such as 'triton'"
         )
 
-    def supports_cuda_graph(self) -> bool:
-        return False
+    #: decode steps can be captured in CUDA graphs (the hooks below are implemented)
+    supports_cuda_graph: bool = False
+    #: the replay hook only launches device work on fixed buffers (no host reads, no
+    #: allocation), so `CudaGraphRunner` may record it inside the graph
+    replay_hook_is_capturable: bool = False
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate the fixed metadata buffers that captured graphs read."""

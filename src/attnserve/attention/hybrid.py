@@ -1,5 +1,7 @@
 """`HybridAttnBackend`: one backend for prefill-like steps, another for decode steps.
 
+Capabilities are the decode backend's (CUDA graphs capture DECODE steps only).
+
 Routing (SGLang's ``--prefill-attention-backend`` / ``--decode-attention-backend``):
 EXTEND and MIXED go to the prefill backend, DECODE and IDLE to the decode backend, and the
 speculative modes TARGET_VERIFY / DRAFT_EXTEND to whichever ``speculative_attention_mode``
@@ -19,9 +21,15 @@ class HybridAttnBackend(AttentionBackend):
                  speculative_attention_mode: str = "prefill"):
         if speculative_attention_mode not in ("prefill", "decode"):
             raise ValueError("speculative_attention_mode must be 'prefill' or 'decode'")
+        if prefill_backend.config.attention_arch != decode_backend.config.attention_arch:
+            raise ValueError("prefill and decode backends were built for different models")
+        super().__init__(decode_backend.config)
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
         self.speculative_attention_mode = speculative_attention_mode
+        self.supported_archs = tuple(a for a in decode_backend.supported_archs if a in prefill_backend.supported_archs)
+        self.supports_cuda_graph = decode_backend.supports_cuda_graph
+        self.replay_hook_is_capturable = decode_backend.replay_hook_is_capturable
 
     def _select(self, mode: ForwardMode) -> AttentionBackend:
         if mode.is_decode_or_idle():
@@ -45,12 +53,9 @@ class HybridAttnBackend(AttentionBackend):
         )
 
     # CUDA graphs capture decode-like modes: route by the captured mode.
-    def supports_cuda_graph(self) -> bool:
-        return self.decode_backend.supports_cuda_graph()
-
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.decode_backend.init_cuda_graph_state(max_bs, max_num_tokens)
-        if self.speculative_attention_mode == "prefill" and self.prefill_backend.supports_cuda_graph():
+        if self.speculative_attention_mode == "prefill" and self.prefill_backend.supports_cuda_graph:
             self.prefill_backend.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,

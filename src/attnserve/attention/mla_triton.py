@@ -1,4 +1,4 @@
-"""MLA (DeepSeek-V2/V3) parts of the `triton` backend.
+"""MLA (DeepSeek-V2/V3) decode of the `triton_mla` backend: block tables, splits, workspace.
 
 Decode (absorbed; DeepSeek-V2, arXiv:2405.04434 §2.1, FlashMLA's cache layout): the model
 hands ``q = [q_nope W_UK | q_pe]`` ``[bs, H, kv_lora_rank + rope]`` to a layer with one KV
@@ -7,11 +7,6 @@ runs the paged MLA kernel (`triton_ops.mla_decode.mla_decode_fwd`) over the late
 ``[slots, 1, kv_lora_rank + rope]`` through a block table of page ids (``page_size`` of
 the pool), with per-request split counts computed on the device and one float32 split
 workspace allocated once at start-up, shared by eager steps and captured graphs.
-
-Extend (non-absorbed): the model expands the cached prefix to per-head K/V itself and
-passes it densely (`extend_dense_prefix`); the regular extend kernel then reads the
-prefix from that dense tensor through ``kv_indices = arange(sum(prefix_lens))`` instead of
-from the latent pool.
 
 Split counts: the CUTLASS-MLA heuristic with the SMs per head tile (`mla_split_sm_count`)
 shared among the requests by length (`mla_num_kv_splits_device`: equal lengths split as
@@ -22,6 +17,11 @@ depend on the batch, so a request's float rounding may differ between batches; w
 ``--enable-deterministic-inference`` the count is ``cdiv(seq_len, split_tile)`` capped at
 ``max_kv_splits``, independent of the batch (and of CUDA-graph padding).
 
+Workspace: sized once for the largest batch that can run (``max_bs``, the
+``--max-running-requests``), as the most (request, split) rows any batch size up to it
+launches with (`TritonMLADecode.workspace_rows`), and counted in the memory budget before
+the KV pool is sized (`TritonMLAAttnBackend.workspace_bytes`).
+
 CUDA graphs: `init_graph_state` allocates the block table at its widest
 (``cdiv(req_to_token columns, page_size)``) and the split counts for ``max_bs``;
 `graph_metadata` refills them in place (no allocation, no host sync). Padded rows have
@@ -31,7 +31,7 @@ CUDA graphs: `init_graph_state` allocates the block table at its widest
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
@@ -54,44 +54,30 @@ class MLADecodeMetadata:
     work: Optional[torch.Tensor] = None
 
 
-class TritonMLADecode:
-    """Block tables, split counts, workspace and the kernel call of MLA decode.
+@dataclass
+class MLAGraphBuffers:
+    """Fixed MLA decode buffers captured graphs read (sized for ``max_bs``)."""
 
-    Args:
-        device: the backend's device.
-        req_to_token: int32 ``[max_reqs, max_context_len]`` of the `ReqToTokenPool`; its
-            row count bounds the batch size (workspace) and its width the block table.
-        page_size: tokens per page of the latent pool.
+    block_kv_indices: torch.Tensor  # int32 [max_bs, widest block table], -1 filled
+    num_kv_splits: torch.Tensor  # int32 [max_bs]
+    work: torch.Tensor  # int32 [most work items of any captured batch size], -1 filled
+
+
+@dataclass(frozen=True)
+class MLASplitPolicy:
+    """How a decode batch is split (depends on the batch size only, so graphs keep it).
+
+    Attributes:
+        num_sms: streaming multiprocessors of the device.
         num_heads: query heads (``tp_q_head_num``).
-        kv_lora_rank: latent width ``D_c`` (values and output per head).
-        max_kv_splits: most splits per request (workspace size); stage 1 runs over the work
-            list (`work_items`) or the grid `grid_splits` of the batch size.
-        num_sms: streaming multiprocessors (split heuristic).
-        deterministic: batch-invariant split counts (see module doc).
-        split_tile: tokens per split in deterministic mode.
-
-    The workspace is ``mla_workspace_size(.., max_reqs, max_kv_splits, num_heads,
-    kv_lora_rank)`` bytes = ``4 * max_reqs * num_heads * max_kv_splits * (kv_lora_rank + 1)``
-    (e.g. 546 MB for 128 heads x 512 x 32 splits x 65 rows).
+        max_kv_splits: most splits per request.
+        deterministic: batch-invariant split counts (grid of ``max_kv_splits``, no work list).
     """
 
-    def __init__(self, device, req_to_token: torch.Tensor, page_size: int, num_heads: int, kv_lora_rank: int,
-                 max_kv_splits: int, num_sms: int, deterministic: bool, split_tile: int):
-        from attnserve.attention.triton_ops.mla_decode import mla_workspace_size
-
-        self.device = torch.device(device)
-        self.req_to_token = req_to_token
-        self.page_size = int(page_size)
-        self.num_heads = num_heads
-        self.kv_lora_rank = kv_lora_rank
-        self.max_kv_splits = int(max_kv_splits)
-        self.num_sms = int(num_sms)
-        self.deterministic = deterministic
-        self.split_tile = int(split_tile)
-        max_bs = req_to_token.shape[0]
-        size = mla_workspace_size(0, max_bs, self.max_kv_splits, num_heads, kv_lora_rank)
-        self.workspace = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self.graph: Optional[Dict[str, torch.Tensor]] = None
+    num_sms: int
+    num_heads: int
+    max_kv_splits: int
+    deterministic: bool
 
     def grid_splits(self, bs: int) -> int:
         """The kernel's split grid for a batch of ``bs``: ``max_kv_splits``, or in the
@@ -124,16 +110,65 @@ class TritonMLADecode:
             return None
         return mla_num_work_items(bs, mla_split_sm_count(self.num_sms, self.num_heads), self.max_kv_splits)
 
+    def split_stride(self, bs: int) -> int:
+        """Splits per request the kernel is launched with for a batch of ``bs`` (the
+        workspace's split stride): ``max_kv_splits`` with a work list, else `grid_splits`."""
+        return self.max_kv_splits if self.work_items(bs) is not None else self.grid_splits(bs)
+
+    def workspace_rows(self, max_bs: int) -> int:
+        """Most (request, split) rows of float32 partials any batch of ``1..max_bs`` needs:
+        ``max(bs * split_stride(bs))``. Far below ``max_bs * max_kv_splits`` for large
+        batches, where each request gets one split."""
+        return max(bs * self.split_stride(bs) for bs in range(1, max(1, max_bs) + 1))
+
+    def workspace_bytes(self, max_bs: int, kv_lora_rank: int) -> int:
+        """Bytes of the split workspace for batches up to ``max_bs`` (`mla_workspace_size`)."""
+        from attnserve.attention.triton_ops.mla_decode import mla_workspace_size
+
+        return mla_workspace_size(0, self.workspace_rows(max_bs), 1, self.num_heads, kv_lora_rank)
+
+
+class TritonMLADecode:
+    """Block tables, split counts, workspace and the kernel call of MLA decode.
+
+    Args:
+        device: the backend's device.
+        req_to_token: int32 ``[max_reqs, max_context_len]`` of the `ReqToTokenPool`; its
+            width bounds the block table.
+        page_size: tokens per page of the latent pool.
+        kv_lora_rank: latent width ``D_c`` (values and output per head).
+        policy: `MLASplitPolicy` (heads, SMs, most splits, deterministic); stage 1 runs over
+            the work list (`MLASplitPolicy.work_items`) or the grid `grid_splits` of the batch.
+        split_tile: tokens per split in deterministic mode.
+
+        max_bs: the largest batch that can run (sizes the workspace).
+
+    The workspace is ``4 * policy.workspace_rows(max_bs) * num_heads * (kv_lora_rank + 1)`` bytes.
+    """
+
+    def __init__(self, device, req_to_token: torch.Tensor, page_size: int, kv_lora_rank: int,
+                 policy: MLASplitPolicy, split_tile: int, max_bs: int):
+        self.device = torch.device(device)
+        self.req_to_token = req_to_token
+        self.page_size = int(page_size)
+        self.kv_lora_rank = kv_lora_rank
+        self.policy = policy
+        self.split_tile = int(split_tile)
+        self.max_bs = int(max_bs)
+        size = policy.workspace_bytes(self.max_bs, kv_lora_rank)
+        self.workspace = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self.graph: Optional[MLAGraphBuffers] = None
+
     # ---- metadata ----------------------------------------------------------------------
     def _splits(self, seq_lens: torch.Tensor, out: torch.Tensor, work: Optional[torch.Tensor]) -> torch.Tensor:
         from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits_device, mla_split_sm_count
 
-        if self.deterministic:
+        if self.policy.deterministic:
             tiles = torch.div(seq_lens + (self.split_tile - 1), self.split_tile, rounding_mode="floor")
-            out.copy_(torch.clamp(tiles, 1, self.max_kv_splits))
+            out.copy_(torch.clamp(tiles, 1, self.policy.max_kv_splits))
             return out
-        return mla_num_kv_splits_device(seq_lens, mla_split_sm_count(self.num_sms, self.num_heads),
-                                        self.max_kv_splits, out, work=work)
+        return mla_num_kv_splits_device(seq_lens, mla_split_sm_count(self.policy.num_sms, self.policy.num_heads),
+                                        self.policy.max_kv_splits, out, work=work)
 
     def _build(self, rows, seq_lens, table: torch.Tensor, splits: torch.Tensor,
                work: Optional[torch.Tensor]) -> MLADecodeMetadata:
@@ -154,7 +189,7 @@ class TritonMLADecode:
         width = max(1, block_table_width(max_seq_len, self.page_size, 1))
         table = torch.empty(bs, width, dtype=torch.int32, device=self.device)
         splits = torch.empty(bs, dtype=torch.int32, device=self.device)
-        n_work = self.work_items(bs)
+        n_work = self.policy.work_items(bs)
         work = None if n_work is None else torch.empty(n_work, dtype=torch.int32, device=self.device)
         return self._build(rows, seq_lens, table, splits, work)
 
@@ -162,24 +197,24 @@ class TritonMLADecode:
         """Fixed buffers for captured decode graphs of up to ``max_bs`` requests."""
         from attnserve.attention.triton_ops.kv_indices import block_table_width
 
-        if max_bs > self.req_to_token.shape[0]:
-            raise ValueError(f"CUDA-graph batch {max_bs} exceeds the request pool ({self.req_to_token.shape[0]} rows)")
+        if max_bs > self.max_bs:
+            raise ValueError(f"CUDA-graph batch {max_bs} exceeds the largest batch the workspace holds ({self.max_bs})")
         width = block_table_width(self.req_to_token.shape[1], self.page_size, 1)
-        n_work = max((self.work_items(bs) or 0) for bs in range(1, max_bs + 1))
-        self.graph = {
-            "block_kv_indices": torch.full((max_bs, width), -1, dtype=torch.int32, device=self.device),
-            "num_kv_splits": torch.ones(max_bs, dtype=torch.int32, device=self.device),
-            "work": torch.full((max(1, n_work),), -1, dtype=torch.int32, device=self.device),
-        }
+        n_work = max((self.policy.work_items(bs) or 0) for bs in range(1, max_bs + 1))
+        self.graph = MLAGraphBuffers(
+            block_kv_indices=torch.full((max_bs, width), -1, dtype=torch.int32, device=self.device),
+            num_kv_splits=torch.ones(max_bs, dtype=torch.int32, device=self.device),
+            work=torch.full((max(1, n_work),), -1, dtype=torch.int32, device=self.device),
+        )
 
     def graph_metadata(self, bs: int, rows: torch.Tensor, seq_lens: torch.Tensor) -> MLADecodeMetadata:
         """Refill the fixed buffers for ``bs`` rows in place (capture and replay).
 
         ``seq_lens`` must be the graph runner's static int32 buffer (kept by reference)."""
         g = self.graph
-        n_work = self.work_items(bs)
-        work = None if n_work is None else g["work"][:n_work]
-        return self._build(rows[:bs], seq_lens[:bs], g["block_kv_indices"][:bs], g["num_kv_splits"][:bs], work)
+        n_work = self.policy.work_items(bs)
+        work = None if n_work is None else g.work[:n_work]
+        return self._build(rows[:bs], seq_lens[:bs], g.block_kv_indices[:bs], g.num_kv_splits[:bs], work)
 
     # ---- kernel ------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, layer, pool, md: MLADecodeMetadata) -> torch.Tensor:
@@ -211,39 +246,7 @@ class TritonMLADecode:
         o = q.new_empty(q3.shape[0], hq, r)
         mla_decode_fwd(
             q3[..., :r], q3[..., r:], pool.get_key_buffer(layer.layer_id), md.block_kv_indices, md.seq_lens,
-            self.page_size, o, layer.scaling, md.num_kv_splits,
-            self.grid_splits(q3.shape[0]) if md.work is None else self.max_kv_splits,
+            self.page_size, o, layer.scaling, md.num_kv_splits, self.policy.split_stride(q3.shape[0]),
             workspace=self.workspace, work=md.work,
         )
         return o.view(-1, hq * r)
-
-
-def extend_dense_prefix(q, k, v, layer, md, k_prefix: torch.Tensor, v_prefix: torch.Tensor) -> torch.Tensor:
-    """Extend attention whose cached prefix is given densely (MLA's expanded prefix).
-
-    Args:
-        q: ``[T, Hq * Dk]``; k: ``[T, Hkv, Dk]``; v: ``[T, Hkv, Dv]`` (new tokens).
-        layer: `RadixAttention` (``Dk = nope + rope``, ``Dv = v_head_dim`` for MLA).
-        md: the step's `TritonForwardMetadata` (``kv_indptr`` over the prefix lengths,
-            ``qo_indptr``, ``max_extend_len``, custom mask).
-        k_prefix / v_prefix: ``[sum(prefix_lens), Hkv, Dk / Dv]`` in batch order.
-
-    Returns:
-        ``[T, Hq * Dv]`` in ``q``'s dtype.
-    """
-    from attnserve.attention.triton_ops.extend_attention import extend_attention_fwd
-
-    hq, dv = layer.tp_q_head_num, layer.v_head_dim
-    q3 = q.view(-1, hq, layer.qk_head_dim)
-    o = q.new_empty(q3.shape[0], hq, dv)
-    n = k_prefix.shape[0]
-    if n == 0:  # nothing cached: a one-row dummy keeps every pointer valid (never read)
-        k_prefix = k_prefix.new_zeros(1, *k_prefix.shape[1:])
-        v_prefix = v_prefix.new_zeros(1, *v_prefix.shape[1:])
-    indices = torch.arange(n, dtype=torch.int32, device=q.device)
-    extend_attention_fwd(
-        q3, k, v, o, k_prefix, v_prefix, md.qo_indptr, md.kv_indptr, indices, md.custom_mask,
-        md.custom_mask is None, md.mask_indptr, md.max_extend_len, layer.scaling, logit_cap=layer.logit_cap,
-        sliding_window_size=layer.sliding_window_size,
-    )
-    return o.view(-1, hq * dv)

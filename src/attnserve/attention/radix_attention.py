@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from attnserve.attention.backend_config import normalize_window
 from attnserve.forward_batch import ForwardBatch
 
 
@@ -23,9 +24,13 @@ class RadixAttention(nn.Module):
         logit_cap: if > 0, scores become ``logit_cap * tanh(scores / logit_cap)`` before
             the softmax (Gemma 2 soft-capping).
         v_head_dim: V head size (defaults to ``head_dim``; MLA decode uses kv_lora_rank).
-        sliding_window_size: if >= 0, a query at position i sees keys at positions j with
+        sliding_window_size: if > 0, a query at position i sees keys at positions j with
             ``i - sliding_window_size <= j <= i`` (SGLang's convention: a model with an HF
-            ``sliding_window`` of W passes W - 1); -1 disables.
+            ``sliding_window`` of W passes W - 1); -1 or None: full attention.
+
+    Raises:
+        ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, or a window of 0 or
+            below -1 (`normalize_window`).
     """
 
     def __init__(
@@ -51,7 +56,7 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
         self.layer_id = layer_id
         self.logit_cap = float(logit_cap or 0.0)
-        self.sliding_window_size = -1 if sliding_window_size is None else int(sliding_window_size)
+        self.sliding_window_size = normalize_window(sliding_window_size)
 
     def forward(
         self,
@@ -62,9 +67,11 @@ class RadixAttention(nn.Module):
         save_kv_cache: bool = True,
         **kwargs,
     ) -> torch.Tensor:
-        """``q`` ``[T, H*D]``, ``k``/``v`` ``[T, Hkv*D]`` -> ``[T, H*v_head_dim]``."""
+        """``q`` ``[T, H*D]``, ``k``/``v`` ``[T, Hkv*D]`` -> ``[T, H*v_head_dim]``. ``v`` may
+        be None where the backend derives values from keys (MLA's latent layer)."""
         if k is not None:
             k = k.view(-1, self.tp_k_head_num, self.qk_head_dim)
+        if v is not None:
             v = v.view(-1, self.tp_v_head_num, self.v_head_dim)
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache, **kwargs)
 
@@ -75,10 +82,9 @@ class RadixAttention(nn.Module):
         pools without a fused store (CPU, ``ATTNSERVE_DISABLE_FUSED``, MLA pools)."""
         pool = forward_batch.token_to_kv_pool
         loc = forward_batch.out_cache_loc
-        target = getattr(pool, "fused_store_target", None)
-        if target is None or loc is None or forward_batch.forward_mode.is_idle():
+        if loc is None or forward_batch.forward_mode.is_idle():
             return None
-        return target(self.layer_id, loc, value)
+        return pool.fused_store_target(self.layer_id, loc, value)
 
     def extra_repr(self) -> str:
         return (

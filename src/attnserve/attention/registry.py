@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable, Dict, Type
 
+from attnserve.attention.backend_config import AttentionBackendConfig
 from attnserve.attention.base import AttentionBackend
 
 #: name -> backend class. Filled by `register_attention_backend` when backend modules load.
@@ -18,6 +19,7 @@ ATTENTION_BACKENDS: Dict[str, Type[AttentionBackend]] = {}
 _BACKEND_MODULES = (
     "attnserve.attention.torch_native",
     "attnserve.attention.triton_backend",
+    "attnserve.attention.triton_mla_backend",
 )
 
 
@@ -60,6 +62,24 @@ def get_attention_backend_class(name: str) -> Type[AttentionBackend]:
     return ATTENTION_BACKENDS[name]
 
 
-def create_attention_backend(name: str, model_runner) -> AttentionBackend:
-    """Construct backend ``name`` for ``model_runner`` (see each backend's ``__init__``)."""
-    return get_attention_backend_class(name)(model_runner)
+def create_attention_backend(name: str, config: AttentionBackendConfig) -> AttentionBackend:
+    """Construct backend ``name`` from ``config`` (which must carry the pools).
+
+    Raises:
+        ValueError: unknown name, or a model the backend cannot run (e.g. an MLA model on
+            an MHA-only backend).
+    """
+    cls = get_attention_backend_class(name)
+    if config.attention_arch not in cls.supported_archs:
+        raise ValueError(
+            f"attention backend '{name}' runs {'/'.join(a.upper() for a in cls.supported_archs)} models, not "
+            f"{config.attention_arch.upper()}; backends for {config.attention_arch.upper()}: "
+            f"{', '.join(backends_for_arch(config.attention_arch))}"
+        )
+    return cls(config)
+
+
+def backends_for_arch(attention_arch: str) -> list:
+    """Registered backend names that run ``attention_arch`` ("mha" or "mla")."""
+    names = available_backends()
+    return [n for n in names if attention_arch in ATTENTION_BACKENDS[n].supported_archs]

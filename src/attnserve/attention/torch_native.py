@@ -6,15 +6,15 @@ and writes the result in the query dtype. It is the correctness oracle of the ot
 backends and the default on CPU; it cannot be captured in CUDA graphs.
 
 Masking: query at absolute position ``p`` sees key positions ``k`` with ``k <= p`` and,
-when ``layer.sliding_window_size >= 0``, ``k >= p - sliding_window_size``; keys older than
+when ``layer.sliding_window_size > 0``, ``k >= p - sliding_window_size``; keys older than
 the earliest visible one are never gathered. ``spec_info.custom_mask`` (flat bool, per
 request ``[extend_len, seq_len]`` at ``spec_info.mask_indptr[i]``) replaces the causal mask
 for TARGET_VERIFY steps.
 
-MLA models: decode attends over the latent pool through the generic path (one KV head of
-``kv_lora_rank + rope``, values = its first ``kv_lora_rank`` columns); extend receives the
-prefix already expanded to per-head K/V (``k_prefix``/``v_prefix`` keyword arguments, see
-`TorchNativeAttnBackend._run_dense_prefix`).
+MLA models (`attnserve.attention.mla_paths`): the latent layer goes through the generic
+path (one KV head of ``kv_lora_rank + rope`` in the latent pool, values = its first
+``kv_lora_rank`` columns), in decode and in extend; the expanded layer of a prefix-free
+extend attends over the new tokens' per-head K/V only (`_run_new_tokens`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from typing import Optional
 
 import torch
 
+from attnserve.attention.backend_config import AttentionBackendConfig, normalize_window
 from attnserve.attention.base import AttentionBackend
+from attnserve.attention.mla_paths import check_prefix_free, is_latent_layer
 from attnserve.attention.registry import register_attention_backend
 from attnserve.forward_batch import ForwardBatch
 
@@ -48,7 +50,7 @@ def attention_reference(
             (query head h uses KV head ``h // (Hq // Hkv)``).
         q_positions / k_positions: int ``[Lq]`` / ``[Lk]`` absolute positions.
         sm_scale: softmax scale; logit_cap: tanh soft cap if > 0.
-        sliding_window_size: see module doc (-1: none).
+        sliding_window_size: see module doc (-1 or None: none; 0 is a ValueError).
         custom_mask: bool ``[Lq, Lk]`` (True = visible) replacing the causal mask.
         compute_dtype: float32 (engine) or float64 (tests).
 
@@ -66,8 +68,9 @@ def attention_reference(
         visible = custom_mask.to(torch.bool)
     else:
         visible = k_positions[None, :] <= q_positions[:, None]
-    if sliding_window_size is not None and sliding_window_size >= 0:
-        visible = visible & (k_positions[None, :] >= q_positions[:, None] - sliding_window_size)
+    window = normalize_window(sliding_window_size)
+    if window > 0:
+        visible = visible & (k_positions[None, :] >= q_positions[:, None] - window)
     scores = scores.masked_fill(~visible[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
     return torch.matmul(probs, vf).transpose(0, 1)
@@ -106,14 +109,21 @@ class DecodeGatherPlan:
 
 @register_attention_backend("torch_native")
 class TorchNativeAttnBackend(AttentionBackend):
-    """Reference backend: loops over requests, dense math in float32.
+    """Reference backend: loops over requests, dense math in float32 (MHA and MLA models).
 
     Args:
-        model_runner: unused (kept for the common constructor signature); may be None.
+        config: `AttentionBackendConfig` (only ``attention_arch`` and ``head_dim`` /
+            ``v_head_dim`` are read, to tell MLA's two layers apart).
     """
 
-    def __init__(self, model_runner=None):
-        self.model_runner = model_runner
+    supported_archs = ("mha", "mla")
+    supported_devices = ("cpu", "cuda")
+
+    def __init__(self, config: AttentionBackendConfig):
+        super().__init__(config)
+        self.check_config()
+        self._plans_for: Optional[ForwardBatch] = None
+        self._plans: dict = {}
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Nothing to precompute eagerly; decode gather plans are built on first use per
@@ -125,7 +135,7 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def _decode_plan(self, fb: ForwardBatch, window: int, device) -> "DecodeGatherPlan":
         """The step's gather plan for layers with sliding window ``window`` (-1: none)."""
-        if getattr(self, "_plans_for", None) is not fb:
+        if self._plans_for is not fb:
             self._plans_for, self._plans = fb, {}
         plan = self._plans.get(window)
         if plan is None:
@@ -148,7 +158,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             extend_lens = fb.extend_seq_lens_cpu
         rows = fb.req_pool_indices.tolist()
         spec = fb.spec_info
-        custom_mask = getattr(spec, "custom_mask", None) if spec is not None else None
+        custom_mask = spec.custom_mask if spec is not None else None
         window = layer.sliding_window_size
         start = 0
         for i, (row, seq_len, ext) in enumerate(zip(rows, seq_lens, extend_lens)):
@@ -180,7 +190,7 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs):
         fb = forward_batch
-        if fb.spec_info is not None and getattr(fb.spec_info, "custom_mask", None) is not None:
+        if fb.spec_info is not None and fb.spec_info.custom_mask is not None:
             return self._run(q, k, v, layer, fb, save_kv_cache)
         if save_kv_cache and k is not None:
             fb.token_to_kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
@@ -198,7 +208,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         bs, hkv = fb.batch_size, layer.tp_k_head_num
         group = layer.tp_q_head_num // hkv
         plan = self._decode_plan(fb, layer.sliding_window_size, q.device)
-        width, valid = plan.width, plan.valid
+        width = plan.width
         kf = k_buf.index_select(0, plan.flat).view(bs, width, hkv, -1).float()  # [bs, W, Hkv, Dk]
         # Padding reads slot 0, which may hold anything: its scores are replaced by -inf
         # below (NaN included), and its V rows are zeroed (a zero probability would not
@@ -215,45 +225,42 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out.reshape(bs, layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs):
-        if kwargs.get("k_prefix") is not None:  # MLA: the layer expanded the prefix itself
-            return self._run_dense_prefix(q, k, v, layer, forward_batch, kwargs["k_prefix"], kwargs["v_prefix"])
+        if self.config.is_mla:
+            if is_latent_layer(layer, self.config):
+                k = k.view(-1, 1, layer.qk_head_dim)
+                v = k[..., : layer.v_head_dim]
+            else:
+                check_prefix_free(layer, forward_batch, self.name)
+                return self._run_new_tokens(q, k, v, layer, forward_batch)
         return self._run(q, k, v, layer, forward_batch, save_kv_cache)
 
-    # ---- MLA (DeepSeek-V2/V3) extend with a dense prefix ------------------------------------
-    def _run_dense_prefix(self, q, k, v, layer, fb: ForwardBatch, k_prefix, v_prefix) -> torch.Tensor:
-        """Extend whose keys are all given by the caller, none read from the pool.
-
-        MLA layers cache only the latent, so they up-project each request's cached prefix to
-        per-head K/V themselves and pass it densely (`attnserve.models.deepseek_v2`).
+    def _run_new_tokens(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
+        """Extend whose keys are only the step's new tokens (MLA's expanded layer on a step
+        without cached prefixes; nothing is read from or written to the pool).
 
         Args:
-            q: ``[T, Hq * Dk]``; k: ``[T, Hkv, Dk]``; v: ``[T, Hkv, Dv]`` of the new tokens.
-            k_prefix / v_prefix: ``[sum(extend_prefix_lens), Hkv, Dk / Dv]``; request ``i``'s
-                prefix (positions ``0 .. prefix_len_i - 1``) at rows
-                ``sum(prefix_lens[:i]) ..``.
+            q: ``[T, Hq * Dk]``; k: ``[T, Hkv, Dk]``; v: ``[T, Hkv, Dv]``.
 
         Returns:
-            ``[T, Hq * Dv]`` in ``q``'s dtype. Causal (or ``spec_info.custom_mask``) masking,
-            sliding window and logit cap as in `_run`.
+            ``[T, Hq * Dv]`` in ``q``'s dtype; causal (or ``spec_info.custom_mask``),
+            window and logit cap as in `_run`.
         """
         q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        k = k.view(-1, layer.tp_k_head_num, layer.qk_head_dim)
+        v = v.view(-1, layer.tp_v_head_num, layer.v_head_dim)
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         spec = fb.spec_info
-        custom_mask = getattr(spec, "custom_mask", None) if spec is not None else None
-        q_start = p_start = 0
-        for i, (p, ext) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
-            seq_len = p + ext
-            kk = torch.cat([k_prefix[p_start : p_start + p], k[q_start : q_start + ext]])
-            vv = torch.cat([v_prefix[p_start : p_start + p], v[q_start : q_start + ext]])
+        custom_mask = spec.custom_mask if spec is not None else None
+        start = 0
+        for i, ext in enumerate(fb.extend_seq_lens_cpu):
+            pos = torch.arange(ext, device=q.device)
             mask = None
             if custom_mask is not None:
                 off = int(spec.mask_indptr[i])
-                mask = custom_mask[off : off + ext * seq_len].view(ext, seq_len)
-            o = attention_reference(
-                q[q_start : q_start + ext], kk, vv, torch.arange(p, seq_len, device=q.device),
-                torch.arange(seq_len, device=q.device), layer.scaling, layer.logit_cap, layer.sliding_window_size, mask,
-            )
-            out[q_start : q_start + ext] = o.to(out.dtype)
-            q_start += ext
-            p_start += p
+                mask = custom_mask[off : off + ext * ext].view(ext, ext)
+            sl = slice(start, start + ext)
+            o = attention_reference(q[sl], k[sl], v[sl], pos, pos, layer.scaling, layer.logit_cap,
+                                    layer.sliding_window_size, mask)
+            out[sl] = o.to(out.dtype)
+            start += ext
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)

@@ -63,7 +63,7 @@ class CudaGraphRunner:
         # A backend whose replay hook only launches device work on the fixed buffers (no host
         # reads, no allocation) can have that hook captured too: replay is then input copies
         # plus one graph launch.
-        self.metadata_in_graph = bool(getattr(self.backend, "replay_hook_is_capturable", False))
+        self.metadata_in_graph = self.backend.replay_hook_is_capturable
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: Dict[int, torch.Tensor] = {}
         self.backend.init_cuda_graph_state(self.max_bs, self.max_bs)

@@ -14,7 +14,14 @@ from typing import List
 
 import torch
 
-from attnserve.attention.selection import choose_backends, create_backends
+from attnserve.attention.backend_config import AttentionBackendConfig
+from attnserve.attention.radix_attention import RadixAttention
+from attnserve.attention.selection import (
+    DeviceCaps,
+    backend_workspace_bytes,
+    choose_backends,
+    create_backends,
+)
 from attnserve.forward_batch import ForwardBatch, ForwardMode
 from attnserve.mem_cache.memory_pool import (
     MHATokenToKVPool,
@@ -46,21 +53,48 @@ class ModelRunner:
         mc = self.model_config
         self.context_len = server_args.context_length or mc.context_len
         self.page_size = server_args.page_size
-        self.sliding_window_size = getattr(mc, "sliding_window_size", -1)
+        self.backend_choice = choose_backends(server_args, DeviceCaps.detect(self.device), mc.attention_arch)
+        facts = self._backend_config()
+        self.attn_workspace_bytes = backend_workspace_bytes(facts, self.backend_choice)
         self._init_memory_pool()
-        choice = choose_backends(server_args, self.device.type, mc.attention_arch)
-        self.backend_choice = choice
-        self.attn_backend = create_backends(self, choice)
+        self.attn_backend_config = facts.with_pools(self.req_to_token_pool, self.token_to_kv_pool)
+        self.attn_backend = create_backends(self.attn_backend_config, self.backend_choice,
+                                            server_args.speculative_attention_mode)
         self.cuda_graph_runner = None
         self._init_cuda_graphs()
 
     # ---- memory ------------------------------------------------------------------------
-    def _kv_bytes_per_token(self) -> int:
-        mc = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        if mc.attention_arch == "mla":
-            return mc.num_hidden_layers * (mc.kv_lora_rank + mc.qk_rope_head_dim) * elem
-        return mc.num_hidden_layers * mc.num_key_value_heads * (mc.head_dim + mc.v_head_dim) * elem
+    def _layer_windows(self) -> tuple:
+        """Sliding window of each layer id, read from the model's `RadixAttention` layers.
+
+        Raises:
+            ValueError: two attention modules of one layer id disagree on the window.
+        """
+        windows = [-1] * self.model_config.num_hidden_layers
+        seen = {}
+        for m in self.model.modules():
+            if isinstance(m, RadixAttention):
+                w = seen.setdefault(m.layer_id, m.sliding_window_size)
+                if w != m.sliding_window_size:
+                    raise ValueError(f"layer {m.layer_id} has attention modules with windows {w} and "
+                                     f"{m.sliding_window_size}")
+                windows[m.layer_id] = w
+        return tuple(windows)
+
+    def _backend_config(self) -> AttentionBackendConfig:
+        """Model facts and limits for the attention backends (pools attached later)."""
+        mc, args = self.model_config, self.server_args
+        mla = mc.attention_arch == "mla"
+        return AttentionBackendConfig(
+            device=self.device, dtype=self.dtype, attention_arch=mc.attention_arch,
+            num_q_heads=mc.num_attention_heads, num_kv_heads=1 if mla else mc.num_key_value_heads,
+            head_dim=mc.kv_lora_rank + mc.qk_rope_head_dim if mla else mc.head_dim,
+            v_head_dim=mc.kv_lora_rank if mla else mc.v_head_dim,
+            kv_lora_rank=mc.kv_lora_rank if mla else 0, qk_rope_head_dim=mc.qk_rope_head_dim if mla else 0,
+            layer_windows=self._layer_windows(), page_size=self.page_size,
+            max_batch_size=args.max_running_requests, deterministic=args.enable_deterministic_inference,
+            num_kv_splits=args.triton_attention_num_kv_splits, split_tile_size=args.triton_attention_split_tile_size,
+        )
 
     def _init_memory_pool(self) -> None:
         args = self.server_args
@@ -71,8 +105,8 @@ class ModelRunner:
             size = CPU_DEFAULT_MAX_TOTAL_TOKENS
         else:
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1.0 - args.mem_fraction_static)
-            size = int(max(budget, 0) // self._kv_bytes_per_token())
+            budget = free - total * (1.0 - args.mem_fraction_static) - self.attn_workspace_bytes
+            size = int(max(budget, 0) // mc.kv_cache_bytes_per_token(self.dtype))
             size = min(size, args.max_running_requests * self.context_len)
             if size < self.page_size * 2:
                 raise ValueError(
@@ -93,8 +127,9 @@ class ModelRunner:
                 self.device, v_head_dim=mc.v_head_dim,
             )
         logger.info(
-            "KV cache: %d tokens, page_size %d, %.1f MiB",
-            size, self.page_size, self.token_to_kv_pool.mem_bytes() / 2**20,
+            "KV cache: %d tokens, page_size %d, %.1f MiB; attention workspace %.1f MiB (%s, up to %d requests)",
+            size, self.page_size, self.token_to_kv_pool.mem_bytes() / 2**20, self.attn_workspace_bytes / 2**20,
+            self.backend_choice.decode, args.max_running_requests,
         )
 
     def _init_cuda_graphs(self) -> None:
@@ -111,7 +146,7 @@ class ModelRunner:
             if args.cuda_graph_requested():
                 raise ValueError("CUDA graphs need a CUDA device; drop --cuda-graph-bs/--cuda-graph-max-bs on CPU")
             return
-        if not self.attn_backend.supports_cuda_graph():
+        if not self.attn_backend.supports_cuda_graph:
             if args.cuda_graph_requested():
                 raise ValueError(
                     f"CUDA graphs need a capturable decode backend, but '{self.backend_choice.decode}' is not; "

@@ -273,6 +273,10 @@ class MLATokenToKVPool(KVCache):
         """Write full latent rows ``cache_k`` ``[n, 1, kv_lora_rank + rope]`` (``cache_v`` ignored)."""
         self.kv_buffer[layer.layer_id][loc] = cache_k.to(self.dtype)
 
+    def fused_store_target(self, layer_id: int, loc: torch.Tensor, value: torch.Tensor) -> None:
+        """None: the latent pool has no fused RoPE + store (the layer stores the latent)."""
+        return None
+
     def set_mla_kv_buffer(self, layer, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor) -> None:
         """Write ``c_kv`` ``[n, 1, kv_lora_rank]`` and ``k_pe`` ``[n, 1, rope]`` into rows ``loc``."""
         buf = self.kv_buffer[layer.layer_id]

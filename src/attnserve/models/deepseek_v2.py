@@ -13,22 +13,19 @@ MLA (DeepSeek-V2, arXiv:2405.04434, section 2.1). Per token ``x`` and head ``h``
   scaled by ``(nope + rope) ** -0.5`` times YaRN's ``mscale ** 2`` when configured.
 
 The KV cache (`MLATokenToKVPool`) stores only ``[c_kv | k_pe]`` (kv_lora_rank + rope per
-token, 576 for the real models); the layer writes it itself with ``set_mla_kv_buffer`` and
-calls the attention backend with ``save_kv_cache=False``. Two ways to attend:
+token, 576 for the real models). Two ways to attend (`attnserve.attention.mla_paths`; the
+choice is SGLang's for its Triton MLA backend):
 
-* **Extend / prefill (non-absorbed)**: per-head K/V are computed from the latent, for the
-  new tokens from this step's ``c_kv`` and for the cached prefix by gathering its latent
-  rows from the pool through ``req_to_token`` and up-projecting them (SGLang's "MHA" path
-  with the prefix expanded). The backend's extend path then attends with ``Dk = nope +
-  rope`` and ``Dv = v_head_dim`` over ``prefix + new`` (causal on the new part); the
-  expanded prefix is handed over densely as ``k_prefix``/``v_prefix`` keyword arguments
-  (``[sum(prefix_lens), H, D]`` in batch order; both `TorchNativeAttnBackend` and
-  `TritonAttnBackend` honour them), so the backend never reads the latent pool here.
-* **Decode (absorbed)**: ``W_UK`` is folded into the query (``q_nope W_UK`` ->
-  ``[bs, H, kv_lora_rank]``) and ``W_UV`` into the output, so attention runs directly on the
-  latent cache: one KV head of width ``kv_lora_rank + rope``, values = its first
-  ``kv_lora_rank`` columns (the FlashMLA layout). The triton backend uses the MLA decode
-  kernel there; torch_native its generic path.
+* **Absorbed** (decode, and every extend where some request has a cached prefix):
+  ``W_UK`` is folded into the query (``q_nope W_UK`` -> ``[T, H, kv_lora_rank]``) and
+  ``W_UV`` into the output, so attention runs directly on the latent cache: the layer
+  ``attn_mqa`` has one KV head of width ``kv_lora_rank + rope``, values = its first
+  ``kv_lora_rank`` columns (the FlashMLA layout). The model passes the new tokens' latent
+  as ``k``; the backend stores it and finds the cached prefix itself.
+* **Expanded** (a prefill without cached prefixes): per-head K/V of the new tokens are
+  up-projected from this step's ``c_kv`` and attended with ``Dk = nope + rope``, ``Dv =
+  v_head_dim`` through ``attn_mha`` (smaller head dims than the absorbed form); the model
+  stores the latent itself (``set_mla_kv_buffer``) and calls with ``save_kv_cache=False``.
 
 RoPE layout (checked against transformers 5's modeling_deepseek_v2/_v3): DeepSeek rotates
 interleaved channel pairs ``(2i, 2i+1)`` (GPT-J style, ``is_neox_style=False``). V2 keeps
@@ -56,10 +53,6 @@ from attnserve.models.layers.norm import RMSNorm
 from attnserve.models.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config, yarn_softmax_mscale
 from attnserve.models.llama import LlamaMLP
 
-#: ForwardBatch.extra key of the step's prefix slots (computed by the first layer).
-_PREFIX_SLOTS_KEY = "mla_prefix_slots"
-
-
 def check_dense_only(config: Any) -> None:
     """Refuse configs with MoE layers (SGLang's rule: layer ``i`` is MoE when
     ``n_routed_experts`` is set, ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``).
@@ -79,26 +72,6 @@ def check_dense_only(config: Any) -> None:
             f"(n_routed_experts={n_experts}, first_k_dense_replace={first_dense}, "
             f"num_hidden_layers={config.num_hidden_layers}: layers {moe[:4]}{'...' if len(moe) > 4 else ''} are MoE)"
         )
-
-
-def _prefix_slots(fb: ForwardBatch) -> torch.Tensor:
-    """int64 ``[sum(extend_prefix_lens)]``: KV slots of every request's cached prefix, in batch
-    order (request ``i``'s positions ``0 .. prefix_len_i - 1``). Computed once per step (extend
-    steps only: uses the host copy of the prefix lengths) and kept in ``fb.extra``."""
-    slots = fb.extra.get(_PREFIX_SLOTS_KEY)
-    if slots is None:
-        lens = fb.extend_prefix_lens_cpu or [0]
-        max_len = max(lens)
-        dev = fb.req_pool_indices.device
-        if max_len == 0:
-            slots = torch.empty(0, dtype=torch.int64, device=dev)
-        else:
-            cols = torch.arange(max_len, device=dev)
-            table = fb.req_to_token_pool.req_to_token[fb.req_pool_indices.to(torch.int64)[:, None], cols[None, :]]
-            keep = cols[None, :] < fb.extend_prefix_lens.to(dev)[:, None]
-            slots = table[keep].to(torch.int64)
-        fb.extra[_PREFIX_SLOTS_KEY] = slots
-    return slots
 
 
 class DeepseekV2AttentionMLA(nn.Module):
@@ -173,34 +146,32 @@ class DeepseekV2AttentionMLA(nn.Module):
         c_kv = self.kv_a_layernorm(latent[:, :r])
         q_pe, k_pe = self.rotary_emb(positions, q[..., nope:], latent[:, r:])  # [T, H, rope], [T, rope]
         mode = fb.forward_mode
-        if not mode.is_idle():
-            fb.token_to_kv_pool.set_mla_kv_buffer(self.attn_mqa, fb.out_cache_loc, c_kv.unsqueeze(1), k_pe.unsqueeze(1))
-        if mode.is_decode_or_idle():
-            out = self._decode(q[..., :nope], q_pe, fb)
+        if mode.is_decode_or_idle() or any(fb.extend_prefix_lens_cpu):
+            out = self._absorbed(q[..., :nope], q_pe, torch.cat([c_kv, k_pe], dim=-1), fb)
         else:
-            out = self._extend(q[..., :nope], q_pe, c_kv, k_pe, fb)
+            out = self._expanded(q[..., :nope], q_pe, c_kv, k_pe, fb)
         return self.o_proj(out)
 
-    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """Absorbed attention over the latent cache; returns ``[T, H * v_head_dim]``."""
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Attention over the latent cache (decode, and extend with cached prefixes): the
+        backend stores ``latent`` ``[T, kv_lora_rank + rope]``; returns ``[T, H * v_head_dim]``."""
         t, h, r = q_nope.shape[0], self.num_heads, self.kv_lora_rank
         w_uk, w_uv = self._w_uk_uv()
         q = q_nope.new_empty(t, h, r + self.qk_rope_head_dim)
         q[..., :r] = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [H, T, nope] x [H, nope, r]
         q[..., r:] = q_pe
-        o = self.attn_mqa(q.view(t, -1), None, None, fb, save_kv_cache=False).view(t, h, r)
+        o = self.attn_mqa(q.view(t, -1), latent, None, fb).view(t, h, r)
         out = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, r] x [H, r, v] -> [H, T, v]
         return out.transpose(0, 1).reshape(t, h * self.v_head_dim)
 
-    def _extend(self, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch) -> torch.Tensor:
-        """Non-absorbed attention over the expanded prefix + new tokens; ``[T, H * v_head_dim]``."""
-        t, h, r = q_nope.shape[0], self.num_heads, self.kv_lora_rank
+    def _expanded(self, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch) -> torch.Tensor:
+        """Prefill without cached prefixes: per-head K/V of the new tokens (cheaper head
+        dims than the absorbed form); the latent is stored here. ``[T, H * v_head_dim]``."""
+        t, h = q_nope.shape[0], self.num_heads
+        fb.token_to_kv_pool.set_mla_kv_buffer(self.attn_mqa, fb.out_cache_loc, c_kv.unsqueeze(1), k_pe.unsqueeze(1))
         q = torch.cat([q_nope, q_pe], dim=-1)
         k, v = self._expand(c_kv, k_pe)
-        slots = _prefix_slots(fb)
-        cached = fb.token_to_kv_pool.get_key_buffer(self.attn_mqa.layer_id)[slots].view(-1, r + self.qk_rope_head_dim)
-        k_prefix, v_prefix = self._expand(cached[:, :r].to(c_kv.dtype), cached[:, r:].to(c_kv.dtype))
-        o = self.attn_mha(q.view(t, -1), k, v, fb, save_kv_cache=False, k_prefix=k_prefix, v_prefix=v_prefix)
+        o = self.attn_mha(q.view(t, -1), k, v, fb, save_kv_cache=False)
         return o.view(t, h * self.v_head_dim)
 
 
