@@ -146,8 +146,10 @@ class AttentionBackendConfig:
         to -1 for every layer; ``kw`` sets the other fields (``max_batch_size`` defaults to
         the request pool's rows).
         """
+        from attnserve.mem_cache.memory_pool import MLATokenToKVPool
+
         pool = token_to_kv_pool
-        mla = hasattr(pool, "kv_lora_rank")
+        mla = isinstance(pool, MLATokenToKVPool)
         kw.setdefault("max_batch_size", int(req_to_token_pool.req_to_token.shape[0]))
         cfg = cls(
             device=pool.device, dtype=pool.dtype, attention_arch="mla" if mla else "mha",
