@@ -15,10 +15,10 @@ if [[ $what == tests || $what == all ]]; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q --timeout 300 -p no:cacheprovider $targets 2>&1 | tee "$OUT/tests.log" | tail -40
 fi
 if [[ $what == kernels || $what == all ]]; then
-  timeout 400 python3 -m attnserve.bench.kernels --out "$OUT" --mla 2>&1 | tee "$OUT/kernels.log" | tail -60
+  timeout 400 python3 benchmarks/kernels.py --out "$OUT" --mla 2>&1 | tee "$OUT/kernels.log" | tail -60
 fi
 if [[ $what == decode || $what == all ]]; then
-  timeout 500 python3 -m attnserve.bench.decode --out "$OUT" 2>&1 | tee "$OUT/decode.log" | tail -40
+  timeout 500 python3 benchmarks/decode.py --out "$OUT" 2>&1 | tee "$OUT/decode.log" | tail -40
 fi
 if [[ $what == offline || $what == all ]]; then
   timeout ${OFFLINE_TIMEOUT:-500} python3 -m attnserve.bench.offline --device cuda --load-format dummy --out "$OUT" ${OFFLINE_ARGS:-} 2>&1 | tee "$OUT/offline.log" | tail -40

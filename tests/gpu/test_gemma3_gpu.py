@@ -82,10 +82,16 @@ def test_local_layer_decode_reads_only_its_window():
     at most 1/8 of a global layer's (it reads 513 of 8192 keys per request) and does not
     grow with the context. (At bs 8 the ~5 us fixed cost of two launches hides the 16x
     difference in bytes; measured on an H100: 51 vs 185 us in float32.)"""
-    from attnserve.bench.gemma_window import measure
+    from gemma_window_case import build_decode_case, decode_fn, graph_us
 
-    short = measure(64, 1024, torch.bfloat16, peer=False)
-    long = measure(64, 8192, torch.bfloat16, peer=False)
+    def measure(bs, ctx):
+        case = build_decode_case(bs, ctx, torch.bfloat16)
+        row = {f"{name}_graph_us": graph_us(decode_fn(case, case[name])) for name in ("local", "glob")}
+        row["global_graph_us"] = row.pop("glob_graph_us")
+        return row
+
+    short = measure(64, 1024)
+    long = measure(64, 8192)
     print("gemma window", short, long)
     assert long["local_graph_us"] <= long["global_graph_us"] / 8, long
     assert long["local_graph_us"] <= 1.5 * short["local_graph_us"], (short, long)

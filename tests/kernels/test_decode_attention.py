@@ -30,7 +30,7 @@ def _reference(q, k_buffer, v_buffer, r2t, rows, starts, lens, sm_scale, logit_c
 
 
 def _run(gen, paged, device, *, lens, hq, hkv, dk, dv, dtype, page_size, logit_cap=0.0, window=-1,
-         max_kv_splits=4, deterministic=False, grid_splits=None, shared_kv=False, config=None, fused_merge=False):
+         max_kv_splits=4, deterministic=False, grid_splits=None, shared_kv=False, config=None):
     bs = len(lens)
     r2t, rows, num_slots = paged(lens, page_size, gen)
     kv_start = [max(n - window - 1, 0) if window >= 0 else 0 for n in lens]
@@ -53,12 +53,8 @@ def _run(gen, paged, device, *, lens, hq, hkv, dk, dv, dtype, page_size, logit_c
     attn_lse = torch.full((bs, hq, max_kv_splits), float("nan"), device=device)
     k_dev = k_buffer.to(device)
     v_dev = k_dev[..., :dv] if shared_kv else v_buffer.to(device)
-    sem = torch.zeros(bs * hq + 3, dtype=torch.int32, device=device) if fused_merge else None
     decode_attention_fwd(q.to(device), k_dev, v_dev, o, kv_indptr, kv_indices, attn_logits, attn_lse,
-                         num_kv_splits, max_kv_splits, sm_scale, logit_cap, grid_splits=grid_splits, config=config,
-                         semaphores=sem)
-    if fused_merge:
-        assert (sem == 0).all(), "the fused merge must leave its arrival counters at zero"
+                         num_kv_splits, max_kv_splits, sm_scale, logit_cap, grid_splits=grid_splits, config=config)
     ref = _reference(q, k_buffer, v_buffer, r2t, rows, kv_start, lens, sm_scale, logit_cap)
     return o.cpu(), ref, num_kv_splits.cpu()
 
@@ -222,34 +218,10 @@ def test_decode_clamps_bad_split_counts(gen, paged, device):
 
 @pytest.mark.parametrize("hq,hkv,grid_splits", [(4, 4, None), (8, 1, None), (16, 2, 2), (6, 2, 1), (4, 1, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_fused_merge(hq, hkv, grid_splits, dtype, gen, paged, device):
-    """One-launch decode (arrival counters, last program merges) against the reference,
-    with programs that own several splits (small grid) and requests with 0/1/many splits."""
+def test_decode_small_grids_and_empty_requests(hq, hkv, grid_splits, dtype, gen, paged, device):
+    """Programs that own several splits (small grid) and requests with 0/1/many splits."""
     out, ref, ns = _run(gen, paged, device, lens=[0, 1, 64, 300, 129, 257], hq=hq, hkv=hkv, dk=64, dv=64,
-                        dtype=dtype, page_size=4, max_kv_splits=8, grid_splits=grid_splits, fused_merge=True)
+                        dtype=dtype, page_size=4, max_kv_splits=8, grid_splits=grid_splits)
     assert ns.max() > 1 and ns.min() == 1
     _check(out, ref, dtype)
     assert (out[0] == 0).all()
-
-
-def test_decode_fused_merge_matches_two_stage(gen, paged, device):
-    """Same splits, same merge order: the fused merge equals stage 2 to rounding."""
-    g2 = torch.Generator()
-    g2.set_state(gen.get_state())
-    kw = dict(lens=[5, 400, 77], hq=8, hkv=2, dk=80, dv=80, dtype=torch.float32, page_size=1, max_kv_splits=8)
-    a, _, _ = _run(gen, paged, device, fused_merge=True, **kw)
-    b, _, _ = _run(g2, paged, device, fused_merge=False, **kw)
-    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-
-
-def test_decode_fused_merge_rejects_small_counter_buffer(device):
-    q = torch.zeros(2, 4, 16, device=device)
-    kb = torch.zeros(8, 2, 16, device=device)
-    o = torch.zeros(2, 4, 16, device=device)
-    ip = torch.zeros(3, dtype=torch.int32, device=device)
-    ns = torch.ones(2, dtype=torch.int32, device=device)
-    logits = torch.zeros(2, 4, 4, 16, device=device)
-    lse = torch.zeros(2, 4, 4, device=device)
-    with pytest.raises(ValueError, match="semaphores"):
-        decode_attention_fwd(q, kb, kb, o, ip, ip, logits, lse, ns, 4, 1.0,
-                             semaphores=torch.zeros(7, dtype=torch.int32, device=device))

@@ -268,7 +268,7 @@ def test_triton_interpreted_gemma_window_decode():
     attention shape: the local layer equals attention over the last 512 keys only, and
     NaN in every older slot leaves it unchanged; the global layer sees all keys."""
     from attnserve.attention.torch_native import attention_reference
-    from attnserve.bench.gemma_window import _decode_fn, build_decode_case
+    from gemma_window_case import build_decode_case, decode_fn
 
     bs, ctx = 2, 600
     case = build_decode_case(bs, ctx, torch.float32, page_size=1, device="cpu")
@@ -278,7 +278,7 @@ def test_triton_interpreted_gemma_window_decode():
     case["k_buffers"][0][old] = float("nan")
     case["v_buffers"][0][old] = float("nan")
     for layer, keys in ((local, 512), (glob, ctx)):
-        out = _decode_fn(case, layer)().view(bs, 4, 256)
+        out = decode_fn(case, layer)().view(bs, 4, 256)
         for b in range(bs):
             sl = case["slots"][b, ctx - keys:]
             ref = attention_reference(case["q"][b].view(1, 4, 256), case["k_buffers"][layer.layer_id][sl],

@@ -95,15 +95,43 @@ def bench_hf(model_dir: str, gguf_file: str, prompts, max_new_tokens: int, batch
             "tokens_per_s": gen / secs}
 
 
+def fill_decode_kv(runner, bs: int, ctx: int):
+    """Give ``bs`` new requests ``ctx`` cached tokens of random K/V (every layer's buffers
+    filled with N(0, 1)) and one decode slot each.
+
+    Args:
+        runner: a `ModelRunner` whose pools are free enough for ``bs * (ctx + 1)`` slots.
+
+    Returns:
+        ``(rows, slots, out_loc, fb)``: request rows, int64 ``[bs * ctx]`` cached slots,
+        int64 ``[bs]`` decode slots and the DECODE `ForwardBatch` (caller frees rows and slots).
+    """
+    from attnserve.forward_batch import ForwardMode
+
+    rows = runner.req_to_token_pool.alloc(bs)
+    alloc = runner.token_to_kv_pool_allocator
+    slots = alloc.alloc_extend([0] * bs, [ctx] * bs, [0] * bs)
+    for i, r in enumerate(rows):
+        runner.req_to_token_pool.write(r, 0, slots[i * ctx:(i + 1) * ctx])
+    last = [int(slots[(i + 1) * ctx - 1]) for i in range(bs)]
+    out_loc = alloc.alloc_extend([ctx] * bs, [ctx + 1] * bs, last)
+    for i, r in enumerate(rows):
+        runner.req_to_token_pool.write(r, ctx, out_loc[i:i + 1])
+    pool = runner.token_to_kv_pool
+    for layer in range(runner.model_config.num_hidden_layers):
+        for buf in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
+            buf.normal_()
+    fb = runner.build_forward_batch(ForwardMode.DECODE, [1] * bs, rows, [ctx] * bs, [1] * bs, out_loc)
+    return rows, slots, out_loc, fb
+
+
 def _graph_step_ms(llm, bs: int, ctx: int, iters: int = 50) -> float:
     """GPU time of one replay of the engine's captured decode graph for ``bs`` requests of
     ``ctx`` cached tokens: ``iters`` replays back to back between two CUDA events (so the
     host's launch work overlaps the GPU's, as in a running engine), divided by ``iters``.
     The pool must be free; it is free again afterwards."""
-    from attnserve.bench.decode import _prefill_kv
-
     runner = llm.engine.model_runner
-    rows, slots, out_loc, fb = _prefill_kv(runner, bs, ctx)
+    rows, slots, out_loc, fb = fill_decode_kv(runner, bs, ctx)
     try:
         with torch.inference_mode():
             for _ in range(5):

@@ -12,17 +12,13 @@ the CSR index ``kv_indptr`` / ``kv_indices`` (token slots into ``k_buffer`` / ``
 * Stage 2 (`_decode_stage2_kernel`): per (request, query head) the partial outputs are
   merged by their log-sum-exp, as in Flash-Decoding (Dao, Haziza, Massa, Sizov, 2023,
   "Flash-Decoding for long-context inference", PyTorch blog / FlashAttention repo).
-* Fused merge (optional, ``semaphores`` given): no stage 2 launch. Each stage-1 program adds the
-  splits it finished to an arrival counter per (request, head block) with an acq_rel
-  atomic; the program that completes the count merges all partials (read from L2) and
-  resets the counter — the "last block reduces" scheme of split-K / stream-K GEMMs
-  (Osama et al., "Stream-K", arXiv:2301.03598). Measured on an H100 inside CUDA graphs
-  it is not faster than stage 2 at batch 1 (the merging program's serial tail costs more
-  than the saved launch; 2x slower with 32 splits), so the backends do not use it.
+A fused "last program merges" variant (split-K with arrival counters, as in stream-K
+GEMMs) was measured on an H100 and was not faster than stage 2 (its serial merge tail
+costs more than the saved launch), so there is none here; see benchmarks/NOTES.md.
 
 Everything the launch depends on is host-known (bs, head counts, ``max_kv_splits``), and
 no host synchronisation happens, so `decode_attention_fwd` is CUDA-graph capturable.
-Tuning lives in `_decode_config`; split counts in `compute_num_kv_splits`.
+Tuning lives in `decode_config`; split counts in `compute_num_kv_splits`.
 """
 
 from __future__ import annotations
@@ -46,7 +42,7 @@ def _interpreting() -> bool:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters of stage 1 (see `_decode_config`).
+    """Launch parameters of stage 1 (see `decode_config`).
 
     block_n: keys per tile (also the split alignment); block_h: query heads per program
     (1 = per-head kernel without ``tl.dot``, else >= 16 rows for ``tl.dot``); num_warps /
@@ -64,7 +60,7 @@ class DecodeConfig:
 _BIG_SMEM = 200 * 1024
 
 
-def _decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bool = False,
+def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bool = False,
                    max_shared_mem: int = 0) -> DecodeConfig:
     """The one place decode tuning lives.
 
@@ -75,7 +71,7 @@ def _decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: b
         is_hip: AMD GPUs (no software pipelining with gathers; wave64).
         max_shared_mem: the device's opt-in shared memory per block in bytes (0: unknown).
 
-    Measured on an H100 (bench/decode_sweep.py, 2026-11-21, bf16, d 64 and 128, bs 1/8,
+    Measured on an H100 (benchmarks/decode_sweep.py, 2026-11-21, bf16, d 64 and 128, bs 1/8,
     contexts 512/4096, inside CUDA graphs): 128-key tiles with 3 stages are within 7% of
     the best of 72 configurations in every case, and 16-26% faster than 64-key tiles with
     2 stages at batch 1 (SmolLM2 bs 1 ctx 512: 5.4 vs 6.3 µs; Llama-3-8B: 7.1 vs 8.4 µs).
@@ -144,7 +140,6 @@ def _decode_stage1_kernel(
     stride_eb, stride_eh,
     grid_splits,
     max_kv_splits,
-    sem_ptr, o_ptr, stride_ob, stride_oh,
     GROUP: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     DK: tl.constexpr,
@@ -157,7 +152,6 @@ def _decode_stage1_kernel(
     HAS_CAP: tl.constexpr,
     COMPUTE_FP32: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -256,42 +250,6 @@ def _decode_stage1_kernel(
         )
         tl.store(lse_ptrs + split, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=mask_h)
 
-    if FUSED_MERGE:
-        # The program that finishes a (request, head block)'s last split merges all of them
-        # (split-K with an arrival counter, as in stream-K GEMMs): no second kernel launch.
-        o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + q_head[:, None] * stride_oh + offs_dv[None, :]
-        mask_o = mask_h[:, None] & mask_dv[None, :]
-        n_mine = tl.maximum(tl.cdiv(n_splits - pid_s, grid_splits), 0)
-        if n_splits == 0:
-            if pid_s == 0:  # no keys (e.g. a padded CUDA-graph row): zeros, as stage 2 writes
-                tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32).to(o_ptr.dtype.element_ty),
-                         mask=mask_o)
-        elif n_mine > 0:
-            last = n_splits == 1
-            if not last:
-                # all threads' partial stores happen before the counter's release
-                tl.debug_barrier()
-                sem = sem_ptr + b * (tl.num_programs(1)) + pid_h
-                arrived = tl.atomic_add(sem, n_mine, sem="acq_rel", scope="gpu") + n_mine
-                last = arrived == n_splits
-                if last:
-                    tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-            if last:
-                m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-                l = tl.zeros([BLOCK_H], dtype=tl.float32)
-                acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-                for s_idx in range(0, n_splits):
-                    # other programs' partials: read from L2 (.cg), never a stale L1 line
-                    lse_s = tl.load(lse_ptrs + s_idx, mask=mask_h, other=0.0, cache_modifier=".cg")
-                    part = tl.load(out_ptrs + s_idx * stride_ls, mask=mask_o, other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m, lse_s)
-                    alpha = tl.exp(m - m_new)
-                    w = tl.exp(lse_s - m_new)
-                    acc = acc * alpha[:, None] + w[:, None] * part
-                    l = l * alpha + w
-                    m = m_new
-                tl.store(o_ptrs, (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=mask_o)
-
 
 @triton.jit
 def _decode_stage2_kernel(
@@ -367,7 +325,6 @@ def decode_attention_fwd(
     *,
     config: Optional[DecodeConfig] = None,
     grid_splits: Optional[int] = None,
-    semaphores: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Paged decode attention, split-K (Flash-Decoding) with log-sum-exp merge.
 
@@ -390,12 +347,8 @@ def decode_attention_fwd(
         max_kv_splits: host int, the scratch's split capacity (sets the launch grid).
         sm_scale: softmax scale (usually ``Dk ** -0.5``).
         logit_cap: if > 0, scaled scores ``s`` become ``logit_cap * tanh(s / logit_cap)``.
-        config: override of `_decode_config` (tuning); grid_splits: override of the split
+        config: override of `decode_config` (tuning); grid_splits: override of the split
             grid axis (`decode_grid_splits`), mainly for tests.
-        semaphores: optional int32 ``[>= bs * Hq]`` arrival counters, **all zero** on entry
-            (the kernel leaves them zero again; one buffer can serve every layer and step
-            on one stream). With it the last program to finish a request's splits merges
-            them, so stage 2 is not launched (one kernel per call instead of two).
 
     Returns:
         ``o``. A request with zero keys gets zeros.
@@ -439,12 +392,6 @@ def decode_attention_fwd(
         raise ValueError("kv_indptr must be [>= bs+1] and num_kv_splits [>= bs]")
     if max_kv_splits < 1:
         raise ValueError(f"max_kv_splits must be >= 1, got {max_kv_splits}")
-    if semaphores is not None and (
-        semaphores.dtype != torch.int32 or semaphores.dim() != 1 or semaphores.numel() < bs * hq
-        or semaphores.device != q.device
-    ):
-        raise ValueError(f"semaphores must be int32 [>= {bs * hq}] on {q.device}, got "
-                         f"{semaphores.dtype} {tuple(semaphores.shape)} on {semaphores.device}")
     interpret = _interpreting()
     if q.device.type == "cpu" and not interpret:
         raise ValueError("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
@@ -452,7 +399,7 @@ def decode_attention_fwd(
         return o
 
     group = hq // hkv
-    cfg = config or _decode_config(dk, group, q.dtype, is_hip=torch.version.hip is not None,
+    cfg = config or decode_config(dk, group, q.dtype, is_hip=torch.version.hip is not None,
                                    max_shared_mem=_max_shared_mem(q.device))
     block_h = cfg.block_h
     if block_h > 1:
@@ -480,7 +427,6 @@ def decode_attention_fwd(
         attn_lse.stride(0), attn_lse.stride(1),
         g,
         int(max_kv_splits),
-        num_kv_splits if semaphores is None else semaphores, o, o.stride(0), o.stride(1),
         GROUP=group,
         HEAD_BLOCKS=head_blocks,
         DK=dk,
@@ -493,12 +439,9 @@ def decode_attention_fwd(
         HAS_CAP=logit_cap > 0,
         COMPUTE_FP32=compute_fp32,
         DOT_PREC=dot_prec,
-        FUSED_MERGE=semaphores is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if semaphores is not None:
-        return o
     _decode_stage2_kernel[(bs, hq)](
         attn_logits, attn_lse, o,
         kv_indptr, num_kv_splits,

@@ -34,7 +34,7 @@ from attnserve.attention.triton_ops.decode_attention import _split_dims, _tanh
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    """Launch parameters of the extend kernel (see `_extend_config`)."""
+    """Launch parameters of the extend kernel (see `extend_config`)."""
 
     block_m: int
     block_n: int
@@ -42,7 +42,7 @@ class ExtendConfig:
     num_stages: int
 
 
-def _extend_config(
+def extend_config(
     head_dim: int,
     v_head_dim: int,
     dtype: torch.dtype,
@@ -377,7 +377,7 @@ def extend_attention_fwd(
             skipped.
         prefix_kv_start: int32/int64 ``[bs]`` absolute position of each request's first
             prefix key (None: 0).
-        config: override of `_extend_config` (tuning).
+        config: override of `extend_config` (tuning).
 
     Returns:
         ``o_extend``; queries that see no key get zeros.
@@ -434,7 +434,7 @@ def extend_attention_fwd(
     if bs == 0 or t == 0 or max_len_extend <= 0:
         return o_extend
 
-    cfg = config or _extend_config(dk, dv, q_extend.dtype, is_hip=torch.version.hip is not None, interpret=interpret,
+    cfg = config or extend_config(dk, dv, q_extend.dtype, is_hip=torch.version.hip is not None, interpret=interpret,
                                    has_custom_mask=custom_mask is not None)
     block_d, block_dpe = _split_dims(dk)
     block_dv = max(16, triton.next_power_of_2(dv))

@@ -129,7 +129,7 @@ def skinny_gemm_config(
         num_sms: streaming multiprocessors of the device (132 on an H100 SXM).
         gated: parameters for `skinny_linear_gated` (a program reads ``2 * block_n`` rows).
 
-    Rule, tuned on an H100 (``python -m attnserve.bench.gemv``, 2026-11-21: 40-config sweep
+    Rule, tuned on an H100 (``benchmarks/gemv.py``, 2026-11-21: 40-config sweep
     of every projection of SmolLM2-135M, Gemma-3-270M and Llama-3-8B at M = 1, 4, 16):
 
     * ``M == 1``: the broadcast form (``use_dot=False``; a ``tl.dot`` would compute 15 zero

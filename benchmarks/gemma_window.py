@@ -1,6 +1,6 @@
 """Decode attention of Gemma 3's local (sliding-window) vs global layers, triton backend.
 
-``python -m attnserve.bench.gemma_window [--out DIR] [--bs 8] [--contexts 1024 2048 4096 8192]
+``PYTHONPATH=src python benchmarks/gemma_window.py [--out DIR] [--bs 8] [--contexts 1024 2048 4096 8192]
 [--dtype bfloat16]``
 
 Gemma 3 270M's attention shape (Hq=4, Hkv=1, head_dim 256, window 512; see
@@ -12,7 +12,7 @@ step, and times ``backend.forward_decode`` of a local `RadixAttention` layer
 and of a global one (reads the whole context):
 
 * ``*_graph_us``: median µs per call inside a CUDA graph of many calls (launch overhead
-  removed; `attnserve.bench.kernels.bench_graph`);
+  removed; `common.bench_graph`);
 * ``*_us``: ``triton.testing.do_bench`` median (L2 flushed before each call);
 * ``*_tbps``: K+V bytes the layer must read (window or whole context) / graph time, and
   ``% of the device-to-device copy ceiling`` measured in the same run;
@@ -29,7 +29,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -54,7 +53,8 @@ def build_decode_case(bs: int, ctx: int, dtype, page_size: int = 1, seed: int = 
     import torch
 
     from attnserve.attention.radix_attention import RadixAttention
-    from attnserve.attention.triton_backend import TritonAttnBackend
+    from attnserve.attention.backend_config import AttentionBackendConfig
+    from attnserve.attention.registry import create_attention_backend
     from attnserve.forward_batch import ForwardBatch, ForwardMode
     from attnserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 
@@ -73,12 +73,8 @@ def build_decode_case(bs: int, ctx: int, dtype, page_size: int = 1, seed: int = 
     for i, r in enumerate(rows):
         req_pool.write(r, 0, slots[i * ctx:(i + 1) * ctx])
     out_loc = slots.view(bs, ctx)[:, -1].contiguous()
-    runner = SimpleNamespace(
-        device=torch.device(device), model_config=mc, req_to_token_pool=req_pool, token_to_kv_pool=kv,
-        page_size=page_size, server_args=SimpleNamespace(enable_deterministic_inference=False),
-        max_total_num_tokens=size,
-    )
-    backend = TritonAttnBackend(runner)
+    config = AttentionBackendConfig.from_pools(req_pool, kv, hq, layer_windows=(mc.sliding_window_size, -1))
+    backend = create_attention_backend("triton", config)
     fb = ForwardBatch.init_new(ForwardMode.DECODE, [0] * bs, rows, [ctx - 1] * bs, [1] * bs, out_loc, req_pool, kv,
                                backend, device)
     backend.init_forward_metadata(fb)
@@ -90,7 +86,7 @@ def build_decode_case(bs: int, ctx: int, dtype, page_size: int = 1, seed: int = 
                 rows=rows, slots=slots.view(bs, ctx), model_config=mc)
 
 
-def _decode_fn(case: dict, layer):
+def decode_fn(case: dict, layer):
     backend, fb, q = case["backend"], case["fb"], case["q"]
     return lambda: backend.forward_decode(q, None, None, layer, fb, save_kv_cache=False)
 
@@ -112,7 +108,7 @@ def measure(bs: int, ctx: int, dtype, page_size: int = 1, peer: bool = True) -> 
     """Local vs global decode-attention times (µs) and bandwidths at one (bs, ctx)."""
     import torch
 
-    from attnserve.bench.kernels import _try, bench_eager, bench_graph
+    from common import bench_eager, bench_graph, try_run
 
     case = build_decode_case(bs, ctx, dtype, page_size)
     mc = case["model_config"]
@@ -120,13 +116,13 @@ def measure(bs: int, ctx: int, dtype, page_size: int = 1, peer: bool = True) -> 
     window_keys = min(ctx, mc.sliding_window_size + 1)
     row: Dict[str, float] = dict(bs=bs, context=ctx, window_keys=window_keys)
     for name, layer, keys in (("local", case["local"], window_keys), ("global", case["glob"], ctx)):
-        fn = _decode_fn(case, layer)
+        fn = decode_fn(case, layer)
         row[f"{name}_graph_us"] = bench_graph([fn], min_calls=50)
         row[f"{name}_us"] = bench_eager([fn])
         row[f"{name}_bytes"] = bs * keys * mc.num_key_value_heads * (mc.head_dim + mc.v_head_dim) * elem
         row[f"{name}_tbps"] = row[f"{name}_bytes"] / (row[f"{name}_graph_us"] * 1e-6) / 1e12
         if peer:
-            t, err = _try(lambda: bench_graph([_sdpa_fn(case, layer, keys)], min_calls=50))
+            t, err = try_run(lambda: bench_graph([_sdpa_fn(case, layer, keys)], min_calls=50))
             row[f"sdpa_{name}_graph_us"] = t if err is None else err
     row["local_over_global"] = row["local_graph_us"] / row["global_graph_us"]
     del case
@@ -142,7 +138,7 @@ def run(bs: int = 64, contexts: Sequence[int] = (1024, 2048, 4096, 8192), dtype:
 
     if not torch.cuda.is_available():
         raise SystemExit("the gemma window benchmark needs a CUDA GPU")
-    from attnserve.bench.kernels import measure_ceilings
+    from common import measure_ceilings
 
     torch_dtype = getattr(torch, dtype)
     name = torch.cuda.get_device_name(0)
@@ -172,11 +168,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--no-peer", action="store_true", help="skip the SDPA peer")
     args = ap.parse_args(argv)
-    from attnserve.bench.kernels import device_slug
+    from attnserve.bench.results import device_slug
 
     results = run(args.bs, args.contexts, args.dtype, args.page_size, peer=not args.no_peer)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{device_slug(results['device'])}-gemma-window-{results['date']}.json")
+    path = os.path.join(args.out, f"{device_slug('cuda')}-gemma-window-{results['date']}.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     for r in results["rows"]:

@@ -1,6 +1,6 @@
 """Benchmark of the Triton attention kernels (decode and extend) against PyTorch peers.
 
-``python -m attnserve.bench.kernels [--out DIR] [--mla] [--max-kv-splits N] [--sweep]
+``PYTHONPATH=src python benchmarks/kernels.py [--out DIR] [--mla] [--max-kv-splits N] [--sweep]
 [--decode-config BN,BH,W,S] [--extend-config BM,BN,W,S]`` measures, in one run on one GPU:
 
 * ceilings: device-to-device copy bandwidth (large ``.copy_``, bytes read + written,
@@ -25,7 +25,7 @@
 
 Writes ``<out>/<device-slug>-attention-<YYYY-MM-DD>.json`` (default out:
 benchmarks/results) and prints a compact table last. ``--mla`` also calls
-``attnserve.bench.kernels_mla.run(results)`` when that module exists; ``--sweep`` times
+``kernels_mla.run(results)`` (benchmarks/kernels_mla.py); ``--sweep`` times
 candidate tile configs and split policies on the target shapes (``results["sweep"]``).
 """
 
@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib
 import json
 import math
 import os
-import re
-import statistics
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import List, Optional
+
+from attnserve.bench.results import device_slug
+from common import bench_eager, bench_graph, measure_ceilings, try_run
 
 HQ, HKV, HEAD_DIM = 32, 8, 128
 DECODE_SHAPES = [(1, 4096), (32, 4096), (64, 8192), (128, 2048), (64, "mixed")]
@@ -47,83 +47,7 @@ PREFILL_SHAPES = [(1, 8192), (8, 2048)]
 TARGETS = {"decode_tbps": 2.6, "decode_vs_gather": 2.5, "decode_bs1_us": 25.0, "prefill_tflops": 350.0}
 
 
-def device_slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
 # ------------------------------------------------------------------------------- timing
-def bench_eager(fns: Sequence[Callable[[], object]]) -> float:
-    """Median µs of one call (do_bench: L2 flushed before every call), rotating ``fns``."""
-    import triton.testing
-
-    state = [0]
-
-    def run():
-        fns[state[0] % len(fns)]()
-        state[0] += 1
-
-    return triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median") * 1e3
-
-
-def bench_graph(fns: Sequence[Callable[[], object]], min_calls: int = 24, replays: int = 15) -> float:
-    """Median µs per call of a CUDA graph holding >= min_calls calls that cycle through ``fns``
-    (one graph replay, so no per-call CPU launch cost)."""
-    import torch
-
-    calls = len(fns) * max(1, math.ceil(min_calls / len(fns)))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
-
-
-def _try(fn, *args):
-    try:
-        return fn(*args), None
-    except Exception as e:  # a peer that cannot run here is reported, not fatal
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-
-
-# ----------------------------------------------------------------------------- ceilings
-def measure_ceilings() -> Dict[str, float]:
-    import torch
-
-    n = 1 << 28  # 1 GiB of float32 per side
-    a = torch.randn(n, device="cuda")
-    b = torch.empty_like(a)
-    import triton.testing
-
-    copy_ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
-    copy_tbps = 2 * a.numel() * a.element_size() / (copy_ms * 1e-3) / 1e12
-    del a, b
-    m = 8192
-    x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    mm_ms = triton.testing.do_bench(lambda: torch.matmul(x, y), warmup=25, rep=200, return_mode="median")
-    del x, y
-    torch.cuda.empty_cache()
-    return {"copy_tbps": copy_tbps, "copy_us_1GiB": copy_ms * 1e3, "matmul_bf16_tflops": 2 * m**3 / (mm_ms * 1e-3) / 1e12}
-
-
 # ------------------------------------------------------------------------------ decode
 def _paged_table(lens: List[int], page_size: int, gen, device):
     """req_to_token [bs, max_len] over randomly permuted pages; returns (table, num_slots)."""
@@ -249,7 +173,7 @@ def run_decode(results: dict, max_kv_splits: int, graph: bool, config=None) -> N
             row["tbps"] = case["kv_bytes"] / (row["us"] * 1e-6) / 1e12
             row["pct_copy"] = 100 * row["tbps"] / copy
             for peer in ("sdpa", "gather_sdpa"):
-                t, err = _try(bench_eager, case[peer])
+                t, err = try_run(bench_eager, case[peer])
                 row[f"{peer}_us"] = t
                 row[f"{peer}_tbps"] = case["kv_bytes"] / (t * 1e-6) / 1e12 if t else None
                 row[f"vs_{peer}"] = t / row["us"] if t else None
@@ -257,7 +181,7 @@ def run_decode(results: dict, max_kv_splits: int, graph: bool, config=None) -> N
                     row[f"{peer}_error"] = err
             if graph:
                 for name in ("ours", "sdpa", "gather_sdpa"):
-                    t, err = _try(bench_graph, case[name])
+                    t, err = try_run(bench_graph, case[name])
                     row[f"{name}_graph_us"] = t
                     if err:
                         row[f"{name}_graph_error"] = err
@@ -331,7 +255,7 @@ def run_extend(results: dict, config=None) -> None:
         row["tflops"] = case["flops"] / (row["us"] * 1e-6) / 1e12
         row["pct_matmul"] = 100 * row["tflops"] / mm
         if case["peer"] is not None:
-            t, err = _try(bench_eager, [case["peer"]])
+            t, err = try_run(bench_eager, [case["peer"]])
             row["sdpa_flash_us"] = t
             row["sdpa_flash_tflops"] = case["flops"] / (t * 1e-6) / 1e12 if t else None
             row["vs_sdpa_flash"] = t / row["us"] if t else None
@@ -352,8 +276,8 @@ EXTEND_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8
 
 
 def run_sweep(results: dict, max_kv_splits: int) -> None:
-    """Time candidate configs on the target shapes so `_decode_config`, the split policy and
-    `_extend_config` can be tuned from one run (rows in ``results["sweep"]``)."""
+    """Time candidate configs on the target shapes so `decode_config`, the split policy and
+    `extend_config` can be tuned from one run (rows in ``results["sweep"]``)."""
     import torch
 
     from attnserve.attention.triton_ops.decode_attention import DecodeConfig
@@ -364,7 +288,7 @@ def run_sweep(results: dict, max_kv_splits: int) -> None:
         for bn, bh, w, st in DECODE_SWEEP:
             cfg = DecodeConfig(block_n=bn, block_h=bh, num_warps=w, num_stages=st)
             case = build_decode_case([kv] * bs, 16, max_kv_splits, 1, config=cfg)
-            t, err = _try(bench_eager, case["ours"])
+            t, err = try_run(bench_eager, case["ours"])
             rows.append(dict(kind="decode_config", bs=bs, kv_len=kv, config=list((bn, bh, w, st)), us=t, error=err,
                              tbps=case["kv_bytes"] / (t * 1e-6) / 1e12 if t else None))
             print("sweep", rows[-1], flush=True)
@@ -375,14 +299,14 @@ def run_sweep(results: dict, max_kv_splits: int) -> None:
         for mks in sorted({max_kv_splits, 32}):
             for kw in SPLIT_SWEEP:
                 case = build_decode_case(lens, 16, mks, 4 if len(lens) == 1 else 1, split_kwargs=kw)
-                t, err = _try(bench_eager, case["ours"])
+                t, err = try_run(bench_eager, case["ours"])
                 rows.append(dict(kind="split_policy", shape=label, max_kv_splits=mks, **kw, us=t, error=err,
                                  tbps=case["kv_bytes"] / (t * 1e-6) / 1e12 if t else None))
                 print("sweep", rows[-1], flush=True)
                 del case
     for bm, bn, w, st in EXTEND_SWEEP:
         case = build_extend_case([8192], config=ExtendConfig(bm, bn, w, st))
-        t, err = _try(bench_eager, [case["ours"]])
+        t, err = try_run(bench_eager, [case["ours"]])
         rows.append(dict(kind="extend_config", shape="1x8192", config=[bm, bn, w, st], us=t, error=err,
                          tflops=case["flops"] / (t * 1e-6) / 1e12 if t else None))
         print("sweep", rows[-1], flush=True)
@@ -438,12 +362,12 @@ def print_table(results: dict) -> None:
 def main(argv: Optional[List[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results", help="directory of the JSON result")
-    ap.add_argument("--mla", action="store_true", help="also run attnserve.bench.kernels_mla")
+    ap.add_argument("--mla", action="store_true", help="also run benchmarks/kernels_mla.py")
     ap.add_argument("--max-kv-splits", type=int, default=16, help="decode split capacity (scratch size)")
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
     ap.add_argument("--sweep", action="store_true", help="also time candidate tile configs / split policies")
-    ap.add_argument("--decode-config", help="override _decode_config: BLOCK_N,BLOCK_H,WARPS,STAGES")
-    ap.add_argument("--extend-config", help="override _extend_config: BLOCK_M,BLOCK_N,WARPS,STAGES")
+    ap.add_argument("--decode-config", help="override decode_config: BLOCK_N,BLOCK_H,WARPS,STAGES")
+    ap.add_argument("--extend-config", help="override extend_config: BLOCK_M,BLOCK_N,WARPS,STAGES")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-extend", action="store_true")
     args = ap.parse_args(argv)
@@ -451,8 +375,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     import torch
     import triton
 
-    from attnserve.attention.triton_ops.decode_attention import DecodeConfig, _decode_config
-    from attnserve.attention.triton_ops.extend_attention import ExtendConfig, _extend_config
+    from attnserve.attention.triton_ops.decode_attention import DecodeConfig, decode_config
+    from attnserve.attention.triton_ops.extend_attention import ExtendConfig, extend_config
 
     if not torch.cuda.is_available():
         raise SystemExit("the kernel benchmark needs a CUDA GPU")
@@ -466,8 +390,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
         num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
         versions=dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda),
         config=dict(hq=HQ, hkv=HKV, head_dim=HEAD_DIM, dtype="bfloat16", max_kv_splits=args.max_kv_splits,
-                    decode_config=vars(dcfg or _decode_config(HEAD_DIM, HQ // HKV, torch.bfloat16)),
-                    extend_config=vars(ecfg or _extend_config(HEAD_DIM, HEAD_DIM, torch.bfloat16))),
+                    decode_config=vars(dcfg or decode_config(HEAD_DIM, HQ // HKV, torch.bfloat16)),
+                    extend_config=vars(ecfg or extend_config(HEAD_DIM, HEAD_DIM, torch.bfloat16))),
     )
     results["ceilings"] = measure_ceilings()
     results["copy_tbps"] = results["ceilings"]["copy_tbps"]  # read by kernels_mla.run
@@ -479,17 +403,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if args.sweep:
         run_sweep(results, args.max_kv_splits)
     if args.mla:
-        try:
-            mla = importlib.import_module("attnserve.bench.kernels_mla")
-        except ModuleNotFoundError as e:
-            if e.name != "attnserve.bench.kernels_mla":
-                raise
-            results["mla_error"] = "attnserve.bench.kernels_mla is not installed"
-        else:
-            mla.run(results)
+        import kernels_mla
+
+        kernels_mla.run(results)
     results["checks"] = _checks(results)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{device_slug(name)}-attention-{results['date']}.json")
+    path = os.path.join(args.out, f"{device_slug('cuda')}-attention-{results['date']}.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     print(f"wrote {path}")

@@ -1,7 +1,7 @@
 """Sweep of the MLA decode kernel variants (`attention/triton_ops/mla_decode.py`) in one GPU run.
 
-``python -m attnserve.bench.mla_sweep --out DIR`` writes
-``DIR/<device_slug>-mla-sweep-<date>.json`` (``device_slug`` of `attnserve.bench.offline`) with the
+``PYTHONPATH=src python benchmarks/mla_sweep.py --out DIR`` writes
+``DIR/<device_slug>-mla-sweep-<date>.json`` (`attnserve.bench.results.device_slug`) with the
 date, device, torch / triton / CUDA versions, SM count, the device-to-device copy bandwidth and
 a bf16 ``torch.matmul`` TFLOPS ceiling (8192^3) measured in the same run, and one row per
 (shape, config):
@@ -315,7 +315,7 @@ def precompile(jobs: List[Dict], n_workers: int, job_timeout: float, log=print) 
         pending = []
         procs = []
         for chunk in chunks:
-            cmd = [sys.executable, "-m", "attnserve.bench.mla_sweep", "--_worker", json.dumps(chunk)]
+            cmd = [sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(chunk)]
             p = subprocess.Popen(cmd + (["--smoke"] if _SMOKE else []),
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             q: "queue.Queue" = queue.Queue()
@@ -525,7 +525,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     import triton
 
-    from attnserve.bench.decode import copy_bandwidth_gbs
+    from common import copy_bandwidth_gbs
     from attnserve.bench.results import device_slug
 
     t_start = time.perf_counter()

@@ -1,6 +1,6 @@
 """Which kernels make up one decode step: a CUDA-graph replay under the PyTorch profiler.
 
-``python -m attnserve.bench.profile_step [--models smollm2-135m llama-3-8b] [--batch 1]
+``PYTHONPATH=src python benchmarks/profile_step.py [--models smollm2-135m llama-3-8b] [--batch 1]
 [--context 512] [--out DIR]``
 
 For each model shape (dummy weights, bf16) it sets up a decode batch as `bench.decode`
@@ -19,8 +19,9 @@ from collections import defaultdict
 
 import torch
 
-from attnserve.bench.decode import _make_runner, _prefill_kv, _time_ms
+from attnserve.bench.offline import fill_decode_kv
 from attnserve.bench.results import write_result
+from common import make_runner, time_ms
 
 
 def _short(name: str) -> str:
@@ -30,11 +31,11 @@ def _short(name: str) -> str:
 def profile_model(model: str, bs: int, ctx: int, steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    runner = _make_runner(model, bs, ctx, graphs=True)
-    _, _, _, fb = _prefill_kv(runner, bs, ctx)
+    runner = make_runner(model, bs, ctx, graphs=True)
+    _, _, _, fb = fill_decode_kv(runner, bs, ctx)
     gr = runner.cuda_graph_runner
     with torch.inference_mode():
-        step_ms = _time_ms(lambda: gr.replay(fb), iters=50)
+        step_ms = time_ms(lambda: gr.replay(fb), iters=50)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):

@@ -1,6 +1,6 @@
 """Benchmark of the Triton MLA decode kernel (`attention/triton_ops/mla_decode.py`).
 
-``python -m attnserve.bench.kernels_mla --out DIR`` writes ``DIR/<device-slug>-mla-<date>.json``
+``PYTHONPATH=src python benchmarks/kernels_mla.py --out DIR`` writes ``DIR/<device-slug>-mla-<date>.json``
 with the date, device, torch/triton/CUDA versions, the device-to-device copy bandwidth
 measured in the same run, and one row per config:
 

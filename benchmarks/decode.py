@@ -1,6 +1,6 @@
 """Decode-step latency: eager vs CUDA graphs, against the weights+KV bandwidth floor and HF.
 
-``python -m attnserve.bench.decode [--out DIR] [--models smollm2-135m llama-3-8b]``
+``PYTHONPATH=src python benchmarks/decode.py [--out DIR] [--models smollm2-135m llama-3-8b]``
 
 For each model shape (dummy weights, bf16) and each (batch, context) it pre-fills the KV
 pool with random K/V for ``batch`` requests of ``context`` tokens, then times one decode
@@ -20,82 +20,20 @@ import statistics
 
 import torch
 
+from attnserve.bench.offline import fill_decode_kv
 from attnserve.bench.results import write_result
-
-
-def copy_bandwidth_gbs(n_bytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s counting bytes read + written (median)."""
-    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del src, dst
-    return 2 * n_bytes / statistics.median(times[2:]) / 1e9
-
-
-def _time_ms(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def _make_runner(model: str, max_bs: int, max_ctx: int, graphs: bool):
-    from attnserve.engine.model_runner import ModelRunner
-    from attnserve.model_loader.loader import load_model
-    from attnserve.server_args import ServerArgs
-
-    args = ServerArgs(model=model, load_format="dummy", dtype="bfloat16", device="cuda",
-                      max_running_requests=max_bs, max_total_tokens=max_bs * (max_ctx + 16),
-                      context_length=max_ctx + 16, disable_cuda_graph=not graphs)
-    loaded = load_model(model, load_format="dummy", dtype=torch.bfloat16, device="cuda", load_tokenizer=False)
-    return ModelRunner(args, loaded)
-
-
-def _prefill_kv(runner, bs: int, ctx: int):
-    """Give ``bs`` requests ``ctx`` cached tokens of random K/V; return (rows, slots, out_loc)."""
-    from attnserve.forward_batch import ForwardMode
-
-    rows = runner.req_to_token_pool.alloc(bs)
-    alloc = runner.token_to_kv_pool_allocator
-    slots = alloc.alloc_extend([0] * bs, [ctx] * bs, [0] * bs)
-    for i, r in enumerate(rows):
-        runner.req_to_token_pool.write(r, 0, slots[i * ctx:(i + 1) * ctx])
-    last = [int(slots[(i + 1) * ctx - 1]) for i in range(bs)]
-    out_loc = alloc.alloc_extend([ctx] * bs, [ctx + 1] * bs, last)
-    for i, r in enumerate(rows):
-        runner.req_to_token_pool.write(r, ctx, out_loc[i:i + 1])
-    pool = runner.token_to_kv_pool
-    for layer in range(runner.model_config.num_hidden_layers):
-        for buf in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
-            buf.normal_()
-    fb = runner.build_forward_batch(ForwardMode.DECODE, [1] * bs, rows, [ctx] * bs, [1] * bs, out_loc)
-    return rows, slots, out_loc, fb
+from common import copy_bandwidth_gbs, make_runner, time_ms
 
 
 def bench_model(model: str, batches, contexts, copy_gbs: float) -> list:
     rows_out = []
-    runner = _make_runner(model, max(batches), max(contexts), graphs=True)
+    runner = make_runner(model, max(batches), max(contexts), graphs=True)
     mc = runner.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    kv_token_bytes = runner._kv_bytes_per_token()
+    kv_token_bytes = mc.kv_cache_bytes_per_token(runner.dtype)
     for ctx in contexts:
         for bs in batches:
-            rows, slots, out_loc, fb = _prefill_kv(runner, bs, ctx)
+            rows, slots, out_loc, fb = fill_decode_kv(runner, bs, ctx)
             graph_runner = runner.cuda_graph_runner
 
             def eager():
@@ -104,8 +42,8 @@ def bench_model(model: str, batches, contexts, copy_gbs: float) -> list:
                 return runner.model.compute_logits(h)
 
             with torch.inference_mode():
-                t_eager = _time_ms(eager)
-                t_graph = _time_ms(lambda: graph_runner.replay(fb))
+                t_eager = time_ms(eager)
+                t_graph = time_ms(lambda: graph_runner.replay(fb))
             floor_ms = (weight_bytes + kv_token_bytes * bs * (ctx + 1)) / (copy_gbs * 1e9) * 1e3
             row = {"model": model, "batch": bs, "context": ctx, "eager_ms": t_eager, "graph_ms": t_graph,
                    "floor_ms": floor_ms, "graph_pct_of_floor": 100 * floor_ms / t_graph,

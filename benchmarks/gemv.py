@@ -1,6 +1,6 @@
 """Skinny GEMM (decode-sized ``M``) vs cuBLAS, with a small tile sweep.
 
-``python -m attnserve.bench.gemv [--out DIR] [--ms 1 4 16] [--no-sweep] [--sweep-budget-s 150]``
+``PYTHONPATH=src python benchmarks/gemv.py [--out DIR] [--ms 1 4 16] [--no-sweep] [--sweep-budget-s 150]``
 
 For the decode projections of SmolLM2-135M, Gemma3-270M and Llama-3-8B (bfloat16; the
 shapes in `MODELS`, ``N x K`` = weight rows x columns) and ``M`` activation rows:
@@ -73,7 +73,7 @@ def _weights(n: int, k: int, gen: torch.Generator) -> List[torch.Tensor]:
 
 
 def _graph_us(fns: List[Callable[[], object]]) -> float:
-    from attnserve.bench.kernels import bench_graph
+    from common import bench_graph
 
     return bench_graph(fns, min_calls=MIN_CALLS, replays=REPLAYS)
 
@@ -176,7 +176,7 @@ def _cfg_str(c: Optional[dict]) -> str:
 
 
 def run(ms: List[int], sweep_ms: List[int], sweep: bool, budget_s: float, models: List[str]) -> Dict[str, object]:
-    from attnserve.bench.decode import copy_bandwidth_gbs
+    from common import copy_bandwidth_gbs
     from attnserve.models.layers.skinny_gemm import skinny_gemm_config
 
     copy_gbs = copy_bandwidth_gbs()
@@ -274,7 +274,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("attnserve.bench.gemv needs a CUDA GPU (torch.cuda.is_available() is False)")
+        print("benchmarks/gemv.py needs a CUDA GPU (torch.cuda.is_available() is False)")
         return 2
     from attnserve.bench.results import write_result
     from attnserve.models.layers.skinny_gemm import MAX_SKINNY_M

@@ -1,0 +1,129 @@
+"""Timing and ceiling helpers shared by the kernel benchmarks in this directory.
+
+Scripts here run as ``PYTHONPATH=src python benchmarks/<name>.py`` (this directory is then
+on ``sys.path``, so they ``from common import ...``) and use only attnserve's public API.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Callable, Dict, Sequence
+
+import torch
+
+
+def bench_eager(fns: Sequence[Callable[[], object]]) -> float:
+    """Median µs of one call (do_bench: L2 flushed before every call), rotating ``fns``."""
+    import triton.testing
+
+    state = [0]
+
+    def run():
+        fns[state[0] % len(fns)]()
+        state[0] += 1
+
+    return triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def bench_graph(fns: Sequence[Callable[[], object]], min_calls: int = 24, replays: int = 15) -> float:
+    """Median µs per call of a CUDA graph holding >= min_calls calls that cycle through ``fns``
+    (one graph replay, so no per-call CPU launch cost)."""
+    calls = len(fns) * max(1, math.ceil(min_calls / len(fns)))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def try_run(fn, *args):
+    """``(fn(*args), None)``, or ``(None, "Error: message")`` when it raises."""
+    try:
+        return fn(*args), None
+    except Exception as e:  # a peer that cannot run here is reported, not fatal
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+# ----------------------------------------------------------------------------- ceilings
+def measure_ceilings() -> Dict[str, float]:
+    """Device-to-device copy TB/s (bytes read + written) and bf16 8192^3 matmul TFLOPS."""
+    n = 1 << 28  # 1 GiB of float32 per side
+    a = torch.randn(n, device="cuda")
+    b = torch.empty_like(a)
+    import triton.testing
+
+    copy_ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
+    copy_tbps = 2 * a.numel() * a.element_size() / (copy_ms * 1e-3) / 1e12
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    mm_ms = triton.testing.do_bench(lambda: torch.matmul(x, y), warmup=25, rep=200, return_mode="median")
+    del x, y
+    torch.cuda.empty_cache()
+    return {"copy_tbps": copy_tbps, "copy_us_1GiB": copy_ms * 1e3, "matmul_bf16_tflops": 2 * m**3 / (mm_ms * 1e-3) / 1e12}
+
+
+
+def copy_bandwidth_gbs(n_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s counting bytes read + written (median)."""
+    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * n_bytes / statistics.median(times[2:]) / 1e9
+
+
+def time_ms(fn, iters: int = 30) -> float:
+    """Median ms of ``fn()`` between CUDA events (3 warm-up calls)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def make_runner(model: str, max_bs: int, max_ctx: int, graphs: bool):
+    """A `ModelRunner` of the dummy bf16 shape ``model`` on CUDA for ``max_bs`` x ``max_ctx``."""
+    from attnserve.engine.model_runner import ModelRunner
+    from attnserve.model_loader.loader import load_model
+    from attnserve.server_args import ServerArgs
+
+    args = ServerArgs(model=model, load_format="dummy", dtype="bfloat16", device="cuda",
+                      max_running_requests=max_bs, max_total_tokens=max_bs * (max_ctx + 16),
+                      context_length=max_ctx + 16, disable_cuda_graph=not graphs)
+    loaded = load_model(model, load_format="dummy", dtype=torch.bfloat16, device="cuda", load_tokenizer=False)
+    return ModelRunner(args, loaded)
