@@ -24,8 +24,9 @@ import argparse
 import datetime as _dt
 import json
 import os
-import re
-from typing import Dict, List, Optional
+from typing import Dict, List
+
+from attnserve.bench.results import device_slug
 
 D_C, D_R = 512, 64
 LATENT = D_C + D_R
@@ -47,10 +48,6 @@ def standard_configs() -> List[Dict]:
     rows += [dict(bs=b, kv_len=4096, heads=128, page=128) for b in (1, 2, 4, 8, 16, 64)]  # 32 is above
     rows.append(dict(bs=128, kv_len=4096, heads=16, page=128))
     return rows
-
-
-def device_slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def measure_copy_tbps(nbytes: int = 1 << 30) -> float:
@@ -82,35 +79,6 @@ def make_inputs(bs: int, kv_len: int, heads: int, page: int, seed: int = 0):
     return q_nope, q_pe, kv, table, seq_lens
 
 
-def _compiled(fn) -> list:
-    """Compiled kernels of a JITFunction, across Triton versions (best effort)."""
-    out = []
-    caches = getattr(fn, "device_caches", None)
-    if caches:
-        for entry in caches.values():
-            d = entry[0] if isinstance(entry, tuple) else entry
-            if isinstance(d, dict):
-                out += list(d.values())
-    cache = getattr(fn, "cache", None)
-    if isinstance(cache, dict):
-        for d in cache.values():
-            if isinstance(d, dict):
-                out += list(d.values())
-    return out
-
-
-def _kernel_stats(kernels: list) -> Optional[Dict]:
-    for k in kernels:
-        try:
-            shared = getattr(k, "shared", None)
-            if shared is None:
-                shared = getattr(getattr(k, "metadata", None), "shared", None)
-            return dict(n_regs=getattr(k, "n_regs", None), n_spills=getattr(k, "n_spills", None), shared=shared)
-        except Exception:  # pragma: no cover - metadata layout differs by version
-            continue
-    return None
-
-
 def time_one(bs, kv_len, heads, page, copy_tbps, *, config=None, peer=True, sm_count=None) -> Dict:
     import torch
     import triton.testing
@@ -125,24 +93,12 @@ def time_one(bs, kv_len, heads, page, copy_tbps, *, config=None, peer=True, sm_c
     o = torch.empty(bs, heads, D_C, dtype=torch.bfloat16, device="cuda")
     cfg = config or mla.mla_decode_config(heads, D_C, D_R, torch.bfloat16)
 
-    ran = {}
-
     def kernel():
-        ran["stage1"] = mla._mla_decode_fwd(q_nope, q_pe, kv, table, seq_lens, page, o, sm_scale, splits, splits,
-                                            workspace=ws, config=cfg)[1]
+        mla.mla_decode_fwd(q_nope, q_pe, kv, table, seq_lens, page, o, sm_scale, splits, splits, workspace=ws,
+                           config=cfg)
 
-    stage1 = (mla._mla_decode_stage1,)
-    if cfg.gluon:
-        try:
-            from attnserve.attention.triton_ops.mla_decode_gluon import _mla_decode_stage1_gluon
-
-            stage1 += (_mla_decode_stage1_gluon,)
-        except ImportError:
-            pass
-    before = {id(k) for f in stage1 for k in _compiled(f)}
     kernel()
     torch.cuda.synchronize()
-    stats = _kernel_stats([k for f in stage1 for k in _compiled(f) if id(k) not in before])
     eager_ms = triton.testing.do_bench(kernel, return_mode="median")
     # decode runs under CUDA graphs: time the captured launch pair without Python overhead
     graph = torch.cuda.CUDAGraph()
@@ -155,13 +111,10 @@ def time_one(bs, kv_len, heads, page, copy_tbps, *, config=None, peer=True, sm_c
     row = dict(
         bs=bs, kv_len=kv_len, heads=heads, page_size=page, num_kv_splits=splits,
         config=dict(block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                    kv_load=cfg.kv_load, gluon=cfg.gluon),
-        stage1_name=getattr(ran.get("stage1"), "name", None),
+                    kv_load=cfg.kv_load, stage1=cfg.stage1),
         ms=ms, eager_ms=eager_ms, tbps=nbytes / (ms * 1e-3) / 1e12, tflops=flops / (ms * 1e-3) / 1e12,
     )
     row["pct_copy"] = 100.0 * row["tbps"] / copy_tbps
-    if stats:
-        row["stage1_kernel"] = stats
     if bs == 32 and heads == 128 and page == 128 and kv_len in CUTLASS_REF_MS:
         row["cutlass_ref_ms"] = CUTLASS_REF_MS[kv_len]
 
@@ -272,7 +225,7 @@ def main(argv=None) -> None:
     print(f"{name}: copy {results['copy_tbps']:.2f} TB/s", flush=True)
     run(results, sweep=not args.no_sweep)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{device_slug(name)}-mla-{_dt.date.today().isoformat()}.json")
+    path = os.path.join(args.out, f"{device_slug('cuda')}-mla-{_dt.date.today().isoformat()}.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     print(f"wrote {path}")

@@ -194,8 +194,8 @@ def _variant_cfg(name, num_heads):
         "tma": dict(kv_load="tma"),
         "tma_s3": dict(kv_load="tma", num_stages=3),
         "tma_n32_s3": dict(kv_load="tma", block_n=32, num_stages=3),
-        "gluon": dict(block_h=64, num_warps=8, num_stages=2, gluon=True),
-        "seesaw": dict(block_h=64, num_warps=8, num_stages=2, seesaw=True),
+        "gluon": dict(block_h=64, num_warps=8, num_stages=2, stage1="gluon"),
+        "seesaw": dict(block_h=64, num_warps=8, num_stages=2, stage1="seesaw"),
     }[name]
     return MLADecodeConfig(**dict(tiles, **extra))
 
@@ -287,10 +287,10 @@ def test_mla_decode_variants_close_to_default():
 
 @pytest.mark.parametrize("kernel", ["gluon", "seesaw"])
 @pytest.mark.parametrize("page_size,expect_gluon", [(64, True), (128, True), (1, False), (32, False)])
-def test_mla_decode_gluon_runs_where_applicable(kernel, page_size, expect_gluon):
+def test_mla_decode_gluon_runs_where_applicable(kernel, page_size, expect_gluon, monkeypatch):
     """The Gluon stage 1 really runs on an sm_90 device at pages that are multiples of 64
     (and the Triton kernel elsewhere), with the same results as the float64 reference."""
-    from attnserve.attention.triton_ops.mla_decode import _mla_decode_fwd, mla_num_kv_splits
+    from attnserve.attention.triton_ops.mla_decode import mla_decode_fwd, mla_num_kv_splits
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel targets sm_90")
@@ -299,19 +299,20 @@ def test_mla_decode_gluon_runs_where_applicable(kernel, page_size, expect_gluon)
     splits = mla_num_kv_splits(max(lens), len(lens), _sm_count())
     o = torch.full((len(lens), 128, D_C), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((len(lens), 128), float("nan"), dtype=torch.float32, device="cuda")
-    _, k = _mla_decode_fwd(case["q_nope"], case["q_pe"], case["kv"], case["table"], case["seq_lens"], page_size, o,
+    kinds = _spy_stage1(monkeypatch)
+    mla_decode_fwd(case["q_nope"], case["q_pe"], case["kv"], case["table"], case["seq_lens"], page_size, o,
                            case["sm_scale"], splits, splits, lse=lse, config=_variant_cfg(kernel, 128))
     torch.cuda.synchronize()
-    assert (k.name == f"_mla_decode_stage1_{kernel}") == expect_gluon, k.name
+    assert (kinds == [kernel]) == expect_gluon, kinds
     check(case, page_size, o, lse)
 
 
 @pytest.mark.parametrize("num_heads,dtype", [(64, torch.bfloat16), (96, torch.bfloat16), (128, torch.float16)])
-def test_mla_decode_seesaw_heads_and_dtypes(num_heads, dtype):
+def test_mla_decode_seesaw_heads_and_dtypes(num_heads, dtype, monkeypatch):
     """The seesaw stage 1 at one head tile (64), a partial second tile (96: rows 96..127 of the
     second program are padding) and fp16, on ragged lengths (partial last blocks, odd block
     counts, one-token requests) with host-side splits."""
-    from attnserve.attention.triton_ops.mla_decode import _mla_decode_fwd, mla_num_kv_splits
+    from attnserve.attention.triton_ops.mla_decode import mla_decode_fwd, mla_num_kv_splits
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the seesaw kernel targets sm_90")
@@ -320,12 +321,23 @@ def test_mla_decode_seesaw_heads_and_dtypes(num_heads, dtype):
     splits = mla_num_kv_splits(max(lens), len(lens), _sm_count())
     o = torch.full((len(lens), num_heads, D_C), float("nan"), dtype=dtype, device="cuda")
     lse = torch.full((len(lens), num_heads), float("nan"), dtype=torch.float32, device="cuda")
-    _, k = _mla_decode_fwd(case["q_nope"], case["q_pe"], case["kv"], case["table"], case["seq_lens"], 64, o,
+    kinds = _spy_stage1(monkeypatch)
+    mla_decode_fwd(case["q_nope"], case["q_pe"], case["kv"], case["table"], case["seq_lens"], 64, o,
                            case["sm_scale"], splits, splits, lse=lse, config=_variant_cfg("seesaw", num_heads))
     torch.cuda.synchronize()
-    assert k.name == "_mla_decode_stage1_seesaw", k.name
+    assert kinds == ["seesaw"], kinds
     check(case, 64, o, lse)
 
+
+
+def _spy_stage1(monkeypatch):
+    """Record which stage 1 each `mla_decode_fwd` call chose (the choice stays the real one)."""
+    from attnserve.attention.triton_ops import mla_decode as mla
+
+    kinds = []
+    real = mla._stage1_kind
+    monkeypatch.setattr(mla, "_stage1_kind", lambda *a: (kinds.append(real(*a)), kinds[-1])[1])
+    return kinds
 
 
 def _seesaw_or_skip():
@@ -349,10 +361,11 @@ def _spy_merge(monkeypatch):
 def test_mla_decode_seesaw_one_split_no_merge(num_heads, monkeypatch):
     """max_kv_splits 1 (large batches): the seesaw stage 1 writes every request itself,
     zeros and -inf for empty ones, and the merge kernel is not launched; with 2 splits it is."""
-    from attnserve.attention.triton_ops.mla_decode import _mla_decode_fwd
+    from attnserve.attention.triton_ops.mla_decode import mla_decode_fwd
 
     cfg = _seesaw_or_skip()
     grids = _spy_merge(monkeypatch)
+    kinds = _spy_stage1(monkeypatch)
     lens = [4097, 1, 0, 129, 64, 65, 0, 2000]
     case = make_case(lens, num_heads, 64, seed=num_heads + 31)
     keep = [i for i, n in enumerate(lens) if n > 0]
@@ -360,10 +373,10 @@ def test_mla_decode_seesaw_one_split_no_merge(num_heads, monkeypatch):
     for max_splits in (1, 2):
         o = torch.full((len(lens), num_heads, D_C), float("nan"), dtype=torch.bfloat16, device="cuda")
         lse = torch.full((len(lens), num_heads), float("nan"), dtype=torch.float32, device="cuda")
-        _, k = _mla_decode_fwd(case["q_nope"], case["q_pe"], case["kv"], case["table"], case["seq_lens"], 64, o,
+        mla_decode_fwd(case["q_nope"], case["q_pe"], case["kv"], case["table"], case["seq_lens"], 64, o,
                                case["sm_scale"], max_splits, max_splits, lse=lse, config=cfg)
         torch.cuda.synchronize()
-        assert k.name == "_mla_decode_stage1_seesaw", k.name
+        assert kinds[-1] == "seesaw", kinds
         assert len(grids) == max_splits - 1, grids
         for i in (2, 6):
             assert (o[i] == 0).all() and torch.isneginf(lse[i]).all()

@@ -359,13 +359,13 @@ def test_variant_config_fields():
     with pytest.raises(ValueError, match="kv_load"):
         MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, kv_load="tma_device")
     with pytest.raises(ValueError, match="gluon"):
-        MLADecodeConfig(block_h=32, block_n=64, num_warps=8, num_stages=2, gluon=True)
+        MLADecodeConfig(block_h=32, block_n=64, num_warps=8, num_stages=2, stage1="gluon")
     with pytest.raises(ValueError, match="num_stages >= 2"):
-        MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, gluon=True)
+        MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, stage1="gluon")
     with pytest.raises(ValueError, match="seesaw"):
-        MLADecodeConfig(block_h=32, block_n=64, num_warps=8, num_stages=2, seesaw=True)
-    with pytest.raises(ValueError, match="set one"):
-        MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, gluon=True, seesaw=True)
+        MLADecodeConfig(block_h=32, block_n=64, num_warps=8, num_stages=2, stage1="seesaw")
+    with pytest.raises(ValueError, match="stage1 must be one of"):
+        MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, stage1="gluon_and_seesaw")
 
 
 @pytest.mark.parametrize("kernel", ["gluon", "seesaw"])
@@ -376,11 +376,11 @@ def test_gluon_config_falls_back_off_sm90(kernel):
     from attnserve.attention.triton_ops.mla_decode import mla_decode_config, mla_gluon_applicable
 
     cfg = mla_decode_config(128, 512, 64, torch.bfloat16)
-    assert cfg.seesaw and not cfg.gluon and cfg.block_h == 64 and cfg.num_warps == 8
+    assert cfg.stage1 == "seesaw" and cfg.block_h == 64 and cfg.num_warps == 8
     rows = torch.zeros(128, 576, dtype=torch.bfloat16)
     q_nope, q_pe = torch.zeros(1, 128, 512, dtype=torch.bfloat16), torch.zeros(1, 128, 64, dtype=torch.bfloat16)
     assert not mla_gluon_applicable(q_nope, q_pe, rows, 64, 64)  # CPU tensors
-    gcfg = MLADecodeConfig(block_h=64, block_n=16, num_warps=8, num_stages=2, **{kernel: True})
+    gcfg = MLADecodeConfig(block_h=64, block_n=16, num_warps=8, num_stages=2, stage1=kernel)
     case = make_case([0, 1, 40, 70], 20, 16, torch.float32, seed=77)
     o, lse = run_kernel(case, 16, 2, 2, config=gcfg)
     check(case, o, lse, torch.float32)

@@ -12,6 +12,7 @@ SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "attnserve"
 #: level of each top-level unit; higher may import lower or equal
 LEVEL = {
     "triton_env": 0,
+    "triton_jit": 0,
     "mem_cache": 1,
     "forward_batch": 2,
     "attention": 3,

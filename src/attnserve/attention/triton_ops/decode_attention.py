@@ -23,7 +23,6 @@ Tuning lives in `decode_config`; split counts in `compute_num_kv_splits`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,13 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
+from attnserve.triton_env import triton_interpreting
+from attnserve.triton_jit import tanh
+
 # Split-count policy constants (tuning, not state).
 _SPLIT_WAVES = 4  # aim for this many programs per SM across stage 1
 _MIN_SPLIT_TOKENS = 128  # never cut a request into splits shorter than this (non-deterministic mode)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -106,14 +104,6 @@ def _split_dims(d: int):
         return 16, 0
     pe = 0 if rest == 0 else max(16, triton.next_power_of_2(rest))
     return main, pe
-
-
-@triton.jit
-def _tanh(x):
-    """tanh from one exp; exact +-1 limits, no overflow."""
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x >= 0, t, -t)
 
 
 @triton.jit
@@ -221,7 +211,7 @@ def _decode_stage1_kernel(
                 else:
                     qk += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PREC)
             if HAS_CAP:
-                qk = logit_cap * _tanh(qk * (sm_scale / logit_cap)) * 1.4426950408889634
+                qk = logit_cap * tanh(qk * (sm_scale / logit_cap)) * 1.4426950408889634
             else:
                 qk = qk * qk_scale
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
@@ -392,7 +382,7 @@ def decode_attention_fwd(
         raise ValueError("kv_indptr must be [>= bs+1] and num_kv_splits [>= bs]")
     if max_kv_splits < 1:
         raise ValueError(f"max_kv_splits must be >= 1, got {max_kv_splits}")
-    interpret = _interpreting()
+    interpret = triton_interpreting()
     if q.device.type == "cpu" and not interpret:
         raise ValueError("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
     if bs == 0:

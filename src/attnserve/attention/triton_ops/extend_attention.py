@@ -21,7 +21,6 @@ Positions: prefix key ``j`` of request ``i`` has absolute position ``prefix_kv_s
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attnserve.attention.triton_ops.decode_attention import _split_dims, _tanh
+from attnserve.attention.triton_ops.decode_attention import _split_dims
+from attnserve.triton_env import triton_interpreting
+from attnserve.triton_jit import tanh
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ def _attn_run(
             k_pe = _load_tile(k_ptr + rows[:, None] * stride_kt + offs_dpe[None, :], valid_n, mask_dpe, MASKED, not EVEN_DPE, COMPUTE_FP32)
             qk += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PREC)
         if HAS_CAP:  # capped scores, already in log2 units
-            qk = logit_cap * _tanh(qk * (sm_scale / logit_cap)) * 1.4426950408889634
+            qk = logit_cap * tanh(qk * (sm_scale / logit_cap)) * 1.4426950408889634
         if MASKED:
             k_pos = key_pos0 + offs_n
             vis = valid_n[None, :]
@@ -428,7 +429,7 @@ def extend_attention_fwd(
             custom_mask = custom_mask.view(torch.uint8)
     if prefix_kv_start is not None and (prefix_kv_start.dim() != 1 or prefix_kv_start.shape[0] < bs):
         raise ValueError("prefix_kv_start must be [>= bs]")
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    interpret = triton_interpreting()
     if q_extend.device.type == "cpu" and not interpret:
         raise ValueError("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
     if bs == 0 or t == 0 or max_len_extend <= 0:

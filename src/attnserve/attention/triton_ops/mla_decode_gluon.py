@@ -1,6 +1,6 @@
 """MLA decode stage 1 for many heads on Hopper, in Triton's Gluon dialect (explicit layouts).
 
-Same math, grid, split scheme and outputs as ``_mla_decode_stage1`` in `mla_decode`
+Same math, grid, split scheme and outputs as ``_mla_decode_stage1`` in `mla_decode_triton`
 (which also runs the merge, stage 2); see that module for the formulas. What differs is
 how the work of one 64-head x 64-token tile is laid over the two warpgroups of a program,
 which plain Triton does not let us choose (`mla_decode` module note):
@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .mla_decode import _program_item, _split_bounds
+from attnserve.attention.triton_ops.mla_common import _program_item, _split_bounds
 
 __all__ = ["gluon_descriptors"]
 

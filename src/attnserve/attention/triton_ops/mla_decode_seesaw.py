@@ -62,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .mla_decode import _program_item, _split_bounds
+from attnserve.attention.triton_ops.mla_common import _program_item, _split_bounds
 
 __all__ = ["seesaw_descriptor", "SEESAW_MAXNREG"]
 

@@ -28,11 +28,12 @@ interpreter (``TRITON_INTERPRET=1``; the tests use it).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from attnserve.triton_env import triton_interpreting
 
 __all__ = [
     "MAX_SKINNY_M",
@@ -52,10 +53,6 @@ SKINNY_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INTERPRETER_SMS = 4  # a pretend small GPU under the interpreter: few, large programs run fastest there
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _next_pow2(n: int) -> int:
@@ -171,7 +168,7 @@ def skinny_gemm_config(
 
 
 def _device_ok(t: torch.Tensor) -> bool:
-    return t.is_cuda or (t.device.type == "cpu" and _interpreting())
+    return t.is_cuda or (t.device.type == "cpu" and triton_interpreting())
 
 
 def skinny_gemm_supported(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:

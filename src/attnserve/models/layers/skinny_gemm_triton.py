@@ -37,13 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _tanh_f32(z):
-    """tanh from one exp of a non-positive argument: no overflow, exact +-1 limits."""
-    e = tl.exp(-2.0 * tl.abs(z))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(z >= 0, t, -t)
+from attnserve.triton_jit import tanh
 
 
 @triton.jit
@@ -58,7 +52,7 @@ def _gate_act(g, ACT: tl.constexpr):
         a = g * sig
     else:
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = 0.5 * g * (1.0 + _tanh_f32(z))
+        a = 0.5 * g * (1.0 + tanh(z))
     return a
 
 
