@@ -11,11 +11,13 @@ measured in the same run, and one row per config:
 * the peer measured in the same run: the same math in PyTorch (gather the latent rows,
   bf16 ``q @ latent^T``, fp32 softmax, bf16 ``p @ c_kv``);
 * for batch 32 the CUTLASS MLA reference time on H100 (from the task brief) beside ours;
-* registers / spills / shared memory of the compiled stage-1 kernel when Triton exposes them.
+* ``stage1_kernel``: the stage-1 kernel that ran (`mla_stage1_kernel`: seesaw, gluon, tma or
+  triton; a Gluon config falls back to the Triton kernel off sm_90).
 
 ``--sweep`` (on by default) also times every candidate tile config on two key shapes so
 `mla_decode_config` can be tuned from one run. `run(results)` appends to ``results["mla"]``
 (and ``results["mla_sweep"]``). Needs a CUDA GPU; all imports of GPU-only code are lazy.
+The copy bandwidth is `common.copy_bandwidth_gbs` (this directory's shared helpers).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import datetime as _dt
 import json
 import os
 from typing import Dict, List
+
+from common import copy_bandwidth_gbs
 
 from attnserve.bench.results import device_slug
 
@@ -50,18 +54,6 @@ def standard_configs() -> List[Dict]:
     return rows
 
 
-def measure_copy_tbps(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth (read + write bytes) in TB/s."""
-    import torch
-    import triton.testing
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    del src, dst
-    return 2 * nbytes / (ms * 1e-3) / 1e12
-
-
 def make_inputs(bs: int, kv_len: int, heads: int, page: int, seed: int = 0):
     """Random bf16 latent cache in shuffled pages (page 0 reserved) and its block table."""
     import torch
@@ -80,6 +72,15 @@ def make_inputs(bs: int, kv_len: int, heads: int, page: int, seed: int = 0):
 
 
 def time_one(bs, kv_len, heads, page, copy_tbps, *, config=None, peer=True, sm_count=None) -> Dict:
+    """One row (see the module note); the inputs are freed and the CUDA cache emptied after it."""
+    import torch
+
+    row = _measure(bs, kv_len, heads, page, copy_tbps, config=config, peer=peer, sm_count=sm_count)
+    torch.cuda.empty_cache()  # _measure's tensors, graph and closures died with its frame
+    return row
+
+
+def _measure(bs, kv_len, heads, page, copy_tbps, *, config, peer, sm_count) -> Dict:
     import torch
     import triton.testing
 
@@ -112,6 +113,7 @@ def time_one(bs, kv_len, heads, page, copy_tbps, *, config=None, peer=True, sm_c
         bs=bs, kv_len=kv_len, heads=heads, page_size=page, num_kv_splits=splits,
         config=dict(block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                     kv_load=cfg.kv_load, stage1=cfg.stage1),
+        stage1_kernel=mla.mla_stage1_kernel(q_nope, q_pe, kv, page, cfg),
         ms=ms, eager_ms=eager_ms, tbps=nbytes / (ms * 1e-3) / 1e12, tflops=flops / (ms * 1e-3) / 1e12,
     )
     row["pct_copy"] = 100.0 * row["tbps"] / copy_tbps
@@ -137,13 +139,9 @@ def time_one(bs, kv_len, heads, page, copy_tbps, *, config=None, peer=True, sm_c
             row["rel_err_vs_peer"] = err
             pms = triton.testing.do_bench(torch_peer, return_mode="median")
             row.update(peer_ms=pms, peer_tbps=nbytes / (pms * 1e-3) / 1e12, speedup_vs_peer=pms / ms)
-            del ref
         except torch.cuda.OutOfMemoryError:
             row["peer_ms"] = None
             row["peer_note"] = "out of memory"
-        del slots, q
-    del q_nope, q_pe, kv, table, seq_lens, ws, o
-    torch.cuda.empty_cache()
     return row
 
 
@@ -157,7 +155,7 @@ def run(results: dict, *, sweep: bool = True) -> None:
     if not torch.cuda.is_available():
         raise RuntimeError("the MLA kernel benchmark needs a CUDA GPU")
     if "copy_tbps" not in results:
-        results["copy_tbps"] = measure_copy_tbps()
+        results["copy_tbps"] = copy_bandwidth_gbs() / 1e3
     copy_tbps = results["copy_tbps"]
     rows = results.setdefault("mla", [])
     for c in standard_configs():
@@ -195,9 +193,7 @@ def _print_row(row: Dict, prefix: str = "") -> None:
         line += f" | torch {row['peer_ms']:.3f} ms ({row['speedup_vs_peer']:.1f}x)"
     if "cutlass_ref_ms" in row:
         line += f" | cutlass ref {row['cutlass_ref_ms']:.2f} ms"
-    if "stage1_kernel" in row:
-        k = row["stage1_kernel"]
-        line += f" | regs {k.get('n_regs')} spills {k.get('n_spills')} smem {k.get('shared')}"
+    line += f" | stage 1: {row['stage1_kernel']}"
     print(line, flush=True)
 
 
@@ -221,7 +217,7 @@ def main(argv=None) -> None:
         cuda=torch.version.cuda,
         sm_count=torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count,
     )
-    results["copy_tbps"] = measure_copy_tbps()
+    results["copy_tbps"] = copy_bandwidth_gbs() / 1e3
     print(f"{name}: copy {results['copy_tbps']:.2f} TB/s", flush=True)
     run(results, sweep=not args.no_sweep)
     os.makedirs(args.out, exist_ok=True)

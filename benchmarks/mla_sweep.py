@@ -19,9 +19,8 @@ a bf16 ``torch.matmul`` TFLOPS ceiling (8192^3) measured in the same run, and on
   `mla_decode_config` picks now; ``f64_rel_err``: the same norm
   error against a float64 PyTorch reference on a small ragged batch (lengths 1, 200, 1000,
   2047, so partial tail tiles and one-token requests are covered), from the precompile pass;
-* ``n_regs`` / ``n_spills`` / ``shared``: the compiled stage-1 kernel (what launching a
-  ``@triton.jit`` kernel returns: ``.n_regs``, ``.n_spills``, ``.metadata.shared``; read with
-  getattr so another Triton layout gives None rather than an error);
+* ``stage1_kernel``: the stage-1 kernel that ran (`mla_stage1_kernel`: seesaw, gluon, tma or
+  triton), so a config whose kernel does not apply here is seen to have fallen back;
 * ``tma_applies``: whether the TMA path really ran (page % block_n == 0 ...) or fell back.
 
 A config that fails to compile, launch, capture or check is recorded with its error string and
@@ -30,7 +29,8 @@ compiled and checked against float64 there; Triton's on-disk cache then makes th
 process load it in well under a second), which also isolates crashes and hangs: a config that
 kills or hangs its worker (``--job-timeout``) is marked failed and never run in the timing
 process. ``--list`` prints the configs without a GPU. Everything imports lazily, so ``--help``
-and ``--list`` work on a CPU-only machine.
+and ``--list`` work on a CPU-only machine. The ceilings are `common.measure_ceilings` (this
+directory's shared helpers).
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def torch_isnan_any(t) -> bool:
 
 def _runner(inp: Dict, cfg, splits: int):
     """A closure running one decode (stage 1 + merge) into a fixed output; no allocation.
-    Returns ``(fn, o, last)`` (``last``: an empty dict kept for the callers' signature)."""
+    Returns ``(fn, o)``."""
     import torch
 
     from attnserve.attention.triton_ops import mla_decode as mla
@@ -229,13 +229,18 @@ def _runner(inp: Dict, cfg, splits: int):
     bs, heads, _ = inp["q_nope"].shape
     ws = torch.empty(mla.mla_workspace_size(0, bs, splits, heads, D_C), dtype=torch.uint8, device=_DEV)
     o = torch.empty(bs, heads, D_C, dtype=torch.bfloat16, device=_DEV)
-    last: Dict = {}
 
     def fn():
         mla.mla_decode_fwd(inp["q_nope"], inp["q_pe"], inp["kv"], inp["table"], inp["seq_lens"], inp["page"], o,
                            SM_SCALE, splits, splits, workspace=ws, config=cfg)
 
-    return fn, o, last
+    return fn, o
+
+
+def _stage1_kernel(cfg, inp: Dict) -> str:
+    from attnserve.attention.triton_ops import mla_decode as mla
+
+    return mla.mla_stage1_kernel(inp["q_nope"], inp["q_pe"], inp["kv"], inp["page"], cfg)
 
 
 def _tma_applies(cfg, inp: Dict) -> Optional[bool]:
@@ -270,11 +275,12 @@ def _worker(jobs: List[Dict]) -> int:
                 inputs[heads] = make_inputs(len(CHECK_LENS), heads, CHECK_LENS, PAGE, seed=1)
             inp = inputs[heads]
             cfg = _make_config(spec, heads)
-            fn, o, last = _runner(inp, cfg, splits)
+            fn, o = _runner(inp, cfg, splits)
             o.fill_(float("nan"))
             fn()
             _sync()
             res["compile_s"] = time.perf_counter() - t0
+            res["stage1_kernel"] = _stage1_kernel(cfg, inp)
             errs = _rel_errs(o, reference_f64(inp))
             res.update(ok=not errs["nan"] and errs["rel_err"] <= 1e-2, f64_rel_err=errs["rel_err"],
                        f64_max_rel_err=errs["max_rel_err"], f64_nan=errs["nan"])
@@ -400,26 +406,6 @@ def time_ms(fn, iters: int, warmup: int) -> Dict:
     return dict(ms=statistics.median(times), ms_min=min(times), graph=err is None, graph_error=err)
 
 
-def matmul_tflops(n: int = 8192, iters: int = 10) -> float:
-    import torch
-
-    a = torch.randn(n, n, device=_DEV, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=_DEV, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        a @ b
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    del a, b
-    return 2 * n ** 3 / (statistics.median(ts) * 1e-3) / 1e12
-
-
 def sweep_shape(shape: Dict, specs: List[Dict], pre: Dict[str, Dict], base_splits: int, copy_tbps: float,
                 iters: int, warmup: int, rows: List[Dict], log=print) -> None:
     """Time every spec on one shape, appending a row per spec to ``rows`` (as it goes, so a
@@ -442,9 +428,10 @@ def sweep_shape(shape: Dict, specs: List[Dict], pre: Dict[str, Dict], base_split
             cfg = _make_config(spec, heads)
             row["config"] = dataclasses.asdict(cfg)
             row["tma_applies"] = _tma_applies(cfg, inp)
+            row["stage1_kernel"] = _stage1_kernel(cfg, inp)
             if p and not p.get("ok") and p.get("error"):
                 raise RuntimeError("precompile failed: " + p["error"])
-            fn, o, last = _runner(inp, cfg, splits)
+            fn, o = _runner(inp, cfg, splits)
             t0 = time.perf_counter()
             fn()
             _sync()
@@ -462,8 +449,8 @@ def sweep_shape(shape: Dict, specs: List[Dict], pre: Dict[str, Dict], base_split
             ok_ref = row.get("rel_err_vs_ref") is None or (row["rel_err_vs_ref"] <= 1e-2 and not row["nan"])
             row["ok"] = bool(ok_f64 and ok_ref)
             log(f"  {spec['name']:<44} splits {splits:>2}: {row['ms']:.4f} ms  {row['tbps']:.2f} TB/s  "
-                f"{row['tflops']:.0f} TFLOPS  regs {row.get('n_regs')} spills {row.get('n_spills')} "
-                f"smem {row.get('shared')}  err {row.get('rel_err_vs_ref', float('nan')):.1e}"
+                f"{row['tflops']:.0f} TFLOPS  stage 1 {row['stage1_kernel']}  "
+                f"err {row.get('rel_err_vs_ref', float('nan')):.1e}"
                 + ("" if row["ok"] else "  NOT OK"))
         except Exception as e:  # noqa: BLE001
             row.update(ok=False, error=_short(e))
@@ -516,7 +503,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     import triton
 
-    from common import copy_bandwidth_gbs
+    from common import measure_ceilings
+
     from attnserve.bench.results import device_slug
 
     t_start = time.perf_counter()
@@ -566,8 +554,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if _SMOKE:
         result["copy_bandwidth_gbs"], result["matmul_bf16_tflops_8192"] = 1.0, 1.0
     else:
-        result["copy_bandwidth_gbs"] = copy_bandwidth_gbs()
-        result["matmul_bf16_tflops_8192"] = matmul_tflops()
+        ceilings = measure_ceilings()
+        result["copy_bandwidth_gbs"] = ceilings["copy_tbps"] * 1e3
+        result["matmul_bf16_tflops_8192"] = ceilings["matmul_bf16_tflops"]
     copy_tbps = result["copy_bandwidth_gbs"] / 1e3
     print(f"copy {result['copy_bandwidth_gbs']:.0f} GB/s, bf16 matmul 8192^3 {result['matmul_bf16_tflops_8192']:.0f} TFLOPS")
     save()

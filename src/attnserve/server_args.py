@@ -46,6 +46,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None  # None: 64
     cuda_graph_bs: Optional[List[int]] = None
+    disable_fused_kernels: bool = False  # PyTorch norms / RoPE / gates / KV store / linear on CUDA
     # server
     graceful_shutdown_timeout: float = 30.0  # seconds running requests get after SIGTERM
     # misc
@@ -167,6 +168,9 @@ class ServerArgs:
         a("--disable-cuda-graph", action="store_true")
         a("--cuda-graph-max-bs", type=int, default=None, help="largest captured decode batch (default 64)")
         a("--cuda-graph-bs", type=int, nargs="+", default=None)
+        a("--disable-fused-kernels", action="store_true",
+          help="run the PyTorch norms, RoPE, gates, skinny linears and KV-cache writes on CUDA instead of "
+               "attnserve's fused Triton kernels (to compare or to rule them out)")
         a("--graceful-shutdown-timeout", type=float, default=d.graceful_shutdown_timeout,
           help="on SIGTERM, seconds running requests get to finish before they are ended with an error")
         a("--random-seed", type=int, default=d.random_seed)

@@ -1,7 +1,7 @@
 """Fused Triton kernels on a GPU: the checks of ``tests/models/test_fused_kernels.py`` in
 bfloat16 (and float16/float32) at model-sized shapes, the pool's fused K/V write, and a
 whole SmolLM2-shaped step (dummy weights, bfloat16) with the fused kernels on vs
-``ATTNSERVE_DISABLE_FUSED=1``: same logits (rel. error <= 2e-2, same argmax wherever the
+``--disable-fused-kernels`` (`set_fused_kernels`): same logits (rel. error <= 2e-2, same argmax wherever the
 reference's top-2 gap exceeds twice the largest logit difference), a CUDA-graph capture of
 the fused decode step that replays to the eager result, and the device-kernel count of one
 decode step printed for both (run with ``-s`` to see it).
@@ -83,11 +83,9 @@ def test_store_kv_gpu(src_dtype, buf_dtype, tokens, heads, dk, dv, strided):
     C.check_store_kv(DEV, src_dtype, buf_dtype, tokens, heads, dk, dv, strided, seed=tokens + heads)
 
 
-def test_pool_uses_store_kv_on_cuda(monkeypatch):
-    monkeypatch.delenv(fk.DISABLE_FUSED_ENV, raising=False)
+def test_pool_uses_store_kv_on_cuda():
     fused = MHATokenToKVPool(64, 1, torch.bfloat16, 2, 64, 2, DEV)
-    monkeypatch.setenv(fk.DISABLE_FUSED_ENV, "1")
-    plain = MHATokenToKVPool(64, 1, torch.bfloat16, 2, 64, 2, DEV)
+    plain = MHATokenToKVPool(64, 1, torch.bfloat16, 2, 64, 2, DEV, use_fused_store=False)
     assert fused.use_fused_store and not plain.use_fused_store
     qkv = torch.randn(5, 6 * 64, device=DEV)  # float32, cast to the bf16 pool
     k, v = qkv[:, 2 * 64 : 4 * 64].view(5, 2, 64), qkv[:, 4 * 64 :].view(5, 2, 64)
@@ -103,27 +101,23 @@ def test_pool_uses_store_kv_on_cuda(monkeypatch):
 class _Run:
     """A SmolLM2-shaped Llama (dummy bf16 weights) + paged KV + triton backend on the GPU."""
 
-    def __init__(self, monkeypatch, disable_fused: bool, weights=None):
+    def __init__(self, disable_fused: bool, weights=None):
         from attnserve.attention.backend_config import AttentionBackendConfig
         from attnserve.attention.triton_backend import TritonAttnBackend
         from attnserve.model_loader.loader import load_model
 
-        if disable_fused:
-            monkeypatch.setenv(fk.DISABLE_FUSED_ENV, "1")
-        else:
-            monkeypatch.delenv(fk.DISABLE_FUSED_ENV, raising=False)
         loaded = load_model(MODEL, load_format="dummy", device=DEV, dtype=torch.bfloat16,
                             load_tokenizer=False, progress=False)
         self.model, mc = loaded.model, loaded.model_config
+        fk.set_fused_kernels(self.model, not disable_fused)
         if weights is not None:
             self.model.load_state_dict(weights)
         self.req_pool = ReqToTokenPool(4, 512, DEV)
         self.alloc = TokenToKVPoolAllocator(4096, 1)
         self.kv = MHATokenToKVPool(4096, 1, torch.bfloat16, mc.num_key_value_heads, mc.head_dim,
-                                   mc.num_hidden_layers, DEV)
+                                   mc.num_hidden_layers, DEV, use_fused_store=not disable_fused)
         self.backend = TritonAttnBackend(AttentionBackendConfig.from_pools(
             self.req_pool, self.kv, mc.num_attention_heads, deterministic=True))
-        monkeypatch.delenv(fk.DISABLE_FUSED_ENV, raising=False)
         self.num_layers = mc.num_hidden_layers
         self.rows = self.req_pool.alloc(2)
         self.lens = {r: 0 for r in self.rows}
@@ -172,9 +166,9 @@ def _device_ops(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def test_llama_step_fused_matches_unfused(monkeypatch):
-    ref = _Run(monkeypatch, disable_fused=True)
-    fused = _Run(monkeypatch, disable_fused=False, weights=ref.model.state_dict())
+def test_llama_step_fused_matches_unfused():
+    ref = _Run(disable_fused=True)
+    fused = _Run(disable_fused=False, weights=ref.model.state_dict())
     assert not ref.kv.use_fused_store and fused.kv.use_fused_store
     assert not ref.model.model.layers[0].input_layernorm.use_fused
     assert fused.model.model.layers[0].input_layernorm.use_fused

@@ -289,8 +289,9 @@ def test_mla_decode_variants_close_to_default():
 @pytest.mark.parametrize("page_size,expect_gluon", [(64, True), (128, True), (1, False), (32, False)])
 def test_mla_decode_gluon_runs_where_applicable(kernel, page_size, expect_gluon, monkeypatch):
     """The Gluon stage 1 really runs on an sm_90 device at pages that are multiples of 64
-    (and the Triton kernel elsewhere), with the same results as the float64 reference."""
-    from attnserve.attention.triton_ops.mla_decode import mla_decode_fwd, mla_num_kv_splits
+    (and the Triton kernel elsewhere, as `mla_stage1_kernel` says), with the same results as
+    the float64 reference."""
+    from attnserve.attention.triton_ops.mla_decode import mla_decode_fwd, mla_num_kv_splits, mla_stage1_kernel
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel targets sm_90")
@@ -304,6 +305,7 @@ def test_mla_decode_gluon_runs_where_applicable(kernel, page_size, expect_gluon,
                            case["sm_scale"], splits, splits, lse=lse, config=_variant_cfg(kernel, 128))
     torch.cuda.synchronize()
     assert (kinds == [kernel]) == expect_gluon, kinds
+    assert kinds == [mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], page_size, _variant_cfg(kernel, 128))]
     check(case, page_size, o, lse)
 
 
@@ -347,12 +349,12 @@ def _seesaw_or_skip():
 
 
 def _spy_merge(monkeypatch):
-    """Record the grids of merge-kernel launches (the launcher stays the real one)."""
-    from attnserve.attention.triton_ops import mla_decode as mla
+    """Record the grids of merge-kernel launches (`mla_common.launch_merge` stays the real one)."""
+    from attnserve.attention.triton_ops import mla_common
 
     grids = []
-    real = mla._mla_decode_stage2
-    monkeypatch.setattr(mla, "_mla_decode_stage2", type("Spy", (), {
+    real = mla_common._mla_decode_stage2
+    monkeypatch.setattr(mla_common, "_mla_decode_stage2", type("Spy", (), {
         "__getitem__": lambda self, grid: (grids.append(grid), real[grid])[1]})())
     return grids
 

@@ -17,13 +17,15 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
+from attnserve.attention.triton_ops.mla_common import _merge_tiles  # noqa: E402
 from attnserve.attention.triton_ops.mla_decode import (  # noqa: E402
     MLADecodeConfig,
-    _merge_tiles,
     mla_decode_fwd,
     mla_num_kv_splits,
     mla_num_kv_splits_device,
     mla_num_work_items,
+    mla_stage1_kernel,
+    mla_workspace_rows,
     mla_workspace_size,
 )
 
@@ -330,6 +332,57 @@ def test_workspace_size_and_errors():
     bad = dict(case, table=case["table"].long())
     with pytest.raises(ValueError, match="block_kv_indices"):
         run_kernel(bad, 16, 2, 4)
+    empty = {k: (v[:0] if torch.is_tensor(v) and k != "kv" else v) for k, v in case.items()}
+    with pytest.raises(ValueError, match="bs must be >= 1"):  # an empty batch is refused
+        run_kernel(empty, 16, 2, 4)
+
+
+@pytest.mark.parametrize(
+    "max_bs,num_sms,num_heads,max_kv_splits,deterministic,expected",
+    [
+        # 128 heads on 132 SMs: 66 SMs a head tile; below 34 requests the work list (stride 32),
+        # at 33 requests 33 x 32 rows; from 34 on one split (grid 1, no list)
+        (1024, 132, 128, 32, False, 33 * 32),
+        (20, 132, 128, 32, False, 20 * 32),
+        (1024, 132, 128, 32, True, 1024 * 32),  # deterministic: the grid is always max_kv_splits
+        # max_kv_splits past the work-list span, no list: grid x requests 128 x 1, 64 x 2, 32 x 3, ..., 2 x 33
+        (100, 132, 128, 300, False, 128),
+        (6, 8, 16, 4, False, 16),  # 8 SMs: 4 requests x 4 splits on the work list
+    ],
+)
+def test_workspace_rows_values(max_bs, num_sms, num_heads, max_kv_splits, deterministic, expected):
+    assert mla_workspace_rows(max_bs, num_sms, num_heads, max_kv_splits, deterministic) == expected
+
+
+def test_workspace_rows_match_the_backend_launches():
+    """The rows equal what the `triton_mla` backend sizes its workspace for, brute force over
+    the batch sizes it launches with (its split stride per batch size)."""
+    from attnserve.attention.mla_triton import MLASplitPolicy
+
+    for sms, heads, cap in ((132, 128, 32), (78, 128, 32), (132, 16, 32), (64, 8, 64), (132, 128, 300), (7, 192, 1)):
+        for deterministic in (False, True):
+            policy = MLASplitPolicy(sms, heads, cap, deterministic)
+            for max_bs in (1, 2, 33, 34, 200):
+                assert mla_workspace_rows(max_bs, sms, heads, cap, deterministic) == max(
+                    bs * policy.split_stride(bs) for bs in range(1, max_bs + 1)), (sms, heads, cap, deterministic, max_bs)
+    with pytest.raises(ValueError, match="max_bs"):
+        mla_workspace_rows(0, 132, 128, 32, False)
+
+
+def test_workspace_rows_hold_the_largest_launch():
+    """8 SMs, 16 heads, 4 splits, up to 6 requests: the largest launch is 4 requests over a
+    work list with stride 4 (16 rows). A workspace of exactly those rows runs it; a byte less
+    is refused."""
+    rows = mla_workspace_rows(6, 8, 16, 4, False)
+    assert rows == 16
+    case = make_case([70, 5, 33, 0], 16, 16, torch.float32, seed=19)
+    work = torch.empty(mla_num_work_items(4, 8, 4), dtype=torch.int32, device=DEVICE)
+    splits = mla_num_kv_splits_device(case["seq_lens"], 8, 4, work=work)
+    nbytes = mla_workspace_size(0, rows, 1, 16, D_C)
+    with pytest.raises(ValueError, match="workspace"):
+        run_kernel(case, 16, splits, 4, work=work, workspace=torch.empty(nbytes - 1, dtype=torch.uint8, device=DEVICE))
+    o, lse = run_kernel(case, 16, splits, 4, work=work, workspace=torch.empty(nbytes, dtype=torch.uint8, device=DEVICE))
+    check(case, o, lse, torch.float32)
 
 
 # ---- opt-in kernel variants (MLADecodeConfig variant fields -> the PEEL loop of stage 1) ----
@@ -384,6 +437,21 @@ def test_gluon_config_falls_back_off_sm90(kernel):
     case = make_case([0, 1, 40, 70], 20, 16, torch.float32, seed=77)
     o, lse = run_kernel(case, 16, 2, 2, config=gcfg)
     check(case, o, lse, torch.float32)
+
+
+def test_stage1_kernel_names_what_runs():
+    """Off sm_90 the Gluon choices fall back to the Triton kernel; TMA loads where the pages
+    hold whole tiles, pointer loads elsewhere."""
+    case = make_case([10], 16, 16, torch.float32, seed=2)
+    q_nope, q_pe, kv = case["q_nope"], case["q_pe"], case["kv"]
+    assert mla_stage1_kernel(q_nope, q_pe, kv, 16) == "triton"  # the interpreter's default config
+    assert mla_stage1_kernel(q_nope, q_pe, kv, 16, _variant("tma")) == "tma"
+    assert mla_stage1_kernel(q_nope, q_pe, kv, 1, _variant("tma")) == "triton"  # a tile spans pages
+    assert mla_stage1_kernel(q_nope, q_pe, kv, 16, _variant("peel")) == "triton"
+    seesaw = MLADecodeConfig(block_h=64, block_n=16, num_warps=8, num_stages=2, kv_load="tma", stage1="seesaw")
+    assert mla_stage1_kernel(q_nope, q_pe, kv, 16, seesaw) == "tma"
+    with pytest.raises(ValueError, match="kv_buffer"):
+        mla_stage1_kernel(q_nope, q_pe, kv[..., :-1], 16)
 
 
 def test_tma_applicable():

@@ -143,21 +143,38 @@ def _modules():
     return [RMSNorm(64), GemmaRMSNorm(64), RotaryEmbedding(64, 64, 16, 1e4), SiluAndMul(), GeluAndMul("tanh")]
 
 
-def test_switch_is_read_once_per_module(monkeypatch):
-    """``ATTNSERVE_DISABLE_FUSED=1`` at construction turns the fused path off for that module;
-    changing the variable later does not affect built modules."""
-    monkeypatch.delenv(fk.DISABLE_FUSED_ENV, raising=False)
-    assert fk.fused_kernels_enabled()
-    on = _modules()
-    assert all(m.use_fused for m in on)
-    assert not GeluAndMul("none").use_fused  # erf GELU has no fused kernel
-    monkeypatch.setenv(fk.DISABLE_FUSED_ENV, "1")
-    assert not fk.fused_kernels_enabled()
-    off = _modules()
-    assert not any(m.use_fused for m in off)
-    assert all(m.use_fused for m in on)
-    monkeypatch.setenv(fk.DISABLE_FUSED_ENV, "0")
-    assert fk.fused_kernels_enabled()
+def test_switch_turns_a_models_fused_paths_off_and_on():
+    """`set_fused_kernels` (``--disable-fused-kernels``) switches every fused-capable module
+    of a model; a module without a fused path (erf GELU) stays off when switched on."""
+    assert fk.fused_kernels_available()
+    model = torch.nn.Sequential(*_modules(), GeluAndMul("none"))
+    assert [m.use_fused for m in model] == [True] * 5 + [False]
+    assert fk.set_fused_kernels(model, False) == 0
+    assert not any(m.use_fused for m in model)
+    assert fk.set_fused_kernels(model, True) == 5
+    assert [m.use_fused for m in model] == [True] * 5 + [False]
+
+
+def test_engine_flag_reaches_layers_and_pool():
+    """``--disable-fused-kernels`` on the model runner: no module of the model takes a fused
+    path; without the flag they all do (the CPU pool never has a fused store)."""
+    from attnserve.engine.model_runner import ModelRunner
+    from attnserve.model_loader.loader import load_model
+    from attnserve.server_args import ServerArgs
+
+    for disable in (True, False):
+        args = ServerArgs(model="smollm2-135m", load_format="dummy", device="cpu", max_total_tokens=64,
+                          max_running_requests=2, context_length=32, disable_fused_kernels=disable)
+        loaded = load_model(args.model, load_format="dummy", device="cpu", load_tokenizer=False, progress=False)
+        runner = ModelRunner(args, loaded)
+        users = [m for m in runner.model.modules() if isinstance(m, fk.FusedKernelUser)]
+        assert len(users) > 10 and all(m.use_fused != disable for m in users)
+        assert not runner.token_to_kv_pool.use_fused_store
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert ServerArgs.from_cli_args(parser.parse_args(["--disable-fused-kernels"])).disable_fused_kernels
 
 
 def test_cpu_tensors_keep_the_reference_path():

@@ -30,6 +30,7 @@ CPU = DeviceCaps("cpu")
 H100 = DeviceCaps("cuda", (9, 0), "H100")
 A10 = DeviceCaps("cuda", (8, 6), "A10")
 P100 = DeviceCaps("cuda", (6, 0), "P100")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs interpreted on the CPU
 
 
 @pytest.mark.parametrize("caps,arch,topk,page,want", [
@@ -109,7 +110,7 @@ def test_window_layer_without_metadata_is_a_clear_error(mode):
     from attnserve.attention.triton_backend import TritonAttnBackend
 
     ext = [1, 1] if mode == ForwardMode.DECODE else [4, 3]
-    case = make_batch(mode, [5, 9], ext, 4, 2, 8, 1, window=3, seed=2)
+    case = make_batch(mode, [5, 9], ext, 4, 2, 8, 1, window=3, seed=2, device=DEVICE)
     backend = TritonAttnBackend(AttentionBackendConfig.from_pools(case.fb.req_to_token_pool, case.pool, 4,
                                                                   layer_windows=(-1,)))
     case.fb.attn_backend = backend

@@ -29,6 +29,7 @@ from attnserve.mem_cache.memory_pool import (
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
+from attnserve.models.layers.fused_kernels import set_fused_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class ModelRunner:
         self.dtype = server_args.resolved_dtype()
         self.model = loaded.model
         self.model_config = loaded.model_config
+        set_fused_kernels(self.model, not server_args.disable_fused_kernels)
         mc = self.model_config
         self.context_len = server_args.context_length or mc.context_len
         self.page_size = server_args.page_size
@@ -124,7 +126,7 @@ class ModelRunner:
         else:
             self.token_to_kv_pool = MHATokenToKVPool(
                 size, self.page_size, self.dtype, mc.num_key_value_heads, mc.head_dim, mc.num_hidden_layers,
-                self.device, v_head_dim=mc.v_head_dim,
+                self.device, v_head_dim=mc.v_head_dim, use_fused_store=not args.disable_fused_kernels,
             )
         logger.info(
             "KV cache: %d tokens, page_size %d, %.1f MiB; attention workspace %.1f MiB (%s, up to %d requests)",

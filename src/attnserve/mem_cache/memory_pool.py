@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from attnserve.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: F401 (re-export)
-from attnserve.mem_cache.store_kv import KVStoreTarget, fused_kernels_enabled, store_kv
+from attnserve.mem_cache.store_kv import KVStoreTarget, fused_kernels_available, store_kv
 
 
 class ReqToTokenPool:
@@ -164,8 +164,11 @@ class MHATokenToKVPool(KVCache):
         head_dim / v_head_dim: K and V head sizes (``v_head_dim`` defaults to ``head_dim``).
         layer_num: number of attention layers.
 
-    On a CUDA pool `set_kv_buffer` writes K and V with one Triton launch (`store_kv`) unless
-    ``ATTNSERVE_DISABLE_FUSED`` was set at construction; elsewhere it uses ``index_put``.
+        use_fused_store: False keeps the ``index_put`` write on CUDA too
+            (``--disable-fused-kernels``).
+
+    On a CUDA pool `set_kv_buffer` writes K and V with one Triton launch (`store_kv`) when
+    ``use_fused_store`` and Triton is installed; elsewhere it uses ``index_put``.
     """
 
     def __init__(
@@ -178,6 +181,7 @@ class MHATokenToKVPool(KVCache):
         layer_num: int,
         device: Union[str, torch.device],
         v_head_dim: Optional[int] = None,
+        use_fused_store: bool = True,
     ):
         self.size = size
         self.page_size = page_size
@@ -192,7 +196,7 @@ class MHATokenToKVPool(KVCache):
         self.v_buffer = [
             torch.zeros((rows, head_num, self.v_head_dim), dtype=dtype, device=self.device) for _ in range(layer_num)
         ]
-        self.use_fused_store = self.device.type == "cuda" and fused_kernels_enabled()
+        self.use_fused_store = bool(use_fused_store) and self.device.type == "cuda" and fused_kernels_available()
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]

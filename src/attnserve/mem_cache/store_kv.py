@@ -8,34 +8,51 @@ downwards (models -> mem_cache); `attnserve.models.layers.fused_kernels` re-expo
 This module imports without Triton; the kernel module (`store_kv_triton`) is imported only
 when `store_kv` is called.
 
-``ATTNSERVE_DISABLE_FUSED=1`` (also ``true``/``yes``/``on``) turns every fused kernel off;
-modules read it once, in their constructors (`fused_kernels_enabled`), and keep the answer.
+Switch: every module with a fused path derives from `FusedKernelUser`; it decides in its
+constructor whether it has a fused path for its configuration (``fused_supported``) and
+uses it while ``use_fused`` is on. The engine turns them all off with
+``--disable-fused-kernels`` (`attnserve.models.layers.fused_kernels.set_fused_kernels`;
+the KV pool takes ``use_fused_store``).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
 
-#: environment variable that disables attnserve's fused Triton kernels when truthy
-DISABLE_FUSED_ENV = "ATTNSERVE_DISABLE_FUSED"
+def fused_kernels_available() -> bool:
+    """True when Triton is installed (the fused kernels can be compiled).
 
-
-def fused_kernels_enabled() -> bool:
-    """True unless ``ATTNSERVE_DISABLE_FUSED`` is truthy or Triton is not installed.
-
-    Read it once (in a constructor) and store the answer; callers still dispatch to the
-    fused path only for CUDA tensors.
+    Callers still dispatch to the fused path only for CUDA tensors.
     """
-    if os.environ.get(DISABLE_FUSED_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
-        return False
     try:
         return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):  # e.g. sys.modules["triton"] is None (import blocked)
         return False
+
+
+class FusedKernelUser:
+    """Mixin of the modules with a fused Triton path (norms, RoPE, gates, skinny linear).
+
+    ``fused_supported``: whether this instance has a fused path at all (set in the
+    constructor from its configuration and `fused_kernels_available`); ``use_fused``:
+    whether it takes it (on CUDA tensors), on by default where supported. `set_fused` is
+    the switch `set_fused_kernels` (``--disable-fused-kernels``) turns.
+    """
+
+    fused_supported: bool = False
+    use_fused: bool = False
+
+    def init_fused(self, supported: bool) -> None:
+        """Record whether the fused path exists here and turn it on where it does."""
+        self.fused_supported = bool(supported) and fused_kernels_available()
+        self.use_fused = self.fused_supported
+
+    def set_fused(self, enabled: bool) -> None:
+        """Take the fused path (where supported) when ``enabled``, the PyTorch path otherwise."""
+        self.use_fused = bool(enabled) and self.fused_supported
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""Shared parts of the paged MLA decode (`mla_decode`): constants, the workspace, the
+"""Shared parts of the paged MLA decode (`mla_decode`): constants, the workspace layout, the
 stage-1 tuning config, the argument bundle every stage-1 kernel takes, the device helpers
-the stage-1 kernels share, and the log-sum-exp merge (stage 2).
+the stage-1 kernels share, and the log-sum-exp merge (stage 2) with its launcher.
 
 Every stage-1 module (`mla_decode_triton`, `mla_decode_gluon`, `mla_decode_seesaw`) imports
 only this module; the dispatcher `mla_decode` imports them all.
@@ -34,7 +34,10 @@ def mla_workspace_size(max_seq_len: int, bs: int, num_kv_splits: int, num_heads:
     num_kv_splits * (kv_lora_rank + 1)`` bytes; ``num_kv_splits`` is the ``max_kv_splits``
     the kernel will be launched with. ``max_seq_len`` is accepted for parity with the
     CUTLASS MLA API (whose workspace depends on it) and is only validated: the split count
-    already bounds the partials. A buffer sized for a larger ``bs`` serves smaller ones.
+    already bounds the partials. A buffer sized for a larger ``bs`` serves smaller ones
+    (the layout is `carve_workspace`'s); `mla_workspace_rows` gives the ``bs *
+    num_kv_splits`` rows the attention backend's launches need (pass them as ``bs`` with
+    ``num_kv_splits`` 1).
     """
     for name, v in (("bs", bs), ("num_kv_splits", num_kv_splits), ("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank)):
         if int(v) < 1:
@@ -42,6 +45,34 @@ def mla_workspace_size(max_seq_len: int, bs: int, num_kv_splits: int, num_heads:
     if int(max_seq_len) < 0:
         raise ValueError(f"mla_workspace_size: max_seq_len must be >= 0, got {max_seq_len}")
     return 4 * bs * num_heads * num_kv_splits * (kv_lora_rank + 1)
+
+
+def carve_workspace(workspace: Optional[torch.Tensor], bs: int, num_heads: int, split_stride: int, kv_lora_rank: int,
+                    device: torch.device) -> tuple:
+    """The float32 split partials of one `mla_decode_fwd` call, as views of ``workspace``.
+
+    Layout (the one `mla_workspace_size` counts): ``o_part [bs, num_heads, split_stride,
+    kv_lora_rank]`` from byte 0, then ``lse_part [bs, num_heads, split_stride]``; so row
+    ``(b, s)`` of the partials is ``o_part[b, :, s]`` and ``lse_part[b, :, s]``, and a call
+    needs ``bs * split_stride`` rows however few of them its split counts touch.
+    ``workspace`` None allocates (not CUDA-graph capturable). Returns ``(o_part, lse_part)``.
+
+    Raises ValueError when ``workspace`` is not a contiguous tensor on ``device``, holds
+    fewer than ``mla_workspace_size(0, bs, split_stride, num_heads, kv_lora_rank)`` bytes,
+    or any size is below 1 (an empty batch included).
+    """
+    need = mla_workspace_size(0, bs, split_stride, num_heads, kv_lora_rank)  # raises for bs 0 too
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.uint8, device=device)
+    if not workspace.is_contiguous() or workspace.device != device:
+        raise ValueError("workspace must be a contiguous tensor on the output's device")
+    ws = workspace.view(-1).view(torch.uint8)
+    if ws.numel() < need:
+        raise ValueError(f"workspace has {ws.numel()} bytes, needs {need} (mla_workspace_size)")
+    n_o = bs * num_heads * split_stride * kv_lora_rank
+    o_part = ws[: 4 * n_o].view(torch.float32).view(bs, num_heads, split_stride, kv_lora_rank)
+    lse_part = ws[4 * n_o : need].view(torch.float32).view(bs, num_heads, split_stride)
+    return o_part, lse_part
 
 
 _KV_LOADS = ("ptr", "tma")
@@ -166,14 +197,16 @@ def mla_decode_config(
 
 class MLAStage1Args(NamedTuple):
     """The positional arguments of every stage-1 kernel, in their order (one bundle, built
-    once per call by `mla_decode.mla_decode_fwd`; ``kernel[grid](*args, **constexprs)``).
+    once per call by `mla_decode.mla_decode_fwd` with `build`; each stage-1 launcher runs
+    ``kernel[grid](*args, **constexprs)`` and `launch_merge` reads its fields by name).
 
     Tensors: ``q_nope`` / ``q_pe`` ``[bs, H, D_C / D_R]``; ``kv`` the pool as ``[slots, D_C
     + D_R]`` rows; ``desc_c`` / ``desc_r`` TMA descriptors (or ``kv`` as a placeholder);
     ``block_table`` int32 ``[bs, pages]``; ``seq_lens``; ``num_splits`` (per-request counts
     or a placeholder); ``work`` (the work list or a placeholder); ``o_part`` / ``lse_part``
-    float32 split partials; ``o`` / ``lse`` outputs. Scalars: ``sm_scale_log2`` (softmax
-    scale times log2 e), ``num_heads``, ``num_splits_scalar``, then strides in elements.
+    float32 split partials (`carve_workspace`); ``o`` / ``lse`` outputs (``o_part`` stands
+    in for an absent ``lse``). Scalars: ``sm_scale_log2`` (softmax scale times log2 e),
+    ``num_heads``, ``num_splits_scalar``, then strides in elements.
     """
 
     q_nope: torch.Tensor
@@ -207,6 +240,20 @@ class MLAStage1Args(NamedTuple):
     stride_o_h: int
     stride_lse_b: int
     stride_lse_h: int
+
+    @classmethod
+    def build(cls, q_nope, q_pe, kv, desc_c, desc_r, block_table, seq_lens, num_splits, work, o_part, lse_part, o,
+              lse: Optional[torch.Tensor], sm_scale: float, num_splits_scalar: int) -> "MLAStage1Args":
+        """The bundle of one call: strides read from the tensors, ``sm_scale`` in natural
+        units (stored times log2 e), ``lse`` None replaced by ``o_part`` with strides 0."""
+        lse_arg, lse_strides = (o_part, (0, 0)) if lse is None else (lse, (lse.stride(0), lse.stride(1)))
+        return cls(
+            q_nope, q_pe, kv, desc_c, desc_r, block_table, seq_lens, num_splits, work, o_part, lse_part, o, lse_arg,
+            float(sm_scale) * _LOG2E, q_nope.shape[1], num_splits_scalar,
+            q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), block_table.stride(0),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+            o.stride(0), o.stride(1), *lse_strides,
+        )
 
 
 @triton.jit
@@ -300,7 +347,24 @@ def _merge_tiles(block_c: int, splits: int) -> tuple:
     return block_dv, chunk
 
 
+def launch_merge(args: MLAStage1Args, block_n: int, max_kv_splits: int, per_req_splits: bool, has_lse: bool,
+                 typical_splits: int, num_warps: int) -> None:
+    """Launch stage 2 over the partials of ``args``: grid ``(H, column tiles, bs)``, tiles
+    from `_merge_tiles` for requests of ``typical_splits`` splits (more take several steps)."""
+    bs, num_heads, _, d_v = args.o_part.shape
+    block_dv, chunk = _merge_tiles(triton.next_power_of_2(d_v), typical_splits)
+    _mla_decode_stage2[(num_heads, triton.cdiv(d_v, block_dv), bs)](
+        args.o_part, args.lse_part, args.o, args.lse, args.seq_lens, args.num_splits, args.num_splits_scalar,
+        args.stride_op_b, args.stride_op_h, args.stride_op_s, args.stride_lp_b, args.stride_lp_h,
+        args.stride_o_b, args.stride_o_h, args.stride_lse_b, args.stride_lse_h,
+        D_V=d_v, BLOCK_DV=block_dv, BLOCK_S=max(2, triton.next_power_of_2(max_kv_splits)), BLOCK_N=block_n,
+        MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req_splits, HAS_LSE=has_lse, SPLIT_CHUNK=chunk,
+        num_warps=num_warps,
+    )
+
+
 def check_last_dim(name: str, t: torch.Tensor, ndim: int) -> None:
+    """Raise ValueError unless ``t`` has ``ndim`` dimensions and a contiguous last one."""
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if t.stride(-1) != 1:

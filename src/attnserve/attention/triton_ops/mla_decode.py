@@ -22,26 +22,18 @@ Paging: ``block_kv_indices[i, j]`` is the page holding tokens ``j*page_size ..``
 Entries past ``cdiv(seq_lens[i], page_size)`` (padding, e.g. -1) and slots past
 ``seq_lens[i]`` are never read.
 
-Modules: this dispatcher (checks, workspace carving, the choice of stage 1, the merge
-launch); `mla_common` (constants, workspace size, `MLADecodeConfig`, the stage-1 argument
-bundle `MLAStage1Args`, shared device helpers, the merge kernel); `mla_splits` (split
-counts and work lists); one module per stage-1 kernel: `mla_decode_triton`,
-`mla_decode_gluon`, `mla_decode_seesaw`.
+Modules: this dispatcher (checks, the choice of stage 1, the launches); `mla_common`
+(constants, the workspace layout, `MLADecodeConfig`, the stage-1 argument bundle
+`MLAStage1Args`, shared device helpers, the merge kernel and its launcher); `mla_splits`
+(split counts, work lists, `mla_workspace_rows`); one module per stage-1 kernel, each with
+its launcher: `mla_decode_triton` (pointer or TMA loads), `mla_decode_gluon` and
+`mla_decode_seesaw` (Gluon, sm_90; imported only when they run).
 
-Variant: non-default fields of `MLADecodeConfig` (TMA descriptor loads, peeled tail) switch
-stage 1 to its ``PEEL`` loop: the same math, grid and split / merge scheme, with mask-free
-full tiles fetched differently (see the dataclass). Note on the many-heads shape, from the
-sm_90 code Triton emits for it: the QK dot's result feeds the PV dot, so Triton lays QK out
-with all warps along M ([num_warps, 1]); with ``block_h`` 64 and 8 warps both warpgroups
-compute the same 64 x ``block_n`` scores (m64n32k16 wgmmas reading q from shared memory
-each time) while PV splits the 512 columns between them. That redundant, shared-memory-bound
-QK (by a rough estimate 3/4 of the tensor-core time per tile) is a limit the variant does
-not remove (nor did a persistent grid, a head loop, lazy rescaling or the loop pipelining
-knobs, measured and dropped: benchmarks/NOTES.md "MLA decode"). The FlashMLA-like split
-of the tile across warpgroups, which needs explicit layouts, is `mla_decode_gluon`
-(``MLADecodeConfig.stage1 = "gluon"``), and the warp-specialized `mla_decode_seesaw` (each
-warpgroup a whole block's scores; the many-heads default on sm_90, ``stage1 = "seesaw"``); a transposed Triton formulation
-(tokens on the MMA M dimension) was tried and was slower (255 registers with spills).
+Stage 1: ``config.stage1`` names the kernel to prefer (`MLA_STAGE1_KERNELS`); a Gluon kernel
+runs only where `mla_gluon_applicable` holds, else the Triton kernel, with TMA loads where
+``config.kv_load == "tma"`` and `mla_tma_applicable` hold. ``config=None`` takes
+`mla_decode_config`'s pick for the shape (the seesaw kernel for >= 64 heads of DeepSeek's
+dims in 16-bit). `mla_stage1_kernel` says which kernel a call runs.
 
 CUDA graphs: `mla_decode_fwd` syncs nothing with the host and allocates nothing when a
 workspace is given; its grids depend only on ``bs``, the head count, ``max_kv_splits`` and
@@ -61,56 +53,43 @@ import torch
 import triton
 
 from attnserve.attention.triton_ops.mla_common import (
-    _LOG2E,
     MLA_STAGE1_KERNELS,
     MLA_WORK_SPLIT_SPAN,
     MLADecodeConfig,
     MLAStage1Args,
-    _merge_tiles,
-    _mla_decode_stage2,
+    carve_workspace,
     check_last_dim,
+    launch_merge,
     mla_decode_config,
     mla_workspace_size,
 )
-from attnserve.attention.triton_ops.mla_decode_triton import _mla_decode_stage1
+from attnserve.attention.triton_ops.mla_decode_triton import launch_triton_stage1, mla_tma_applicable, tma_descriptors
 from attnserve.attention.triton_ops.mla_splits import (
     _check_work_splits,
     mla_num_kv_splits,
     mla_num_kv_splits_device,
     mla_num_work_items,
     mla_split_sm_count,
+    mla_workspace_rows,
 )
 from attnserve.triton_env import triton_interpreting
 
 __all__ = [
     "MLADecodeConfig",
     "MLA_STAGE1_KERNELS",
+    "MLA_WORK_SPLIT_SPAN",
     "mla_decode_config",
+    "mla_decode_fwd",
+    "mla_gluon_applicable",
     "mla_num_kv_splits",
     "mla_num_kv_splits_device",
     "mla_num_work_items",
-    "MLA_WORK_SPLIT_SPAN",
     "mla_split_sm_count",
-    "mla_workspace_size",
-    "mla_decode_fwd",
+    "mla_stage1_kernel",
     "mla_tma_applicable",
-    "mla_gluon_applicable",
+    "mla_workspace_rows",
+    "mla_workspace_size",
 ]
-
-
-def mla_tma_applicable(kv_rows: torch.Tensor, kv_lora_rank: int, page_size: int, block_n: int) -> bool:
-    """Whether the TMA variant can load full tiles of ``kv_rows`` ([num_slots, D] view):
-    a tile must be ``block_n`` whole rows of one page and every box start 16-byte aligned."""
-    elt = kv_rows.element_size()
-    return (
-        page_size % block_n == 0
-        and kv_rows.dim() == 2
-        and kv_rows.stride(1) == 1
-        and (kv_rows.stride(0) * elt) % 16 == 0
-        and (kv_lora_rank * elt) % 16 == 0
-        and kv_rows.data_ptr() % 16 == 0
-        and kv_rows.shape[0] < 2**31
-    )
 
 
 def mla_gluon_applicable(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch.Tensor, page_size: int,
@@ -135,6 +114,28 @@ def mla_gluon_applicable(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torc
     return True
 
 
+def _token_rows(kv_buffer: torch.Tensor, width: int) -> torch.Tensor:
+    """``kv_buffer`` as ``[num_slots, width]`` token rows; ValueError when it cannot be."""
+    if kv_buffer.shape[-1] != width or kv_buffer.dim() not in (2, 3, 4) or kv_buffer.stride(-1) != 1:
+        raise ValueError(
+            f"kv_buffer must be [num_slots, 1, {width}] (kv_lora_rank + rope) with a contiguous last dim, "
+            f"got shape {tuple(kv_buffer.shape)} strides {kv_buffer.stride()}"
+        )
+    try:
+        return kv_buffer.view(-1, width)
+    except RuntimeError as e:
+        raise ValueError(f"kv_buffer {tuple(kv_buffer.shape)} cannot be viewed as token rows: {e}") from None
+
+
+def _default_config(q_nope: torch.Tensor, d_r: int, interpret: bool) -> MLADecodeConfig:
+    """`mla_decode_config` for the shape, with the device's opt-in shared memory per block."""
+    smem = None
+    if not interpret:  # torch caches the properties; older torch lacks the field
+        smem = getattr(torch.cuda.get_device_properties(q_nope.device), "shared_memory_per_block_optin", None)
+    return mla_decode_config(q_nope.shape[1], q_nope.shape[2], d_r, q_nope.dtype, interpret=interpret,
+                             max_shared_mem=smem)
+
+
 def _stage1_kind(cfg, q_nope, q_pe, kv_rows, page_size, interpret) -> str:
     """Which stage 1 runs: ``cfg.stage1`` when it is a Gluon kernel and
     `mla_gluon_applicable` holds; else ``"tma"`` (the Triton kernel with descriptor loads,
@@ -147,48 +148,54 @@ def _stage1_kind(cfg, q_nope, q_pe, kv_rows, page_size, interpret) -> str:
     return "triton"
 
 
-def _descriptors(kind: str, cfg, kv_rows, d_c: int, d_r: int, block_c: int, block_r: int) -> tuple:
+def mla_stage1_kernel(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch.Tensor, page_size: int,
+                      config: Optional[MLADecodeConfig] = None) -> str:
+    """The stage-1 kernel `mla_decode_fwd` runs for these inputs and ``config`` (None: the
+    default pick, as in `mla_decode_fwd`): ``"seesaw"`` / ``"gluon"`` (the Gluon kernels),
+    ``"tma"`` (the Triton kernel with TMA loads of full tiles) or ``"triton"`` (pointer
+    loads). Depends on the tensors' shapes, dtypes, strides, alignment and device and on
+    ``page_size``, not on their values, so one answer holds for every call of a benchmark
+    or a captured graph on the same buffers.
+
+    ``q_nope`` / ``q_pe`` / ``kv_buffer`` as for `mla_decode_fwd`; raises ValueError when
+    they are not 3-D / token rows of ``kv_lora_rank + rope``.
+    """
+    check_last_dim("q_nope", q_nope, 3)
+    check_last_dim("q_pe", q_pe, 3)
+    kv_rows = _token_rows(kv_buffer, q_nope.shape[2] + q_pe.shape[2])
+    interpret = triton_interpreting()
+    cfg = config if config is not None else _default_config(q_nope, q_pe.shape[2], interpret)
+    return _stage1_kind(cfg, q_nope, q_pe, kv_rows, int(page_size), interpret)
+
+
+def _stage1_descriptors(kind: str, kv_rows: torch.Tensor, d_c: int, d_r: int, block_n: int) -> tuple:
     """``(desc_c, desc_r)`` of the stage 1 ``kind`` (``kv_rows`` as placeholders where unused)."""
     if kind == "seesaw":
-        from attnserve.attention.triton_ops.mla_decode_seesaw import seesaw_descriptor
+        from attnserve.attention.triton_ops import mla_decode_seesaw
 
-        return seesaw_descriptor(kv_rows), kv_rows
+        return mla_decode_seesaw.seesaw_descriptor(kv_rows), kv_rows
     if kind == "gluon":
-        from attnserve.attention.triton_ops.mla_decode_gluon import gluon_descriptors
+        from attnserve.attention.triton_ops import mla_decode_gluon
 
-        return gluon_descriptors(kv_rows, d_c, d_r, cfg.block_n)
+        return mla_decode_gluon.gluon_descriptors(kv_rows, d_c, d_r, block_n)
     if kind == "tma":
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        n = kv_rows.shape[0]
-        return (TensorDescriptor(kv_rows, [n, d_c], [kv_rows.stride(0), 1], [cfg.block_n, block_c]),
-                TensorDescriptor(kv_rows[:, d_c:], [n, d_r], [kv_rows.stride(0), 1], [cfg.block_n, block_r]))
+        return tma_descriptors(kv_rows, d_c, d_r, block_n)
     return kv_rows, kv_rows
 
 
-def _launch_stage1(kind: str, cfg, args: MLAStage1Args, work_items: bool, page_size: int, max_kv_splits: int,
-                   per_req: bool, has_lse: bool, fp32_dot: bool, interpret: bool, block_c: int, block_r: int) -> None:
-    """Launch the stage 1 named by ``kind`` (`_stage1_kind`) over ``args`` (``work_items``:
-    one program per work-list entry and head tile instead of the split grid)."""
-    tiles = triton.cdiv(args.num_heads, cfg.block_h)
-    grid = (tiles, args.work.numel(), 1) if work_items else (tiles, max_kv_splits, args.q_nope.shape[0])
-    common = dict(D_C=args.q_nope.shape[2], D_R=args.q_pe.shape[2], BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
-                  MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse, WORK_ITEMS=work_items,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+def _launch_stage1(kind: str, args: MLAStage1Args, grid: tuple, constexprs: dict, cfg: MLADecodeConfig,
+                   interpret: bool) -> None:
+    """Hand ``args`` to the launcher of the stage 1 ``kind`` (`_stage1_kind`)."""
     if kind == "seesaw":
-        from attnserve.attention.triton_ops.mla_decode_seesaw import SEESAW_MAXNREG, _mla_decode_stage1_seesaw
+        from attnserve.attention.triton_ops.mla_decode_seesaw import launch_seesaw_stage1
 
-        common.update(num_warps=4, num_stages=1)  # the default partition; the kernel adds 4 + 1 worker warps
-        _mla_decode_stage1_seesaw[grid](*args, maxnreg=SEESAW_MAXNREG, **common)
+        launch_seesaw_stage1(args, grid, constexprs)
     elif kind == "gluon":
-        from attnserve.attention.triton_ops.mla_decode_gluon import _mla_decode_stage1_gluon
+        from attnserve.attention.triton_ops.mla_decode_gluon import launch_gluon_stage1
 
-        _mla_decode_stage1_gluon[grid](*args, NUM_STAGES=cfg.num_stages, **common)
+        launch_gluon_stage1(args, grid, constexprs, cfg.num_stages)
     else:
-        _mla_decode_stage1[grid](
-            *args, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_H=cfg.block_h, DOT_FP32=interpret,
-            DOT_PRECISION="ieee" if fp32_dot else "tf32", PEEL=cfg.is_variant, USE_TMA=kind == "tma", **common,
-        )
+        launch_triton_stage1(args, grid, constexprs, cfg, use_tma=kind == "tma", interpret=interpret)
 
 
 def mla_decode_fwd(
@@ -227,7 +234,8 @@ def mla_decode_fwd(
         workspace: >= `mla_workspace_size` (..., bs, max_kv_splits, H, kv_lora_rank) bytes,
             contiguous, any dtype; allocated here when None (not capturable then).
         lse: optional float32 ``[bs, H]``: natural-log sum-exp of the scaled scores.
-        config: stage-1 tiles; `mla_decode_config` when None.
+        config: stage-1 tiles and preferred kernel (`MLADecodeConfig`); `mla_decode_config`'s
+            pick when None. `mla_stage1_kernel` says which kernel runs.
         work: optional int32 ``[W]`` work list from `mla_num_kv_splits_device` (with
             ``num_kv_splits`` the tensor it filled): stage 1 then runs one program per
             list entry and head tile (grid ``(head tiles, W)``) instead of ``(head tiles,
@@ -238,8 +246,8 @@ def mla_decode_fwd(
     With ``max_kv_splits == 1`` the seesaw stage 1 writes every request itself (zeros for
     empty ones) and the merge kernel is not launched.
 
-    Raises ValueError on shape/dtype/device mismatches or a too-small workspace. No host
-    sync: lengths and split counts are read on the device only.
+    Raises ValueError on shape/dtype/device mismatches, an empty batch (``bs == 0``) or a
+    too-small workspace. No host sync: lengths and split counts are read on the device only.
     """
     check_last_dim("q_nope", q_nope, 3)
     check_last_dim("q_pe", q_pe, 3)
@@ -254,15 +262,7 @@ def mla_decode_fwd(
         raise ValueError(f"dtype mismatch: q_nope {q_nope.dtype}, q_pe {q_pe.dtype}, kv_buffer {kv_buffer.dtype}")
     if q_nope.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported dtype {q_nope.dtype}")
-    if kv_buffer.shape[-1] != d_c + d_r or kv_buffer.dim() not in (2, 3, 4) or kv_buffer.stride(-1) != 1:
-        raise ValueError(
-            f"kv_buffer must be [num_slots, 1, {d_c + d_r}] (kv_lora_rank + rope) with a contiguous last dim, "
-            f"got shape {tuple(kv_buffer.shape)} strides {kv_buffer.stride()}"
-        )
-    try:
-        kv_rows = kv_buffer.view(-1, d_c + d_r)
-    except RuntimeError as e:
-        raise ValueError(f"kv_buffer {tuple(kv_buffer.shape)} cannot be viewed as token rows: {e}") from None
+    kv_rows = _token_rows(kv_buffer, d_c + d_r)
     if block_kv_indices.dim() != 2 or block_kv_indices.shape[0] < bs or block_kv_indices.dtype != torch.int32:
         raise ValueError(f"block_kv_indices must be int32 [bs, max_blocks], got {block_kv_indices.dtype} {tuple(block_kv_indices.shape)}")
     if block_kv_indices.stride(1) != 1:
@@ -298,59 +298,23 @@ def mla_decode_fwd(
         raise ValueError(f"lse must be float32 [{bs}, {num_heads}] on {o.device}")
 
     max_kv_splits = int(max_kv_splits)
-    need = mla_workspace_size(0, bs, max_kv_splits, num_heads, d_c)
-    if workspace is None:
-        workspace = torch.empty(need, dtype=torch.uint8, device=o.device)
-    if not workspace.is_contiguous() or workspace.device != o.device:
-        raise ValueError("workspace must be a contiguous tensor on the output's device")
-    ws = workspace.view(-1).view(torch.uint8)
-    if ws.numel() < need:
-        raise ValueError(f"workspace has {ws.numel()} bytes, needs {need} (mla_workspace_size)")
-    n_o = bs * num_heads * max_kv_splits * d_c
-    o_part = ws[: 4 * n_o].view(torch.float32).view(bs, num_heads, max_kv_splits, d_c)
-    lse_part = ws[4 * n_o : need].view(torch.float32).view(bs, num_heads, max_kv_splits)
-    if bs == 0:
-        return o
-
-    if config is None:
-        smem = None
-        if not interpret:  # torch caches the properties; older torch lacks the field
-            smem = getattr(torch.cuda.get_device_properties(o.device), "shared_memory_per_block_optin", None)
-        config = mla_decode_config(num_heads, d_c, d_r, q_nope.dtype, interpret=interpret, max_shared_mem=smem)
-    cfg = config
-    fp32_dot = interpret or q_nope.dtype == torch.float32
-    has_lse = lse is not None
-    lse_arg = lse if has_lse else o_part
-    lse_strides = (lse.stride(0), lse.stride(1)) if has_lse else (0, 0)
-    block_c = triton.next_power_of_2(d_c)
-    block_r = max(16, triton.next_power_of_2(d_r))
-
+    o_part, lse_part = carve_workspace(workspace, bs, num_heads, max_kv_splits, d_c, o.device)
+    cfg = config if config is not None else _default_config(q_nope, d_r, interpret)
     kind = _stage1_kind(cfg, q_nope, q_pe, kv_rows, int(page_size), interpret)
-    desc_c, desc_r = _descriptors(kind, cfg, kv_rows, d_c, d_r, block_c, block_r)
-    args = MLAStage1Args(
-        q_nope, q_pe, kv_rows, desc_c, desc_r, block_kv_indices, seq_lens, splits_ptr,
-        seq_lens if work is None else work, o_part, lse_part, o, lse_arg,
-        float(sm_scale) * _LOG2E, num_heads, splits_scalar,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_rows.stride(0), block_kv_indices.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        o.stride(0), o.stride(1), *lse_strides,
-    )
-    _launch_stage1(kind, cfg, args, work is not None, int(page_size), max_kv_splits, per_req, has_lse, fp32_dot, interpret,
-                   block_c, block_r)
+    desc_c, desc_r = _stage1_descriptors(kind, kv_rows, d_c, d_r, cfg.block_n)
+    args = MLAStage1Args.build(q_nope, q_pe, kv_rows, desc_c, desc_r, block_kv_indices, seq_lens, splits_ptr,
+                               seq_lens if work is None else work, o_part, lse_part, o, lse, sm_scale, splits_scalar)
+    tiles = triton.cdiv(num_heads, cfg.block_h)
+    grid = (tiles, max_kv_splits, bs) if work is None else (tiles, work.numel(), 1)
+    constexprs = dict(D_C=d_c, D_R=d_r, BLOCK_N=cfg.block_n, PAGE_SIZE=int(page_size), MAX_KV_SPLITS=max_kv_splits,
+                      PER_REQ_SPLITS=per_req, HAS_LSE=lse is not None, WORK_ITEMS=work is not None,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _launch_stage1(kind, args, grid, constexprs, cfg, interpret)
     if kind == "seesaw" and max_kv_splits == 1:  # stage 1 wrote o (and lse) of every request, empty ones included
         return o
     # merge tiles for the split count most requests have: max_kv_splits on a grid, the
     # uniform batch's count (split_sm_count // bs = (W - bs) // bs) with a work list; a
     # request with more splits loops over chunks
     typical = max_kv_splits if work is None else max(1, min(max_kv_splits, (work.numel() - bs) // bs))
-    block_dv, chunk = _merge_tiles(block_c, typical)
-    _mla_decode_stage2[(num_heads, triton.cdiv(d_c, block_dv), bs)](
-        o_part, lse_part, o, lse_arg, seq_lens, splits_ptr, splits_scalar,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        o.stride(0), o.stride(1), *lse_strides,
-        D_V=d_c, BLOCK_DV=block_dv, BLOCK_S=max(2, triton.next_power_of_2(max_kv_splits)), BLOCK_N=cfg.block_n,
-        MAX_KV_SPLITS=max_kv_splits, PER_REQ_SPLITS=per_req, HAS_LSE=has_lse, SPLIT_CHUNK=chunk,
-        num_warps=cfg.merge_num_warps,
-    )
+    launch_merge(args, cfg.block_n, max_kv_splits, per_req, lse is not None, typical, cfg.merge_num_warps)
     return o

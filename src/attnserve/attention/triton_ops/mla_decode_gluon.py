@@ -1,9 +1,9 @@
 """MLA decode stage 1 for many heads on Hopper, in Triton's Gluon dialect (explicit layouts).
 
 Same math, grid, split scheme and outputs as ``_mla_decode_stage1`` in `mla_decode_triton`
-(which also runs the merge, stage 2); see that module for the formulas. What differs is
+(the merge, stage 2, is `mla_common`'s); see `mla_decode` for the formulas. What differs is
 how the work of one 64-head x 64-token tile is laid over the two warpgroups of a program,
-which plain Triton does not let us choose (`mla_decode` module note):
+which plain Triton does not let us choose (`mla_decode_triton` module note):
 
 * scores ``S = q_nope @ c_kv^T + q_pe @ k_pe^T`` ([64 heads, 64 tokens]) in an MMA layout with
   warps ``[4, 2]``: warpgroup ``w`` computes tokens ``32w .. 32w + 31`` only, so no score is
@@ -33,7 +33,6 @@ against Triton 3.6. It is imported only when the kernel is used.
 
 from __future__ import annotations
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -45,9 +44,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from attnserve.attention.triton_ops.mla_common import _program_item, _split_bounds
+from attnserve.attention.triton_ops.mla_common import MLAStage1Args, _program_item, _split_bounds
 
-__all__ = ["gluon_descriptors"]
+__all__ = ["gluon_descriptors", "launch_gluon_stage1"]
 
 BLOCK_H = gl.constexpr(64)
 NUM_WARPS = gl.constexpr(8)
@@ -224,3 +223,10 @@ def gluon_descriptors(kv_rows, d_c: int, d_r: int, block_n: int):
     desc_c = TensorDescriptor(kv_rows, [n, d_c], [kv_rows.stride(0), 1], [block_n, d_c], sw)
     desc_r = TensorDescriptor(kv_rows[:, d_c:], [n, d_r], [kv_rows.stride(0), 1], [block_n, d_r], sw)
     return desc_c, desc_r
+
+
+def launch_gluon_stage1(args: MLAStage1Args, grid: tuple, constexprs: dict, num_stages: int) -> None:
+    """Launch `_mla_decode_stage1_gluon` over ``args`` (``desc_c`` / ``desc_r`` from
+    `gluon_descriptors`), ``num_stages`` TMA tiles in flight; ``constexprs`` as for every
+    stage-1 kernel (dims, ``BLOCK_N``, ``PAGE_SIZE``, split mode, ``num_warps`` 8)."""
+    _mla_decode_stage1_gluon[grid](*args, NUM_STAGES=num_stages, **constexprs)

@@ -1,7 +1,7 @@
 """MLA decode stage 1 for many heads on Hopper: warp-specialized "seesaw" Gluon kernel.
 
 Same math, grid, split scheme, workspace and outputs as ``_mla_decode_stage1`` in
-`mla_decode` (which also runs the merge, stage 2). One program holds 64 heads of one
+`mla_decode_triton` (the merge, stage 2, is `mla_common`'s). One program holds 64 heads of one
 request and one KV split; it walks the split in pairs of 64-token blocks. Three partitions
 (Gluon ``warp_specialize``):
 
@@ -62,9 +62,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from attnserve.attention.triton_ops.mla_common import _program_item, _split_bounds
+from attnserve.attention.triton_ops.mla_common import MLAStage1Args, _program_item, _split_bounds
 
-__all__ = ["seesaw_descriptor", "SEESAW_MAXNREG"]
+__all__ = ["seesaw_descriptor", "launch_seesaw_stage1", "SEESAW_MAXNREG"]
 
 BLOCK_H = gl.constexpr(64)
 BLOCK_N = gl.constexpr(64)
@@ -452,3 +452,11 @@ def seesaw_descriptor(kv_rows):
     block), 128-byte swizzled as the kernel's shared-memory chunks."""
     sw = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     return TensorDescriptor(kv_rows, list(kv_rows.shape), [kv_rows.stride(0), 1], [64, 64], sw)
+
+
+def launch_seesaw_stage1(args: MLAStage1Args, grid: tuple, constexprs: dict) -> None:
+    """Launch `_mla_decode_stage1_seesaw` over ``args`` (``desc_c`` from `seesaw_descriptor`,
+    ``desc_r`` unused). ``constexprs`` as for every stage-1 kernel; its ``num_warps`` /
+    ``num_stages`` are replaced: 4 warps for the default partition (the kernel adds 4 + 1
+    worker warps), one stage, ``maxnreg`` `SEESAW_MAXNREG`."""
+    _mla_decode_stage1_seesaw[grid](*args, maxnreg=SEESAW_MAXNREG, **dict(constexprs, num_warps=4, num_stages=1))

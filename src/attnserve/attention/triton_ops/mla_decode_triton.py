@@ -1,18 +1,86 @@
 """Stage 1 of the paged MLA decode as a Triton kernel (grouped heads, split sequence).
 
 One program owns ``BLOCK_H`` query heads of one request and one split of its sequence,
-loads each ``BLOCK_N``-token latent tile once for all its heads (pointer gathers, or TMA
-descriptor boxes with ``USE_TMA``), and computes both products with ``tl.dot``; it writes
-the split's normalised partial output and log-sum-exp (merged by `mla_common`'s stage 2).
-The module note of `mla_decode` has the layout discussion and the measured variants.
+loads each ``BLOCK_N``-token latent tile once for all its heads, and computes both products
+with ``tl.dot`` (the c_kv tile is the key of the first dot and the value of the second); it
+writes the split's normalised partial output and log-sum-exp (merged by `mla_common`'s
+stage 2), or the output itself when the request has one split. Two launches of the one
+kernel: pointer gathers (``"triton"``), and TMA descriptor boxes for the mask-free full
+tiles (``"tma"``, `MLADecodeConfig.kv_load`, where `mla_tma_applicable` holds).
+
+Variant: non-default fields of `MLADecodeConfig` (TMA descriptor loads, peeled tail) switch
+stage 1 to its ``PEEL`` loop: the same math, grid and split / merge scheme, with mask-free
+full tiles fetched differently (see the dataclass). Note on the many-heads shape, from the
+sm_90 code Triton emits for it: the QK dot's result feeds the PV dot, so Triton lays QK out
+with all warps along M ([num_warps, 1]); with ``block_h`` 64 and 8 warps both warpgroups
+compute the same 64 x ``block_n`` scores (m64n32k16 wgmmas reading q from shared memory
+each time) while PV splits the 512 columns between them. That redundant, shared-memory-bound
+QK (by a rough estimate 3/4 of the tensor-core time per tile) is a limit the variant does
+not remove (nor did a persistent grid, a head loop, lazy rescaling or the loop pipelining
+knobs, measured and dropped: benchmarks/NOTES.md "MLA decode"). The FlashMLA-like split
+of the tile across warpgroups, which needs explicit layouts, is `mla_decode_gluon`
+(``MLADecodeConfig.stage1 = "gluon"``), and the warp-specialized `mla_decode_seesaw` (each
+warpgroup a whole block's scores; the many-heads default on sm_90, ``stage1 = "seesaw"``);
+a transposed Triton formulation (tokens on the MMA M dimension) was tried and was slower
+(255 registers with spills).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from attnserve.attention.triton_ops.mla_common import _program_item, _split_bounds
+from attnserve.attention.triton_ops.mla_common import MLADecodeConfig, MLAStage1Args, _program_item, _split_bounds
+
+__all__ = ["mla_tma_applicable", "tma_descriptors", "launch_triton_stage1"]
+
+
+def _tile_widths(d_c: int, d_r: int) -> tuple:
+    """``(BLOCK_C, BLOCK_R)``: the latent and rope widths padded to powers of two (rope >= 16)."""
+    return triton.next_power_of_2(d_c), max(16, triton.next_power_of_2(d_r))
+
+
+def mla_tma_applicable(kv_rows: torch.Tensor, kv_lora_rank: int, page_size: int, block_n: int) -> bool:
+    """Whether the TMA variant can load full tiles of ``kv_rows`` ([num_slots, D] view):
+    a tile must be ``block_n`` whole rows of one page and every box start 16-byte aligned."""
+    elt = kv_rows.element_size()
+    return (
+        page_size % block_n == 0
+        and kv_rows.dim() == 2
+        and kv_rows.stride(1) == 1
+        and (kv_rows.stride(0) * elt) % 16 == 0
+        and (kv_lora_rank * elt) % 16 == 0
+        and kv_rows.data_ptr() % 16 == 0
+        and kv_rows.shape[0] < 2**31
+    )
+
+
+def tma_descriptors(kv_rows: torch.Tensor, d_c: int, d_r: int, block_n: int) -> tuple:
+    """Host TMA descriptors ``(desc_c, desc_r)`` of the pool rows ``kv_rows`` ``[num_slots,
+    d_c + d_r]``: ``[block_n, BLOCK_C]`` c_kv boxes and ``[block_n, BLOCK_R]`` k_pe boxes
+    (columns past ``d_c`` / ``d_r`` read as zeros). Passed by value: CUDA-graph capturable."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_c, block_r = _tile_widths(d_c, d_r)
+    n = kv_rows.shape[0]
+    return (TensorDescriptor(kv_rows, [n, d_c], [kv_rows.stride(0), 1], [block_n, block_c]),
+            TensorDescriptor(kv_rows[:, d_c:], [n, d_r], [kv_rows.stride(0), 1], [block_n, block_r]))
+
+
+def launch_triton_stage1(args: MLAStage1Args, grid: tuple, constexprs: dict, cfg: MLADecodeConfig, *, use_tma: bool,
+                         interpret: bool) -> None:
+    """Launch `_mla_decode_stage1` over ``args`` (descriptors from `tma_descriptors` when
+    ``use_tma``, else placeholders). ``constexprs``: the values every stage-1 kernel takes
+    (dims, ``BLOCK_N``, ``PAGE_SIZE``, split mode, launch options). The dots take
+    ``input_precision="ieee"`` for fp32 inputs and under the interpreter (which also casts
+    the operands to fp32), else ``"tf32"`` (no effect on 16-bit operands)."""
+    block_c, block_r = _tile_widths(args.q_nope.shape[2], args.q_pe.shape[2])
+    fp32_dot = interpret or args.q_nope.dtype == torch.float32
+    _mla_decode_stage1[grid](
+        *args, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_H=cfg.block_h, DOT_FP32=interpret,
+        DOT_PRECISION="ieee" if fp32_dot else "tf32", PEEL=cfg.is_variant, USE_TMA=use_tma, **constexprs,
+    )
 
 
 @triton.jit

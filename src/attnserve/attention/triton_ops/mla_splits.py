@@ -1,5 +1,6 @@
 """Split counts and work lists of the paged MLA decode (CUTLASS-MLA's heuristic, SMs shared
-among the requests by length on the device). See `mla_decode` for how they are used."""
+among the requests by length on the device), and the workspace rows the attention backend's
+launches need (`mla_workspace_rows`). See `mla_decode` for how they are used."""
 
 from __future__ import annotations
 
@@ -136,3 +137,52 @@ def mla_num_kv_splits_device(
         0 if work is None else work.numel(), SPLIT_UNIT=_SPLIT_UNIT, BLOCK=block, WORK_ITEMS=work is not None,
     )
     return out
+
+
+def _grid_splits(bs: int, split_sm: int, max_kv_splits: int) -> int:
+    """The split grid `TritonMLADecode` launches a batch of ``bs`` with outside deterministic
+    mode and without a work list: ``split_sm // bs`` rounded up to a power of two, capped."""
+    per_batch = max(1, split_sm // bs)
+    return min(max_kv_splits, 1 << (per_batch - 1).bit_length())
+
+
+def mla_workspace_rows(max_bs: int, num_sms: int, num_heads: int, max_kv_splits: int, deterministic: bool) -> int:
+    """(request, split) rows of float32 partials the attention backend's decode launches
+    need for any batch of ``1 .. max_bs`` requests; `mla_workspace_size` ``(0, rows, 1,
+    num_heads, kv_lora_rank)`` bytes hold them.
+
+    From the indexing: a call ``mla_decode_fwd(..., max_kv_splits=S)`` on ``bs`` requests
+    lays the workspace out as ``o_part`` float32 ``[bs, H, S, kv_lora_rank]`` followed by
+    ``lse_part`` float32 ``[bs, H, S]`` (`mla_common.carve_workspace`). Split ``s`` of
+    request ``b`` (``s`` below the request's split count, itself clamped to ``S``; on a work
+    list the entry ``b * MLA_WORK_SPLIT_SPAN + s``) is written at ``o_part[b, :, s]`` and
+    ``lse_part[b, :, s]``, and the call refuses a workspace under ``4 * bs * S * H *
+    (kv_lora_rank + 1)`` bytes. So one call needs exactly ``bs * S`` rows of ``H *
+    (kv_lora_rank + 1)`` float32, used or not (a buffer of more rows serves it too).
+
+    The split stride ``S`` is the one `TritonMLADecode.forward` (attention/mla_triton.py)
+    passes: ``max_kv_splits`` when it launches over a work list, else the split grid
+    ``G(bs)``: ``max_kv_splits`` with ``deterministic``, else ``min(max_kv_splits,
+    next_pow2(max(1, mla_split_sm_count(num_sms, num_heads) // bs)))``. It uses a work list
+    unless ``deterministic``, ``G(bs) == 1`` or ``max_kv_splits > MLA_WORK_SPLIT_SPAN``.
+    ``S`` shrinks as ``bs`` grows, so the answer is ``max(bs * S(bs) for bs in 1 ..
+    max_bs)``, not the value at ``max_bs``: ``max_bs * max_kv_splits`` when deterministic;
+    otherwise at least ``max_bs`` (``S >= 1``) and usually far below ``max_bs *
+    max_kv_splits``.
+
+    Raises ValueError when any count is below 1.
+    """
+    for name, v in (("max_bs", max_bs), ("num_sms", num_sms), ("num_heads", num_heads),
+                    ("max_kv_splits", max_kv_splits)):
+        if int(v) < 1:
+            raise ValueError(f"mla_workspace_rows: {name} must be >= 1, got {v}")
+    max_bs, max_kv_splits = int(max_bs), int(max_kv_splits)
+    if deterministic:
+        return max_bs * max_kv_splits
+    split_sm = mla_split_sm_count(int(num_sms), int(num_heads))
+    rows = max_bs  # S >= 1; past split_sm requests the grid is 1 and there is no work list
+    for bs in range(1, min(max_bs, split_sm) + 1):
+        grid = _grid_splits(bs, split_sm, max_kv_splits)
+        work_list = grid != 1 and max_kv_splits <= MLA_WORK_SPLIT_SPAN
+        rows = max(rows, bs * (max_kv_splits if work_list else grid))
+    return rows

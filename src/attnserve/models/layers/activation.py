@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnserve.models.layers.fused_kernels import fused_kernels_enabled, gelu_tanh_and_mul, silu_and_mul
+from attnserve.models.layers.fused_kernels import FusedKernelUser, gelu_tanh_and_mul, silu_and_mul
 
 
 def act_and_mul(x: torch.Tensor, activation: str, use_fused: bool) -> torch.Tensor:
@@ -25,26 +25,26 @@ def act_and_mul(x: torch.Tensor, activation: str, use_fused: bool) -> torch.Tens
     return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none") * up
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(nn.Module, FusedKernelUser):
     """SwiGLU gate (Shazeer, "GLU Variants Improve Transformer", arXiv:2002.05202).
 
     Shapes:
         ``x`` ``[..., 2 * d]`` holding ``[gate | up]`` (the layout of a fused
         ``gate_up_proj``) -> ``silu(gate) * up`` ``[..., d]``, same dtype.
 
-    On CUDA tensors one Triton launch (`fused_kernels.silu_and_mul`, float32 math) unless
-    ``ATTNSERVE_DISABLE_FUSED`` was set when the module was built.
+    On CUDA tensors one Triton launch (`fused_kernels.silu_and_mul`, float32 math) while
+    ``use_fused`` is on (`FusedKernelUser`).
     """
 
     def __init__(self):
         super().__init__()
-        self.use_fused = fused_kernels_enabled()
+        self.init_fused(True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return act_and_mul(x, "silu", self.use_fused)
 
 
-class GeluAndMul(nn.Module):
+class GeluAndMul(nn.Module, FusedKernelUser):
     """GeGLU gate (Shazeer, arXiv:2002.05202), as in Gemma's feed-forward blocks.
 
     Args:
@@ -61,8 +61,7 @@ class GeluAndMul(nn.Module):
         if approximate not in ("tanh", "none"):
             raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
         self.approximate = approximate
-        # fused kernel (CUDA tensors) for the tanh form only; read once, see `SiluAndMul`
-        self.use_fused = approximate == "tanh" and fused_kernels_enabled()
+        self.init_fused(approximate == "tanh")  # fused kernel (CUDA tensors) for the tanh form only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return act_and_mul(x, "gelu_tanh" if self.approximate == "tanh" else "gelu", self.use_fused)

@@ -3,8 +3,8 @@
 Each function replaces a chain of elementwise PyTorch kernels with one Triton launch; the
 pure-PyTorch code of the layers (`RMSNorm`, `RotaryEmbedding`, `SiluAndMul`, `GeluAndMul`,
 `MHATokenToKVPool.set_kv_buffer`) stays the reference and the CPU path. The layers use
-these launchers only for CUDA tensors and only when `fused_kernels_enabled()` said yes in
-their constructor (``ATTNSERVE_DISABLE_FUSED=1`` turns them off).
+these launchers only for CUDA tensors and only while their ``use_fused`` is on
+(`FusedKernelUser`; `set_fused_kernels` turns a whole model's off, ``--disable-fused-kernels``).
 
 * `rmsnorm` / `fused_add_rmsnorm` -- RMSNorm (Zhang & Sennrich, arXiv:1910.07467), also in
   Gemma's ``x * (1 + w)`` form (``weight_offset=1.0``); the residual form adds, stores the
@@ -32,11 +32,14 @@ from typing import Optional, Tuple
 
 import torch
 
-from attnserve.mem_cache.store_kv import DISABLE_FUSED_ENV, KVStoreTarget, fused_kernels_enabled, store_kv
+import torch.nn as nn
+
+from attnserve.mem_cache.store_kv import FusedKernelUser, KVStoreTarget, fused_kernels_available, store_kv
 
 __all__ = [
-    "DISABLE_FUSED_ENV",
-    "fused_kernels_enabled",
+    "FusedKernelUser",
+    "fused_kernels_available",
+    "set_fused_kernels",
     "rmsnorm",
     "fused_add_rmsnorm",
     "fused_add_rmsnorm_supported",
@@ -47,6 +50,15 @@ __all__ = [
     "gelu_tanh_and_mul",
     "store_kv",
 ]
+
+
+def set_fused_kernels(model: nn.Module, enabled: bool) -> int:
+    """Turn the fused path of every `FusedKernelUser` in ``model`` on (where supported) or
+    off. Returns how many modules take it afterwards."""
+    users = [m for m in model.modules() if isinstance(m, FusedKernelUser)]
+    for m in users:
+        m.set_fused(enabled)
+    return sum(m.use_fused for m in users)
 
 
 def _next_pow2(n: int) -> int:

@@ -7,7 +7,7 @@ costs seconds on CPU for a 135M model and minutes for 8B shapes. Parameter names
 
 On CUDA, `Linear` runs decode-sized inputs (2-D, at most ``MAX_SKINNY_M`` rows) through the
 skinny GEMM kernel (`attnserve.models.layers.skinny_gemm`) instead of cuBLAS, unless
-``ATTNSERVE_DISABLE_FUSED`` was set when the module was built.
+``use_fused`` is off (`FusedKernelUser`, ``--disable-fused-kernels``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnserve.models.layers.activation import act_and_mul
-from attnserve.models.layers.fused_kernels import fused_kernels_enabled
+from attnserve.models.layers.fused_kernels import FusedKernelUser
 from attnserve.models.layers.skinny_gemm import (
     MAX_SKINNY_M,
     SKINNY_ACTIVATIONS,
@@ -29,7 +29,7 @@ from attnserve.models.layers.skinny_gemm import (
 )
 
 
-class Linear(nn.Module):
+class Linear(nn.Module, FusedKernelUser):
     """``y = x @ weight.T + bias``; ``weight`` ``[out_features, in_features]`` (uninitialised).
 
     Shapes: ``x`` ``[..., in_features]`` -> ``[..., out_features]``, parameter dtype.
@@ -45,7 +45,7 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.use_fused = fused_kernels_enabled()
+        self.init_fused(True)
 
     def _skinny(self, x: torch.Tensor) -> bool:
         """Whether ``x`` takes the skinny GEMM path."""

@@ -10,12 +10,12 @@ from torch import nn
 from attnserve.models.layers.fused_kernels import (
     fused_add_rmsnorm,
     fused_add_rmsnorm_supported,
-    fused_kernels_enabled,
+    FusedKernelUser,
     rmsnorm,
 )
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.Module, FusedKernelUser):
     """``y = x / sqrt(mean(x**2, -1) + eps) * weight``, computed in float32.
 
     The statistics and the scaling by ``weight`` are computed in float32 whatever the
@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
         ``x`` ``[..., hidden_size]`` -> same shape and dtype.
 
     On CUDA tensors the fused Triton kernels of `fused_kernels` do the work in one launch
-    (``use_fused``, read once here from ``ATTNSERVE_DISABLE_FUSED``); the code below is the
+    (``use_fused``, `FusedKernelUser`); the code below is the
     reference and the CPU path.
     """
 
@@ -43,7 +43,7 @@ class RMSNorm(nn.Module):
         self.hidden_size = hidden_size
         self.variance_epsilon = float(eps)
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
-        self.use_fused = self.fused_weight_offset is not None and fused_kernels_enabled()
+        self.init_fused(self.fused_weight_offset is not None)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

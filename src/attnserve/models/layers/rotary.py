@@ -32,7 +32,7 @@ from torch import nn
 
 from attnserve.models.layers.fused_kernels import (
     KVStoreTarget,
-    fused_kernels_enabled,
+    FusedKernelUser,
     rope_layout_supported,
     rotary_embedding_inplace,
 )
@@ -185,7 +185,7 @@ def rope_parameters_from_config(config: Any, layer_type: Optional[str] = None) -
     return out
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(nn.Module, FusedKernelUser):
     """Applies RoPE to query and key heads, gathering a precomputed cos/sin table.
 
     Args:
@@ -207,7 +207,7 @@ class RotaryEmbedding(nn.Module):
     ``position * inv_freq``; not saved in ``state_dict``. It stays float32 when the module
     is cast (``.to(torch.bfloat16)`` moves it between devices but keeps its dtype).
 
-    On CUDA tensors (``use_fused``, read once here from ``ATTNSERVE_DISABLE_FUSED``) one
+    On CUDA tensors (``use_fused``, `FusedKernelUser`) one
     Triton launch rotates q and k in place (`fused_kernels.rotary_embedding_inplace`); the
     PyTorch code is the reference and the CPU path.
     """
@@ -239,7 +239,7 @@ class RotaryEmbedding(nn.Module):
         if self.cos_sin_scale != 1.0:
             cache = cache * self.cos_sin_scale
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-        self.use_fused = fused_kernels_enabled()
+        self.init_fused(True)
 
     def _apply(self, fn, *args, **kwargs):
         # `.to(bfloat16)` / `.half()` on the model must not round the table: keep float32 and

@@ -18,8 +18,8 @@ matrices (bandwidth alone needs < 1 µs), 1.6 TB/s of 3.0 TB/s copy bandwidth on
 
 Both launchers allocate only their output, never read device values on the host and are
 CUDA-graph capturable. `Linear` (``attnserve.models.layers.linear``) calls them for CUDA
-tensors with ``M <= MAX_SKINNY_M`` when fused kernels are enabled (``ATTNSERVE_DISABLE_FUSED=1``
-turns them off).
+tensors with ``M <= MAX_SKINNY_M`` while its ``use_fused`` is on (``--disable-fused-kernels`` turns it
+off).
 
 Triton is imported lazily (the kernels live in `skinny_gemm_triton`), so this module
 imports on CPU-only installs without Triton. On CPU the kernels run only under the Triton

@@ -1,0 +1,138 @@
+"""Key attention-kernel timings through the public kernel API, to compare two trees.
+
+``PYTHONPATH=<tree>/src python benchmarks/kernel_timings.py --label NAME --out DIR`` times,
+inside CUDA graphs of many calls (launch overhead removed, median of replays), the shapes
+the README quotes: paged GQA decode (Hq 32, Hkv 8, D 128, page 16) at bs 64 x 8K and
+8 x 32K, causal extend 1 x 8192, and MLA decode (kv_lora_rank 512 + rope 64, page 64) at
+128 heads bs 32 x 16K and 16 heads bs 128 x 4K, with the kernels' own default configs and
+split heuristics. Only functions that exist with the same signature in every tree since
+2026-11-21 are called, so the same file measures an older checkout (its ``src`` first on
+``PYTHONPATH``) and the current one in one device session. Writes
+``<out>/<label>.json`` with the attnserve path it imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+
+def graph_us(fn, calls: int = 20, replays: int = 15) -> float:
+    """Median µs per call of ``fn`` captured ``calls`` times in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def gqa_decode(bs: int, ctx: int, page: int = 16, hq: int = 32, hkv: int = 8, d: int = 128) -> dict:
+    from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_attention_fwd
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pages = bs * ctx // page + 1
+    kb = torch.randn(pages * page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    vb = torch.randn_like(kb)
+    perm = (torch.randperm(pages - 1, device="cuda", generator=g) + 1).view(bs, ctx // page)
+    idx = (perm[:, :, None] * page + torch.arange(page, device="cuda")).reshape(-1).to(torch.int32)
+    lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
+    indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
+    indptr[1:] = torch.cumsum(lens, 0)
+    splits_cap = 32
+    splits = torch.empty(bs, dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    compute_num_kv_splits(lens, splits, splits_cap, sms, hkv)
+    q = torch.randn(bs, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    o = torch.empty_like(q)
+    logits = torch.empty(bs, hq, splits_cap, d, device="cuda")
+    lse = torch.empty(bs, hq, splits_cap, device="cuda")
+    us = graph_us(lambda: decode_attention_fwd(q, kb, vb, o, indptr, idx, logits, lse, splits, splits_cap, d ** -0.5))
+    nbytes = 2 * bs * ctx * hkv * d * 2
+    return dict(us=us, tbps=nbytes / (us * 1e-6) / 1e12)
+
+
+def extend(t: int = 8192, hq: int = 32, hkv: int = 8, d: int = 128) -> dict:
+    from attnserve.attention.triton_ops.extend_attention import extend_attention_fwd
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn_like(k)
+    o = torch.empty_like(q)
+    qo = torch.tensor([0, t], dtype=torch.int32, device="cuda")
+    kv_indptr = torch.zeros(2, dtype=torch.int32, device="cuda")
+    kv_idx = torch.zeros(1, dtype=torch.int32, device="cuda")
+    us = graph_us(lambda: extend_attention_fwd(q, k, v, o, k, v, qo, kv_indptr, kv_idx, None, True, None, t,
+                                               d ** -0.5), calls=5)
+    return dict(us=us, tflops=2 * 2 * t * t / 2 * hq * d / (us * 1e-6) / 1e12)
+
+
+def mla_decode(bs: int, ctx: int, heads: int, page: int = 64) -> dict:
+    from attnserve.attention.triton_ops.mla_decode import (
+        mla_decode_fwd,
+        mla_num_kv_splits,
+        mla_split_sm_count,
+        mla_workspace_size,
+    )
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    blocks = ctx // page
+    pages = bs * blocks + 1
+    kv = torch.randn(pages * page, 1, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    table = ((torch.randperm(pages - 1, device="cuda", generator=g) + 1).to(torch.int32)).view(bs, blocks)
+    lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
+    q_nope = torch.randn(bs, heads, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    q_pe = torch.randn(bs, heads, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    o = torch.empty(bs, heads, 512, device="cuda", dtype=torch.bfloat16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = mla_num_kv_splits(ctx, bs, mla_split_sm_count(sms, heads))
+    ws = torch.empty(mla_workspace_size(ctx, bs, splits, heads, 512), dtype=torch.uint8, device="cuda")
+    us = graph_us(lambda: mla_decode_fwd(q_nope, q_pe, kv, table, lens, page, o, 192 ** -0.5, splits, splits,
+                                         workspace=ws))
+    return dict(us=us, tbps=bs * ctx * 576 * 2 / (us * 1e-6) / 1e12, splits=splits)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--label", required=True)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    import attnserve
+    import triton
+
+    rows = {
+        "gqa_decode_bs64_8k": gqa_decode(64, 8192),
+        "gqa_decode_bs8_32k": gqa_decode(8, 32768),
+        "extend_1x8192": extend(),
+        "mla128_decode_bs32_16k": mla_decode(32, 16384, 128),
+        "mla16_decode_bs128_4k": mla_decode(128, 4096, 16),
+    }
+    res = dict(label=args.label, attnserve=os.path.dirname(attnserve.__file__), device=torch.cuda.get_device_name(),
+               torch=torch.__version__, triton=triton.__version__, rows=rows)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.label}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    for k, v in rows.items():
+        print(args.label, k, {a: round(b, 3) if isinstance(b, float) else b for a, b in v.items()}, flush=True)
+
+
+if __name__ == "__main__":
+    main()
