@@ -333,12 +333,17 @@ def test_mla_decode_seesaw_heads_and_dtypes(num_heads, dtype, monkeypatch):
 
 
 def _spy_stage1(monkeypatch):
-    """Record which stage 1 each `mla_decode_fwd` call chose (the choice stays the real one)."""
+    """Record which stage 1 each `mla_decode_fwd` call launched (the launch stays the real one)."""
     from attnserve.attention.triton_ops import mla_decode as mla
 
     kinds = []
-    real = mla._stage1_kind
-    monkeypatch.setattr(mla, "_stage1_kind", lambda *a: (kinds.append(real(*a)), kinds[-1])[1])
+    real = mla._launch_stage1
+
+    def launch(kind, *a, **kw):
+        kinds.append(kind)
+        return real(kind, *a, **kw)
+
+    monkeypatch.setattr(mla, "_launch_stage1", launch)
     return kinds
 
 
