@@ -28,6 +28,16 @@ class ServerArgs:
     prefill_attention_backend: Optional[str] = None
     decode_attention_backend: Optional[str] = None
     speculative_attention_mode: str = "prefill"  # prefill | decode
+    # speculative decoding (SGLang's flags; attnserve.speculative_config)
+    speculative_algorithm: Optional[str] = None  # NGRAM | STANDALONE
+    speculative_draft_model_path: Optional[str] = None
+    speculative_draft_layers: Optional[int] = None  # self-draft: the target's first K layers
+    speculative_num_steps: Optional[int] = None
+    speculative_eagle_topk: Optional[int] = None
+    speculative_num_draft_tokens: Optional[int] = None
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_max_bfs_breadth: int = 10
     enable_deterministic_inference: bool = False
     triton_attention_num_kv_splits: int = 32  # most split-K partitions per request (decode)
     triton_attention_split_tile_size: int = 256  # tokens per split in deterministic mode
@@ -103,6 +113,13 @@ class ServerArgs:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.speculative_attention_mode not in ("prefill", "decode"):
             raise ValueError("--speculative-attention-mode must be 'prefill' or 'decode'")
+        from attnserve.speculative_config import SpeculativeConfig
+
+        SpeculativeConfig.from_server_args(self)  # ValueError naming the flag
+        if self.speculative_algorithm is not None:
+            if self.disable_overlap_schedule is False:
+                raise ValueError("speculative decoding runs without overlap scheduling: "
+                                 "disable_overlap_schedule=False cannot be combined with --speculative-algorithm")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1):
@@ -121,7 +138,7 @@ class ServerArgs:
         the GPU's), off on CPU (nothing to hide); ``disable_overlap_schedule`` True/False
         forces it off/on on any device."""
         if self.disable_overlap_schedule is None:
-            return device_type == "cuda"
+            return device_type == "cuda" and self.speculative_algorithm is None
         return not self.disable_overlap_schedule
 
     def cuda_graph_requested(self) -> bool:
@@ -144,6 +161,18 @@ class ServerArgs:
         a("--prefill-attention-backend", default=None, help="backend for EXTEND/MIXED steps")
         a("--decode-attention-backend", default=None, help="backend for DECODE steps")
         a("--speculative-attention-mode", default=d.speculative_attention_mode, choices=["prefill", "decode"])
+        a("--speculative-algorithm", default=None, type=str.upper, choices=["NGRAM", "STANDALONE"],
+          help="NGRAM: draft from the request's own prompt and output; STANDALONE: a draft model")
+        a("--speculative-draft-model-path", default=None, help="draft model (STANDALONE), sharing the tokenizer")
+        a("--speculative-draft-layers", type=int, default=None,
+          help="STANDALONE self-draft: the target's first K layers and its head draft (no second model)")
+        a("--speculative-num-steps", type=int, default=None, help="draft decode steps per verify (STANDALONE)")
+        a("--speculative-eagle-topk", type=int, default=None, help="candidates expanded per draft step")
+        a("--speculative-num-draft-tokens", type=int, default=None,
+          help="tokens verified per request and step, the last sampled one included")
+        a("--speculative-ngram-min-match-window-size", type=int, default=d.speculative_ngram_min_match_window_size)
+        a("--speculative-ngram-max-match-window-size", type=int, default=d.speculative_ngram_max_match_window_size)
+        a("--speculative-ngram-max-bfs-breadth", type=int, default=d.speculative_ngram_max_bfs_breadth)
         a("--enable-deterministic-inference", action="store_true",
           help="batch-invariant attention (fixed split sizes)")
         a("--triton-attention-num-kv-splits", type=int, default=d.triton_attention_num_kv_splits,

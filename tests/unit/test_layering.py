@@ -17,6 +17,7 @@ LEVEL = {
     "forward_batch": 2,
     "attention": 3,
     "server_args": 3.5,
+    "speculative_config": 3.5,
     "models": 4,
     "model_loader": 5,
     "engine": 6,

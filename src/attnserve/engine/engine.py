@@ -26,7 +26,8 @@ class GenerateOutput:
     """One finished request: ``text`` (stop strings cut off), generated ``token_ids``
     (EOS/stop token included when it ended the request), ``finish_reason`` ("stop",
     "length" or "abort"), ``cached_tokens`` (prompt tokens served from the prefix cache),
-    ``error`` (why an aborted request failed, when it did)."""
+    ``error`` (why an aborted request failed, when it did), ``spec_verify_ct`` (speculative
+    verify steps; accept length = ``len(token_ids) / spec_verify_ct``)."""
 
     rid: str
     text: str
@@ -36,12 +37,13 @@ class GenerateOutput:
     matched_stop: object = None
     cached_tokens: int = 0
     error: Optional[str] = None
+    spec_verify_ct: int = 0
 
     @classmethod
     def from_req(cls, req: Req) -> "GenerateOutput":
         reason = req.finish_reason.value if req.finish_reason is not None else None
         return cls(req.rid, req.text, list(req.output_ids), reason, list(req.prompt_ids), req.matched_stop,
-                   req.cached_tokens, req.error)
+                   req.cached_tokens, req.error, req.spec_verify_ct)
 
 
 class Engine:

@@ -34,6 +34,9 @@ class Req:
     row belong to the tree (locked through ``last_node``), the rest to the request;
     ``cached_tokens`` counts prompt tokens served from the cache; ``kv_committed`` is False
     when the step computing the request's K/V failed (they are then not cached).
+
+    ``spec_verify_ct``: speculative verify steps the request took part in (SGLang's name;
+    accept length = output tokens / ``spec_verify_ct``).
     """
 
     rid: str
@@ -52,6 +55,7 @@ class Req:
     cache_own_len: int = 0
     cached_tokens: int = 0
     kv_committed: bool = True
+    spec_verify_ct: int = 0
     finish_reason: Optional[FinishReason] = None
     matched_stop: Optional[object] = None
     text: str = ""

@@ -52,6 +52,7 @@ from attnserve.engine.request import FinishReason, Req
 from attnserve.engine.sampler import SamplingBatchInfo, sample
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.schedule_batch import LaunchedStep, ScheduleBatch, SchedulerStats  # noqa: F401 (re-export)
+from attnserve.speculative_config import SpeculativeConfig
 from attnserve.engine.schedule_policy import (  # noqa: F401 (AdmissionPolicy re-exported)
     LPM_MAX_QUEUE,
     AdmissionPolicy,
@@ -97,6 +98,12 @@ class Scheduler:
         # future-token map: the last sampled id of the request in each req_to_token row
         self.token_map = torch.zeros(self.req_to_token_pool.size, dtype=torch.int64, device=self.device)
         self.packer = StepInputPacker(self.device)
+        self.spec = None  # speculative decoding (attnserve.engine.speculative), overlap off
+        spec_config = SpeculativeConfig.from_server_args(server_args)
+        if spec_config is not None:
+            from attnserve.engine.speculative.verify import SpecDecoder
+
+            self.spec = SpecDecoder(spec_config, model_runner, self.token_map, self.packer)
         self._ids_ring: List[Optional[torch.Tensor]] = [None] * 4
         self._ids_next = 0
         self._pending: Optional[LaunchedStep] = None
@@ -186,6 +193,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self._release(req)
+        if self.spec is not None:
+            self.spec.forget(req)
         return True
 
     def has_work(self) -> bool:
@@ -282,6 +291,10 @@ class Scheduler:
         if not prefilling:
             if not decoding:
                 return None
+            if self.spec is not None:
+                trees = self.spec.plan(decoding)
+                return ScheduleBatch(ForwardMode.TARGET_VERIFY, decoding, [r.kv_len for r in decoding],
+                                     [t.size for t in trees], trees=trees)
             return ScheduleBatch(ForwardMode.DECODE, decoding, [r.kv_len for r in decoding], [1] * len(decoding))
         budget = self.args.chunked_prefill_size
         reqs, lens = [], []
@@ -336,13 +349,16 @@ class Scheduler:
         t0 = time.perf_counter()
         wait0 = self.stats.wait_seconds
         touched: List[Req] = []
-        launched = None
+        launched = batch = None
         self.failed_reqs = []
         self.touched_before_failure = []
         try:
             self._admit()
             batch = self._schedule(touched)
-            if batch is not None:
+            if batch is not None and batch.trees is not None:  # speculative: verify, then accept at once
+                self._current = batch.reqs
+                touched.extend(self._verify(batch))
+            elif batch is not None:
                 self._current = batch.reqs
                 launched = self._launch(batch)
             if self.overlap:
@@ -363,9 +379,9 @@ class Scheduler:
         finally:
             self._current = []
         host = time.perf_counter() - t0 - (self.stats.wait_seconds - wait0)
-        if launched is not None:
+        if batch is not None:
             self.stats.num_steps += 1
-            if launched.batch.forward_mode.is_decode():
+            if batch.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
                 self.stats.num_decode_steps += 1
                 self.stats.decode_host_seconds += host
                 self.new_token_ratio = max(self.policy.min_ratio, self.new_token_ratio - self.policy.decay)
@@ -496,24 +512,51 @@ class Scheduler:
                 if r.finished:  # finished or aborted while this step ran: the token is dropped
                     self.stats.discarded_tokens += 1
                     continue
-                try:
-                    r.output_ids.append(tok)
-                    if r.first_token_at is None:
-                        r.first_token_at = now
-                    check_stop(r, self.tokenizer, self.eos_token_ids, self.context_len)
-                except Exception as e:  # this request alone fails; the batch goes on
-                    logger.exception("post-processing request %s failed", r.rid)
-                    r.finish_reason = FinishReason.ABORT
-                    r.error = f"{type(e).__name__}: {e}"
+                self._append(r, [tok], now)
                 touched.append(r)
-                if r.finished:
-                    self._finish(r)
         finally:
             self.allocator.free_group_end()
         return touched
 
+    def _append(self, r: Req, tokens: List[int], now: float) -> int:
+        """Append ``tokens`` to ``r`` one at a time, checking stop conditions after each
+        (tokens after a stop are dropped); finish it when it stops. Returns how many were
+        kept. A failure here fails ``r`` alone."""
+        kept = 0
+        try:
+            for tok in tokens:
+                r.output_ids.append(tok)
+                kept += 1
+                if r.first_token_at is None:
+                    r.first_token_at = now
+                check_stop(r, self.tokenizer, self.eos_token_ids, self.context_len)
+                if r.finished:
+                    break
+        except Exception as e:  # this request alone fails; the batch goes on
+            logger.exception("post-processing request %s failed", r.rid)
+            r.finish_reason = FinishReason.ABORT
+            r.error = f"{type(e).__name__}: {e}"
+        if r.finished:
+            self._finish(r)
+        return kept
+
+    def _verify(self, batch: ScheduleBatch) -> List[Req]:
+        """A speculative step (`SpecDecoder.verify`) and its results, at once (no overlap)."""
+        result = self.spec.verify(batch.reqs, batch.trees)
+        now = time.perf_counter()
+        self.allocator.free_group_begin()
+        try:
+            for r, tokens in zip(batch.reqs, result.tokens):
+                r.spec_verify_ct += 1
+                self.spec.stats.num_emitted += self._append(r, tokens, now)
+        finally:
+            self.allocator.free_group_end()
+        return list(batch.reqs)
+
     def _finish(self, req: Req) -> None:
         req.finished_at = time.perf_counter()
+        if self.spec is not None:
+            self.spec.forget(req)
         if req in self.running:
             self.running.remove(req)
         self._release(req)

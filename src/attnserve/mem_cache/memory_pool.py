@@ -148,6 +148,18 @@ class KVCache:
         """``[slots, H, D]`` -> ``[num_pages + 1, page_size, H, D]`` (a view, never a copy)."""
         return buffer.view(-1, self.page_size, *buffer.shape[1:])
 
+    def buffers(self) -> list:
+        """Every per-layer storage tensor (rows are slots)."""
+        raise NotImplementedError
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of slots ``src`` to slots ``dst`` (int64 ``[n]`` on the pool's
+        device) in every layer; every source is read before any destination is written, so
+        the two may overlap. Used to move an accepted draft path into place."""
+        if src.numel():
+            for buf in self.buffers():
+                buf[dst] = buf[src]
+
     def mem_bytes(self) -> int:
         raise NotImplementedError
 
@@ -197,6 +209,9 @@ class MHATokenToKVPool(KVCache):
             torch.zeros((rows, head_num, self.v_head_dim), dtype=dtype, device=self.device) for _ in range(layer_num)
         ]
         self.use_fused_store = bool(use_fused_store) and self.device.type == "cuda" and fused_kernels_available()
+
+    def buffers(self) -> list:
+        return [*self.k_buffer, *self.v_buffer]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]
@@ -266,6 +281,9 @@ class MLATokenToKVPool(KVCache):
         self.kv_buffer = [
             torch.zeros((rows, 1, self.head_dim), dtype=dtype, device=self.device) for _ in range(layer_num)
         ]
+
+    def buffers(self) -> list:
+        return list(self.kv_buffer)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.kv_buffer[layer_id]

@@ -1,0 +1,72 @@
+"""Speculative decoding end to end (real SmolLM2, fp32, CPU): the tokens are those of plain
+decoding, for greedy and seeded sampled requests alike, with chains and trees, page sizes
+1 and 16, chunked prefill and the radix cache; the pools are fully free afterwards.
+
+Why sampled requests match too: drafts are proposed deterministically and the sampler's
+noise is a function of (seed, output position), so verifying a node samples exactly the
+token plain decoding would have sampled there (`attnserve.engine.speculative.verify`).
+"""
+
+import pytest
+
+from attnserve.engine.sampling_params import SamplingParams
+
+from test_overlap_retract import PROMPTS, _assert_idle, _params, _summary
+
+EDIT_PROMPT = (
+    "Repeat the following paragraph exactly, but replace the word 'cat' with 'dog':\n\n"
+    "The cat sat on the warm windowsill and watched the birds in the garden. Every morning the cat "
+    "waited for the sun to rise, and every evening the cat slept on the old blue chair by the door."
+)
+
+
+@pytest.fixture(scope="module")
+def baseline(llm):
+    return _summary(llm.generate(PROMPTS, _params(), chat=True))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(speculative_num_draft_tokens=8),  # trees (breadth 10)
+    dict(speculative_num_draft_tokens=4, speculative_ngram_max_bfs_breadth=1),  # chains
+    dict(speculative_num_draft_tokens=6, page_size=16, chunked_prefill_size=16),  # pages, chunked prefill
+    dict(speculative_num_draft_tokens=5, disable_radix_cache=True),
+])
+def test_ngram_outputs_identical(llm_factory, baseline, kwargs):
+    llm = llm_factory(speculative_algorithm="NGRAM", **kwargs)
+    assert llm.engine.scheduler.spec is not None and llm.engine.scheduler.overlap is False
+    outs = llm.generate(PROMPTS, _params(), chat=True)
+    assert _summary(outs) == baseline
+    assert all(o.spec_verify_ct >= 1 for o in outs if len(o.token_ids) > 1)
+    _assert_idle(llm)
+
+
+def test_ngram_accepts_drafts_on_an_editing_prompt(llm_factory, llm):
+    """Repeating a paragraph: the drafts come from the prompt, several tokens per verify,
+    and the text is plain greedy decoding's."""
+    params = SamplingParams(max_new_tokens=64, temperature=0.0)
+    plain = llm.generate([EDIT_PROMPT], params, chat=True)[0]
+    spec_llm = llm_factory(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8)
+    out = spec_llm.generate([EDIT_PROMPT], params, chat=True)[0]
+    assert out.token_ids == plain.token_ids
+    stats = spec_llm.engine.scheduler.spec.stats
+    assert stats.num_verify == out.spec_verify_ct
+    assert len(out.token_ids) / out.spec_verify_ct > 1.5, (len(out.token_ids), out.spec_verify_ct)
+    _assert_idle(spec_llm)
+
+
+def test_speculative_flags_are_checked():
+    from attnserve.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="valid: NGRAM, STANDALONE"):
+        ServerArgs(speculative_algorithm="MEDUSA", device="cpu").check()
+    with pytest.raises(ValueError, match="--speculative-num-draft-tokens must be in 1..64"):
+        ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=0, device="cpu").check()
+    with pytest.raises(ValueError, match="--speculative-num-draft-tokens needs --speculative-algorithm"):
+        ServerArgs(speculative_num_draft_tokens=4, device="cpu").check()
+    with pytest.raises(ValueError, match="exactly one of --speculative-draft-model-path"):
+        ServerArgs(speculative_algorithm="STANDALONE", device="cpu").check()
+    with pytest.raises(ValueError, match="is for STANDALONE"):
+        ServerArgs(speculative_algorithm="NGRAM", speculative_eagle_topk=2, device="cpu").check()
+    with pytest.raises(ValueError, match="min-match-window-size"):
+        ServerArgs(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=3,
+                   speculative_ngram_max_match_window_size=2, device="cpu").check()
