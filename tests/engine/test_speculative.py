@@ -70,3 +70,20 @@ def test_speculative_flags_are_checked():
     with pytest.raises(ValueError, match="min-match-window-size"):
         ServerArgs(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=3,
                    speculative_ngram_max_match_window_size=2, device="cpu").check()
+
+
+def test_gemma3_ngram_identical_and_chains(llm_factory):
+    """Gemma 3 270M (sliding-window layers, real weights): NGRAM drafts chains there (the
+    backends place windows by slot, which is the tree depth only on a chain) and the
+    tokens are plain decoding's."""
+    prompts = [EDIT_PROMPT, "Count from one to twenty: one, two, three,", "What is the capital of France?"]
+    params = [SamplingParams(max_new_tokens=40, temperature=0.0),
+              SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_new_tokens=24, temperature=0.9, seed=5)]
+    plain = llm_factory(model="gemma3-270m").generate(prompts, params)
+    llm = llm_factory(model="gemma3-270m", speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)
+    assert llm.engine.scheduler.spec.proposer.drafter.max_bfs_breadth == 1
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert sum(len(o.token_ids) for o in outs) > sum(o.spec_verify_ct for o in outs)  # some drafts accepted
+    _assert_idle(llm)

@@ -36,6 +36,15 @@ def test_retractions_counted_from_engine_totals():
     assert s["attnserve_new_token_ratio"] == 0.5
 
 
+def test_speculative_metrics_from_engine_totals():
+    m = ServerMetrics("s")
+    base = dict(running=1, waiting=0, kv_slots_used=0, kv_slots_total=10)
+    for verifies, length in ((4, 2.5), (10, 3.0)):
+        m.set_state(dict(base, spec_verify=verifies, spec_accept_length=length))
+    s = _samples(m.render().decode())
+    assert s["attnserve_spec_verify_total"] == 10 and s["attnserve_spec_accept_length"] == 3.0
+
+
 def test_live_metrics(server, client):
     before = _samples(client.get("/metrics").text)
     r = client.post("/v1/completions", json={"prompt": "One two three", "max_tokens": 5, "temperature": 0,

@@ -454,6 +454,9 @@ class EngineLoop:
             state.update(retractions=stats.num_retractions, retracted_requests=stats.num_retracted_requests,
                          new_token_ratio=sched.new_token_ratio, cached_prompt_tokens=stats.cached_prompt_tokens,
                          admitted_prompt_tokens=stats.admitted_prompt_tokens)
+        spec = getattr(sched, "spec", None)
+        if spec is not None:
+            state.update(spec_verify=spec.stats.num_verify, spec_accept_length=spec.stats.mean_accept_length)
         self._state = state
         if self.metrics is not None:
             self.metrics.set_state(state)

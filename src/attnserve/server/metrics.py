@@ -23,6 +23,8 @@ new_token_ratio                        gauge      admission estimate of future o
 cached_prompt_tokens_total             counter    prompt tokens served from the prefix cache
 prefix_cache_hit_rate                  gauge      cached / admitted prompt tokens since start
 kv_slots_evictable / kv_slots_protected gauge     cached tokens no request holds / held by requests
+spec_verify_total                      counter    speculative verifies (one per request and step)
+spec_accept_length                     gauge      mean tokens per verify since start (SGLang's accept length)
 time_to_first_token_seconds            histogram  arrival -> first generated token
 inter_token_latency_seconds            histogram  gap between consecutive tokens of a request
 e2e_request_latency_seconds            histogram  arrival -> last token
@@ -82,7 +84,9 @@ class ServerMetrics:
         self.hit_rate = gauge("prefix_cache_hit_rate", "Cached / admitted prompt tokens since start.")
         self.kv_evictable = gauge("kv_slots_evictable", "Cached KV tokens no running request holds.")
         self.kv_protected = gauge("kv_slots_protected", "Cached KV tokens held by running requests.")
-        self._seen = {"retractions": 0, "retracted_requests": 0, "cached_prompt_tokens": 0}
+        self.spec_verify = counter("spec_verify", "Speculative verifies (one per request and step).")
+        self.spec_accept_length = gauge("spec_accept_length", "Mean tokens per speculative verify since start.")
+        self._seen = {"retractions": 0, "retracted_requests": 0, "cached_prompt_tokens": 0, "spec_verify": 0}
         self.model_name = model_name
 
     # ---- fed by the engine loop thread ---------------------------------------------------------
@@ -115,11 +119,13 @@ class ServerMetrics:
         self.kv_used.set(state["kv_slots_used"])
         self.kv_total.set(state["kv_slots_total"])
         for key, metric in (("retractions", self.retractions), ("retracted_requests", self.retracted),
-                            ("cached_prompt_tokens", self.cached_prompt_tokens)):
+                            ("cached_prompt_tokens", self.cached_prompt_tokens), ("spec_verify", self.spec_verify)):
             value = state.get(key, 0)
             if value > self._seen[key]:  # the snapshot holds totals; the counter takes increments
                 metric.inc(value - self._seen[key])
                 self._seen[key] = value
+        if "spec_accept_length" in state:
+            self.spec_accept_length.set(state["spec_accept_length"])
         if "new_token_ratio" in state:
             self.new_token_ratio.set(state["new_token_ratio"])
         if state.get("admitted_prompt_tokens"):
