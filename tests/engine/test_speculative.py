@@ -20,9 +20,17 @@ EDIT_PROMPT = (
 )
 
 
+SMALL = 6  # requests of the STANDALONE cases (a draft model costs a forward per draft step on the CPU)
+
+
 @pytest.fixture(scope="module")
 def baseline(llm):
     return _summary(llm.generate(PROMPTS, _params(), chat=True))
+
+
+@pytest.fixture(scope="module")
+def small_baseline(llm):
+    return _summary(llm.generate(PROMPTS[:SMALL], _params()[:SMALL], chat=True))
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -87,3 +95,35 @@ def test_gemma3_ngram_identical_and_chains(llm_factory):
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert sum(len(o.token_ids) for o in outs) > sum(o.spec_verify_ct for o in outs)  # some drafts accepted
     _assert_idle(llm)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(speculative_draft_model_path="smollm2-135m", speculative_num_steps=4),  # the target as its own draft
+    dict(speculative_draft_layers=20, speculative_num_steps=3, page_size=16, chunked_prefill_size=16),
+    dict(speculative_draft_layers=12, speculative_num_steps=3, speculative_eagle_topk=2,
+         speculative_num_draft_tokens=5),  # trees from the draft model
+])
+def test_standalone_outputs_identical(llm_factory, small_baseline, kwargs):
+    llm = llm_factory(speculative_algorithm="STANDALONE", **kwargs)
+    outs = llm.generate(PROMPTS[:SMALL], _params()[:SMALL], chat=True)
+    assert _summary(outs) == small_baseline
+    _assert_idle(llm)
+    stats = llm.engine.scheduler.spec.stats
+    assert stats.num_verify == sum(o.spec_verify_ct for o in outs)
+    if "speculative_draft_model_path" in kwargs:  # a perfect draft: every step takes all num_steps drafts
+        assert stats.mean_accept_length > 3.0, stats
+
+
+def test_standalone_bad_drafts_are_refused():
+    from attnserve.engine.engine import Engine
+    from attnserve.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="must be below the target's 30 layers"):
+        Engine(ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_layers=30, device="cpu",
+                          max_total_tokens=256, load_format="dummy"))
+    with pytest.raises(ValueError, match="another vocabulary"):
+        Engine(ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="gemma3-270m",
+                          device="cpu", max_total_tokens=256, load_format="dummy"))
+    with pytest.raises(ValueError, match="exceeds what 2 steps of top-2 can draft"):
+        ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_layers=2, speculative_num_steps=2,
+                   speculative_eagle_topk=2, speculative_num_draft_tokens=6, device="cpu").check()

@@ -15,6 +15,7 @@ from attnserve.engine.request import Req
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.scheduler import Scheduler
 from attnserve.server_args import ServerArgs
+from attnserve.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +70,23 @@ class Engine:
         )
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.model_config
-        self.model_runner = ModelRunner(server_args, loaded)
+        spec = SpeculativeConfig.from_server_args(server_args)
+        draft_runner = None
+        if spec is not None and spec.algorithm == "STANDALONE":
+            from attnserve.engine.speculative.draft_model import load_draft_model
+
+            draft = load_draft_model(spec, server_args, loaded)
+            extra = draft.model_config.kv_cache_bytes_per_token(server_args.resolved_dtype())
+            self.model_runner = ModelRunner(server_args, loaded, extra_kv_bytes_per_token=extra)
+            draft_runner = ModelRunner(server_args, draft, draft_of=self.model_runner)
+        else:
+            self.model_runner = ModelRunner(server_args, loaded)
+        self.draft_runner = draft_runner
         eos = list(getattr(self.model_config, "eos_token_ids", None) or [])
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
-        self.scheduler = Scheduler(self.model_runner, server_args, self.tokenizer, sorted(set(eos)))
+        self.scheduler = Scheduler(self.model_runner, server_args, self.tokenizer, sorted(set(eos)),
+                                   draft_runner=draft_runner)
 
     @property
     def context_len(self) -> int:

@@ -43,17 +43,25 @@ class ModelRunner:
     Args:
         server_args: `ServerArgs` (device, dtype, page size, KV size, backends, graphs).
         loaded: a `LoadedModel` from `attnserve.model_loader.loader.load_model`.
+        extra_kv_bytes_per_token: KV bytes per token of another pool of the same size
+            (a speculative draft model's), counted when the pool is sized from free memory.
+        draft_of: the target's runner when this one runs a speculative draft model: it
+            shares the target's ``req_to_token`` rows and slot allocator (a token's draft K/V
+            sit at the same slot as its target K/V, in a pool of the draft's own shape) and
+            captures no graphs.
     """
 
-    def __init__(self, server_args, loaded):
+    def __init__(self, server_args, loaded, extra_kv_bytes_per_token: int = 0, draft_of: "ModelRunner" = None):
         self.server_args = server_args
         self.device = torch.device(server_args.resolved_device())
         self.dtype = server_args.resolved_dtype()
         self.model = loaded.model
         self.model_config = loaded.model_config
+        self.extra_kv_bytes_per_token = int(extra_kv_bytes_per_token)
+        self.draft_of = draft_of
         set_fused_kernels(self.model, not server_args.disable_fused_kernels)
         mc = self.model_config
-        self.context_len = server_args.context_length or mc.context_len
+        self.context_len = draft_of.context_len if draft_of is not None else server_args.context_length or mc.context_len
         self.page_size = server_args.page_size
         self.backend_choice = choose_backends(server_args, DeviceCaps.detect(self.device), mc.attention_arch)
         facts = self._backend_config()
@@ -63,7 +71,8 @@ class ModelRunner:
         self.attn_backend = create_backends(self.attn_backend_config, self.backend_choice,
                                             server_args.speculative_attention_mode)
         self.cuda_graph_runner = None
-        self._init_cuda_graphs()
+        if draft_of is None:
+            self._init_cuda_graphs()
 
     # ---- memory ------------------------------------------------------------------------
     def _layer_windows(self) -> tuple:
@@ -75,7 +84,7 @@ class ModelRunner:
         windows = [-1] * self.model_config.num_hidden_layers
         seen = {}
         for m in self.model.modules():
-            if isinstance(m, RadixAttention):
+            if isinstance(m, RadixAttention) and m.layer_id < len(windows):  # a self-draft runs the first layers
                 w = seen.setdefault(m.layer_id, m.sliding_window_size)
                 if w != m.sliding_window_size:
                     raise ValueError(f"layer {m.layer_id} has attention modules with windows {w} and "
@@ -101,14 +110,16 @@ class ModelRunner:
     def _init_memory_pool(self) -> None:
         args = self.server_args
         mc = self.model_config
-        if args.max_total_tokens is not None:
+        if self.draft_of is not None:
+            size = self.draft_of.max_total_num_tokens
+        elif args.max_total_tokens is not None:
             size = args.max_total_tokens
         elif self.device.type == "cpu":
             size = CPU_DEFAULT_MAX_TOTAL_TOKENS
         else:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1.0 - args.mem_fraction_static) - self.attn_workspace_bytes
-            size = int(max(budget, 0) // mc.kv_cache_bytes_per_token(self.dtype))
+            size = int(max(budget, 0) // (mc.kv_cache_bytes_per_token(self.dtype) + self.extra_kv_bytes_per_token))
             size = min(size, args.max_running_requests * self.context_len)
             if size < self.page_size * 2:
                 raise ValueError(
@@ -116,8 +127,12 @@ class ModelRunner:
                 )
         size = max(self.page_size, size - size % self.page_size)
         self.max_total_num_tokens = size
-        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, self.context_len + 1, self.device)
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(size, self.page_size)
+        if self.draft_of is not None:
+            self.req_to_token_pool = self.draft_of.req_to_token_pool
+            self.token_to_kv_pool_allocator = self.draft_of.token_to_kv_pool_allocator
+        else:
+            self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, self.context_len + 1, self.device)
+            self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(size, self.page_size)
         if mc.attention_arch == "mla":
             self.token_to_kv_pool = MLATokenToKVPool(
                 size, self.page_size, self.dtype, mc.kv_lora_rank, mc.qk_rope_head_dim, mc.num_hidden_layers,
@@ -129,8 +144,9 @@ class ModelRunner:
                 self.device, v_head_dim=mc.v_head_dim, use_fused_store=not args.disable_fused_kernels,
             )
         logger.info(
-            "KV cache: %d tokens, page_size %d, %.1f MiB; attention workspace %.1f MiB (%s, up to %d requests)",
-            size, self.page_size, self.token_to_kv_pool.mem_bytes() / 2**20, self.attn_workspace_bytes / 2**20,
+            "%sKV cache: %d tokens, page_size %d, %.1f MiB; attention workspace %.1f MiB (%s, up to %d requests)",
+            "draft model " if self.draft_of is not None else "", size, self.page_size,
+            self.token_to_kv_pool.mem_bytes() / 2**20, self.attn_workspace_bytes / 2**20,
             self.backend_choice.decode, args.max_running_requests,
         )
 

@@ -44,14 +44,14 @@ class SchedulerStats:
 class ScheduleBatch:
     """A step chosen on the host: ``reqs`` with ``prefix_lens[i]`` cached tokens and
     ``extend_lens[i]`` computed now; ``emit[i]``: row i samples an output token;
-    ``trees``: the draft trees of a speculative verify step (TARGET_VERIFY), else None."""
+    ``spec``: the `SpecPlan` of a speculative verify step (TARGET_VERIFY), else None."""
 
     forward_mode: ForwardMode
     reqs: List[Req]
     prefix_lens: List[int]
     extend_lens: List[int]
     emit: List[bool] = field(default_factory=list)
-    trees: Optional[list] = None
+    spec: Optional[object] = None
 
 
 @dataclass

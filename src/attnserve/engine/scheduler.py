@@ -74,10 +74,11 @@ class Scheduler:
         tokenizer: HF tokenizer (for stop strings and text), or None.
         eos_token_ids: ids that end a request unless ``ignore_eos``.
         policy: the admission estimate (`AdmissionPolicy`).
+        draft_runner: the draft model's `ModelRunner` (STANDALONE speculative decoding).
     """
 
     def __init__(self, model_runner, server_args, tokenizer=None, eos_token_ids: Sequence[int] = (),
-                 policy: Optional[AdmissionPolicy] = None):
+                 policy: Optional[AdmissionPolicy] = None, draft_runner=None):
         self.runner = model_runner
         self.args = server_args
         self.tokenizer = tokenizer
@@ -103,7 +104,7 @@ class Scheduler:
         if spec_config is not None:
             from attnserve.engine.speculative.verify import SpecDecoder
 
-            self.spec = SpecDecoder(spec_config, model_runner, self.token_map, self.packer)
+            self.spec = SpecDecoder(spec_config, model_runner, self.token_map, self.packer, draft_runner)
         self._ids_ring: List[Optional[torch.Tensor]] = [None] * 4
         self._ids_next = 0
         self._pending: Optional[LaunchedStep] = None
@@ -270,6 +271,8 @@ class Scheduler:
             self._release(req)  # cached: a re-admission may find its own prefix still there
             req.prefill_target = 0
             req.num_retractions += 1
+            if self.spec is not None:
+                self.spec.forget(req)
             self.waiting.appendleft(req)
         self.stats.num_retractions += 1
         self.stats.num_retracted_requests += len(victims)
@@ -292,9 +295,9 @@ class Scheduler:
             if not decoding:
                 return None
             if self.spec is not None:
-                trees = self.spec.plan(decoding)
+                plan = self.spec.plan(decoding)
                 return ScheduleBatch(ForwardMode.TARGET_VERIFY, decoding, [r.kv_len for r in decoding],
-                                     [t.size for t in trees], trees=trees)
+                                     list(plan.extents), spec=plan)
             return ScheduleBatch(ForwardMode.DECODE, decoding, [r.kv_len for r in decoding], [1] * len(decoding))
         budget = self.args.chunked_prefill_size
         reqs, lens = [], []
@@ -355,7 +358,7 @@ class Scheduler:
         try:
             self._admit()
             batch = self._schedule(touched)
-            if batch is not None and batch.trees is not None:  # speculative: verify, then accept at once
+            if batch is not None and batch.spec is not None:  # speculative: verify, then accept at once
                 self._current = batch.reqs
                 touched.extend(self._verify(batch))
             elif batch is not None:
@@ -542,7 +545,7 @@ class Scheduler:
 
     def _verify(self, batch: ScheduleBatch) -> List[Req]:
         """A speculative step (`SpecDecoder.verify`) and its results, at once (no overlap)."""
-        result = self.spec.verify(batch.reqs, batch.trees)
+        result = self.spec.verify(batch.reqs, batch.spec)
         now = time.perf_counter()
         self.allocator.free_group_begin()
         try:

@@ -212,10 +212,11 @@ class DeepseekV2Model(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
-    def forward(self, input_ids, positions, forward_batch):
+    def forward(self, input_ids, positions, forward_batch,
+                num_layers: Optional[int] = None):
         hidden_states = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
@@ -264,9 +265,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         return self.neox_rope
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
+                num_layers: Optional[int] = None) -> torch.Tensor:
         """int64 ``input_ids``/``positions`` ``[T]`` -> ``[T, hidden_size]`` after the final norm."""
-        return self.model(input_ids, positions, forward_batch)
+        return self.model(input_ids, positions, forward_batch, num_layers)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -212,10 +212,11 @@ class Gemma3TextModel(nn.Module):
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
+                num_layers: Optional[int] = None) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids) * self.embed_scale
         residual = None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states

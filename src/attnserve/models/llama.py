@@ -138,10 +138,11 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
+                num_layers: Optional[int] = None) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
@@ -185,7 +186,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
+                num_layers: Optional[int] = None) -> torch.Tensor:
         """Run the decoder on the step's tokens.
 
         Args:
@@ -196,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             ``[T, hidden_size]`` hidden states after the final norm, in the model dtype.
         """
-        return self.model(input_ids, positions, forward_batch)
+        return self.model(input_ids, positions, forward_batch, num_layers)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -86,6 +86,18 @@ class NgramProposer:
 
 
 @dataclass
+class SpecPlan:
+    """What a verify step reserves and verifies: ``extents[i]`` KV slots for request ``i``
+    (positions ``kv_len ..``), and its draft tree when known before the step (NGRAM), or
+    None when the draft model grows it inside the step (STANDALONE, at most ``limits[i]``
+    nodes)."""
+
+    extents: List[int]
+    trees: Optional[List[DraftTree]] = None
+    limits: List[int] = field(default_factory=list)
+
+
+@dataclass
 class VerifyResult:
     """Per request of a verify step: the tokens it gains (``tokens``) and the accepted
     path length (``accepted``: drafted tokens taken)."""
@@ -106,9 +118,8 @@ class SpecDecoder:
         packer: the scheduler's `StepInputPacker`.
     """
 
-    def __init__(self, config: SpeculativeConfig, runner, token_map: torch.Tensor, packer: StepInputPacker):
-        if config.algorithm != "NGRAM":
-            raise ValueError(f"--speculative-algorithm {config.algorithm} is not available yet; use NGRAM")
+    def __init__(self, config: SpeculativeConfig, runner, token_map: torch.Tensor, packer: StepInputPacker,
+                 draft_runner=None):
         self.config = config
         self.runner = runner
         self.token_map = token_map
@@ -121,13 +132,23 @@ class SpecDecoder:
             logger.warning("model has sliding-window layers: NGRAM drafts chains (max BFS breadth 1 instead of %d)",
                            breadth)
             breadth = 1
-        self.proposer = NgramProposer(config, breadth)
+        self.proposer = NgramProposer(config, breadth) if config.algorithm == "NGRAM" else None
+        self.drafter = None
+        if config.algorithm == "STANDALONE":
+            from attnserve.engine.speculative.draft import DraftWorker
+
+            if draft_runner is None:
+                raise ValueError("STANDALONE speculative decoding needs a draft model runner")
+            if runner.attn_backend_config.window_sizes and config.topk > 1:
+                raise ValueError("--speculative-eagle-topk > 1 (tree drafts) is not supported on models with "
+                                 "sliding-window layers (the backends place windows by slot); use topk 1")
+            self.drafter = DraftWorker(config, draft_runner)
         self.stats = SpecStats()
 
     # ---- planning ----------------------------------------------------------------------
-    def plan(self, reqs: Sequence[Req]) -> List[DraftTree]:
-        """A draft tree per request, at most ``num_draft_tokens`` nodes and never more than
-        the request may still emit or hold."""
+    def plan(self, reqs: Sequence[Req]) -> SpecPlan:
+        """The slots each request reserves and, for NGRAM, its draft tree: at most
+        ``num_draft_tokens`` nodes and never more than the request may still emit or hold."""
         limits = []
         for r in reqs:
             if r.kv_len != r.seq_len - 1:
@@ -135,39 +156,54 @@ class SpecDecoder:
                                    f"(kv_len {r.kv_len}, {r.seq_len} tokens)")
             emit_left = r.sampling_params.max_new_tokens - len(r.output_ids)
             limits.append(max(1, min(self.config.num_draft_tokens, r.max_total_len - r.kv_len, emit_left)))
-        return self.proposer.propose(reqs, limits)
+        if self.drafter is not None:
+            room = [max(1, r.max_total_len - r.kv_len) for r in reqs]
+            return SpecPlan([self.drafter.extent(m) for m in room], None, limits)
+        trees = self.proposer.propose(reqs, limits)
+        return SpecPlan([t.size for t in trees], trees)
 
     def forget(self, req: Req) -> None:
-        """Drop the drafter's state of a finished request."""
-        self.proposer.forget(req)
+        """Drop the drafter's state of a request whose K/V are gone."""
+        (self.proposer or self.drafter).forget(req)
 
     # ---- one verify step ---------------------------------------------------------------
-    def verify(self, reqs: Sequence[Req], trees: Sequence[DraftTree]) -> VerifyResult:
-        """Run the target over ``trees`` (one per request of ``reqs``, in order), accept,
-        move K/V, free rejected pages; ``kv_len`` of every request is updated.
+    def verify(self, reqs: Sequence[Req], plan: SpecPlan) -> VerifyResult:
+        """Reserve ``plan.extents`` slots, draft (STANDALONE), run the target over the
+        trees, accept, move K/V, free rejected pages; ``kv_len`` of every request is updated.
 
         Raises RuntimeError when the pool lacks the pages (the scheduler reserved them).
         """
         runner = self.runner
         r2t, allocator = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
         prefix = [r.kv_len for r in reqs]
-        sizes = [t.size for t in trees]
-        host = host_step_layout([r.req_pool_idx for r in reqs], prefix, sizes)
+        extents = list(plan.extents)
+        host = host_step_layout([r.req_pool_idx for r in reqs], prefix, extents)
         last_loc = r2t.req_to_token_host[host["req_pool_indices"], (host["extend_prefix_lens"].long() - 1).clamp_min(0)]
         loc = allocator.alloc_extend(host["extend_prefix_lens"], host["seq_lens"], last_loc)
         if loc is None:
             raise RuntimeError("KV pool exhausted after the schedule reserved pages (scheduler bug)")
         loc_i32 = loc.to(torch.int32)
         r2t.write_host(host["token_rows"], host["positions"], loc_i32)
-        for r, p, n in zip(reqs, prefix, sizes):
+        for r, p, n in zip(reqs, prefix, extents):
             r.kv_len = p + n  # every slot recorded: a failure from here frees them all
+        trees = plan.trees
+        if trees is None:  # STANDALONE: the rows must hold the slots before the draft model runs
+            r2t.write_device(host["token_rows"], host["positions"], loc_i32, host["token_rows"].to(self.device),
+                             host["positions"].to(self.device), loc_i32.to(self.device))
+            trees = self.drafter.draft(reqs, prefix, extents, plan.limits)
+            sizes = [t.size for t in trees]
+            keep = torch.cat([torch.arange(s, s + n) for s, n in zip(host["extend_start_loc"].tolist(), sizes)])
+            host = host_step_layout([r.req_pool_idx for r in reqs], prefix, sizes)
+            loc, loc_i32 = loc[keep], loc_i32[keep]
+        sizes = [t.size for t in trees]
         vi = build_verify_input(trees, prefix, self.device)
         tokens = [tok for t in trees for tok in t.tokens]
         host.update(input_ids=torch.tensor(tokens, dtype=torch.int64), out_cache_loc=loc, out_cache_loc_i32=loc_i32,
                     emit_index=torch.arange(len(tokens), dtype=torch.int64))
         dev = self.packer.pack(host)
-        r2t.write_device(host["token_rows"], host["positions"], loc_i32, dev.token_rows, dev.positions,
-                         dev.out_cache_loc_i32)
+        if plan.trees is not None:
+            r2t.write_device(host["token_rows"], host["positions"], loc_i32, dev.token_rows, dev.positions,
+                             dev.out_cache_loc_i32)
         fb = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(reqs), input_ids=dev.input_ids,
             positions=vi.positions, req_pool_indices=dev.req_pool_indices, seq_lens=dev.seq_lens,
@@ -179,7 +215,10 @@ class SpecDecoder:
         )
         logits = runner.forward(fb, return_all_logits=True)
         target = self._sample(logits, reqs, trees).tolist()
-        return self._accept(reqs, trees, prefix, loc, target)
+        result = self._accept(reqs, trees, prefix, extents, loc, target)
+        if self.drafter is not None:
+            self.drafter.after_verify(reqs, prefix)
+        return result
 
     def _sample(self, logits: torch.Tensor, reqs: Sequence[Req], trees: Sequence[DraftTree]) -> torch.Tensor:
         """The target's token after every node: argmax for greedy requests, else a sample
@@ -194,7 +233,7 @@ class SpecDecoder:
                 positions.append(len(r.output_ids) + d)
         return sample(logits, SamplingBatchInfo.from_params(params, seeds, positions, self.device))
 
-    def _accept(self, reqs, trees, prefix, loc: torch.Tensor, target: List[int]) -> VerifyResult:
+    def _accept(self, reqs, trees, prefix, extents, loc: torch.Tensor, target: List[int]) -> VerifyResult:
         runner = self.runner
         r2t, allocator = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
         page = allocator.page_size
@@ -203,7 +242,7 @@ class SpecDecoder:
         off = 0
         allocator.free_group_begin()
         try:
-            for r, t, p in zip(reqs, trees, prefix):
+            for r, t, p, m in zip(reqs, trees, prefix, extents):
                 path, bonus = accept_path(t, target[off: off + t.size])
                 for d, node in enumerate(path):
                     if node != d:
@@ -211,8 +250,8 @@ class SpecDecoder:
                         dst.append(off + d)
                 new_len = p + len(path)
                 tail = -(-new_len // page) * page
-                if tail < p + t.size:
-                    allocator.free(r2t.req_to_token_host[r.req_pool_idx, tail: p + t.size].to(torch.int64))
+                if tail < p + m:
+                    allocator.free(r2t.req_to_token_host[r.req_pool_idx, tail: p + m].to(torch.int64))
                 r.kv_len = new_len
                 out.tokens.append([t.tokens[i] for i in path[1:]] + [bonus])
                 out.accepted.append(len(path) - 1)
