@@ -31,6 +31,28 @@ if TYPE_CHECKING:  # pragma: no cover
     from attnserve.mem_cache.memory_pool import KVCache, ReqToTokenPool
 
 
+@dataclass
+class VerifyInput:
+    """Speculative-decoding inputs of a TARGET_VERIFY (or masked draft) step
+    (``ForwardBatch.spec_info``), built by `attnserve.engine.speculative.tree`.
+
+    Attributes:
+        custom_mask: bool, requests' blocks concatenated: row-major ``[n_i, P_i + n_i]``
+            (query token, key position; ``P_i`` cached tokens) when ``mask_covers_prefix``,
+            else ``[n_i, n_i]`` over the new tokens with every cached key visible.
+        mask_indptr: int64 ``[>= bs]`` offset of each request's block.
+        positions: int64 ``[sum n_i]`` RoPE positions (``P_i`` + tree depth), or None.
+        draft_token_num: ``n_i`` per request (host list).
+        mask_covers_prefix: the block layout (above).
+    """
+
+    custom_mask: torch.Tensor
+    mask_indptr: torch.Tensor
+    positions: Optional[torch.Tensor]
+    draft_token_num: List[int]
+    mask_covers_prefix: bool = True
+
+
 class ForwardMode(enum.IntEnum):
     """Kind of a forward step (SGLang ``ForwardMode``)."""
 

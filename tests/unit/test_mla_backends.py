@@ -28,7 +28,7 @@ import pytest  # noqa: E402
 
 from attnserve.attention.radix_attention import RadixAttention  # noqa: E402
 from attnserve.attention.torch_native import TorchNativeAttnBackend, attention_reference  # noqa: E402
-from attnserve.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from attnserve.forward_batch import ForwardBatch, ForwardMode, VerifyInput  # noqa: E402
 from attnserve.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -230,7 +230,7 @@ def _tree_mask(prefix_lens, extend_lens, g):
         blocks.append(m.reshape(-1))
     sizes = [e * (p + e) for p, e in zip(prefix_lens, extend_lens)]
     indptr = torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0).to(DEVICE)
-    return SimpleNamespace(custom_mask=torch.cat(blocks).to(DEVICE), mask_indptr=indptr)
+    return VerifyInput(torch.cat(blocks).to(DEVICE), indptr, None, list(extend_lens))
 
 
 def _extend_ref64(q, keys, values, prefix_lens, extend_lens, scaling, spec):

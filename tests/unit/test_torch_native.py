@@ -4,7 +4,7 @@ import torch
 from attention_harness import backend_config, make_batch, naive_reference
 from attnserve.attention.registry import available_backends, create_attention_backend
 from attnserve.attention.torch_native import TorchNativeAttnBackend
-from attnserve.forward_batch import ForwardMode
+from attnserve.forward_batch import ForwardMode, VerifyInput
 
 
 def _run(case, backend):
@@ -55,11 +55,8 @@ def test_float16_and_custom_mask():
         masks.append(m)
         flat.append(m.flatten())
 
-    class Spec:
-        custom_mask = torch.cat(flat)
-        mask_indptr = torch.tensor([0, masks[0].numel()])
-
-    case.fb.spec_info = Spec()
+    case.fb.spec_info = VerifyInput(torch.cat(flat), torch.tensor([0, masks[0].numel()]), case.fb.positions,
+                                    [m.shape[0] for m in masks])
     out = _run(case, TorchNativeAttnBackend(backend_config(case)))
     ref = naive_reference(case, custom_masks=masks)
     assert (out.double() - ref).abs().max() < 2e-3

@@ -126,12 +126,14 @@ def tree_reference64(layer, prefix_kv, q, k, v, trees, prefix_lens):
     return torch.stack(outs)
 
 
-def verify_case(trees, prefix_lens, hq, hkv, d, page_size, logit_cap=0.0, seed=0, bs_indptr=False):
-    """A TARGET_VERIFY batch over ``trees`` with ``fb.spec_info`` from `build_verify_input`."""
+def verify_case(trees, prefix_lens, hq, hkv, d, page_size, logit_cap=0.0, seed=0, bs_indptr=False,
+                covers_prefix=True):
+    """A TARGET_VERIFY batch over ``trees`` with ``fb.spec_info`` from `build_verify_input`
+    (``covers_prefix=False``: the ``[n, n]`` node-only layout CUDA-graph verify uses)."""
     sizes = [t.size for t in trees]
     case = make_batch(ForwardMode.TARGET_VERIFY, prefix_lens, sizes, hq, hkv, d, page_size, logit_cap=logit_cap,
                       seed=seed, device=DEVICE)
-    vi = build_verify_input(trees, prefix_lens, torch.device(DEVICE))
+    vi = build_verify_input(trees, prefix_lens, torch.device(DEVICE), covers_prefix=covers_prefix)
     if bs_indptr:  # the backends only read mask_indptr[:bs]
         vi = dataclasses.replace(vi, mask_indptr=vi.mask_indptr[:len(trees)].clone())
     case.fb.spec_info = vi
@@ -186,7 +188,7 @@ def test_random_trees_match_float64(backend, page_size, hq, hkv, d, cap, seed):
     trees = random_trees(rnd, bs)
     prefix = [rnd.randint(0, 40) for _ in range(bs)]
     case, vi = verify_case(trees, prefix, hq, hkv, d, page_size, logit_cap=cap, seed=seed,
-                           bs_indptr=(seed % 2 == 1))
+                           bs_indptr=(seed % 2 == 1), covers_prefix=seed < 2)
     poison_unowned_slots(case)
     prefix_kv = prefix_kv_of(case)
     out = run_layer(case, make_backend(backend, case))

@@ -172,7 +172,11 @@ class TorchNativeAttnBackend(AttentionBackend):
             mask = None
             if custom_mask is not None:
                 off = int(spec.mask_indptr[i])
-                mask = custom_mask[off : off + ext * seq_len].view(ext, seq_len)
+                if spec.mask_covers_prefix:
+                    mask = custom_mask[off : off + ext * seq_len].view(ext, seq_len)
+                else:  # [ext, ext] over the new tokens; the prefix is visible
+                    mask = torch.ones(ext, seq_len, dtype=torch.bool, device=q.device)
+                    mask[:, seq_len - ext:] = custom_mask[off : off + ext * ext].view(ext, ext)
             o = attention_reference(
                 q[start : start + ext],
                 k_buf[slots],

@@ -70,6 +70,7 @@ class TritonForwardMetadata:
     max_extend_len: int = 0
     custom_mask: Optional[torch.Tensor] = None
     mask_indptr: Optional[torch.Tensor] = None
+    mask_covers_prefix: bool = True
     windows: Dict[int, WindowIndices] = field(default_factory=dict)
 
 
@@ -220,6 +221,7 @@ class TritonAttnBackend(AttentionBackend):
         if spec is not None and spec.custom_mask is not None:
             md.custom_mask = spec.custom_mask
             md.mask_indptr = spec.mask_indptr.to(device=self.device, dtype=torch.int64)
+            md.mask_covers_prefix = spec.mask_covers_prefix
         for w in self.window_sizes:
             start = torch.clamp(prefix - w, min=0).to(torch.int32)
             win_prefix = (prefix - start).to(torch.int32)
@@ -281,6 +283,7 @@ class TritonAttnBackend(AttentionBackend):
             k_buffer, v_buffer, md.qo_indptr, kv_indptr, kv_indices, md.custom_mask, md.custom_mask is None,
             md.mask_indptr, md.max_extend_len, layer.scaling, logit_cap=layer.logit_cap,
             sliding_window_size=layer.sliding_window_size, prefix_kv_start=start,
+            mask_covers_prefix=md.mask_covers_prefix,
         )
         return o.view(-1, hq * dv)
 

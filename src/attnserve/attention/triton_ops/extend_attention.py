@@ -203,6 +203,7 @@ def _extend_fwd_kernel(
     BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    PREFIX_MASK: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_CAP: tl.constexpr,
     HAS_PREFIX_START: tl.constexpr,
@@ -247,7 +248,11 @@ def _extend_fwd_kernel(
     mask_rows = offs_m
     if HAS_MASK:  # int32 offsets inside the request's block keep the mask tile cheap
         mask_base = mask_ptr + tl.load(mask_indptr_ptr + b).to(tl.int64)
-        mask_rows = offs_m * (prefix_len + ext_len)
+        if PREFIX_MASK:  # [E, P + E] blocks, column = key position
+            mask_rows = offs_m * (prefix_len + ext_len)
+        else:  # [E, E] blocks over the new tokens (the prefix is fully visible)
+            mask_rows = offs_m * ext_len
+            mask_base = mask_base - prefix_len
 
     qk_scale = sm_scale * 1.4426950408889634
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -261,7 +266,7 @@ def _extend_fwd_kernel(
         lo = (tl.maximum(n_prefix + m0 - window, 0) // BLOCK_N) * BLOCK_N
         a = tl.cdiv(tl.maximum(n_prefix + m1 - 1 - window, 0), BLOCK_N) * BLOCK_N
     full_end = (n_prefix // BLOCK_N) * BLOCK_N
-    if HAS_MASK:
+    if PREFIX_MASK:
         full_end = lo
     s1, s2 = _runs(lo, a, full_end)
     k_buf_head = k_buf_ptr + kv_head.to(tl.int64) * stride_kbh
@@ -270,20 +275,20 @@ def _extend_fwd_kernel(
     acc, l_i, m_i = _attn_run(
         acc, l_i, m_i, q, q_pe, lo, s1, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
         q_pos, prefix_start, mask_base, mask_rows, row_valid, qk_scale, sm_scale, logit_cap, window,
-        offs_d, offs_dpe, offs_dv, True, True, IS_CAUSAL, HAS_MASK, HAS_WINDOW, HAS_CAP,
+        offs_d, offs_dpe, offs_dv, True, True, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
         DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
     )
-    if not HAS_MASK:
+    if not PREFIX_MASK:
         acc, l_i, m_i = _attn_run(
             acc, l_i, m_i, q, q_pe, s1, s2, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
             q_pos, prefix_start, mask_base, mask_rows, row_valid, qk_scale, sm_scale, logit_cap, window,
-            offs_d, offs_dpe, offs_dv, True, False, IS_CAUSAL, HAS_MASK, HAS_WINDOW, HAS_CAP,
+            offs_d, offs_dpe, offs_dv, True, False, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
             DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
         )
     acc, l_i, m_i = _attn_run(
         acc, l_i, m_i, q, q_pe, s2, n_prefix, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
         q_pos, prefix_start, mask_base, mask_rows, row_valid, qk_scale, sm_scale, logit_cap, window,
-        offs_d, offs_dpe, offs_dv, True, True, IS_CAUSAL, HAS_MASK, HAS_WINDOW, HAS_CAP,
+        offs_d, offs_dpe, offs_dv, True, True, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
         DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
     )
 
@@ -348,6 +353,7 @@ def extend_attention_fwd(
     sliding_window_size: int = -1,
     prefix_kv_start: Optional[torch.Tensor] = None,
     *,
+    mask_covers_prefix: bool = True,
     config: Optional[ExtendConfig] = None,
 ) -> torch.Tensor:
     """Attention of new tokens over their cached prefix (paged) and over each other.
@@ -365,7 +371,10 @@ def extend_attention_fwd(
         kv_indptr: int32/int64 ``[bs + 1]``; kv_indices: prefix token slots.
         custom_mask: None, or bool/uint8 flat mask; request i's block starts at
             ``mask_indptr[i]`` and is row-major ``[E_i, P_i + E_i]`` (column = absolute key
-            position). Replaces causal masking when given (tree verification).
+            position). Replaces causal masking when given (tree verification). With
+            ``mask_covers_prefix=False`` the blocks are ``[E_i, E_i]`` over the new tokens
+            only and every prefix key is visible (the prefix tiles then run unmasked;
+            fixed-size blocks, as CUDA-graph verify needs).
         is_causal: causal masking over the new tokens (ignored with ``custom_mask``).
         mask_indptr: int32/int64 ``[bs]`` (or ``[bs+1]``), required with ``custom_mask``.
         max_len_extend: host int >= max ``E_i`` (sets the grid; no device read).
@@ -468,6 +477,7 @@ def extend_attention_fwd(
         BLOCK_DV=block_dv,
         IS_CAUSAL=bool(is_causal),
         HAS_MASK=custom_mask is not None,
+        PREFIX_MASK=custom_mask is not None and bool(mask_covers_prefix),
         HAS_WINDOW=window >= 0,
         HAS_CAP=logit_cap > 0,
         HAS_PREFIX_START=prefix_kv_start is not None,

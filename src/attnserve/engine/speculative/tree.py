@@ -24,6 +24,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from attnserve.forward_batch import VerifyInput  # noqa: F401 (re-export)
+
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -87,35 +89,22 @@ class DraftTree:
         return m
 
 
-@dataclass
-class VerifyInput:
-    """What the target's TARGET_VERIFY forward reads (``ForwardBatch.spec_info``).
-
-    Attributes:
-        custom_mask: bool ``[sum_i n_i * (kv_len_i + n_i)]`` (module doc).
-        mask_indptr: int64 ``[bs + 1]`` offsets of each request's block.
-        positions: int64 ``[sum n_i]`` RoPE positions ``kv_len_i + depth``.
-        draft_token_num: ``n_i`` per request (host list).
-    """
-
-    custom_mask: torch.Tensor
-    mask_indptr: torch.Tensor
-    positions: torch.Tensor
-    draft_token_num: List[int]
-
-
 def build_verify_input(trees: Sequence[DraftTree], prefix_lens: Sequence[int],
-                       device: Optional[torch.device] = None) -> VerifyInput:
+                       device: Optional[torch.device] = None, covers_prefix: bool = True) -> VerifyInput:
     """Masks and positions of a verify step: request ``i`` has ``prefix_lens[i]`` cached
-    tokens and the nodes of ``trees[i]`` at the positions after them (module doc).
-    Built on the host, copied once."""
+    tokens and the nodes of ``trees[i]`` at the positions after them (module doc). With
+    ``covers_prefix=False`` each block is ``[n_i, n_i]`` over the nodes only (the prefix is
+    fully visible). Built on the host, copied once."""
     blocks, positions, indptr = [], [], [0]
     for tree, p in zip(trees, prefix_lens):
         n = tree.size
-        block = torch.ones(n, p + n, dtype=torch.bool)
-        block[:, p:] = tree.ancestor_mask()
+        if covers_prefix:
+            block = torch.ones(n, p + n, dtype=torch.bool)
+            block[:, p:] = tree.ancestor_mask()
+        else:
+            block = tree.ancestor_mask()
         blocks.append(block.reshape(-1))
-        indptr.append(indptr[-1] + n * (p + n))
+        indptr.append(indptr[-1] + block.numel())
         positions.extend(p + d for d in tree.depths())
     dev = device if device is not None else torch.device("cpu")
     return VerifyInput(
@@ -123,6 +112,7 @@ def build_verify_input(trees: Sequence[DraftTree], prefix_lens: Sequence[int],
         mask_indptr=torch.tensor(indptr, dtype=torch.int64).to(dev),
         positions=torch.tensor(positions, dtype=torch.int64).to(dev),
         draft_token_num=[t.size for t in trees],
+        mask_covers_prefix=covers_prefix,
     )
 
 
