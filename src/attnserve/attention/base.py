@@ -7,7 +7,8 @@ device, limits; never the model runner). It turns a `ForwardBatch` into kernel m
 metadata in fixed buffers (`init_cuda_graph_state` and the capture/replay hooks).
 
 Capabilities are class attributes every backend declares (and `HybridAttnBackend`
-forwards): `supports_cuda_graph`, `replay_hook_is_capturable`, `supported_archs`.
+forwards): `supports_cuda_graph`, `supports_verify_cuda_graph`, `replay_hook_is_capturable`,
+`supported_archs`.
 
 Tensor conventions for ``forward*``: ``q`` ``[T, tp_q_head_num * head_dim]`` (or already
 ``[T, H, D]``), ``k``/``v`` ``[T, tp_k_head_num, head_dim / v_head_dim]`` or flattened; the
@@ -98,6 +99,9 @@ class AttentionBackend(ABC):
 
     #: decode steps can be captured in CUDA graphs (the hooks below are implemented)
     supports_cuda_graph: bool = False
+    #: TARGET_VERIFY steps (a fixed node count per request, node-only masks) can be
+    #: captured too (the capture/replay hooks accept that mode)
+    supports_verify_cuda_graph: bool = False
     #: the replay hook only launches device work on fixed buffers (no host reads, no
     #: allocation), so `CudaGraphRunner` may record it inside the graph
     replay_hook_is_capturable: bool = False

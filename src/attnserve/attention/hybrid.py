@@ -30,6 +30,9 @@ class HybridAttnBackend(AttentionBackend):
         self.supported_archs = tuple(a for a in decode_backend.supported_archs if a in prefill_backend.supported_archs)
         self.supports_cuda_graph = decode_backend.supports_cuda_graph
         self.replay_hook_is_capturable = decode_backend.replay_hook_is_capturable
+        verify = self._select(ForwardMode.TARGET_VERIFY)
+        self.supports_verify_cuda_graph = verify.supports_verify_cuda_graph and (
+            verify.replay_hook_is_capturable or not self.replay_hook_is_capturable)
 
     def _select(self, mode: ForwardMode) -> AttentionBackend:
         if mode.is_decode_or_idle():

@@ -93,6 +93,8 @@ class TritonGraphBuffers:
     num_kv_splits: torch.Tensor  # int32 [max_bs]
     attn_logits: torch.Tensor  # float32 [max_bs, Hq, num_kv_splits, Dv]
     attn_lse: torch.Tensor  # float32 [max_bs, Hq, num_kv_splits]
+    qo_indptr: torch.Tensor  # int32 [max_bs + 1] (TARGET_VERIFY: multiples of the node count)
+    arange: torch.Tensor  # int32 [max_bs + 1] = 0, 1, 2, ...
     windows: Dict[int, WindowGraphBuffers] = field(default_factory=dict)
 
 
@@ -137,6 +139,7 @@ class TritonAttnBackend(AttentionBackend):
     """
 
     supports_cuda_graph = True
+    supports_verify_cuda_graph = True
     #: the replay hook launches only index kernels on fixed buffers (no host reads, no
     #: allocation outside the graph pool), so `CudaGraphRunner` records it in the graph
     replay_hook_is_capturable = True
@@ -325,6 +328,7 @@ class TritonAttnBackend(AttentionBackend):
             attn_logits=torch.zeros(max_bs, self.num_q_heads, self.max_kv_splits, self.v_head_dim,
                                     dtype=torch.float32, device=dev),
             attn_lse=torch.zeros(max_bs, self.num_q_heads, self.max_kv_splits, dtype=torch.float32, device=dev),
+            qo_indptr=i32(max_bs + 1), arange=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
             windows={w: WindowGraphBuffers(i32(max_bs + 1), i32(max_bs * (w + 1)), i32(max_bs), i32(max_bs, 1))
                      for w in self.window_sizes},
         )
@@ -343,12 +347,48 @@ class TritonAttnBackend(AttentionBackend):
             md.windows[w] = self._window_decode(w, rows, seq_lens, out=buffers)
         self.forward_metadata = md
 
+    def _graph_verify_metadata(self, bs: int, req_pool_indices, prefix_lens, spec_info) -> None:
+        """TARGET_VERIFY over ``spec_info.draft_token_num[0]`` nodes per request, masks in
+        the node-only layout (``mask_covers_prefix`` False): the prefix indices go into the
+        decode buffers, ``qo_indptr`` is ``n * arange``; the mask tensors are the caller's
+        fixed buffers."""
+        if spec_info is None or spec_info.mask_covers_prefix or len(set(spec_info.draft_token_num)) != 1:
+            raise ValueError("TARGET_VERIFY graphs need a VerifyInput with the node-only mask layout "
+                             "(mask_covers_prefix=False) and the same node count for every request")
+        g = self.graph
+        n = int(spec_info.draft_token_num[0])
+        prefix = prefix_lens[:bs].to(torch.int32)
+        rows = req_pool_indices[:bs]
+        kv_indptr, kv_indices = self._build_indices(rows, prefix, indptr_out=g.kv_indptr[: bs + 1],
+                                                    indices_out=g.kv_indices)
+        qo_indptr = g.qo_indptr[: bs + 1]
+        torch.mul(g.arange[: bs + 1], n, out=qo_indptr)
+        md = TritonForwardMetadata(kv_indptr, kv_indices, qo_indptr=qo_indptr, max_extend_len=n,
+                                   custom_mask=spec_info.custom_mask, mask_indptr=spec_info.mask_indptr,
+                                   mask_covers_prefix=False)
+        for w, buffers in g.windows.items():
+            start = buffers.kv_start[:bs]
+            torch.clamp(prefix - w, min=0, out=start)
+            indptr, indices = self._build_indices(rows, prefix - start, start, indptr_out=buffers.kv_indptr[: bs + 1],
+                                                  indices_out=buffers.kv_indices)
+            md.windows[w] = WindowIndices(indptr, indices, start)
+        self.forward_metadata = md
+
     def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
                                                  forward_mode: ForwardMode, spec_info) -> None:
+        """DECODE (``seq_lens``: tokens after the step) or TARGET_VERIFY (``seq_lens``: the
+        cached prefix lengths, as SGLang passes them; `_graph_verify_metadata`)."""
+        if forward_mode.is_target_verify():
+            self._graph_verify_metadata(bs, req_pool_indices, seq_lens, spec_info)
+            return
         if not forward_mode.is_decode_or_idle():
-            raise NotImplementedError(f"{self.name} backend captures DECODE graphs only, not {forward_mode.name}")
+            raise NotImplementedError(f"{self.name} backend captures DECODE and TARGET_VERIFY graphs, "
+                                      f"not {forward_mode.name}")
         self._graph_metadata(bs, req_pool_indices, seq_lens)
 
     def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
                                                 forward_mode: ForwardMode, spec_info, seq_lens_cpu) -> None:
+        if forward_mode.is_target_verify():
+            self._graph_verify_metadata(bs, req_pool_indices, seq_lens, spec_info)
+            return
         self._graph_metadata(bs, req_pool_indices, seq_lens)

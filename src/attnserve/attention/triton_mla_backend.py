@@ -50,6 +50,7 @@ class TritonMLAAttnBackend(TritonAttnBackend):
     """
 
     supported_archs = ("mla",)
+    supports_verify_cuda_graph = False  # verify runs eager (the latent extend has no graph buffers)
     replay_hook_is_capturable = False
 
     def __init__(self, config: AttentionBackendConfig):

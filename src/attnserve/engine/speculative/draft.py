@@ -43,11 +43,16 @@ class DraftWorker:
         runner: the draft model's runner.
     """
 
-    def __init__(self, config: SpeculativeConfig, runner):
+    def __init__(self, config: SpeculativeConfig, runner, capture_bs: Sequence[int] = ()):
         self.config = config
         self.runner = runner
         self.device = torch.device(runner.device)
         self._draft_len: Dict[str, int] = {}
+        self.chain = None  # topk 1: the decode steps after the root as one unit (graphs on CUDA)
+        if config.topk == 1 and config.num_steps > 1:
+            from attnserve.engine.speculative.draft_chain import DraftChainRunner
+
+            self.chain = DraftChainRunner(runner, config.num_steps - 1, capture_bs)
 
     def extent(self, limit: int) -> int:
         """Slots a request reserves for drafting, given the most nodes it may verify."""
@@ -70,12 +75,15 @@ class DraftWorker:
         ``limits[i]`` nodes each)."""
         cfg = self.config
         topk = cfg.topk
+        if topk == 1:
+            return self._draft_chain(reqs, prefix, extents, limits)
         r2t = self.runner.req_to_token_pool
         bs = len(reqs)
         # per request: drafted nodes as (token, parent, depth, score)
         nodes: List[List[tuple]] = [[(r.output_ids[-1], -1, 0, 0.0)] for r in reqs]
         depths = [(e - 1) // topk for e in extents]  # depths each request can draft
-        logprobs = self._catch_up(reqs, prefix)
+        lp = torch.log_softmax(self._catch_up(reqs, prefix).float(), dim=-1)
+        logprobs = {i: lp[i: i + 1] for i in range(bs)}
         frontier = [[0] for _ in range(bs)]  # node indices at the current depth
         for depth in range(1, max(depths, default=0) + 1):
             active = [i for i in range(bs) if depths[i] >= depth]
@@ -102,9 +110,38 @@ class DraftWorker:
                 [frontier[i] for i in nxt], r2t)))
         return [self._select(n, min(cfg.num_draft_tokens, lim)) for n, lim in zip(nodes, limits)]
 
-    def _catch_up(self, reqs, prefix) -> Dict[int, torch.Tensor]:
+    def _draft_chain(self, reqs, prefix, extents, limits) -> List[DraftTree]:
+        """Chains (topk 1): the root's argmax, then `DraftChainRunner` for the deeper
+        tokens, one host read at the end."""
+        bs = len(reqs)
+        first = torch.argmax(self._catch_up(reqs, prefix), dim=-1)  # depth-1 tokens [bs]
+        # drafted tokens each request keeps: its reserved depth and its tree size bound
+        keep = [max(0, min(e - 1, min(self.config.num_draft_tokens, lim) - 1)) for e, lim in zip(extents, limits)]
+        tokens = first.view(-1, 1)
+        if self.chain is not None and max(keep) > 1:
+            s = self.chain.num_steps
+            steps = [min(k - 1, s) if k > 1 else 0 for k in keep]
+            host = torch.zeros(3 + s, bs, dtype=torch.int64)  # rows, seq_lens, step_limits, then slots
+            r2t = self.runner.req_to_token_pool.req_to_token_host
+            for i, (r, p, n) in enumerate(zip(reqs, prefix, steps)):
+                host[0, i] = r.req_pool_idx
+                host[1, i] = p + 2
+                host[2, i] = n - 1
+                if n:
+                    host[3: 3 + n, i] = r2t[r.req_pool_idx, p + 1: p + 1 + n]
+            dev = host.to(self.device)
+            rest = self.chain.run(dev[0], dev[1].to(torch.int32), dev[2].to(torch.int32), first, dev[3:])
+            tokens = torch.cat([tokens, rest], dim=1)
+        rows = tokens.tolist()
+        trees = []
+        for r, row, k in zip(reqs, rows, keep):
+            toks = (r.output_ids[-1],) + tuple(row[:k])
+            trees.append(DraftTree(toks, tuple(range(-1, len(toks) - 1))))
+        return trees
+
+    def _catch_up(self, reqs, prefix) -> torch.Tensor:
         """DRAFT_EXTEND over each request's tokens without draft K/V, through the root;
-        returns the root's log-probabilities ``{i: [1, V]}``."""
+        returns the root's logits ``[bs, V]``."""
         r2t = self.runner.req_to_token_pool
         starts = [min(self._draft_len.get(r.rid, 0), p) for r, p in zip(reqs, prefix)]
         ids, pos, slots, ext = [], [], [], []
@@ -114,9 +151,7 @@ class DraftWorker:
             slots.append(r2t.req_to_token_host[r.req_pool_idx, s: p + 1])
             ext.append(p + 1 - s)
         fb = self._batch(ForwardMode.DRAFT_EXTEND, reqs, starts, ext, ids, pos, torch.cat(slots))
-        logits = self.runner.forward(fb)
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        return {i: lp[i: i + 1] for i in range(len(reqs))}
+        return self.runner.forward(fb)
 
     def _expand(self, reqs, prefix, nodes, frontier, r2t) -> List[torch.Tensor]:
         """One draft forward over the frontier nodes (chain: DECODE; tree: masked)."""

@@ -142,8 +142,18 @@ class SpecDecoder:
             if runner.attn_backend_config.window_sizes and config.topk > 1:
                 raise ValueError("--speculative-eagle-topk > 1 (tree drafts) is not supported on models with "
                                  "sliding-window layers (the backends place windows by slot); use topk 1")
-            self.drafter = DraftWorker(config, draft_runner)
+            self.drafter = DraftWorker(config, draft_runner, self._graph_sizes())
+        self.verify_graph = None
+        if self._graph_sizes() and runner.attn_backend.supports_verify_cuda_graph:
+            from attnserve.engine.speculative.verify_graph import VerifyGraphRunner
+
+            self.verify_graph = VerifyGraphRunner(runner, config.num_draft_tokens, self._graph_sizes())
         self.stats = SpecStats()
+
+    def _graph_sizes(self) -> List[int]:
+        """Batch sizes the target's decode graphs cover (none without graphs)."""
+        graphs = self.runner.cuda_graph_runner
+        return list(graphs.capture_bs) if graphs is not None else []
 
     # ---- planning ----------------------------------------------------------------------
     def plan(self, reqs: Sequence[Req]) -> SpecPlan:
@@ -196,12 +206,46 @@ class SpecDecoder:
             host = host_step_layout([r.req_pool_idx for r in reqs], prefix, sizes)
             loc, loc_i32 = loc[keep], loc_i32[keep]
         sizes = [t.size for t in trees]
+        if self.verify_graph is not None and self.verify_graph.can_run(len(reqs)):
+            logits = self._verify_graphed(reqs, trees, prefix, host, loc, loc_i32, write_rows=plan.trees is not None)
+        else:
+            logits = self._verify_eager(reqs, trees, prefix, sizes, host, loc, loc_i32,
+                                        write_rows=plan.trees is not None)
+        target = self._sample(logits, reqs, trees).tolist()
+        result = self._accept(reqs, trees, prefix, extents, loc, target)
+        if self.drafter is not None:
+            self.drafter.after_verify(reqs, prefix)
+        return result
+
+    def _verify_graphed(self, reqs, trees, prefix, host, loc, loc_i32, write_rows: bool) -> torch.Tensor:
+        """The target over the trees through a captured graph (`VerifyGraphRunner`): one
+        packed copy carries the graph's inputs and, for NGRAM, the ``req_to_token`` write."""
+        from attnserve.engine.speculative.verify_graph import pack_verify_inputs
+
+        graph, bs = self.verify_graph, len(reqs)
+        offs = host["extend_start_loc"].tolist()
+        slots = [loc[o: o + t.size] for o, t in zip(offs, trees)]
+        packed = pack_verify_inputs(trees, prefix, [r.req_pool_idx for r in reqs], slots, graph.n)
+        k, t = packed.numel(), loc.numel()
+        keep = torch.cat([torch.arange(i * graph.n, i * graph.n + tr.size) for i, tr in enumerate(trees)])
+        parts = [packed, keep] + ([host["token_rows"], host["positions"], loc] if write_rows else [])
+        dev = torch.cat(parts).to(self.device)
+        if write_rows:
+            rows_d, pos_d, loc_d = torch.split(dev[k + t:], [t, t, t])
+            self.runner.req_to_token_pool.write_device(host["token_rows"], host["positions"], loc_i32, rows_d, pos_d,
+                                                       loc_d.to(torch.int32))
+        logits = graph.replay(dev[:k], bs)
+        return logits[dev[k: k + t]]
+
+    def _verify_eager(self, reqs, trees, prefix, sizes, host, loc, loc_i32, write_rows: bool) -> torch.Tensor:
+        runner = self.runner
+        r2t = runner.req_to_token_pool
         vi = build_verify_input(trees, prefix, self.device)
         tokens = [tok for t in trees for tok in t.tokens]
         host.update(input_ids=torch.tensor(tokens, dtype=torch.int64), out_cache_loc=loc, out_cache_loc_i32=loc_i32,
                     emit_index=torch.arange(len(tokens), dtype=torch.int64))
         dev = self.packer.pack(host)
-        if plan.trees is not None:
+        if write_rows:
             r2t.write_device(host["token_rows"], host["positions"], loc_i32, dev.token_rows, dev.positions,
                              dev.out_cache_loc_i32)
         fb = ForwardBatch(
@@ -213,12 +257,7 @@ class SpecDecoder:
             extend_start_loc=dev.extend_start_loc, req_to_token_pool=r2t, token_to_kv_pool=runner.token_to_kv_pool,
             attn_backend=runner.attn_backend, spec_info=vi,
         )
-        logits = runner.forward(fb, return_all_logits=True)
-        target = self._sample(logits, reqs, trees).tolist()
-        result = self._accept(reqs, trees, prefix, extents, loc, target)
-        if self.drafter is not None:
-            self.drafter.after_verify(reqs, prefix)
-        return result
+        return runner.forward(fb, return_all_logits=True)
 
     def _sample(self, logits: torch.Tensor, reqs: Sequence[Req], trees: Sequence[DraftTree]) -> torch.Tensor:
         """The target's token after every node: argmax for greedy requests, else a sample
