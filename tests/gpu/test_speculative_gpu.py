@@ -69,7 +69,8 @@ def test_ngram_verify_graphs_identical(baseline, page_size):
 
 
 def test_ngram_eager_verify_identical(baseline):
-    engine = _engine(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8, disable_cuda_graph=True, **EXACT)
+    engine = _engine(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8, disable_cuda_graph=True,
+                     cuda_graph_max_bs=None, **EXACT)
     assert engine.scheduler.spec.verify_graph is None
     out, _ = _run(engine, _prompts())
     assert out == baseline

@@ -1,6 +1,6 @@
 """NGRAM speculative decoding against plain decoding. Writes ``<out>/<device>-speculative-<date>.json``.
 
-``python -m attnserve.bench.speculative [--device cpu] [--num-draft-tokens 1 2 4 8]
+``python -m attnserve.bench.speculative [--device cpu] [--dtype auto] [--num-draft-tokens 1 2 4 8]
 [--max-bfs-breadth 1 10] [--workload edit chat] [--requests 1] [--max-new-tokens 128]``
 
 In one process, the baseline (no speculation) and then every ``--num-draft-tokens`` x
@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--dtype", default="auto", help="model dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     ap.add_argument("--requests", type=int, default=1, help="concurrent requests (one batch)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--num-draft-tokens", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     for n, breadth in cases:
         spec = {} if n is None else dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=n,
                                          speculative_ngram_max_bfs_breadth=breadth)
-        llm = LLM(args.model, device=args.device, load_format=args.load_format,
+        llm = LLM(args.model, device=args.device, load_format=args.load_format, dtype=args.dtype,
                   max_running_requests=max(args.requests, 1), **spec)
         runner = llm.engine.model_runner
         device = runner.device.type
