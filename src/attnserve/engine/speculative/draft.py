@@ -11,9 +11,10 @@ topological, and node ``j``'s draft K/V sits at position ``kv_len + j``.
    old root's position + 1) through the root -- in one forward; the root's logits give
    the depth-1 candidates. This is SGLang's draft extend over the accepted tokens.
 2. **One forward per further depth** (``num_steps - 1`` of them): the ``topk`` nodes of the
-   depth just chosen, each seeing the prefix and its own ancestors -- a DECODE step for a
-   chain (``topk`` 1), a custom-mask forward (TARGET_VERIFY mode on the draft backend) for
-   a tree. Each node proposes its ``topk`` best children; the ``topk`` children of highest
+   depth just chosen, each seeing the prefix and its own ancestors. A chain (``topk`` 1)
+   runs them as DECODE steps in one `DraftChainRunner` call (argmax on the device, the
+   attention metadata of all steps built once, one CUDA graph per batch size on a GPU); a
+   tree runs one custom-mask forward (TARGET_VERIFY mode on the draft backend) per depth. Each node proposes its ``topk`` best children; the ``topk`` children of highest
    cumulative log-probability form the next depth (EAGLE-2's dynamic tree, Li et al.,
    arXiv:2406.16858; here with the draft model's own probabilities).
 3. The ``num_draft_tokens - 1`` nodes of highest cumulative log-probability whose parents
