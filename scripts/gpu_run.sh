@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched GPU session on the lent H100/H200 (see /work/.library/device):
-#   scripts/gpu_run.sh tests|kernels|decode|offline|spec|all   — writes logs and JSON under $OUT.
+#   scripts/gpu_run.sh tests|kernels|decode|offline|spec|fp8|all   — writes logs and JSON under $OUT.
 # Run from the repository root with the device's own torch/triton (no install).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -25,4 +25,7 @@ if [[ $what == offline || $what == all ]]; then
 fi
 if [[ $what == spec || $what == all ]]; then
   timeout ${SPEC_TIMEOUT:-500} python3 benchmarks/speculative_gpu.py --out "$OUT" ${SPEC_ARGS:-} 2>&1 | tee "$OUT/spec.log" | tail -40
+fi
+if [[ $what == fp8 || $what == all ]]; then
+  timeout ${FP8_TIMEOUT:-400} python3 benchmarks/fp8_kv.py --out "$OUT" ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.log" | tail -20
 fi

@@ -23,6 +23,7 @@ class ServerArgs:
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | float16 | bfloat16
     device: str = "auto"  # auto | cpu | cuda
     context_length: Optional[int] = None
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8_e4m3 | fp8_e5m2
     # attention
     attention_backend: Optional[str] = None
     prefill_attention_backend: Optional[str] = None
@@ -78,8 +79,19 @@ class ServerArgs:
             return torch.float32 if self.resolved_device() == "cpu" else torch.bfloat16
         return table[self.dtype]
 
+    def resolved_kv_cache_dtype(self):
+        """Storage dtype of the KV cache (`attnserve.mem_cache.kv_quant.KV_CACHE_DTYPES`)."""
+        from attnserve.mem_cache.kv_quant import resolve_kv_cache_dtype
+
+        return resolve_kv_cache_dtype(self.kv_cache_dtype, self.resolved_dtype())
+
     def check(self) -> None:
         """Raise ValueError for invalid values or combinations (message says what to do)."""
+        from attnserve.mem_cache.kv_quant import KV_CACHE_DTYPES
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
@@ -157,6 +169,8 @@ class ServerArgs:
         a("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"])
         a("--device", default=d.device, choices=["auto", "cpu", "cuda"])
         a("--context-length", type=int, default=None, help="override the model's context length")
+        a("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+          help="KV cache storage: auto (the model dtype) or FP8 with per-layer scales (half the bytes of bf16)")
         a("--attention-backend", default=None, help="backend for every phase (torch_native, triton, ...)")
         a("--prefill-attention-backend", default=None, help="backend for EXTEND/MIXED steps")
         a("--decode-attention-backend", default=None, help="backend for DECODE steps")

@@ -90,7 +90,7 @@ def test_pool_uses_store_kv_on_cuda():
     qkv = torch.randn(5, 6 * 64, device=DEV)  # float32, cast to the bf16 pool
     k, v = qkv[:, 2 * 64 : 4 * 64].view(5, 2, 64), qkv[:, 4 * 64 :].view(5, 2, 64)
     loc = torch.tensor([9, 3, 40, 1, 22], device=DEV)
-    layer = SimpleNamespace(layer_id=1)
+    layer = SimpleNamespace(layer_id=1, k_scale=1.0, v_scale=1.0)
     for pool in (fused, plain):
         pool.set_kv_buffer(layer, loc, k, v)
     assert torch.equal(fused.k_buffer[1], plain.k_buffer[1]) and torch.equal(fused.v_buffer[1], plain.v_buffer[1])

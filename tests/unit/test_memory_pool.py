@@ -12,8 +12,11 @@ from attnserve.mem_cache.memory_pool import (
 
 
 class _Layer:
+    """What a pool reads of a layer: its id and its FP8 KV scales."""
+
     def __init__(self, layer_id):
         self.layer_id = layer_id
+        self.k_scale = self.v_scale = 1.0
 
 
 def test_req_to_token_pool_alloc_free():

@@ -102,6 +102,8 @@ class AttentionBackend(ABC):
     #: TARGET_VERIFY steps (a fixed node count per request, node-only masks) can be
     #: captured too (the capture/replay hooks accept that mode)
     supports_verify_cuda_graph: bool = False
+    #: reads FP8 KV caches (``--kv-cache-dtype fp8_*``) with the layers' ``k_scale`` / ``v_scale``
+    supports_fp8_kv: bool = False
     #: the replay hook only launches device work on fixed buffers (no host reads, no
     #: allocation), so `CudaGraphRunner` may record it inside the graph
     replay_hook_is_capturable: bool = False

@@ -30,6 +30,7 @@ class HybridAttnBackend(AttentionBackend):
         self.supported_archs = tuple(a for a in decode_backend.supported_archs if a in prefill_backend.supported_archs)
         self.supports_cuda_graph = decode_backend.supports_cuda_graph
         self.replay_hook_is_capturable = decode_backend.replay_hook_is_capturable
+        self.supports_fp8_kv = prefill_backend.supports_fp8_kv and decode_backend.supports_fp8_kv
         verify = self._select(ForwardMode.TARGET_VERIFY)
         self.supports_verify_cuda_graph = verify.supports_verify_cuda_graph and (
             verify.replay_hook_is_capturable or not self.replay_hook_is_capturable)

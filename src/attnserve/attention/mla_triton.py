@@ -247,6 +247,6 @@ class TritonMLADecode:
         mla_decode_fwd(
             q3[..., :r], q3[..., r:], pool.get_key_buffer(layer.layer_id), md.block_kv_indices, md.seq_lens,
             self.page_size, o, layer.scaling, md.num_kv_splits, self.policy.split_stride(q3.shape[0]),
-            workspace=self.workspace, work=md.work,
+            workspace=self.workspace, work=md.work, kv_scale=layer.k_scale,
         )
         return o.view(-1, hq * r)

@@ -28,6 +28,11 @@ class RadixAttention(nn.Module):
             ``i - sliding_window_size <= j <= i`` (SGLang's convention: a model with an HF
             ``sliding_window`` of W passes W - 1); -1 or None: full attention.
 
+    Attributes:
+        k_scale / v_scale: per-tensor scales of this layer's K and V in an FP8 KV cache
+            (``true = float(stored) * scale``, `attnserve.mem_cache.kv_quant`); 1.0 unless
+            the checkpoint carries them (`set_kv_scales`). Ignored by 16/32-bit caches.
+
     Raises:
         ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, or a window of 0 or
             below -1 (`normalize_window`).
@@ -57,6 +62,20 @@ class RadixAttention(nn.Module):
         self.layer_id = layer_id
         self.logit_cap = float(logit_cap or 0.0)
         self.sliding_window_size = normalize_window(sliding_window_size)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+
+    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        """Set the FP8 KV scales (from a checkpoint's ``k_scale`` / ``v_scale`` or
+        ``kv_scale`` tensors).
+
+        Raises:
+            ValueError: a scale <= 0 or not finite.
+        """
+        from attnserve.mem_cache.kv_quant import check_scale
+
+        self.k_scale = check_scale(f"layer {self.layer_id} k_scale", k_scale)
+        self.v_scale = check_scale(f"layer {self.layer_id} v_scale", v_scale)
 
     def forward(
         self,

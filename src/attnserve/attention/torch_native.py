@@ -29,6 +29,7 @@ from attnserve.attention.base import AttentionBackend
 from attnserve.attention.mla_paths import check_prefix_free, is_latent_layer
 from attnserve.attention.registry import register_attention_backend
 from attnserve.forward_batch import ForwardBatch
+from attnserve.mem_cache.kv_quant import dequantize_kv
 
 
 def attention_reference(
@@ -116,6 +117,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             ``v_head_dim`` are read, to tell MLA's two layers apart).
     """
 
+    supports_fp8_kv = True
+
     supported_archs = ("mha", "mla")
     supported_devices = ("cpu", "cuda")
 
@@ -179,8 +182,8 @@ class TorchNativeAttnBackend(AttentionBackend):
                     mask[:, seq_len - ext:] = custom_mask[off : off + ext * ext].view(ext, ext)
             o = attention_reference(
                 q[start : start + ext],
-                k_buf[slots],
-                v_buf[slots],
+                dequantize_kv(k_buf[slots], layer.k_scale),
+                dequantize_kv(v_buf[slots], layer.v_scale),
                 q_pos,
                 k_pos,
                 layer.scaling,
@@ -213,11 +216,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         group = layer.tp_q_head_num // hkv
         plan = self._decode_plan(fb, layer.sliding_window_size, q.device)
         width = plan.width
-        kf = k_buf.index_select(0, plan.flat).view(bs, width, hkv, -1).float()  # [bs, W, Hkv, Dk]
+        kf = dequantize_kv(k_buf.index_select(0, plan.flat), layer.k_scale, torch.float32).view(
+            bs, width, hkv, -1)  # [bs, W, Hkv, Dk]
         # Padding reads slot 0, which may hold anything: its scores are replaced by -inf
         # below (NaN included), and its V rows are zeroed (a zero probability would not
         # cancel a NaN in probs @ V).
-        vf = v_buf.index_select(0, plan.flat).view(bs, width, hkv, -1).float()
+        vf = dequantize_kv(v_buf.index_select(0, plan.flat), layer.v_scale, torch.float32).view(bs, width, hkv, -1)
         vf = vf.masked_fill(plan.pad, 0.0)
         qf = q.view(bs, hkv, group, layer.qk_head_dim).float()
         scores = torch.matmul(qf, kf.permute(0, 2, 3, 1)) * layer.scaling  # [bs, Hkv, group, W]

@@ -104,6 +104,16 @@ def _cumsum_indptr(lens: torch.Tensor, out: Optional[torch.Tensor] = None) -> to
     return compute_kv_indptr(lens, out)
 
 
+def kv_scales(layer, k_buffer: torch.Tensor) -> dict:
+    """The layer's ``k_scale`` / ``v_scale`` for the kernels when the cache is FP8; 1.0 for a
+    16/32-bit cache, which stores true values (`RadixAttention` attributes)."""
+    from attnserve.mem_cache.kv_quant import is_fp8
+
+    if is_fp8(k_buffer.dtype):
+        return {"k_scale": layer.k_scale, "v_scale": layer.v_scale}
+    return {"k_scale": 1.0, "v_scale": 1.0}
+
+
 def missing_window_error(layer, windows) -> ValueError:
     """The error of a layer whose sliding window the backend has no indices for."""
     known = ", ".join(map(str, windows)) or "none"
@@ -140,6 +150,7 @@ class TritonAttnBackend(AttentionBackend):
 
     supports_cuda_graph = True
     supports_verify_cuda_graph = True
+    supports_fp8_kv = True
     #: the replay hook launches only index kernels on fixed buffers (no host reads, no
     #: allocation outside the graph pool), so `CudaGraphRunner` records it in the graph
     replay_hook_is_capturable = True
@@ -286,7 +297,7 @@ class TritonAttnBackend(AttentionBackend):
             k_buffer, v_buffer, md.qo_indptr, kv_indptr, kv_indices, md.custom_mask, md.custom_mask is None,
             md.mask_indptr, md.max_extend_len, layer.scaling, logit_cap=layer.logit_cap,
             sliding_window_size=layer.sliding_window_size, prefix_kv_start=start,
-            mask_covers_prefix=md.mask_covers_prefix,
+            mask_covers_prefix=md.mask_covers_prefix, **kv_scales(layer, k_buffer),
         )
         return o.view(-1, hq * dv)
 
@@ -308,7 +319,7 @@ class TritonAttnBackend(AttentionBackend):
         decode_attention_fwd(
             q3, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o, kv_indptr,
             kv_indices, md.attn_logits, md.attn_lse, num_kv_splits, self.max_kv_splits, layer.scaling,
-            logit_cap=layer.logit_cap,
+            logit_cap=layer.logit_cap, **kv_scales(layer, pool.get_key_buffer(layer.layer_id)),
         )
         return o.view(-1, hq * dv)
 

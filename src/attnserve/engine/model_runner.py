@@ -33,7 +33,8 @@ from attnserve.models.layers.fused_kernels import set_fused_kernels
 
 logger = logging.getLogger(__name__)
 
-#: KV pool size on CPU when --max-total-tokens is not given (tokens).
+#: KV pool on CPU when --max-total-tokens is not given: the bytes of this many tokens in the
+#: model dtype (an FP8 cache holds 4x the tokens of a float32 one in them).
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
 
 
@@ -55,6 +56,7 @@ class ModelRunner:
         self.server_args = server_args
         self.device = torch.device(server_args.resolved_device())
         self.dtype = server_args.resolved_dtype()
+        self.kv_cache_dtype = server_args.resolved_kv_cache_dtype()
         self.model = loaded.model
         self.model_config = loaded.model_config
         self.extra_kv_bytes_per_token = int(extra_kv_bytes_per_token)
@@ -66,6 +68,7 @@ class ModelRunner:
         self.backend_choice = choose_backends(server_args, DeviceCaps.detect(self.device), mc.attention_arch)
         facts = self._backend_config()
         self.attn_workspace_bytes = backend_workspace_bytes(facts, self.backend_choice)
+        self._check_kv_cache_dtype()
         self._init_memory_pool()
         self.attn_backend_config = facts.with_pools(self.req_to_token_pool, self.token_to_kv_pool)
         self.attn_backend = create_backends(self.attn_backend_config, self.backend_choice,
@@ -92,6 +95,28 @@ class ModelRunner:
                 windows[m.layer_id] = w
         return tuple(windows)
 
+    def _check_kv_cache_dtype(self) -> None:
+        """Refuse an FP8 KV cache where it cannot run.
+
+        Raises:
+            ValueError: a GPU below compute capability 8.9 (no FP8 conversions in Triton),
+                or a chosen backend that does not read FP8 caches.
+        """
+        from attnserve.attention.registry import get_attention_backend_class
+        from attnserve.mem_cache.kv_quant import is_fp8
+
+        if not is_fp8(self.kv_cache_dtype):
+            return
+        name = self.server_args.kv_cache_dtype
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            cap = ".".join(map(str, torch.cuda.get_device_capability(self.device)))
+            raise ValueError(f"--kv-cache-dtype {name} needs a GPU of compute capability >= 8.9 (Ada, Hopper); "
+                             f"this one is {cap}: use --kv-cache-dtype auto")
+        for backend in dict.fromkeys((self.backend_choice.prefill, self.backend_choice.decode)):
+            if not get_attention_backend_class(backend).supports_fp8_kv:
+                raise ValueError(f"attention backend '{backend}' cannot read an FP8 KV cache (--kv-cache-dtype "
+                                 f"{name}); use triton, triton_mla or torch_native, or --kv-cache-dtype auto")
+
     def _backend_config(self) -> AttentionBackendConfig:
         """Model facts and limits for the attention backends (pools attached later)."""
         mc, args = self.model_config, self.server_args
@@ -114,12 +139,14 @@ class ModelRunner:
             size = self.draft_of.max_total_num_tokens
         elif args.max_total_tokens is not None:
             size = args.max_total_tokens
-        elif self.device.type == "cpu":
-            size = CPU_DEFAULT_MAX_TOTAL_TOKENS
+        elif self.device.type == "cpu":  # the memory of that many tokens in the model dtype
+            budget = CPU_DEFAULT_MAX_TOTAL_TOKENS * mc.kv_cache_bytes_per_token(self.dtype)
+            size = budget // mc.kv_cache_bytes_per_token(self.kv_cache_dtype)
         else:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1.0 - args.mem_fraction_static) - self.attn_workspace_bytes
-            size = int(max(budget, 0) // (mc.kv_cache_bytes_per_token(self.dtype) + self.extra_kv_bytes_per_token))
+            size = int(max(budget, 0) // (mc.kv_cache_bytes_per_token(self.kv_cache_dtype)
+                                          + self.extra_kv_bytes_per_token))
             size = min(size, args.max_running_requests * self.context_len)
             if size < self.page_size * 2:
                 raise ValueError(
@@ -135,17 +162,18 @@ class ModelRunner:
             self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(size, self.page_size)
         if mc.attention_arch == "mla":
             self.token_to_kv_pool = MLATokenToKVPool(
-                size, self.page_size, self.dtype, mc.kv_lora_rank, mc.qk_rope_head_dim, mc.num_hidden_layers,
+                size, self.page_size, self.kv_cache_dtype, mc.kv_lora_rank, mc.qk_rope_head_dim, mc.num_hidden_layers,
                 self.device,
             )
         else:
             self.token_to_kv_pool = MHATokenToKVPool(
-                size, self.page_size, self.dtype, mc.num_key_value_heads, mc.head_dim, mc.num_hidden_layers,
+                size, self.page_size, self.kv_cache_dtype, mc.num_key_value_heads, mc.head_dim, mc.num_hidden_layers,
                 self.device, v_head_dim=mc.v_head_dim, use_fused_store=not args.disable_fused_kernels,
             )
         logger.info(
-            "%sKV cache: %d tokens, page_size %d, %.1f MiB; attention workspace %.1f MiB (%s, up to %d requests)",
-            "draft model " if self.draft_of is not None else "", size, self.page_size,
+            "%sKV cache: %d tokens (%s), page_size %d, %.1f MiB; attention workspace %.1f MiB (%s, up to %d "
+            "requests)", "draft model " if self.draft_of is not None else "", size,
+            str(self.kv_cache_dtype).replace("torch.", ""), self.page_size,
             self.token_to_kv_pool.mem_bytes() / 2**20, self.attn_workspace_bytes / 2**20,
             self.backend_choice.decode, args.max_running_requests,
         )

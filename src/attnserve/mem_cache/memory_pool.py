@@ -18,6 +18,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from attnserve.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: F401 (re-export)
+from attnserve.mem_cache.kv_quant import is_fp8, quantize_kv
 from attnserve.mem_cache.store_kv import KVStoreTarget, fused_kernels_available, store_kv
 
 
@@ -158,7 +159,8 @@ class KVCache:
         the two may overlap. Used to move an accepted draft path into place."""
         if src.numel():
             for buf in self.buffers():
-                buf[dst] = buf[src]
+                raw = buf.view(torch.uint8) if is_fp8(buf.dtype) else buf  # byte copy: no fp8 kernels needed
+                raw[dst] = raw[src]
 
     def mem_bytes(self) -> int:
         raise NotImplementedError
@@ -171,7 +173,8 @@ class MHATokenToKVPool(KVCache):
     Args:
         size: usable token slots (same as the allocator's).
         page_size: tokens per page.
-        dtype: storage dtype (float32/float16/bfloat16).
+        dtype: storage dtype (float32/float16/bfloat16, or float8_e4m3fn/float8_e5m2 for an
+            FP8 cache: writes store ``saturate(x / layer.k_scale)`` etc., `kv_quant`).
         head_num: KV heads per layer (after tensor parallelism).
         head_dim / v_head_dim: K and V head sizes (``v_head_dim`` defaults to ``head_dim``).
         layer_num: number of attention layers.
@@ -225,11 +228,14 @@ class MHATokenToKVPool(KVCache):
         `set_kv_buffer` only (CPU pool, fused kernels disabled, ``loc`` not on a GPU). ``value``: ``[n, head_num * v_head_dim]`` or ``[n, head_num, v_head_dim]``."""
         if not self.use_fused_store or not loc.is_cuda or loc.dtype not in (torch.int64, torch.int32):
             return None
+        if is_fp8(self.dtype):  # the fused RoPE + store does not quantize: RoPE, then `set_kv_buffer`
+            return None
         return KVStoreTarget(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, value)
 
     def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         """Write ``cache_k``/``cache_v`` ``[n, head_num, D]`` into rows ``loc`` (int64 ``[n]``)
-        of ``layer.layer_id``'s buffers, casting to the pool dtype."""
+        of ``layer.layer_id``'s buffers, casting to the pool dtype (an FP8 pool quantizes
+        with ``layer.k_scale`` / ``layer.v_scale``)."""
         lid = layer.layer_id
         if (
             self.use_fused_store
@@ -239,10 +245,10 @@ class MHATokenToKVPool(KVCache):
             and cache_k.stride(-1) == 1
             and cache_v.stride(-1) == 1
         ):
-            store_kv(self.k_buffer[lid], self.v_buffer[lid], loc, cache_k, cache_v)
+            store_kv(self.k_buffer[lid], self.v_buffer[lid], loc, cache_k, cache_v, layer.k_scale, layer.v_scale)
             return
-        self.k_buffer[lid][loc] = cache_k.to(self.dtype)
-        self.v_buffer[lid][loc] = cache_v.to(self.dtype)
+        self.k_buffer[lid][loc] = quantize_kv(cache_k, layer.k_scale, self.dtype)
+        self.v_buffer[lid][loc] = quantize_kv(cache_v, layer.v_scale, self.dtype)
 
     def mem_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
@@ -292,8 +298,10 @@ class MLATokenToKVPool(KVCache):
         return self.kv_buffer[layer_id][..., : self.kv_lora_rank]
 
     def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: Optional[torch.Tensor] = None) -> None:
-        """Write full latent rows ``cache_k`` ``[n, 1, kv_lora_rank + rope]`` (``cache_v`` ignored)."""
-        self.kv_buffer[layer.layer_id][loc] = cache_k.to(self.dtype)
+        """Write full latent rows ``cache_k`` ``[n, 1, kv_lora_rank + rope]`` (``cache_v``
+        ignored); an FP8 pool quantizes with ``layer.k_scale`` (the latent row is key and
+        value, so one scale)."""
+        self.kv_buffer[layer.layer_id][loc] = quantize_kv(cache_k, layer.k_scale, self.dtype)
 
     def fused_store_target(self, layer_id: int, loc: torch.Tensor, value: torch.Tensor) -> None:
         """None: the latent pool has no fused RoPE + store (the layer stores the latent)."""
@@ -302,8 +310,8 @@ class MLATokenToKVPool(KVCache):
     def set_mla_kv_buffer(self, layer, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor) -> None:
         """Write ``c_kv`` ``[n, 1, kv_lora_rank]`` and ``k_pe`` ``[n, 1, rope]`` into rows ``loc``."""
         buf = self.kv_buffer[layer.layer_id]
-        buf[loc, :, : self.kv_lora_rank] = cache_k_nope.to(self.dtype)
-        buf[loc, :, self.kv_lora_rank :] = cache_k_rope.to(self.dtype)
+        buf[loc, :, : self.kv_lora_rank] = quantize_kv(cache_k_nope, layer.k_scale, self.dtype)
+        buf[loc, :, self.kv_lora_rank :] = quantize_kv(cache_k_rope, layer.k_scale, self.dtype)
 
     def mem_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.kv_buffer)

@@ -78,7 +78,8 @@ def _next_pow2(n: int) -> int:
 
 
 def store_kv(
-    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """``k_buffer[loc[i]] = k[i]`` and ``v_buffer[loc[i]] = v[i]`` in one Triton launch.
 
@@ -91,8 +92,10 @@ def store_kv(
             may be a strided view (e.g. into a fused qkv output) with last dim contiguous.
         v: ``[T, H, Dv]`` (or ``[T, H*Dv]``), likewise.
 
-    Values go through float32 into the buffer dtype (same rounding as ``Tensor.to``). No
-    allocation, no host sync: CUDA-graph capturable.
+    Values go through float32 into the buffer dtype (same rounding as ``Tensor.to``). An
+    FP8 buffer (``float8_e4m3fn`` / ``float8_e5m2``, both buffers alike) stores
+    ``saturate(x / scale)`` with ``k_scale`` / ``v_scale`` (`kv_quant.quantize_kv`); other
+    dtypes ignore the scales. No allocation, no host sync: CUDA-graph capturable.
 
     Raises:
         ValueError: on shape mismatches or a non-contiguous last dimension.
@@ -114,7 +117,12 @@ def store_kv(
             raise ValueError(f"store_kv: {name} must have a contiguous last dimension, strides {x.stride()}")
     if t == 0:
         return
+    from attnserve.mem_cache.kv_quant import fp8_max, is_fp8
     from attnserve.mem_cache.store_kv_triton import _store_kv_kernel
+
+    quant = is_fp8(k_buffer.dtype)
+    if quant != is_fp8(v_buffer.dtype):
+        raise ValueError(f"store_kv: K and V buffers must both be FP8 or neither ({k_buffer.dtype}, {v_buffer.dtype})")
 
     block_dk, block_dv = _next_pow2(dk), _next_pow2(dv)
     block_h = max(1, min(_next_pow2(num_heads), 4096 // max(block_dk, block_dv)))
@@ -123,7 +131,7 @@ def store_kv(
         loc, k3, v3, k_buffer, v_buffer,
         k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        num_heads, dk, dv,
-        BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+        num_heads, dk, dv, 1.0 / k_scale, 1.0 / v_scale, fp8_max(k_buffer.dtype) if quant else 0.0,
+        BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, QUANT=quant,
         num_warps=4,
     )

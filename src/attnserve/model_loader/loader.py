@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import importlib
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -25,6 +26,8 @@ from torch import nn
 
 from attnserve.model_loader.model_config import ModelConfig
 from attnserve.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
@@ -220,7 +223,12 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(module, seed=seed)
     else:
-        module.load_weights(_weights(source, load_format, model_config.hf_config, progress))
+        from attnserve.model_loader.kv_scales import KVScaleCollector
+
+        scales = KVScaleCollector()
+        module.load_weights(scales.filter(_weights(source, load_format, model_config.hf_config, progress)))
+        if scales.apply(module):
+            logger.info("KV cache scales read from the checkpoint for %d layers", len(scales.scales))
     module.eval()
 
     tokenizer = None

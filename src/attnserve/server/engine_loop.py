@@ -441,6 +441,8 @@ class EngineLoop:
             "kv_slots_used": alloc.size - alloc.available_size() - cached,
             "kv_slots_cached": cached,
             "kv_slots_protected": protected,
+            "kv_cache_bytes": runner.token_to_kv_pool.mem_bytes(),
+            "kv_cache_dtype": str(runner.token_to_kv_pool.dtype).replace("torch.", ""),
             "req_rows_total": rows.size,
             "req_rows_free": rows.available_size(),
             "tracked_requests": len(sched.requests),

@@ -13,6 +13,7 @@ name                                   type       meaning
 num_running_reqs                       gauge      requests in the running batch
 num_waiting_reqs                       gauge      requests in the waiting queue
 kv_slots_used / kv_slots_total         gauge      KV-cache token slots in use / in the pool
+kv_cache_bytes{kv_cache_dtype}         gauge      bytes of the KV pool (all layers) and its storage dtype
 prompt_tokens_total                    counter    prompt tokens of accepted requests
 generation_tokens_total                counter    generated tokens
 requests_total{finish_reason}          counter    finished requests (stop, length, abort, error)
@@ -67,6 +68,9 @@ class ServerMetrics:
         self.waiting = gauge("num_waiting_reqs", "Requests in the waiting queue.")
         self.kv_used = gauge("kv_slots_used", "KV-cache token slots in use.")
         self.kv_total = gauge("kv_slots_total", "KV-cache token slots in the pool.")
+        self._kv_bytes = Gauge("kv_cache_bytes", "Bytes of the KV pool (all layers).",
+                               labels + ["kv_cache_dtype"], **kw)
+        self._model_name = model_name
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token (s).",
@@ -118,6 +122,8 @@ class ServerMetrics:
         self.waiting.set(state["waiting"])
         self.kv_used.set(state["kv_slots_used"])
         self.kv_total.set(state["kv_slots_total"])
+        if "kv_cache_bytes" in state:
+            self._kv_bytes.labels(self._model_name, state["kv_cache_dtype"]).set(state["kv_cache_bytes"])
         for key, metric in (("retractions", self.retractions), ("retracted_requests", self.retracted),
                             ("cached_prompt_tokens", self.cached_prompt_tokens), ("spec_verify", self.spec_verify)):
             value = state.get(key, 0)

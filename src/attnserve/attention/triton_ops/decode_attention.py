@@ -16,6 +16,12 @@ A fused "last program merges" variant (split-K with arrival counters, as in stre
 GEMMs) was measured on an H100 and was not faster than stage 2 (its serial merge tail
 costs more than the saved launch), so there is none here; see benchmarks/NOTES.md.
 
+FP8 KV cache: ``k_buffer`` / ``v_buffer`` may hold float8 (e4m3fn / e5m2) entries with
+per-tensor scales (true value = stored * scale). Tiles are converted to q's dtype after
+loading (float32 accumulation as always); K's scale is folded into ``sm_scale`` on the
+host and V's scale multiplies each split's output in stage 1 (stage 2 is a convex
+combination of the splits, so this is exact). With scales of 1.0 nothing extra runs.
+
 Everything the launch depends on is host-known (bs, head counts, ``max_kv_splits``), and
 no host synchronisation happens, so `decode_attention_fwd` is CUDA-graph capturable.
 Tuning lives in `decode_config`; split counts in `compute_num_kv_splits`.
@@ -23,6 +29,7 @@ Tuning lives in `decode_config`; split counts in `compute_num_kv_splits`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,6 +43,9 @@ from attnserve.triton_jit import tanh
 # Split-count policy constants (tuning, not state).
 _SPLIT_WAVES = 4  # aim for this many programs per SM across stage 1
 _MIN_SPLIT_TOKENS = 128  # never cut a request into splits shorter than this (non-deterministic mode)
+
+#: KV-cache dtypes accepted besides q's own (per-tensor scaled fp8)
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(frozen=True)
@@ -122,7 +132,7 @@ def _decode_stage1_kernel(
     q_ptr, k_ptr, v_ptr,
     kv_indptr_ptr, kv_indices_ptr, num_kv_splits_ptr,
     logits_ptr, lse_ptr,
-    sm_scale, logit_cap,
+    sm_scale, logit_cap, v_scale,
     stride_qb, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -140,9 +150,14 @@ def _decode_stage1_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_CAP: tl.constexpr,
+    V_SCALED: tl.constexpr,
     COMPUTE_FP32: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
+    # sm_scale already includes K's dequantisation scale (folded on the host); V's scale
+    # (``v_scale``, applied only when V_SCALED) multiplies each split's output. K/V tiles
+    # of another dtype than q (fp8 caches) are converted to q's dtype before ``tl.dot``
+    # (``.to`` is a no-op when the dtypes agree).
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -197,7 +212,7 @@ def _decode_stage1_kernel(
             if BLOCK_H == 1:
                 qk = tl.sum(q[:, None, :] * k[None, :, :].to(tl.float32), axis=2)
             else:
-                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+                qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
             if BLOCK_DPE > 0:
                 k_pe = tl.load(
                     k_head_ptr + slots[:, None] * stride_kt + offs_dpe[None, :],
@@ -209,7 +224,7 @@ def _decode_stage1_kernel(
                 if BLOCK_H == 1:
                     qk += tl.sum(q_pe[:, None, :] * k_pe[None, :, :].to(tl.float32), axis=2)
                 else:
-                    qk += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PREC)
+                    qk += tl.dot(q_pe, tl.trans(k_pe.to(q_pe.dtype)), input_precision=DOT_PREC)
             if HAS_CAP:
                 qk = logit_cap * tanh(qk * (sm_scale / logit_cap)) * 1.4426950408889634
             else:
@@ -229,13 +244,17 @@ def _decode_stage1_kernel(
             if BLOCK_H == 1:
                 pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
             else:
+                v = v.to(q.dtype)
                 pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         # Every visited split holds >= 1 key, so l_i > 0 for every row.
+        part = acc / l_i[:, None]
+        if V_SCALED:
+            part = part * v_scale
         tl.store(
             out_ptrs + split * stride_ls,
-            acc / l_i[:, None],
+            part,
             mask=mask_h[:, None] & mask_dv[None, :],
         )
         tl.store(lse_ptrs + split, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=mask_h)
@@ -315,18 +334,23 @@ def decode_attention_fwd(
     *,
     config: Optional[DecodeConfig] = None,
     grid_splits: Optional[int] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Paged decode attention, split-K (Flash-Decoding) with log-sum-exp merge.
 
     ``o[b, h] = softmax(sm_scale * q[b, h] . K_b^T) V_b`` where ``K_b``/``V_b`` are the
     rows ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` of the buffers at KV head
-    ``h // (Hq // Hkv)``. Accumulation is float32 (online softmax, FlashAttention-2,
-    arXiv:2307.08691); ``tl.dot`` operands stay in the input dtype on the GPU.
+    ``h // (Hq // Hkv)``, dequantised as ``K = k_scale * k_buffer``, ``V = v_scale *
+    v_buffer``. Accumulation is float32 (online softmax, FlashAttention-2,
+    arXiv:2307.08691); ``tl.dot`` operands are in q's dtype on the GPU (fp8 tiles are
+    converted after loading).
 
     Args:
         q: ``[bs, Hq, Dk]`` fp16/bf16/fp32 (last dim contiguous).
-        k_buffer: ``[num_slots, Hkv, Dk]``; v_buffer: ``[num_slots, Hkv, Dv]`` (same dtype
-            as ``q``; may be views of one MLA buffer, ``Dk != Dv`` is fine).
+        k_buffer: ``[num_slots, Hkv, Dk]``; v_buffer: ``[num_slots, Hkv, Dv]`` (one dtype:
+            q's, or ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` for an fp8 KV cache;
+            may be views of one MLA buffer, ``Dk != Dv`` is fine).
         o: ``[bs, Hq, Dv]``, written.
         kv_indptr: int32/int64 ``[bs + 1]``; kv_indices: int32/int64 token slots.
         attn_logits: float32 ``[bs, Hq, max_kv_splits, Dv]`` scratch (partial outputs).
@@ -339,6 +363,11 @@ def decode_attention_fwd(
         logit_cap: if > 0, scaled scores ``s`` become ``logit_cap * tanh(s / logit_cap)``.
         config: override of `decode_config` (tuning); grid_splits: override of the split
             grid axis (`decode_grid_splits`), mainly for tests.
+        k_scale / v_scale: host floats > 0, per-tensor dequantisation scales of the
+            buffers (true value = stored value * scale; applied with any buffer dtype).
+            ``k_scale`` is folded into ``sm_scale`` on the host; ``v_scale`` multiplies
+            each split's partial output, so ``attn_logits`` holds true-valued partials.
+            The defaults (1.0) run exactly the unscaled kernels.
 
     Returns:
         ``o``. A request with zero keys gets zeros.
@@ -362,8 +391,17 @@ def decode_attention_fwd(
         )
     if hkv < 1 or hq % hkv:
         raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_buffer.dtype != q.dtype or v_buffer.dtype != q.dtype:
-        raise ValueError(f"q/k_buffer/v_buffer must share one of fp16/bf16/fp32, got {q.dtype}/{k_buffer.dtype}/{v_buffer.dtype}")
+    if (
+        q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or v_buffer.dtype != k_buffer.dtype
+        or k_buffer.dtype not in (q.dtype,) + FP8_KV_DTYPES
+    ):
+        raise ValueError(
+            f"q/k_buffer/v_buffer must share one of fp16/bf16/fp32 (or k_buffer/v_buffer both "
+            f"float8_e4m3fn/float8_e5m2), got {q.dtype}/{k_buffer.dtype}/{v_buffer.dtype}"
+        )
+    k_scale, v_scale = float(k_scale), float(v_scale)
+    if not (math.isfinite(k_scale) and k_scale > 0 and math.isfinite(v_scale) and v_scale > 0):
+        raise ValueError(f"k_scale and v_scale must be finite and > 0, got {k_scale}, {v_scale}")
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o), ("attn_logits", attn_logits)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension")
@@ -409,7 +447,7 @@ def decode_attention_fwd(
         q, k_buffer, v_buffer,
         kv_indptr, kv_indices, num_kv_splits,
         attn_logits, attn_lse,
-        float(sm_scale), float(logit_cap),
+        float(sm_scale) * k_scale, float(logit_cap), v_scale,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -427,6 +465,7 @@ def decode_attention_fwd(
         BLOCK_H=block_h,
         BLOCK_N=cfg.block_n,
         HAS_CAP=logit_cap > 0,
+        V_SCALED=v_scale != 1.0,
         COMPUTE_FP32=compute_fp32,
         DOT_PREC=dot_prec,
         num_warps=cfg.num_warps,

@@ -14,6 +14,13 @@ entirely are never visited, so causal prefill costs about half of a full one and
 windowed layer reads about ``window`` keys per query tile. With a custom mask every
 visited tile is masked (the window still bounds the visited range).
 
+FP8 KV cache: the paged buffers may hold float8 (e4m3fn / e5m2) entries with per-tensor
+scales (true value = stored * scale); the new tokens' K/V are true values in q's dtype.
+Prefix tiles are converted to q's dtype after loading, score with ``sm_scale * k_scale``,
+and the accumulator is multiplied by ``v_scale`` once, after the prefix stage and before
+the new-token stage (the online-softmax rescaling is linear, so this equals scaling every
+prefix V tile). With scales of 1.0 nothing extra runs.
+
 Positions: prefix key ``j`` of request ``i`` has absolute position ``prefix_kv_start[i] + j``
 (``prefix_kv_start`` > 0 when the caller trimmed the prefix to a sliding window); with
 ``P_i = prefix_kv_start[i] + n_prefix_i``, new token ``t`` has position ``P_i + t``.
@@ -21,6 +28,7 @@ Positions: prefix key ``j`` of request ``i`` has absolute position ``prefix_kv_s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnserve.attention.triton_ops.decode_attention import _split_dims
+from attnserve.attention.triton_ops.decode_attention import FP8_KV_DTYPES, _split_dims
 from attnserve.triton_env import triton_interpreting
 from attnserve.triton_jit import tanh
 
@@ -122,7 +130,9 @@ def _attn_run(
     DOT_PREC: tl.constexpr,
 ):
     """Online-softmax update over key tiles ``[lo, hi)`` (``lo`` a multiple of BLOCK_N) of
-    one stage. Unmasked runs (MASKED=False) must only cover full, fully visible tiles."""
+    one stage. Unmasked runs (MASKED=False) must only cover full, fully visible tiles.
+    K/V tiles are converted to q's dtype (fp8 caches; a no-op otherwise); ``qk_scale`` /
+    ``sm_scale`` are the stage's (prefix runs: including K's dequantisation scale)."""
     mask_d = offs_d < DK
     mask_dv = offs_dv < DV
     if BLOCK_DPE > 0:
@@ -138,10 +148,10 @@ def _attn_run(
         else:  # new tokens: int32 offsets from the request's first row (base already int64)
             rows = offs_n
         k = _load_tile(k_ptr + rows[:, None] * stride_kt + offs_d[None, :], valid_n, mask_d, MASKED, not EVEN_DK, COMPUTE_FP32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
         if BLOCK_DPE > 0:
             k_pe = _load_tile(k_ptr + rows[:, None] * stride_kt + offs_dpe[None, :], valid_n, mask_dpe, MASKED, not EVEN_DPE, COMPUTE_FP32)
-            qk += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PREC)
+            qk += tl.dot(q_pe, tl.trans(k_pe.to(q_pe.dtype)), input_precision=DOT_PREC)
         if HAS_CAP:  # capped scores, already in log2 units
             qk = logit_cap * tanh(qk * (sm_scale / logit_cap)) * 1.4426950408889634
         if MASKED:
@@ -166,6 +176,7 @@ def _attn_run(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(v_ptr + rows[:, None] * stride_vt + offs_dv[None, :], valid_n, mask_dv, MASKED, not EVEN_DV, COMPUTE_FP32)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -185,7 +196,7 @@ def _extend_fwd_kernel(
     q_ptr, k_ext_ptr, v_ext_ptr, o_ptr, k_buf_ptr, v_buf_ptr,
     qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
     mask_ptr, mask_indptr_ptr, prefix_start_ptr,
-    sm_scale, logit_cap, window,
+    sm_scale, logit_cap, window, k_scale, v_scale,
     stride_qt, stride_qh,
     stride_ket, stride_keh,
     stride_vet, stride_veh,
@@ -207,6 +218,8 @@ def _extend_fwd_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_CAP: tl.constexpr,
     HAS_PREFIX_START: tl.constexpr,
+    K_SCALED: tl.constexpr,
+    V_SCALED: tl.constexpr,
     EVEN_DK: tl.constexpr,
     EVEN_DPE: tl.constexpr,
     EVEN_DV: tl.constexpr,
@@ -255,6 +268,12 @@ def _extend_fwd_kernel(
             mask_base = mask_base - prefix_len
 
     qk_scale = sm_scale * 1.4426950408889634
+    # prefix keys are stored as K / k_scale: their scores use sm_scale * k_scale
+    pre_sm_scale = sm_scale
+    pre_qk_scale = qk_scale
+    if K_SCALED:
+        pre_sm_scale = sm_scale * k_scale
+        pre_qk_scale = pre_sm_scale * 1.4426950408889634
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -274,23 +293,26 @@ def _extend_fwd_kernel(
     idx_ptr = kv_indices_ptr + kv_start
     acc, l_i, m_i = _attn_run(
         acc, l_i, m_i, q, q_pe, lo, s1, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
-        q_pos, prefix_start, mask_base, mask_rows, row_valid, qk_scale, sm_scale, logit_cap, window,
+        q_pos, prefix_start, mask_base, mask_rows, row_valid, pre_qk_scale, pre_sm_scale, logit_cap, window,
         offs_d, offs_dpe, offs_dv, True, True, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
         DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
     )
     if not PREFIX_MASK:
         acc, l_i, m_i = _attn_run(
             acc, l_i, m_i, q, q_pe, s1, s2, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
-            q_pos, prefix_start, mask_base, mask_rows, row_valid, qk_scale, sm_scale, logit_cap, window,
+            q_pos, prefix_start, mask_base, mask_rows, row_valid, pre_qk_scale, pre_sm_scale, logit_cap, window,
             offs_d, offs_dpe, offs_dv, True, False, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
             DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
         )
     acc, l_i, m_i = _attn_run(
         acc, l_i, m_i, q, q_pe, s2, n_prefix, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
-        q_pos, prefix_start, mask_base, mask_rows, row_valid, qk_scale, sm_scale, logit_cap, window,
+        q_pos, prefix_start, mask_base, mask_rows, row_valid, pre_qk_scale, pre_sm_scale, logit_cap, window,
         offs_d, offs_dpe, offs_dv, True, True, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
         DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
     )
+
+    if V_SCALED:  # acc holds only prefix terms so far (sum of p * V_stored): make them true values
+        acc = acc * v_scale
 
     # ---- stage 2: new tokens, keys t in [0, ext_len), positions prefix_len + t ----
     hi = ext_len
@@ -355,18 +377,23 @@ def extend_attention_fwd(
     *,
     mask_covers_prefix: bool = True,
     config: Optional[ExtendConfig] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of new tokens over their cached prefix (paged) and over each other.
 
     One online softmax (FlashAttention-2, arXiv:2307.08691) covers the prefix keys (read
     from ``k_buffer``/``v_buffer`` at slots ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``)
-    and the new keys ``k_extend``/``v_extend``; accumulation is float32.
+    and the new keys ``k_extend``/``v_extend``; accumulation is float32. Prefix keys/values
+    are dequantised as ``k_scale * k_buffer`` / ``v_scale * v_buffer``; the new tokens'
+    ``k_extend``/``v_extend`` are used as given.
 
     Args:
         q_extend: ``[T, Hq, Dk]``; k_extend: ``[T, Hkv, Dk]``; v_extend: ``[T, Hkv, Dv]``
             (fp16/bf16/fp32, one dtype; last dim contiguous; requests concatenated).
         o_extend: ``[T, Hq, Dv]``, written (every row of every request).
-        k_buffer / v_buffer: paged cache ``[num_slots, Hkv, Dk / Dv]``.
+        k_buffer / v_buffer: paged cache ``[num_slots, Hkv, Dk / Dv]`` (one dtype: q's, or
+            ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` for an fp8 KV cache).
         qo_indptr: int32/int64 ``[bs + 1]`` new-token offsets.
         kv_indptr: int32/int64 ``[bs + 1]``; kv_indices: prefix token slots.
         custom_mask: None, or bool/uint8 flat mask; request i's block starts at
@@ -388,6 +415,10 @@ def extend_attention_fwd(
         prefix_kv_start: int32/int64 ``[bs]`` absolute position of each request's first
             prefix key (None: 0).
         config: override of `extend_config` (tuning).
+        k_scale / v_scale: host floats > 0, per-tensor dequantisation scales of
+            ``k_buffer`` / ``v_buffer`` (true value = stored value * scale; applied with any
+            buffer dtype, to the prefix only: ``k_extend`` / ``v_extend`` are true values).
+            The defaults (1.0) run exactly the unscaled kernel.
 
     Returns:
         ``o_extend``; queries that see no key get zeros.
@@ -418,9 +449,19 @@ def extend_attention_fwd(
     tensors += [x for x in (custom_mask, mask_indptr, prefix_kv_start) if x is not None]
     if len({x.device for x in tensors}) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted({str(x.device) for x in tensors})}")
-    dtypes = {x.dtype for x in (q_extend, k_extend, v_extend, k_buffer, v_buffer)}
-    if len(dtypes) != 1 or q_extend.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"q/k/v (extend and buffers) must share one of fp16/bf16/fp32, got {sorted(map(str, dtypes))}")
+    dtypes = {x.dtype for x in (q_extend, k_extend, v_extend)}
+    if (
+        len(dtypes) != 1 or q_extend.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+        or v_buffer.dtype != k_buffer.dtype or k_buffer.dtype not in (q_extend.dtype,) + FP8_KV_DTYPES
+    ):
+        got = sorted(map(str, dtypes | {k_buffer.dtype, v_buffer.dtype}))
+        raise ValueError(
+            f"q/k/v (extend and buffers) must share one of fp16/bf16/fp32 (or k_buffer/v_buffer both "
+            f"float8_e4m3fn/float8_e5m2), got {got}"
+        )
+    k_scale, v_scale = float(k_scale), float(v_scale)
+    if not (math.isfinite(k_scale) and k_scale > 0 and math.isfinite(v_scale) and v_scale > 0):
+        raise ValueError(f"k_scale and v_scale must be finite and > 0, got {k_scale}, {v_scale}")
     for name, x in (("q_extend", q_extend), ("k_extend", k_extend), ("v_extend", v_extend),
                     ("o_extend", o_extend), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
         if x.stride(-1) != 1:
@@ -459,7 +500,7 @@ def extend_attention_fwd(
         custom_mask if custom_mask is not None else dummy,
         mask_indptr if custom_mask is not None else dummy,
         prefix_kv_start if prefix_kv_start is not None else dummy,
-        float(sm_scale), float(logit_cap), max(window, 0),
+        float(sm_scale), float(logit_cap), max(window, 0), k_scale, v_scale,
         q_extend.stride(0), q_extend.stride(1),
         k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1),
@@ -481,6 +522,8 @@ def extend_attention_fwd(
         HAS_WINDOW=window >= 0,
         HAS_CAP=logit_cap > 0,
         HAS_PREFIX_START=prefix_kv_start is not None,
+        K_SCALED=k_scale != 1.0,
+        V_SCALED=v_scale != 1.0,
         EVEN_DK=block_d <= dk,  # the main block never crosses Dk
         EVEN_DPE=block_d + block_dpe == dk,
         EVEN_DV=block_dv == dv,

@@ -75,6 +75,10 @@ def carve_workspace(workspace: Optional[torch.Tensor], bs: int, num_heads: int, 
     return o_part, lse_part
 
 
+#: fp8 latent-cache dtypes stage 1 reads (the Triton kernel only): a stored entry means
+#: ``float(stored) * kv_scale`` (`mla_decode.mla_decode_fwd`)
+MLA_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 _KV_LOADS = ("ptr", "tma")
 #: stage-1 kernels: the Triton kernel (`mla_decode_triton`), the Gluon kernel
 #: (`mla_decode_gluon`) and the warp-specialized Gluon kernel (`mla_decode_seesaw`)
@@ -201,11 +205,14 @@ class MLAStage1Args(NamedTuple):
     ``kernel[grid](*args, **constexprs)`` and `launch_merge` reads its fields by name).
 
     Tensors: ``q_nope`` / ``q_pe`` ``[bs, H, D_C / D_R]``; ``kv`` the pool as ``[slots, D_C
-    + D_R]`` rows; ``desc_c`` / ``desc_r`` TMA descriptors (or ``kv`` as a placeholder);
+    + D_R]`` rows (the queries' dtype, or `MLA_FP8_DTYPES` for the Triton kernel, which takes
+    the output scale as a separate argument); ``desc_c`` / ``desc_r`` TMA descriptors (or
+    ``kv`` as a placeholder);
     ``block_table`` int32 ``[bs, pages]``; ``seq_lens``; ``num_splits`` (per-request counts
     or a placeholder); ``work`` (the work list or a placeholder); ``o_part`` / ``lse_part``
     float32 split partials (`carve_workspace`); ``o`` / ``lse`` outputs (``o_part`` stands
-    in for an absent ``lse``). Scalars: ``sm_scale_log2`` (softmax scale times log2 e),
+    in for an absent ``lse``). Scalars: ``sm_scale_log2`` (softmax scale, times an fp8
+    cache's kv_scale, times log2 e),
     ``num_heads``, ``num_splits_scalar``, then strides in elements.
     """
 

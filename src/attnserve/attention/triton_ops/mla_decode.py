@@ -17,6 +17,16 @@ key of the first dot and the value of the second). Splits of a request are merge
 log-sum-exp in a second kernel (the split-K "flash decoding" scheme; the split count
 heuristic follows the CUTLASS MLA wrapper in SGLang, see `mla_num_kv_splits`).
 
+FP8 cache: ``kv_buffer`` may hold `MLA_FP8_DTYPES` entries (e4m3fn / e5m2) with one
+per-tensor ``kv_scale`` (a stored entry means ``float(stored) * kv_scale``; the latent row
+is both key and value, so one scale serves both products). Since ``q . (s * x) = s * (q .
+x)`` and the output is a convex combination of c_kv rows, the scale is exact to apply
+outside the dots: ``sm_scale * kv_scale`` is folded on the host into the scores' scale, and
+each split's normalised output is multiplied by ``kv_scale`` before the merge. The tiles are
+converted to the queries' dtype after their load (exact for both formats; fp32 under the
+interpreter) and the dots accumulate in fp32 as for a 16-bit cache. Only the Triton stage 1
+reads fp8 (the Gluon kernels take 16-bit tiles): see Stage 1 below.
+
 Paging: ``block_kv_indices[i, j]`` is the page holding tokens ``j*page_size ..`` of request
 ``i``; page ``p`` is slots ``p*page_size .. p*page_size + page_size - 1`` of ``kv_buffer``.
 Entries past ``cdiv(seq_lens[i], page_size)`` (padding, e.g. -1) and slots past
@@ -33,7 +43,9 @@ Stage 1: ``config.stage1`` names the kernel to prefer (`MLA_STAGE1_KERNELS`); a 
 runs only where `mla_gluon_applicable` holds, else the Triton kernel, with TMA loads where
 ``config.kv_load == "tma"`` and `mla_tma_applicable` hold. ``config=None`` takes
 `mla_decode_config`'s pick for the shape (the seesaw kernel for >= 64 heads of DeepSeek's
-dims in 16-bit). `mla_stage1_kernel` says which kernel a call runs.
+dims in 16-bit). An fp8 cache always takes the Triton kernel (TMA loads where the config
+asks for them and they apply, else pointer loads); `mla_stage1_kernel` says which kernel a
+call runs.
 
 CUDA graphs: `mla_decode_fwd` syncs nothing with the host and allocates nothing when a
 workspace is given; its grids depend only on ``bs``, the head count, ``max_kv_splits`` and
@@ -47,12 +59,14 @@ All code here is original; algorithms after the sources above (SGLang's Triton
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Optional, Union
 
 import torch
 import triton
 
 from attnserve.attention.triton_ops.mla_common import (
+    MLA_FP8_DTYPES,
     MLA_STAGE1_KERNELS,
     MLA_WORK_SPLIT_SPAN,
     MLADecodeConfig,
@@ -76,6 +90,7 @@ from attnserve.triton_env import triton_interpreting
 
 __all__ = [
     "MLADecodeConfig",
+    "MLA_FP8_DTYPES",
     "MLA_STAGE1_KERNELS",
     "MLA_WORK_SPLIT_SPAN",
     "mla_decode_config",
@@ -95,10 +110,14 @@ __all__ = [
 def mla_gluon_applicable(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch.Tensor, page_size: int,
                          block_n: int) -> bool:
     """Whether the Gluon stage 1 kernels (`mla_decode_gluon`, `mla_decode_seesaw`) can run: a CUDA device of compute
-    capability 9.x (wgmma, TMA), fp16/bf16, DeepSeek's kv_lora_rank 512 + rope 64, 64-token
-    tiles (a P row of 64 bf16 is one 128-byte swizzle row; 32 did not compile) that the TMA
-    can fetch (`mla_tma_applicable`), and a Triton with Gluon's Hopper module."""
+    capability 9.x (wgmma, TMA), fp16/bf16 queries and a cache of the same dtype (never an
+    fp8 cache: those kernels feed the loaded tiles to wgmma as they are), DeepSeek's
+    kv_lora_rank 512 + rope 64, 64-token tiles (a P row of 64 bf16 is one 128-byte swizzle
+    row; 32 did not compile) that the TMA can fetch (`mla_tma_applicable`), and a Triton with
+    Gluon's Hopper module."""
     if q_nope.device.type != "cuda" or q_nope.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if kv_rows.dtype != q_nope.dtype:  # an fp8 cache: the Triton kernel converts its tiles
         return False
     if q_nope.shape[2] != 512 or q_pe.shape[2] != 64 or block_n != 64:
         return False
@@ -138,8 +157,8 @@ def _default_config(q_nope: torch.Tensor, d_r: int, interpret: bool) -> MLADecod
 
 def _stage1_kind(cfg, q_nope, q_pe, kv_rows, page_size, interpret) -> str:
     """Which stage 1 runs: ``cfg.stage1`` when it is a Gluon kernel and
-    `mla_gluon_applicable` holds; else ``"tma"`` (the Triton kernel with descriptor loads,
-    where `mla_tma_applicable`) or ``"triton"``."""
+    `mla_gluon_applicable` holds (never for an fp8 cache); else ``"tma"`` (the Triton kernel
+    with descriptor loads, where `mla_tma_applicable`) or ``"triton"``."""
     if cfg.stage1 != "triton" and not interpret and mla_gluon_applicable(q_nope, q_pe, kv_rows, page_size,
                                                                           cfg.block_n):
         return cfg.stage1
@@ -154,8 +173,10 @@ def mla_stage1_kernel(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
     default pick, as in `mla_decode_fwd`): ``"seesaw"`` / ``"gluon"`` (the Gluon kernels),
     ``"tma"`` (the Triton kernel with TMA loads of full tiles) or ``"triton"`` (pointer
     loads). Depends on the tensors' shapes, dtypes, strides, alignment and device and on
-    ``page_size``, not on their values, so one answer holds for every call of a benchmark
-    or a captured graph on the same buffers.
+    ``page_size``, not on their values (nor on ``kv_scale``), so one answer holds for every
+    call of a benchmark or a captured graph on the same buffers. An fp8 ``kv_buffer``
+    always names the Triton kernel (``"tma"`` or ``"triton"``), whatever ``config.stage1``
+    prefers.
 
     ``q_nope`` / ``q_pe`` / ``kv_buffer`` as for `mla_decode_fwd`; raises ValueError when
     they are not 3-D / token rows of ``kv_lora_rank + rope``.
@@ -184,8 +205,10 @@ def _stage1_descriptors(kind: str, kv_rows: torch.Tensor, d_c: int, d_r: int, bl
 
 
 def _launch_stage1(kind: str, args: MLAStage1Args, grid: tuple, constexprs: dict, cfg: MLADecodeConfig,
-                   interpret: bool) -> None:
-    """Hand ``args`` to the launcher of the stage 1 ``kind`` (`_stage1_kind`)."""
+                   interpret: bool, out_scale: float) -> None:
+    """Hand ``args`` to the launcher of the stage 1 ``kind`` (`_stage1_kind`); ``out_scale``
+    (an fp8 cache's kv_scale, which only the Triton kernel reads; else 1.0) goes to the
+    Triton kernel."""
     if kind == "seesaw":
         from attnserve.attention.triton_ops.mla_decode_seesaw import launch_seesaw_stage1
 
@@ -195,7 +218,8 @@ def _launch_stage1(kind: str, args: MLAStage1Args, grid: tuple, constexprs: dict
 
         launch_gluon_stage1(args, grid, constexprs, cfg.num_stages)
     else:
-        launch_triton_stage1(args, grid, constexprs, cfg, use_tma=kind == "tma", interpret=interpret)
+        launch_triton_stage1(args, grid, constexprs, cfg, use_tma=kind == "tma", interpret=interpret,
+                             out_scale=out_scale)
 
 
 def mla_decode_fwd(
@@ -214,6 +238,7 @@ def mla_decode_fwd(
     *,
     config: Optional[MLADecodeConfig] = None,
     work: Optional[torch.Tensor] = None,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Paged MLA decode with absorbed weights; writes ``o`` (and ``lse``) and returns ``o``.
 
@@ -221,13 +246,18 @@ def mla_decode_fwd(
         q_nope: ``[bs, H, kv_lora_rank]`` fp16/bf16 (fp32 accepted), query already times W_UK.
         q_pe: ``[bs, H, rope]`` same dtype, rotary part of the query.
         kv_buffer: latent cache ``[num_slots, 1, kv_lora_rank + rope]`` (also accepted:
-            ``[num_slots, D]`` or ``[num_pages, page_size, 1, D]`` views), same dtype as q.
+            ``[num_slots, D]`` or ``[num_pages, page_size, 1, D]`` views), same dtype as q,
+            or fp8 (`MLA_FP8_DTYPES`: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``) with
+            any query dtype; an entry means ``float(stored) * kv_scale``. An fp8 cache runs
+            the Triton stage 1 (TMA loads where `mla_tma_applicable` holds and the config
+            asks for them, pointer loads elsewhere), never a Gluon kernel.
         block_kv_indices: int32 ``[bs, max_blocks]`` page ids, padded (e.g. with -1); must
             have at least ``cdiv(seq_lens[i], page_size)`` valid entries in row i.
         seq_lens: ``[bs]`` int32/int64 tokens per request (0 allowed: o = 0, lse = -inf).
         page_size: tokens per page (>= 1; 1 = token-level table).
         o: output ``[bs, H, kv_lora_rank]`` (any float dtype; last dim contiguous).
-        sm_scale: softmax scale applied to the full 576-wide dot.
+        sm_scale: softmax scale applied to the full 576-wide dot (of the true values: the
+            kernel uses ``sm_scale * kv_scale`` on the stored ones).
         num_kv_splits: python int, or int32 ``[bs]`` device tensor (`mla_num_kv_splits_device`);
             clamped to ``[1, max_kv_splits]`` per request.
         max_kv_splits: grid size along the sequence (>= 1); fixed for CUDA graphs.
@@ -242,6 +272,13 @@ def mla_decode_fwd(
             max_kv_splits, bs)``, so a long request can take many splits without a grid of
             empty programs for the others. ``max_kv_splits`` stays the workspace's split
             dimension and the merge's cap.
+        kv_scale: host float > 0, an fp8 cache's per-tensor dequantisation scale (one for
+            the whole latent row, key and value alike; fixed per layer, so a captured graph
+            keeps the value it was captured with). Scores use ``sm_scale * kv_scale`` and
+            each split's output is multiplied by ``kv_scale`` before the merge; ``lse`` is
+            that of the true scores. Ignored (validated only) for a 16/32-bit cache, whose
+            entries are the values themselves (`RadixAttention.k_scale`'s convention), so
+            such a call runs exactly as without it, the Gluon kernels included.
 
     With ``max_kv_splits == 1`` the seesaw stage 1 writes every request itself (zeros for
     empty ones) and the merge kernel is not launched.
@@ -258,8 +295,16 @@ def mla_decode_fwd(
         raise ValueError(f"q_pe {tuple(q_pe.shape)} does not match q_nope {tuple(q_nope.shape)}")
     if tuple(o.shape) != (bs, num_heads, d_c):
         raise ValueError(f"o must be {(bs, num_heads, d_c)}, got {tuple(o.shape)}")
-    if q_pe.dtype != q_nope.dtype or kv_buffer.dtype != q_nope.dtype:
-        raise ValueError(f"dtype mismatch: q_nope {q_nope.dtype}, q_pe {q_pe.dtype}, kv_buffer {kv_buffer.dtype}")
+    if q_pe.dtype != q_nope.dtype or (kv_buffer.dtype != q_nope.dtype and kv_buffer.dtype not in MLA_FP8_DTYPES):
+        raise ValueError(f"dtype mismatch: q_nope {q_nope.dtype}, q_pe {q_pe.dtype}, kv_buffer {kv_buffer.dtype} "
+                         f"(kv_buffer: the queries' dtype or one of {MLA_FP8_DTYPES})")
+    if isinstance(kv_scale, torch.Tensor):  # float() of a device tensor would sync (and break graph capture)
+        raise ValueError("kv_scale must be a host float, got a tensor")
+    kv_scale = float(kv_scale)
+    if not (math.isfinite(kv_scale) and kv_scale > 0.0):
+        raise ValueError(f"kv_scale must be a finite float > 0, got {kv_scale}")
+    if kv_buffer.dtype not in MLA_FP8_DTYPES:  # a 16/32-bit cache stores the values themselves
+        kv_scale = 1.0
     if q_nope.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported dtype {q_nope.dtype}")
     kv_rows = _token_rows(kv_buffer, d_c + d_r)
@@ -302,14 +347,16 @@ def mla_decode_fwd(
     cfg = config if config is not None else _default_config(q_nope, d_r, interpret)
     kind = _stage1_kind(cfg, q_nope, q_pe, kv_rows, int(page_size), interpret)
     desc_c, desc_r = _stage1_descriptors(kind, kv_rows, d_c, d_r, cfg.block_n)
+    # the stored values' scores: q . (kv_scale * x) = kv_scale * (q . x), folded here
+    score_scale = sm_scale if kv_scale == 1.0 else float(sm_scale) * kv_scale
     args = MLAStage1Args.build(q_nope, q_pe, kv_rows, desc_c, desc_r, block_kv_indices, seq_lens, splits_ptr,
-                               seq_lens if work is None else work, o_part, lse_part, o, lse, sm_scale, splits_scalar)
+                               seq_lens if work is None else work, o_part, lse_part, o, lse, score_scale, splits_scalar)
     tiles = triton.cdiv(num_heads, cfg.block_h)
     grid = (tiles, max_kv_splits, bs) if work is None else (tiles, work.numel(), 1)
     constexprs = dict(D_C=d_c, D_R=d_r, BLOCK_N=cfg.block_n, PAGE_SIZE=int(page_size), MAX_KV_SPLITS=max_kv_splits,
                       PER_REQ_SPLITS=per_req, HAS_LSE=lse is not None, WORK_ITEMS=work is not None,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _launch_stage1(kind, args, grid, constexprs, cfg, interpret)
+    _launch_stage1(kind, args, grid, constexprs, cfg, interpret, kv_scale)
     if kind == "seesaw" and max_kv_splits == 1:  # stage 1 wrote o (and lse) of every request, empty ones included
         return o
     # merge tiles for the split count most requests have: max_kv_splits on a grid, the

@@ -8,6 +8,19 @@ stage 2), or the output itself when the request has one split. Two launches of t
 kernel: pointer gathers (``"triton"``), and TMA descriptor boxes for the mask-free full
 tiles (``"tma"``, `MLADecodeConfig.kv_load`, where `mla_tma_applicable` holds).
 
+FP8 cache (`MLA_FP8_DTYPES`, the only stage 1 that reads one): the tiles (pointer gathers or
+TMA boxes of 1-byte elements) are converted to the queries' dtype after the load
+(``CAST_KV``), the scores' scale carries the cache's kv_scale and the split's output is
+multiplied by it (``SCALE_OUT``). Measured on an H100 (Triton 3.6, 2026-11-24, bs 32 x 4K /
+16K, 128 heads, page 64): 228 / 824 us (e4m3) and 208 / 735 us (e5m2) with the default
+tiles, vs 153 / 547 us for this kernel on a bf16 cache and 91 / 273 us for the seesaw
+kernel; 16 heads bs 128 x 4K: 417 us (e4m3) / 349 us (e5m2) vs 231 us in bf16. So fp8 halves
+the cache's memory, not its decode time. From the sm_90 TTGIR: with TMA (wgmma, 128 heads)
+the fp8 box goes to shared memory, back to registers for the conversion and to shared
+memory again as bf16, single-buffered; with pointer loads (mma v2, 16 heads) Triton moves
+the conversion after the shared-memory round trip and converts the tile twice, once per
+dot, reading the PV operand transposed from an 8-bit buffer.
+
 Variant: non-default fields of `MLADecodeConfig` (TMA descriptor loads, peeled tail) switch
 stage 1 to its ``PEEL`` loop: the same math, grid and split / merge scheme, with mask-free
 full tiles fetched differently (see the dataclass). Note on the many-heads shape, from the
@@ -31,9 +44,18 @@ import torch
 import triton
 import triton.language as tl
 
-from attnserve.attention.triton_ops.mla_common import MLADecodeConfig, MLAStage1Args, _program_item, _split_bounds
+from attnserve.attention.triton_ops.mla_common import (
+    MLA_FP8_DTYPES,
+    MLADecodeConfig,
+    MLAStage1Args,
+    _program_item,
+    _split_bounds,
+)
 
 __all__ = ["mla_tma_applicable", "tma_descriptors", "launch_triton_stage1"]
+
+# the dots' operand dtype (the queries'): what an fp8 KV tile is converted to after its load
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 def _tile_widths(d_c: int, d_r: int) -> tuple:
@@ -69,17 +91,27 @@ def tma_descriptors(kv_rows: torch.Tensor, d_c: int, d_r: int, block_n: int) -> 
 
 
 def launch_triton_stage1(args: MLAStage1Args, grid: tuple, constexprs: dict, cfg: MLADecodeConfig, *, use_tma: bool,
-                         interpret: bool) -> None:
+                         interpret: bool, out_scale: float = 1.0) -> None:
     """Launch `_mla_decode_stage1` over ``args`` (descriptors from `tma_descriptors` when
     ``use_tma``, else placeholders). ``constexprs``: the values every stage-1 kernel takes
     (dims, ``BLOCK_N``, ``PAGE_SIZE``, split mode, launch options). The dots take
     ``input_precision="ieee"`` for fp32 inputs and under the interpreter (which also casts
-    the operands to fp32), else ``"tf32"`` (no effect on 16-bit operands)."""
+    the operands to fp32), else ``"tf32"`` (no effect on 16-bit operands).
+
+    An fp8 pool (``args.kv`` of `MLA_FP8_DTYPES`) has each loaded tile converted to the
+    dots' dtype (the queries', fp32 under the interpreter; exact for both formats) before
+    ``tl.dot``. ``out_scale`` != 1.0 multiplies each split's normalised output (before the
+    merge, or the output itself for a one-split request) by it: the cache's ``kv_scale``
+    (the scores' share of it is folded into ``args.sm_scale_log2`` by the caller). At 1.0
+    (the default) neither the conversion nor the multiply is compiled in for a 16-bit pool."""
     block_c, block_r = _tile_widths(args.q_nope.shape[2], args.q_pe.shape[2])
     fp32_dot = interpret or args.q_nope.dtype == torch.float32
+    kv_fp8 = args.kv.dtype in MLA_FP8_DTYPES
     _mla_decode_stage1[grid](
-        *args, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_H=cfg.block_h, DOT_FP32=interpret,
-        DOT_PRECISION="ieee" if fp32_dot else "tf32", PEEL=cfg.is_variant, USE_TMA=use_tma, **constexprs,
+        *args, out_scale=float(out_scale), BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_H=cfg.block_h, DOT_FP32=interpret,
+        DOT_PRECISION="ieee" if fp32_dot else "tf32", PEEL=cfg.is_variant, USE_TMA=use_tma,
+        CAST_KV=interpret or kv_fp8, DOT_DTYPE=tl.float32 if interpret else _TL_DTYPES[args.q_nope.dtype],
+        SCALE_OUT=float(out_scale) != 1.0, **constexprs,
     )
 
 
@@ -102,8 +134,10 @@ def _load_q(QNope, QPe, b, offs_h, mask_h, stride_qn_b, stride_qn_h, stride_qp_b
 @triton.jit
 def _load_kv_ptr(KV, table, n0, end, stride_kv_t,
                     D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One [BLOCK_N, BLOCK_C] c_kv and [BLOCK_N, BLOCK_R] k_pe tile through pointers.
+                    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, CAST_KV: tl.constexpr,
+                    DOT_DTYPE: tl.constexpr):
+    """One [BLOCK_N, BLOCK_C] c_kv and [BLOCK_N, BLOCK_R] k_pe tile through pointers,
+    converted to DOT_DTYPE when CAST_KV (an fp8 pool, or fp32 under the interpreter).
 
     MASKED=False: every token n0 .. n0 + BLOCK_N - 1 is valid (no row mask at all)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -140,24 +174,24 @@ def _load_kv_ptr(KV, table, n0, end, stride_kv_t,
             kpe = tl.load(row[:, None] + D_C + offs_r[None, :])
         else:
             kpe = tl.load(row[:, None] + D_C + offs_r[None, :], mask=(offs_r < D_R)[None, :], other=0.0)
-    if DOT_FP32:
-        ckv = ckv.to(tl.float32)
-        kpe = kpe.to(tl.float32)
+    if CAST_KV:
+        ckv = ckv.to(DOT_DTYPE)
+        kpe = kpe.to(DOT_DTYPE)
     return ckv, kpe
 
 
 @triton.jit
-def _load_kv_tma(desc_c, desc_r, table, n0, PAGE_SIZE: tl.constexpr, DOT_FP32: tl.constexpr):
+def _load_kv_tma(desc_c, desc_r, table, n0, PAGE_SIZE: tl.constexpr, CAST_KV: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """A full tile through the TMA descriptors (needs PAGE_SIZE % BLOCK_N == 0): rows
     page * PAGE_SIZE + n0 % PAGE_SIZE .. + BLOCK_N of the pool; columns past D_C / D_R of
-    the descriptors' shapes are zero-filled by the hardware."""
+    the descriptors' shapes are zero-filled by the hardware. Converted as `_load_kv_ptr`."""
     page = tl.load(table + n0 // PAGE_SIZE)
     row0 = page * PAGE_SIZE + n0 % PAGE_SIZE
     ckv = desc_c.load([row0, 0])
     kpe = desc_r.load([row0, 0])
-    if DOT_FP32:
-        ckv = ckv.to(tl.float32)
-        kpe = kpe.to(tl.float32)
+    if CAST_KV:
+        ckv = ckv.to(DOT_DTYPE)
+        kpe = kpe.to(DOT_DTYPE)
     return ckv, kpe
 
 
@@ -189,11 +223,12 @@ def _mla_decode_stage1(
     stride_kv_t, stride_bt_b,
     stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h,
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
+    out_scale,
     D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr, PER_REQ_SPLITS: tl.constexpr, HAS_LSE: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, PEEL: tl.constexpr, USE_TMA: tl.constexpr,
-    WORK_ITEMS: tl.constexpr,
+    WORK_ITEMS: tl.constexpr, CAST_KV: tl.constexpr, DOT_DTYPE: tl.constexpr, SCALE_OUT: tl.constexpr,
 ):
     """Grid (head tiles, MAX_KV_SPLITS, bs), or (head tiles, W) over a work list
     (WORK_ITEMS, `_program_item`); the head tile is the fastest axis, so the head tiles of
@@ -202,7 +237,11 @@ def _mla_decode_stage1(
     PEEL=False: every tile of a split is loaded through pointers with a row mask (the
     original kernel). PEEL=True: the split's full ``BLOCK_N`` tiles run mask-free, through
     the host descriptors DescC / DescR when USE_TMA (else pointers; DescC / DescR are
-    unused placeholders then), and at most one masked pointer tail tile follows."""
+    unused placeholders then), and at most one masked pointer tail tile follows.
+
+    CAST_KV: KV tiles are converted to DOT_DTYPE after the load (an fp8 pool; fp32 under
+    the interpreter). SCALE_OUT: the normalised output is multiplied by ``out_scale`` (the
+    fp8 cache's kv_scale; the scores' share is in ``sm_scale_log2``); the lse is not."""
     pid_h = tl.program_id(0)
     b, split_id = _program_item(Work, tl.program_id(1), tl.program_id(2), MAX_KV_SPLITS, WORK_ITEMS)
 
@@ -227,26 +266,28 @@ def _mla_decode_stage1(
             full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
             for n0 in tl.range(start, full_end, BLOCK_N):
                 if USE_TMA:
-                    ckv, kpe = _load_kv_tma(DescC, DescR, table, n0, PAGE_SIZE, DOT_FP32)
+                    ckv, kpe = _load_kv_tma(DescC, DescR, table, n0, PAGE_SIZE, CAST_KV, DOT_DTYPE)
                 else:
                     ckv, kpe = _load_kv_ptr(KV, table, n0, end, stride_kv_t, D_C, D_R, BLOCK_C, BLOCK_R,
-                                            BLOCK_N, PAGE_SIZE, False, DOT_FP32)
+                                            BLOCK_N, PAGE_SIZE, False, CAST_KV, DOT_DTYPE)
                 m_i, l_i, acc = _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, n0, end, sm_scale_log2,
                                                      False, DOT_PRECISION)
             if full_end < end:
                 ckv, kpe = _load_kv_ptr(KV, table, full_end, end, stride_kv_t, D_C, D_R, BLOCK_C, BLOCK_R,
-                                        BLOCK_N, PAGE_SIZE, True, DOT_FP32)
+                                        BLOCK_N, PAGE_SIZE, True, CAST_KV, DOT_DTYPE)
                 m_i, l_i, acc = _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc,
                                                      full_end + tl.arange(0, BLOCK_N), end, sm_scale_log2,
                                                      True, DOT_PRECISION)
         else:
             for n0 in range(start, end, BLOCK_N):
                 ckv, kpe = _load_kv_ptr(KV, table, n0, end, stride_kv_t, D_C, D_R, BLOCK_C, BLOCK_R,
-                                        BLOCK_N, PAGE_SIZE, True, DOT_FP32)
+                                        BLOCK_N, PAGE_SIZE, True, CAST_KV, DOT_DTYPE)
                 m_i, l_i, acc = _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, n0 + tl.arange(0, BLOCK_N),
                                                      end, sm_scale_log2, True, DOT_PRECISION)
 
         out = acc / l_i[:, None]
+        if SCALE_OUT:
+            out = out * out_scale
         lse2 = m_i + tl.log2(l_i)
         mask_hc = mask_h[:, None] & mask_c[None, :]
         if n_eff == 1:

@@ -1,0 +1,218 @@
+"""FP8 latent cache in the paged MLA decode (`attention/triton_ops/mla_decode.py`) against a
+float64 reference.
+
+The cache holds float8 (e4m3fn / e5m2) latent rows quantised with one per-tensor scale,
+``stored = (x / kv_scale).clamp(-max, max).to(fp8)``; the reference attends over the
+fp8-ROUNDED rows dequantised in float64 (``stored.double() * kv_scale``), so the kernel must
+match it at the tolerances of the query dtype (the quantisation error itself is not part of
+the comparison). Every case: fresh random inputs, pages reached through a shuffled block
+table, NaN in every slot no request owns and NaN-poisoned outputs (`test_mla_decode`'s
+helpers).
+
+Runs on CPU under the Triton interpreter (small shapes: kv_lora_rank 64 + rope 16, as
+`test_mla_decode`) and on a GPU with DeepSeek's 512 + 64. Under the interpreter (Triton
+3.x) fp8 loads and their conversion to fp32 / fp16 / bf16 are exact for every finite code;
+only the NaN codes are decoded as finite numbers there (e4m3fn 0x7f as 480), so the NaN
+poison of unowned slots catches a stray read on a GPU only (the masked loads are the same
+as for a 16-bit cache, which `test_mla_decode` checks with NaN on CPU too).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from test_mla_decode import _variant, check, make_case, run_kernel  # noqa: E402
+
+from attnserve.attention.triton_ops.mla_decode import (  # noqa: E402
+    MLA_FP8_DTYPES,
+    MLADecodeConfig,
+    mla_decode_config,
+    mla_decode_fwd,
+    mla_gluon_applicable,
+    mla_num_kv_splits_device,
+    mla_num_work_items,
+    mla_stage1_kernel,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# DeepSeek's kv_lora_rank + rope on a GPU; the interpreter takes the small dims of test_mla_decode
+D_C, D_R = (512, 64) if DEVICE == "cuda" else (64, 16)
+FP8 = list(MLA_FP8_DTYPES)
+FP8_IDS = ["e4m3fn", "e5m2"]
+
+
+def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x / scale`` clamped to the format's largest finite value, rounded to ``dtype``."""
+    fmax = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
+
+
+def make_fp8_case(seq_lens, num_heads, page_size, q_dtype, fp8, kv_scale, *, d_c=D_C, d_r=D_R, amp=1.0, seed=0):
+    """`make_case` with the latent cache quantised to ``fp8`` with ``kv_scale`` (unowned slots
+    stay NaN) and the reference rows replaced by the stored values times ``kv_scale``.
+    ``amp`` scales the true latent values before the quantisation."""
+    case = make_case(seq_lens, num_heads, page_size, torch.float32, d_c=d_c, d_r=d_r, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    bs = len(seq_lens)
+    # queries in their dtype (make_case drew them in fp32); the reference takes the rounded ones
+    q_nope = torch.randn(bs, num_heads, d_c, generator=g).to(q_dtype)
+    q_pe = torch.randn(bs, num_heads, d_r, generator=g).to(q_dtype)
+    case.update(q_nope=q_nope.to(DEVICE), q_pe=q_pe.to(DEVICE), q_nope64=q_nope.double(), q_pe64=q_pe.double())
+    stored = _quantize(case["kv"].cpu() * amp, fp8, kv_scale)  # NaN (unowned) stays NaN
+    table = case["table"].cpu()
+    rows = []
+    for i, n in enumerate(seq_lens):
+        t = torch.arange(n)
+        slots = table[i, t // page_size].long() * page_size + t % page_size
+        rows.append(stored[slots, 0].double() * kv_scale)
+    assert all(torch.isfinite(r).all() for r in rows)
+    case.update(kv=stored.to(DEVICE), rows=rows)
+    return case
+
+
+def run_fp8(case, page_size, num_kv_splits, max_kv_splits, kv_scale, **kw):
+    """`run_kernel` with ``kv_scale`` (poisoned o / lse, returns them)."""
+    bs, h, d_c = case["q_nope"].shape
+    o = torch.full((bs, h, d_c), float("nan"), dtype=case["q_nope"].dtype, device=DEVICE)
+    lse = torch.full((bs, h), float("nan"), dtype=torch.float32, device=DEVICE)
+    ret = mla_decode_fwd(case["q_nope"], case["q_pe"], case["kv"], case["table"], case["seq_lens"], page_size, o,
+                         case["sm_scale"], num_kv_splits, max_kv_splits, lse=lse, kv_scale=kv_scale, **kw)
+    assert ret is o
+    return o, lse
+
+
+# ragged: an empty request, one token, a page edge, several pages with a tail; a few hundred
+# tokens in all (the interpreter's cost)
+LENS = [0, 1, 64, 130, 257]
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("page_size", [64, 128])
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_fp8_decode_matches_reference(fp8, page_size, num_heads):
+    """The default config for the shape (on a GPU: 16 heads pointer loads, 128 heads the
+    Triton TMA kernel in place of the seesaw one), bf16 queries, kv_scale != 1, 3 splits."""
+    kv_scale = 0.02 if fp8 == torch.float8_e4m3fn else 0.5
+    case = make_fp8_case(LENS, num_heads, page_size, torch.bfloat16, fp8, kv_scale,
+                         seed=page_size + num_heads + 7 * FP8.index(fp8))
+    o, lse = run_fp8(case, page_size, 3, 4, kv_scale)
+    check(case, o, lse, torch.bfloat16)
+    assert (o[0] == 0).all() and torch.isneginf(lse[0].cpu()).all()
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16], ids=["q_fp32", "q_fp16"])
+@pytest.mark.parametrize("split_mode", ["device", "work"])
+def test_fp8_query_dtypes_and_device_splits(fp8, q_dtype, split_mode):
+    """fp32 / fp16 queries (the tiles are converted to them), per-request split counts on
+    the device, with and without a work list."""
+    lens = [17, 0, 300, 64, 1]
+    kv_scale = 4.0
+    seed = 11 + FP8.index(fp8) + 2 * (q_dtype == torch.float16)
+    case = make_fp8_case(lens, 16, 64, q_dtype, fp8, kv_scale, amp=8.0, seed=seed)
+    work = None
+    if split_mode == "work":
+        work = torch.empty(mla_num_work_items(len(lens), 16, 4), dtype=torch.int32, device=DEVICE)
+    splits = mla_num_kv_splits_device(case["seq_lens"], 16, 4, work=work)
+    assert splits.cpu().tolist()[2] > 1  # the long request is split (merge of scaled partials)
+    o, lse = run_fp8(case, 64, splits, 4, kv_scale, work=work)
+    check(case, o, lse, q_dtype)
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_fp8_tma_loads(fp8, page_size):
+    """The Triton kernel's TMA mode reads fp8 boxes (1-byte elements) and converts them;
+    under the interpreter through Triton's emulation of host descriptors. 20 heads: a
+    ragged head tile; the tail tile of each split takes the masked pointer path."""
+    cfg = _variant("tma", block_n=32)
+    kv_scale = 0.125
+    case = make_fp8_case(LENS, 20, page_size, torch.float16, fp8, kv_scale, seed=page_size + 3 * FP8.index(fp8))
+    assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], page_size, cfg) == "tma"
+    o, lse = run_fp8(case, page_size, 3, 4, kv_scale, config=cfg)
+    check(case, o, lse, torch.float16)
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+def test_fp8_one_split_and_default_scale(fp8):
+    """One split (stage 1 writes o itself, scaled there) and kv_scale left at its default
+    1.0 (the stored values are the true ones)."""
+    case = make_fp8_case([5, 200, 64], 16, 64, torch.bfloat16, fp8, 1.0, seed=23 + FP8.index(fp8))
+    bs, h, d_c = case["q_nope"].shape
+    o = torch.full((bs, h, d_c), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    mla_decode_fwd(case["q_nope"], case["q_pe"], case["kv"], case["table"], case["seq_lens"], 64, o,
+                   case["sm_scale"], 1, 1)
+    check(case, o, None, torch.bfloat16)
+    case = make_fp8_case([5, 200, 64], 16, 64, torch.bfloat16, fp8, 0.03, seed=29 + FP8.index(fp8))
+    o, lse = run_fp8(case, 64, 1, 1, 0.03)
+    check(case, o, lse, torch.bfloat16)
+
+
+def test_fp8_page_size_one_pointer_gathers():
+    """A token-level table (page 1): per-row page lookups, pointer loads only."""
+    case = make_fp8_case([3, 90, 0, 33], 16, 1, torch.float32, torch.float8_e4m3fn, 0.05, seed=31)
+    assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], 1, _variant("tma")) == "triton"
+    o, lse = run_fp8(case, 1, 2, 2, 0.05, config=_variant("tma"))
+    check(case, o, lse, torch.float32)
+
+
+def test_fp8_cache_names_the_triton_kernel():
+    """An fp8 cache never runs a Gluon kernel: the seesaw / gluon configs fall back to the
+    Triton kernel (TMA loads where pages hold whole tiles, else pointer loads), and
+    `mla_gluon_applicable` is False for fp8 rows."""
+    h = 128
+    q_nope = torch.zeros(1, h, D_C, dtype=torch.bfloat16, device=DEVICE)
+    q_pe = torch.zeros(1, h, D_R, dtype=torch.bfloat16, device=DEVICE)
+    for fp8 in FP8:
+        kv = torch.zeros(256, 1, D_C + D_R, dtype=fp8, device=DEVICE)
+        rows = kv.view(-1, D_C + D_R)
+        assert not mla_gluon_applicable(q_nope, q_pe, rows, 64, 64)
+        for stage1 in ("seesaw", "gluon"):
+            cfg = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma", stage1=stage1)
+            assert mla_stage1_kernel(q_nope, q_pe, kv, 64, cfg) == "tma"
+            assert mla_stage1_kernel(q_nope, q_pe, kv, 128, cfg) == "tma"
+            assert mla_stage1_kernel(q_nope, q_pe, kv, 32, cfg) == "triton"  # a tile spans pages
+        assert mla_stage1_kernel(q_nope, q_pe, kv, 64) in ("tma", "triton")  # the default pick
+    if DEVICE == "cuda" and D_C == 512 and torch.cuda.get_device_capability()[0] == 9:
+        # the same shape with a bf16 cache takes the seesaw kernel where Gluon is importable
+        bf16 = torch.zeros(256, 1, D_C + D_R, dtype=torch.bfloat16, device=DEVICE)
+        cfg = mla_decode_config(h, D_C, D_R, torch.bfloat16)
+        gluon = mla_gluon_applicable(q_nope, q_pe, bf16.view(-1, D_C + D_R), 64, 64)
+        assert mla_stage1_kernel(q_nope, q_pe, bf16, 64) == ("seesaw" if gluon else "tma")
+        assert mla_stage1_kernel(q_nope, q_pe, torch.zeros_like(bf16, dtype=torch.float8_e4m3fn), 64) == "tma"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_default_kv_scale_leaves_16bit_results_identical(dtype):
+    """A 16/32-bit cache: passing kv_scale=1.0 (or any scale: 16-bit entries are the values
+    themselves, `RadixAttention.k_scale`'s convention) gives bit-identical results to a call
+    without the argument."""
+    case = make_case([0, 9, 130, 257], 16, 64, dtype, d_c=D_C, d_r=D_R, seed=41)
+    o0, lse0 = run_kernel(case, 64, 3, 4)
+    check(case, o0, lse0, dtype)
+    for kv_scale in (1.0, 0.37):
+        o1, lse1 = run_fp8(case, 64, 3, 4, kv_scale)
+        assert torch.equal(o0, o1) and torch.equal(lse0, lse1), kv_scale
+
+
+def test_kv_scale_and_dtype_errors():
+    case = make_fp8_case([10, 20], 16, 64, torch.bfloat16, torch.float8_e4m3fn, 0.1, seed=43)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="kv_scale"):
+            run_fp8(case, 64, 2, 2, bad)
+    with pytest.raises(ValueError, match="host float"):
+        run_fp8(case, 64, 2, 2, torch.tensor(0.1, device=DEVICE))
+    # an fp8 query, or a cache of another 8/16-bit dtype than the queries', is refused
+    bad = dict(case, q_nope=case["q_nope"].to(torch.float8_e4m3fn), q_pe=case["q_pe"].to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="dtype"):
+        run_fp8(bad, 64, 2, 2, 0.1)
+    bad = dict(case, kv=case["kv"].view(torch.int8))
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        run_fp8(bad, 64, 2, 2, 0.1)
+    bad = dict(case, kv=case["kv"].to(torch.float16))
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        run_fp8(bad, 64, 2, 2, 0.1)
