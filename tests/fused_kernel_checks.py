@@ -217,7 +217,7 @@ def check_store_kv(
     # same bytes as the pool's index_put path
     pool = MHATokenToKVPool(slots - 1, 1, buf_dtype, heads, dk, 1, device, v_head_dim=dv)
     pool.use_fused_store = False
-    pool.set_kv_buffer(type("L", (), {"layer_id": 0})(), loc, k, v)
+    pool.set_kv_buffer(type("L", (), {"layer_id": 0, "k_scale": 1.0, "v_scale": 1.0})(), loc, k, v)
     assert torch.equal(pool.k_buffer[0][loc], k_buf[loc]) and torch.equal(pool.v_buffer[0][loc], v_buf[loc])
 
 
