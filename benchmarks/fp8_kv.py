@@ -141,6 +141,7 @@ def decode_step(kv_cache_dtype, bs=64, ctx=8192):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--step-bs", type=int, default=64, help="decode-step batch (64 x 8K in bf16 needs an H200)")
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8_e4m3", "fp8_e5m2"])
     ap.add_argument("--out", default="benchmarks/results")
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
              ("gqa_decode_bs8_32k", lambda dt_: gqa_decode(8, 32768, dt_)),
              ("mla16_decode_bs128_4k", lambda dt_: mla_decode(128, 4096, 16, dt_)),
              ("mla128_decode_bs32_16k", lambda dt_: mla_decode(32, 16384, 128, dt_))]
-    for name, fn in cases:
+    for name, fn in [] if args.skip_kernels else cases:
         row = {}
         for fmt in args.formats:
             row[fmt] = fn(DTYPES[fmt])

@@ -153,7 +153,10 @@ def _decode_stage1_kernel(
     V_SCALED: tl.constexpr,
     COMPUTE_FP32: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    F16_DOT: tl.constexpr,
 ):
+    # F16_DOT (fp8 cache, bf16 queries): the dots run in fp16, whose conversion from fp8 is
+    # one instruction on sm_89+ (bf16 needs two); q is clamped to fp16's range first.
     # sm_scale already includes K's dequantisation scale (folded on the host); V's scale
     # (``v_scale``, applied only when V_SCALED) multiplies each split's output. K/V tiles
     # of another dtype than q (fp8 caches) are converted to q's dtype before ``tl.dot``
@@ -178,12 +181,16 @@ def _decode_stage1_kernel(
     q = tl.load(q_ptrs + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
     if COMPUTE_FP32 or BLOCK_H == 1:
         q = q.to(tl.float32)
+    elif F16_DOT:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     if BLOCK_DPE > 0:
         offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
         mask_dpe = offs_dpe < DK
         q_pe = tl.load(q_ptrs + offs_dpe[None, :], mask=mask_h[:, None] & mask_dpe[None, :], other=0.0)
         if COMPUTE_FP32 or BLOCK_H == 1:
             q_pe = q_pe.to(tl.float32)
+        elif F16_DOT:
+            q_pe = tl.minimum(tl.maximum(q_pe.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     qk_scale = sm_scale * 1.4426950408889634
 
     k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_kh
@@ -468,6 +475,7 @@ def decode_attention_fwd(
         V_SCALED=v_scale != 1.0,
         COMPUTE_FP32=compute_fp32,
         DOT_PREC=dot_prec,
+        F16_DOT=k_buffer.dtype in FP8_KV_DTYPES and q.dtype == torch.bfloat16 and not compute_fp32,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
