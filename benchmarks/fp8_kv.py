@@ -3,11 +3,12 @@ Writes ``<out>/<device>-fp8-kv-<date>.json``.
 
 ``PYTHONPATH=src python benchmarks/fp8_kv.py [--skip-step]``
 
-* Kernels (inside CUDA graphs of many calls, median of replays; `kernel_timings` shapes):
+* Kernels (inside CUDA graphs of many calls, median of replays; `kernel_timings`' shapes and
+  functions):
   paged GQA decode (Hq 32, Hkv 8, D 128, page 16) at bs 64 x 8K and 8 x 32K; MLA decode
   (kv_lora_rank 512 + rope 64, page 64) at 16 heads bs 128 x 4K and 128 heads bs 32 x 16K.
-  The same random K/V (fp8 entries = the bf16 values quantized with scale 1) for each
-  dtype; TB/s counts the cache bytes read once; copy bandwidth measured in the same run.
+  The same random K/V (fp8 entries = the bf16 values cast, scale 1) for each dtype; TB/s
+  counts the cache bytes read once; copy bandwidth measured in the same run.
 * Decode step (``--skip-step`` to leave out): Llama-3-8B shape, dummy weights, 64 requests
   x 8K context, the engine's captured decode graph, bf16 vs fp8_e4m3 cache (needs ~80 GB
   for the bf16 cache + weights: an H200). Prediction: weights 16 GB + KV 64 GB (bf16) ->
@@ -20,14 +21,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from kernel_timings import graph_us  # noqa: E402
+from common import time_ms  # noqa: E402
+from kernel_timings import gqa_decode, graph_us, mla_decode  # noqa: E402
 
 from attnserve.bench.results import device_slug, write_result  # noqa: E402
 from attnserve.mem_cache.kv_quant import quantize_kv  # noqa: E402
@@ -40,59 +41,6 @@ def copy_tbps() -> float:
     y = torch.empty_like(x)
     us = graph_us(lambda: y.copy_(x), calls=5)
     return 2 * x.numel() * 2 / (us * 1e-6) / 1e12
-
-
-def gqa_decode(bs, ctx, dtype, page=16, hq=32, hkv=8, d=128):
-    from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_attention_fwd
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    pages = bs * ctx // page + 1
-    kb = quantize_kv(torch.randn(pages * page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g), 1.0, dtype)
-    vb = quantize_kv(torch.randn(pages * page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g), 1.0, dtype)
-    perm = (torch.randperm(pages - 1, device="cuda", generator=g) + 1).view(bs, ctx // page)
-    idx = (perm[:, :, None] * page + torch.arange(page, device="cuda")).reshape(-1).to(torch.int32)
-    lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
-    indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
-    indptr[1:] = torch.cumsum(lens, 0)
-    cap = 32
-    splits = torch.empty(bs, dtype=torch.int32, device="cuda")
-    compute_num_kv_splits(lens, splits, cap, torch.cuda.get_device_properties(0).multi_processor_count, hkv)
-    q = torch.randn(bs, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    o = torch.empty_like(q)
-    logits = torch.empty(bs, hq, cap, d, device="cuda")
-    lse = torch.empty(bs, hq, cap, device="cuda")
-    us = graph_us(lambda: decode_attention_fwd(q, kb, vb, o, indptr, idx, logits, lse, splits, cap, d ** -0.5,
-                                               k_scale=1.0, v_scale=1.0))
-    nbytes = 2 * bs * ctx * hkv * d * kb.element_size()
-    return dict(us=us, tbps=nbytes / (us * 1e-6) / 1e12)
-
-
-def mla_decode(bs, ctx, heads, dtype, page=64):
-    from attnserve.attention.triton_ops.mla_decode import (
-        mla_decode_fwd,
-        mla_num_kv_splits,
-        mla_split_sm_count,
-        mla_stage1_kernel,
-        mla_workspace_size,
-    )
-
-    g = torch.Generator(device="cuda").manual_seed(2)
-    blocks = ctx // page
-    pages = bs * blocks + 1
-    kv = quantize_kv(torch.randn(pages * page, 1, 576, device="cuda", dtype=torch.bfloat16, generator=g), 1.0, dtype)
-    table = ((torch.randperm(pages - 1, device="cuda", generator=g) + 1).to(torch.int32)).view(bs, blocks)
-    lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
-    q_nope = torch.randn(bs, heads, 512, device="cuda", dtype=torch.bfloat16, generator=g)
-    q_pe = torch.randn(bs, heads, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-    o = torch.empty(bs, heads, 512, device="cuda", dtype=torch.bfloat16)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = mla_num_kv_splits(ctx, bs, mla_split_sm_count(sms, heads))
-    ws = torch.empty(mla_workspace_size(ctx, bs, splits, heads, 512), dtype=torch.uint8, device="cuda")
-    us = graph_us(lambda: mla_decode_fwd(q_nope, q_pe, kv, table, lens, page, o, 192 ** -0.5, splits, splits,
-                                         workspace=ws, kv_scale=1.0))
-    kernel = mla_stage1_kernel(q_nope, q_pe, kv, page)
-    return dict(us=us, tbps=bs * ctx * 576 * kv.element_size() / (us * 1e-6) / 1e12, splits=splits,
-                stage1=str(kernel))
 
 
 def decode_step(kv_cache_dtype, bs=64, ctx=8192):
@@ -117,20 +65,10 @@ def decode_step(kv_cache_dtype, bs=64, ctx=8192):
     r2t.write_device(token_rows, cols, loc.to(torch.int32))
     out_loc = loc.view(bs, ctx)[:, -1].contiguous().to("cuda")
     fb = runner.build_forward_batch(ForwardMode.DECODE, [11] * bs, rows, [ctx - 1] * bs, [1] * bs, out_loc)
-    for _ in range(3):
-        runner.forward(fb)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        runner.forward(fb)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    step_ms = time_ms(lambda: runner.forward(fb), iters=20)
     kv_bytes = bs * ctx * runner.model_config.kv_cache_bytes_per_token(pool.dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    out = dict(step_ms=statistics.median(times), kv_bytes=kv_bytes, weight_bytes=weight_bytes,
+    out = dict(step_ms=step_ms, kv_bytes=kv_bytes, weight_bytes=weight_bytes,
                pool_tokens=alloc.size)
     del engine, runner, pool
     gc.collect()
@@ -151,10 +89,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     res = {"copy_tbps": copy_tbps(), "kernels": {}}
     print(f"copy {res['copy_tbps']:.2f} TB/s", flush=True)
-    cases = [("gqa_decode_bs64_8k", lambda dt_: gqa_decode(64, 8192, dt_)),
-             ("gqa_decode_bs8_32k", lambda dt_: gqa_decode(8, 32768, dt_)),
-             ("mla16_decode_bs128_4k", lambda dt_: mla_decode(128, 4096, 16, dt_)),
-             ("mla128_decode_bs32_16k", lambda dt_: mla_decode(32, 16384, 128, dt_))]
+    cases = [("gqa_decode_bs64_8k", lambda dt_: gqa_decode(64, 8192, kv_dtype=dt_)),
+             ("gqa_decode_bs8_32k", lambda dt_: gqa_decode(8, 32768, kv_dtype=dt_)),
+             ("mla16_decode_bs128_4k", lambda dt_: mla_decode(128, 4096, 16, kv_dtype=dt_)),
+             ("mla128_decode_bs32_16k", lambda dt_: mla_decode(32, 16384, 128, kv_dtype=dt_))]
     for name, fn in [] if args.skip_kernels else cases:
         row = {}
         for fmt in args.formats:

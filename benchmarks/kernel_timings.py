@@ -44,13 +44,21 @@ def graph_us(fn, calls: int = 20, replays: int = 15) -> float:
     return statistics.median(times)
 
 
-def gqa_decode(bs: int, ctx: int, page: int = 16, hq: int = 32, hkv: int = 8, d: int = 128) -> dict:
+def _kv_args(kv_dtype: torch.dtype, *names: str) -> dict:
+    """Scale keywords (1.0) for an fp8 cache; none for bf16, so older trees run unchanged."""
+    return {n: 1.0 for n in names} if kv_dtype != torch.bfloat16 else {}
+
+
+def gqa_decode(bs: int, ctx: int, page: int = 16, hq: int = 32, hkv: int = 8, d: int = 128,
+               kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Paged GQA decode; ``kv_dtype`` bf16 or an fp8 format (random values |x| < 448 cast
+    directly, i.e. scale 1; `benchmarks/fp8_kv.py`)."""
     from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_attention_fwd
 
     g = torch.Generator(device="cuda").manual_seed(0)
     pages = bs * ctx // page + 1
-    kb = torch.randn(pages * page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    vb = torch.randn_like(kb)
+    kb = torch.randn(pages * page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g).to(kv_dtype)
+    vb = torch.randn(pages * page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g).to(kv_dtype)
     perm = (torch.randperm(pages - 1, device="cuda", generator=g) + 1).view(bs, ctx // page)
     idx = (perm[:, :, None] * page + torch.arange(page, device="cuda")).reshape(-1).to(torch.int32)
     lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
@@ -64,8 +72,10 @@ def gqa_decode(bs: int, ctx: int, page: int = 16, hq: int = 32, hkv: int = 8, d:
     o = torch.empty_like(q)
     logits = torch.empty(bs, hq, splits_cap, d, device="cuda")
     lse = torch.empty(bs, hq, splits_cap, device="cuda")
-    us = graph_us(lambda: decode_attention_fwd(q, kb, vb, o, indptr, idx, logits, lse, splits, splits_cap, d ** -0.5))
-    nbytes = 2 * bs * ctx * hkv * d * 2
+    kw = _kv_args(kv_dtype, "k_scale", "v_scale")
+    us = graph_us(lambda: decode_attention_fwd(q, kb, vb, o, indptr, idx, logits, lse, splits, splits_cap, d ** -0.5,
+                                               **kw))
+    nbytes = 2 * bs * ctx * hkv * d * kb.element_size()
     return dict(us=us, tbps=nbytes / (us * 1e-6) / 1e12)
 
 
@@ -85,7 +95,7 @@ def extend(t: int = 8192, hq: int = 32, hkv: int = 8, d: int = 128) -> dict:
     return dict(us=us, tflops=2 * 2 * t * t / 2 * hq * d / (us * 1e-6) / 1e12)
 
 
-def mla_decode(bs: int, ctx: int, heads: int, page: int = 64) -> dict:
+def mla_decode(bs: int, ctx: int, heads: int, page: int = 64, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
     from attnserve.attention.triton_ops.mla_decode import (
         mla_decode_fwd,
         mla_num_kv_splits,
@@ -96,7 +106,7 @@ def mla_decode(bs: int, ctx: int, heads: int, page: int = 64) -> dict:
     g = torch.Generator(device="cuda").manual_seed(2)
     blocks = ctx // page
     pages = bs * blocks + 1
-    kv = torch.randn(pages * page, 1, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(pages * page, 1, 576, device="cuda", dtype=torch.bfloat16, generator=g).to(kv_dtype)
     table = ((torch.randperm(pages - 1, device="cuda", generator=g) + 1).to(torch.int32)).view(bs, blocks)
     lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
     q_nope = torch.randn(bs, heads, 512, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -105,9 +115,15 @@ def mla_decode(bs: int, ctx: int, heads: int, page: int = 64) -> dict:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = mla_num_kv_splits(ctx, bs, mla_split_sm_count(sms, heads))
     ws = torch.empty(mla_workspace_size(ctx, bs, splits, heads, 512), dtype=torch.uint8, device="cuda")
+    kw = _kv_args(kv_dtype, "kv_scale")
     us = graph_us(lambda: mla_decode_fwd(q_nope, q_pe, kv, table, lens, page, o, 192 ** -0.5, splits, splits,
-                                         workspace=ws))
-    return dict(us=us, tbps=bs * ctx * 576 * 2 / (us * 1e-6) / 1e12, splits=splits)
+                                         workspace=ws, **kw))
+    out = dict(us=us, tbps=bs * ctx * 576 * kv.element_size() / (us * 1e-6) / 1e12, splits=splits)
+    if kw:  # which stage 1 an fp8 cache runs
+        from attnserve.attention.triton_ops.mla_decode import mla_stage1_kernel
+
+        out["stage1"] = str(mla_stage1_kernel(q_nope, q_pe, kv, page))
+    return out
 
 
 def main() -> None:

@@ -25,15 +25,20 @@ import datetime as dt
 import gc
 import random
 import statistics
+import sys
 import time
 
 import torch
 
-from attnserve.bench.results import device_slug, write_result
-from attnserve.engine.engine import Engine
-from attnserve.engine.sampling_params import SamplingParams
-from attnserve.forward_batch import ForwardBatch, ForwardMode
-from attnserve.server_args import ServerArgs
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import time_ms  # noqa: E402
+from kernel_timings import graph_us  # noqa: E402
+
+from attnserve.bench.results import device_slug, write_result  # noqa: E402
+from attnserve.engine.engine import Engine  # noqa: E402
+from attnserve.engine.sampling_params import SamplingParams  # noqa: E402
+from attnserve.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from attnserve.server_args import ServerArgs  # noqa: E402
 
 
 def _engine(model, **kw):
@@ -41,21 +46,6 @@ def _engine(model, **kw):
                 context_length=4096 + 64, cuda_graph_max_bs=32)
     base.update(kw)
     return Engine(ServerArgs(**base))
-
-
-def _events(fn, iters=50):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def _fill_requests(runner, bs, ctx, extra):
@@ -82,12 +72,12 @@ def verify_vs_decode(engine, ctx, sizes, n=8):
         rows, loc = _fill_requests(runner, bs, ctx, n)
         dec = runner.build_forward_batch(ForwardMode.DECODE, [5] * bs, rows, [ctx] * bs, [1] * bs,
                                          loc[:, ctx].contiguous().to(runner.device))
-        t_dec = _events(lambda: runner.forward(dec))
+        t_dec = time_ms(lambda: runner.forward(dec))
         trees = [DraftTree(tuple(rnd.randrange(1000) for _ in range(n)),
                            (-1,) + tuple(rnd.randrange(i) for i in range(1, n))) for _ in range(bs)]
         packed = pack_verify_inputs(trees, [ctx] * bs, rows, [loc[i, ctx: ctx + n] for i in range(bs)], n)
         dev = packed.to(runner.device)
-        t_ver = _events(lambda: spec.verify_graph.replay(dev, bs))
+        t_ver = time_ms(lambda: spec.verify_graph.replay(dev, bs))
         out.append({"bs": bs, "ctx": ctx, "num_draft_tokens": n, "decode_graph_ms": t_dec, "verify_graph_ms": t_ver,
                     "verify_over_decode": t_ver / t_dec})
         print(f"bs {bs:3d} ctx {ctx}: decode {t_dec:.3f} ms  verify({n}) {t_ver:.3f} ms  ratio {t_ver / t_dec:.3f}",
@@ -137,7 +127,8 @@ def draft_metadata(engine, cases):
 
             row = {"bs": bs, "ctx": ctx, "steps": steps,
                    "eager_before_us": _wall(before), "eager_after_us": _wall(after),
-                   "graph_before_us": _graph_us(before_graph), "graph_after_us": _graph_us(after)}
+                   "graph_before_us": graph_us(before_graph, calls=1, replays=100),
+                   "graph_after_us": graph_us(after, calls=1, replays=100)}
             out.append(row)
             print(f"metadata bs {bs} ctx {ctx} N={steps}: eager {row['eager_before_us']:.1f} -> "
                   f"{row['eager_after_us']:.1f} us, in graph {row['graph_before_us']:.1f} -> "
@@ -158,18 +149,6 @@ def _wall(fn, iters=200):
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
-
-
-def _graph_us(fn, replays=100):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    return _events(graph.replay, replays) * 1e3
 
 
 def end_to_end(model, prompt_len, new_tokens, cases):

@@ -29,7 +29,6 @@ Tuning lives in `decode_config`; split counts in `compute_num_kv_splits`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnserve.mem_cache.kv_quant import FP8_DTYPES, check_scale
 from attnserve.triton_env import triton_interpreting
 from attnserve.triton_jit import tanh
 
@@ -45,7 +45,7 @@ _SPLIT_WAVES = 4  # aim for this many programs per SM across stage 1
 _MIN_SPLIT_TOKENS = 128  # never cut a request into splits shorter than this (non-deterministic mode)
 
 #: KV-cache dtypes accepted besides q's own (per-tensor scaled fp8)
-FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_KV_DTYPES = FP8_DTYPES
 
 
 @dataclass(frozen=True)
@@ -406,9 +406,7 @@ def decode_attention_fwd(
             f"q/k_buffer/v_buffer must share one of fp16/bf16/fp32 (or k_buffer/v_buffer both "
             f"float8_e4m3fn/float8_e5m2), got {q.dtype}/{k_buffer.dtype}/{v_buffer.dtype}"
         )
-    k_scale, v_scale = float(k_scale), float(v_scale)
-    if not (math.isfinite(k_scale) and k_scale > 0 and math.isfinite(v_scale) and v_scale > 0):
-        raise ValueError(f"k_scale and v_scale must be finite and > 0, got {k_scale}, {v_scale}")
+    k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o), ("attn_logits", attn_logits)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension")

@@ -28,7 +28,6 @@ Positions: prefix key ``j`` of request ``i`` has absolute position ``prefix_kv_s
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,6 +36,7 @@ import triton
 import triton.language as tl
 
 from attnserve.attention.triton_ops.decode_attention import FP8_KV_DTYPES, _split_dims
+from attnserve.mem_cache.kv_quant import check_scale
 from attnserve.triton_env import triton_interpreting
 from attnserve.triton_jit import tanh
 
@@ -459,9 +459,7 @@ def extend_attention_fwd(
             f"q/k/v (extend and buffers) must share one of fp16/bf16/fp32 (or k_buffer/v_buffer both "
             f"float8_e4m3fn/float8_e5m2), got {got}"
         )
-    k_scale, v_scale = float(k_scale), float(v_scale)
-    if not (math.isfinite(k_scale) and k_scale > 0 and math.isfinite(v_scale) and v_scale > 0):
-        raise ValueError(f"k_scale and v_scale must be finite and > 0, got {k_scale}, {v_scale}")
+    k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
     for name, x in (("q_extend", q_extend), ("k_extend", k_extend), ("v_extend", v_extend),
                     ("o_extend", o_extend), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
         if x.stride(-1) != 1:
