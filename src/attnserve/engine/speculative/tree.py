@@ -79,14 +79,20 @@ class DraftTree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """bool ``[n, n]``: ``mask[i, j]`` when node ``j`` is ``i`` or an ancestor of ``i``."""
+        return torch.tensor(self.ancestor_rows(), dtype=torch.bool)
+
+    def ancestor_rows(self) -> List[List[bool]]:
+        """`ancestor_mask` as nested lists (built in Python, no per-element tensor writes)."""
         n = self.size
-        m = torch.zeros(n, n, dtype=torch.bool)
+        rows = []
         for i in range(n):
+            row = [False] * n
             j = i
             while j >= 0:
-                m[i, j] = True
+                row[j] = True
                 j = self.parents[j]
-        return m
+            rows.append(row)
+        return rows
 
 
 def build_verify_input(trees: Sequence[DraftTree], prefix_lens: Sequence[int],

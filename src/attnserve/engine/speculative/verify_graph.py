@@ -32,19 +32,16 @@ def pack_verify_inputs(trees: Sequence[DraftTree], prefix_lens: Sequence[int], r
     """Host int64 tensor ``[bs * (4 + 3 n + n * n)]`` = rows, prefix lengths, then per node
     token ids, positions, slots (``[bs, n]`` each, padded) and the ``[bs, n, n]`` masks
     (tree ancestors; a padding node sees itself)."""
-    bs = len(trees)
-    ids = torch.zeros(bs, n, dtype=torch.int64)
-    pos = torch.tensor(prefix_lens, dtype=torch.int64).view(-1, 1).repeat(1, n)
-    loc = torch.zeros(bs, n, dtype=torch.int64)
-    mask = torch.eye(n, dtype=torch.int64).repeat(bs, 1, 1)
-    for i, (t, p, sl) in enumerate(zip(trees, prefix_lens, slots)):
-        m = t.size
-        ids[i, :m] = torch.tensor(t.tokens, dtype=torch.int64)
-        pos[i, :m] += torch.tensor(t.depths(), dtype=torch.int64)
-        loc[i, :m] = sl
-        mask[i, :m, :m] = t.ancestor_mask().to(torch.int64)
-    head = torch.tensor([list(rows), list(prefix_lens)], dtype=torch.int64).view(-1)
-    return torch.cat([head, ids.view(-1), pos.view(-1), loc.view(-1), mask.view(-1)])
+    ids, pos, locs, mask = [], [], [], []
+    for t, p, sl in zip(trees, prefix_lens, slots):
+        pad = n - t.size
+        ids += list(t.tokens) + [0] * pad
+        pos += [p + d for d in t.depths()] + [p] * pad
+        locs += sl.tolist() + [0] * pad
+        anc = t.ancestor_rows()
+        for i in range(n):  # row i: tree ancestors, or (padding) the node itself
+            mask += anc[i] + [False] * pad if i < t.size else [j == i for j in range(n)]
+    return torch.tensor(list(rows) + list(prefix_lens) + ids + pos + locs + mask, dtype=torch.int64)
 
 
 class VerifyGraphRunner:
