@@ -49,7 +49,8 @@ class DraftChainRunner:
         if type(backend) is TritonAttnBackend:
             from attnserve.attention.multi_step_draft import TritonMultiStepDraftBackend
 
-            max_bs = max(capture_bs) if capture_bs else runner.server_args.max_running_requests
+            # eager rounds may run batches above the largest graph (max_running_requests)
+            max_bs = max([runner.server_args.max_running_requests, *(capture_bs or [])])
             self.multi = TritonMultiStepDraftBackend(runner.attn_backend_config, self.num_steps, max_bs)
         self.graphs: Dict[int, "torch.cuda.CUDAGraph"] = {}
         self.capture_bs: List[int] = []
