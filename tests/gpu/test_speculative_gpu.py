@@ -127,3 +127,15 @@ def test_bf16_speculative_with_graphs_runs_clean():
         _assert_free(engine)
         del engine
         torch.cuda.empty_cache()
+
+
+def test_draft_chain_above_the_largest_graph(baseline):
+    """Batches larger than the captured graphs run the chain eagerly over the same
+    multi-step metadata (its buffers cover --max-running-requests)."""
+    engine = _engine(speculative_algorithm="STANDALONE", speculative_draft_model_path="smollm2-135m",
+                     speculative_num_steps=3, speculative_num_draft_tokens=4, cuda_graph_max_bs=2, **EXACT)
+    chain = engine.scheduler.spec.drafter.chain
+    assert chain.capture_bs[-1] == 2 and chain.multi.max_bs == 8
+    out, _ = _run(engine, _prompts())
+    assert out == baseline
+    _assert_free(engine)
