@@ -24,7 +24,7 @@ from attnserve.bench.results import device_slug, write_result  # noqa: E402
 CONFIGS = [(128, 3, 4), (128, 4, 4), (128, 5, 4), (256, 2, 4), (256, 3, 4), (256, 3, 8), (64, 4, 4), (64, 6, 4)]
 
 
-def case(bs, ctx, kv_dtype, config=None, page=16, hq=32, hkv=8, d=128):
+def case(bs, ctx, kv_dtype, config=None, page=16, hq=32, hkv=8, d=128, split_cap=32):
     from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_attention_fwd
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -38,7 +38,7 @@ def case(bs, ctx, kv_dtype, config=None, page=16, hq=32, hkv=8, d=128):
     indptr[1:] = torch.cumsum(lens, 0)
     cap = 32
     splits = torch.empty(bs, dtype=torch.int32, device="cuda")
-    compute_num_kv_splits(lens, splits, cap, torch.cuda.get_device_properties(0).multi_processor_count, hkv)
+    compute_num_kv_splits(lens, splits, split_cap, torch.cuda.get_device_properties(0).multi_processor_count, hkv)
     q = torch.randn(bs, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
     o = torch.empty_like(q)
     logits = torch.empty(bs, hq, cap, d, device="cuda")
@@ -56,8 +56,21 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--split-caps", type=int, nargs="*", default=[],
+                    help="instead of the configurations: the default config with these split caps")
     args = ap.parse_args(argv)
     rows = []
+    if args.split_caps:
+        for bs, ctx in ((64, 8192), (8, 32768), (1, 8192), (1, 32768)):
+            for kv in (torch.bfloat16, torch.float8_e4m3fn):
+                for c in args.split_caps:
+                    r = case(bs, ctx, kv, split_cap=c)
+                    rows.append(dict(bs=bs, ctx=ctx, kv=str(kv), split_cap=c, **r))
+                    print(f"bs {bs} ctx {ctx} {kv} cap {c}: {r['us']:.1f} us {r['tbps']:.2f} TB/s", flush=True)
+        write_result({"benchmark": "fp8-decode-splits", "date": dt.date.today().isoformat(),
+                      "device": device_slug("cuda"), "gpu": torch.cuda.get_device_name(), "rows": rows},
+                     args.out, "fp8-decode-splits", "cuda")
+        return 0
     for bs, ctx in ((64, 8192), (8, 32768), (1, 8192)):
         base = case(bs, ctx, torch.bfloat16)
         rows.append(dict(bs=bs, ctx=ctx, kv="bf16", config="default", **base))
