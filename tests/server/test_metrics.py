@@ -45,6 +45,14 @@ def test_speculative_metrics_from_engine_totals():
     assert s["attnserve_spec_verify_total"] == 10 and s["attnserve_spec_accept_length"] == 3.0
 
 
+def test_kv_cache_bytes_labelled_with_its_dtype():
+    m = ServerMetrics("k")
+    m.set_state(dict(running=0, waiting=0, kv_slots_used=0, kv_slots_total=10, kv_cache_bytes=4096,
+                     kv_cache_dtype="float8_e4m3fn"))
+    s = _samples(m.render().decode())
+    assert s["attnserve_kv_cache_bytes,kv_cache_dtype=float8_e4m3fn"] == 4096
+
+
 def test_live_metrics(server, client):
     before = _samples(client.get("/metrics").text)
     r = client.post("/v1/completions", json={"prompt": "One two three", "max_tokens": 5, "temperature": 0,
@@ -55,6 +63,7 @@ def test_live_metrics(server, client):
     assert resp.headers["content-type"].startswith("text/plain")
     after = _samples(resp.text)
     assert after["attnserve_prompt_tokens_total"] - before["attnserve_prompt_tokens_total"] == usage["prompt_tokens"]
+    assert after["attnserve_kv_cache_bytes,kv_cache_dtype=float32"] > 0  # the CPU server's pool
     assert after["attnserve_generation_tokens_total"] - before["attnserve_generation_tokens_total"] == 5
     assert after["attnserve_requests_total,finish_reason=length"] - before.get(
         "attnserve_requests_total,finish_reason=length", 0) == 1
