@@ -180,3 +180,12 @@ def test_engine_generates_with_fp8_kv_and_sizes_the_pool_by_bytes():
     assert outs["fp8_e4m3"][2] == torch.float8_e4m3fn
     assert outs["fp8_e4m3"][0] == 4 * outs["auto"][0]
     assert abs(outs["fp8_e4m3"][1] - outs["auto"][1]) < outs["auto"][1] / 1000  # same bytes (+ one dummy page)
+
+
+def test_backend_without_fp8_support_is_refused_at_start_up(monkeypatch):
+    from attnserve.engine.engine import Engine
+
+    monkeypatch.setattr(TorchNativeAttnBackend, "supports_fp8_kv", False)
+    with pytest.raises(ValueError, match="attention backend 'torch_native' cannot read an FP8 KV cache"):
+        Engine(ServerArgs(model="llama-tiny", load_format="dummy", device="cpu", kv_cache_dtype="fp8_e5m2",
+                          max_total_tokens=256, max_running_requests=2, context_length=64))
