@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from attnserve.engine.request import FinishReason, Req
 from attnserve.engine.sampling_params import SamplingParams
@@ -33,10 +34,18 @@ class _Pool:
         self.free = self.size
 
 
+class _KVCache:
+    dtype = torch.float32
+
+    def mem_bytes(self):
+        return 4096
+
+
 class _Runner:
     def __init__(self):
         self.token_to_kv_pool_allocator = _Pool(100)
         self.req_to_token_pool = _Pool(8)
+        self.token_to_kv_pool = _KVCache()
 
 
 class FakeEngine:
