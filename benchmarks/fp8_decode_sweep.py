@@ -17,38 +17,15 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from kernel_timings import graph_us  # noqa: E402
+from kernel_timings import gqa_decode  # noqa: E402
 
 from attnserve.bench.results import device_slug, write_result  # noqa: E402
 
 CONFIGS = [(128, 3, 4), (128, 4, 4), (128, 5, 4), (256, 2, 4), (256, 3, 4), (256, 3, 8), (64, 4, 4), (64, 6, 4)]
 
 
-def case(bs, ctx, kv_dtype, config=None, page=16, hq=32, hkv=8, d=128, split_cap=32):
-    from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_attention_fwd
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    pages = bs * ctx // page + 1
-    kb = torch.randn(pages * page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g).to(kv_dtype)
-    vb = torch.randn(pages * page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g).to(kv_dtype)
-    perm = (torch.randperm(pages - 1, device="cuda", generator=g) + 1).view(bs, ctx // page)
-    idx = (perm[:, :, None] * page + torch.arange(page, device="cuda")).reshape(-1).to(torch.int32)
-    lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
-    indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
-    indptr[1:] = torch.cumsum(lens, 0)
-    cap = 32
-    splits = torch.empty(bs, dtype=torch.int32, device="cuda")
-    compute_num_kv_splits(lens, splits, split_cap, torch.cuda.get_device_properties(0).multi_processor_count, hkv)
-    q = torch.randn(bs, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    o = torch.empty_like(q)
-    logits = torch.empty(bs, hq, cap, d, device="cuda")
-    lse = torch.empty(bs, hq, cap, device="cuda")
-    ref = torch.empty_like(q)
-    decode_attention_fwd(q, kb, vb, ref, indptr, idx, logits, lse, splits, cap, d ** -0.5)
-    us = graph_us(lambda: decode_attention_fwd(q, kb, vb, o, indptr, idx, logits, lse, splits, cap, d ** -0.5,
-                                               config=config))
-    err = float((o.float() - ref.float()).norm() / ref.float().norm())  # same math as the default config
-    return dict(us=us, tbps=2 * bs * ctx * hkv * d * kb.element_size() / (us * 1e-6) / 1e12, rel_err=err)
+def case(bs, ctx, kv_dtype, config=None, split_cap=32):
+    return gqa_decode(bs, ctx, kv_dtype=kv_dtype, config=config, split_cap=split_cap)
 
 
 def main(argv=None) -> int:
@@ -86,7 +63,7 @@ def main(argv=None) -> int:
             rows.append(dict(bs=bs, ctx=ctx, kv="fp8_e4m3", config=name, **r))
             if "us" in r:
                 print(f"bs {bs} ctx {ctx} e4m3 {name:9s} {r['us']:.1f} us {r['tbps']:.2f} TB/s "
-                      f"x{base['us'] / r['us']:.2f} err {r['rel_err']:.1e}", flush=True)
+                      f"x{base['us'] / r['us']:.2f} err {r.get('rel_err', 0.0):.1e}", flush=True)
             else:
                 print(f"bs {bs} ctx {ctx} e4m3 {name:9s} {r['error']}", flush=True)
             torch.cuda.empty_cache()

@@ -50,9 +50,11 @@ def _kv_args(kv_dtype: torch.dtype, *names: str) -> dict:
 
 
 def gqa_decode(bs: int, ctx: int, page: int = 16, hq: int = 32, hkv: int = 8, d: int = 128,
-               kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+               kv_dtype: torch.dtype = torch.bfloat16, config=None, split_cap: int = 32) -> dict:
     """Paged GQA decode; ``kv_dtype`` bf16 or an fp8 format (random values |x| < 448 cast
-    directly, i.e. scale 1; `benchmarks/fp8_kv.py`)."""
+    directly, i.e. scale 1; `benchmarks/fp8_kv.py`). ``config`` (a `DecodeConfig`) or
+    ``split_cap`` other than the defaults also report ``rel_err`` against the default
+    configuration (`benchmarks/fp8_decode_sweep.py`)."""
     from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_attention_fwd
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -67,16 +69,25 @@ def gqa_decode(bs: int, ctx: int, page: int = 16, hq: int = 32, hkv: int = 8, d:
     splits_cap = 32
     splits = torch.empty(bs, dtype=torch.int32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    compute_num_kv_splits(lens, splits, splits_cap, sms, hkv)
+    compute_num_kv_splits(lens, splits, split_cap, sms, hkv)
     q = torch.randn(bs, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
     o = torch.empty_like(q)
     logits = torch.empty(bs, hq, splits_cap, d, device="cuda")
     lse = torch.empty(bs, hq, splits_cap, device="cuda")
     kw = _kv_args(kv_dtype, "k_scale", "v_scale")
+    if config is not None:
+        kw["config"] = config
     us = graph_us(lambda: decode_attention_fwd(q, kb, vb, o, indptr, idx, logits, lse, splits, splits_cap, d ** -0.5,
                                                **kw))
     nbytes = 2 * bs * ctx * hkv * d * kb.element_size()
-    return dict(us=us, tbps=nbytes / (us * 1e-6) / 1e12)
+    out = dict(us=us, tbps=nbytes / (us * 1e-6) / 1e12)
+    if config is not None or split_cap != 32:  # the same function as the defaults compute
+        ref = torch.empty_like(q)
+        compute_num_kv_splits(lens, splits, splits_cap, sms, hkv)
+        decode_attention_fwd(q, kb, vb, ref, indptr, idx, logits, lse, splits, splits_cap, d ** -0.5,
+                             **_kv_args(kv_dtype, "k_scale", "v_scale"))
+        out["rel_err"] = float((o.float() - ref.float()).norm() / ref.float().norm())
+    return out
 
 
 def extend(t: int = 8192, hq: int = 32, hkv: int = 8, d: int = 128) -> dict:
