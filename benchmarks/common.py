@@ -127,3 +127,17 @@ def make_runner(model: str, max_bs: int, max_ctx: int, graphs: bool):
                       context_length=max_ctx + 16, disable_cuda_graph=not graphs)
     loaded = load_model(model, load_format="dummy", dtype=torch.bfloat16, device="cuda", load_tokenizer=False)
     return ModelRunner(args, loaded)
+
+
+def fill_requests(runner, bs: int, ctx: int, extra: int = 0):
+    """``bs`` rows of ``runner``'s pools holding ``ctx + extra`` allocated slots each (written to
+    ``req_to_token``, host and device); returns the rows and the slots ``[bs, ctx + extra]``."""
+    r2t, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
+    rows = r2t.alloc(bs)
+    loc = alloc.alloc_extend([0] * bs, [ctx + extra] * bs, [0] * bs)
+    n = ctx + extra
+    token_rows = torch.tensor(rows, dtype=torch.int64).repeat_interleave(n)
+    cols = torch.arange(n, dtype=torch.int64).repeat(bs)
+    r2t.write_host(token_rows, cols, loc.to(torch.int32))
+    r2t.write_device(token_rows, cols, loc.to(torch.int32))
+    return rows, loc.view(bs, n)

@@ -27,20 +27,13 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import time_ms  # noqa: E402
-from kernel_timings import gqa_decode, graph_us, mla_decode  # noqa: E402
+from common import copy_bandwidth_gbs, fill_requests, time_ms  # noqa: E402
+from kernel_timings import gqa_decode, mla_decode  # noqa: E402
 
 from attnserve.bench.results import device_slug, write_result  # noqa: E402
 from attnserve.mem_cache.kv_quant import quantize_kv  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
-
-def copy_tbps() -> float:
-    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    y = torch.empty_like(x)
-    us = graph_us(lambda: y.copy_(x), calls=5)
-    return 2 * x.numel() * 2 / (us * 1e-6) / 1e12
 
 
 def decode_step(kv_cache_dtype, bs=64, ctx=8192):
@@ -56,14 +49,9 @@ def decode_step(kv_cache_dtype, bs=64, ctx=8192):
     for buf in pool.buffers():  # random cache contents (not zeros)
         for chunk in torch.split(buf, 1 << 18):
             chunk.copy_(quantize_kv(torch.randn(chunk.shape, device="cuda", dtype=torch.bfloat16), 1.0, buf.dtype))
-    r2t, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
-    rows = r2t.alloc(bs)
-    loc = alloc.alloc_extend([0] * bs, [ctx] * bs, [0] * bs)
-    token_rows = torch.tensor(rows, dtype=torch.int64).repeat_interleave(ctx)
-    cols = torch.arange(ctx, dtype=torch.int64).repeat(bs)
-    r2t.write_host(token_rows, cols, loc.to(torch.int32))
-    r2t.write_device(token_rows, cols, loc.to(torch.int32))
-    out_loc = loc.view(bs, ctx)[:, -1].contiguous().to("cuda")
+    alloc = runner.token_to_kv_pool_allocator
+    rows, loc = fill_requests(runner, bs, ctx)
+    out_loc = loc[:, -1].contiguous().to("cuda")
     fb = runner.build_forward_batch(ForwardMode.DECODE, [11] * bs, rows, [ctx - 1] * bs, [1] * bs, out_loc)
     step_ms = time_ms(lambda: runner.forward(fb), iters=20)
     kv_bytes = bs * ctx * runner.model_config.kv_cache_bytes_per_token(pool.dtype)
@@ -87,7 +75,7 @@ def main(argv=None) -> int:
     import triton
 
     t0 = time.perf_counter()
-    res = {"copy_tbps": copy_tbps(), "kernels": {}}
+    res = {"copy_tbps": copy_bandwidth_gbs() / 1e3, "kernels": {}}
     print(f"copy {res['copy_tbps']:.2f} TB/s", flush=True)
     cases = [("gqa_decode_bs64_8k", lambda dt_: gqa_decode(64, 8192, kv_dtype=dt_)),
              ("gqa_decode_bs8_32k", lambda dt_: gqa_decode(8, 32768, kv_dtype=dt_)),

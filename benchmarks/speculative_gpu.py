@@ -31,7 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import time_ms  # noqa: E402
+from common import fill_requests, time_ms  # noqa: E402
 from kernel_timings import graph_us  # noqa: E402
 
 from attnserve.bench.results import device_slug, write_result  # noqa: E402
@@ -48,19 +48,6 @@ def _engine(model, **kw):
     return Engine(ServerArgs(**base))
 
 
-def _fill_requests(runner, bs, ctx, extra):
-    """``bs`` rows holding ``ctx + extra`` allocated slots each; returns rows and slots."""
-    r2t, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
-    rows = r2t.alloc(bs)
-    loc = alloc.alloc_extend([0] * bs, [ctx + extra] * bs, [0] * bs)
-    n = ctx + extra
-    token_rows = torch.tensor(rows, dtype=torch.int64).repeat_interleave(n)
-    cols = torch.arange(n, dtype=torch.int64).repeat(bs)
-    r2t.write_host(token_rows, cols, loc.to(torch.int32))
-    r2t.write_device(token_rows, cols, loc.to(torch.int32))
-    return rows, loc.view(bs, n)
-
-
 def verify_vs_decode(engine, ctx, sizes, n=8):
     from attnserve.engine.speculative.tree import DraftTree
     from attnserve.engine.speculative.verify_graph import pack_verify_inputs
@@ -69,7 +56,7 @@ def verify_vs_decode(engine, ctx, sizes, n=8):
     out = []
     rnd = random.Random(0)
     for bs in sizes:
-        rows, loc = _fill_requests(runner, bs, ctx, n)
+        rows, loc = fill_requests(runner, bs, ctx, n)
         dec = runner.build_forward_batch(ForwardMode.DECODE, [5] * bs, rows, [ctx] * bs, [1] * bs,
                                          loc[:, ctx].contiguous().to(runner.device))
         t_dec = time_ms(lambda: runner.forward(dec))
@@ -95,7 +82,7 @@ def draft_metadata(engine, cases):
     cfg = runner.attn_backend_config
     out = []
     for bs, ctx in cases:
-        rows, loc = _fill_requests(runner, bs, ctx, 8)
+        rows, loc = fill_requests(runner, bs, ctx, 8)
         rows_d = torch.tensor(rows, dtype=torch.int64, device=runner.device)
         base = torch.full((bs,), ctx, dtype=torch.int32, device=runner.device)
         for steps in (1, 4, 8):

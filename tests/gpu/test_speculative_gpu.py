@@ -10,6 +10,7 @@ After every test the pools are free.
 
 import pytest
 import torch
+from test_engine_loop_gpu import _assert_free  # pools free, no work left
 
 from attnserve.engine.engine import Engine
 from attnserve.engine.sampling_params import SamplingParams
@@ -38,14 +39,6 @@ def _run(engine, prompts, max_new_tokens=40):
     while engine.has_work():
         engine.step()
     return [list(r.output_ids) for r in reqs], reqs
-
-
-def _assert_free(engine):
-    runner = engine.model_runner
-    alloc, rows = runner.token_to_kv_pool_allocator, runner.req_to_token_pool
-    tree = engine.scheduler.tree_cache
-    assert alloc.available_size() + tree.evictable_size() == alloc.size and tree.protected_size() == 0
-    assert rows.available_size() == rows.size
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,11 @@ from attnserve.attention.triton_ops.kv_indices import compute_kv_indptr, create_
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
 
 
-def _reference(q, k_ext, v_ext, k_buf, v_buf, qo, prefix_slots, prefix_start, masks, is_causal, window, sm_scale, cap):
-    """float64 attention; keys = prefix (positions prefix_start + j) then new tokens."""
+def _reference(q, k_ext, v_ext, k_buf, v_buf, qo, prefix_slots, prefix_start, masks, is_causal, window, sm_scale, cap,
+               mask_covers_prefix=True):
+    """float64 attention; keys = prefix (positions prefix_start + j) then new tokens.
+    ``masks[i]``: ``[e, plen + e]`` (``mask_covers_prefix``) or ``[e, e]`` over the new
+    tokens with every prefix key visible."""
     hq, hkv = q.shape[1], k_ext.shape[1]
     out = torch.zeros(q.shape[0], hq, v_ext.shape[2], dtype=torch.float64)
     for i, slots in enumerate(prefix_slots):
@@ -26,8 +29,10 @@ def _reference(q, k_ext, v_ext, k_buf, v_buf, qo, prefix_slots, prefix_start, ma
             s = cap * torch.tanh(s / cap)
         k_pos = torch.cat([torch.arange(prefix_start[i], plen), torch.arange(plen, plen + e)])
         q_pos = torch.arange(plen, plen + e)
-        if masks is not None:
+        if masks is not None and mask_covers_prefix:
             vis = masks[i].view(e, plen + e)[:, k_pos]
+        elif masks is not None:
+            vis = torch.cat([torch.ones(e, n_pre, dtype=torch.bool), masks[i].view(e, e)], dim=1)
         elif is_causal:
             vis = k_pos[None, :] <= q_pos[:, None]
         else:

@@ -14,6 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_decode_attention import _reference as _decode_reference64  # float64 references over true K/V
+from test_extend_attention import _reference as _extend_reference64
+
 from attnserve.attention.triton_ops.decode_attention import DecodeConfig, compute_num_kv_splits, decode_attention_fwd
 from attnserve.attention.triton_ops.extend_attention import extend_attention_fwd
 from attnserve.attention.triton_ops.kv_indices import compute_kv_indptr, create_kv_indices
@@ -44,24 +47,6 @@ def _check(out, ref, dtype):
 
 
 # --------------------------------------------------------------------------- decode
-
-
-def _decode_reference(q, k_true, v_true, r2t, rows, starts, lens, sm_scale, logit_cap):
-    """float64 softmax(q K^T) V per request over slots req_to_token[row, start:len]."""
-    bs, hq, _ = q.shape
-    hkv = k_true.shape[1]
-    out = torch.zeros(bs, hq, v_true.shape[2], dtype=torch.float64)
-    for i in range(bs):
-        slots = r2t[rows[i], starts[i] : lens[i]].long()
-        if slots.numel() == 0:
-            continue
-        k = k_true[slots].repeat_interleave(hq // hkv, dim=1)
-        v = v_true[slots].repeat_interleave(hq // hkv, dim=1)
-        s = torch.einsum("hd,nhd->hn", q[i].double(), k) * sm_scale
-        if logit_cap > 0:
-            s = logit_cap * torch.tanh(s / logit_cap)
-        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v)
-    return out
 
 
 def _decode_inputs(gen, paged, *, lens, hq, hkv, dk, dv, page_size, window=-1, max_kv_splits=4):
@@ -110,8 +95,8 @@ def _run_decode(gen, paged, *, lens, hq, hkv, kv_dtype, q_dtype=torch.float32, d
     v_dev = k_dev[..., :dv] if shared_kv else v_buf.to(DEVICE)
     out = _decode_call(q.to(DEVICE), k_dev, v_dev, idx, dv, sm_scale, logit_cap, config,
                        k_scale=k_scale, v_scale=v_scale)
-    ref = _decode_reference(q, _dequant(k_buf, k_scale), _dequant(v_buf, v_scale), idx["r2t"], idx["rows"],
-                            idx["kv_start"], lens, sm_scale, logit_cap)
+    ref = _decode_reference64(q, _dequant(k_buf, k_scale), _dequant(v_buf, v_scale), idx["r2t"], idx["rows"],
+                              idx["kv_start"], lens, sm_scale, logit_cap)
     return out, ref, idx["num_kv_splits"].cpu()
 
 
@@ -187,38 +172,6 @@ def test_decode_default_scales_are_identical(dtype, gen, paged):
 # --------------------------------------------------------------------------- extend
 
 
-def _extend_reference(q, k_ext, v_ext, k_pre, v_pre, qo, prefix_slots, prefix_start, masks, is_causal, window,
-                      sm_scale, cap, mask_covers_prefix=True):
-    """float64 attention; keys = prefix (true values, positions prefix_start + j) then new tokens."""
-    hq, hkv = q.shape[1], k_ext.shape[1]
-    out = torch.zeros(q.shape[0], hq, v_ext.shape[2], dtype=torch.float64)
-    for i, slots in enumerate(prefix_slots):
-        a, b = qo[i], qo[i + 1]
-        n_pre, e = slots.numel(), b - a
-        plen = prefix_start[i] + n_pre
-        k = torch.cat([k_pre[slots.long()], k_ext[a:b].double()]).repeat_interleave(hq // hkv, dim=1)
-        v = torch.cat([v_pre[slots.long()], v_ext[a:b].double()]).repeat_interleave(hq // hkv, dim=1)
-        s = torch.einsum("qhd,khd->hqk", q[a:b].double(), k) * sm_scale
-        if cap > 0:
-            s = cap * torch.tanh(s / cap)
-        k_pos = torch.cat([torch.arange(prefix_start[i], plen), torch.arange(plen, plen + e)])
-        q_pos = torch.arange(plen, plen + e)
-        if masks is not None and mask_covers_prefix:
-            vis = masks[i].view(e, plen + e)[:, k_pos]
-        elif masks is not None:
-            vis = torch.cat([torch.ones(e, n_pre, dtype=torch.bool), masks[i].view(e, e)], dim=1)
-        elif is_causal:
-            vis = k_pos[None, :] <= q_pos[:, None]
-        else:
-            vis = torch.ones(e, k_pos.numel(), dtype=torch.bool)
-        if window >= 0:
-            vis = vis & (k_pos[None, :] >= q_pos[:, None] - window)
-        s = s.masked_fill(~vis, float("-inf"))
-        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key -> 0
-        out[a:b] = torch.einsum("hqk,khd->qhd", p, v)
-    return out
-
-
 def _extend_inputs(gen, paged, *, prefix, ext, hq, hkv, dk, dv, page_size, prefix_start=None, mask_kind=None,
                    mask_covers_prefix=True):
     bs = len(ext)
@@ -288,9 +241,9 @@ def _run_extend(gen, paged, *, prefix, ext, hq, hkv, kv_dtype, q_dtype=torch.flo
     out = _extend_call(*(x.to(DEVICE) for x in (q, k_ext, v_ext, k_buf, v_buf)), idx, sm_scale, is_causal=is_causal,
                        logit_cap=logit_cap, window=window, mask_covers_prefix=mask_covers_prefix,
                        k_scale=k_scale, v_scale=v_scale)
-    ref = _extend_reference(q, k_ext, v_ext, _dequant(k_buf, k_scale), _dequant(v_buf, v_scale), idx["qo"],
-                            idx["prefix_slots"], idx["prefix_start"], idx["masks"], is_causal, window, sm_scale,
-                            logit_cap, mask_covers_prefix)
+    ref = _extend_reference64(q, k_ext, v_ext, _dequant(k_buf, k_scale), _dequant(v_buf, v_scale), idx["qo"],
+                              idx["prefix_slots"], idx["prefix_start"], idx["masks"], is_causal, window, sm_scale,
+                              logit_cap, mask_covers_prefix)
     return out, ref
 
 

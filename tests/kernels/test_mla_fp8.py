@@ -37,18 +37,13 @@ from attnserve.attention.triton_ops.mla_decode import (  # noqa: E402
     mla_num_work_items,
     mla_stage1_kernel,
 )
+from attnserve.mem_cache.kv_quant import quantize_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # DeepSeek's kv_lora_rank + rope on a GPU; the interpreter takes the small dims of test_mla_decode
 D_C, D_R = (512, 64) if DEVICE == "cuda" else (64, 16)
 FP8 = list(MLA_FP8_DTYPES)
 FP8_IDS = ["e4m3fn", "e5m2"]
-
-
-def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """``x / scale`` clamped to the format's largest finite value, rounded to ``dtype``."""
-    fmax = torch.finfo(dtype).max
-    return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
 
 
 def make_fp8_case(seq_lens, num_heads, page_size, q_dtype, fp8, kv_scale, *, d_c=D_C, d_r=D_R, amp=1.0, seed=0):
@@ -62,7 +57,7 @@ def make_fp8_case(seq_lens, num_heads, page_size, q_dtype, fp8, kv_scale, *, d_c
     q_nope = torch.randn(bs, num_heads, d_c, generator=g).to(q_dtype)
     q_pe = torch.randn(bs, num_heads, d_r, generator=g).to(q_dtype)
     case.update(q_nope=q_nope.to(DEVICE), q_pe=q_pe.to(DEVICE), q_nope64=q_nope.double(), q_pe64=q_pe.double())
-    stored = _quantize(case["kv"].cpu() * amp, fp8, kv_scale)  # NaN (unowned) stays NaN
+    stored = quantize_kv(case["kv"].cpu() * amp, kv_scale, fp8)  # NaN (unowned) stays NaN
     table = case["table"].cpu()
     rows = []
     for i, n in enumerate(seq_lens):

@@ -30,6 +30,18 @@ from attnserve.attention.backend_config import AttentionBackendConfig
 from attnserve.attention.triton_backend import TritonAttnBackend, TritonForwardMetadata, WindowIndices
 
 
+def draft_step_lens(seq_lens: torch.Tensor, step_limits: Optional[torch.Tensor], steps: torch.Tensor) -> torch.Tensor:
+    """int32 ``[S, bs]``: keys of draft step ``j``, ``seq_lens + min(j, step_limits)``.
+
+    Args:
+        seq_lens: ``[bs]`` keys of step 0; step_limits: ``[bs]`` or None (no limit);
+        steps: int32 ``[S, 1]`` = ``0 .. S - 1``.
+    """
+    if step_limits is not None:
+        steps = torch.minimum(steps, step_limits.to(torch.int32).view(1, -1))
+    return seq_lens.to(torch.int32).view(1, -1) + steps
+
+
 @dataclass
 class MultiStepBuffers:
     """Buffers shared by the steps (fixed when CUDA graphs replay them).
@@ -94,15 +106,8 @@ class TritonMultiStepDraftBackend:
             win_splits={w: i32(s * self.max_bs, 1) for w in b.window_sizes},
         )
 
-    def step_lens(self, seq_lens: torch.Tensor, step_limits: Optional[torch.Tensor]) -> torch.Tensor:
-        """int32 ``[S, bs]``: ``seq_lens + min(j, step_limits)`` for step ``j``."""
-        steps = self.buffers.steps
-        if step_limits is not None:
-            steps = torch.minimum(steps, step_limits.to(torch.int32).view(1, -1))
-        return seq_lens.to(torch.int32).view(1, -1) + steps
-
     def init_forward_metadata(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                              step_limits: Optional[torch.Tensor] = None) -> None:
+                              step_limits: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Metadata of all steps at once; afterwards ``backends[j]`` runs step ``j``.
 
         Args:
@@ -114,6 +119,9 @@ class TritonMultiStepDraftBackend:
                 left stops growing there (its later steps are the caller's to discard).
                 Lengths must stay within each request's ``req_to_token`` row.
 
+        Returns:
+            int32 ``[S, bs]``, the keys of every step (`draft_step_lens`).
+
         Raises:
             ValueError: ``bs`` above ``max_bs``.
         """
@@ -124,7 +132,7 @@ class TritonMultiStepDraftBackend:
         g, s = self.buffers, self.num_steps
         lead = self.backends[0]
         rows = req_pool_indices[:bs]
-        lens = self.step_lens(seq_lens[:bs], None if step_limits is None else step_limits[:bs])  # [S, bs]
+        lens = draft_step_lens(seq_lens[:bs], None if step_limits is None else step_limits[:bs], g.steps)  # [S, bs]
         flat_lens = lens.reshape(-1)
         flat_rows = rows.repeat(s)
         indptr = compute_kv_indptr(flat_lens, g.kv_indptr)
@@ -146,6 +154,7 @@ class TritonMultiStepDraftBackend:
                 md.windows[w] = WindowIndices(win_indptr[sl], g.win_indices[w], start[j * bs: (j + 1) * bs],
                                               win_splits[j])
             backend.forward_metadata = md
+        return lens
 
     def _splits(self, lens: torch.Tensor, out: torch.Tensor) -> List[torch.Tensor]:
         """Split counts per step (views of ``out``): once for the longest step, or per step

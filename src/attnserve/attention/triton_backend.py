@@ -34,6 +34,7 @@ from attnserve.attention.backend_config import AttentionBackendConfig
 from attnserve.attention.base import AttentionBackend
 from attnserve.attention.registry import register_attention_backend
 from attnserve.forward_batch import ForwardBatch, ForwardMode
+from attnserve.mem_cache.kv_quant import is_fp8
 
 @dataclass
 class WindowIndices:
@@ -107,8 +108,6 @@ def _cumsum_indptr(lens: torch.Tensor, out: Optional[torch.Tensor] = None) -> to
 def kv_scales(layer, k_buffer: torch.Tensor) -> dict:
     """The layer's ``k_scale`` / ``v_scale`` for the kernels when the cache is FP8; 1.0 for a
     16/32-bit cache, which stores true values (`RadixAttention` attributes)."""
-    from attnserve.mem_cache.kv_quant import is_fp8
-
     if is_fp8(k_buffer.dtype):
         return {"k_scale": layer.k_scale, "v_scale": layer.v_scale}
     return {"k_scale": 1.0, "v_scale": 1.0}
@@ -316,10 +315,11 @@ class TritonAttnBackend(AttentionBackend):
         win = self._window_of(layer, md)
         if win is not None:
             kv_indptr, kv_indices, num_kv_splits = win.kv_indptr, win.kv_indices, win.num_kv_splits
+        k_buffer = pool.get_key_buffer(layer.layer_id)
         decode_attention_fwd(
-            q3, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o, kv_indptr,
+            q3, k_buffer, pool.get_value_buffer(layer.layer_id), o, kv_indptr,
             kv_indices, md.attn_logits, md.attn_lse, num_kv_splits, self.max_kv_splits, layer.scaling,
-            logit_cap=layer.logit_cap, **kv_scales(layer, pool.get_key_buffer(layer.layer_id)),
+            logit_cap=layer.logit_cap, **kv_scales(layer, k_buffer),
         )
         return o.view(-1, hq * dv)
 

@@ -44,9 +44,6 @@ from attnserve.triton_jit import tanh
 _SPLIT_WAVES = 4  # aim for this many programs per SM across stage 1
 _MIN_SPLIT_TOKENS = 128  # never cut a request into splits shorter than this (non-deterministic mode)
 
-#: KV-cache dtypes accepted besides q's own (per-tensor scaled fp8)
-FP8_KV_DTYPES = FP8_DTYPES
-
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -403,7 +400,7 @@ def decode_attention_fwd(
         raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
     if (
         q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or v_buffer.dtype != k_buffer.dtype
-        or k_buffer.dtype not in (q.dtype,) + FP8_KV_DTYPES
+        or k_buffer.dtype not in (q.dtype,) + FP8_DTYPES
     ):
         raise ValueError(
             f"q/k_buffer/v_buffer must share one of fp16/bf16/fp32 (or k_buffer/v_buffer both "
@@ -476,7 +473,7 @@ def decode_attention_fwd(
         V_SCALED=v_scale != 1.0,
         COMPUTE_FP32=compute_fp32,
         DOT_PREC=dot_prec,
-        F16_DOT=k_buffer.dtype in FP8_KV_DTYPES and q.dtype == torch.bfloat16 and not compute_fp32,
+        F16_DOT=k_buffer.dtype in FP8_DTYPES and q.dtype == torch.bfloat16 and not compute_fp32,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attnserve.attention.triton_ops.decode_attention import FP8_KV_DTYPES, _split_dims
-from attnserve.mem_cache.kv_quant import check_scale
+from attnserve.attention.triton_ops.decode_attention import _split_dims
+from attnserve.mem_cache.kv_quant import FP8_DTYPES, check_scale
 from attnserve.triton_env import triton_interpreting
 from attnserve.triton_jit import tanh
 
@@ -452,7 +452,7 @@ def extend_attention_fwd(
     dtypes = {x.dtype for x in (q_extend, k_extend, v_extend)}
     if (
         len(dtypes) != 1 or q_extend.dtype not in (torch.float16, torch.bfloat16, torch.float32)
-        or v_buffer.dtype != k_buffer.dtype or k_buffer.dtype not in (q_extend.dtype,) + FP8_KV_DTYPES
+        or v_buffer.dtype != k_buffer.dtype or k_buffer.dtype not in (q_extend.dtype,) + FP8_DTYPES
     ):
         got = sorted(map(str, dtypes | {k_buffer.dtype, v_buffer.dtype}))
         raise ValueError(

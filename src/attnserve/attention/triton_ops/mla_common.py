@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attnserve.mem_cache.kv_quant import FP8_DTYPES
+
 _LOG2E = 1.4426950408889634
 # a work-list entry is b * MLA_WORK_SPLIT_SPAN + split (so max_kv_splits <= 256 with a work list)
 MLA_WORK_SPLIT_SPAN = 256
@@ -77,7 +79,7 @@ def carve_workspace(workspace: Optional[torch.Tensor], bs: int, num_heads: int, 
 
 #: fp8 latent-cache dtypes stage 1 reads (the Triton kernel only): a stored entry means
 #: ``float(stored) * kv_scale`` (`mla_decode.mla_decode_fwd`)
-MLA_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+MLA_FP8_DTYPES = FP8_DTYPES
 
 _KV_LOADS = ("ptr", "tma")
 #: stage-1 kernels: the Triton kernel (`mla_decode_triton`), the Gluon kernel

@@ -59,7 +59,6 @@ All code here is original; algorithms after the sources above (SGLang's Triton
 from __future__ import annotations
 
 import importlib
-import math
 from typing import Optional, Union
 
 import torch
@@ -86,6 +85,7 @@ from attnserve.attention.triton_ops.mla_splits import (
     mla_split_sm_count,
     mla_workspace_rows,
 )
+from attnserve.mem_cache.kv_quant import check_scale
 from attnserve.triton_env import triton_interpreting
 
 __all__ = [
@@ -300,9 +300,7 @@ def mla_decode_fwd(
                          f"(kv_buffer: the queries' dtype or one of {MLA_FP8_DTYPES})")
     if isinstance(kv_scale, torch.Tensor):  # float() of a device tensor would sync (and break graph capture)
         raise ValueError("kv_scale must be a host float, got a tensor")
-    kv_scale = float(kv_scale)
-    if not (math.isfinite(kv_scale) and kv_scale > 0.0):
-        raise ValueError(f"kv_scale must be a finite float > 0, got {kv_scale}")
+    kv_scale = check_scale("kv_scale", kv_scale)
     if kv_buffer.dtype not in MLA_FP8_DTYPES:  # a 16/32-bit cache stores the values themselves
         kv_scale = 1.0
     if q_nope.dtype not in (torch.float16, torch.bfloat16, torch.float32):

@@ -81,10 +81,13 @@ class DraftChainRunner:
     def _steps(self, bs, rows, seq_lens, step_limits, tokens, out_cache_loc) -> torch.Tensor:
         runner = self.runner
         model = runner.model
-        lens = torch.minimum(torch.arange(self.num_steps, dtype=torch.int32, device=self.device).view(-1, 1),
-                             step_limits.view(1, -1)) + seq_lens.view(1, -1)  # [S, bs]
-        if self.multi is not None:
-            self.multi.init_forward_metadata(bs, rows, seq_lens, step_limits)
+        if self.multi is not None:  # every step's metadata, and its lengths [S, bs], at once
+            lens = self.multi.init_forward_metadata(bs, rows, seq_lens, step_limits)
+        else:
+            from attnserve.attention.multi_step_draft import draft_step_lens
+
+            steps = torch.arange(self.num_steps, dtype=torch.int32, device=self.device).view(-1, 1)
+            lens = draft_step_lens(seq_lens, step_limits, steps)
         out = []
         for j in range(self.num_steps):
             backend = self.multi.backends[j] if self.multi is not None else runner.attn_backend
