@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip-step", action="store_true")
     ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--only", nargs="*", default=None, help="kernel cases to run (names as in the JSON)")
     ap.add_argument("--step-bs", type=int, default=64, help="decode-step batch (64 x 8K in bf16 needs an H200)")
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8_e4m3", "fp8_e5m2"])
     ap.add_argument("--out", default="benchmarks/results")
@@ -79,8 +80,12 @@ def main(argv=None) -> int:
     print(f"copy {res['copy_tbps']:.2f} TB/s", flush=True)
     cases = [("gqa_decode_bs64_8k", lambda dt_: gqa_decode(64, 8192, kv_dtype=dt_)),
              ("gqa_decode_bs8_32k", lambda dt_: gqa_decode(8, 32768, kv_dtype=dt_)),
+             # the split counts before issue 21's rounding change (rounded up), same run
+             ("gqa_decode_bs64_8k_ceil_splits", lambda dt_: gqa_decode(64, 8192, kv_dtype=dt_, ceil_splits=True)),
+             ("gqa_decode_bs8_32k_ceil_splits", lambda dt_: gqa_decode(8, 32768, kv_dtype=dt_, ceil_splits=True)),
              ("mla16_decode_bs128_4k", lambda dt_: mla_decode(128, 4096, 16, kv_dtype=dt_)),
              ("mla128_decode_bs32_16k", lambda dt_: mla_decode(32, 16384, 128, kv_dtype=dt_))]
+    cases = [c for c in cases if args.only is None or c[0] in args.only]
     for name, fn in [] if args.skip_kernels else cases:
         row = {}
         for fmt in args.formats:

@@ -50,11 +50,13 @@ def _kv_args(kv_dtype: torch.dtype, *names: str) -> dict:
 
 
 def gqa_decode(bs: int, ctx: int, page: int = 16, hq: int = 32, hkv: int = 8, d: int = 128,
-               kv_dtype: torch.dtype = torch.bfloat16, config=None, split_cap: int = 32) -> dict:
+               kv_dtype: torch.dtype = torch.bfloat16, config=None, split_cap: int = 32,
+               ceil_splits: bool = False) -> dict:
     """Paged GQA decode; ``kv_dtype`` bf16 or an fp8 format (random values |x| < 448 cast
     directly, i.e. scale 1; `benchmarks/fp8_kv.py`). ``config`` (a `DecodeConfig`) or
     ``split_cap`` other than the defaults also report ``rel_err`` against the default
-    configuration (`benchmarks/fp8_decode_sweep.py`)."""
+    configuration (`benchmarks/fp8_decode_sweep.py`). ``ceil_splits`` replays the split
+    policy before issue 21 (split counts rounded up, computed here on the host) for A/B runs."""
     from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_attention_fwd
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -70,6 +72,9 @@ def gqa_decode(bs: int, ctx: int, page: int = 16, hq: int = 32, hkv: int = 8, d:
     splits = torch.empty(bs, dtype=torch.int32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     compute_num_kv_splits(lens, splits, split_cap, sms, hkv)
+    if ceil_splits:  # same per-split length t, rounded up (lengths are uniform here)
+        per = max(-(-bs * ctx // max(1, sms * 4 // hkv)), 128)
+        splits.fill_(min(max(-(-ctx // per), 1), split_cap))
     q = torch.randn(bs, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
     o = torch.empty_like(q)
     logits = torch.empty(bs, hq, splits_cap, d, device="cuda")

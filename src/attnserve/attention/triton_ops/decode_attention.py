@@ -517,13 +517,14 @@ def _num_kv_splits_kernel(
             m = base + offs < bs
             total += tl.load(seq_lens_ptr + base + offs, mask=m, other=0).to(tl.int64)
         tokens = tl.sum(total, 0)
-        # Tokens per split so that sum_i splits_i ~= target_units; longer requests get
-        # proportionally more splits, so all programs carry similar work.
+        # Tokens per split so that sum_i splits_i <= target_units; longer requests get
+        # proportionally more splits, so all programs carry similar work. Rounded down: a
+        # rounded-up count adds up to one split per request, i.e. a partial extra wave.
         per = tl.maximum(tl.cdiv(tokens, target_units), min_split_tokens).to(tl.int32)
         for base in range(0, bs, BLOCK):
             m = base + offs < bs
             n = tl.load(seq_lens_ptr + base + offs, mask=m, other=0).to(tl.int32)
-            s = tl.minimum(tl.maximum(tl.cdiv(n, per), 1), max_kv_splits)
+            s = tl.minimum(tl.maximum(n // per, 1), max_kv_splits)
             tl.store(out_ptr + base + offs, s, mask=m)
 
 
@@ -544,10 +545,13 @@ def compute_num_kv_splits(
     Default (throughput) mode: with ``T = sum(seq_lens)`` and a target of
     ``U = max(1, num_sms * waves // num_kv_heads)`` (request, split) units, every split gets
     about ``t = max(min_split_tokens, cdiv(T, U))`` tokens:
-    ``num_kv_splits[i] = clamp(cdiv(seq_lens[i], t), 1, max_kv_splits)``. So stage 1 has
-    about ``waves`` programs per SM when the batch is small, a long request gets more
-    splits than a short one, and no split is shorter than ``min_split_tokens`` (beyond the
-    request's own length). The result depends on the whole batch.
+    ``num_kv_splits[i] = clamp(seq_lens[i] // t, 1, max_kv_splits)``. So stage 1 has at
+    most ``waves`` programs per SM (plus one split for each request shorter than ``t``): a
+    long request gets more splits than a short one, and no split is shorter than
+    ``min_split_tokens`` (beyond the request's own length). Rounding down keeps the grid
+    within whole waves: at 8 x 32K on an H100 (U = 66, t = 3,972) a rounded-up count gives
+    9 splits, 576 programs = 4.4 waves, 8 splits are ~7% (bf16) to ~16% (fp8) faster
+    (`benchmarks/NOTES.md`, issue 21). The result depends on the whole batch.
 
     Deterministic mode: ``num_kv_splits[i] = clamp(cdiv(seq_lens[i], split_tile_size), 1,
     max_kv_splits)`` depends on the request alone, so its output is bitwise identical in
