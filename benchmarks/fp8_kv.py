@@ -84,7 +84,12 @@ def main(argv=None) -> int:
              ("gqa_decode_bs64_8k_ceil_splits", lambda dt_: gqa_decode(64, 8192, kv_dtype=dt_, ceil_splits=True)),
              ("gqa_decode_bs8_32k_ceil_splits", lambda dt_: gqa_decode(8, 32768, kv_dtype=dt_, ceil_splits=True)),
              ("mla16_decode_bs128_4k", lambda dt_: mla_decode(128, 4096, 16, kv_dtype=dt_)),
-             ("mla128_decode_bs32_16k", lambda dt_: mla_decode(32, 16384, 128, kv_dtype=dt_))]
+             ("mla128_decode_bs32_16k", lambda dt_: mla_decode(32, 16384, 128, kv_dtype=dt_)),
+             # an fp8 cache through the Triton stage 1 it ran before the fp8 seesaw kernel, same run
+             ("mla16_decode_bs128_4k_triton_stage1", lambda dt_: mla_decode(128, 4096, 16, kv_dtype=dt_,
+                                                                            triton_stage1=True)),
+             ("mla128_decode_bs32_16k_triton_stage1", lambda dt_: mla_decode(32, 16384, 128, kv_dtype=dt_,
+                                                                             triton_stage1=True))]
     cases = [c for c in cases if args.only is None or c[0] in args.only]
     for name, fn in [] if args.skip_kernels else cases:
         row = {}

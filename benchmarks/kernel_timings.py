@@ -111,7 +111,11 @@ def extend(t: int = 8192, hq: int = 32, hkv: int = 8, d: int = 128) -> dict:
     return dict(us=us, tflops=2 * 2 * t * t / 2 * hq * d / (us * 1e-6) / 1e12)
 
 
-def mla_decode(bs: int, ctx: int, heads: int, page: int = 64, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+def mla_decode(bs: int, ctx: int, heads: int, page: int = 64, kv_dtype: torch.dtype = torch.bfloat16,
+               triton_stage1: bool = False) -> dict:
+    """Paged MLA decode (512 + 64, CUDA graph). ``triton_stage1``: an fp8 cache runs the
+    Triton stage 1 it ran before the fp8 seesaw kernel (the 16-bit default config with
+    ``stage1="triton"``), for A/B rows in one run."""
     from attnserve.attention.triton_ops.mla_decode import (
         mla_decode_fwd,
         mla_num_kv_splits,
@@ -132,13 +136,19 @@ def mla_decode(bs: int, ctx: int, heads: int, page: int = 64, kv_dtype: torch.dt
     splits = mla_num_kv_splits(ctx, bs, mla_split_sm_count(sms, heads))
     ws = torch.empty(mla_workspace_size(ctx, bs, splits, heads, 512), dtype=torch.uint8, device="cuda")
     kw = _kv_args(kv_dtype, "kv_scale")
+    if triton_stage1:
+        import dataclasses
+
+        from attnserve.attention.triton_ops.mla_decode import mla_decode_config
+
+        kw["config"] = dataclasses.replace(mla_decode_config(heads, 512, 64, torch.bfloat16), stage1="triton")
     us = graph_us(lambda: mla_decode_fwd(q_nope, q_pe, kv, table, lens, page, o, 192 ** -0.5, splits, splits,
                                          workspace=ws, **kw))
     out = dict(us=us, tbps=bs * ctx * 576 * kv.element_size() / (us * 1e-6) / 1e12, splits=splits)
     if kw:  # which stage 1 an fp8 cache runs
         from attnserve.attention.triton_ops.mla_decode import mla_stage1_kernel
 
-        out["stage1"] = str(mla_stage1_kernel(q_nope, q_pe, kv, page))
+        out["stage1"] = str(mla_stage1_kernel(q_nope, q_pe, kv, page, kw.get("config")))
     return out
 
 

@@ -89,8 +89,8 @@ LENS = [0, 1, 64, 130, 257]
 @pytest.mark.parametrize("page_size", [64, 128])
 @pytest.mark.parametrize("num_heads", [16, 128])
 def test_fp8_decode_matches_reference(fp8, page_size, num_heads):
-    """The default config for the shape (on a GPU: 16 heads pointer loads, 128 heads the
-    Triton TMA kernel in place of the seesaw one), bf16 queries, kv_scale != 1, 3 splits."""
+    """The default config for the shape (on an sm_90 GPU the fp8 seesaw kernel for both head
+    counts; under the interpreter the Triton kernel), bf16 queries, kv_scale != 1, 3 splits."""
     kv_scale = 0.02 if fp8 == torch.float8_e4m3fn else 0.5
     case = make_fp8_case(LENS, num_heads, page_size, torch.bfloat16, fp8, kv_scale,
                          seed=page_size + num_heads + 7 * FP8.index(fp8))
@@ -155,30 +155,103 @@ def test_fp8_page_size_one_pointer_gathers():
     check(case, o, lse, torch.float32)
 
 
-def test_fp8_cache_names_the_triton_kernel():
-    """An fp8 cache never runs a Gluon kernel: the seesaw / gluon configs fall back to the
-    Triton kernel (TMA loads where pages hold whole tiles, else pointer loads), and
-    `mla_gluon_applicable` is False for fp8 rows."""
-    h = 128
-    q_nope = torch.zeros(1, h, D_C, dtype=torch.bfloat16, device=DEVICE)
-    q_pe = torch.zeros(1, h, D_R, dtype=torch.bfloat16, device=DEVICE)
+def _sm90():
+    return DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
+
+
+def test_fp8_cache_stage1_names():
+    """Which stage 1 an fp8 cache runs: the fp8 seesaw kernel (``"seesaw_fp8"``) on sm_90
+    for the default config and a config preferring ``"seesaw"`` where pages hold whole
+    64-token blocks; the Triton kernel for the ``"gluon"`` preference (no fp8 variant), for
+    pages of 32 and elsewhere (other devices, the interpreter). `mla_gluon_applicable` is
+    False for fp8 rows."""
+    from attnserve.attention.triton_ops.mla_decode import mla_seesaw_fp8_applicable
+
+    q_nope = torch.zeros(1, 128, D_C, dtype=torch.bfloat16, device=DEVICE)
+    q_pe = torch.zeros(1, 128, D_R, dtype=torch.bfloat16, device=DEVICE)
+    fast = _sm90() and D_C == 512
     for fp8 in FP8:
         kv = torch.zeros(256, 1, D_C + D_R, dtype=fp8, device=DEVICE)
         rows = kv.view(-1, D_C + D_R)
         assert not mla_gluon_applicable(q_nope, q_pe, rows, 64, 64)
-        for stage1 in ("seesaw", "gluon"):
-            cfg = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma", stage1=stage1)
-            assert mla_stage1_kernel(q_nope, q_pe, kv, 64, cfg) == "tma"
-            assert mla_stage1_kernel(q_nope, q_pe, kv, 128, cfg) == "tma"
+        assert mla_seesaw_fp8_applicable(q_nope, q_pe, rows, 64) == fast
+        assert not mla_seesaw_fp8_applicable(q_nope, q_pe, rows, 32)
+        gluon_cfg = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma", stage1="gluon")
+        seesaw_cfg = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma", stage1="seesaw")
+        for page in (64, 128):
+            assert mla_stage1_kernel(q_nope, q_pe, kv, page, gluon_cfg) == "tma"
+            assert mla_stage1_kernel(q_nope, q_pe, kv, page, seesaw_cfg) == ("seesaw_fp8" if fast else "tma")
+            for h in (16, 128):
+                assert mla_stage1_kernel(q_nope[:, :h], q_pe[:, :h], kv, page) in (
+                    ("seesaw_fp8",) if fast else ("tma", "triton"))
+        for cfg in (gluon_cfg, seesaw_cfg):
             assert mla_stage1_kernel(q_nope, q_pe, kv, 32, cfg) == "triton"  # a tile spans pages
-        assert mla_stage1_kernel(q_nope, q_pe, kv, 64) in ("tma", "triton")  # the default pick
-    if DEVICE == "cuda" and D_C == 512 and torch.cuda.get_device_capability()[0] == 9:
-        # the same shape with a bf16 cache takes the seesaw kernel where Gluon is importable
+    if fast:
+        # the same shape with a bf16 cache takes the 16-bit seesaw kernel where Gluon is importable
         bf16 = torch.zeros(256, 1, D_C + D_R, dtype=torch.bfloat16, device=DEVICE)
-        cfg = mla_decode_config(h, D_C, D_R, torch.bfloat16)
         gluon = mla_gluon_applicable(q_nope, q_pe, bf16.view(-1, D_C + D_R), 64, 64)
         assert mla_stage1_kernel(q_nope, q_pe, bf16, 64) == ("seesaw" if gluon else "tma")
-        assert mla_stage1_kernel(q_nope, q_pe, torch.zeros_like(bf16, dtype=torch.float8_e4m3fn), 64) == "tma"
+
+
+needs_sm90 = pytest.mark.skipif(not (_sm90() and D_C == 512), reason="fp8 seesaw kernel: sm_90 GPU")
+
+
+@needs_sm90
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("page_size", [64, 128])
+@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fp8_seesaw_ragged(fp8, page_size, num_heads, splits):
+    """The fp8 seesaw kernel against float64: ragged lengths (empty, 1 token, one block, an
+    odd number of blocks so the last pair has one block, partial last blocks, a few hundred
+    tokens a split so every barrier phase turns over several times), bf16 queries, kv_scale
+    != 1 (e4m3 small, e5m2 large), one split (stage 1 writes o itself, zeros for the empty
+    request) and three (the merge of scaled partials)."""
+    lens = [0, 1, 64, 130, 257, 1000, 2049, 4095]
+    kv_scale = 0.02 if fp8 == torch.float8_e4m3fn else 3.0
+    case = make_fp8_case(lens, num_heads, page_size, torch.bfloat16, fp8, kv_scale,
+                         amp=kv_scale * (100 if fp8 == torch.float8_e4m3fn else 2),
+                         seed=3 * page_size + num_heads + 11 * FP8.index(fp8) + splits)
+    assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], page_size) == "seesaw_fp8"
+    o, lse = run_fp8(case, page_size, splits, splits, kv_scale)
+    check(case, o, lse, torch.bfloat16)
+    assert (o[0] == 0).all() and torch.isneginf(lse[0].cpu()).all()
+
+
+@needs_sm90
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("split_mode", ["device", "work"])
+def test_fp8_seesaw_fp16_queries_device_splits(fp8, split_mode):
+    """fp16 queries (no conversion of q), per-request split counts on the device with and
+    without a work list, 20 heads (a ragged head tile), page 64."""
+    lens = [17, 0, 3000, 64, 1, 640]
+    kv_scale = 0.5
+    case = make_fp8_case(lens, 20, 64, torch.float16, fp8, kv_scale, amp=4.0, seed=77 + FP8.index(fp8))
+    work = None
+    if split_mode == "work":
+        work = torch.empty(mla_num_work_items(len(lens), 20, 8), dtype=torch.int32, device=DEVICE)
+    splits = mla_num_kv_splits_device(case["seq_lens"], 20, 8, work=work)
+    assert splits.cpu().tolist()[2] > 1
+    assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], 64) == "seesaw_fp8"
+    o, lse = run_fp8(case, 64, splits, 8, kv_scale, work=work)
+    check(case, o, lse, torch.float16)
+
+
+@needs_sm90
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+def test_fp8_seesaw_matches_triton_kernel(fp8):
+    """The fp8 seesaw kernel and the Triton kernel (forced by a config preferring it) agree
+    on the same inputs (both also against float64), 128 heads, page 64."""
+    kv_scale = 0.07
+    case = make_fp8_case([700, 64, 1], 128, 64, torch.bfloat16, fp8, kv_scale, amp=2.0, seed=5 + FP8.index(fp8))
+    triton_cfg = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma")
+    assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], 64, triton_cfg) == "tma"
+    o_t, lse_t = run_fp8(case, 64, 2, 2, kv_scale, config=triton_cfg)
+    o_s, lse_s = run_fp8(case, 64, 2, 2, kv_scale)
+    check(case, o_t, lse_t, torch.bfloat16)
+    check(case, o_s, lse_s, torch.bfloat16)
+    torch.testing.assert_close(o_s.float(), o_t.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse_s, lse_t, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -162,9 +162,13 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
     e.g. 0 for Gemma's ``1 + w`` norms), biases 0, others ``N(0, std^2)``.
 
     Deterministic for a given ``seed``, device and dtype (one generator per parameter,
-    seeded ``seed + index`` in ``named_parameters`` order). Parameters on the ``meta``
+    seeded ``seed + index`` in ``named_parameters`` order). A tensor-parallel parameter
+    (``tp_shard``, `attnserve.models.layers.parallel`) draws its full (tp 1) tensor and keeps
+    its rank's slice, so every tp size computes the same model. Parameters on the ``meta``
     device are left alone.
     """
+    from attnserve.models.layers.parallel import load_param
+
     norm_fill = float(getattr(model, "dummy_norm_fill", 1.0))
     for i, (name, param) in enumerate(model.named_parameters()):
         if param.device.type == "meta":
@@ -176,4 +180,9 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
             param.zero_()
         else:
             gen = torch.Generator(device=param.device).manual_seed(seed + i)
-            param.normal_(0.0, std, generator=gen)
+            spec = getattr(param, "tp_shard", None)
+            if spec is None:
+                param.normal_(0.0, std, generator=gen)
+            else:  # one full tensor at a time
+                full = torch.empty(spec.full_shape(param.shape), dtype=param.dtype, device=param.device)
+                load_param(param, full.normal_(0.0, std, generator=gen), name)

@@ -47,8 +47,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnserve.attention.radix_attention import RadixAttention
+from attnserve.distributed.group import TPGroup
+from attnserve.distributed.partition import q_head_range
 from attnserve.forward_batch import ForwardBatch
-from attnserve.models.layers.linear import Embedding, Linear
+from attnserve.models.layers.linear import Linear
+from attnserve.models.layers.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_logits,
+    load_param,
+)
 from attnserve.models.layers.norm import RMSNorm
 from attnserve.models.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config, yarn_softmax_mscale
 from attnserve.models.llama import LlamaMLP
@@ -87,10 +96,14 @@ class DeepseekV2AttentionMLA(nn.Module):
             kv_lora_rank``. Both share ``layer_id`` (one latent buffer per layer).
     """
 
-    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
+                 tp: Optional[TPGroup] = None):
         super().__init__()
+        tp = tp or TPGroup.single()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
+        # tensor parallelism splits the query heads; the latent (one "KV head") is replicated
+        heads = q_head_range(config.num_attention_heads, tp.size, tp.rank)
+        self.num_heads = heads.count
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         self.kv_lora_rank = int(config.kv_lora_rank)
         self.qk_nope_head_dim = int(config.qk_nope_head_dim)
@@ -103,13 +116,13 @@ class DeepseekV2AttentionMLA(nn.Module):
         if self.q_lora_rank:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias, dtype=dtype)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6, dtype=dtype)
-            self.q_b_proj = Linear(self.q_lora_rank, h * self.qk_head_dim, bias=False, dtype=dtype)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, [(heads, self.qk_head_dim)], dtype=dtype)
         else:
-            self.q_proj = Linear(hidden, h * self.qk_head_dim, bias=False, dtype=dtype)
+            self.q_proj = ColumnParallelLinear(hidden, [(heads, self.qk_head_dim)], dtype=dtype)
         self.kv_a_proj_with_mqa = Linear(hidden, r + rope, bias=bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(r, 1e-6, dtype=dtype)
-        self.kv_b_proj = Linear(r, h * (nope + self.v_head_dim), bias=False, dtype=dtype)
-        self.o_proj = Linear(h * self.v_head_dim, hidden, bias=bias, dtype=dtype)
+        self.kv_b_proj = ColumnParallelLinear(r, [(heads, nope + self.v_head_dim)], dtype=dtype)
+        self.o_proj = RowParallelLinear([(heads, self.v_head_dim)], hidden, tp, bias=bias, dtype=dtype)
         self.rotary_emb = rotary_emb
         self.scaling = self.qk_head_dim**-0.5 * yarn_softmax_mscale(rope_parameters_from_config(config))
         self.attn_mha = RadixAttention(h, self.qk_head_dim, self.scaling, num_kv_heads=h, layer_id=layer_id,
@@ -178,12 +191,13 @@ class DeepseekV2AttentionMLA(nn.Module):
 class DeepseekV2DecoderLayer(nn.Module):
     """Pre-norm block: MLA then a dense SwiGLU MLP; carries the residual stream separately."""
 
-    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
+                 tp: Optional[TPGroup] = None):
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = DeepseekV2AttentionMLA(config, layer_id, rotary_emb, dtype)
+        self.self_attn = DeepseekV2AttentionMLA(config, layer_id, rotary_emb, dtype, tp)
         bias = bool(getattr(config, "mlp_bias", False))
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias, dtype)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias, dtype, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
 
@@ -201,14 +215,14 @@ class DeepseekV2DecoderLayer(nn.Module):
 class DeepseekV2Model(nn.Module):
     """Embedding, decoder layers, final norm (HF prefix ``model.``); one shared RoPE table."""
 
-    def __init__(self, config: Any, dtype: torch.dtype, neox_rope: bool):
+    def __init__(self, config: Any, dtype: torch.dtype, neox_rope: bool, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype=dtype)
         rope = int(config.qk_rope_head_dim)
         self.rotary_emb = get_rope(rope, int(getattr(config, "max_position_embeddings", 4096)),
                                    rope_parameters_from_config(config), rotary_dim=rope, is_neox_style=neox_rope)
         self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, i, self.rotary_emb, dtype) for i in range(config.num_hidden_layers)
+            DeepseekV2DecoderLayer(config, i, self.rotary_emb, dtype, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
@@ -249,7 +263,7 @@ class DeepseekV2ForCausalLM(nn.Module):
     #: HF checkpoint tensors without a parameter here
     ignored_weight_suffixes: Tuple[str, ...] = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32):
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
         super().__init__()
         check_dense_only(config)
         act = getattr(config, "hidden_act", "silu")
@@ -257,9 +271,12 @@ class DeepseekV2ForCausalLM(nn.Module):
             raise ValueError(f"DeepSeek MLP activation {act!r} is not supported (only silu)")
         self.config = config
         self.dtype = dtype
-        self.model = DeepseekV2Model(config, dtype, self._neox_rope(config))
+        self.tp = tp or TPGroup.single()
+        self.model = DeepseekV2Model(config, dtype, self._neox_rope(config), self.tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, dtype=dtype)
+        self.lm_head = None
+        if not self.tie_word_embeddings:
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp, dtype=dtype)
 
     def _neox_rope(self, config: Any) -> bool:
         return self.neox_rope
@@ -276,8 +293,8 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` -> float32 ``[N, vocab_size]``."""
-        return F.linear(hidden_states, self.lm_head_weight).float()
+        """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` (gathered over the ranks)."""
+        return gather_logits(F.linear(hidden_states, self.lm_head_weight), self.config.vocab_size, self.tp).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
@@ -293,7 +310,6 @@ class DeepseekV2ForCausalLM(nn.Module):
             ValueError: a shape mismatch, or parameters left without a weight.
         """
         params: Dict[str, nn.Parameter] = dict(self.named_parameters())
-        inter = self.config.intermediate_size
         n_layers = self.config.num_hidden_layers
         filled: Dict[str, Set[int]] = {}
         for name, tensor in weights:
@@ -310,12 +326,7 @@ class DeepseekV2ForCausalLM(nn.Module):
                     target, shard = name.replace(f".mlp.{hf}.", ".mlp.gate_up_proj."), i
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-            dst = params[target] if shard is None else params[target].narrow(0, shard * inter, inter)
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
-                )
-            dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))
+            load_param(params[target], tensor, name, part=shard)
             filled.setdefault(target, set()).add(-1 if shard is None else shard)
         missing = [n for n in params if filled.get(n) not in ({-1}, {0, 1})]
         if missing:

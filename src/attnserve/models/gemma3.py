@@ -37,12 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnserve.attention.radix_attention import RadixAttention
+from attnserve.distributed.group import TPGroup
 from attnserve.forward_batch import ForwardBatch
 from attnserve.models.layers.activation import GeluAndMul
-from attnserve.models.layers.linear import Embedding, Linear
+from attnserve.models.layers.parallel import VocabParallelEmbedding
 from attnserve.models.layers.norm import GemmaRMSNorm
 from attnserve.models.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
-from attnserve.models.llama import LlamaForCausalLM, rope_then_attention
+from attnserve.models.llama import LlamaForCausalLM, parallel_gate_up_down, parallel_qkv_o, rope_then_attention
 
 logger = logging.getLogger(__name__)
 
@@ -97,16 +98,15 @@ class Gemma3Attention(nn.Module):
     Shapes: ``positions`` int64 ``[T]``, ``hidden_states`` ``[T, hidden]`` -> ``[T, hidden]``.
     """
 
-    def __init__(self, config: Any, layer_id: int, layer_type: str, rotary_emb: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, config: Any, layer_id: int, layer_type: str, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
+                 tp: Optional[TPGroup] = None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj, self.o_proj, self.num_heads, self.num_kv_heads = parallel_qkv_o(
+            config, self.head_dim, bias, dtype, tp or TPGroup.single())
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias, dtype=dtype)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
         self.rotary_emb = rotary_emb
@@ -133,12 +133,13 @@ class Gemma3Attention(nn.Module):
 class Gemma3MLP(nn.Module):
     """GeGLU feed-forward ``down(gelu_tanh(gate(x)) * up(x))`` with fused ``gate_up_proj``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, dtype: torch.dtype,
+                 tp: Optional[TPGroup] = None):
         super().__init__()
         if activation not in _GELU_APPROXIMATION:
             raise ValueError(f"unsupported Gemma activation {activation!r}; supported: {', '.join(_GELU_APPROXIMATION)}")
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.gate_up_proj, self.down_proj = parallel_gate_up_down(hidden_size, intermediate_size, False, dtype,
+                                                                  tp or TPGroup.single())
         self.act_fn = GeluAndMul(_GELU_APPROXIMATION[activation])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,13 +155,14 @@ class Gemma3DecoderLayer(nn.Module):
     block output is added to it by the next norm that takes ``residual``.
     """
 
-    def __init__(self, config: Any, layer_id: int, layer_type: str, rotary_emb: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, config: Any, layer_id: int, layer_type: str, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
+                 tp: Optional[TPGroup] = None):
         super().__init__()
         eps, hidden = config.rms_norm_eps, config.hidden_size
         self.layer_type = layer_type
-        self.self_attn = Gemma3Attention(config, layer_id, layer_type, rotary_emb, dtype)
+        self.self_attn = Gemma3Attention(config, layer_id, layer_type, rotary_emb, dtype, tp)
         activation = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
-        self.mlp = Gemma3MLP(hidden, config.intermediate_size, activation, dtype)
+        self.mlp = Gemma3MLP(hidden, config.intermediate_size, activation, dtype, tp)
         self.input_layernorm = GemmaRMSNorm(hidden, eps, dtype=dtype)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, dtype=dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype=dtype)
@@ -194,11 +196,12 @@ class Gemma3TextModel(nn.Module):
     (float32 value rounded once, e.g. 25.25 in bfloat16 for hidden 640, as HF rounds it).
     """
 
-    def __init__(self, config: Any, dtype: torch.dtype):
+    def __init__(self, config: Any, dtype: torch.dtype, tp: Optional[TPGroup] = None):
         super().__init__()
+        tp = tp or TPGroup.single()
         self.config = config
         self.layer_types = gemma3_layer_types(config)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype=dtype)
         scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype)
         self.register_buffer("embed_scale", scale, persistent=False)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -208,7 +211,7 @@ class Gemma3TextModel(nn.Module):
         self.rotary_emb_global = get_rope(head_dim, max_pos, gemma3_rope_parameters(config, FULL))
         ropes = {SLIDING: self.rotary_emb_local, FULL: self.rotary_emb_global}
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, t, ropes[t], dtype) for i, t in enumerate(self.layer_types)
+            Gemma3DecoderLayer(config, i, t, ropes[t], dtype, tp) for i, t in enumerate(self.layer_types)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
@@ -249,7 +252,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     #: Gemma norms are ``x * (1 + w)``: w = 0 is the identity scale
     dummy_norm_fill = 0.0
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32):
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
         nn.Module.__init__(self)  # LlamaForCausalLM.__init__ would build a Llama body
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 with use_bidirectional_attention is not a causal LM; not supported")
@@ -258,18 +261,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                            "QK-norm instead)", config.attn_logit_softcapping)
         self.config = config
         self.dtype = dtype
-        self.model = Gemma3TextModel(config, dtype)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = None
-        if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.tp = tp or TPGroup.single()
+        self.model = Gemma3TextModel(config, dtype, self.tp)
+        self._init_lm_head(config, dtype, tie_default=True)
         self.final_logit_softcapping = float(getattr(config, "final_logit_softcapping", None) or 0.0)
 
     @torch.no_grad()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` logits, soft-capped to
         ``(-c, c)`` by ``c * tanh(logits / c)`` when ``final_logit_softcapping`` is set."""
-        logits = F.linear(hidden_states, self.lm_head_weight).float()
+        logits = super().compute_logits(hidden_states)
         if self.final_logit_softcapping > 0:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

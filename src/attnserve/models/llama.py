@@ -15,8 +15,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnserve.attention.radix_attention import RadixAttention
+from attnserve.distributed.group import TPGroup
+from attnserve.distributed.partition import kv_head_range, q_head_range
 from attnserve.forward_batch import ForwardBatch
-from attnserve.models.layers.linear import Embedding, Linear
+from attnserve.models.layers.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    even_parts,
+    gather_logits,
+    load_param,
+)
 from attnserve.models.layers.norm import RMSNorm
 from attnserve.models.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
 
@@ -38,23 +47,37 @@ def rope_then_attention(rotary_emb: RotaryEmbedding, attn: RadixAttention, posit
     return attn(q, k, v, forward_batch, save_kv_cache=target is None)
 
 
+def parallel_qkv_o(config: Any, head_dim: int, bias: bool, dtype: torch.dtype, tp: TPGroup):
+    """``(qkv_proj, o_proj, local q heads, local KV heads)`` of a GQA block under ``tp``:
+    QKV column-parallel by heads (KV heads replicated when fewer than ranks), O row-parallel."""
+    total_q = config.num_attention_heads
+    q_rng = q_head_range(total_q, tp.size, tp.rank)
+    kv_rng = kv_head_range(getattr(config, "num_key_value_heads", None) or total_q, tp.size, tp.rank)
+    qkv = ColumnParallelLinear(config.hidden_size, [(q_rng, head_dim), (kv_rng, head_dim), (kv_rng, head_dim)],
+                               bias=bias, dtype=dtype)
+    o = RowParallelLinear([(q_rng, head_dim)], config.hidden_size, tp, bias=bias, dtype=dtype)
+    return qkv, o, q_rng.count, kv_rng.count
+
+
 class LlamaAttention(nn.Module):
     """Self-attention block: fused QKV projection, RoPE, paged attention, output projection.
+
+    Under tensor parallelism (``tp``) the block holds this rank's heads
+    (``num_heads`` / ``num_kv_heads`` are the local counts) and its output is all-reduced.
 
     Shapes: ``positions`` int64 ``[T]``, ``hidden_states`` ``[T, hidden]`` -> ``[T, hidden]``.
     """
 
     def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
-                 sliding_window_size: int = -1):
+                 sliding_window_size: int = -1, tp: Optional[TPGroup] = None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        tp = tp or TPGroup.single()
         self.head_dim = _head_dim(config)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj, self.o_proj, self.num_heads, self.num_kv_heads = parallel_qkv_o(
+            config, self.head_dim, bias, dtype, tp)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias, dtype=dtype)
         self.rotary_emb = rotary_emb
         self.attn = RadixAttention(
             self.num_heads,
@@ -71,13 +94,25 @@ class LlamaAttention(nn.Module):
         return self.o_proj(rope_then_attention(self.rotary_emb, self.attn, positions, q, k, v, forward_batch))
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with fused ``gate_up_proj``."""
+def parallel_gate_up_down(hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
+                          tp: TPGroup):
+    """``(gate_up_proj, down_proj)`` of a gated MLP under ``tp``: gate|up column-parallel
+    (each rank's rows of both halves), down row-parallel."""
+    parts = even_parts(intermediate_size, tp)
+    gate_up = ColumnParallelLinear(hidden_size, parts * 2, bias=bias, dtype=dtype)
+    down = RowParallelLinear(parts, hidden_size, tp, bias=bias, dtype=dtype)
+    return gate_up, down
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype):
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with fused ``gate_up_proj``
+    (this rank's intermediate rows under ``tp``; the output is all-reduced)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
+                 tp: Optional[TPGroup] = None):
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.gate_up_proj, self.down_proj = parallel_gate_up_down(hidden_size, intermediate_size, bias, dtype,
+                                                                  tp or TPGroup.single())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate_up projection and SiLU-and-mul: one kernel for decode-sized CUDA batches
@@ -87,12 +122,13 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm decoder block; carries the residual stream separately (see `RMSNorm`)."""
 
-    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
+                 tp: Optional[TPGroup] = None):
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, dtype)
+        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, dtype, tp=tp)
         self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), dtype
+            config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), dtype, tp
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
@@ -122,10 +158,11 @@ class LlamaModel(nn.Module):
 
     decoder_layer_cls: Any = None  # None: LlamaDecoderLayer
 
-    def __init__(self, config: Any, dtype: torch.dtype):
+    def __init__(self, config: Any, dtype: torch.dtype, tp: Optional[TPGroup] = None):
         super().__init__()
+        tp = tp or TPGroup.single()
         self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype=dtype)
         # one cos/sin table shared by every layer
         self.rotary_emb = get_rope(
             _head_dim(config),
@@ -133,7 +170,7 @@ class LlamaModel(nn.Module):
             rope_parameters_from_config(config),
         )
         self.layers = nn.ModuleList(
-            (self.decoder_layer_cls or LlamaDecoderLayer)(config, i, self.rotary_emb, dtype)
+            (self.decoder_layer_cls or LlamaDecoderLayer)(config, i, self.rotary_emb, dtype, tp=tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
@@ -162,28 +199,36 @@ class LlamaForCausalLM(nn.Module):
             ``with torch.device(...)`` to build directly on a GPU or on ``meta``) and are
             left uninitialised (norms are ones) until `load_weights` or
             `attnserve.model_loader.dummy.init_dummy_weights` fills them.
+        tp: this rank's `TPGroup` (default: one device). Heads, MLP rows and vocabulary
+            rows are split over its ranks (`attnserve.models.layers.parallel`); the loaders
+            give every rank full checkpoint tensors, one at a time, and keep its slice.
 
-    The KV cache holds ``num_key_value_heads`` heads of ``head_dim`` per layer.
+    The KV cache holds ``num_key_value_heads`` heads of ``head_dim`` per layer (this rank's
+    heads under ``tp``).
     """
 
     #: fused parameter -> HF shards it is built from, as (HF module name, shard id)
-    packed_modules_mapping: Dict[str, Tuple[Tuple[str, Any], ...]] = {
-        "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
+    packed_modules_mapping: Dict[str, Tuple[Tuple[str, int], ...]] = {
+        "qkv_proj": (("q_proj", 0), ("k_proj", 1), ("v_proj", 2)),
         "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
     }
     #: HF checkpoint tensors that have no parameter here (recomputed buffers)
     ignored_weight_suffixes: Tuple[str, ...] = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32):
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, dtype)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.tp = tp or TPGroup.single()
+        self.model = LlamaModel(config, dtype, self.tp)
+        self._init_lm_head(config, dtype, tie_default=False)
+
+    def _init_lm_head(self, config: Any, dtype: torch.dtype, tie_default: bool) -> None:
+        """``lm_head`` (vocabulary-parallel rows), or None when tied to the embeddings."""
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", tie_default))
+        self.lm_head = None
+        if not self.tie_word_embeddings:
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp, dtype=dtype)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
@@ -202,26 +247,16 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """``[vocab_size, hidden_size]``: the embedding matrix when tied."""
+        """``[vocab rows of this rank, hidden_size]``: the embedding matrix when tied."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` logits."""
-        return F.linear(hidden_states, self.lm_head_weight).float()
+        """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` logits (every rank's vocabulary
+        rows gathered under tensor parallelism)."""
+        return gather_logits(F.linear(hidden_states, self.lm_head_weight), self.config.vocab_size, self.tp).float()
 
     # ---- weights ------------------------------------------------------------------------
-    def _shard_slice(self, fused: str, shard_id: Any) -> Tuple[int, int]:
-        """(row offset, rows) of one HF shard inside a fused weight."""
-        cfg = self.config
-        if fused == "qkv_proj":
-            hd = _head_dim(cfg)
-            q = cfg.num_attention_heads * hd
-            kv = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * hd
-            return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
-        inter = cfg.intermediate_size
-        return (shard_id * inter, inter)
-
     @torch.no_grad()
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         """Copy HF-named tensors into the parameters (casting to their dtype and device).
@@ -251,15 +286,12 @@ class LlamaForCausalLM(nn.Module):
             for key, (fused, shard) in shard_map.items():
                 if key in name:
                     target = name.replace(key, f".{fused}.")
-                    param = self._param(params, target, name)
-                    start, size = self._shard_slice(fused, shard)
-                    self._copy(param.narrow(0, start, size), tensor, name)
+                    load_param(self._param(params, target, name), tensor, name, part=shard)
                     loaded.add(f"{target}#{shard}")
                     loaded.add(target)
                     break
             else:
-                param = self._param(params, name, name)
-                self._copy(param, tensor, name)
+                load_param(self._param(params, name, name), tensor, name)
                 loaded.add(name)
         self._check_complete(params, loaded)
         return {n for n in loaded if "#" not in n}
@@ -269,12 +301,6 @@ class LlamaForCausalLM(nn.Module):
         if target not in params:
             raise KeyError(f"checkpoint tensor {source!r} matches no parameter of LlamaForCausalLM")
         return params[target]
-
-    @staticmethod
-    def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-        if tuple(dst.shape) != tuple(src.shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-        dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
 
     def _check_complete(self, params: Dict[str, nn.Parameter], loaded: Set[str]) -> None:
         missing = []

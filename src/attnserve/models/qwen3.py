@@ -15,13 +15,13 @@ Weights use HF names, q/k/v and gate/up fused as in Llama, whose ``load_weights`
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
 
+from attnserve.distributed.group import TPGroup
 from attnserve.forward_batch import ForwardBatch
-from attnserve.models.layers.linear import Linear
 from attnserve.models.layers.norm import RMSNorm
 from attnserve.models.layers.rotary import RotaryEmbedding
 from attnserve.models.llama import (
@@ -50,8 +50,9 @@ class Qwen3Attention(LlamaAttention):
     q is ``[T, Hq * head_dim]``, k and v ``[T, Hkv * head_dim]``.
     """
 
-    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype):
-        super().__init__(config, layer_id, rotary_emb, dtype, sliding_window_size=_window(config, layer_id))
+    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
+                 tp: Optional[TPGroup] = None):
+        super().__init__(config, layer_id, rotary_emb, dtype, sliding_window_size=_window(config, layer_id), tp=tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
 
@@ -65,11 +66,12 @@ class Qwen3Attention(LlamaAttention):
 class Qwen3DecoderLayer(LlamaDecoderLayer):
     """Llama's pre-norm block with `Qwen3Attention` (``forward`` is Llama's)."""
 
-    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
+                 tp: Optional[TPGroup] = None):
         nn.Module.__init__(self)  # not LlamaDecoderLayer.__init__: it would build a LlamaAttention
         eps = config.rms_norm_eps
-        self.self_attn = Qwen3Attention(config, layer_id, rotary_emb, dtype)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, False, dtype)
+        self.self_attn = Qwen3Attention(config, layer_id, rotary_emb, dtype, tp=tp)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, False, dtype, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
 
@@ -92,15 +94,13 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     The KV cache holds ``num_key_value_heads`` heads of ``head_dim`` per layer.
     """
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32):
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
         nn.Module.__init__(self)  # LlamaForCausalLM.__init__ would build a Llama body
         self.config = config
         self.dtype = dtype
-        self.model = Qwen3Model(config, dtype)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None
-        if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.tp = tp or TPGroup.single()
+        self.model = Qwen3Model(config, dtype, self.tp)
+        self._init_lm_head(config, dtype, tie_default=False)
 
     @staticmethod
     def _param(params: Dict[str, nn.Parameter], target: str, source: str) -> nn.Parameter:

@@ -77,7 +77,7 @@ def carve_workspace(workspace: Optional[torch.Tensor], bs: int, num_heads: int, 
     return o_part, lse_part
 
 
-#: fp8 latent-cache dtypes stage 1 reads (the Triton kernel only): a stored entry means
+#: fp8 latent-cache dtypes stage 1 reads (the Triton and seesaw kernels): a stored entry means
 #: ``float(stored) * kv_scale`` (`mla_decode.mla_decode_fwd`)
 MLA_FP8_DTYPES = FP8_DTYPES
 

@@ -24,8 +24,9 @@ x)`` and the output is a convex combination of c_kv rows, the scale is exact to 
 outside the dots: ``sm_scale * kv_scale`` is folded on the host into the scores' scale, and
 each split's normalised output is multiplied by ``kv_scale`` before the merge. The tiles are
 converted to the queries' dtype after their load (exact for both formats; fp32 under the
-interpreter) and the dots accumulate in fp32 as for a 16-bit cache. Only the Triton stage 1
-reads fp8 (the Gluon kernels take 16-bit tiles): see Stage 1 below.
+interpreter) and the dots accumulate in fp32 as for a 16-bit cache. The Triton stage 1 and
+the seesaw kernel read fp8 (the latter converts each tile to fp16 in shared memory and runs
+its MMAs in fp16, bf16 queries converted with saturation to +-65504): see Stage 1 below.
 
 Paging: ``block_kv_indices[i, j]`` is the page holding tokens ``j*page_size ..`` of request
 ``i``; page ``p`` is slots ``p*page_size .. p*page_size + page_size - 1`` of ``kv_buffer``.
@@ -43,9 +44,10 @@ Stage 1: ``config.stage1`` names the kernel to prefer (`MLA_STAGE1_KERNELS`); a 
 runs only where `mla_gluon_applicable` holds, else the Triton kernel, with TMA loads where
 ``config.kv_load == "tma"`` and `mla_tma_applicable` hold. ``config=None`` takes
 `mla_decode_config`'s pick for the shape (the seesaw kernel for >= 64 heads of DeepSeek's
-dims in 16-bit). An fp8 cache always takes the Triton kernel (TMA loads where the config
-asks for them and they apply, else pointer loads); `mla_stage1_kernel` says which kernel a
-call runs.
+dims in 16-bit). An fp8 cache takes the fp8 variant of the seesaw kernel (``"seesaw_fp8"``,
+any head count) where `mla_seesaw_fp8_applicable` holds and the config is None or prefers
+``"seesaw"``, else the Triton kernel (TMA loads where the config asks for them and they
+apply, else pointer loads); `mla_stage1_kernel` says which kernel a call runs.
 
 CUDA graphs: `mla_decode_fwd` syncs nothing with the host and allocates nothing when a
 workspace is given; its grids depend only on ``bs``, the head count, ``max_kv_splits`` and
@@ -96,6 +98,7 @@ __all__ = [
     "mla_decode_config",
     "mla_decode_fwd",
     "mla_gluon_applicable",
+    "mla_seesaw_fp8_applicable",
     "mla_num_kv_splits",
     "mla_num_kv_splits_device",
     "mla_num_work_items",
@@ -133,6 +136,27 @@ def mla_gluon_applicable(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torc
     return True
 
 
+def mla_seesaw_fp8_applicable(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch.Tensor, page_size: int) -> bool:
+    """Whether the fp8 variant of the seesaw kernel (`mla_decode_seesaw`) can read the fp8
+    cache rows ``kv_rows`` (`MLA_FP8_DTYPES`): a CUDA device of compute capability 9.x,
+    fp16/bf16 queries, kv_lora_rank 512 + rope 64, ``page_size % 64 == 0`` and rows the TMA
+    can fetch (`mla_tma_applicable`), and a Triton with Gluon's Hopper module. Any head
+    count (a program holds 64 heads; fewer are zero rows)."""
+    if q_nope.device.type != "cuda" or q_nope.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if kv_rows.dtype not in MLA_FP8_DTYPES or q_nope.shape[2] != 512 or q_pe.shape[2] != 64:
+        return False
+    if torch.cuda.get_device_capability(q_nope.device)[0] != 9:
+        return False
+    if not mla_tma_applicable(kv_rows, q_nope.shape[2], page_size, 64):
+        return False
+    try:
+        importlib.import_module("attnserve.attention.triton_ops.mla_decode_seesaw")
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
 def _token_rows(kv_buffer: torch.Tensor, width: int) -> torch.Tensor:
     """``kv_buffer`` as ``[num_slots, width]`` token rows; ValueError when it cannot be."""
     if kv_buffer.shape[-1] != width or kv_buffer.dim() not in (2, 3, 4) or kv_buffer.stride(-1) != 1:
@@ -155,10 +179,30 @@ def _default_config(q_nope: torch.Tensor, d_r: int, interpret: bool) -> MLADecod
                              max_shared_mem=smem)
 
 
+# an fp8 cache's default where the fp8 seesaw kernel applies (any head count)
+_SEESAW_FP8_CONFIG = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma", stage1="seesaw")
+
+
+def _pick_stage1(config, q_nope, q_pe, kv_rows, page_size, interpret) -> tuple:
+    """``(cfg, kind)``: ``config`` (None: the default for the shape; for an fp8 cache the fp8
+    seesaw kernel wherever `mla_seesaw_fp8_applicable` holds) and `_stage1_kind`'s pick."""
+    if config is None:
+        if not interpret and kv_rows.dtype in MLA_FP8_DTYPES and mla_seesaw_fp8_applicable(q_nope, q_pe, kv_rows,
+                                                                                             page_size):
+            return _SEESAW_FP8_CONFIG, "seesaw_fp8"
+        config = _default_config(q_nope, q_pe.shape[2], interpret)
+    return config, _stage1_kind(config, q_nope, q_pe, kv_rows, page_size, interpret)
+
+
 def _stage1_kind(cfg, q_nope, q_pe, kv_rows, page_size, interpret) -> str:
     """Which stage 1 runs: ``cfg.stage1`` when it is a Gluon kernel and
-    `mla_gluon_applicable` holds (never for an fp8 cache); else ``"tma"`` (the Triton kernel
-    with descriptor loads, where `mla_tma_applicable`) or ``"triton"``."""
+    `mla_gluon_applicable` holds; for an fp8 cache ``"seesaw_fp8"`` when ``cfg.stage1`` is
+    ``"seesaw"`` and `mla_seesaw_fp8_applicable` holds (the ``"gluon"`` kernel has no fp8
+    variant); else ``"tma"`` (the Triton kernel with descriptor loads, where
+    `mla_tma_applicable`) or ``"triton"``."""
+    if cfg.stage1 == "seesaw" and not interpret and kv_rows.dtype in MLA_FP8_DTYPES and \
+            mla_seesaw_fp8_applicable(q_nope, q_pe, kv_rows, page_size):
+        return "seesaw_fp8"
     if cfg.stage1 != "triton" and not interpret and mla_gluon_applicable(q_nope, q_pe, kv_rows, page_size,
                                                                           cfg.block_n):
         return cfg.stage1
@@ -171,12 +215,12 @@ def mla_stage1_kernel(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
                       config: Optional[MLADecodeConfig] = None) -> str:
     """The stage-1 kernel `mla_decode_fwd` runs for these inputs and ``config`` (None: the
     default pick, as in `mla_decode_fwd`): ``"seesaw"`` / ``"gluon"`` (the Gluon kernels),
-    ``"tma"`` (the Triton kernel with TMA loads of full tiles) or ``"triton"`` (pointer
-    loads). Depends on the tensors' shapes, dtypes, strides, alignment and device and on
+    ``"seesaw_fp8"`` (the seesaw kernel reading an fp8 cache), ``"tma"`` (the Triton kernel
+    with TMA loads of full tiles) or ``"triton"`` (pointer loads). Depends on the tensors' shapes, dtypes, strides, alignment and device and on
     ``page_size``, not on their values (nor on ``kv_scale``), so one answer holds for every
     call of a benchmark or a captured graph on the same buffers. An fp8 ``kv_buffer``
-    always names the Triton kernel (``"tma"`` or ``"triton"``), whatever ``config.stage1``
-    prefers.
+    names ``"seesaw_fp8"`` (see the module note) or the Triton kernel (``"tma"`` /
+    ``"triton"``), never ``"seesaw"`` / ``"gluon"``.
 
     ``q_nope`` / ``q_pe`` / ``kv_buffer`` as for `mla_decode_fwd`; raises ValueError when
     they are not 3-D / token rows of ``kv_lora_rank + rope``.
@@ -185,13 +229,12 @@ def mla_stage1_kernel(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
     check_last_dim("q_pe", q_pe, 3)
     kv_rows = _token_rows(kv_buffer, q_nope.shape[2] + q_pe.shape[2])
     interpret = triton_interpreting()
-    cfg = config if config is not None else _default_config(q_nope, q_pe.shape[2], interpret)
-    return _stage1_kind(cfg, q_nope, q_pe, kv_rows, int(page_size), interpret)
+    return _pick_stage1(config, q_nope, q_pe, kv_rows, int(page_size), interpret)[1]
 
 
 def _stage1_descriptors(kind: str, kv_rows: torch.Tensor, d_c: int, d_r: int, block_n: int) -> tuple:
     """``(desc_c, desc_r)`` of the stage 1 ``kind`` (``kv_rows`` as placeholders where unused)."""
-    if kind == "seesaw":
+    if kind in ("seesaw", "seesaw_fp8"):
         from attnserve.attention.triton_ops import mla_decode_seesaw
 
         return mla_decode_seesaw.seesaw_descriptor(kv_rows), kv_rows
@@ -207,12 +250,12 @@ def _stage1_descriptors(kind: str, kv_rows: torch.Tensor, d_c: int, d_r: int, bl
 def _launch_stage1(kind: str, args: MLAStage1Args, grid: tuple, constexprs: dict, cfg: MLADecodeConfig,
                    interpret: bool, out_scale: float) -> None:
     """Hand ``args`` to the launcher of the stage 1 ``kind`` (`_stage1_kind`); ``out_scale``
-    (an fp8 cache's kv_scale, which only the Triton kernel reads; else 1.0) goes to the
-    Triton kernel."""
-    if kind == "seesaw":
+    (an fp8 cache's kv_scale; else 1.0) goes to the kernels that read fp8 (the Triton kernel
+    and the seesaw kernel)."""
+    if kind in ("seesaw", "seesaw_fp8"):
         from attnserve.attention.triton_ops.mla_decode_seesaw import launch_seesaw_stage1
 
-        launch_seesaw_stage1(args, grid, constexprs)
+        launch_seesaw_stage1(args, grid, constexprs, out_scale=out_scale)
     elif kind == "gluon":
         from attnserve.attention.triton_ops.mla_decode_gluon import launch_gluon_stage1
 
@@ -249,8 +292,10 @@ def mla_decode_fwd(
             ``[num_slots, D]`` or ``[num_pages, page_size, 1, D]`` views), same dtype as q,
             or fp8 (`MLA_FP8_DTYPES`: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``) with
             any query dtype; an entry means ``float(stored) * kv_scale``. An fp8 cache runs
-            the Triton stage 1 (TMA loads where `mla_tma_applicable` holds and the config
-            asks for them, pointer loads elsewhere), never a Gluon kernel.
+            the fp8 seesaw kernel where `mla_seesaw_fp8_applicable` holds (config None or
+            preferring ``"seesaw"``), else the Triton stage 1 (TMA loads where
+            `mla_tma_applicable` holds and the config asks for them, pointer loads
+            elsewhere).
         block_kv_indices: int32 ``[bs, max_blocks]`` page ids, padded (e.g. with -1); must
             have at least ``cdiv(seq_lens[i], page_size)`` valid entries in row i.
         seq_lens: ``[bs]`` int32/int64 tokens per request (0 allowed: o = 0, lse = -inf).
@@ -342,8 +387,7 @@ def mla_decode_fwd(
 
     max_kv_splits = int(max_kv_splits)
     o_part, lse_part = carve_workspace(workspace, bs, num_heads, max_kv_splits, d_c, o.device)
-    cfg = config if config is not None else _default_config(q_nope, d_r, interpret)
-    kind = _stage1_kind(cfg, q_nope, q_pe, kv_rows, int(page_size), interpret)
+    cfg, kind = _pick_stage1(config, q_nope, q_pe, kv_rows, int(page_size), interpret)
     desc_c, desc_r = _stage1_descriptors(kind, kv_rows, d_c, d_r, cfg.block_n)
     # the stored values' scores: q . (kv_scale * x) = kv_scale * (q . x), folded here
     score_scale = sm_scale if kv_scale == 1.0 else float(sm_scale) * kv_scale
@@ -355,7 +399,7 @@ def mla_decode_fwd(
                       PER_REQ_SPLITS=per_req, HAS_LSE=lse is not None, WORK_ITEMS=work is not None,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _launch_stage1(kind, args, grid, constexprs, cfg, interpret, kv_scale)
-    if kind == "seesaw" and max_kv_splits == 1:  # stage 1 wrote o (and lse) of every request, empty ones included
+    if kind in ("seesaw", "seesaw_fp8") and max_kv_splits == 1:  # stage 1 wrote o (and lse) of every request, empty ones included
         return o
     # merge tiles for the split count most requests have: max_kv_splits on a grid, the
     # uniform batch's count (split_sm_count // bs = (W - bs) // bs) with a work list; a

@@ -44,13 +44,24 @@ warpgroup that owns the block before anyone reads them as V.
 One split (``MAX_KV_SPLITS == 1``): every request is written directly (the empty ones get
 zeros from `_store_empty`), so `mla_decode.mla_decode_fwd` does not launch the merge.
 
-Needs sm_90, 16-bit dtypes, kv_lora_rank 512 + rope 64, ``page_size % 64 == 0`` and
+FP8 cache (``FP8``; `mla_decode.mla_seesaw_fp8_applicable`): the loader partition has 4 warps.
+It TMA-loads each fp8 ``[64, 64]`` chunk (4 KB) into the upper half of that chunk's 16-bit
+slot (the slots are the same as above: no extra shared memory), waits for it on a "land"
+barrier, converts it in place to fp16 (e4m3 / e5m2 -> fp16 is exact) and then arrives the
+group's "ready" barrier, which is all the compute warpgroups wait for; their code is the
+16-bit kernel's with fp16 operands (bf16 queries are converted with saturation to fp16's
++-65504 when q is loaded; P is fp16). A group is converted right after the next one is
+issued, so one copy is in flight while the previous one is converted. ``out_scale`` (the
+cache's kv_scale; the host folds it into ``sm_scale_log2`` too) multiplies each output half.
+
+Needs sm_90, 16-bit queries (and a cache of their dtype, or fp8), kv_lora_rank 512 + rope 64, ``page_size % 64 == 0`` and
 TMA-compatible strides (`mla_decode.mla_gluon_applicable`). Gluon is experimental; written
 against Triton 3.6 and imported only when used.
 """
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -187,11 +198,14 @@ def _rows_o(x):
 
 
 @gluon.jit
-def _store_half(acc, l_i, col0, out_args):
-    """Normalize one ``[64, 256]`` output half by the row sums ``l_i`` and store it."""
+def _store_half(acc, l_i, col0, out_args, out_scale, SCALE_OUT: gl.constexpr):
+    """Normalize one ``[64, 256]`` output half by the row sums ``l_i`` (times ``out_scale``
+    when SCALE_OUT: an fp8 cache's kv_scale) and store it."""
     (b, pid_h, split_id, n_eff, num_heads, O, OPart, LsePart, Lse, stride_o_b, stride_o_h, stride_op_b, stride_op_h,
      stride_op_s, stride_lp_b, stride_lp_h, stride_lse_b, stride_lse_h) = out_args
     out = acc / _rows_o(l_i)[:, None]
+    if SCALE_OUT:
+        out = out * out_scale
     offs_h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_LAYOUT))
     offs_c = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_LAYOUT))
     mask_hc = (offs_h < num_heads)[:, None] & (offs_c < col0 + HALF)[None, :]
@@ -251,7 +265,8 @@ def _init_state():
 
 
 @gluon.jit
-def _wg0(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, HAS_LSE: gl.constexpr):
+def _wg0(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, out_scale, HAS_LSE: gl.constexpr,
+         SCALE_OUT: gl.constexpr):
     """Default partition: even blocks' scores, ``O_L``; stores ``O_L`` and the LSE."""
     ready0, ready1, free_r0, free_a0, free_b0, free_a1, free_b1, p0_ready, p1_ready, l_bars = bars
     m0_s, a0_s, m1_s, a1_s, l0_s, l1_s = xch
@@ -285,11 +300,11 @@ def _wg0(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, HAS_LS
             mbarrier.arrive(free_a1)  # c_kv chunks 0..3 and P1 (k_pe chunk) of B1 read
     l_i = _exchange_row_sums(l_i, l0_s, l1_s, l_bars[0], l_bars[1])
     _store_lse(m_i, l_i, out_args, HAS_LSE)
-    _store_half(acc, l_i, 0, out_args)
+    _store_half(acc, l_i, 0, out_args, out_scale, SCALE_OUT)
 
 
 @gluon.jit
-def _wg1(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args):
+def _wg1(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, out_scale, SCALE_OUT: gl.constexpr):
     """Worker partition (4 warps): odd blocks' scores, ``O_R``."""
     ready0, ready1, free_r0, free_a0, free_b0, free_a1, free_b1, p0_ready, p1_ready, l_bars = bars
     m0_s, a0_s, m1_s, a1_s, l0_s, l1_s = xch
@@ -329,7 +344,7 @@ def _wg1(q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args):
             acc = warpgroup_mma_wait(0, deps=[acc_t])
             mbarrier.arrive(free_b0)
     l_i = _exchange_row_sums(l_i, l1_s, l0_s, l_bars[1], l_bars[0])
-    _store_half(acc, l_i, HALF, out_args)
+    _store_half(acc, l_i, HALF, out_args, out_scale, SCALE_OUT)
 
 
 @gluon.jit
@@ -371,6 +386,106 @@ def _loader(kv_s, bars, start, end, desc, table, PAGE_SIZE: gl.constexpr):
             _issue(desc, row1, 8, 1, ready1, kv1)
 
 
+# fp8 cache: a [64, 64] fp8 chunk (4 KB) is TMA-loaded into the upper half of the chunk's
+# 16-bit slot (8 KB; 64-byte swizzle) and converted in place by the loader partition
+STAGE_SW = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
+MMA_SW = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+# 32 rows x 64 fp8 of a chunk over the loader's 4 warps: 16 consecutive bytes a thread
+CVT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
+
+
+@gluon.jit
+def _fp8_stage(kv, c: gl.constexpr, fp8: gl.constexpr):
+    """Chunk ``c``'s fp8 staging area: the upper 4 KB of its 8 KB slot as ``[2, 32, 64]``
+    fp8 (the two 32-row halves of the chunk; a TMA box of ``[64, 64]`` fills both)."""
+    return _chunk(kv, c)._reinterpret(fp8, [4, BLOCK_N // 2, CHUNK], STAGE_SW)
+
+
+@gluon.jit
+def _issue_fp8(desc, row0, c0: gl.constexpr, n: gl.constexpr, land, kv):
+    """TMA copies of fp8 chunks ``c0 .. c0 + n - 1`` of one block into their staging areas,
+    completing on ``land[c0]``."""
+    bar = land.index(c0)
+    mbarrier.expect(bar, n * desc.block_type.nbytes)
+    for c in gl.static_range(c0, c0 + n):
+        dst = _chunk(kv, c)._reinterpret(desc.dtype, [2, BLOCK_N, CHUNK], STAGE_SW).index(1)
+        tma.async_copy_global_to_shared(desc, [row0, c * CHUNK], bar, dst)
+
+
+@gluon.jit
+def _convert(kv, c0: gl.constexpr, n: gl.constexpr, land, ready, ph, fp8: gl.constexpr):
+    """Wait for the fp8 chunks ``c0 .. c0 + n - 1`` (``land[c0]``, phase ``ph``), convert
+    them in place to the slot's 16-bit dtype and arrive ``ready[c0]`` (what the compute
+    warpgroups wait for). In place: the fp8 rows 0..31 (bytes 4096..6143 of the slot) become
+    16-bit rows 0..31 (bytes 0..4095, disjoint); rows 32..63 (6144..8191) become bytes
+    4096..8191, so every thread reads them before any writes (one barrier a chunk)."""
+    mbarrier.wait(land.index(c0), ph)
+    for c in gl.static_range(c0, c0 + n):
+        src = _fp8_stage(kv, c, fp8)
+        dst = _chunk(kv, c)._reinterpret(kv[0].dtype, [2, BLOCK_N // 2, CHUNK], MMA_SW)
+        x = src.index(2).load(CVT_LAYOUT)
+        dst.index(0).store(x.to(kv[0].dtype))
+        x = src.index(3).load(CVT_LAYOUT)
+        gl.thread_barrier()
+        dst.index(1).store(x.to(kv[0].dtype))
+    fence_async_shared()  # generic writes before the compute warpgroups' wgmma (async proxy) reads
+    gl.thread_barrier()
+    mbarrier.arrive(ready.index(c0))
+
+
+@gluon.jit
+def _loader_fp8(kv_s, bars, land, start, end, desc, table, PAGE_SIZE: gl.constexpr):
+    """Worker partition (4 warps) for an fp8 cache: the loader's TMA copies (same release
+    order and barriers as `_loader`, into the staging areas, completing on ``land``), each
+    group converted right after the next group is issued (so a copy is in flight while the
+    previous one is converted) and the last groups of a pair at its end."""
+    ready0, ready1, free_r0, free_a0, free_b0, free_a1, free_b1, p0_ready, p1_ready, l_bars = bars
+    land0, land1 = land
+    kv0 = kv_s[0]
+    kv1 = kv_s[1]
+    fp8: gl.constexpr = desc.dtype
+    for t in range(_num_pairs(start, end)):
+        ph = (t & 1) ^ 1  # a fresh barrier counts as released (phase 1 complete)
+        ph_land = t & 1
+        n0 = start + 2 * t * BLOCK_N
+        page = gl.load(table + n0 // PAGE_SIZE)
+        row0 = page * PAGE_SIZE + n0 % PAGE_SIZE
+        mbarrier.wait(free_r0, ph)
+        _issue_fp8(desc, row0, 8, 1, land0, kv0)
+        mbarrier.wait(free_a0, ph)
+        _issue_fp8(desc, row0, 0, 4, land0, kv0)
+        _convert(kv0, 8, 1, land0, ready0, ph_land, fp8)
+        mbarrier.wait(free_b0, ph)
+        _issue_fp8(desc, row0, 4, 4, land0, kv0)
+        _convert(kv0, 0, 4, land0, ready0, ph_land, fp8)
+        n1 = n0 + BLOCK_N
+        if n1 < end:
+            page1 = gl.load(table + n1 // PAGE_SIZE)
+            row1 = page1 * PAGE_SIZE + n1 % PAGE_SIZE
+            mbarrier.wait(free_b1, ph)
+            _issue_fp8(desc, row1, 4, 4, land1, kv1)
+            _convert(kv0, 4, 4, land0, ready0, ph_land, fp8)
+            mbarrier.wait(free_a1, ph)
+            _issue_fp8(desc, row1, 0, 4, land1, kv1)
+            _issue_fp8(desc, row1, 8, 1, land1, kv1)
+            _convert(kv1, 4, 4, land1, ready1, ph_land, fp8)
+            _convert(kv1, 0, 4, land1, ready1, ph_land, fp8)
+            _convert(kv1, 8, 1, land1, ready1, ph_land, fp8)
+        else:
+            _convert(kv0, 4, 4, land0, ready0, ph_land, fp8)
+
+
+@gluon.jit
+def _to_mma(x, dtype: gl.constexpr):
+    """A query tile in the MMA dtype: as is, or (bf16 queries with an fp8 cache, whose MMA
+    dtype is fp16) converted with saturation to fp16's range."""
+    if x.dtype == dtype:
+        r = x
+    else:
+        r = gl.minimum(gl.maximum(x.to(gl.float32), -65504.0), 65504.0).to(dtype)
+    return r
+
+
 @gluon.jit(do_not_specialize=["num_heads", "num_splits_scalar"])
 def _mla_decode_stage1_seesaw(
     QNope, QPe, KV, desc, desc_unused, BlockTable, SeqLens, NumSplits, Work,
@@ -382,12 +497,14 @@ def _mla_decode_stage1_seesaw(
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
     D_C: gl.constexpr, D_R: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
     MAX_KV_SPLITS: gl.constexpr, PER_REQ_SPLITS: gl.constexpr, HAS_LSE: gl.constexpr, WORK_ITEMS: gl.constexpr,
+    out_scale=1.0, MMA_DTYPE: gl.constexpr = None, FP8: gl.constexpr = False, WG1_REGS: gl.constexpr = 240,
+    LD_REGS: gl.constexpr = 24,
 ):
     gl.static_assert(D_C == 512 and D_R == 64 and BLOCK_N == 64, "seesaw kernel: 512 + 64 dims, 64-token blocks")
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    dtype: gl.constexpr = desc.dtype
+    dtype: gl.constexpr = MMA_DTYPE
 
     pid_h = gl.program_id(0)
     b, split_id = _program_item(Work, gl.program_id(1), gl.program_id(2), MAX_KV_SPLITS, WORK_ITEMS)
@@ -406,9 +523,9 @@ def _mla_decode_stage1_seesaw(
         for c in gl.static_range(N_CHUNKS - 1):
             x = gl.load(QNope + b * stride_qn_b + offs_h[:, None] * stride_qn_h + c * CHUNK + offs_k[None, :],
                         mask=mh, other=0.0)
-            q_s[0].index(c).store(x)
+            q_s[0].index(c).store(_to_mma(x, dtype))
         x = gl.load(QPe + b * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_k[None, :], mask=mh, other=0.0)
-        q_s[1].store(x)
+        q_s[1].store(_to_mma(x, dtype))
         kv_s = ((gl.allocate_shared_memory(dtype, [8, BLOCK_N, CHUNK], sw),
                  gl.allocate_shared_memory(dtype, [BLOCK_N, CHUNK], sw)),
                 (gl.allocate_shared_memory(dtype, [8, BLOCK_N, CHUNK], sw),
@@ -429,6 +546,12 @@ def _mla_decode_stage1_seesaw(
             mbarrier.init(ready0.index(i), count=1)
             mbarrier.init(ready1.index(i), count=1)
             mbarrier.init(one.index(i), count=1)
+        if FP8:  # the fp8 copies complete on "land" barriers; "ready" is arrived after the conversion
+            land = (gl.allocate_shared_memory(gl.int64, [N_CHUNKS, 1], mbarrier.MBarrierLayout()),
+                    gl.allocate_shared_memory(gl.int64, [N_CHUNKS, 1], mbarrier.MBarrierLayout()))
+            for i in gl.static_range(N_CHUNKS):
+                mbarrier.init(land[0].index(i), count=1)
+                mbarrier.init(land[1].index(i), count=1)
         bars = (ready0, ready1, one.index(0), one.index(1), one.index(2), one.index(3), one.index(4),
                 one.index(5), one.index(6), (one.index(7), one.index(8)))
         fence_async_shared()
@@ -436,11 +559,18 @@ def _mla_decode_stage1_seesaw(
         table = BlockTable + b * stride_bt_b
         out_args = (b, pid_h, split_id, n_eff, num_heads, O, OPart, LsePart, Lse, stride_o_b, stride_o_h,
                     stride_op_b, stride_op_h, stride_op_s, stride_lp_b, stride_lp_h, stride_lse_b, stride_lse_h)
-        gl.warp_specialize([
-            (_wg0, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, HAS_LSE)),
-            (_wg1, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args)),
-            (_loader, (kv_s, bars, start, end, desc, table, PAGE_SIZE)),
-        ], [4, 1], [WG_REGS, LOADER_REGS])
+        if FP8:
+            gl.warp_specialize([
+                (_wg0, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, out_scale, HAS_LSE, True)),
+                (_wg1, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, out_scale, True)),
+                (_loader_fp8, (kv_s, bars, land, start, end, desc, table, PAGE_SIZE)),
+            ], [4, 4], [WG1_REGS, LD_REGS])
+        else:
+            gl.warp_specialize([
+                (_wg0, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, out_scale, HAS_LSE, False)),
+                (_wg1, (q_s, kv_s, p0_s, xch, bars, start, end, sm_scale_log2, out_args, out_scale, False)),
+                (_loader, (kv_s, bars, start, end, desc, table, PAGE_SIZE)),
+            ], [4, 1], [WG_REGS, LOADER_REGS])
     elif MAX_KV_SPLITS == 1:
         if kv_len == 0 and split_id == 0:  # (an unused work-list entry has split_id 1)
             _store_empty(b, pid_h, num_heads, O, Lse, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, HAS_LSE)
@@ -449,14 +579,37 @@ def _mla_decode_stage1_seesaw(
 def seesaw_descriptor(kv_rows):
     """Host TMA descriptor of the latent pool rows ``kv_rows`` ``[num_slots, 576]`` for
     `_mla_decode_stage1_seesaw`: ``[64, 64]`` boxes (one 64-column chunk of a 64-token
-    block), 128-byte swizzled as the kernel's shared-memory chunks."""
-    sw = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    block). 16-bit rows: 128-byte swizzled as the kernel's shared-memory chunks; fp8 rows
+    (`mla_common.MLA_FP8_DTYPES`): 64-byte swizzled as the kernel's staging areas."""
+    bits = 8 * kv_rows.element_size()
+    sw = gl.NVMMASharedLayout(swizzle_byte_width=128 if bits == 16 else 64, element_bitwidth=bits, rank=2)
     return TensorDescriptor(kv_rows, list(kv_rows.shape), [kv_rows.stride(0), 1], [64, 64], sw)
 
 
-def launch_seesaw_stage1(args: MLAStage1Args, grid: tuple, constexprs: dict) -> None:
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+# fp8 variant: registers per warpgroup (default 240 / wg1 / the 4-warp loader-converter);
+# 12 warps x 168 at launch = 504 a thread's worth over the three warpgroups
+SEESAW_FP8_REGS = (240, 24)
+
+
+def launch_seesaw_stage1(args: MLAStage1Args, grid: tuple, constexprs: dict, out_scale: float = 1.0) -> None:
     """Launch `_mla_decode_stage1_seesaw` over ``args`` (``desc_c`` from `seesaw_descriptor`,
     ``desc_r`` unused). ``constexprs`` as for every stage-1 kernel; its ``num_warps`` /
     ``num_stages`` are replaced: 4 warps for the default partition (the kernel adds 4 + 1
-    worker warps), one stage, ``maxnreg`` `SEESAW_MAXNREG`."""
-    _mla_decode_stage1_seesaw[grid](*args, maxnreg=SEESAW_MAXNREG, **dict(constexprs, num_warps=4, num_stages=1))
+    worker warps, 4 + 4 for an fp8 cache), one stage, ``maxnreg`` `SEESAW_MAXNREG`.
+
+    An fp8 ``args.kv`` (e4m3fn / e5m2) runs the fp8 variant: fp16 MMAs (bf16 queries are
+    converted with saturation to +-65504), ``out_scale`` (the cache's kv_scale; the caller
+    folds it into ``args.sm_scale_log2`` too) multiplies each normalised output. A 16-bit
+    cache must have the queries' dtype and ignores ``out_scale`` (it must be 1.0)."""
+    fp8 = args.kv.element_size() == 1
+    q_dtype = args.q_nope.dtype
+    if q_dtype not in _GL_DTYPES:
+        raise ValueError(f"seesaw stage 1 needs fp16/bf16 queries, got {q_dtype}")
+    if not fp8 and (args.kv.dtype != q_dtype or float(out_scale) != 1.0):
+        raise ValueError("a 16-bit cache must have the queries' dtype and out_scale 1.0")
+    mma = gl.float16 if fp8 else _GL_DTYPES[q_dtype]
+    wg1_regs, ld_regs = SEESAW_FP8_REGS if fp8 else (240, 24)
+    _mla_decode_stage1_seesaw[grid](*args, out_scale=float(out_scale), MMA_DTYPE=mma, FP8=fp8, WG1_REGS=wg1_regs,
+                                    LD_REGS=ld_regs, maxnreg=SEESAW_MAXNREG,
+                                    **dict(constexprs, num_warps=4, num_stages=1))

@@ -1,0 +1,91 @@
+"""`TPGroup`: one rank's view of its tensor-parallel group.
+
+Collectives go through ``torch.distributed``: the *device group* (NCCL on CUDA, gloo on
+CPU) carries the activations (all-reduce after row-parallel layers, all-gather of
+vocabulary-parallel logits, the broadcast of sampled ids); the *CPU group* (always gloo)
+carries rank 0's pickled step messages. A group of size 1 runs no collective at all, so
+single-device models pay nothing (Megatron-LM's tensor parallelism, Shoeybi et al.,
+arXiv:1909.08053; SGLang keeps the same two groups per TP group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class TPGroup:
+    """Attributes:
+        rank: this process's rank in ``[0, size)``.
+        size: ranks in the group (``--tp-size``).
+        device_group: ``torch.distributed`` group for tensors on the model's device (None
+            when ``size == 1``).
+        cpu_group: gloo group for host objects (None when ``size == 1``).
+    """
+
+    rank: int = 0
+    size: int = 1
+    device_group: Any = None
+    cpu_group: Any = None
+
+    @classmethod
+    def single(cls) -> "TPGroup":
+        """The group of a model that runs on one device."""
+        return cls()
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns ``x``."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., n]`` of every rank -> ``[..., size * n]`` (rank order)."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        parts = torch.empty((self.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(parts, x.contiguous(), group=self.device_group)
+        return parts.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` into every rank's ``x`` (same shape and dtype), in place."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.broadcast(x, src=self._global(0), group=self.device_group)
+        return x
+
+    def broadcast_object(self, obj: Optional[Any] = None) -> Any:
+        """Rank 0's picklable ``obj`` to every rank (the others pass None); returns it."""
+        if self.size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(0), group=self.cpu_group)
+        return box[0]
+
+    def min_int(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (e.g. KV pool sizes)."""
+        if self.size == 1:
+            return int(value)
+        import torch.distributed as dist
+
+        t = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def _global(self, rank: int) -> int:
+        # one TP group spans the whole world here (no data or pipeline parallelism)
+        return rank
