@@ -69,7 +69,10 @@ def run_generate(args) -> int:
     sa = ServerArgs.from_cli_args(args)
     llm = LLM(**vars(sa))
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, chat=args.chat)
+    try:
+        outs = llm.generate(prompts, sp, chat=args.chat)
+    finally:
+        llm.engine.shutdown()
     dt = time.perf_counter() - t0
     for prompt, out in zip(prompts, outs):
         print(f"### {prompt}\n{out.text.strip()}\n[finish_reason={out.finish_reason}, tokens={len(out.token_ids)}]\n")
@@ -97,6 +100,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("attnserve").setLevel(getattr(logging, str(args.log_level).upper(), logging.INFO))
     try:
+        if getattr(args, "node_rank", 0) > 0:  # a worker node of a multi-node tensor-parallel engine
+            from attnserve.distributed.launch import run_worker_node
+
+            steps = run_worker_node(ServerArgs.from_cli_args(args))
+            print(f"node {args.node_rank}: rank 0 shut the engine down after {steps} steps")
+            return 0
         if args.command == "generate":
             return run_generate(args)
         return run_serve(args)

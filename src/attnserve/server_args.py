@@ -60,6 +60,12 @@ class ServerArgs:
     disable_fused_kernels: bool = False  # PyTorch norms / RoPE / gates / KV store / linear on CUDA
     # server
     graceful_shutdown_timeout: float = 30.0  # seconds running requests get after SIGTERM
+    # tensor parallelism (attnserve.distributed)
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: Optional[str] = None  # host:port of node 0 (--nnodes > 1)
+    dist_timeout: float = 600.0  # seconds a collective or the rendezvous may wait
     # misc
     random_seed: int = 0
     log_level: str = "info"
@@ -144,6 +150,38 @@ class ServerArgs:
             raise ValueError(f"--schedule-policy must be lpm or fcfs, got {self.schedule_policy!r}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be >= 1")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        """The tensor-parallel flags (the heads are checked once the model config is read)."""
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes) and --nnodes >= 1, got node rank "
+                             f"{self.node_rank} of {self.nnodes}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} "
+                             "(the same number of ranks on every node)")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address, reachable from "
+                             "every node)")
+        if self.dist_init_addr and (":" not in self.dist_init_addr
+                                    or not self.dist_init_addr.rsplit(":", 1)[1].isdigit()):
+            raise ValueError(f"--dist-init-addr must be host:port, got {self.dist_init_addr!r}")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
+        if self.tp_size == 1:
+            return
+        if self.speculative_algorithm is not None:
+            raise ValueError("speculative decoding does not run tensor-parallel yet; drop --speculative-algorithm "
+                             "or use --tp-size 1")
+        if self.resolved_device() == "cuda":
+            import torch
+
+            local = self.tp_size // self.nnodes
+            if local > torch.cuda.device_count():
+                raise ValueError(f"--tp-size {self.tp_size} over {self.nnodes} node(s) needs {local} GPUs on "
+                                 f"this node, but it has {torch.cuda.device_count()}")
 
     def overlap_schedule_enabled(self, device_type: str) -> bool:
         """Overlap scheduling: on by default on CUDA (where it hides the host's work behind
@@ -216,6 +254,13 @@ class ServerArgs:
                "attnserve's fused Triton kernels (to compare or to rule them out)")
         a("--graceful-shutdown-timeout", type=float, default=d.graceful_shutdown_timeout,
           help="on SIGTERM, seconds running requests get to finish before they are ended with an error")
+        a("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=d.tp_size,
+          help="tensor-parallel ranks (one process each; NCCL on CUDA, gloo on CPU)")
+        a("--nnodes", type=int, default=d.nnodes, help="machines the tensor-parallel ranks span")
+        a("--node-rank", type=int, default=d.node_rank, help="this machine's index in [0, --nnodes)")
+        a("--dist-init-addr", default=None, help="host:port of node 0 for the rendezvous (--nnodes > 1)")
+        a("--dist-timeout", type=float, default=d.dist_timeout,
+          help="seconds a collective or the rendezvous may wait before failing")
         a("--random-seed", type=int, default=d.random_seed)
         a("--log-level", default=d.log_level)
 

@@ -54,8 +54,11 @@ class TPGroup:
             return x
         import torch.distributed as dist
 
-        parts = torch.empty((self.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(parts, x.contiguous(), group=self.device_group)
+        x = x.contiguous()
+        flat = torch.empty((self.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        gather(flat, x, group=self.device_group)  # rank-major along dim 0
+        parts = flat.view((self.size,) + tuple(x.shape))
         return parts.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ background thread).
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
@@ -58,15 +59,44 @@ class Engine:
     """
 
     def __init__(self, server_args: ServerArgs):
-        from attnserve.model_loader.loader import load_model
-
         server_args.check()
         self.server_args = server_args
+        self.tp_runtime = None
+        self._tp_finalizer = None
+        tp = None
+        if server_args.tp_size > 1:
+            tp = self._start_tensor_parallel(server_args)
+        try:
+            self._build(server_args, tp)
+        except BaseException:
+            self.shutdown()
+            raise
+        if self.tp_runtime is not None:
+            self._tp_finalizer = weakref.finalize(self, _stop_ranks, self.scheduler.tp_sender, self.tp_runtime)
+
+    def _start_tensor_parallel(self, server_args: ServerArgs):
+        """Check the heads against ``--tp-size``, spawn the other ranks, join them."""
+        from attnserve.distributed.launch import TPRuntime
+        from attnserve.distributed.partition import check_tp_size
+        from attnserve.model_loader.loader import load_model_config
+
+        if server_args.node_rank != 0:
+            raise ValueError(f"--node-rank {server_args.node_rank}: only node 0 runs the engine; start the other "
+                             "nodes with the attnserve CLI (generate/serve with the same flags), which follows it")
+        mc = load_model_config(server_args.model, server_args.load_format)
+        check_tp_size(mc.num_attention_heads, 0 if mc.is_mla else mc.num_key_value_heads, server_args.tp_size)
+        self.tp_runtime = TPRuntime(server_args)
+        return self.tp_runtime.start()
+
+    def _build(self, server_args: ServerArgs, tp) -> None:
+        from attnserve.model_loader.loader import load_model
+
         loaded = load_model(
             server_args.model,
             load_format=server_args.load_format,
             dtype=server_args.resolved_dtype(),
             device=server_args.resolved_device(),
+            tp=tp,
         )
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.model_config
@@ -80,7 +110,7 @@ class Engine:
             self.model_runner = ModelRunner(server_args, loaded, extra_kv_bytes_per_token=extra)
             draft_runner = ModelRunner(server_args, draft, draft_of=self.model_runner)
         else:
-            self.model_runner = ModelRunner(server_args, loaded)
+            self.model_runner = ModelRunner(server_args, loaded, tp=tp)
         self.draft_runner = draft_runner
         eos = list(getattr(self.model_config, "eos_token_ids", None) or [])
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -162,7 +192,33 @@ class Engine:
         return self.scheduler.abort_request(rid)
 
     def step(self) -> List[Req]:
-        return self.scheduler.step()
+        """One scheduler step. Raises `attnserve.distributed.launch.RankDied` (naming the
+        rank) once a tensor-parallel rank has died; the engine cannot continue then."""
+        if self.tp_runtime is None:
+            return self.scheduler.step()
+        self.tp_runtime.check()
+        try:
+            return self.scheduler.step()
+        except Exception:
+            self.tp_runtime.check(wait_s=2.0)  # a collective failed because a rank died?
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one device); idempotent."""
+        if self._tp_finalizer is not None:
+            self._tp_finalizer()
+        elif self.tp_runtime is not None:
+            self.tp_runtime.stop(timeout=0.0)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+
+def _stop_ranks(sender, runtime) -> None:
+    """Tell the other ranks to stop (when they are alive), then reap them."""
+    try:
+        if sender is not None and runtime.failure is None:
+            sender.shutdown()
+    except Exception:  # a broken group: the ranks are killed below
+        pass
+    runtime.stop()

@@ -50,10 +50,18 @@ class ModelRunner:
             shares the target's ``req_to_token`` rows and slot allocator (a token's draft K/V
             sit at the same slot as its target K/V, in a pool of the draft's own shape) and
             captures no graphs.
+        tp: this rank's `TPGroup` under tensor parallelism (None: one device). The pools
+            and backends hold this rank's heads; the pool size is the smallest any rank can
+            hold (rank 0 hands out slots that must exist on every rank).
     """
 
-    def __init__(self, server_args, loaded, extra_kv_bytes_per_token: int = 0, draft_of: "ModelRunner" = None):
+    def __init__(self, server_args, loaded, extra_kv_bytes_per_token: int = 0, draft_of: "ModelRunner" = None,
+                 tp=None):
+        from attnserve.distributed.group import TPGroup
+        from attnserve.distributed.partition import kv_head_range, q_head_range
+
         self.server_args = server_args
+        self.tp = tp or TPGroup.single()
         self.device = torch.device(server_args.resolved_device())
         self.dtype = server_args.resolved_dtype()
         self.kv_cache_dtype = server_args.resolved_kv_cache_dtype()
@@ -63,6 +71,10 @@ class ModelRunner:
         self.draft_of = draft_of
         set_fused_kernels(self.model, not server_args.disable_fused_kernels)
         mc = self.model_config
+        #: this rank's attention heads (all of them on one device)
+        self.tp_q_head_num = q_head_range(mc.num_attention_heads, self.tp.size, self.tp.rank).count
+        self.tp_k_head_num = 1 if mc.attention_arch == "mla" else \
+            kv_head_range(mc.num_key_value_heads, self.tp.size, self.tp.rank).count
         self.context_len = draft_of.context_len if draft_of is not None else server_args.context_length or mc.context_len
         self.page_size = server_args.page_size
         self.backend_choice = choose_backends(server_args, DeviceCaps.detect(self.device), mc.attention_arch)
@@ -123,7 +135,7 @@ class ModelRunner:
         mla = mc.attention_arch == "mla"
         return AttentionBackendConfig(
             device=self.device, dtype=self.dtype, attention_arch=mc.attention_arch,
-            num_q_heads=mc.num_attention_heads, num_kv_heads=1 if mla else mc.num_key_value_heads,
+            num_q_heads=self.tp_q_head_num, num_kv_heads=self.tp_k_head_num,
             head_dim=mc.kv_lora_rank + mc.qk_rope_head_dim if mla else mc.head_dim,
             v_head_dim=mc.kv_lora_rank if mla else mc.v_head_dim,
             kv_lora_rank=mc.kv_lora_rank if mla else 0, qk_rope_head_dim=mc.qk_rope_head_dim if mla else 0,
@@ -135,23 +147,25 @@ class ModelRunner:
     def _init_memory_pool(self) -> None:
         args = self.server_args
         mc = self.model_config
+        heads = self.tp_k_head_num
         if self.draft_of is not None:
             size = self.draft_of.max_total_num_tokens
         elif args.max_total_tokens is not None:
             size = args.max_total_tokens
         elif self.device.type == "cpu":  # the memory of that many tokens in the model dtype
-            budget = CPU_DEFAULT_MAX_TOTAL_TOKENS * mc.kv_cache_bytes_per_token(self.dtype)
-            size = budget // mc.kv_cache_bytes_per_token(self.kv_cache_dtype)
+            budget = CPU_DEFAULT_MAX_TOTAL_TOKENS * mc.kv_cache_bytes_per_token(self.dtype, heads)
+            size = budget // mc.kv_cache_bytes_per_token(self.kv_cache_dtype, heads)
         else:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1.0 - args.mem_fraction_static) - self.attn_workspace_bytes
-            size = int(max(budget, 0) // (mc.kv_cache_bytes_per_token(self.kv_cache_dtype)
+            size = int(max(budget, 0) // (mc.kv_cache_bytes_per_token(self.kv_cache_dtype, heads)
                                           + self.extra_kv_bytes_per_token))
             size = min(size, args.max_running_requests * self.context_len)
             if size < self.page_size * 2:
                 raise ValueError(
                     "not enough GPU memory for the KV cache; raise --mem-fraction-static or set --max-total-tokens"
                 )
+        size = self.tp.min_int(size)  # every rank must hold every slot rank 0 hands out
         size = max(self.page_size, size - size % self.page_size)
         self.max_total_num_tokens = size
         if self.draft_of is not None:
@@ -167,7 +181,7 @@ class ModelRunner:
             )
         else:
             self.token_to_kv_pool = MHATokenToKVPool(
-                size, self.page_size, self.kv_cache_dtype, mc.num_key_value_heads, mc.head_dim, mc.num_hidden_layers,
+                size, self.page_size, self.kv_cache_dtype, heads, mc.head_dim, mc.num_hidden_layers,
                 self.device, v_head_dim=mc.v_head_dim, use_fused_store=not args.disable_fused_kernels,
             )
         logger.info(

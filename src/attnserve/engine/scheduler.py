@@ -46,6 +46,7 @@ from typing import Deque, Dict, List, Optional, Sequence
 
 import torch
 
+from attnserve.distributed.step_sync import StepMessage, StepSender, emit_rows, execute_step
 from attnserve.engine.detokenizer import check_stop
 from attnserve.engine.prefix_cache import PrefixCacheManager
 from attnserve.engine.request import FinishReason, Req
@@ -105,6 +106,10 @@ class Scheduler:
             from attnserve.engine.speculative.verify import SpecDecoder
 
             self.spec = SpecDecoder(spec_config, model_runner, self.token_map, self.packer, draft_runner)
+        #: tensor parallelism: rank 0 broadcasts each step to the other ranks
+        self.tp_sender = None
+        if model_runner.tp.size > 1:
+            self.tp_sender = StepSender(model_runner.tp, self.req_to_token_pool)
         self._ids_ring: List[Optional[torch.Tensor]] = [None] * 4
         self._ids_next = 0
         self._pending: Optional[LaunchedStep] = None
@@ -453,26 +458,11 @@ class Scheduler:
             input_ids=torch.tensor(input_ids, dtype=torch.int64), out_cache_loc=loc,
             out_cache_loc_i32=loc_i32, emit_index=torch.tensor(emit_index, dtype=torch.int64),
         )
-        dev = self.packer.pack(host)
-        r2t.write_device(host["token_rows"], host["positions"], loc_i32, dev.token_rows, dev.positions,
-                         dev.out_cache_loc_i32)
-        input_ids_dev = dev.input_ids
-        if has_future:
-            if batch.forward_mode.is_decode():
-                input_ids_dev = self.token_map[dev.req_pool_indices]
-            else:
-                input_ids_dev = torch.where(input_ids_dev >= 0, input_ids_dev, self.token_map[dev.token_rows])
-        seq_lens_list = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        fb = ForwardBatch(
-            forward_mode=batch.forward_mode, batch_size=len(reqs), input_ids=input_ids_dev,
-            positions=dev.positions, req_pool_indices=dev.req_pool_indices, seq_lens=dev.seq_lens,
-            out_cache_loc=dev.out_cache_loc, seq_lens_cpu=host["seq_lens"], seq_lens_sum=sum(seq_lens_list),
-            extend_prefix_lens=dev.extend_prefix_lens, extend_seq_lens=dev.extend_seq_lens,
-            extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=list(extend_lens),
-            extend_start_loc=dev.extend_start_loc, req_to_token_pool=r2t,
-            token_to_kv_pool=self.runner.token_to_kv_pool, attn_backend=self.runner.attn_backend,
-        )
-        logits = self.runner.forward(fb)
+        msg = StepMessage(batch.forward_mode, host, list(prefix_lens), list(extend_lens), has_future,
+                          len(emit_reqs))
+        if self.tp_sender is not None:
+            self.tp_sender.send_step(msg)
+        logits, dev = execute_step(self.runner, self.packer, self.token_map, msg)
         if not emit_reqs:
             return LaunchedStep(batch, [], None)
         if len(emit_reqs) != len(reqs):
@@ -484,8 +474,9 @@ class Scheduler:
             info = SamplingBatchInfo.from_params(params, [r.seed for r in emit_reqs],
                                                  [r.num_launched_outputs for r in emit_reqs], self.device)
             next_ids = sample(logits, info)
-        emit_rows = dev.req_pool_indices if len(emit_reqs) == len(reqs) else dev.req_pool_indices[dev.emit_index]
-        self.token_map[emit_rows] = next_ids
+        self.token_map[emit_rows(dev, len(emit_reqs))] = next_ids
+        if self.tp_sender is not None:
+            self.tp_sender.send_ids(next_ids)
         for r in emit_reqs:
             r.num_inflight += 1
         host_ids = self._ids_buffer(len(emit_reqs))

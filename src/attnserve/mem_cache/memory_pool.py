@@ -56,6 +56,9 @@ class ReqToTokenPool:
             self.req_to_token_host = torch.zeros((size, max_context_len), dtype=torch.int32)
         self._free_rows: List[int] = list(range(size))
         self._in_use = [False] * size
+        #: when a list: every `write` is also appended here as ``(row, start, slots)`` (rank 0
+        #: of a tensor-parallel group sends them to the other ranks with the next step)
+        self.write_log: Optional[list] = None
 
     def available_size(self) -> int:
         return len(self._free_rows)
@@ -82,6 +85,8 @@ class ReqToTokenPool:
         """``req_to_token[row, start:start+len(slots)] = slots`` (one request; tests and
         benchmarks; the scheduler uses `write_host` + `write_device`)."""
         n = slots.numel()
+        if self.write_log is not None:
+            self.write_log.append((int(row), int(start), slots.to("cpu", torch.int32).clone()))
         self.req_to_token[row, start : start + n] = slots.to(self.device, torch.int32)
         if self.req_to_token_host is not self.req_to_token:
             self.req_to_token_host[row, start : start + n] = slots.to("cpu", torch.int32)

@@ -170,6 +170,16 @@ def _weights(source: ModelSource, load_format: str, hf_config: Any, progress: bo
     return iterate_safetensors_weights(source.model_path, progress=progress)
 
 
+def load_model_config(model: str = DEFAULT_MODEL, load_format: str = "auto") -> ModelConfig:
+    """The `ModelConfig` of ``model`` without loading weights (a dummy shape's, or the
+    checkpoint's config). Raises as `resolve_model` does."""
+    from attnserve.model_loader.dummy import DUMMY_MODEL_CONFIGS, dummy_hf_config
+
+    if load_format == "dummy" and model in DUMMY_MODEL_CONFIGS:
+        return ModelConfig.from_hf_config(dummy_hf_config(model))
+    return ModelConfig.from_hf_config(_load_config(resolve_model(model)))
+
+
 def load_model(
     model: str = DEFAULT_MODEL,
     load_format: str = "auto",
@@ -178,6 +188,7 @@ def load_model(
     load_tokenizer: bool = True,
     progress: bool = True,
     seed: int = 0,
+    tp: Any = None,
 ) -> LoadedModel:
     """Resolve ``model``, build its class for its architecture and fill its weights.
 
@@ -190,6 +201,8 @@ def load_model(
         load_tokenizer: also load the tokenizer (from the GGUF or the HF directory).
         progress: tqdm bars while reading weights.
         seed: seed of dummy weights.
+        tp: this rank's `attnserve.distributed.group.TPGroup` under tensor parallelism
+            (None: one device); every rank reads the checkpoint and keeps its slice.
 
     Raises:
         FileNotFoundError / ValueError: from `resolve_model`.
@@ -219,7 +232,8 @@ def load_model(
     model_config = ModelConfig.from_hf_config(hf_config)
     model_cls = get_model_class(model_config.architecture)
     with torch.device(device):
-        module = model_cls(model_config.hf_config, dtype=dtype)
+        module = model_cls(model_config.hf_config, dtype=dtype) if tp is None else \
+            model_cls(model_config.hf_config, dtype=dtype, tp=tp)
     if load_format == "dummy":
         init_dummy_weights(module, seed=seed)
     else:

@@ -135,12 +135,14 @@ class ModelConfig:
         ``sliding_window - 1``, or -1 without a window."""
         return self.sliding_window - 1 if self.sliding_window else -1
 
-    def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+    def kv_cache_bytes_per_token(self, dtype: torch.dtype, num_kv_heads: Optional[int] = None) -> int:
         """Bytes of KV cache one token takes across all layers in ``dtype``
-        (MHA: K and V heads; MLA: ``kv_lora_rank + qk_rope_head_dim`` latent)."""
+        (MHA: K and V heads, ``num_kv_heads`` of them when given, e.g. one tensor-parallel
+        rank's; MLA: ``kv_lora_rank + qk_rope_head_dim`` latent)."""
         elem = torch.empty((), dtype=dtype).element_size()
         if self.is_mla:
             per_layer = self.kv_lora_rank + self.qk_rope_head_dim
         else:
-            per_layer = self.num_key_value_heads * (self.head_dim + self.v_head_dim)
+            heads = self.num_key_value_heads if num_kv_heads is None else num_kv_heads
+            per_layer = heads * (self.head_dim + self.v_head_dim)
         return per_layer * self.num_hidden_layers * elem

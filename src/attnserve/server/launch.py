@@ -161,7 +161,10 @@ def launch_server(args) -> int:
     config = uvicorn.Config(wrap_app(app), host=args.host, port=int(args.port), log_level=log_level if log_level in (
         "critical", "error", "warning", "info", "debug", "trace") else "warning",
         timeout_graceful_shutdown=server_args.graceful_shutdown_timeout + 5)
-    draining_server(config, app.state.ctx.loop, server_args.graceful_shutdown_timeout).run()
+    try:
+        draining_server(config, app.state.ctx.loop, server_args.graceful_shutdown_timeout).run()
+    finally:
+        engine.shutdown()  # the other tensor-parallel ranks
     return 0
 
 

@@ -1,0 +1,143 @@
+"""What rank 0 sends the other tensor-parallel ranks each step, and the device half of a
+step that every rank runs.
+
+Rank 0's scheduler decides a step on the host (requests, token counts, KV slots) and
+broadcasts it as a `StepMessage` over the gloo CPU group. Every rank then runs
+`execute_step` on its own pools: the same packed inputs, the same ``req_to_token`` writes
+and the same forward (whose all-reduces and logit all-gather pair up across ranks). Rank 0
+samples; its sampled ids reach the other ranks with one device broadcast, which they
+scatter into their own future-token map, so decode inputs stay on the device everywhere
+and overlap scheduling works as on one GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Tuple
+
+import torch
+
+from attnserve.engine.step_inputs import StepInputPacker, StepTensors
+from attnserve.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class StepMessage:
+    """One step, as rank 0 scheduled it.
+
+    Attributes:
+        forward_mode: EXTEND / DECODE / MIXED.
+        host: the host tensors of every `StepTensors` field (``input_ids`` -1 where the
+            token is read from the future-token map).
+        prefix_lens / extend_lens: per request.
+        has_future: some input ids come from the future-token map.
+        num_emit: requests that sample a token (0: no ids broadcast after the forward).
+        r2t_writes: ``(row, start, slots)`` single-request ``req_to_token`` writes rank 0
+            made since the previous step (prefix-cache matches), applied first.
+    """
+
+    forward_mode: ForwardMode
+    host: dict
+    prefix_lens: List[int]
+    extend_lens: List[int]
+    has_future: bool
+    num_emit: int
+    r2t_writes: List[Tuple[int, int, torch.Tensor]] = field(default_factory=list)
+
+
+#: the message that stops the other ranks' loops
+SHUTDOWN = "shutdown"
+
+
+def execute_step(runner, packer: StepInputPacker, token_map: torch.Tensor,
+                 msg: StepMessage) -> Tuple[torch.Tensor, StepTensors]:
+    """Copy the step's inputs to the device, write ``req_to_token``, run the forward.
+
+    Args:
+        runner: the rank's `ModelRunner`.
+        packer: the rank's `StepInputPacker`.
+        token_map: int64 ``[req_to_token rows]`` last sampled id of each row.
+        msg: the step.
+
+    Returns:
+        ``(logits, dev)``: float32 ``[bs, vocab]`` logits of each request's last token and
+        the step's device tensors.
+    """
+    host = msg.host
+    r2t = runner.req_to_token_pool
+    dev = packer.pack(host)
+    r2t.write_device(host["token_rows"], host["positions"], host["out_cache_loc_i32"], dev.token_rows,
+                     dev.positions, dev.out_cache_loc_i32)
+    input_ids = dev.input_ids
+    if msg.has_future:
+        if msg.forward_mode.is_decode():
+            input_ids = token_map[dev.req_pool_indices]
+        else:
+            input_ids = torch.where(input_ids >= 0, input_ids, token_map[dev.token_rows])
+    fb = ForwardBatch(
+        forward_mode=msg.forward_mode, batch_size=len(msg.extend_lens), input_ids=input_ids,
+        positions=dev.positions, req_pool_indices=dev.req_pool_indices, seq_lens=dev.seq_lens,
+        out_cache_loc=dev.out_cache_loc, seq_lens_cpu=host["seq_lens"],
+        seq_lens_sum=sum(msg.prefix_lens) + sum(msg.extend_lens),
+        extend_prefix_lens=dev.extend_prefix_lens, extend_seq_lens=dev.extend_seq_lens,
+        extend_prefix_lens_cpu=list(msg.prefix_lens), extend_seq_lens_cpu=list(msg.extend_lens),
+        extend_start_loc=dev.extend_start_loc, req_to_token_pool=r2t,
+        token_to_kv_pool=runner.token_to_kv_pool, attn_backend=runner.attn_backend,
+    )
+    return runner.forward(fb), dev
+
+
+def emit_rows(dev: StepTensors, num_emit: int) -> torch.Tensor:
+    """``req_to_token`` rows of the requests that sample (all of them, or ``emit_index``'s)."""
+    return dev.req_pool_indices if num_emit == dev.req_pool_indices.numel() else dev.req_pool_indices[dev.emit_index]
+
+
+class StepSender:
+    """Rank 0's side: broadcast each step, then its sampled ids.
+
+    Args:
+        tp: rank 0's `TPGroup` (size > 1).
+        req_to_token_pool: rank 0's pool; its single-request writes are logged
+            (``write_log``) and travel with the next step.
+    """
+
+    def __init__(self, tp, req_to_token_pool):
+        self.tp = tp
+        self.r2t = req_to_token_pool
+        self.r2t.write_log = []
+
+    def send_step(self, msg: StepMessage) -> None:
+        msg.r2t_writes, self.r2t.write_log = self.r2t.write_log, []
+        self.tp.broadcast_object(msg)
+
+    def send_ids(self, next_ids: torch.Tensor) -> None:
+        self.tp.broadcast(next_ids.contiguous())
+
+    def shutdown(self) -> None:
+        self.tp.broadcast_object(SHUTDOWN)
+
+
+def follow_steps(runner, tp) -> int:
+    """A non-zero rank's loop: receive each step from rank 0 and run it, until SHUTDOWN.
+
+    Returns:
+        the number of steps run.
+    """
+    device = torch.device(runner.device)
+    packer = StepInputPacker(device)
+    r2t = runner.req_to_token_pool
+    token_map = torch.zeros(r2t.size, dtype=torch.int64, device=device)
+    steps = 0
+    while True:
+        msg = tp.broadcast_object(None)
+        if msg == SHUTDOWN:
+            return steps
+        for row, start, slots in msg.r2t_writes:
+            r2t.write(row, start, slots)
+        host = msg.host  # the host mirror (on the CPU the table itself), as rank 0 wrote it
+        r2t.write_host(host["token_rows"], host["positions"], host["out_cache_loc_i32"])
+        _, dev = execute_step(runner, packer, token_map, msg)
+        if msg.num_emit:
+            ids = tp.broadcast(torch.empty(msg.num_emit, dtype=torch.int64, device=device))
+            token_map[emit_rows(dev, msg.num_emit)] = ids
+        steps += 1
