@@ -170,7 +170,7 @@ class TPRuntime:
             for s in ready:
                 i = sentinels.pop(s)
                 p = self.procs[i]
-                p.join(0)
+                p.join(2.0)  # reap it (another thread may be reaping it too)
                 self.failure = (f"tensor-parallel rank {self.first_rank + 1 + i} (pid {p.pid}) exited with code "
                                 f"{p.exitcode}; the engine stopped")
                 logger.error("%s", self.failure)

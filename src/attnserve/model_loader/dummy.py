@@ -123,6 +123,22 @@ DUMMY_MODEL_CONFIGS: Dict[str, Dict[str, Any]] = {
         bos_token_id=151643,
         eos_token_id=151645,
     ),
+    # a few-MB Qwen3 (q/k norms, untied head) for tensor-parallel and engine tests
+    "qwen3-tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=301,  # odd: the last tensor-parallel rank pads its vocabulary rows
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 # DeepSeek-V3's attention shape (128 heads, kv_lora_rank 512, rope 64, nope 128, v 128) in
@@ -138,6 +154,7 @@ _DUMMY_CONFIG_CLASSES: Dict[str, Any] = {
     "deepseek-v3-mla-tiny": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "gemma3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "qwen3-0.6b": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3-tiny": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 
 
