@@ -90,6 +90,14 @@ def set_cpu_threads(server_args) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_node(server_args)))
 
 
+def _reap(p: mp.Process, timeout: float = 2.0) -> None:
+    """Wait for ``p``'s exit code (another thread may be reaping it at the same time, and
+    then ``exitcode`` stays None here until that thread has stored it)."""
+    deadline = time.monotonic() + timeout
+    while p.exitcode is None and time.monotonic() < deadline:
+        p.join(0.05)
+
+
 class RankDied(RuntimeError):
     """A tensor-parallel rank exited while the engine was running."""
 
@@ -170,7 +178,7 @@ class TPRuntime:
             for s in ready:
                 i = sentinels.pop(s)
                 p = self.procs[i]
-                p.join(2.0)  # reap it (another thread may be reaping it too)
+                _reap(p)
                 self.failure = (f"tensor-parallel rank {self.first_rank + 1 + i} (pid {p.pid}) exited with code "
                                 f"{p.exitcode}; the engine stopped")
                 logger.error("%s", self.failure)

@@ -1,0 +1,134 @@
+"""Tensor parallelism on one multi-GPU host, in one run. Writes ``<out>/<device>-tp-<date>.json``.
+
+``PYTHONPATH=src python benchmarks/tp_decode.py --tp 1 2 [--big-tp 2] [--skip-identity]``
+
+* Identity: Llama-3-8B shape, dummy weights, **float32** (bf16 rounding differs between an
+  all-reduce of partial sums and one matmul, and random weights give near-tied logits),
+  4 prompts x 24 greedy tokens; the tokens of every tp size must equal tp 1's.
+* Decode step: Llama-3-8B shape, dummy bf16 weights, CUDA graphs (the all-reduces captured),
+  overlap on; 1 and 64 requests x 512 prompt tokens -> 128 new; ``decode_ms_per_step`` =
+  (wall - prefill-only wall) / decode steps, the engine's own per-step cost as a user sees it.
+  Floor: one GPU's share of the weight bytes read at the copy bandwidth measured here.
+* Large model: Llama-3-70B shape at ``--big-tp`` (70B in bf16 needs >= 2 H200s), 1 request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import copy_bandwidth_gbs  # noqa: E402
+
+from attnserve.bench.results import device_slug, write_result  # noqa: E402
+
+
+def _llm(model, tp, dtype, ctx, max_bs):
+    from attnserve.engine.llm import LLM
+
+    return LLM(model, load_format="dummy", device="cuda", dtype=dtype, tp_size=tp, context_length=ctx,
+               max_running_requests=max_bs, cuda_graph_max_bs=max_bs, mem_fraction_static=0.85)
+
+
+def identity(tps, model="llama-3-8b", n_tokens=24):
+    from attnserve.engine.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 128000, (n,), generator=gen).tolist() for n in (7, 33, 120, 300)]
+    sp = SamplingParams(max_new_tokens=n_tokens, temperature=0.0, ignore_eos=True)
+    out = {}
+    for tp in tps:
+        llm = _llm(model, tp, "float32", 512, 8)
+        try:
+            out[tp] = [o.token_ids for o in llm.generate(prompts, sp)]
+        finally:
+            llm.engine.shutdown()
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+        print(f"identity tp {tp}: {out[tp][0][:8]} ...", flush=True)
+    ref = out[tps[0]]
+    return {"model": model, "dtype": "float32", "tokens": n_tokens,
+            "identical_to_tp1": {str(tp): out[tp] == ref for tp in tps},
+            "first_divergence": {str(tp): next((i for i, (a, b) in enumerate(zip(sum(out[tp], []), sum(ref, [])))
+                                                if a != b), None) for tp in tps}}
+
+
+def decode_steps(model, tp, requests, input_len=512, output_len=128):
+    from attnserve.engine.sampling_params import SamplingParams
+    from attnserve.engine.scheduler import SchedulerStats
+
+    llm = _llm(model, tp, "bfloat16", input_len + output_len + 16, max(requests))
+    rows = []
+    try:
+        weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model_runner.model.parameters())
+        gen = torch.Generator().manual_seed(0)
+        for n in requests:
+            prompts = [torch.randint(1, 128000, (input_len,), generator=gen).tolist() for _ in range(n)]
+            sp = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+            sp1 = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+            llm.generate(prompts, sp)  # warm-up
+            times = {}
+            for name, params in (("prefill", sp1), ("full", sp)):
+                llm.engine.scheduler.flush_prefix_cache()
+                llm.engine.scheduler.stats = SchedulerStats()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                llm.generate(prompts, params)
+                torch.cuda.synchronize()
+                times[name] = (time.perf_counter() - t0, llm.engine.scheduler.stats)
+            wall, stats = times["full"]
+            steps = max(stats.num_decode_steps, 1)
+            row = {"model": model, "tp": tp, "requests": n, "input_len": input_len, "output_len": output_len,
+                   "wall_s": wall, "prefill_s": times["prefill"][0], "decode_steps": stats.num_decode_steps,
+                   "decode_ms_per_step": 1e3 * (wall - times["prefill"][0]) / steps,
+                   "output_tokens_per_s": n * output_len / wall, "host_ms_per_step": stats.host_ms_per_decode_step,
+                   "weight_bytes_per_gpu": weight_bytes}
+            rows.append(row)
+            print(f"{model} tp {tp} n {n}: {row['decode_ms_per_step']:.2f} ms/step, {row['output_tokens_per_s']:.0f} "
+                  f"tok/s, host {row['host_ms_per_step']:.2f} ms", flush=True)
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    import triton
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--requests", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--big-tp", type=int, default=0, help="tp size of the Llama-3-70B run (0: skip)")
+    ap.add_argument("--skip-identity", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    copy = copy_bandwidth_gbs()
+    res = {"copy_gbs": copy, "gpus": torch.cuda.device_count()}
+    if not args.skip_identity:
+        res["identity"] = identity(args.tp)
+    res["decode"] = []
+    for tp in args.tp:
+        res["decode"] += decode_steps("llama-3-8b", tp, args.requests)
+    if args.big_tp:
+        res["decode"] += decode_steps("llama-3-70b", args.big_tp, [1])
+    for row in res["decode"]:
+        row["weights_floor_ms"] = row["weight_bytes_per_gpu"] / (copy * 1e9) * 1e3
+    res.update({"benchmark": "tp", "date": dt.date.today().isoformat(), "device": device_slug("cuda"),
+                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                "total_s": time.perf_counter() - t0})
+    write_result(res, args.out, "tp", "cuda")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
