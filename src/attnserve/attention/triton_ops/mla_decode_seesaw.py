@@ -437,8 +437,10 @@ def _convert(kv, c0: gl.constexpr, n: gl.constexpr, land, ready, ph, fp8: gl.con
 def _loader_fp8(kv_s, bars, land, start, end, desc, table, PAGE_SIZE: gl.constexpr):
     """Worker partition (4 warps) for an fp8 cache: the loader's TMA copies (same release
     order and barriers as `_loader`, into the staging areas, completing on ``land``), each
-    group converted right after the next group is issued (so a copy is in flight while the
-    previous one is converted) and the last groups of a pair at its end."""
+    group converted right after the next group is issued (one copy in flight while the
+    previous one is converted; B1's groups at the end of the pair). Converting earlier
+    (right after a group's own copy) was slower: the conversions then delay the next
+    issues (benchmarks/NOTES.md, Session 10)."""
     ready0, ready1, free_r0, free_a0, free_b0, free_a1, free_b1, p0_ready, p1_ready, l_bars = bars
     land0, land1 = land
     kv0 = kv_s[0]
