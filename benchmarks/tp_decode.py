@@ -113,19 +113,21 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     copy = copy_bandwidth_gbs()
     res = {"copy_gbs": copy, "gpus": torch.cuda.device_count()}
+    res.update(benchmark="tp", date=dt.date.today().isoformat(), device=device_slug("cuda"),
+               gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())), decode=[])
     if not args.skip_identity:
         res["identity"] = identity(args.tp)
-    res["decode"] = []
-    for tp in args.tp:
-        res["decode"] += decode_steps("llama-3-8b", tp, args.requests)
+        write_result(res, args.out, "tp", "cuda")  # partial results survive a cut-off run
+    runs = [("llama-3-8b", tp, args.requests) for tp in args.tp]
     if args.big_tp:
-        res["decode"] += decode_steps("llama-3-70b", args.big_tp, [1])
-    for row in res["decode"]:
-        row["weights_floor_ms"] = row["weight_bytes_per_gpu"] / (copy * 1e9) * 1e3
-    res.update({"benchmark": "tp", "date": dt.date.today().isoformat(), "device": device_slug("cuda"),
-                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-                "total_s": time.perf_counter() - t0})
+        runs.append(("llama-3-70b", args.big_tp, [1]))
+    for model, tp, requests in runs:
+        res["decode"] += decode_steps(model, tp, requests)
+        for row in res["decode"]:
+            row["weights_floor_ms"] = row["weight_bytes_per_gpu"] / (copy * 1e9) * 1e3
+        write_result(res, args.out, "tp", "cuda")
+    res["total_s"] = time.perf_counter() - t0
     write_result(res, args.out, "tp", "cuda")
     return 0
 

@@ -220,13 +220,40 @@ class TPRuntime:
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         self._kill_all()
-        import torch.distributed as dist
+        _release_process_groups()
 
-        if dist.is_initialized():
-            try:
+
+def _release_process_groups(timeout_s: float = 10.0) -> None:
+    """Tear down this process's groups without ever hanging the caller.
+
+    gloo: ``destroy_process_group``. NCCL: ``destroy_process_group`` was seen to wait forever
+    in ``ncclCommDestroy`` once CUDA graphs had captured the communicator and the other ranks
+    had exited (2 H200s, torch 2.11, NCCL 2.28); the teardown runs as ``_abort_process_group``
+    (no wait on peers; also resets the default group so another engine can start) in a
+    daemon thread, and after ``timeout_s`` the engine stops waiting for it (logged).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+
+    def release():
+        try:
+            if dist.get_backend() == "nccl":
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()
+            else:
                 dist.destroy_process_group()
-            except Exception:  # a broken group (a rank died): nothing left to release
-                pass
+        except Exception:  # a broken group (a rank died): nothing left to release
+            pass
+
+    t = threading.Thread(target=release, name="attnserve-tp-teardown", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        logger.warning("tensor-parallel process group teardown did not finish in %.0f s; continuing without it "
+                       "(another tensor-parallel engine cannot start in this process)", timeout_s)
 
 
 def run_worker_node(server_args) -> int:

@@ -53,6 +53,10 @@ def worker_main(server_args, cfg, parent_pid: int) -> None:
     logging.basicConfig(level=getattr(logging, str(server_args.log_level).upper(), logging.INFO),
                         format=f"[tp{cfg.rank}] %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    if os.environ.get("ATTNSERVE_DEBUG_STACKS"):  # every N s, all threads' stacks to stderr (hangs)
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["ATTNSERVE_DEBUG_STACKS"]), repeat=True)
     from attnserve.distributed.launch import init_rank, set_cpu_threads
 
     try:
