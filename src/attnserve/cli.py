@@ -101,7 +101,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.getLogger("attnserve").setLevel(getattr(logging, str(args.log_level).upper(), logging.INFO))
     try:
         if getattr(args, "node_rank", 0) > 0:  # a worker node of a multi-node tensor-parallel engine
-            from attnserve.distributed.launch import run_worker_node
+            from attnserve.engine.tp.launch import run_worker_node
 
             steps = run_worker_node(ServerArgs.from_cli_args(args))
             print(f"node {args.node_rank}: rank 0 shut the engine down after {steps} steps")

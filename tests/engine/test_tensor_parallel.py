@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from attnserve.distributed.launch import RankDied, free_port
+from attnserve.engine.tp.launch import RankDied, free_port
 from attnserve.engine.llm import LLM
 from attnserve.engine.sampling_params import SamplingParams
 

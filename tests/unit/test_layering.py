@@ -18,6 +18,7 @@ LEVEL = {
     "attention": 3,
     "server_args": 3.5,
     "speculative_config": 3.5,
+    "distributed": 3.7,
     "models": 4,
     "model_loader": 5,
     "engine": 6,

@@ -1,3 +1,2 @@
-"""Tensor parallelism: process groups (`group`), head / vocabulary partitions
-(`partition`), rank processes (`launch`, `worker`) and the per-step messages rank 0 sends
-to the other ranks (`step_sync`)."""
+"""Tensor parallelism below the models: process-group handle (`group`) and head /
+vocabulary partitions (`partition`). The rank processes are in `attnserve.engine.tp`."""

@@ -76,7 +76,7 @@ class Engine:
 
     def _start_tensor_parallel(self, server_args: ServerArgs):
         """Check the heads against ``--tp-size``, spawn the other ranks, join them."""
-        from attnserve.distributed.launch import TPRuntime
+        from attnserve.engine.tp.launch import TPRuntime
         from attnserve.distributed.partition import check_tp_size
         from attnserve.model_loader.loader import load_model_config
 
@@ -192,7 +192,7 @@ class Engine:
         return self.scheduler.abort_request(rid)
 
     def step(self) -> List[Req]:
-        """One scheduler step. Raises `attnserve.distributed.launch.RankDied` (naming the
+        """One scheduler step. Raises `attnserve.engine.tp.launch.RankDied` (naming the
         rank) once a tensor-parallel rank has died; the engine cannot continue then."""
         if self.tp_runtime is None:
             return self.scheduler.step()

@@ -46,7 +46,7 @@ from typing import Deque, Dict, List, Optional, Sequence
 
 import torch
 
-from attnserve.distributed.step_sync import StepMessage, StepSender, emit_rows, execute_step
+from attnserve.engine.tp.step_sync import StepMessage, StepSender, emit_rows, execute_step
 from attnserve.engine.detokenizer import check_stop
 from attnserve.engine.prefix_cache import PrefixCacheManager
 from attnserve.engine.request import FinishReason, Req

@@ -34,7 +34,7 @@ def tp_device(server_args, tp) -> str:
 
 
 def follow(runner, tp) -> int:
-    from attnserve.distributed.step_sync import follow_steps
+    from attnserve.engine.tp.step_sync import follow_steps
 
     return follow_steps(runner, tp)
 
@@ -57,7 +57,7 @@ def worker_main(server_args, cfg, parent_pid: int) -> None:
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ["ATTNSERVE_DEBUG_STACKS"]), repeat=True)
-    from attnserve.distributed.launch import init_rank, set_cpu_threads
+    from attnserve.engine.tp.launch import init_rank, set_cpu_threads
 
     try:
         set_cpu_threads(server_args)

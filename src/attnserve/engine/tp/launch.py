@@ -129,7 +129,7 @@ class TPRuntime:
     def start(self) -> TPGroup:
         """Spawn the other local ranks, join the world as ``first_rank`` and start the
         watchdog. Raises `RankDied` when a rank exits before the world is complete."""
-        from attnserve.distributed.worker import worker_main
+        from attnserve.engine.tp.worker import worker_main
 
         ctx = mp.get_context("spawn")
         for rank in range(self.first_rank + 1, self.first_rank + ranks_per_node(self.server_args)):
@@ -262,7 +262,7 @@ def run_worker_node(server_args) -> int:
     Returns:
         the number of steps this node's first rank ran.
     """
-    from attnserve.distributed.worker import build_rank, follow
+    from attnserve.engine.tp.worker import build_rank, follow
 
     server_args.check()
     if server_args.node_rank == 0:
