@@ -46,7 +46,6 @@ from typing import Deque, Dict, List, Optional, Sequence
 
 import torch
 
-from attnserve.engine.tp.step_sync import StepMessage, StepSender, emit_rows, execute_step
 from attnserve.engine.detokenizer import check_stop
 from attnserve.engine.prefix_cache import PrefixCacheManager
 from attnserve.engine.request import FinishReason, Req
@@ -61,7 +60,8 @@ from attnserve.engine.schedule_policy import (  # noqa: F401 (AdmissionPolicy re
     order_waiting,
 )
 from attnserve.engine.step_inputs import StepInputPacker, host_step_layout
-from attnserve.forward_batch import ForwardBatch, ForwardMode
+from attnserve.engine.tp.step_sync import StepMessage, StepSender, emit_rows, execute_step
+from attnserve.forward_batch import ForwardMode
 
 logger = logging.getLogger(__name__)
 

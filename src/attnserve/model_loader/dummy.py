@@ -29,22 +29,6 @@ DUMMY_MODEL_CONFIGS: Dict[str, Dict[str, Any]] = {
         bos_token_id=128000,
         eos_token_id=128001,
     ),
-    # Meta-Llama-3-70B (config.json of the HF release): tensor-parallel runs
-    "llama-3-70b": dict(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-        bos_token_id=128000,
-        eos_token_id=128001,
-    ),
     # SmolLM2-135M-Instruct (matches the config transformers reads from its GGUF)
     "smollm2-135m": dict(
         hidden_size=576,
@@ -156,6 +140,13 @@ DUMMY_MODEL_CONFIGS: Dict[str, Dict[str, Any]] = {
         eos_token_id=2,
     ),
 }
+
+# Meta-Llama-3-70B (config.json of the HF release; tensor-parallel runs): Llama-3-8B's
+# vocabulary, RoPE and norms in a wider, deeper body
+DUMMY_MODEL_CONFIGS["llama-3-70b"] = dict(
+    DUMMY_MODEL_CONFIGS["llama-3-8b"], hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+    num_attention_heads=64,
+)
 
 # DeepSeek-V3's attention shape (128 heads, kv_lora_rank 512, rope 64, nope 128, v 128) in
 # deepseek-v2-tiny's 2 small dense layers: the MLA decode kernels at their production dims

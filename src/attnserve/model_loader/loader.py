@@ -232,8 +232,7 @@ def load_model(
     model_config = ModelConfig.from_hf_config(hf_config)
     model_cls = get_model_class(model_config.architecture)
     with torch.device(device):
-        module = model_cls(model_config.hf_config, dtype=dtype) if tp is None else \
-            model_cls(model_config.hf_config, dtype=dtype, tp=tp)
+        module = model_cls(model_config.hf_config, dtype=dtype, tp=tp)
     if load_format == "dummy":
         init_dummy_weights(module, seed=seed)
     else:

@@ -33,7 +33,6 @@ import logging
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnserve.attention.radix_attention import RadixAttention

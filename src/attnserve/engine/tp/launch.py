@@ -194,6 +194,8 @@ class TPRuntime:
     def check(self, wait_s: float = 0.0) -> None:
         """Raise `RankDied` if a rank has died (waiting up to ``wait_s`` for the watchdog to
         notice: a collective may fail a moment before the rank's exit is seen)."""
+        if self.failure is None and wait_s <= 0:  # the per-step path: the watchdog's verdict only
+            return
         deadline = time.monotonic() + wait_s
         while True:
             dead = self._dead()

@@ -57,10 +57,16 @@ class Linear(nn.Module, FusedKernelUser):
             and skinny_gemm_supported(x, self.weight, self.bias)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """``x @ weight.T (+ bias)`` by the same path choice as `forward`, with the bias
+        given explicitly (None: no bias; `RowParallelLinear` adds its own after the
+        all-reduce)."""
         if self._skinny(x):
-            return skinny_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return skinny_linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
 
     def forward_gated(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """Gated projection of a fused ``gate_up`` weight ``[2I, K]`` = ``[W_g | W_u]``.
