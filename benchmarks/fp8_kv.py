@@ -36,6 +36,27 @@ from attnserve.mem_cache.kv_quant import quantize_kv  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
+def _kernel_breakdown(fn, iters: int = 5, top: int = 8) -> dict:
+    """GPU time per kernel name of one ``fn()`` (kernels inside CUDA graphs included), us,
+    mean over ``iters`` calls, the ``top`` largest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+        totals = {}
+        for ev in prof.events():
+            if ev.device_type.name == "CUDA":
+                totals[ev.name] = totals.get(ev.name, 0.0) + ev.device_time / iters
+    except Exception as e:  # the breakdown is a diagnostic: never lose the timings for it
+        return {"error": repr(e)[:200]}
+    return {k[:80]: round(v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:top]}
+
+
 def decode_step(kv_cache_dtype, bs=64, ctx=8192):
     from attnserve.engine.engine import Engine
     from attnserve.forward_batch import ForwardMode
@@ -57,7 +78,7 @@ def decode_step(kv_cache_dtype, bs=64, ctx=8192):
     kv_bytes = bs * ctx * runner.model_config.kv_cache_bytes_per_token(pool.dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     out = dict(step_ms=step_ms, kv_bytes=kv_bytes, weight_bytes=weight_bytes,
-               pool_tokens=alloc.size)
+               pool_tokens=alloc.size, kernels_us=_kernel_breakdown(lambda: runner.forward(fb)))
     del engine, runner, pool
     gc.collect()
     torch.cuda.empty_cache()

@@ -124,6 +124,33 @@ def test_killed_rank_is_reported(no_orphans):
         llm.engine.shutdown()
 
 
+def test_rank0_step_failure_stops_every_rank(no_orphans):
+    from attnserve.engine.tp.launch import TPStepFailed
+
+    llm = LLM(model="llama-tiny", load_format="dummy", max_total_tokens=2048, tp_size=2)
+    try:
+        assert len(llm.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 16
+        pids = [p.pid for p in llm.engine.tp_runtime.procs]
+        model = llm.engine.model_runner.model
+        real_forward = model.forward
+
+        def failing_forward(*args, **kwargs):  # after rank 1 entered the step's collectives
+            real_forward(*args, **kwargs)
+            raise RuntimeError("injected failure on rank 0")
+
+        model.forward = failing_forward
+        t0 = time.monotonic()
+        with pytest.raises(TPStepFailed, match="injected failure on rank 0"):
+            llm.generate([[4, 5, 6]], GREEDY)
+        assert time.monotonic() - t0 < 30  # stopped, not waiting on rank 1
+        model.forward = real_forward
+        _assert_dead(pids)
+        with pytest.raises(TPStepFailed, match="start a new engine"):  # and stays stopped
+            llm.engine.step()
+    finally:
+        llm.engine.shutdown()
+
+
 def test_tp_start_up_errors(monkeypatch):
     # 9 attention heads cannot be split over 2 ranks: refused before any process starts
     with pytest.raises(ValueError, match="does not divide the 9 attention heads"):

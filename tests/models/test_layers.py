@@ -94,6 +94,24 @@ def test_rope_matches_float64_formula(neox, rotary_dim):
     torch.testing.assert_close(k_out.double(), ref_k, atol=2e-4, rtol=0)
 
 
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rope_of_fused_qkv_views_matches_separate_tensors(neox, rotary_dim):
+    # q and k as adjacent column blocks of one qkv output take the one-rotation path
+    head_dim, hq, hk = 64, 4, 2
+    rope = RotaryEmbedding(head_dim, rotary_dim, 1024, 10000.0, is_neox_style=neox)
+    g = torch.Generator().manual_seed(5)
+    positions = torch.tensor([0, 3, 900, 17, 5])
+    qkv = torch.randn(len(positions), (hq + 2 * hk) * head_dim, generator=g)
+    q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+    before = qkv.clone()
+    q_out, k_out = rope(positions, q, k)
+    q_ref, k_ref = rope(positions, q.contiguous(), k.contiguous())  # two separate tensors
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    assert q_out.shape == q.shape and k_out.shape == k.shape
+    assert torch.equal(qkv, before)  # out of place: the qkv output (and v in it) untouched
+
+
 def test_rope_keeps_dtype_bf16():
     rope = RotaryEmbedding(64, 64, 128, 10000.0)
     q = torch.randn(3, 128, dtype=torch.bfloat16)

@@ -58,7 +58,7 @@ def bench_attnserve(llm, prompts, max_new_tokens: int) -> dict:
     from attnserve.engine.sampling_params import SamplingParams
 
     sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=0.0), chat=True)  # warm-up
+    llm.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0.0), chat=True)  # warm-up, same batch
     llm.engine.scheduler.flush_prefix_cache()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, chat=True)
@@ -77,19 +77,18 @@ def bench_hf(model_dir: str, gguf_file: str, prompts, max_new_tokens: int, batch
     model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=dtype).to(device).eval()
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
              for p in prompts]
-    gen = 0
-    t0 = None
-    for i in range(-1, len(texts), batch):  # i == -1: warm-up batch
-        chunk = texts[max(i, 0): max(i, 0) + batch]
+    def run(chunk, n_new):
         enc = tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        n_new = 4 if i < 0 else max_new_tokens
         with torch.inference_mode():
             out = model.generate(**enc, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
                                  pad_token_id=tok.pad_token_id)
-        if i < 0:
-            t0 = time.perf_counter()
-            continue
-        gen += (out.shape[1] - enc["input_ids"].shape[1]) * len(chunk)
+        return (out.shape[1] - enc["input_ids"].shape[1]) * len(chunk)
+
+    run(texts[:batch], 4)  # warm-up
+    gen = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(texts), batch):
+        gen += run(texts[i:i + batch], max_new_tokens)
     secs = time.perf_counter() - t0
     return {"requests": len(texts), "batch": batch, "generated_tokens": gen, "seconds": secs,
             "tokens_per_s": gen / secs}

@@ -15,6 +15,7 @@ from attnserve.engine.model_runner import ModelRunner
 from attnserve.engine.request import Req
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.scheduler import Scheduler
+from attnserve.engine.tp.launch import TPStepFailed
 from attnserve.server_args import ServerArgs
 from attnserve.speculative_config import SpeculativeConfig
 
@@ -63,6 +64,7 @@ class Engine:
         self.server_args = server_args
         self.tp_runtime = None
         self._tp_finalizer = None
+        self._tp_step_failure: Optional[str] = None
         tp = None
         if server_args.tp_size > 1:
             tp = self._start_tensor_parallel(server_args)
@@ -192,16 +194,29 @@ class Engine:
         return self.scheduler.abort_request(rid)
 
     def step(self) -> List[Req]:
-        """One scheduler step. Raises `attnserve.engine.tp.launch.RankDied` (naming the
-        rank) once a tensor-parallel rank has died; the engine cannot continue then."""
+        """One scheduler step.
+
+        Raises:
+            attnserve.engine.tp.launch.RankDied: a tensor-parallel rank has died (naming it).
+            attnserve.engine.tp.launch.TPStepFailed: a step raised on rank 0 under tensor
+                parallelism. The other ranks may then be inside that step's collectives and
+                cannot be brought back in step, so they are stopped at once (no hang); the
+                engine stays stopped and every later call raises the same error.
+        """
         if self.tp_runtime is None:
             return self.scheduler.step()
+        if self._tp_step_failure is not None:
+            raise TPStepFailed(self._tp_step_failure)
         self.tp_runtime.check()
         try:
             return self.scheduler.step()
-        except Exception:
+        except Exception as e:
             self.tp_runtime.check(wait_s=2.0)  # a collective failed because a rank died?
-            raise
+            self._tp_step_failure = (f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e}); the "
+                                     "other ranks were stopped, as they cannot be resynchronised: start a new engine")
+            logger.error("%s", self._tp_step_failure)
+            self.tp_runtime.abort(self._tp_step_failure)
+            raise TPStepFailed(self._tp_step_failure) from e
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one device); idempotent."""

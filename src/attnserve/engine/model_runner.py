@@ -70,6 +70,10 @@ class ModelRunner:
         self.extra_kv_bytes_per_token = int(extra_kv_bytes_per_token)
         self.draft_of = draft_of
         set_fused_kernels(self.model, not server_args.disable_fused_kernels)
+        if self.device.type == "cpu":
+            from attnserve.engine.host_malloc import tune_glibc_malloc
+
+            tune_glibc_malloc()  # decode's growing host tensors reuse the heap (see host_malloc)
         mc = self.model_config
         #: this rank's attention heads (all of them on one device)
         self.tp_q_head_num = q_head_range(mc.num_attention_heads, self.tp.size, self.tp.rank).count

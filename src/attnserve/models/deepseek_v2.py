@@ -43,13 +43,13 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnserve.attention.radix_attention import RadixAttention
 from attnserve.distributed.group import TPGroup
 from attnserve.distributed.partition import q_head_range
 from attnserve.forward_batch import ForwardBatch
+from attnserve.models.layers import cpu_gemm
 from attnserve.models.layers.linear import Linear
 from attnserve.models.layers.parallel import (
     ColumnParallelLinear,
@@ -275,6 +275,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.model = DeepseekV2Model(config, dtype, self._neox_rope(config), self.tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None
+        self.lm_head_packed = cpu_gemm.PackedCPUWeight()
         if not self.tie_word_embeddings:
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp, dtype=dtype)
 
@@ -294,7 +295,8 @@ class DeepseekV2ForCausalLM(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` (gathered over the ranks)."""
-        return gather_logits(F.linear(hidden_states, self.lm_head_weight), self.config.vocab_size, self.tp).float()
+        return gather_logits(cpu_gemm.linear(hidden_states, self.lm_head_weight, None, self.lm_head_packed),
+                             self.config.vocab_size, self.tp).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:

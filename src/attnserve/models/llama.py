@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnserve.attention.radix_attention import RadixAttention
 from attnserve.distributed.group import TPGroup
 from attnserve.distributed.partition import kv_head_range, q_head_range
 from attnserve.forward_batch import ForwardBatch
+from attnserve.models.layers import cpu_gemm
 from attnserve.models.layers.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -227,6 +227,7 @@ class LlamaForCausalLM(nn.Module):
         """``lm_head`` (vocabulary-parallel rows), or None when tied to the embeddings."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", tie_default))
         self.lm_head = None
+        self.lm_head_packed = cpu_gemm.PackedCPUWeight()
         if not self.tie_word_embeddings:
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp, dtype=dtype)
 
@@ -254,7 +255,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` logits (every rank's vocabulary
         rows gathered under tensor parallelism)."""
-        return gather_logits(F.linear(hidden_states, self.lm_head_weight), self.config.vocab_size, self.tp).float()
+        return gather_logits(cpu_gemm.linear(hidden_states, self.lm_head_weight, None, self.lm_head_packed),
+                             self.config.vocab_size, self.tp).float()
 
     # ---- weights ------------------------------------------------------------------------
     @torch.no_grad()

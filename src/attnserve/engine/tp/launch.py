@@ -102,6 +102,10 @@ class RankDied(RuntimeError):
     """A tensor-parallel rank exited while the engine was running."""
 
 
+class TPStepFailed(RuntimeError):
+    """A step raised on rank 0 under tensor parallelism; the engine stopped its ranks."""
+
+
 class TPRuntime:
     """The other local ranks of rank 0's node (or of a worker node): spawn, watch, stop.
 
@@ -206,6 +210,14 @@ class TPRuntime:
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.05)
+
+    def abort(self, reason: str) -> None:
+        """Stop every rank now, without the SHUTDOWN message (they may be waiting inside a
+        collective that will never complete): kill them and release the process groups.
+        Later `check` calls raise `RankDied` with ``reason``."""
+        if self.failure is None:
+            self.failure = reason
+        self.stop(timeout=0.0)
 
     def _kill_all(self) -> None:
         for p in self.procs:

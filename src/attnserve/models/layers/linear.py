@@ -7,7 +7,9 @@ costs seconds on CPU for a 135M model and minutes for 8B shapes. Parameter names
 
 On CUDA, `Linear` runs decode-sized inputs (2-D, at most ``MAX_SKINNY_M`` rows) through the
 skinny GEMM kernel (`attnserve.models.layers.skinny_gemm`) instead of cuBLAS, unless
-``use_fused`` is off (`FusedKernelUser`, ``--disable-fused-kernels``).
+``use_fused`` is off (`FusedKernelUser`, ``--disable-fused-kernels``). On the CPU, float32
+inputs of two rows or more go through a oneDNN-packed copy of the weight
+(`attnserve.models.layers.cpu_gemm`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnserve.models.layers import cpu_gemm
 from attnserve.models.layers.activation import act_and_mul
 from attnserve.models.layers.fused_kernels import FusedKernelUser
 from attnserve.models.layers.skinny_gemm import (
@@ -37,7 +40,8 @@ class Linear(nn.Module, FusedKernelUser):
     CUDA inputs that are 2-D with ``1..MAX_SKINNY_M`` rows (decode batches) go through
     `skinny_linear` (one Triton launch, float32 accumulation) when `skinny_gemm_supported`
     accepts them and fused kernels were enabled at construction (``self.use_fused``); every
-    other input (CPU, 3-D, prefill-sized) through ``F.linear``.
+    other input (CPU, 3-D, prefill-sized) through ``F.linear``, except CPU float32 2-D
+    inputs of two rows or more, which use the oneDNN-packed weight (`cpu_gemm`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: Optional[torch.dtype] = None):
@@ -46,6 +50,7 @@ class Linear(nn.Module, FusedKernelUser):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.init_fused(True)
+        self.cpu_packed = cpu_gemm.PackedCPUWeight()
 
     def _skinny(self, x: torch.Tensor) -> bool:
         """Whether ``x`` takes the skinny GEMM path."""
@@ -63,7 +68,7 @@ class Linear(nn.Module, FusedKernelUser):
         all-reduce)."""
         if self._skinny(x):
             return skinny_linear(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
+        return cpu_gemm.linear(x, self.weight, bias, self.cpu_packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -92,7 +97,7 @@ class Linear(nn.Module, FusedKernelUser):
             raise ValueError(f"forward_gated: out_features={self.out_features} must be even ([gate | up] rows)")
         if self._skinny(x):
             return skinny_linear_gated(x, self.weight, activation, bias=self.bias)
-        return act_and_mul(F.linear(x, self.weight, self.bias), activation, self.use_fused)
+        return act_and_mul(self.matmul(x, self.bias), activation, self.use_fused)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -298,9 +298,16 @@ class RotaryEmbedding(nn.Module, FusedKernelUser):
             return query, key
         cos_sin = self.cos_sin_cache.index_select(0, positions).float()
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim // 2] each
-        query = self._rotate(query, cos, sin)
-        if key is not None:
-            key = self._rotate(key, cos, sin)
+        if key is not None and _adjacent_columns(query, key):
+            # q and k side by side in one qkv output: one rotation over both (half the ops)
+            qk = query.as_strided((query.shape[0], query.shape[1] + key.shape[1]), query.stride())
+            query, key = self._rotate(qk, cos, sin).split([query.shape[1], key.shape[1]], dim=-1)
+            if query.is_cuda:  # the Triton backends want dense rows; the CPU path views them
+                query, key = query.contiguous(), key.contiguous()
+        else:
+            query = self._rotate(query, cos, sin)
+            if key is not None:
+                key = self._rotate(key, cos, sin)
         if kv_store is not None:
             k_buf, v_buf = kv_store.k_buffer, kv_store.v_buffer
             k_buf[kv_store.loc] = key.reshape(key.shape[0], *k_buf.shape[1:]).to(k_buf.dtype)
@@ -313,6 +320,17 @@ class RotaryEmbedding(nn.Module, FusedKernelUser):
             f"base={self.base}, neox={self.is_neox_style}"
             + (f", cos_sin_scale={self.cos_sin_scale}" if self.cos_sin_scale != 1.0 else "")
         )
+
+
+def _adjacent_columns(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether 2-D ``a`` and ``b`` are consecutive column blocks of one row-major tensor
+    (``b``'s columns start right after ``a``'s in every row), e.g. q and k of a fused qkv."""
+    return (
+        a.dim() == 2 and b.dim() == 2 and a.shape[0] == b.shape[0] and a.dtype == b.dtype
+        and a.device == b.device and a.stride() == b.stride() and a.stride(1) == 1
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # not two tensors side by side
+        and b.data_ptr() == a.data_ptr() + a.shape[1] * a.element_size()
+    )
 
 
 def get_rope(
