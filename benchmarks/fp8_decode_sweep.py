@@ -21,6 +21,9 @@ from kernel_timings import gqa_decode  # noqa: E402
 
 from attnserve.bench.results import device_slug, write_result  # noqa: E402
 
+#: (block_n, num_stages, num_warps, v_pairs) timed by --pairs-ab
+PAIR_CONFIGS = [(128, 5, 4, False), (128, 5, 4, True), (256, 3, 4, True), (256, 5, 4, True), (512, 3, 8, True),
+                (512, 3, 4, True), (128, 7, 4, True), (64, 6, 4, True), (64, 8, 4, True)]
 CONFIGS = [(128, 3, 4), (128, 4, 4), (128, 5, 4), (256, 2, 4), (256, 3, 4), (256, 3, 8), (64, 4, 4), (64, 6, 4)]
 
 
@@ -35,8 +38,37 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--split-caps", type=int, nargs="*", default=[],
                     help="instead of the configurations: the default config with these split caps")
+    ap.add_argument("--pairs-ab", action="store_true",
+                    help="instead of the configurations: fp8 V read as int16 pairs (default) vs the byte path")
     args = ap.parse_args(argv)
     rows = []
+    if args.pairs_ab:  # fp8 V as int16 column pairs (DecodeConfig.v_pairs) against the byte path
+        import triton
+
+        for bs, ctx in ((64, 8192), (8, 32768), (1, 8192)):
+            base = case(bs, ctx, torch.bfloat16)
+            rows.append(dict(bs=bs, ctx=ctx, kv="bf16", config="default", **base))
+            print(f"bs {bs} ctx {ctx} bf16 default {base['us']:.1f} us {base['tbps']:.2f} TB/s", flush=True)
+            for kv in (torch.float8_e4m3fn, torch.float8_e5m2):
+                for conf in [None] + PAIR_CONFIGS:
+                    cfg = None if conf is None else DecodeConfig(block_n=conf[0], block_h=16, num_warps=conf[2],
+                                                                 num_stages=conf[1], v_pairs=conf[3])
+                    name = "default" if conf is None else "/".join(map(str, conf[:3])) + ("/pairs" if conf[3] else "/bytes")
+                    try:
+                        r = case(bs, ctx, kv, cfg)
+                    except Exception as e:  # noqa: BLE001 - out of resources: record and go on
+                        r = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
+                    rows.append(dict(bs=bs, ctx=ctx, kv=str(kv), config=name, **r))
+                    if "us" in r:
+                        print(f"bs {bs} ctx {ctx} {kv} {name} {r['us']:.1f} us {r['tbps']:.2f} TB/s "
+                              f"x{base['us'] / r['us']:.2f} err {r.get('rel_err', 0.0):.1e}", flush=True)
+                    else:
+                        print(f"bs {bs} ctx {ctx} {kv} {name} {r['error']}", flush=True)
+                torch.cuda.empty_cache()
+        write_result({"benchmark": "fp8-decode-pairs", "date": dt.date.today().isoformat(),
+                      "device": device_slug("cuda"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "triton": triton.__version__, "rows": rows}, args.out, "fp8-decode-pairs", "cuda")
+        return 0
     if args.split_caps:
         for bs, ctx in ((64, 8192), (8, 32768), (1, 8192), (1, 32768)):
             for kv in (torch.bfloat16, torch.float8_e4m3fn):

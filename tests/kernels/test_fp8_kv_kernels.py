@@ -152,6 +152,31 @@ def test_decode_fp8_shared_mla_buffer(gen, paged):
     _check(out, ref, torch.float32)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="v_pairs is a CUDA code path (ignored by the interpreter)")
+@pytest.mark.parametrize("kv_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("tile", [(64, 2, 4), (128, 5, 4), (256, 3, 4), (256, 3, 8)], ids=str)
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (32, 8, 128), (4, 4, 128)])
+def test_decode_fp8_v_pairs(hq, hkv, d, tile, q_dtype, kv_dtype, gen, paged):
+    """fp8 V read as int16 column pairs (`DecodeConfig.v_pairs`) against the float64
+    reference: tile sizes, 4 and 8 warps, group sizes 1 and 4, head sizes 64 and 128."""
+    n, stages, warps = tile
+    cfg = DecodeConfig(block_n=n, block_h=16, num_warps=warps, num_stages=stages, v_pairs=True)
+    out, ref, _ = _run_decode(gen, paged, lens=[1, 300, 17, 1030], hq=hq, hkv=hkv, kv_dtype=kv_dtype, q_dtype=q_dtype,
+                              dk=d, dv=d, page_size=16, logit_cap=3.0 if hq == 8 else 0.0, config=cfg)
+    _check(out, ref, q_dtype)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="v_pairs is a CUDA code path (ignored by the interpreter)")
+def test_decode_fp8_v_pairs_shared_mla_buffer(gen, paged):
+    """V as a strided view of K's fp8 buffer (Dk 576, Dv 512) through the pairs path."""
+    cfg = DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2, v_pairs=True)
+    out, ref, _ = _run_decode(gen, paged, lens=[20, 45], hq=16, hkv=1, kv_dtype=torch.float8_e4m3fn,
+                              q_dtype=torch.bfloat16, dk=576, dv=512, page_size=4, k_scale=0.02, v_scale=0.02,
+                              shared_kv=True, config=cfg)
+    _check(out, ref, torch.bfloat16)
+
+
 @pytest.mark.parametrize("buf_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_decode_scales_apply_to_unquantized_buffers(buf_dtype, gen, paged):
     out, ref, _ = _run_decode(gen, paged, lens=[9, 130], hq=4, hkv=2, kv_dtype=buf_dtype, q_dtype=buf_dtype,

@@ -18,7 +18,8 @@ costs more than the saved launch), so there is none here; see benchmarks/NOTES.m
 
 FP8 KV cache: ``k_buffer`` / ``v_buffer`` may hold float8 (e4m3fn / e5m2) entries with
 per-tensor scales (true value = stored * scale). Tiles are converted to q's dtype after
-loading (float32 accumulation as always); K's scale is folded into ``sm_scale`` on the
+loading (float32 accumulation as always; on CUDA the V tile travels as int16 pairs of
+adjacent columns and is converted in registers, see ``V_PAIRS`` in stage 1); K's scale is folded into ``sm_scale`` on the
 host and V's scale multiplies each split's output in stage 1 (stage 2 is a convex
 combination of the splits, so this is exact). With scales of 1.0 nothing extra runs.
 
@@ -51,7 +52,10 @@ class DecodeConfig:
 
     block_n: keys per tile (also the split alignment); block_h: query heads per program
     (1 = per-head kernel without ``tl.dot``, else >= 16 rows for ``tl.dot``); num_warps /
-    num_stages: Triton launch options; stage2_warps: warps of the merge kernel.
+    num_stages: Triton launch options; stage2_warps: warps of the merge kernel; v_pairs: an
+    fp8 V buffer is read as int16 pairs of adjacent columns and converted in registers
+    (``V_PAIRS`` of stage 1; CUDA, 16-bit queries and ``Dv`` a power of two >= 32 only,
+    else ignored).
     """
 
     block_n: int
@@ -59,14 +63,18 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     stage2_warps: int = 2
+    v_pairs: bool = False
 
+
+#: (block_n, num_stages, num_warps) of stage 1 for an fp8 cache on an H200 (`decode_config`)
+FP8_H200_TILE = (256, 3, 4)
 
 #: opt-in shared memory per block from which 3-stage 128-key tiles fit (H100/H200: 227 KB)
 _BIG_SMEM = 200 * 1024
 
 
 def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bool = False,
-                   max_shared_mem: int = 0) -> DecodeConfig:
+                   max_shared_mem: int = 0, device_name: str = "") -> DecodeConfig:
     """The one place decode tuning lives.
 
     Args:
@@ -75,6 +83,8 @@ def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bo
         dtype: KV dtype.
         is_hip: AMD GPUs (no software pipelining with gathers; wave64).
         max_shared_mem: the device's opt-in shared memory per block in bytes (0: unknown).
+        device_name: ``torch.cuda.get_device_name`` ("" when unknown); fp8 caches on an
+            H200 get their own tiles (below).
 
     Measured on an H100 (benchmarks/decode_sweep.py, 2026-11-21, bf16, d 64 and 128, bs 1/8,
     contexts 512/4096, inside CUDA graphs): 128-key tiles with 3 stages are within 7% of
@@ -86,6 +96,13 @@ def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bo
     if not wide and not is_hip and max_shared_mem >= _BIG_SMEM:
         cap = 64
         block_h = max(16, min(cap, triton.next_power_of_2(group_size)))
+        if dtype in FP8_DTYPES and "H200" in device_name:
+            # H200 (benchmarks/fp8_decode_sweep.py --pairs-ab, benchmarks/NOTES.md session 11):
+            # V as int16 pairs and 256-key tiles (64 KB of K+V per tile, like bf16's 128):
+            # e4m3 bs 64 x 8K 325.6 -> 281.6 us, 8 x 32K 171.4 -> 145.2 us. Not measured on
+            # an H100, whose tuning below stays as measured.
+            return DecodeConfig(block_n=FP8_H200_TILE[0], block_h=block_h, num_warps=FP8_H200_TILE[2],
+                                num_stages=FP8_H200_TILE[1], v_pairs=True)
         # fp8 tiles are half the bytes: 5 stages keep as much in flight (H100, e4m3, d 128,
         # benchmarks/fp8_decode_sweep.py: bs 64 x 8K 430 -> 408 us, 8 x 32K 261 -> 244 us;
         # 256-key tiles were slower, bs 1 x 8K 14.2 -> 14.6 us)
@@ -128,6 +145,27 @@ def _split_bounds(kv_len, num_splits, max_splits, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def _fp8_pairs_to_f16(vp, E5M2: tl.constexpr):
+    """Split int16 pairs of fp8 values (byte 0: column 2c, byte 1: column 2c+1) into two
+    fp16 tensors (columns 2c, 2c+1). ``pack=2`` hands each asm instance the two
+    consecutive register elements of a thread; in the 16-bit ``tl.dot`` B-operand layout
+    (loaded with ``ldmatrix.trans``) these are rows k, k+1 of one column, so one ``prmt``
+    regroups the four bytes into (row k, row k+1) pairs per fp8 column and one
+    ``cvt.rn.f16x2.e4m3x2`` per pair converts them (PTX ISA, sm_89+; e5m2 is fp16's upper
+    byte, so a ``prmt`` with zero low bytes is its exact conversion)."""
+    if E5M2:
+        ve, vo = tl.inline_asm_elementwise(
+            "prmt.b32 $0, $2, 0, 0x2404;\n\tprmt.b32 $1, $2, 0, 0x3414;",
+            "=r,=r,r", [vp], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        ve, vo = tl.inline_asm_elementwise(
+            "{\n\t.reg .b32 t;\n\t.reg .b16 lo, hi;\n\tprmt.b32 t, $2, 0, 0x3120;\n\tmov.b32 {lo, hi}, t;"
+            "\n\tcvt.rn.f16x2.e4m3x2 $0, lo;\n\tcvt.rn.f16x2.e4m3x2 $1, hi;\n\t}",
+            "=r,=r,r", [vp], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    return ve, vo
+
+
+@triton.jit
 def _decode_stage1_kernel(
     q_ptr, k_ptr, v_ptr,
     kv_indptr_ptr, kv_indices_ptr, num_kv_splits_ptr,
@@ -154,7 +192,16 @@ def _decode_stage1_kernel(
     COMPUTE_FP32: tl.constexpr,
     DOT_PREC: tl.constexpr,
     F16_DOT: tl.constexpr,
+    V_PAIRS: tl.constexpr = False,
+    E5M2: tl.constexpr = False,
 ):
+    # V_PAIRS (fp8 cache, 16-bit dots, see `_v_pairs_ok`): ``v_ptr`` / ``stride_vt`` /
+    # ``stride_vh`` address the V buffer viewed as int16 (two fp8 values of adjacent columns
+    # per element). The tile goes to shared memory as 16-bit pairs and is read with the
+    # 16-bit ``ldmatrix.trans`` path; `_fp8_pairs_to_f16` then converts it in registers to
+    # the even and odd columns, multiplied by two dots of BLOCK_DV / 2 columns. (Without
+    # it, the fp8 V tile, row-major in memory, reaches the dot-operand layout, which wants
+    # 4 consecutive keys per thread, through one 1-byte shared-memory load per element.)
     # F16_DOT (fp8 cache, bf16 queries): the dots run in fp16, whose conversion from fp8 is
     # one instruction on sm_89+ (bf16 needs two); q is clamped to fp16's range first.
     # sm_scale already includes K's dequantisation scale (folded on the host); V's scale
@@ -205,6 +252,9 @@ def _decode_stage1_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+        if V_PAIRS:
+            acc_e = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
+            acc_o = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             mask_n = offs_n < hi
@@ -241,20 +291,33 @@ def _decode_stage1_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_head_ptr + slots[:, None] * stride_vt + offs_dv[None, :],
-                mask=mask_n[:, None] & mask_dv[None, :],
-                other=0.0,
-            )
-            if COMPUTE_FP32:
-                v = v.to(tl.float32)
-            if BLOCK_H == 1:
-                pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+            if V_PAIRS:
+                vp = tl.load(
+                    v_head_ptr + slots[:, None] * stride_vt + tl.arange(0, BLOCK_DV // 2)[None, :],
+                    mask=mask_n[:, None],
+                    other=0,
+                )
+                v_e, v_o = _fp8_pairs_to_f16(vp, E5M2)
+                p16 = p.to(tl.float16)
+                acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_e)
+                acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_o)
             else:
-                v = v.to(q.dtype)
-                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            acc = acc * alpha[:, None] + pv
+                v = tl.load(
+                    v_head_ptr + slots[:, None] * stride_vt + offs_dv[None, :],
+                    mask=mask_n[:, None] & mask_dv[None, :],
+                    other=0.0,
+                )
+                if COMPUTE_FP32:
+                    v = v.to(tl.float32)
+                if BLOCK_H == 1:
+                    pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+                else:
+                    v = v.to(q.dtype)
+                    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+                acc = acc * alpha[:, None] + pv
             m_i = m_new
+        if V_PAIRS:  # columns 2c (acc_e) and 2c + 1 (acc_o) back in order
+            acc = tl.reshape(tl.join(acc_e, acc_o), [BLOCK_H, BLOCK_DV])
         # Every visited split holds >= 1 key, so l_i > 0 for every row.
         part = acc / l_i[:, None]
         if V_SCALED:
@@ -304,11 +367,27 @@ def _decode_stage2_kernel(
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_dv, out.to(o_ptr.dtype.element_ty), mask=mask_dv)
 
 
+def _v_pairs_ok(q: torch.Tensor, v_buffer: torch.Tensor, block_dv: int) -> bool:
+    """Whether stage 1 may read an fp8 V buffer as int16 pairs of adjacent columns
+    (``V_PAIRS``; CUDA only, 16-bit queries, ``Dv`` a power of two >= 32, every stride and
+    the base address even so that each pair is one aligned int16)."""
+    return (
+        v_buffer.dtype in FP8_DTYPES and q.dtype in (torch.float16, torch.bfloat16) and q.device.type == "cuda"
+        and v_buffer.shape[2] == block_dv and block_dv >= 32
+        and v_buffer.stride(0) % 2 == 0 and v_buffer.stride(1) % 2 == 0 and v_buffer.data_ptr() % 2 == 0
+    )
+
+
 def _max_shared_mem(device: torch.device) -> int:
     """Opt-in shared memory per block (bytes) of a CUDA device; 0 on CPU or when unknown."""
     if device.type != "cuda":
         return 0
     return int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0) or 0)
+
+
+def _device_name(device: torch.device) -> str:
+    """``torch.cuda.get_device_name`` of a CUDA device ("" on CPU)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
 
 
 def _num_sms(device: torch.device) -> int:
@@ -433,7 +512,7 @@ def decode_attention_fwd(
 
     group = hq // hkv
     cfg = config or decode_config(dk, group, k_buffer.dtype, is_hip=torch.version.hip is not None,
-                                   max_shared_mem=_max_shared_mem(q.device))
+                                   max_shared_mem=_max_shared_mem(q.device), device_name=_device_name(q.device))
     block_h = cfg.block_h
     if block_h > 1:
         block_h = max(16, block_h)
@@ -447,15 +526,23 @@ def decode_attention_fwd(
     block_dv = max(16, triton.next_power_of_2(dv))
     compute_fp32 = interpret
     dot_prec = "ieee" if (compute_fp32 or q.dtype == torch.float32) else None
+    v_arg, stride_vt, stride_vh = v_buffer, v_buffer.stride(0), v_buffer.stride(1)
+    v_pairs = cfg.v_pairs and not compute_fp32 and block_h > 1 and _v_pairs_ok(q, v_buffer, block_dv)
+    if v_pairs:
+        try:
+            v_arg = v_buffer.view(torch.int16)
+            stride_vt, stride_vh = v_arg.stride(0), v_arg.stride(1)
+        except RuntimeError:  # a view torch cannot reinterpret: the byte path
+            v_pairs, v_arg = False, v_buffer
 
     _decode_stage1_kernel[(bs, head_programs, g)](
-        q, k_buffer, v_buffer,
+        q, k_buffer, v_arg,
         kv_indptr, kv_indices, num_kv_splits,
         attn_logits, attn_lse,
         float(sm_scale) * k_scale, float(logit_cap), v_scale,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1),
+        stride_vt, stride_vh,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1),
         g,
@@ -474,6 +561,8 @@ def decode_attention_fwd(
         COMPUTE_FP32=compute_fp32,
         DOT_PREC=dot_prec,
         F16_DOT=k_buffer.dtype in FP8_DTYPES and q.dtype == torch.bfloat16 and not compute_fp32,
+        V_PAIRS=v_pairs,
+        E5M2=v_pairs and v_buffer.dtype == torch.float8_e5m2,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
