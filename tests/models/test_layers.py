@@ -112,6 +112,23 @@ def test_rope_of_fused_qkv_views_matches_separate_tensors(neox, rotary_dim):
     assert torch.equal(qkv, before)  # out of place: the qkv output (and v in it) untouched
 
 
+def test_rope_reuses_a_lookup_only_for_the_same_unchanged_positions():
+    rope = RotaryEmbedding(64, 64, 512, 10000.0)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(3, 128, generator=g)
+    pos = torch.tensor([1, 2, 3])
+
+    def fresh(p):  # the rotation computed by a module that has never seen ``p``
+        return RotaryEmbedding(64, 64, 512, 10000.0)(p.clone(), q, None)[0]
+
+    assert torch.equal(rope(pos, q, None)[0], fresh(pos))
+    assert torch.equal(rope(pos, q, None)[0], fresh(pos))  # reused lookup, same values
+    pos[1] = 400  # in place: the step's positions buffer rewritten
+    assert torch.equal(rope(pos, q, None)[0], fresh(pos))
+    other = torch.tensor([7, 8, 9])
+    assert torch.equal(rope(other, q, None)[0], fresh(other))
+
+
 def test_rope_keeps_dtype_bf16():
     rope = RotaryEmbedding(64, 64, 128, 10000.0)
     q = torch.randn(3, 128, dtype=torch.bfloat16)

@@ -97,3 +97,14 @@ def test_counter_uniform_range_and_independence():
 def test_invalid_temperatures_are_refused(bad):
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=bad)
+
+
+def test_argmax_last_matches_torch_argmax_including_ties():
+    from attnserve.engine.sampler import argmax_last
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 1000, generator=g)
+    x[2, 10] = x[2, 500] = x[2].max() + 1  # tie: the first index wins, as torch.argmax
+    x[5, :] = 0.0  # all equal
+    assert torch.equal(argmax_last(x), torch.argmax(x, dim=-1))
+    assert argmax_last(x)[2] == 10 and argmax_last(x)[5] == 0

@@ -86,13 +86,16 @@ class DecodeGatherPlan:
         flat: int64 ``[bs * W]`` slots, request-major. Padding re-reads the request's
             newest slot (written this step, so finite), never the dummy slot 0, which may
             hold anything: masked scores then never meet a NaN value row.
-        valid: bool ``[bs, W]``; score_mask: it as ``[bs, 1, 1, W]``.
+        valid: bool ``[bs, W]``; score_mask: it as ``[bs, 1, 1, W]``; attn_bias: float32
+            ``[bs, 1, 1, W]``, 0 where valid and -inf elsewhere (SDPA's additive mask, built
+            once a step instead of converted from the bool mask in every layer).
     """
 
     width: int
     flat: torch.Tensor
     valid: torch.Tensor
     score_mask: torch.Tensor
+    attn_bias: torch.Tensor
 
     @classmethod
     def build(cls, fb: ForwardBatch, window: int, device) -> "DecodeGatherPlan":
@@ -106,7 +109,10 @@ class DecodeGatherPlan:
         slots = r2t[fb.req_pool_indices[:, None], pos.clamp(max=r2t.shape[1] - 1)].to(torch.int64)
         newest = r2t[fb.req_pool_indices, fb.seq_lens.to(torch.int64) - 1].to(torch.int64)
         flat = torch.where(valid, slots, newest[:, None]).flatten()
-        return cls(width, flat, valid, valid[:, None, None, :])
+        score_mask = valid[:, None, None, :]
+        attn_bias = torch.zeros(score_mask.shape, dtype=torch.float32, device=device).masked_fill_(
+            ~score_mask, float("-inf"))
+        return cls(width, flat, valid, score_mask, attn_bias)
 
 
 @register_attention_backend("torch_native")
@@ -225,7 +231,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         qf = q.view(bs, hkv, group, layer.qk_head_dim).float()
         if not (layer.logit_cap and layer.logit_cap > 0):
             out = torch.nn.functional.scaled_dot_product_attention(
-                qf, kf.transpose(1, 2), vf.transpose(1, 2), attn_mask=plan.score_mask, scale=layer.scaling)
+                qf, kf.transpose(1, 2), vf.transpose(1, 2), attn_mask=plan.attn_bias, scale=layer.scaling)
             return out.reshape(bs, layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
         scores = torch.matmul(qf, kf.permute(0, 2, 3, 1)) * layer.scaling  # [bs, Hkv, group, W]
         scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)

@@ -49,7 +49,7 @@ import torch
 from attnserve.engine.detokenizer import check_stop
 from attnserve.engine.prefix_cache import PrefixCacheManager
 from attnserve.engine.request import FinishReason, Req
-from attnserve.engine.sampler import SamplingBatchInfo, sample
+from attnserve.engine.sampler import SamplingBatchInfo, argmax_last, sample
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.schedule_batch import LaunchedStep, ScheduleBatch, SchedulerStats  # noqa: F401 (re-export)
 from attnserve.speculative_config import SpeculativeConfig
@@ -469,7 +469,7 @@ class Scheduler:
             logits = logits[dev.emit_index]
         params = [r.sampling_params for r in emit_reqs]
         if all(p.is_greedy for p in params):
-            next_ids = torch.argmax(logits, dim=-1)
+            next_ids = argmax_last(logits)
         else:
             info = SamplingBatchInfo.from_params(params, [r.seed for r in emit_reqs],
                                                  [r.num_launched_outputs for r in emit_reqs], self.device)

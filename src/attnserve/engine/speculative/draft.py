@@ -30,6 +30,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from attnserve.engine.sampler import argmax_last
 from attnserve.engine.request import Req
 from attnserve.engine.speculative.tree import DraftTree, VerifyInput
 from attnserve.forward_batch import ForwardBatch, ForwardMode
@@ -115,7 +116,7 @@ class DraftWorker:
         """Chains (topk 1): the root's argmax, then `DraftChainRunner` for the deeper
         tokens, one host read at the end."""
         bs = len(reqs)
-        first = torch.argmax(self._catch_up(reqs, prefix), dim=-1)  # depth-1 tokens [bs]
+        first = argmax_last(self._catch_up(reqs, prefix))  # depth-1 tokens [bs]
         # drafted tokens each request keeps: its reserved depth and its tree size bound
         keep = [max(0, min(e - 1, min(self.config.num_draft_tokens, lim) - 1)) for e, lim in zip(extents, limits)]
         tokens = first.view(-1, 1)

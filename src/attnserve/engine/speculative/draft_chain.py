@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from attnserve.engine.sampler import argmax_last
 from attnserve.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class DraftChainRunner:
                 fb.extend_prefix_lens_cpu = (fb.seq_lens_cpu - 1).tolist()
                 backend.init_forward_metadata(fb)
             logits = model.compute_logits(model(fb.input_ids, fb.positions, fb))
-            tokens = torch.argmax(logits, dim=-1)
+            tokens = argmax_last(logits)
             out.append(tokens)
         return torch.stack(out, dim=1)
 

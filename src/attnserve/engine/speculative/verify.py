@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from attnserve.engine.request import Req
-from attnserve.engine.sampler import SamplingBatchInfo, sample
+from attnserve.engine.sampler import SamplingBatchInfo, argmax_last, sample
 from attnserve.speculative_config import SpeculativeConfig
 from attnserve.engine.speculative.ngram import NgramDrafter, NgramIndex
 from attnserve.engine.speculative.tree import DraftTree, accept_path, build_verify_input
@@ -263,7 +263,7 @@ class SpecDecoder:
         """The target's token after every node: argmax for greedy requests, else a sample
         with the request's settings at output position ``len(output_ids) + depth``."""
         if all(r.sampling_params.is_greedy for r in reqs):
-            return torch.argmax(logits, dim=-1)
+            return argmax_last(logits)
         params, seeds, positions = [], [], []
         for r, t in zip(reqs, trees):
             for d in t.depths():

@@ -56,12 +56,12 @@ class PackedCPUWeight:
         """Whether `linear` would take the packed path for ``x`` and ``weight``."""
         return (
             self._available
-            and x.device.type == "cpu"
-            and weight.device.type == "cpu"
-            and x.dtype == torch.float32
-            and weight.dtype == torch.float32
             and x.dim() == 2
             and x.shape[0] >= self.min_rows
+            and x.dtype is torch.float32
+            and weight.dtype is torch.float32
+            and not x.is_cuda
+            and not weight.is_cuda
         )
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -74,12 +74,13 @@ class PackedCPUWeight:
         """
         if not self.applies(x, weight):
             return None
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        key = (weight.data_ptr(), weight._version, weight.shape)
         if self._key != key:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             self._key = key
         b = None if bias is None else bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, b, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), self._packed, b,
+                                                   "none", [], "")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

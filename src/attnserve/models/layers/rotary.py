@@ -239,6 +239,7 @@ class RotaryEmbedding(nn.Module, FusedKernelUser):
         if self.cos_sin_scale != 1.0:
             cache = cache * self.cos_sin_scale
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self._cos_sin_last = None  # (key, (cos, sin)) of the last `_cos_sin` lookup
         self.init_fused(True)
 
     def _apply(self, fn, *args, **kwargs):
@@ -249,6 +250,23 @@ class RotaryEmbedding(nn.Module, FusedKernelUser):
         if self.cos_sin_cache.dtype != torch.float32 and table.dtype == torch.float32:
             self.cos_sin_cache = table.to(self.cos_sin_cache.device)
         return self
+
+    def _cos_sin(self, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(cos, sin)`` ``[T, 1, rotary_dim // 2]`` of ``positions``; every layer of a
+        step passes the same positions tensor (one table shared by the model), so the last
+        lookup is reused while that tensor is unchanged. CPU only: on CUDA a reused lookup
+        would leave the lookup out of a CUDA graph captured after an eager warm-up."""
+        if positions.is_cuda:
+            cos_sin = self.cos_sin_cache.index_select(0, positions).float()
+            return cos_sin.unsqueeze(1).chunk(2, dim=-1)
+        key = (positions, positions._version, self.cos_sin_cache.data_ptr())
+        cached = self._cos_sin_last
+        if cached is not None and cached[0][0] is key[0] and cached[0][1:] == key[1:]:
+            return cached[1]
+        cos_sin = self.cos_sin_cache.index_select(0, positions).float()
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+        self._cos_sin_last = (key, (cos, sin))
+        return cos, sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -296,8 +314,7 @@ class RotaryEmbedding(nn.Module, FusedKernelUser):
                 kv_store=kv_store,
             )
             return query, key
-        cos_sin = self.cos_sin_cache.index_select(0, positions).float()
-        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim // 2] each
+        cos, sin = self._cos_sin(positions)
         if key is not None and _adjacent_columns(query, key):
             # q and k side by side in one qkv output: one rotation over both (half the ops)
             qk = query.as_strided((query.shape[0], query.shape[1] + key.shape[1]), query.stride())
