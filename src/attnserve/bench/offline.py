@@ -4,7 +4,8 @@ Real weights (default; CPU or GPU):
 ``python -m attnserve.bench.offline [--model smollm2-135m] [--max-new-tokens 128]``
 measures generated tokens/s for 1 and 16 concurrent requests (``ignore_eos`` so every
 request generates exactly ``max_new_tokens``), then HF ``generate`` on the same prompts
-with batch 1 and batch 8 (left-padded), greedy, the same dtype and device.
+with batch 1 and batch 8 (left-padded), greedy, the same dtype and device; every row is
+the median of ``--repeat`` timed passes (default 3) after a warm-up of the same batch.
 
 Engine loop on a GPU (dummy weights, any shape):
 ``python -m attnserve.bench.offline --device cuda --load-format dummy
@@ -28,6 +29,7 @@ import argparse
 import datetime as dt
 import os
 import platform
+import statistics
 import time
 
 import torch
@@ -54,20 +56,37 @@ PROMPTS = [
 ]
 
 
-def bench_attnserve(llm, prompts, max_new_tokens: int) -> dict:
+def _timed(passes) -> dict:
+    """``passes``: callables returning generated tokens. Runs each once, timed; the row's
+    ``seconds`` is the median (``seconds_all`` lists every pass)."""
+    secs, gen = [], 0
+    for run_pass in passes:
+        t0 = time.perf_counter()
+        gen = run_pass()
+        secs.append(time.perf_counter() - t0)
+    med = statistics.median(secs)
+    return {"generated_tokens": gen, "seconds": med, "seconds_all": secs, "tokens_per_s": gen / med}
+
+
+def bench_attnserve(llm, prompts, max_new_tokens: int, repeat: int = 1) -> dict:
+    """Generated tokens/s of ``prompts`` run concurrently, median of ``repeat`` timed passes
+    (each after emptying the prefix cache) that follow one warm-up pass of the same batch."""
     from attnserve.engine.sampling_params import SamplingParams
 
     sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0.0), chat=True)  # warm-up, same batch
-    llm.engine.scheduler.flush_prefix_cache()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, chat=True)
-    secs = time.perf_counter() - t0
-    gen = sum(len(o.token_ids) for o in outs)
-    return {"requests": len(prompts), "generated_tokens": gen, "seconds": secs, "tokens_per_s": gen / secs}
+
+    def one_pass():
+        llm.engine.scheduler.flush_prefix_cache()
+        return sum(len(o.token_ids) for o in llm.generate(prompts, sp, chat=True))
+
+    return {"requests": len(prompts), **_timed([one_pass] * repeat)}
 
 
-def bench_hf(model_dir: str, gguf_file: str, prompts, max_new_tokens: int, batch: int, dtype, device) -> dict:
+def bench_hf(model_dir: str, gguf_file: str, prompts, max_new_tokens: int, batch: int, dtype, device,
+             repeat: int = 1) -> dict:
+    """HF ``generate`` tokens/s over every prompt in batches of ``batch`` (left-padded, greedy,
+    exactly ``max_new_tokens`` each), median of ``repeat`` timed passes after a warm-up batch."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file)
@@ -85,13 +104,11 @@ def bench_hf(model_dir: str, gguf_file: str, prompts, max_new_tokens: int, batch
         return (out.shape[1] - enc["input_ids"].shape[1]) * len(chunk)
 
     run(texts[:batch], 4)  # warm-up
-    gen = 0
-    t0 = time.perf_counter()
-    for i in range(0, len(texts), batch):
-        gen += run(texts[i:i + batch], max_new_tokens)
-    secs = time.perf_counter() - t0
-    return {"requests": len(texts), "batch": batch, "generated_tokens": gen, "seconds": secs,
-            "tokens_per_s": gen / secs}
+
+    def one_pass():
+        return sum(run(texts[i:i + batch], max_new_tokens) for i in range(0, len(texts), batch))
+
+    return {"requests": len(texts), "batch": batch, **_timed([one_pass] * repeat)}
 
 
 def fill_decode_kv(runner, bs: int, ctx: int):
@@ -237,7 +254,11 @@ def main(argv=None) -> int:
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="timed passes per row (real-weights mode); rows report the median")
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.load_format == "dummy":
         if args.device not in ("cuda", "auto") or not torch.cuda.is_available():
             ap.error("--load-format dummy measures the engine loop on a GPU: needs CUDA (--device cuda)")
@@ -251,7 +272,7 @@ def main(argv=None) -> int:
     dtype = llm.engine.model_runner.dtype
     rows = {}
     for n in (1, 16):
-        rows[f"attnserve_concurrency_{n}"] = r = bench_attnserve(llm, PROMPTS[:n], args.max_new_tokens)
+        rows[f"attnserve_concurrency_{n}"] = r = bench_attnserve(llm, PROMPTS[:n], args.max_new_tokens, args.repeat)
         print(f"attnserve  concurrency {n:2d}: {r['tokens_per_s']:8.1f} tok/s ({r['seconds']:.1f} s)")
     if not args.skip_hf:
         from attnserve.model_loader.loader import resolve_model
@@ -261,7 +282,7 @@ def main(argv=None) -> int:
         for b in (1, 8):
             prompts = PROMPTS[:1] if b == 1 else PROMPTS[:16]
             rows[f"hf_generate_batch_{b}"] = r = bench_hf(model_dir, gguf_file, prompts, args.max_new_tokens, b,
-                                                          dtype, device)
+                                                          dtype, device, args.repeat)
             print(f"HF generate batch {b:2d}:      {r['tokens_per_s']:8.1f} tok/s ({r['seconds']:.1f} s)")
     result = {
         "benchmark": "offline",
@@ -275,6 +296,7 @@ def main(argv=None) -> int:
         "dtype": str(dtype),
         "attention_backend": llm.engine.model_runner.backend_choice.decode,
         "max_new_tokens": args.max_new_tokens,
+        "repeat": args.repeat,
         "rows": rows,
     }
     write_result(result, args.out, "offline", device)
