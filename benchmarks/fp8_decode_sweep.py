@@ -31,6 +31,21 @@ def case(bs, ctx, kv_dtype, config=None, split_cap=32):
     return gqa_decode(bs, ctx, kv_dtype=kv_dtype, config=config, split_cap=split_cap)
 
 
+def _config_row(bs, ctx, kv_dtype, kv_label, print_label, config_name, cfg, base_us) -> dict:
+    """One timed configuration as a result row (``error`` instead of timings when it cannot
+    launch, e.g. out of shared memory), printed with its speed-up over ``base_us``."""
+    try:
+        r = case(bs, ctx, kv_dtype, cfg)
+    except Exception as e:  # noqa: BLE001 - out of resources: record and go on
+        r = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
+    if "us" in r:
+        print(f"bs {bs} ctx {ctx} {print_label} {r['us']:.1f} us {r['tbps']:.2f} TB/s "
+              f"x{base_us / r['us']:.2f} err {r.get('rel_err', 0.0):.1e}", flush=True)
+    else:
+        print(f"bs {bs} ctx {ctx} {print_label} {r['error']}", flush=True)
+    return dict(bs=bs, ctx=ctx, kv=kv_label, config=config_name, **r)
+
+
 def main(argv=None) -> int:
     from attnserve.attention.triton_ops.decode_attention import DecodeConfig
 
@@ -54,16 +69,7 @@ def main(argv=None) -> int:
                     cfg = None if conf is None else DecodeConfig(block_n=conf[0], block_h=16, num_warps=conf[2],
                                                                  num_stages=conf[1], v_pairs=conf[3])
                     name = "default" if conf is None else "/".join(map(str, conf[:3])) + ("/pairs" if conf[3] else "/bytes")
-                    try:
-                        r = case(bs, ctx, kv, cfg)
-                    except Exception as e:  # noqa: BLE001 - out of resources: record and go on
-                        r = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
-                    rows.append(dict(bs=bs, ctx=ctx, kv=str(kv), config=name, **r))
-                    if "us" in r:
-                        print(f"bs {bs} ctx {ctx} {kv} {name} {r['us']:.1f} us {r['tbps']:.2f} TB/s "
-                              f"x{base['us'] / r['us']:.2f} err {r.get('rel_err', 0.0):.1e}", flush=True)
-                    else:
-                        print(f"bs {bs} ctx {ctx} {kv} {name} {r['error']}", flush=True)
+                    rows.append(_config_row(bs, ctx, kv, str(kv), f"{kv} {name}", name, cfg, base["us"]))
                 torch.cuda.empty_cache()
         write_result({"benchmark": "fp8-decode-pairs", "date": dt.date.today().isoformat(),
                       "device": device_slug("cuda"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -87,17 +93,9 @@ def main(argv=None) -> int:
         for conf in [None] + CONFIGS:
             cfg = None if conf is None else DecodeConfig(block_n=conf[0], block_h=16, num_warps=conf[2],
                                                          num_stages=conf[1])
-            try:
-                r = case(bs, ctx, torch.float8_e4m3fn, cfg)
-            except Exception as e:  # noqa: BLE001 - out of shared memory etc.: record and go on
-                r = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
             name = "default" if cfg is None else "/".join(map(str, conf))
-            rows.append(dict(bs=bs, ctx=ctx, kv="fp8_e4m3", config=name, **r))
-            if "us" in r:
-                print(f"bs {bs} ctx {ctx} e4m3 {name:9s} {r['us']:.1f} us {r['tbps']:.2f} TB/s "
-                      f"x{base['us'] / r['us']:.2f} err {r.get('rel_err', 0.0):.1e}", flush=True)
-            else:
-                print(f"bs {bs} ctx {ctx} e4m3 {name:9s} {r['error']}", flush=True)
+            rows.append(_config_row(bs, ctx, torch.float8_e4m3fn, "fp8_e4m3", f"e4m3 {name:9s}", name, cfg,
+                                    base["us"]))
             torch.cuda.empty_cache()
     import triton
 

@@ -86,14 +86,14 @@ class DecodeGatherPlan:
         flat: int64 ``[bs * W]`` slots, request-major. Padding re-reads the request's
             newest slot (written this step, so finite), never the dummy slot 0, which may
             hold anything: masked scores then never meet a NaN value row.
-        valid: bool ``[bs, W]``; score_mask: it as ``[bs, 1, 1, W]``; attn_bias: float32
-            ``[bs, 1, 1, W]``, 0 where valid and -inf elsewhere (SDPA's additive mask, built
-            once a step instead of converted from the bool mask in every layer).
+        score_mask: bool ``[bs, 1, 1, W]``, True where the gathered key is visible;
+        attn_bias: float32 ``[bs, 1, 1, W]``, 0 where visible and -inf elsewhere (SDPA's
+            additive mask, built once a step instead of converted from the bool mask in
+            every layer).
     """
 
     width: int
     flat: torch.Tensor
-    valid: torch.Tensor
     score_mask: torch.Tensor
     attn_bias: torch.Tensor
 
@@ -112,7 +112,7 @@ class DecodeGatherPlan:
         score_mask = valid[:, None, None, :]
         attn_bias = torch.zeros(score_mask.shape, dtype=torch.float32, device=device).masked_fill_(
             ~score_mask, float("-inf"))
-        return cls(width, flat, valid, score_mask, attn_bias)
+        return cls(width, flat, score_mask, attn_bias)
 
 
 @register_attention_backend("torch_native")

@@ -97,7 +97,7 @@ class Linear(nn.Module, FusedKernelUser):
             raise ValueError(f"forward_gated: out_features={self.out_features} must be even ([gate | up] rows)")
         if self._skinny(x):
             return skinny_linear_gated(x, self.weight, activation, bias=self.bias)
-        return act_and_mul(self.matmul(x, self.bias), activation, self.use_fused)
+        return act_and_mul(cpu_gemm.linear(x, self.weight, self.bias, self.cpu_packed), activation, self.use_fused)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -256,16 +256,15 @@ class RotaryEmbedding(nn.Module, FusedKernelUser):
         step passes the same positions tensor (one table shared by the model), so the last
         lookup is reused while that tensor is unchanged. CPU only: on CUDA a reused lookup
         would leave the lookup out of a CUDA graph captured after an eager warm-up."""
-        if positions.is_cuda:
-            cos_sin = self.cos_sin_cache.index_select(0, positions).float()
-            return cos_sin.unsqueeze(1).chunk(2, dim=-1)
-        key = (positions, positions._version, self.cos_sin_cache.data_ptr())
-        cached = self._cos_sin_last
-        if cached is not None and cached[0][0] is key[0] and cached[0][1:] == key[1:]:
-            return cached[1]
-        cos_sin = self.cos_sin_cache.index_select(0, positions).float()
-        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
-        self._cos_sin_last = (key, (cos, sin))
+        key = None
+        if not positions.is_cuda:
+            key = (positions, positions._version, self.cos_sin_cache.data_ptr())
+            cached = self._cos_sin_last
+            if cached is not None and cached[0][0] is key[0] and cached[0][1:] == key[1:]:
+                return cached[1]
+        cos, sin = self.cos_sin_cache.index_select(0, positions).float().unsqueeze(1).chunk(2, dim=-1)
+        if key is not None:
+            self._cos_sin_last = (key, (cos, sin))
         return cos, sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
