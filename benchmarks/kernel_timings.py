@@ -111,17 +111,12 @@ def extend(t: int = 8192, hq: int = 32, hkv: int = 8, d: int = 128) -> dict:
     return dict(us=us, tflops=2 * 2 * t * t / 2 * hq * d / (us * 1e-6) / 1e12)
 
 
-def mla_decode(bs: int, ctx: int, heads: int, page: int = 64, kv_dtype: torch.dtype = torch.bfloat16,
-               triton_stage1: bool = False) -> dict:
-    """Paged MLA decode (512 + 64, CUDA graph). ``triton_stage1``: an fp8 cache runs the
-    Triton stage 1 it ran before the fp8 seesaw kernel (the 16-bit default config with
-    ``stage1="triton"``), for A/B rows in one run."""
-    from attnserve.attention.triton_ops.mla_decode import (
-        mla_decode_fwd,
-        mla_num_kv_splits,
-        mla_split_sm_count,
-        mla_workspace_size,
-    )
+def mla_inputs(bs: int, ctx: int, heads: int, page: int = 64, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Seeded inputs of `mla_decode` (512 + 64 dims, ``bs`` requests of ``ctx`` tokens on
+    random distinct pages, the device split heuristic's count): ``q_nope``, ``q_pe``, ``kv``
+    (pool ``[slots, 1, 576]`` of ``kv_dtype``, random bf16 values cast), ``table``,
+    ``lens``, ``o``, ``splits``, ``ws`` (workspace), in that order."""
+    from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits, mla_split_sm_count, mla_workspace_size
 
     g = torch.Generator(device="cuda").manual_seed(2)
     blocks = ctx // page
@@ -135,6 +130,17 @@ def mla_decode(bs: int, ctx: int, heads: int, page: int = 64, kv_dtype: torch.dt
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = mla_num_kv_splits(ctx, bs, mla_split_sm_count(sms, heads))
     ws = torch.empty(mla_workspace_size(ctx, bs, splits, heads, 512), dtype=torch.uint8, device="cuda")
+    return dict(q_nope=q_nope, q_pe=q_pe, kv=kv, table=table, lens=lens, o=o, splits=splits, ws=ws)
+
+
+def mla_decode(bs: int, ctx: int, heads: int, page: int = 64, kv_dtype: torch.dtype = torch.bfloat16,
+               triton_stage1: bool = False) -> dict:
+    """Paged MLA decode (512 + 64, CUDA graph). ``triton_stage1``: an fp8 cache runs the
+    Triton stage 1 it ran before the fp8 seesaw kernel (the 16-bit default config with
+    ``stage1="triton"``), for A/B rows in one run."""
+    from attnserve.attention.triton_ops.mla_decode import mla_decode_fwd
+
+    q_nope, q_pe, kv, table, lens, o, splits, ws = mla_inputs(bs, ctx, heads, page, kv_dtype).values()
     kw = _kv_args(kv_dtype, "kv_scale")
     if triton_stage1:
         import dataclasses

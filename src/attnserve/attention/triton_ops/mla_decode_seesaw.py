@@ -50,9 +50,14 @@ slot (the slots are the same as above: no extra shared memory), waits for it on 
 barrier, converts it in place to fp16 (e4m3 / e5m2 -> fp16 is exact) and then arrives the
 group's "ready" barrier, which is all the compute warpgroups wait for; their code is the
 16-bit kernel's with fp16 operands (bf16 queries are converted with saturation to fp16's
-+-65504 when q is loaded; P is fp16). A group is converted right after the next one is
-issued, so one copy is in flight while the previous one is converted. ``out_scale`` (the
-cache's kv_scale; the host folds it into ``sm_scale_log2`` too) multiplies each output half.
++-65504 when q is loaded; P is fp16). A group (c_kv 0..3, 4..7, k_pe) is converted with one
+barrier: all its fp8 bytes loaded into registers (32 a thread for 4 chunks; the converter
+runs with 48 registers, warpgroup 1 with 216), then all its 16-bit slots stored; a group is
+converted right after the next one is issued, so one copy is in flight while the previous
+one is converted. ``out_scale`` (the cache's kv_scale; the host folds it into
+``sm_scale_log2`` too) multiplies each output half. H100 (benchmarks/NOTES.md, Session 12):
+128 heads bs 32 x 16K ~320 us against ~265 for bf16 (0.8x); 16 heads bs 128 x 4K ~165 us
+against ~224 (1.35x).
 
 Needs sm_90, 16-bit queries (and a cache of their dtype, or fp8), kv_lora_rank 512 + rope 64, ``page_size % 64 == 0`` and
 TMA-compatible strides (`mla_decode.mla_gluon_applicable`). Gluon is experimental; written
@@ -389,22 +394,20 @@ def _loader(kv_s, bars, start, end, desc, table, PAGE_SIZE: gl.constexpr):
 # fp8 cache: a [64, 64] fp8 chunk (4 KB) is TMA-loaded into the upper half of the chunk's
 # 16-bit slot (8 KB; 64-byte swizzle) and converted in place by the loader partition
 STAGE_SW = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
-MMA_SW = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-# 32 rows x 64 fp8 of a chunk over the loader's 4 warps: 16 consecutive bytes a thread
+# the same swizzles as rank-3 views over the chunk index (a rank-2 layout over a 3-d register
+# tensor is refused by the compiler)
+STAGE_SW_3D = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=3))
+MMA_SW_3D = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
+# 64 rows x 64 fp8 of a chunk over the loader's 4 warps: 16 consecutive bytes a thread and
+# row, 2 rows a thread; over a group of 4 chunks 8 such 16-byte pieces a thread
 CVT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
-
-
-@gluon.jit
-def _fp8_stage(kv, c: gl.constexpr, fp8: gl.constexpr):
-    """Chunk ``c``'s fp8 staging area: the upper 4 KB of its 8 KB slot as ``[2, 32, 64]``
-    fp8 (the two 32-row halves of the chunk; a TMA box of ``[64, 64]`` fills both)."""
-    return _chunk(kv, c)._reinterpret(fp8, [4, BLOCK_N // 2, CHUNK], STAGE_SW)
+CVT_LAYOUT_3D = gl.constexpr(gl.BlockedLayout([1, 1, 16], [1, 8, 4], [1, 4, 1], [2, 1, 0]))
 
 
 @gluon.jit
 def _issue_fp8(desc, row0, c0: gl.constexpr, n: gl.constexpr, land, kv):
-    """TMA copies of fp8 chunks ``c0 .. c0 + n - 1`` of one block into their staging areas,
-    completing on ``land[c0]``."""
+    """TMA copies of fp8 chunks ``c0 .. c0 + n - 1`` of one block into their staging areas
+    (the upper 4 KB of each chunk's 8 KB slot), completing on ``land[c0]``."""
     bar = land.index(c0)
     mbarrier.expect(bar, n * desc.block_type.nbytes)
     for c in gl.static_range(c0, c0 + n):
@@ -416,18 +419,27 @@ def _issue_fp8(desc, row0, c0: gl.constexpr, n: gl.constexpr, land, kv):
 def _convert(kv, c0: gl.constexpr, n: gl.constexpr, land, ready, ph, fp8: gl.constexpr):
     """Wait for the fp8 chunks ``c0 .. c0 + n - 1`` (``land[c0]``, phase ``ph``), convert
     them in place to the slot's 16-bit dtype and arrive ``ready[c0]`` (what the compute
-    warpgroups wait for). In place: the fp8 rows 0..31 (bytes 4096..6143 of the slot) become
-    16-bit rows 0..31 (bytes 0..4095, disjoint); rows 32..63 (6144..8191) become bytes
-    4096..8191, so every thread reads them before any writes (one barrier a chunk)."""
+    warpgroups wait for).
+
+    A group is converted with one barrier: one shared-memory load of all its fp8 bytes (for
+    c_kv 0..3 / 4..7, 8 independent 16-byte loads a thread, so their latencies overlap), one
+    barrier (each 16-bit slot overlaps its own staging area), one store of the 16-bit slots.
+    Each slot seen as ``[128, 64]`` fp8 holds its staging area in rows 64..127 (the 64-byte
+    swizzle repeats every 8 rows). One load and one store a group also keep the compiler
+    from adding barriers between chunks and between the halves of a chunk (it cannot tell
+    the views of one buffer apart): converting chunk by chunk cost 4 barriers a chunk and
+    was 1.2x slower at 128 heads (benchmarks/NOTES.md, Session 12)."""
     mbarrier.wait(land.index(c0), ph)
-    for c in gl.static_range(c0, c0 + n):
-        src = _fp8_stage(kv, c, fp8)
-        dst = _chunk(kv, c)._reinterpret(kv[0].dtype, [2, BLOCK_N // 2, CHUNK], MMA_SW)
-        x = src.index(2).load(CVT_LAYOUT)
-        dst.index(0).store(x.to(kv[0].dtype))
-        x = src.index(3).load(CVT_LAYOUT)
+    if c0 == 8:
+        slot = _chunk(kv, c0)
+        x = slot._reinterpret(fp8, [2 * BLOCK_N, CHUNK], STAGE_SW).slice(BLOCK_N, BLOCK_N, 0).load(CVT_LAYOUT)
         gl.thread_barrier()
-        dst.index(1).store(x.to(kv[0].dtype))
+        slot.store(x.to(kv[0].dtype))
+    else:
+        src = kv[0]._reinterpret(fp8, [8, 2 * BLOCK_N, CHUNK], STAGE_SW_3D).slice(c0, n).slice(BLOCK_N, BLOCK_N, 1)
+        x = src.load(CVT_LAYOUT_3D)
+        gl.thread_barrier()
+        kv[0]._reinterpret(kv[0].dtype, [8, BLOCK_N, CHUNK], MMA_SW_3D).slice(c0, n).store(x.to(kv[0].dtype))
     fence_async_shared()  # generic writes before the compute warpgroups' wgmma (async proxy) reads
     gl.thread_barrier()
     mbarrier.arrive(ready.index(c0))
@@ -590,8 +602,10 @@ def seesaw_descriptor(kv_rows):
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # fp8 variant: registers per warpgroup (default 240 / wg1 / the 4-warp loader-converter);
-# 12 warps x 168 at launch = 504 a thread's worth over the three warpgroups
-SEESAW_FP8_REGS = (240, 24)
+# 12 warps x 168 at launch = 504 a thread's worth over the three warpgroups. The converter
+# holds a whole group's fp8 bytes (32 registers) and spills at 24 or 32; wg1 at 216 spills a
+# few registers inside its loop and is still faster overall (benchmarks/NOTES.md, Session 12)
+SEESAW_FP8_REGS = (216, 48)
 
 
 def launch_seesaw_stage1(args: MLAStage1Args, grid: tuple, constexprs: dict, out_scale: float = 1.0) -> None:
