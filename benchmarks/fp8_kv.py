@@ -6,7 +6,9 @@ Writes ``<out>/<device>-fp8-kv-<date>.json``.
 * Kernels (inside CUDA graphs of many calls, median of replays; `kernel_timings`' shapes and
   functions):
   paged GQA decode (Hq 32, Hkv 8, D 128, page 16) at bs 64 x 8K and 8 x 32K; MLA decode
-  (kv_lora_rank 512 + rope 64, page 64) at 16 heads bs 128 x 4K and 128 heads bs 32 x 16K.
+  (kv_lora_rank 512 + rope 64, page 64) at 16 heads bs 128 x 4K and bs 32 x 16K and 128
+  heads bs 32 x 16K with the defaults, plus fp8-only rows for other stage-1 paths (the
+  Triton byte path ``*_triton_stage1``, its pairs path ``*_triton_pairs``) and pages of 32.
   The same random K/V (fp8 entries = the bf16 values cast, scale 1) for each dtype; TB/s
   counts the cache bytes read once; copy bandwidth measured in the same run.
 * Decode step (``--skip-step`` to leave out): Llama-3-8B shape, dummy weights, 64 requests
@@ -19,7 +21,6 @@ Writes ``<out>/<device>-fp8-kv-<date>.json``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import sys
 import time
@@ -30,7 +31,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import copy_bandwidth_gbs, fill_requests, time_ms  # noqa: E402
 from kernel_timings import gqa_decode, mla_decode  # noqa: E402
 
-from attnserve.bench.results import device_slug, write_result  # noqa: E402
+from attnserve.bench.results import cuda_run_metadata, write_result  # noqa: E402
 from attnserve.mem_cache.kv_quant import quantize_kv  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -85,6 +86,18 @@ def decode_step(kv_cache_dtype, bs=64, ctx=8192):
     return out
 
 
+def _pairs(block_h: int, block_n: int):
+    """The Triton kernel's fp8 pairs path with 8 warps (`MLADecodeConfig.kv_pairs`)."""
+    from attnserve.attention.triton_ops.mla_decode import MLADecodeConfig
+
+    return MLADecodeConfig(block_h=block_h, block_n=block_n, num_warps=8, num_stages=1, kv_pairs=True)
+
+
+def _fp8_only(bs: int, ctx: int, heads: int, **kw):
+    """A case function timing `mla_decode` for fp8 formats only (None for bf16)."""
+    return lambda dt_: None if dt_ == torch.bfloat16 else mla_decode(bs, ctx, heads, kv_dtype=dt_, **kw)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip-step", action="store_true")
@@ -94,8 +107,6 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8_e4m3", "fp8_e5m2"])
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
-    import triton
-
     t0 = time.perf_counter()
     res = {"copy_tbps": copy_bandwidth_gbs() / 1e3, "kernels": {}}
     print(f"copy {res['copy_tbps']:.2f} TB/s", flush=True)
@@ -110,16 +121,32 @@ def main(argv=None) -> int:
              ("mla16_decode_bs128_4k_triton_stage1", lambda dt_: mla_decode(128, 4096, 16, kv_dtype=dt_,
                                                                             triton_stage1=True)),
              ("mla128_decode_bs32_16k_triton_stage1", lambda dt_: mla_decode(32, 16384, 128, kv_dtype=dt_,
-                                                                             triton_stage1=True))]
+                                                                             triton_stage1=True)),
+             # session 12: the fp8 seesaw kernel against the Triton kernel's pairs path (fp8 rows
+             # only; their speed-up is against the bf16 row of the case their name extends)
+             ("mla16_decode_bs32_16k", lambda dt_: mla_decode(32, 16384, 16, kv_dtype=dt_)),
+             ("mla16_decode_bs128_4k_triton_pairs", _fp8_only(128, 4096, 16, config=_pairs(16, 128))),
+             ("mla16_decode_bs32_16k_triton_pairs", _fp8_only(32, 16384, 16, config=_pairs(16, 128))),
+             ("mla128_decode_bs32_16k_triton_pairs", _fp8_only(32, 16384, 128, config=_pairs(32, 64))),
+             # pages of 32 tokens (no fp8 seesaw kernel): the pairs path (16 heads) and the byte path
+             ("mla16_decode_bs128_4k_page32", lambda dt_: mla_decode(128, 4096, 16, page=32, kv_dtype=dt_)),
+             ("mla16_decode_bs128_4k_page32_triton_stage1", _fp8_only(128, 4096, 16, page=32, triton_stage1=True)),
+             ("mla64_decode_bs64_8k_page32", lambda dt_: mla_decode(64, 8192, 64, page=32, kv_dtype=dt_)),
+             ("mla64_decode_bs64_8k_page32_triton_pairs", _fp8_only(64, 8192, 64, page=32, config=_pairs(32, 64)))]
     cases = [c for c in cases if args.only is None or c[0] in args.only]
     for name, fn in [] if args.skip_kernels else cases:
         row = {}
         for fmt in args.formats:
-            row[fmt] = fn(DTYPES[fmt])
+            r = fn(DTYPES[fmt])
+            if r is not None:
+                row[fmt] = r
             torch.cuda.empty_cache()
-        for fmt in args.formats:
-            if fmt != "bf16" and "bf16" in row:
-                row[fmt]["speedup_vs_bf16"] = row["bf16"]["us"] / row[fmt]["us"]
+        # an fp8-only row: the bf16 time of the case its name extends (run earlier)
+        base = row.get("bf16") or next((res["kernels"][k]["bf16"] for k in sorted(res["kernels"], key=len, reverse=True)
+                                        if name.startswith(k + "_") and "bf16" in res["kernels"][k]), None)
+        for fmt in row:
+            if fmt != "bf16" and base is not None:
+                row[fmt]["speedup_vs_bf16"] = base["us"] / row[fmt]["us"]
         res["kernels"][name] = row
         print(name, {f: {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for f, r in row.items()},
               flush=True)
@@ -131,9 +158,7 @@ def main(argv=None) -> int:
         step["bs"], step["ctx"] = args.step_bs, 8192
         res["llama3_8b_decode_8k"] = step
         print("decode step", step, flush=True)
-    res.update({"benchmark": "fp8-kv", "date": dt.date.today().isoformat(), "device": device_slug("cuda"),
-                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                "cuda": torch.version.cuda, "total_s": time.perf_counter() - t0})
+    res.update(cuda_run_metadata("fp8-kv", t0))
     write_result(res, args.out, "fp8-kv", "cuda")
     return 0
 

@@ -134,10 +134,11 @@ def mla_inputs(bs: int, ctx: int, heads: int, page: int = 64, kv_dtype: torch.dt
 
 
 def mla_decode(bs: int, ctx: int, heads: int, page: int = 64, kv_dtype: torch.dtype = torch.bfloat16,
-               triton_stage1: bool = False) -> dict:
+               triton_stage1: bool = False, config=None) -> dict:
     """Paged MLA decode (512 + 64, CUDA graph). ``triton_stage1``: an fp8 cache runs the
     Triton stage 1 it ran before the fp8 seesaw kernel (the 16-bit default config with
-    ``stage1="triton"``), for A/B rows in one run."""
+    ``stage1="triton"``), for A/B rows in one run. ``config``: an explicit `MLADecodeConfig`
+    (e.g. the fp8 seesaw kernel's, to time the fp8 default of an older tree)."""
     from attnserve.attention.triton_ops.mla_decode import mla_decode_fwd
 
     q_nope, q_pe, kv, table, lens, o, splits, ws = mla_inputs(bs, ctx, heads, page, kv_dtype).values()
@@ -148,10 +149,12 @@ def mla_decode(bs: int, ctx: int, heads: int, page: int = 64, kv_dtype: torch.dt
         from attnserve.attention.triton_ops.mla_decode import mla_decode_config
 
         kw["config"] = dataclasses.replace(mla_decode_config(heads, 512, 64, torch.bfloat16), stage1="triton")
+    if config is not None:
+        kw["config"] = config
     us = graph_us(lambda: mla_decode_fwd(q_nope, q_pe, kv, table, lens, page, o, 192 ** -0.5, splits, splits,
                                          workspace=ws, **kw))
     out = dict(us=us, tbps=bs * ctx * 576 * kv.element_size() / (us * 1e-6) / 1e12, splits=splits)
-    if kw:  # which stage 1 an fp8 cache runs
+    if kw:  # which stage 1 ran (an fp8 cache, or an explicit config)
         from attnserve.attention.triton_ops.mla_decode import mla_stage1_kernel
 
         out["stage1"] = str(mla_stage1_kernel(q_nope, q_pe, kv, page, kw.get("config")))

@@ -33,6 +33,7 @@ from attnserve.attention.triton_ops.mla_decode import (  # noqa: E402
     mla_decode_config,
     mla_decode_fwd,
     mla_gluon_applicable,
+    mla_kv_pairs_applicable,
     mla_num_kv_splits_device,
     mla_num_work_items,
     mla_stage1_kernel,
@@ -159,6 +160,15 @@ def _sm90():
     return DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
 
 
+def _pairs_device():
+    """A GPU with ``cvt.rn.f16x2.e4m3x2`` (sm_89+): where the Triton pairs path can run."""
+    return DEVICE == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
+
+
+# a config preferring the seesaw kernel: the fp8 seesaw kernel for an fp8 cache on sm_90
+SEESAW_CFG = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma", stage1="seesaw")
+
+
 def test_fp8_cache_stage1_names():
     """Which stage 1 an fp8 cache runs: the fp8 seesaw kernel (``"seesaw_fp8"``) on sm_90
     for the default config and a config preferring ``"seesaw"`` where pages hold whole
@@ -170,22 +180,37 @@ def test_fp8_cache_stage1_names():
     q_nope = torch.zeros(1, 128, D_C, dtype=torch.bfloat16, device=DEVICE)
     q_pe = torch.zeros(1, 128, D_R, dtype=torch.bfloat16, device=DEVICE)
     fast = _sm90() and D_C == 512
+    pairs = _pairs_device() and D_C == 512
     for fp8 in FP8:
         kv = torch.zeros(256, 1, D_C + D_R, dtype=fp8, device=DEVICE)
         rows = kv.view(-1, D_C + D_R)
         assert not mla_gluon_applicable(q_nope, q_pe, rows, 64, 64)
         assert mla_seesaw_fp8_applicable(q_nope, q_pe, rows, 64) == fast
         assert not mla_seesaw_fp8_applicable(q_nope, q_pe, rows, 32)
+        assert mla_kv_pairs_applicable(q_nope, q_pe, rows) == pairs
+        # no pairs for fp32 queries or an odd row stride (a pair would straddle two int16)
+        assert not mla_kv_pairs_applicable(q_nope.float(), q_pe.float(), rows)
+        odd = torch.zeros(256, D_C + D_R + 1, dtype=fp8, device=DEVICE)[:, : D_C + D_R]
+        assert not mla_kv_pairs_applicable(q_nope, q_pe, odd)
         gluon_cfg = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma", stage1="gluon")
-        seesaw_cfg = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma", stage1="seesaw")
+        pairs_cfg = MLADecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=1, kv_pairs=True)
         for page in (64, 128):
             assert mla_stage1_kernel(q_nope, q_pe, kv, page, gluon_cfg) == "tma"
-            assert mla_stage1_kernel(q_nope, q_pe, kv, page, seesaw_cfg) == ("seesaw_fp8" if fast else "tma")
-            for h in (16, 128):
+            assert mla_stage1_kernel(q_nope, q_pe, kv, page, SEESAW_CFG) == ("seesaw_fp8" if fast else "tma")
+            assert mla_stage1_kernel(q_nope, q_pe, kv, page, pairs_cfg) == ("triton_pairs" if pairs else "triton")
+            assert mla_stage1_kernel(q_nope, q_pe, odd, page, pairs_cfg) == "triton"  # the byte path
+            # the default: the fp8 seesaw kernel where it applies (fastest on an H100 at 16 to
+            # 128 heads, session 12), else the pairs path up to 32 heads, else the byte path
+            byte_path = ("tma", "triton")  # the 16-bit default config (interpreter: no TMA)
+            for h in (16, 32, 128):
                 assert mla_stage1_kernel(q_nope[:, :h], q_pe[:, :h], kv, page) in (
-                    ("seesaw_fp8",) if fast else ("tma", "triton"))
-        for cfg in (gluon_cfg, seesaw_cfg):
+                    ("seesaw_fp8",) if fast else ("triton_pairs",) if pairs and h <= 32 else byte_path)
+        for cfg in (gluon_cfg, SEESAW_CFG):
             assert mla_stage1_kernel(q_nope, q_pe, kv, 32, cfg) == "triton"  # a tile spans pages
+        # pages of 32 tokens: no seesaw kernel; the pairs path up to 32 heads
+        for h in (16, 32, 128):
+            assert mla_stage1_kernel(q_nope[:, :h], q_pe[:, :h], kv, 32) == (
+                "triton_pairs" if pairs and h <= 32 else "triton")
     if fast:
         # the same shape with a bf16 cache takes the 16-bit seesaw kernel where Gluon is importable
         bf16 = torch.zeros(256, 1, D_C + D_R, dtype=torch.bfloat16, device=DEVICE)
@@ -212,8 +237,8 @@ def test_fp8_seesaw_ragged(fp8, page_size, num_heads, splits):
     case = make_fp8_case(lens, num_heads, page_size, torch.bfloat16, fp8, kv_scale,
                          amp=kv_scale * (100 if fp8 == torch.float8_e4m3fn else 2),
                          seed=3 * page_size + num_heads + 11 * FP8.index(fp8) + splits)
-    assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], page_size) == "seesaw_fp8"
-    o, lse = run_fp8(case, page_size, splits, splits, kv_scale)
+    assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], page_size, SEESAW_CFG) == "seesaw_fp8"
+    o, lse = run_fp8(case, page_size, splits, splits, kv_scale, config=SEESAW_CFG)
     check(case, o, lse, torch.bfloat16)
     assert (o[0] == 0).all() and torch.isneginf(lse[0].cpu()).all()
 
@@ -232,8 +257,8 @@ def test_fp8_seesaw_fp16_queries_device_splits(fp8, split_mode):
         work = torch.empty(mla_num_work_items(len(lens), 20, 8), dtype=torch.int32, device=DEVICE)
     splits = mla_num_kv_splits_device(case["seq_lens"], 20, 8, work=work)
     assert splits.cpu().tolist()[2] > 1
-    assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], 64) == "seesaw_fp8"
-    o, lse = run_fp8(case, 64, splits, 8, kv_scale, work=work)
+    assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], 64, SEESAW_CFG) == "seesaw_fp8"
+    o, lse = run_fp8(case, 64, splits, 8, kv_scale, work=work, config=SEESAW_CFG)
     check(case, o, lse, torch.float16)
 
 
@@ -247,11 +272,90 @@ def test_fp8_seesaw_matches_triton_kernel(fp8):
     triton_cfg = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma")
     assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], 64, triton_cfg) == "tma"
     o_t, lse_t = run_fp8(case, 64, 2, 2, kv_scale, config=triton_cfg)
-    o_s, lse_s = run_fp8(case, 64, 2, 2, kv_scale)
+    o_s, lse_s = run_fp8(case, 64, 2, 2, kv_scale, config=SEESAW_CFG)
     check(case, o_t, lse_t, torch.bfloat16)
     check(case, o_s, lse_s, torch.bfloat16)
     torch.testing.assert_close(o_s.float(), o_t.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse_s, lse_t, atol=1e-3, rtol=1e-4)
+
+
+needs_pairs = pytest.mark.skipif(not (_pairs_device() and D_C == 512), reason="fp8 pairs path: sm_89+ GPU")
+E4M3, E5M2 = FP8
+
+# (fp8, page, heads, splits, q dtype, kv_scale, (block_h, block_n, num_warps)): every axis
+# takes each of its values at least once; pages 16 / 32 and 64-token pages under 128-token
+# tiles take the per-row page lookups, 64 / 128 under 32 / 64-token tiles one page a tile
+PAIRS_CASES = [
+    (E4M3, 64, 16, 1, torch.bfloat16, 0.02, (16, 64, 8)),
+    (E4M3, 128, 16, 3, torch.float16, 3.0, (16, 128, 8)),
+    (E5M2, 64, 128, 3, torch.bfloat16, 3.0, (16, 64, 8)),
+    (E5M2, 128, 16, 1, torch.float16, 0.02, (16, 32, 4)),
+    (E4M3, 16, 16, 2, torch.bfloat16, 3.0, (16, 64, 8)),
+    (E4M3, 64, 128, 1, torch.float16, 0.02, (32, 32, 8)),
+    (E5M2, 32, 16, 3, torch.bfloat16, 0.02, (16, 128, 8)),
+    (E4M3, 64, 128, 2, torch.bfloat16, 3.0, (32, 64, 8)),
+]
+
+
+@needs_pairs
+@pytest.mark.parametrize("fp8,page_size,num_heads,splits,q_dtype,kv_scale,tiles", PAIRS_CASES,
+                         ids=[f"{FP8_IDS[FP8.index(c[0])]}-p{c[1]}-h{c[2]}-s{c[3]}-{str(c[4])[6:]}-{c[5]}-"
+                              f"{'x'.join(map(str, c[6]))}" for c in PAIRS_CASES])
+def test_fp8_pairs_ragged(fp8, page_size, num_heads, splits, q_dtype, kv_scale, tiles):
+    """The Triton pairs path (int16 pairs converted to fp16 in registers, fp16 dots) against
+    float64 on the fp8-rounded cache: ragged lengths (empty, 1 token, one page, lengths that
+    are not multiples of the tile, a few thousand tokens), kv_scale != 1, one split (stage 1
+    writes o itself) and several (merge of scaled partials)."""
+    lens = [0, 1, 64, 130, 257, 1000, 2049, 4095]
+    bh, bn, nw = tiles
+    cfg = MLADecodeConfig(block_h=bh, block_n=bn, num_warps=nw, num_stages=1, kv_pairs=True)
+    case = make_fp8_case(lens, num_heads, page_size, q_dtype, fp8, kv_scale,
+                         amp=kv_scale * (100 if fp8 == E4M3 else 2), seed=page_size + num_heads + 7 * splits + bn)
+    assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], page_size, cfg) == "triton_pairs"
+    o, lse = run_fp8(case, page_size, splits, splits, kv_scale, config=cfg)
+    check(case, o, lse, q_dtype)
+    assert (o[0] == 0).all() and torch.isneginf(lse[0].cpu()).all()
+
+
+@needs_pairs
+@pytest.mark.parametrize("split_mode", ["device", "work"])
+def test_fp8_pairs_default_device_splits(split_mode):
+    """The default pick for 16 heads and pages of 32 tokens (no fp8 seesaw kernel there) is
+    the pairs path; per-request split counts on the device, with and without a work list;
+    the byte path (the same kernel without pairs) and the pairs path agree."""
+    lens = [17, 0, 3000, 64, 1, 640]
+    kv_scale = 0.5
+    case = make_fp8_case(lens, 16, 32, torch.bfloat16, E4M3, kv_scale, amp=40.0, seed=91 + len(split_mode))
+    work = None
+    if split_mode == "work":
+        work = torch.empty(mla_num_work_items(len(lens), 16, 8), dtype=torch.int32, device=DEVICE)
+    splits = mla_num_kv_splits_device(case["seq_lens"], 16, 8, work=work)
+    assert splits.cpu().tolist()[2] > 1
+    assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], 32) == "triton_pairs"
+    o, lse = run_fp8(case, 32, splits, 8, kv_scale, work=work)
+    check(case, o, lse, torch.bfloat16)
+    byte_cfg = MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2)
+    assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], 32, byte_cfg) == "triton"
+    o_b, lse_b = run_fp8(case, 32, splits, 8, kv_scale, work=work, config=byte_cfg)
+    check(case, o_b, lse_b, torch.bfloat16)
+    # the same function up to the bf16 rounding of o (outputs of magnitude ~10 here)
+    assert ((o.float() - o_b.float()).norm() / o_b.float().norm()).item() < 5e-3
+    torch.testing.assert_close(lse, lse_b, atol=1e-3, rtol=1e-4)
+
+
+def test_fp8_pairs_config_fallback():
+    """``kv_pairs`` needs the Triton kernel's plain pointer loop; where the pairs path does
+    not apply (the interpreter, fp32 queries) the byte path runs, with the same results."""
+    for bad in (dict(kv_load="tma"), dict(peel_tail=True)):
+        with pytest.raises(ValueError, match="kv_pairs"):
+            MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=1, kv_pairs=True, **bad)
+    with pytest.raises(ValueError, match="kv_pairs"):
+        MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, stage1="seesaw", kv_pairs=True)
+    cfg = MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=1, kv_pairs=True)
+    case = make_fp8_case([3, 70, 0], 16, 16, torch.float32, torch.float8_e4m3fn, 0.25, seed=53)
+    assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], 16, cfg) == "triton"
+    o, lse = run_fp8(case, 16, 2, 2, 0.25, config=cfg)
+    check(case, o, lse, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

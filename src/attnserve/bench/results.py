@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
+import time
 
 import torch
 
@@ -23,3 +25,14 @@ def write_result(result: dict, out_dir: str, kind: str, device: str = "cuda") ->
         json.dump(result, f, indent=2)
     print(f"wrote {path}")
     return path
+
+
+def cuda_run_metadata(benchmark: str, t0: float) -> dict:
+    """The fields a CUDA benchmark's result records about its run: ``benchmark`` (the kind),
+    today's ``date``, the ``device`` slug and ``gpu`` name, the torch / triton / CUDA
+    versions and ``total_s`` since ``t0`` (a `time.perf_counter` reading)."""
+    import triton
+
+    return {"benchmark": benchmark, "date": dt.date.today().isoformat(), "device": device_slug("cuda"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "total_s": time.perf_counter() - t0}

@@ -121,6 +121,12 @@ class MLADecodeConfig:
         The Gluon kernels run where `mla_gluon_applicable` holds and need ``block_h`` 64,
         ``num_warps`` 8 and ``num_stages`` >= 2; elsewhere the Triton kernel with the
         fields above runs.
+    kv_pairs: an fp8 cache is read by the Triton kernel as int16 pairs of adjacent columns
+        and converted to fp16 in registers, with fp16 dots (its ``KV_PAIRS`` path, where
+        `mla_decode_triton.mla_kv_pairs_applicable` holds; else the Triton kernel's byte
+        path runs); ignored for a 16-bit cache. A pointer loop that issues the next tile's
+        loads before this tile's dots, so ``num_stages`` has no effect there; needs
+        ``stage1 == "triton"`` and the ``kv_load`` / ``peel_tail`` defaults.
     """
 
     block_h: int
@@ -131,6 +137,7 @@ class MLADecodeConfig:
     kv_load: str = "ptr"
     peel_tail: bool = False
     stage1: str = "triton"
+    kv_pairs: bool = False
 
     def __post_init__(self):
         if self.kv_load not in _KV_LOADS:
@@ -141,6 +148,9 @@ class MLADecodeConfig:
             raise ValueError(f"stage1={self.stage1!r} needs block_h=64, num_warps=8 and num_stages >= 2 (the scores of the next "
                              f"tile are computed while this one is resident), got {self.block_h}, {self.num_warps}, "
                              f"{self.num_stages}")
+        if self.kv_pairs and (self.stage1 != "triton" or self.is_variant):
+            raise ValueError("kv_pairs runs the Triton kernel's pointer loop: it needs stage1='triton', kv_load='ptr' "
+                             "and peel_tail=False")
 
     @property
     def is_variant(self) -> bool:

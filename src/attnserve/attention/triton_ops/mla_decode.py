@@ -23,10 +23,12 @@ is both key and value, so one scale serves both products). Since ``q . (s * x) =
 x)`` and the output is a convex combination of c_kv rows, the scale is exact to apply
 outside the dots: ``sm_scale * kv_scale`` is folded on the host into the scores' scale, and
 each split's normalised output is multiplied by ``kv_scale`` before the merge. The tiles are
-converted to the queries' dtype after their load (exact for both formats; fp32 under the
-interpreter) and the dots accumulate in fp32 as for a 16-bit cache. The Triton stage 1 and
-the seesaw kernel read fp8 (the latter converts each tile to fp16 in shared memory and runs
-its MMAs in fp16, bf16 queries converted with saturation to +-65504): see Stage 1 below.
+converted after their load (exact for both formats) and the dots accumulate in fp32 as for
+a 16-bit cache. Three stage-1 paths read fp8: the seesaw kernel (each tile converted to fp16
+in shared memory, fp16 MMAs), the Triton kernel's pairs path (``kv_pairs``: the cache read
+as int16 pairs of adjacent columns, converted to fp16 in registers, fp16 dots) and its byte
+path (tiles converted to the queries' dtype; fp32 under the interpreter); the fp16 paths
+convert bf16 queries to fp16 with saturation to +-65504. See Stage 1 below.
 
 Paging: ``block_kv_indices[i, j]`` is the page holding tokens ``j*page_size ..`` of request
 ``i``; page ``p`` is slots ``p*page_size .. p*page_size + page_size - 1`` of ``kv_buffer``.
@@ -46,8 +48,11 @@ runs only where `mla_gluon_applicable` holds, else the Triton kernel, with TMA l
 `mla_decode_config`'s pick for the shape (the seesaw kernel for >= 64 heads of DeepSeek's
 dims in 16-bit). An fp8 cache takes the fp8 variant of the seesaw kernel (``"seesaw_fp8"``,
 any head count) where `mla_seesaw_fp8_applicable` holds and the config is None or prefers
-``"seesaw"``, else the Triton kernel (TMA loads where the config asks for them and they
-apply, else pointer loads); `mla_stage1_kernel` says which kernel a call runs.
+``"seesaw"``; else, with config None and up to 32 heads, or with ``config.kv_pairs``, the
+Triton kernel's pairs path (``"triton_pairs"``, where `mla_kv_pairs_applicable` holds);
+else the Triton kernel's byte path (TMA loads where the config asks for them and they
+apply, else pointer loads). On an H100 the fp8 seesaw kernel was the fastest at 16 to 128
+heads (benchmarks/NOTES.md session 12); `mla_stage1_kernel` says which kernel a call runs.
 
 CUDA graphs: `mla_decode_fwd` syncs nothing with the host and allocates nothing when a
 workspace is given; its grids depend only on ``bs``, the head count, ``max_kv_splits`` and
@@ -78,7 +83,12 @@ from attnserve.attention.triton_ops.mla_common import (
     mla_decode_config,
     mla_workspace_size,
 )
-from attnserve.attention.triton_ops.mla_decode_triton import launch_triton_stage1, mla_tma_applicable, tma_descriptors
+from attnserve.attention.triton_ops.mla_decode_triton import (
+    launch_triton_stage1,
+    mla_kv_pairs_applicable,
+    mla_tma_applicable,
+    tma_descriptors,
+)
 from attnserve.attention.triton_ops.mla_splits import (
     _check_work_splits,
     mla_num_kv_splits,
@@ -98,6 +108,7 @@ __all__ = [
     "mla_decode_config",
     "mla_decode_fwd",
     "mla_gluon_applicable",
+    "mla_kv_pairs_applicable",
     "mla_seesaw_fp8_applicable",
     "mla_num_kv_splits",
     "mla_num_kv_splits_device",
@@ -181,15 +192,44 @@ def _default_config(q_nope: torch.Tensor, d_r: int, interpret: bool) -> MLADecod
 
 # an fp8 cache's default where the fp8 seesaw kernel applies (any head count)
 _SEESAW_FP8_CONFIG = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma", stage1="seesaw")
+# an fp8 cache where the seesaw kernel does not apply takes the Triton pairs path up to this
+# many heads (`_fp8_pairs_config`), else the Triton kernel's byte path
+_PAIRS_MAX_HEADS = 32
+
+
+def _fp8_pairs_config(num_heads: int) -> MLADecodeConfig:
+    """The Triton pairs path's tiles for an fp8 cache and ``num_heads`` <= ``_PAIRS_MAX_HEADS``.
+
+    Measured on an H100 (benchmarks/NOTES.md session 12; e4m3, bf16 queries, CUDA graphs):
+    sweep (benchmarks/mla_fp8_pairs_sweep.py, page 64): 16 heads bs 128 x 4K 207 us with
+    (block_h, block_n, num_warps) (16, 128, 8), 214 us (16, 64, 8), 234 us (16, 32, 4), 281
+    us (16, 64, 16); 32 heads bs 64 x 8K 284 us with (32, 64, 8), 419 us with (16, 64, 8).
+    Same run (benchmarks/fp8_kv.py): 16 heads bs 128 x 4K pairs 207 us, byte path 410 us,
+    fp8 seesaw kernel 167 us, bf16 default 225 us; bs 32 x 16K 210 / - / 172 / 223 us; 128
+    heads bs 32 x 16K pairs (32, 64, 8) 1078 us, byte path (TMA) 819 us, seesaw 321 us; pages
+    of 32 tokens (no seesaw kernel): 16 heads bs 128 x 4K pairs 210 us against the byte
+    path's 407 us, 64 heads bs 64 x 8K pairs 580 us against 437 us. So the fp8 seesaw
+    kernel stays the default wherever it applies (`_pick_stage1`), this path serves the
+    caches it does not up to 32 heads (pages that are not multiples of 64, sm_89), and the
+    byte path's 64-head tiles the rest (``_PAIRS_MAX_HEADS``)."""
+    if num_heads <= 16:
+        return MLADecodeConfig(block_h=16, block_n=128, num_warps=8, num_stages=1, kv_pairs=True)
+    return MLADecodeConfig(block_h=32, block_n=64, num_warps=8, num_stages=1, kv_pairs=True)
 
 
 def _pick_stage1(config, q_nope, q_pe, kv_rows, page_size, interpret) -> tuple:
-    """``(cfg, kind)``: ``config`` (None: the default for the shape; for an fp8 cache the fp8
-    seesaw kernel wherever `mla_seesaw_fp8_applicable` holds) and `_stage1_kind`'s pick."""
+    """``(cfg, kind)``: ``config`` and `_stage1_kind`'s pick; config None takes the default
+    for the shape. For an fp8 cache (not under the interpreter) that is the fp8 seesaw
+    kernel where `mla_seesaw_fp8_applicable` holds, else the Triton pairs path
+    (`_fp8_pairs_config`) for up to ``_PAIRS_MAX_HEADS`` heads where
+    `mla_kv_pairs_applicable` holds, else the 16-bit default config (the Triton kernel's
+    byte path)."""
     if config is None:
-        if not interpret and kv_rows.dtype in MLA_FP8_DTYPES and mla_seesaw_fp8_applicable(q_nope, q_pe, kv_rows,
-                                                                                             page_size):
-            return _SEESAW_FP8_CONFIG, "seesaw_fp8"
+        if not interpret and kv_rows.dtype in MLA_FP8_DTYPES:
+            if mla_seesaw_fp8_applicable(q_nope, q_pe, kv_rows, page_size):
+                return _SEESAW_FP8_CONFIG, "seesaw_fp8"
+            if q_nope.shape[1] <= _PAIRS_MAX_HEADS and mla_kv_pairs_applicable(q_nope, q_pe, kv_rows):
+                return _fp8_pairs_config(q_nope.shape[1]), "triton_pairs"
         config = _default_config(q_nope, q_pe.shape[2], interpret)
     return config, _stage1_kind(config, q_nope, q_pe, kv_rows, page_size, interpret)
 
@@ -198,11 +238,14 @@ def _stage1_kind(cfg, q_nope, q_pe, kv_rows, page_size, interpret) -> str:
     """Which stage 1 runs: ``cfg.stage1`` when it is a Gluon kernel and
     `mla_gluon_applicable` holds; for an fp8 cache ``"seesaw_fp8"`` when ``cfg.stage1`` is
     ``"seesaw"`` and `mla_seesaw_fp8_applicable` holds (the ``"gluon"`` kernel has no fp8
-    variant); else ``"tma"`` (the Triton kernel with descriptor loads, where
-    `mla_tma_applicable`) or ``"triton"``."""
-    if cfg.stage1 == "seesaw" and not interpret and kv_rows.dtype in MLA_FP8_DTYPES and \
-            mla_seesaw_fp8_applicable(q_nope, q_pe, kv_rows, page_size):
+    variant), ``"triton_pairs"`` when ``cfg.kv_pairs`` and `mla_kv_pairs_applicable` hold;
+    else ``"tma"`` (the Triton kernel with descriptor loads, where `mla_tma_applicable`) or
+    ``"triton"``."""
+    fp8 = not interpret and kv_rows.dtype in MLA_FP8_DTYPES
+    if cfg.stage1 == "seesaw" and fp8 and mla_seesaw_fp8_applicable(q_nope, q_pe, kv_rows, page_size):
         return "seesaw_fp8"
+    if cfg.kv_pairs and fp8 and mla_kv_pairs_applicable(q_nope, q_pe, kv_rows):
+        return "triton_pairs"
     if cfg.stage1 != "triton" and not interpret and mla_gluon_applicable(q_nope, q_pe, kv_rows, page_size,
                                                                           cfg.block_n):
         return cfg.stage1
@@ -215,12 +258,14 @@ def mla_stage1_kernel(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
                       config: Optional[MLADecodeConfig] = None) -> str:
     """The stage-1 kernel `mla_decode_fwd` runs for these inputs and ``config`` (None: the
     default pick, as in `mla_decode_fwd`): ``"seesaw"`` / ``"gluon"`` (the Gluon kernels),
-    ``"seesaw_fp8"`` (the seesaw kernel reading an fp8 cache), ``"tma"`` (the Triton kernel
-    with TMA loads of full tiles) or ``"triton"`` (pointer loads). Depends on the tensors' shapes, dtypes, strides, alignment and device and on
-    ``page_size``, not on their values (nor on ``kv_scale``), so one answer holds for every
-    call of a benchmark or a captured graph on the same buffers. An fp8 ``kv_buffer``
-    names ``"seesaw_fp8"`` (see the module note) or the Triton kernel (``"tma"`` /
-    ``"triton"``), never ``"seesaw"`` / ``"gluon"``.
+    ``"seesaw_fp8"`` (the seesaw kernel reading an fp8 cache), ``"triton_pairs"`` (the
+    Triton kernel reading an fp8 cache as int16 pairs), ``"tma"`` (the Triton kernel with
+    TMA loads of full tiles) or ``"triton"`` (pointer loads). Depends on the tensors'
+    shapes, dtypes, strides, alignment and device and on ``page_size``, not on their values
+    (nor on ``kv_scale``), so one answer holds for every call of a benchmark or a captured
+    graph on the same buffers. An fp8 ``kv_buffer`` names ``"seesaw_fp8"``,
+    ``"triton_pairs"`` (see the module note) or the Triton kernel's byte path (``"tma"`` /
+    ``"triton"``), never ``"seesaw"`` / ``"gluon"``; a 16-bit one never the fp8 kinds.
 
     ``q_nope`` / ``q_pe`` / ``kv_buffer`` as for `mla_decode_fwd`; raises ValueError when
     they are not 3-D / token rows of ``kv_lora_rank + rope``.
@@ -262,7 +307,7 @@ def _launch_stage1(kind: str, args: MLAStage1Args, grid: tuple, constexprs: dict
         launch_gluon_stage1(args, grid, constexprs, cfg.num_stages)
     else:
         launch_triton_stage1(args, grid, constexprs, cfg, use_tma=kind == "tma", interpret=interpret,
-                             out_scale=out_scale)
+                             out_scale=out_scale, kv_pairs=kind == "triton_pairs")
 
 
 def mla_decode_fwd(
@@ -293,9 +338,10 @@ def mla_decode_fwd(
             or fp8 (`MLA_FP8_DTYPES`: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``) with
             any query dtype; an entry means ``float(stored) * kv_scale``. An fp8 cache runs
             the fp8 seesaw kernel where `mla_seesaw_fp8_applicable` holds (config None or
-            preferring ``"seesaw"``), else the Triton stage 1 (TMA loads where
-            `mla_tma_applicable` holds and the config asks for them, pointer loads
-            elsewhere).
+            preferring ``"seesaw"``), else the Triton stage 1: its pairs path where
+            `mla_kv_pairs_applicable` holds and the config is None (up to 32 heads) or sets
+            ``kv_pairs``, else its byte path (TMA loads where `mla_tma_applicable` holds and
+            the config asks for them, pointer loads elsewhere).
         block_kv_indices: int32 ``[bs, max_blocks]`` page ids, padded (e.g. with -1); must
             have at least ``cdiv(seq_lens[i], page_size)`` valid entries in row i.
         seq_lens: ``[bs]`` int32/int64 tokens per request (0 allowed: o = 0, lse = -inf).
