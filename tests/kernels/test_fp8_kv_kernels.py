@@ -167,6 +167,23 @@ def test_decode_fp8_v_pairs(hq, hkv, d, tile, q_dtype, kv_dtype, gen, paged):
     _check(out, ref, q_dtype)
 
 
+@pytest.mark.parametrize("name,pairs", [("NVIDIA H100 80GB HBM3", True), ("NVIDIA H200", True),
+                                        ("NVIDIA A100-SXM4-80GB", False), ("", False)])
+def test_decode_config_fp8_pairs_on_hopper(name, pairs):
+    """`decode_config` gives fp8 caches the V-pairs 256-key tile on H100 / H200 only (measured
+    there), the 5-stage byte tile on other GPUs with the shared memory, and leaves bf16 alone."""
+    from attnserve.attention.triton_ops.decode_attention import FP8_HOPPER_TILE, decode_config
+
+    smem = 227 * 1024
+    for kv in FP8:
+        cfg = decode_config(128, 4, kv, max_shared_mem=smem, device_name=name)
+        assert cfg.v_pairs == pairs
+        got = (cfg.block_n, cfg.num_stages, cfg.num_warps)
+        assert got == (FP8_HOPPER_TILE if pairs else (128, 5, 4))
+    bf16 = decode_config(128, 4, torch.bfloat16, max_shared_mem=smem, device_name=name)
+    assert not bf16.v_pairs and (bf16.block_n, bf16.num_stages) == (128, 3)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="v_pairs is a CUDA code path (ignored by the interpreter)")
 def test_decode_fp8_v_pairs_shared_mla_buffer(gen, paged):
     """V as a strided view of K's fp8 buffer (Dk 576, Dv 512) through the pairs path."""

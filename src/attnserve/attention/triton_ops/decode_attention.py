@@ -66,8 +66,10 @@ class DecodeConfig:
     v_pairs: bool = False
 
 
-#: (block_n, num_stages, num_warps) of stage 1 for an fp8 cache on an H200 (`decode_config`)
-FP8_H200_TILE = (256, 3, 4)
+#: (block_n, num_stages, num_warps) of stage 1 for an fp8 cache on an H100 / H200 (`decode_config`)
+FP8_HOPPER_TILE = (256, 3, 4)
+#: device names (``torch.cuda.get_device_name`` substrings) that take `FP8_HOPPER_TILE` with V pairs
+FP8_PAIRS_DEVICES = ("H100", "H200")
 
 #: opt-in shared memory per block from which 3-stage 128-key tiles fit (H100/H200: 227 KB)
 _BIG_SMEM = 200 * 1024
@@ -84,7 +86,7 @@ def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bo
         is_hip: AMD GPUs (no software pipelining with gathers; wave64).
         max_shared_mem: the device's opt-in shared memory per block in bytes (0: unknown).
         device_name: ``torch.cuda.get_device_name`` ("" when unknown); fp8 caches on an
-            H200 get their own tiles (below).
+            H100 / H200 (`FP8_PAIRS_DEVICES`) get their own tiles (below).
 
     Measured on an H100 (benchmarks/decode_sweep.py, 2026-11-21, bf16, d 64 and 128, bs 1/8,
     contexts 512/4096, inside CUDA graphs): 128-key tiles with 3 stages are within 7% of
@@ -96,16 +98,17 @@ def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bo
     if not wide and not is_hip and max_shared_mem >= _BIG_SMEM:
         cap = 64
         block_h = max(16, min(cap, triton.next_power_of_2(group_size)))
-        if dtype in FP8_DTYPES and "H200" in device_name:
-            # H200 (benchmarks/fp8_decode_sweep.py --pairs-ab, benchmarks/NOTES.md session 11):
-            # V as int16 pairs and 256-key tiles (64 KB of K+V per tile, like bf16's 128):
-            # e4m3 bs 64 x 8K 325.6 -> 281.6 us, 8 x 32K 171.4 -> 145.2 us. Not measured on
-            # an H100, whose tuning below stays as measured.
-            return DecodeConfig(block_n=FP8_H200_TILE[0], block_h=block_h, num_warps=FP8_H200_TILE[2],
-                                num_stages=FP8_H200_TILE[1], v_pairs=True)
-        # fp8 tiles are half the bytes: 5 stages keep as much in flight (H100, e4m3, d 128,
-        # benchmarks/fp8_decode_sweep.py: bs 64 x 8K 430 -> 408 us, 8 x 32K 261 -> 244 us;
-        # 256-key tiles were slower, bs 1 x 8K 14.2 -> 14.6 us)
+        if dtype in FP8_DTYPES and any(name in device_name for name in FP8_PAIRS_DEVICES):
+            # V as int16 pairs and 256-key tiles (64 KB of K+V per tile, like bf16's 128;
+            # benchmarks/fp8_decode_sweep.py --pairs-ab, benchmarks/NOTES.md sessions 11-12),
+            # e4m3 against the 128-key / 5-stage byte path below, same runs:
+            # H200 bs 64 x 8K 325.6 -> 281.6 us, 8 x 32K 171.4 -> 145.2 us;
+            # H100 bs 64 x 8K 403.0 -> 391.5 us, 8 x 32K 204.0 -> 201.1 us, 1 x 8K 14.6 -> 13.4 us.
+            return DecodeConfig(block_n=FP8_HOPPER_TILE[0], block_h=block_h, num_warps=FP8_HOPPER_TILE[2],
+                                num_stages=FP8_HOPPER_TILE[1], v_pairs=True)
+        # other GPUs with the shared memory: fp8 tiles are half the bytes, 5 stages keep as much
+        # in flight (H100 before session 12, e4m3, d 128, benchmarks/fp8_decode_sweep.py: bs 64
+        # x 8K 430 -> 408 us, 8 x 32K 261 -> 244 us; 256-key byte tiles were slower)
         return DecodeConfig(block_n=128, block_h=block_h, num_warps=4, num_stages=5 if dtype in FP8_DTYPES else 3)
     block_n = 32 if (wide or is_hip) else 64
     if head_dim > 256:
