@@ -419,6 +419,10 @@ def test_variant_config_fields():
         MLADecodeConfig(block_h=32, block_n=64, num_warps=8, num_stages=2, stage1="seesaw")
     with pytest.raises(ValueError, match="stage1 must be one of"):
         MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, stage1="gluon_and_seesaw")
+    MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=4, stage1="transposed")
+    for bad in ((64, 64, 8, 2), (16, 64, 4, 3), (16, 32, 4, 2), (16, 64, 8, 2)):
+        with pytest.raises(ValueError, match="transposed"):
+            MLADecodeConfig(block_h=bad[0], block_n=bad[1], num_warps=bad[2], num_stages=bad[3], stage1="transposed")
 
 
 @pytest.mark.parametrize("kernel", ["gluon", "seesaw"])

@@ -90,8 +90,9 @@ LENS = [0, 1, 64, 130, 257]
 @pytest.mark.parametrize("page_size", [64, 128])
 @pytest.mark.parametrize("num_heads", [16, 128])
 def test_fp8_decode_matches_reference(fp8, page_size, num_heads):
-    """The default config for the shape (on an sm_90 GPU the fp8 seesaw kernel for both head
-    counts; under the interpreter the Triton kernel), bf16 queries, kv_scale != 1, 3 splits."""
+    """The default config for the shape (on an sm_90 GPU the transposed kernel for 16 heads
+    and the fp8 seesaw kernel for 128; under the interpreter the Triton kernel), bf16
+    queries, kv_scale != 1, 3 splits."""
     kv_scale = 0.02 if fp8 == torch.float8_e4m3fn else 0.5
     case = make_fp8_case(LENS, num_heads, page_size, torch.bfloat16, fp8, kv_scale,
                          seed=page_size + num_heads + 7 * FP8.index(fp8))
@@ -169,12 +170,18 @@ def _pairs_device():
 SEESAW_CFG = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma", stage1="seesaw")
 
 
+def _transposed_cfg(num_stages=2):
+    """A config preferring the transposed kernel (`mla_decode_transposed`)."""
+    return MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=num_stages, stage1="transposed")
+
+
 def test_fp8_cache_stage1_names():
-    """Which stage 1 an fp8 cache runs: the fp8 seesaw kernel (``"seesaw_fp8"``) on sm_90
-    for the default config and a config preferring ``"seesaw"`` where pages hold whole
-    64-token blocks; the Triton kernel for the ``"gluon"`` preference (no fp8 variant), for
-    pages of 32 and elsewhere (other devices, the interpreter). `mla_gluon_applicable` is
-    False for fp8 rows."""
+    """Which stage 1 an fp8 cache runs on sm_90 where pages hold whole 64-token blocks: the
+    transposed kernel (``"transposed_fp8"``) for the default config up to 16 heads and a
+    config preferring ``"transposed"``, the fp8 seesaw kernel (``"seesaw_fp8"``) for the
+    default config above 16 heads and a config preferring ``"seesaw"``; the Triton kernel
+    for the ``"gluon"`` preference (no fp8 variant), for pages of 32 and elsewhere (other
+    devices, the interpreter). `mla_gluon_applicable` is False for fp8 rows."""
     from attnserve.attention.triton_ops.mla_decode import mla_seesaw_fp8_applicable
 
     q_nope = torch.zeros(1, 128, D_C, dtype=torch.bfloat16, device=DEVICE)
@@ -197,15 +204,19 @@ def test_fp8_cache_stage1_names():
         for page in (64, 128):
             assert mla_stage1_kernel(q_nope, q_pe, kv, page, gluon_cfg) == "tma"
             assert mla_stage1_kernel(q_nope, q_pe, kv, page, SEESAW_CFG) == ("seesaw_fp8" if fast else "tma")
+            assert mla_stage1_kernel(q_nope, q_pe, kv, page, _transposed_cfg()) == (
+                "transposed_fp8" if fast else "triton")
             assert mla_stage1_kernel(q_nope, q_pe, kv, page, pairs_cfg) == ("triton_pairs" if pairs else "triton")
             assert mla_stage1_kernel(q_nope, q_pe, odd, page, pairs_cfg) == "triton"  # the byte path
-            # the default: the fp8 seesaw kernel where it applies (fastest on an H100 at 16 to
-            # 128 heads, session 12), else the pairs path up to 32 heads, else the byte path
+            # the default: where they apply the transposed kernel up to 16 heads and the fp8
+            # seesaw kernel above (fastest on an H100, session 12), else the pairs path up to
+            # 32 heads, else the byte path
             byte_path = ("tma", "triton")  # the 16-bit default config (interpreter: no TMA)
-            for h in (16, 32, 128):
+            for h in (1, 16, 17, 32, 128):
+                gluon_pick = "transposed_fp8" if h <= 16 else "seesaw_fp8"
                 assert mla_stage1_kernel(q_nope[:, :h], q_pe[:, :h], kv, page) in (
-                    ("seesaw_fp8",) if fast else ("triton_pairs",) if pairs and h <= 32 else byte_path)
-        for cfg in (gluon_cfg, SEESAW_CFG):
+                    (gluon_pick,) if fast else ("triton_pairs",) if pairs and h <= 32 else byte_path)
+        for cfg in (gluon_cfg, SEESAW_CFG, _transposed_cfg()):
             assert mla_stage1_kernel(q_nope, q_pe, kv, 32, cfg) == "triton"  # a tile spans pages
         # pages of 32 tokens: no seesaw kernel; the pairs path up to 32 heads
         for h in (16, 32, 128):
@@ -277,6 +288,56 @@ def test_fp8_seesaw_matches_triton_kernel(fp8):
     check(case, o_s, lse_s, torch.bfloat16)
     torch.testing.assert_close(o_s.float(), o_t.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse_s, lse_t, atol=1e-3, rtol=1e-4)
+
+
+# (fp8, page, heads, splits, q dtype, kv_scale, num_stages): each axis takes each of its values
+TRANSPOSED_CASES = [
+    (torch.float8_e4m3fn, 64, 16, 1, torch.bfloat16, 0.02, 2),
+    (torch.float8_e4m3fn, 128, 16, 3, torch.float16, 3.0, 4),
+    (torch.float8_e5m2, 64, 16, 3, torch.bfloat16, 3.0, 2),
+    (torch.float8_e5m2, 128, 16, 1, torch.float16, 0.02, 4),
+    (torch.float8_e4m3fn, 64, 128, 3, torch.bfloat16, 0.02, 2),
+    (torch.float8_e5m2, 128, 128, 1, torch.bfloat16, 3.0, 2),
+    (torch.float8_e4m3fn, 64, 20, 2, torch.float16, 3.0, 4),
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("fp8,page_size,num_heads,splits,q_dtype,kv_scale,num_stages", TRANSPOSED_CASES)
+def test_fp8_transposed_ragged(fp8, page_size, num_heads, splits, q_dtype, kv_scale, num_stages):
+    """The transposed fp8 kernel (`mla_decode_transposed`) against float64: ragged lengths
+    (empty, 1 token, one tile, partial last tiles, enough tiles a split that every stage's
+    barrier phase turns over), 16 / 20 (a ragged head tile) / 128 heads, pages 64 / 128,
+    e4m3 / e5m2, kv_scale 0.02 / 3.0, bf16 / fp16 queries, 1 to 3 splits, 2 / 4 stages."""
+    lens = [0, 1, 64, 130, 257, 1000, 2049, 4095]
+    big = kv_scale < 1 and fp8 == torch.float8_e4m3fn
+    case = make_fp8_case(lens, num_heads, page_size, q_dtype, fp8, kv_scale, amp=kv_scale * (100 if big else 2),
+                         seed=7 * page_size + num_heads + 13 * FP8.index(fp8) + splits + num_stages)
+    cfg = _transposed_cfg(num_stages)
+    assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], page_size, cfg) == "transposed_fp8"
+    o, lse = run_fp8(case, page_size, splits, splits, kv_scale, config=cfg)
+    check(case, o, lse, q_dtype)
+    assert (o[0] == 0).all() and torch.isneginf(lse[0].cpu()).all()
+
+
+@needs_sm90
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("split_mode", ["device", "work"])
+def test_fp8_transposed_device_splits_matches_seesaw(fp8, split_mode):
+    """Per-request split counts on the device with and without a work list, 16 heads, page
+    64: the transposed kernel against float64 and against the fp8 seesaw kernel."""
+    lens = [17, 0, 3000, 64, 1, 640]
+    kv_scale = 0.5
+    case = make_fp8_case(lens, 16, 64, torch.bfloat16, fp8, kv_scale, amp=4.0, seed=91 + FP8.index(fp8))
+    work = None
+    if split_mode == "work":
+        work = torch.empty(mla_num_work_items(len(lens), 16, 8), dtype=torch.int32, device=DEVICE)
+    splits = mla_num_kv_splits_device(case["seq_lens"], 16, 8, work=work)
+    o, lse = run_fp8(case, 64, splits, 8, kv_scale, work=work, config=_transposed_cfg())
+    check(case, o, lse, torch.bfloat16)
+    o_s, lse_s = run_fp8(case, 64, splits, 8, kv_scale, work=work, config=SEESAW_CFG)
+    torch.testing.assert_close(o.float(), o_s.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, lse_s, atol=1e-3, rtol=1e-4)
 
 
 needs_pairs = pytest.mark.skipif(not (_pairs_device() and D_C == 512), reason="fp8 pairs path: sm_89+ GPU")

@@ -83,8 +83,9 @@ MLA_FP8_DTYPES = FP8_DTYPES
 
 _KV_LOADS = ("ptr", "tma")
 #: stage-1 kernels: the Triton kernel (`mla_decode_triton`), the Gluon kernel
-#: (`mla_decode_gluon`) and the warp-specialized Gluon kernel (`mla_decode_seesaw`)
-MLA_STAGE1_KERNELS = ("triton", "gluon", "seesaw")
+#: (`mla_decode_gluon`), the warp-specialized Gluon kernel (`mla_decode_seesaw`) and the
+#: transposed fp8 Gluon kernel (`mla_decode_transposed`)
+MLA_STAGE1_KERNELS = ("triton", "gluon", "seesaw", "transposed")
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,13 @@ class MLADecodeConfig:
         ``"seesaw"``: the warp-specialized Gluon kernel of `mla_decode_seesaw` (each
         warpgroup computes the scores of a whole 64-token block of a pair; chunked TMA
         loads by a loader warp; it launches its own 4 + 4 + 1 warps).
-        The Gluon kernels run where `mla_gluon_applicable` holds and need ``block_h`` 64,
+        ``"transposed"``: for an fp8 cache, the Gluon kernel of `mla_decode_transposed`
+        (``S^T = K q^T`` and ``O^T = V^T P^T`` with the fp8 tile converted in registers as
+        the wgmma A operand; 16 heads a program, one warpgroup); needs ``block_h`` 16,
+        ``block_n`` 64, ``num_warps`` 4 and ``num_stages`` 2 or 4 (TMA tiles in flight); runs
+        where `mla_decode.mla_seesaw_fp8_applicable` holds, else (and for a 16-bit cache)
+        the Triton kernel with the fields above.
+        The other Gluon kernels run where `mla_gluon_applicable` holds and need ``block_h`` 64,
         ``num_warps`` 8 and ``num_stages`` >= 2; elsewhere the Triton kernel with the
         fields above runs.
     kv_pairs: an fp8 cache is read by the Triton kernel as int16 pairs of adjacent columns
@@ -144,7 +151,11 @@ class MLADecodeConfig:
             raise ValueError(f"kv_load must be one of {_KV_LOADS}, got {self.kv_load!r}")
         if self.stage1 not in MLA_STAGE1_KERNELS:
             raise ValueError(f"stage1 must be one of {MLA_STAGE1_KERNELS}, got {self.stage1!r}")
-        if self.stage1 != "triton" and (self.block_h != 64 or self.num_warps != 8 or self.num_stages < 2):
+        if self.stage1 == "transposed":
+            if (self.block_h, self.block_n, self.num_warps) != (16, 64, 4) or self.num_stages not in (2, 4):
+                raise ValueError(f"stage1='transposed' needs block_h=16, block_n=64, num_warps=4 and num_stages 2 "
+                                 f"or 4, got {self.block_h}, {self.block_n}, {self.num_warps}, {self.num_stages}")
+        elif self.stage1 != "triton" and (self.block_h != 64 or self.num_warps != 8 or self.num_stages < 2):
             raise ValueError(f"stage1={self.stage1!r} needs block_h=64, num_warps=8 and num_stages >= 2 (the scores of the next "
                              f"tile are computed while this one is resident), got {self.block_h}, {self.num_warps}, "
                              f"{self.num_stages}")

@@ -24,11 +24,13 @@ x)`` and the output is a convex combination of c_kv rows, the scale is exact to 
 outside the dots: ``sm_scale * kv_scale`` is folded on the host into the scores' scale, and
 each split's normalised output is multiplied by ``kv_scale`` before the merge. The tiles are
 converted after their load (exact for both formats) and the dots accumulate in fp32 as for
-a 16-bit cache. Three stage-1 paths read fp8: the seesaw kernel (each tile converted to fp16
-in shared memory, fp16 MMAs), the Triton kernel's pairs path (``kv_pairs``: the cache read
-as int16 pairs of adjacent columns, converted to fp16 in registers, fp16 dots) and its byte
-path (tiles converted to the queries' dtype; fp32 under the interpreter); the fp16 paths
-convert bf16 queries to fp16 with saturation to +-65504. See Stage 1 below.
+a 16-bit cache. Four stage-1 paths read fp8: the seesaw kernel (each tile converted to fp16
+in shared memory, fp16 MMAs), the transposed kernel (``S^T = K q^T``, ``O^T = V^T P^T`` with
+the tile converted to fp16 in registers as the wgmma A operand), the Triton kernel's pairs
+path (``kv_pairs``: the cache read as int16 pairs of adjacent columns, converted to fp16 in
+registers, fp16 dots) and its byte path (tiles converted to the queries' dtype; fp32 under
+the interpreter); the fp16 paths convert bf16 queries to fp16 with saturation to +-65504.
+See Stage 1 below.
 
 Paging: ``block_kv_indices[i, j]`` is the page holding tokens ``j*page_size ..`` of request
 ``i``; page ``p`` is slots ``p*page_size .. p*page_size + page_size - 1`` of ``kv_buffer``.
@@ -39,20 +41,24 @@ Modules: this dispatcher (checks, the choice of stage 1, the launches); `mla_com
 (constants, the workspace layout, `MLADecodeConfig`, the stage-1 argument bundle
 `MLAStage1Args`, shared device helpers, the merge kernel and its launcher); `mla_splits`
 (split counts, work lists, `mla_workspace_rows`); one module per stage-1 kernel, each with
-its launcher: `mla_decode_triton` (pointer or TMA loads), `mla_decode_gluon` and
-`mla_decode_seesaw` (Gluon, sm_90; imported only when they run).
+its launcher: `mla_decode_triton` (pointer or TMA loads), `mla_decode_gluon`,
+`mla_decode_seesaw` and `mla_decode_transposed` (Gluon, sm_90; imported only when they run).
 
 Stage 1: ``config.stage1`` names the kernel to prefer (`MLA_STAGE1_KERNELS`); a Gluon kernel
 runs only where `mla_gluon_applicable` holds, else the Triton kernel, with TMA loads where
 ``config.kv_load == "tma"`` and `mla_tma_applicable` hold. ``config=None`` takes
 `mla_decode_config`'s pick for the shape (the seesaw kernel for >= 64 heads of DeepSeek's
-dims in 16-bit). An fp8 cache takes the fp8 variant of the seesaw kernel (``"seesaw_fp8"``,
-any head count) where `mla_seesaw_fp8_applicable` holds and the config is None or prefers
+dims in 16-bit). An fp8 cache takes, where `mla_seesaw_fp8_applicable` holds, the
+transposed kernel (``"transposed_fp8"``) with config None and up to 16 heads or with a
+config preferring ``"transposed"``, and the fp8 variant of the seesaw kernel
+(``"seesaw_fp8"``, any head count) with config None above 16 heads or a config preferring
 ``"seesaw"``; else, with config None and up to 32 heads, or with ``config.kv_pairs``, the
 Triton kernel's pairs path (``"triton_pairs"``, where `mla_kv_pairs_applicable` holds);
 else the Triton kernel's byte path (TMA loads where the config asks for them and they
-apply, else pointer loads). On an H100 the fp8 seesaw kernel was the fastest at 16 to 128
-heads (benchmarks/NOTES.md session 12); `mla_stage1_kernel` says which kernel a call runs.
+apply, else pointer loads). On an H100 the transposed kernel was the fastest at 16 heads
+and the fp8 seesaw kernel at 128 (32 and 64 heads: the seesaw kernel beat the Triton paths;
+the transposed kernel was not measured there) (benchmarks/NOTES.md session 12);
+`mla_stage1_kernel` says which kernel a call runs.
 
 CUDA graphs: `mla_decode_fwd` syncs nothing with the host and allocates nothing when a
 workspace is given; its grids depend only on ``bs``, the head count, ``max_kv_splits`` and
@@ -190,8 +196,19 @@ def _default_config(q_nope: torch.Tensor, d_r: int, interpret: bool) -> MLADecod
                              max_shared_mem=smem)
 
 
-# an fp8 cache's default where the fp8 seesaw kernel applies (any head count)
+# an fp8 cache's default where the fp8 seesaw kernel applies, above `_TRANSPOSED_MAX_HEADS` heads
 _SEESAW_FP8_CONFIG = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kv_load="tma", stage1="seesaw")
+# an fp8 cache's default where the fp8 seesaw kernel applies and there are at most
+# `_TRANSPOSED_MAX_HEADS` heads: the transposed kernel (`mla_decode_transposed`, one program of
+# 16 heads; every further 16 heads re-read the whole cache). H100, e4m3 unless said, bf16
+# queries, page 64, stage 1 + merge under a CUDA graph, the callers' split counts, one run
+# (benchmarks/mla_fp8_transposed.py, results/h100-80gb-hbm3-mla-fp8-transposed-2026-11-25.json,
+# NOTES "Session 12: MLA fp8 transposed kernel"), us, transposed 2 stages / 4 stages / fp8
+# seesaw / bf16 default: 16 heads bs 128 x 4K 142.7 / 144.6 / 166.6 / 222.8 (e5m2 144.1 /
+# seesaw 169.0); 16 heads bs 32 x 16K 145.9 / 149.7 / 169.6 / 225.2; 128 heads bs 32 x 16K
+# 700.5 / 1068.6 / 329.4 / 270.8 (the seesaw kernel stays the default above 16 heads)
+_TRANSPOSED_FP8_CONFIG = MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, stage1="transposed")
+_TRANSPOSED_MAX_HEADS = 16
 # an fp8 cache where the seesaw kernel does not apply takes the Triton pairs path up to this
 # many heads (`_fp8_pairs_config`), else the Triton kernel's byte path
 _PAIRS_MAX_HEADS = 32
@@ -208,8 +225,8 @@ def _fp8_pairs_config(num_heads: int) -> MLADecodeConfig:
     fp8 seesaw kernel 167 us, bf16 default 225 us; bs 32 x 16K 210 / - / 172 / 223 us; 128
     heads bs 32 x 16K pairs (32, 64, 8) 1078 us, byte path (TMA) 819 us, seesaw 321 us; pages
     of 32 tokens (no seesaw kernel): 16 heads bs 128 x 4K pairs 210 us against the byte
-    path's 407 us, 64 heads bs 64 x 8K pairs 580 us against 437 us. So the fp8 seesaw
-    kernel stays the default wherever it applies (`_pick_stage1`), this path serves the
+    path's 407 us, 64 heads bs 64 x 8K pairs 580 us against 437 us. So the fp8 Gluon
+    kernels stay the default wherever they apply (`_pick_stage1`), this path serves the
     caches it does not up to 32 heads (pages that are not multiples of 64, sm_89), and the
     byte path's 64-head tiles the rest (``_PAIRS_MAX_HEADS``)."""
     if num_heads <= 16:
@@ -219,14 +236,17 @@ def _fp8_pairs_config(num_heads: int) -> MLADecodeConfig:
 
 def _pick_stage1(config, q_nope, q_pe, kv_rows, page_size, interpret) -> tuple:
     """``(cfg, kind)``: ``config`` and `_stage1_kind`'s pick; config None takes the default
-    for the shape. For an fp8 cache (not under the interpreter) that is the fp8 seesaw
-    kernel where `mla_seesaw_fp8_applicable` holds, else the Triton pairs path
+    for the shape. For an fp8 cache (not under the interpreter) that is, where
+    `mla_seesaw_fp8_applicable` holds, the transposed kernel up to ``_TRANSPOSED_MAX_HEADS``
+    heads and the fp8 seesaw kernel above, else the Triton pairs path
     (`_fp8_pairs_config`) for up to ``_PAIRS_MAX_HEADS`` heads where
     `mla_kv_pairs_applicable` holds, else the 16-bit default config (the Triton kernel's
     byte path)."""
     if config is None:
         if not interpret and kv_rows.dtype in MLA_FP8_DTYPES:
             if mla_seesaw_fp8_applicable(q_nope, q_pe, kv_rows, page_size):
+                if q_nope.shape[1] <= _TRANSPOSED_MAX_HEADS:
+                    return _TRANSPOSED_FP8_CONFIG, "transposed_fp8"
                 return _SEESAW_FP8_CONFIG, "seesaw_fp8"
             if q_nope.shape[1] <= _PAIRS_MAX_HEADS and mla_kv_pairs_applicable(q_nope, q_pe, kv_rows):
                 return _fp8_pairs_config(q_nope.shape[1]), "triton_pairs"
@@ -235,13 +255,18 @@ def _pick_stage1(config, q_nope, q_pe, kv_rows, page_size, interpret) -> tuple:
 
 
 def _stage1_kind(cfg, q_nope, q_pe, kv_rows, page_size, interpret) -> str:
-    """Which stage 1 runs: ``cfg.stage1`` when it is a Gluon kernel and
-    `mla_gluon_applicable` holds; for an fp8 cache ``"seesaw_fp8"`` when ``cfg.stage1`` is
+    """Which stage 1 runs: for ``cfg.stage1 == "transposed"`` ``"transposed_fp8"`` (an fp8
+    cache where `mla_seesaw_fp8_applicable` holds) or ``"triton"``; else ``cfg.stage1`` when
+    it is a Gluon kernel and `mla_gluon_applicable` holds; for an fp8 cache ``"seesaw_fp8"`` when ``cfg.stage1`` is
     ``"seesaw"`` and `mla_seesaw_fp8_applicable` holds (the ``"gluon"`` kernel has no fp8
     variant), ``"triton_pairs"`` when ``cfg.kv_pairs`` and `mla_kv_pairs_applicable` hold;
     else ``"tma"`` (the Triton kernel with descriptor loads, where `mla_tma_applicable`) or
     ``"triton"``."""
     fp8 = not interpret and kv_rows.dtype in MLA_FP8_DTYPES
+    if cfg.stage1 == "transposed":
+        if fp8 and mla_seesaw_fp8_applicable(q_nope, q_pe, kv_rows, page_size):
+            return "transposed_fp8"
+        return "triton"
     if cfg.stage1 == "seesaw" and fp8 and mla_seesaw_fp8_applicable(q_nope, q_pe, kv_rows, page_size):
         return "seesaw_fp8"
     if cfg.kv_pairs and fp8 and mla_kv_pairs_applicable(q_nope, q_pe, kv_rows):
@@ -258,12 +283,13 @@ def mla_stage1_kernel(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
                       config: Optional[MLADecodeConfig] = None) -> str:
     """The stage-1 kernel `mla_decode_fwd` runs for these inputs and ``config`` (None: the
     default pick, as in `mla_decode_fwd`): ``"seesaw"`` / ``"gluon"`` (the Gluon kernels),
-    ``"seesaw_fp8"`` (the seesaw kernel reading an fp8 cache), ``"triton_pairs"`` (the
+    ``"seesaw_fp8"`` (the seesaw kernel reading an fp8 cache), ``"transposed_fp8"`` (the
+    transposed kernel reading an fp8 cache), ``"triton_pairs"`` (the
     Triton kernel reading an fp8 cache as int16 pairs), ``"tma"`` (the Triton kernel with
     TMA loads of full tiles) or ``"triton"`` (pointer loads). Depends on the tensors'
     shapes, dtypes, strides, alignment and device and on ``page_size``, not on their values
     (nor on ``kv_scale``), so one answer holds for every call of a benchmark or a captured
-    graph on the same buffers. An fp8 ``kv_buffer`` names ``"seesaw_fp8"``,
+    graph on the same buffers. An fp8 ``kv_buffer`` names ``"seesaw_fp8"``, ``"transposed_fp8"``,
     ``"triton_pairs"`` (see the module note) or the Triton kernel's byte path (``"tma"`` /
     ``"triton"``), never ``"seesaw"`` / ``"gluon"``; a 16-bit one never the fp8 kinds.
 
@@ -279,7 +305,7 @@ def mla_stage1_kernel(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_buffer: torch
 
 def _stage1_descriptors(kind: str, kv_rows: torch.Tensor, d_c: int, d_r: int, block_n: int) -> tuple:
     """``(desc_c, desc_r)`` of the stage 1 ``kind`` (``kv_rows`` as placeholders where unused)."""
-    if kind in ("seesaw", "seesaw_fp8"):
+    if kind in ("seesaw", "seesaw_fp8", "transposed_fp8"):
         from attnserve.attention.triton_ops import mla_decode_seesaw
 
         return mla_decode_seesaw.seesaw_descriptor(kv_rows), kv_rows
@@ -301,6 +327,10 @@ def _launch_stage1(kind: str, args: MLAStage1Args, grid: tuple, constexprs: dict
         from attnserve.attention.triton_ops.mla_decode_seesaw import launch_seesaw_stage1
 
         launch_seesaw_stage1(args, grid, constexprs, out_scale=out_scale)
+    elif kind == "transposed_fp8":
+        from attnserve.attention.triton_ops.mla_decode_transposed import launch_transposed_stage1
+
+        launch_transposed_stage1(args, grid, constexprs, cfg.num_stages, out_scale=out_scale)
     elif kind == "gluon":
         from attnserve.attention.triton_ops.mla_decode_gluon import launch_gluon_stage1
 
@@ -337,8 +367,9 @@ def mla_decode_fwd(
             ``[num_slots, D]`` or ``[num_pages, page_size, 1, D]`` views), same dtype as q,
             or fp8 (`MLA_FP8_DTYPES`: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``) with
             any query dtype; an entry means ``float(stored) * kv_scale``. An fp8 cache runs
-            the fp8 seesaw kernel where `mla_seesaw_fp8_applicable` holds (config None or
-            preferring ``"seesaw"``), else the Triton stage 1: its pairs path where
+            where `mla_seesaw_fp8_applicable` holds the transposed kernel (config None and
+            up to 16 heads, or preferring ``"transposed"``) or the fp8 seesaw kernel (config
+            None above 16 heads, or preferring ``"seesaw"``), else the Triton stage 1: its pairs path where
             `mla_kv_pairs_applicable` holds and the config is None (up to 32 heads) or sets
             ``kv_pairs``, else its byte path (TMA loads where `mla_tma_applicable` holds and
             the config asks for them, pointer loads elsewhere).
