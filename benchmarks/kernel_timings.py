@@ -128,7 +128,7 @@ def mla_inputs(bs: int, ctx: int, heads: int, page: int = 64, kv_dtype: torch.dt
     q_pe = torch.randn(bs, heads, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     o = torch.empty(bs, heads, 512, device="cuda", dtype=torch.bfloat16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = mla_num_kv_splits(ctx, bs, mla_split_sm_count(sms, heads))
+    splits = mla_num_kv_splits(ctx, bs, mla_split_sm_count(sms, heads, kv_dtype))
     ws = torch.empty(mla_workspace_size(ctx, bs, splits, heads, 512), dtype=torch.uint8, device="cuda")
     return dict(q_nope=q_nope, q_pe=q_pe, kv=kv, table=table, lens=lens, o=o, splits=splits, ws=ws)
 

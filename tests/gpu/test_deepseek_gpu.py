@@ -126,6 +126,34 @@ def test_deepseek_v3_attention_shape_gluon_kernel_end_to_end(monkeypatch):
     assert sum(a[0] == b[0] for a, b in zip(eager, ref)) >= 5
 
 
+@pytest.mark.parametrize("model,kind", [("deepseek-v2-lite-mla-tiny", "transposed_fp8"),
+                                        ("deepseek-v3-mla-tiny", "seesaw_fp8")])
+def test_fp8_latent_cache_end_to_end(monkeypatch, model, kind):
+    """An fp8 e4m3 latent cache at DeepSeek's MLA dims (512 + 64), bf16, page 64, CUDA
+    graphs, the default (non-deterministic) split policy: at 16 heads (DeepSeek-V2-Lite)
+    decode runs the transposed fp8 kernel with two programs' worth of splits per SM, at 128
+    heads (V3) the fp8 seesaw kernel (the launched kinds are recorded); the first greedy
+    tokens agree with torch_native over the same fp8 cache for most prompts."""
+    from attnserve.attention.triton_ops import mla_decode
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the fp8 Gluon MLA kernels target sm_90")
+    kinds = []
+    orig = mla_decode._launch_stage1
+    monkeypatch.setattr(mla_decode, "_launch_stage1", lambda k, *a, **kw: kinds.append(k) or orig(k, *a, **kw))
+    prompts = _prompts(6, 13, hi=400)
+    kw = dict(model=model, dtype="bfloat16", page_size=64, max_total_tokens=8192, context_length=2048,
+              kv_cache_dtype="fp8_e4m3")
+    engine = _engine(attention_backend="triton_mla", **kw)
+    assert engine.model_runner.cuda_graph_runner is not None
+    assert engine.model_runner.token_to_kv_pool.kv_buffer[0].dtype == torch.float8_e4m3fn
+    out = _generate(engine, prompts, max_new=12)
+    assert kind in kinds, kinds
+    ref = _generate(_engine(attention_backend="torch_native", disable_cuda_graph=True, **kw), prompts, max_new=12)
+    assert all(len(o) == 12 for o in out)
+    assert sum(a[0] == b[0] for a, b in zip(out, ref)) >= 5
+
+
 def _step_logits(model, mc, device, backend_name, page_size=16):
     """Chunked prefill of two requests, then three batched decode steps, on ``device``;
     returns every step's float32 logits (on the CPU)."""

@@ -139,6 +139,12 @@ def test_split_sm_count_divides_by_head_tiles():
     assert mla_split_sm_count(132, 128) == 66  # two 64-head programs per request and split
     assert mla_split_sm_count(132, 16) == 132 and mla_split_sm_count(132, 64) == 132
     assert mla_split_sm_count(132, 65) == 66 and mla_split_sm_count(1, 128) == 1
+    # an fp8 cache of <= 16 heads counts two programs per SM; more heads or 16-bit do not
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert mla_split_sm_count(132, 16, fp8) == 264 and mla_split_sm_count(132, 8, fp8) == 264
+        assert mla_split_sm_count(132, 32, fp8) == 132 and mla_split_sm_count(132, 128, fp8) == 66
+    assert mla_split_sm_count(132, 16, torch.bfloat16) == 132
+    assert mla_num_kv_splits(4096, 128, mla_split_sm_count(132, 16, torch.float8_e4m3fn)) == 2
     # DeepSeek-V3 at b32 x 16K on 132 SMs: 2 splits (one wave of 128 programs), not 4
     assert mla_num_kv_splits(16384, 32, mla_split_sm_count(132, 128)) == 2
     assert mla_num_kv_splits(16384, 32, 132) == 4
@@ -361,10 +367,12 @@ def test_workspace_rows_match_the_backend_launches():
 
     for sms, heads, cap in ((132, 128, 32), (78, 128, 32), (132, 16, 32), (64, 8, 64), (132, 128, 300), (7, 192, 1)):
         for deterministic in (False, True):
-            policy = MLASplitPolicy(sms, heads, cap, deterministic)
-            for max_bs in (1, 2, 33, 34, 200):
-                assert mla_workspace_rows(max_bs, sms, heads, cap, deterministic) == max(
-                    bs * policy.split_stride(bs) for bs in range(1, max_bs + 1)), (sms, heads, cap, deterministic, max_bs)
+            for kv_dtype in (None, torch.float8_e4m3fn):
+                policy = MLASplitPolicy(sms, heads, cap, deterministic, kv_dtype)
+                for max_bs in (1, 2, 33, 34, 200):
+                    assert mla_workspace_rows(max_bs, sms, heads, cap, deterministic, kv_dtype) == max(
+                        bs * policy.split_stride(bs) for bs in range(1, max_bs + 1)), (
+                        sms, heads, cap, deterministic, kv_dtype, max_bs)
     with pytest.raises(ValueError, match="max_bs"):
         mla_workspace_rows(0, 132, 128, 32, False)
 

@@ -72,12 +72,21 @@ class MLASplitPolicy:
         num_heads: query heads (``tp_q_head_num``).
         max_kv_splits: most splits per request.
         deterministic: batch-invariant split counts (grid of ``max_kv_splits``, no work list).
+        kv_dtype: the latent cache's dtype (fp8 caches of few heads count two programs per
+            SM, `mla_split_sm_count`); None: 16-bit.
     """
 
     num_sms: int
     num_heads: int
     max_kv_splits: int
     deterministic: bool
+    kv_dtype: Optional[torch.dtype] = None
+
+    def split_sm_count(self) -> int:
+        """`mla_split_sm_count` of this device, head count and cache dtype."""
+        from attnserve.attention.triton_ops.mla_decode import mla_split_sm_count
+
+        return mla_split_sm_count(self.num_sms, self.num_heads, self.kv_dtype)
 
     def grid_splits(self, bs: int) -> int:
         """The kernel's split grid for a batch of ``bs``: ``max_kv_splits``, or in the
@@ -86,11 +95,9 @@ class MLASplitPolicy:
         (fewer compiled variants). Smaller grids launch fewer empty programs, and at 1
         the seesaw kernel needs no merge launch (`mla_decode_fwd`). Depends on ``bs`` only, so a
         captured graph keeps it."""
-        from attnserve.attention.triton_ops.mla_decode import mla_split_sm_count
-
         if self.deterministic:
             return self.max_kv_splits
-        per_batch = max(1, mla_split_sm_count(self.num_sms, self.num_heads) // max(1, bs))
+        per_batch = max(1, self.split_sm_count() // max(1, bs))
         return min(self.max_kv_splits, 1 << (per_batch - 1).bit_length())
 
     def work_items(self, bs: int) -> Optional[int]:
@@ -100,15 +107,11 @@ class MLASplitPolicy:
         needs no merge). The list (`mla_num_kv_splits_device`) holds each request's splits,
         which are sized by its share of the SMs, so a long request among short ones is
         spread over many programs without a grid of empty ones. Depends on ``bs`` only."""
-        from attnserve.attention.triton_ops.mla_decode import (
-            MLA_WORK_SPLIT_SPAN,
-            mla_num_work_items,
-            mla_split_sm_count,
-        )
+        from attnserve.attention.triton_ops.mla_decode import MLA_WORK_SPLIT_SPAN, mla_num_work_items
 
         if self.deterministic or self.grid_splits(bs) == 1 or self.max_kv_splits > MLA_WORK_SPLIT_SPAN:
             return None
-        return mla_num_work_items(bs, mla_split_sm_count(self.num_sms, self.num_heads), self.max_kv_splits)
+        return mla_num_work_items(bs, self.split_sm_count(), self.max_kv_splits)
 
     def split_stride(self, bs: int) -> int:
         """Splits per request the kernel is launched with for a batch of ``bs`` (the
@@ -161,13 +164,13 @@ class TritonMLADecode:
 
     # ---- metadata ----------------------------------------------------------------------
     def _splits(self, seq_lens: torch.Tensor, out: torch.Tensor, work: Optional[torch.Tensor]) -> torch.Tensor:
-        from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits_device, mla_split_sm_count
+        from attnserve.attention.triton_ops.mla_decode import mla_num_kv_splits_device
 
         if self.policy.deterministic:
             tiles = torch.div(seq_lens + (self.split_tile - 1), self.split_tile, rounding_mode="floor")
             out.copy_(torch.clamp(tiles, 1, self.policy.max_kv_splits))
             return out
-        return mla_num_kv_splits_device(seq_lens, mla_split_sm_count(self.policy.num_sms, self.policy.num_heads),
+        return mla_num_kv_splits_device(seq_lens, self.policy.split_sm_count(),
                                         self.policy.max_kv_splits, out, work=work)
 
     def _build(self, rows, seq_lens, table: torch.Tensor, splits: torch.Tensor,

@@ -32,8 +32,9 @@ from attnserve.forward_batch import ForwardBatch, ForwardMode
 
 
 def mla_split_policy(config: AttentionBackendConfig) -> MLASplitPolicy:
-    """The decode split policy of ``config`` (device SMs, heads, ``num_kv_splits``)."""
-    return MLASplitPolicy(config.resolved_num_sms(), config.num_q_heads, config.num_kv_splits, config.deterministic)
+    """The decode split policy of ``config`` (device SMs, heads, ``num_kv_splits``, cache dtype)."""
+    return MLASplitPolicy(config.resolved_num_sms(), config.num_q_heads, config.num_kv_splits, config.deterministic,
+                          config.dtype)
 
 
 @register_attention_backend("triton_mla")

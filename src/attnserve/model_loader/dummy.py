@@ -155,10 +155,16 @@ DUMMY_MODEL_CONFIGS["deepseek-v3-mla-tiny"] = dict(
     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=4096,
 )
 
+# DeepSeek-V2-Lite's attention shape (16 heads, kv_lora_rank 512, rope 64, nope 128, v 128)
+# in the same small body: the few-head MLA decode kernels at their production dims
+DUMMY_MODEL_CONFIGS["deepseek-v2-lite-mla-tiny"] = dict(DUMMY_MODEL_CONFIGS["deepseek-v3-mla-tiny"],
+                                                        num_attention_heads=16, num_key_value_heads=16)
+
 #: named shapes that are not Llama: name -> (transformers config class, architecture)
 _DUMMY_CONFIG_CLASSES: Dict[str, Any] = {
     "deepseek-v2-tiny": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek-v3-mla-tiny": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "deepseek-v2-lite-mla-tiny": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "gemma3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "qwen3-0.6b": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3-tiny": ("Qwen3Config", "Qwen3ForCausalLM"),

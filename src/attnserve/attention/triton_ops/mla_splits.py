@@ -10,10 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
-from attnserve.attention.triton_ops.mla_common import _WORK_SPLIT_SPAN, MLA_WORK_SPLIT_SPAN
+from attnserve.attention.triton_ops.mla_common import _WORK_SPLIT_SPAN, MLA_FP8_DTYPES, MLA_WORK_SPLIT_SPAN
 
 # tokens per split unit of the split heuristic (CUTLASS MLA's tile of the sequence)
 _SPLIT_UNIT = 128
+#: an fp8 cache with up to this many query heads counts two programs per SM (`mla_split_sm_count`)
+FP8_TWO_PER_SM_MAX_HEADS = 16
 
 
 def mla_num_kv_splits(max_seq_len: int, bs: int, sm_count: int) -> int:
@@ -33,7 +35,7 @@ def mla_num_kv_splits(max_seq_len: int, bs: int, sm_count: int) -> int:
     return triton.cdiv(max_splits, k_waves)
 
 
-def mla_split_sm_count(sm_count: int, num_heads: int) -> int:
+def mla_split_sm_count(sm_count: int, num_heads: int, kv_dtype: Optional[torch.dtype] = None) -> int:
     """The ``sm_count`` to feed the split heuristic: SMs per head tile of a request.
 
     CUTLASS MLA runs all heads of a request in one CTA, so its ``sm_count // bs`` counts
@@ -42,11 +44,21 @@ def mla_split_sm_count(sm_count: int, num_heads: int) -> int:
     dividing by that keeps the heuristic's one-wave intent. Measured on an H200 (Gluon
     kernel, 128 heads, b32): 2 splits instead of 4 gave 0.339 vs 0.355 ms at kv_len 16K and
     0.096 vs 0.109 ms at 4K (benchmarks/NOTES.md).
+
+    ``kv_dtype`` (the cache's; None: 16-bit): an fp8 cache with at most
+    ``FP8_TWO_PER_SM_MAX_HEADS`` heads counts two programs per SM, for the transposed fp8
+    kernel that serves it on sm_90 (94 KB of shared memory, two resident per SM; one
+    program's chain of copies, conversions and MMAs leaves the SM half idle). H100, e4m3,
+    16 heads, this count against the 16-bit one (benchmarks/NOTES.md session 12): bs 128 x
+    4K 142.7 -> 127.0 us, bs 32 x 16K 145.9 -> 126.5 us. The Triton pairs path (pages that
+    are not multiples of 64) shares the count without gaining from it: page 32, bs 128 x 4K
+    210.0 -> 216.5 us (other runs, within their noise).
     """
     if sm_count < 1 or num_heads < 1:
         raise ValueError(f"sm_count and num_heads must be >= 1, got {sm_count}, {num_heads}")
     block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
-    return max(1, sm_count // triton.cdiv(num_heads, block_h))
+    per_sm = 2 if kv_dtype in MLA_FP8_DTYPES and num_heads <= FP8_TWO_PER_SM_MAX_HEADS else 1
+    return max(1, per_sm * sm_count // triton.cdiv(num_heads, block_h))
 
 
 @triton.jit(do_not_specialize=["bs", "sm_count", "max_kv_splits", "num_work"])
@@ -146,7 +158,8 @@ def _grid_splits(bs: int, split_sm: int, max_kv_splits: int) -> int:
     return min(max_kv_splits, 1 << (per_batch - 1).bit_length())
 
 
-def mla_workspace_rows(max_bs: int, num_sms: int, num_heads: int, max_kv_splits: int, deterministic: bool) -> int:
+def mla_workspace_rows(max_bs: int, num_sms: int, num_heads: int, max_kv_splits: int, deterministic: bool,
+                       kv_dtype: Optional[torch.dtype] = None) -> int:
     """(request, split) rows of float32 partials the attention backend's decode launches
     need for any batch of ``1 .. max_bs`` requests; `mla_workspace_size` ``(0, rows, 1,
     num_heads, kv_lora_rank)`` bytes hold them.
@@ -163,7 +176,7 @@ def mla_workspace_rows(max_bs: int, num_sms: int, num_heads: int, max_kv_splits:
     The split stride ``S`` is the one `TritonMLADecode.forward` (attention/mla_triton.py)
     passes: ``max_kv_splits`` when it launches over a work list, else the split grid
     ``G(bs)``: ``max_kv_splits`` with ``deterministic``, else ``min(max_kv_splits,
-    next_pow2(max(1, mla_split_sm_count(num_sms, num_heads) // bs)))``. It uses a work list
+    next_pow2(max(1, mla_split_sm_count(num_sms, num_heads, kv_dtype) // bs)))``. It uses a work list
     unless ``deterministic``, ``G(bs) == 1`` or ``max_kv_splits > MLA_WORK_SPLIT_SPAN``.
     ``S`` shrinks as ``bs`` grows, so the answer is ``max(bs * S(bs) for bs in 1 ..
     max_bs)``, not the value at ``max_bs``: ``max_bs * max_kv_splits`` when deterministic;
@@ -179,7 +192,7 @@ def mla_workspace_rows(max_bs: int, num_sms: int, num_heads: int, max_kv_splits:
     max_bs, max_kv_splits = int(max_bs), int(max_kv_splits)
     if deterministic:
         return max_bs * max_kv_splits
-    split_sm = mla_split_sm_count(int(num_sms), int(num_heads))
+    split_sm = mla_split_sm_count(int(num_sms), int(num_heads), kv_dtype)
     rows = max_bs  # S >= 1; past split_sm requests the grid is 1 and there is no work list
     for bs in range(1, min(max_bs, split_sm) + 1):
         grid = _grid_splits(bs, split_sm, max_kv_splits)
