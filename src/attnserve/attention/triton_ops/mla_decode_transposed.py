@@ -38,7 +38,8 @@ the output. bf16 queries are converted with saturation to fp16 (+-65504) once.
 Compiled (sm_90a): 219 registers, no spills; 94,480 B shared memory at 2 stages (two
 programs an SM), 168,224 B at 4. H100, e4m3, stage 1 + merge (benchmarks/NOTES.md, Session 12
 transposed kernel): 16 heads bs 128 x 4K 142.7 us at one split (fp8 seesaw 166.6, bf16
-default 222.8), 126.7 us at two; 128 heads bs 32 x 16K 700 us (seesaw 329): every 16 heads
+default 222.8), 126.7 us at two (what `mla_split_sm_count` gives an fp8 cache of <= 16
+heads: two programs an SM); 128 heads bs 32 x 16K 700 us (seesaw 329): every 16 heads
 re-read and re-convert the whole cache, so `mla_decode` picks it up to 16 heads only.
 
 Needs sm_90, fp16/bf16 queries, an fp8 (e4m3fn / e5m2) cache, kv_lora_rank 512 + rope 64,
