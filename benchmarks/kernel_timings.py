@@ -111,6 +111,17 @@ def extend(t: int = 8192, hq: int = 32, hkv: int = 8, d: int = 128) -> dict:
     return dict(us=us, tflops=2 * 2 * t * t / 2 * hq * d / (us * 1e-6) / 1e12)
 
 
+def summarize_rounds(res: dict, shape: str, times: dict, base: str) -> None:
+    """Record one shape's timed rounds in ``res``: ``res["rounds"][shape] = times`` (name ->
+    list of us) and ``res["us"][shape]`` their medians; print each median with ``base``'s
+    median over it (> 1: faster than ``base``)."""
+    res["rounds"][shape] = times
+    res["us"][shape] = {k: statistics.median(t) for k, t in times.items()}
+    b = res["us"][shape][base]
+    for k, t in res["us"][shape].items():
+        print(f"{shape} {k:30s} {t:8.1f} us  {base}/this {b / t:.3f}", flush=True)
+
+
 def mla_inputs(bs: int, ctx: int, heads: int, page: int = 64, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
     """Seeded inputs of `mla_decode` (512 + 64 dims, ``bs`` requests of ``ctx`` tokens on
     random distinct pages, the device split heuristic's count): ``q_nope``, ``q_pe``, ``kv``

@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import os
-import statistics
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from kernel_timings import graph_us, mla_inputs  # noqa: E402
+from kernel_timings import graph_us, mla_inputs, summarize_rounds  # noqa: E402
 
-from attnserve.bench.results import device_slug  # noqa: E402
+from attnserve.bench.results import cuda_run_metadata, write_result  # noqa: E402
 
 VARIANTS = {  # name: module attributes of mla_decode_seesaw to set (restored after the run)
     "default": {},
@@ -69,15 +67,13 @@ def main(argv=None) -> int:
     ap.add_argument("--date", default=dt.date.today().isoformat())
     ap.add_argument("--label", default="variants", help="file name part: <device>-mla-fp8-seesaw-<label>-<date>.json")
     args = ap.parse_args(argv)
-    import triton
-
+    t0 = time.perf_counter()
     from attnserve.attention.triton_ops import mla_decode_seesaw as ms
 
     saved = {k: getattr(ms, k) for v in VARIANTS.values() for k in v}
 
-    res = {"benchmark": "mla-fp8-seesaw-variants", "date": args.date, "device": device_slug("cuda"),
-           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "cuda": torch.version.cuda, "us": {}, "rounds": {}, "stage1": {}, "max_abs_diff_vs_first": {},
+    res = {**cuda_run_metadata("mla-fp8-seesaw-variants", t0), "date": args.date,
+           "us": {}, "rounds": {}, "stage1": {}, "max_abs_diff_vs_first": {},
            "variants": {k: {a: repr(x) for a, x in VARIANTS[k].items()} for k in args.variants}}
     for shape in args.shapes:
         bs, ctx, heads = SHAPES[shape]
@@ -109,21 +105,14 @@ def main(argv=None) -> int:
                         res["max_abs_diff_vs_first"][f"{shape}/{name}"] = float("nan")
                 times[name].append(graph_us(fn))
                 print(shape, name, kind, f"round {r}: {times[name][-1]:.1f} us", flush=True)
-        res["rounds"][shape] = times
-        res["us"][shape] = {k: statistics.median(t) for k, t in times.items()}
-        b = res["us"][shape]["bf16"]
-        for k, t in res["us"][shape].items():
-            print(f"{shape} {k:28s} {t:8.1f} us  bf16/this {b / t:.3f}", flush=True)
+        summarize_rounds(res, shape, times, "bf16")
         del cases
         torch.cuda.empty_cache()
     for k, val in saved.items():
         setattr(ms, k, val)
     print("max_abs_diff_vs_first", res["max_abs_diff_vs_first"], flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{res['device']}-mla-fp8-seesaw-{args.label}-{args.date}.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print("wrote", path)
+    res["total_s"] = time.perf_counter() - t0
+    write_result(res, args.out, f"mla-fp8-seesaw-{args.label}", "cuda")
     return 0
 
 

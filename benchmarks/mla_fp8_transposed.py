@@ -16,18 +16,15 @@ magnitude).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from kernel_timings import graph_us, mla_inputs  # noqa: E402
+from kernel_timings import graph_us, mla_inputs, summarize_rounds  # noqa: E402
 
-from attnserve.bench.results import cuda_run_metadata  # noqa: E402
+from attnserve.bench.results import cuda_run_metadata, write_result  # noqa: E402
 
 SHAPES = {"mla16_decode_bs128_4k": (128, 4096, 16), "mla16_decode_bs32_16k": (32, 16384, 16),
           "mla128_decode_bs32_16k": (32, 16384, 128)}
@@ -99,20 +96,12 @@ def main(argv=None) -> int:
                     res["rel_diff_vs_seesaw"][f"{shape}/{name}"] = d if torch.isfinite(out).all() else float("nan")
                 times[name].append(graph_us(fn))
                 print(shape, name, kind, f"round {r}: {times[name][-1]:.1f} us", flush=True)
-        res["rounds"][shape] = times
-        res["us"][shape] = {k: statistics.median(t) for k, t in times.items()}
-        b = res["us"][shape]["bf16_default"]
-        for k, t in res["us"][shape].items():
-            print(f"{shape} {k:30s} {t:8.1f} us  bf16/this {b / t:.3f}", flush=True)
+        summarize_rounds(res, shape, times, "bf16_default")
         del cases
         torch.cuda.empty_cache()
     print("rel_diff_vs_seesaw", res["rel_diff_vs_seesaw"], flush=True)
     res["total_s"] = time.perf_counter() - t0
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{res['device']}-mla-fp8-transposed-{res['date']}.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print("wrote", path)
+    write_result(res, args.out, "mla-fp8-transposed", "cuda")
     return 0
 
 

@@ -101,6 +101,17 @@ def test_fp8_decode_matches_reference(fp8, page_size, num_heads):
     assert (o[0] == 0).all() and torch.isneginf(lse[0].cpu()).all()
 
 
+def _device_splits(case, sm_count: int, max_splits: int, split_mode: str):
+    """``(splits, work)``: the requests' split counts computed on the device
+    (`mla_num_kv_splits_device` over ``sm_count`` SMs, at most ``max_splits``), with a work
+    list of `mla_num_work_items` entries when ``split_mode == "work"`` (else ``work`` None)."""
+    work = None
+    if split_mode == "work":
+        n = mla_num_work_items(len(case["seq_lens"]), sm_count, max_splits)
+        work = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    return mla_num_kv_splits_device(case["seq_lens"], sm_count, max_splits, work=work), work
+
+
 @pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16], ids=["q_fp32", "q_fp16"])
 @pytest.mark.parametrize("split_mode", ["device", "work"])
@@ -111,10 +122,7 @@ def test_fp8_query_dtypes_and_device_splits(fp8, q_dtype, split_mode):
     kv_scale = 4.0
     seed = 11 + FP8.index(fp8) + 2 * (q_dtype == torch.float16)
     case = make_fp8_case(lens, 16, 64, q_dtype, fp8, kv_scale, amp=8.0, seed=seed)
-    work = None
-    if split_mode == "work":
-        work = torch.empty(mla_num_work_items(len(lens), 16, 4), dtype=torch.int32, device=DEVICE)
-    splits = mla_num_kv_splits_device(case["seq_lens"], 16, 4, work=work)
+    splits, work = _device_splits(case, 16, 4, split_mode)
     assert splits.cpu().tolist()[2] > 1  # the long request is split (merge of scaled partials)
     o, lse = run_fp8(case, 64, splits, 4, kv_scale, work=work)
     check(case, o, lse, q_dtype)
@@ -263,10 +271,7 @@ def test_fp8_seesaw_fp16_queries_device_splits(fp8, split_mode):
     lens = [17, 0, 3000, 64, 1, 640]
     kv_scale = 0.5
     case = make_fp8_case(lens, 20, 64, torch.float16, fp8, kv_scale, amp=4.0, seed=77 + FP8.index(fp8))
-    work = None
-    if split_mode == "work":
-        work = torch.empty(mla_num_work_items(len(lens), 20, 8), dtype=torch.int32, device=DEVICE)
-    splits = mla_num_kv_splits_device(case["seq_lens"], 20, 8, work=work)
+    splits, work = _device_splits(case, 20, 8, split_mode)
     assert splits.cpu().tolist()[2] > 1
     assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], 64, SEESAW_CFG) == "seesaw_fp8"
     o, lse = run_fp8(case, 64, splits, 8, kv_scale, work=work, config=SEESAW_CFG)
@@ -329,10 +334,7 @@ def test_fp8_transposed_device_splits_matches_seesaw(fp8, split_mode):
     lens = [17, 0, 3000, 64, 1, 640]
     kv_scale = 0.5
     case = make_fp8_case(lens, 16, 64, torch.bfloat16, fp8, kv_scale, amp=4.0, seed=91 + FP8.index(fp8))
-    work = None
-    if split_mode == "work":
-        work = torch.empty(mla_num_work_items(len(lens), 16, 8), dtype=torch.int32, device=DEVICE)
-    splits = mla_num_kv_splits_device(case["seq_lens"], 16, 8, work=work)
+    splits, work = _device_splits(case, 16, 8, split_mode)
     o, lse = run_fp8(case, 64, splits, 8, kv_scale, work=work, config=_transposed_cfg())
     check(case, o, lse, torch.bfloat16)
     o_s, lse_s = run_fp8(case, 64, splits, 8, kv_scale, work=work, config=SEESAW_CFG)
@@ -387,10 +389,7 @@ def test_fp8_pairs_default_device_splits(split_mode):
     lens = [17, 0, 3000, 64, 1, 640]
     kv_scale = 0.5
     case = make_fp8_case(lens, 16, 32, torch.bfloat16, E4M3, kv_scale, amp=40.0, seed=91 + len(split_mode))
-    work = None
-    if split_mode == "work":
-        work = torch.empty(mla_num_work_items(len(lens), 16, 8), dtype=torch.int32, device=DEVICE)
-    splits = mla_num_kv_splits_device(case["seq_lens"], 16, 8, work=work)
+    splits, work = _device_splits(case, 16, 8, split_mode)
     assert splits.cpu().tolist()[2] > 1
     assert mla_stage1_kernel(case["q_nope"], case["q_pe"], case["kv"], 32) == "triton_pairs"
     o, lse = run_fp8(case, 32, splits, 8, kv_scale, work=work)
