@@ -265,3 +265,70 @@ def check_rope_store_kv(
     close(k_ref[loc], k_buf[loc], dtype)
     assert torch.equal(v_ref[loc], v_buf[loc])
     assert torch.isnan(k_ref[untouched]).all()
+
+
+def check_rope_store_kv_fp8(
+    device, dtype, buf_dtype, tokens: int, hq: int, hk: int, head_dim: int, rotary_dim: int, neox: bool,
+    k_scale: float, v_scale: float, on_grid: bool = False, seed: int = 0,
+) -> None:
+    """The fused RoPE + KV store into an FP8 cache: the rows ``loc`` hold exactly the bytes
+    `kv_quant.quantize_kv` gives for the rotated k (as left in ``k``) and for v with the
+    target's scales (saturated: k is drawn large enough that some entries clip), the other
+    rows keep their poison bytes; the PyTorch path of `RotaryEmbedding` quantises its own
+    rotated key the same way.
+
+    ``on_grid`` (for the CPU interpreter, whose float32 -> fp8 cast rounds wrongly near
+    powers of two): position 0 (RoPE is the identity) and k / v drawn as fp8 values times
+    power-of-two scales, so no entry needs rounding and the check covers the scales, the
+    saturation and the rows; on a GPU use random positions and inputs (``on_grid=False``)."""
+    from attnserve.mem_cache.kv_quant import quantize_kv
+
+    gen = torch.Generator().manual_seed(seed)
+    rope = RotaryEmbedding(head_dim, rotary_dim, 64, 10000.0, is_neox_style=neox).to(device)
+    qkv = _rand(gen, tokens, (hq + 2 * hk) * head_dim, device=device, dtype=dtype, scale=40.0)
+    if on_grid:
+        positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        k_cols = slice(hq * head_dim, (hq + hk) * head_dim)
+        v_cols = slice((hq + hk) * head_dim, None)
+        for cols, scale in ((k_cols, k_scale), (v_cols, v_scale)):
+            grid = (qkv[:, cols].float() / 40.0 * 300.0).to(buf_dtype).float()  # |x| up to ~1000: some saturate
+            qkv[:, cols] = (grid * scale).to(dtype)
+        qkv[0, k_cols.start] = 2.0 * torch.finfo(buf_dtype).max * k_scale  # past the format's max
+    else:
+        positions = torch.randint(0, 64, (tokens,), generator=gen).to(device)
+    qkv2 = qkv.clone()
+    q = qkv[:, : hq * head_dim]
+    k = qkv[:, hq * head_dim : (hq + hk) * head_dim]
+    v = qkv[:, (hq + hk) * head_dim :]
+    slots = 2 * tokens + 5
+    loc = torch.randperm(slots, generator=gen)[:tokens].to(device)
+    poison = 0x5A
+
+    def buffers():
+        kb = torch.empty((slots, hk, head_dim), dtype=buf_dtype, device=device)
+        vb = torch.empty((slots, hk, head_dim), dtype=buf_dtype, device=device)
+        kb.view(torch.uint8).fill_(poison)
+        vb.view(torch.uint8).fill_(poison)
+        return kb, vb
+
+    def as_bytes(x):
+        return x.view(torch.uint8).cpu()
+
+    k_buf, v_buf = buffers()
+    fk.rotary_embedding_inplace(positions, q, k, rope.cos_sin_cache, head_dim, rotary_dim, neox,
+                                kv_store=fk.KVStoreTarget(k_buf, v_buf, loc, v, k_scale, v_scale))
+    k_rows, v_rows = k.reshape(tokens, hk, head_dim), v.reshape(tokens, hk, head_dim)
+    assert torch.equal(as_bytes(k_buf[loc]), as_bytes(quantize_kv(k_rows, k_scale, buf_dtype)))
+    assert torch.equal(as_bytes(v_buf[loc]), as_bytes(quantize_kv(v_rows, v_scale, buf_dtype)))
+    assert (k_rows.float().abs() / k_scale > torch.finfo(buf_dtype).max).any()  # saturation was exercised
+    untouched = torch.ones(slots, dtype=torch.bool, device=device)
+    untouched[loc] = False
+    assert (as_bytes(k_buf[untouched]) == poison).all() and (as_bytes(v_buf[untouched]) == poison).all()
+
+    rope.use_fused = False
+    k_ref, v_ref = buffers()
+    _, k2 = rope(positions, qkv2[:, : hq * head_dim], qkv2[:, hq * head_dim : (hq + hk) * head_dim],
+                 kv_store=fk.KVStoreTarget(k_ref, v_ref, loc, qkv2[:, (hq + hk) * head_dim :], k_scale, v_scale))
+    assert torch.equal(as_bytes(k_ref[loc]), as_bytes(quantize_kv(k2.reshape(tokens, hk, head_dim), k_scale, buf_dtype)))
+    assert torch.equal(as_bytes(v_ref[loc]), as_bytes(v_buf[loc]))
+    assert (as_bytes(k_ref[untouched]) == poison).all()

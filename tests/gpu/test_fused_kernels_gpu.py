@@ -65,6 +65,15 @@ def test_rope_with_kv_store_gpu(neox, dtype, tokens, hq, hk, head_dim, rotary_di
     C.check_rope_store_kv(DEV, dtype, dtype, tokens, hq, hk, head_dim, rotary_dim, neox, seed=tokens + hq)
 
 
+@pytest.mark.parametrize("buf_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("tokens,hq,hk,head_dim,rotary_dim", [(1, 32, 8, 128, 128), (300, 32, 8, 128, 128),
+                                                              (7, 8, 1, 256, 256), (5, 16, 2, 128, 64)])
+def test_rope_with_fp8_kv_store_gpu(buf_dtype, neox, tokens, hq, hk, head_dim, rotary_dim):
+    C.check_rope_store_kv_fp8(DEV, torch.bfloat16, buf_dtype, tokens, hq, hk, head_dim, rotary_dim, neox,
+                              k_scale=0.04, v_scale=0.25, seed=tokens + hq)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("tokens,inter,strided", [(1, 1536, False), (1, 14336, False), (64, 2048, True), (3, 80, True)])
@@ -101,7 +110,7 @@ def test_pool_uses_store_kv_on_cuda():
 class _Run:
     """A SmolLM2-shaped Llama (dummy bf16 weights) + paged KV + triton backend on the GPU."""
 
-    def __init__(self, disable_fused: bool, weights=None):
+    def __init__(self, disable_fused: bool, weights=None, kv_dtype=torch.bfloat16, kv_scales=(1.0, 1.0)):
         from attnserve.attention.backend_config import AttentionBackendConfig
         from attnserve.attention.triton_backend import TritonAttnBackend
         from attnserve.model_loader.loader import load_model
@@ -114,8 +123,10 @@ class _Run:
             self.model.load_state_dict(weights)
         self.req_pool = ReqToTokenPool(4, 512, DEV)
         self.alloc = TokenToKVPoolAllocator(4096, 1)
-        self.kv = MHATokenToKVPool(4096, 1, torch.bfloat16, mc.num_key_value_heads, mc.head_dim,
+        self.kv = MHATokenToKVPool(4096, 1, kv_dtype, mc.num_key_value_heads, mc.head_dim,
                                    mc.num_hidden_layers, DEV, use_fused_store=not disable_fused)
+        for layer in self.model.model.layers:
+            layer.self_attn.attn.set_kv_scales(*kv_scales)
         self.backend = TritonAttnBackend(AttentionBackendConfig.from_pools(
             self.req_pool, self.kv, mc.num_attention_heads, deterministic=True))
         self.num_layers = mc.num_hidden_layers
@@ -215,3 +226,30 @@ def test_llama_step_fused_matches_unfused():
     torch.cuda.synchronize()
     print(f"graph replay bit-identical to eager: {torch.equal(out, eager)}")
     torch.testing.assert_close(out.float(), eager.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_llama_fp8_cache_fused_store_matches_unfused():
+    """An FP8 (e4m3) cache with scales != 1 written by the fused RoPE + quantising store gives
+    the logits of the un-fused path (RoPE, then `store_kv`), and its decode step launches as
+    many kernels as the fused bf16 cache's (no separate store)."""
+    scales = (0.05, 0.3)
+    ref = _Run(disable_fused=True, kv_dtype=torch.float8_e4m3fn, kv_scales=scales)
+    weights = ref.model.state_dict()
+    fused = _Run(disable_fused=False, weights=weights, kv_dtype=torch.float8_e4m3fn, kv_scales=scales)
+    bf16 = _Run(disable_fused=False, weights=weights)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, 49000, (n,), generator=gen).tolist() for n in (37, 18)]
+    logits = {}
+    for name, run in (("ref", ref), ("fused", fused), ("bf16", bf16)):
+        logits[name] = run.model.compute_logits(run.forward(run.batch(ForwardMode.EXTEND, prompts)))
+    _compare(logits["fused"], logits["ref"], "fp8 prefill logits")
+    next_ids = logits["ref"][torch.tensor([36, 54], device=DEV)].argmax(-1).tolist()
+    steps = {}
+    for name, run in (("ref", ref), ("fused", fused), ("bf16", bf16)):
+        fb = run.batch(ForwardMode.DECODE, [[t] for t in next_ids])
+        steps[name] = (run, fb, run.model.compute_logits(run.forward(fb)))
+    _compare(steps["fused"][2], steps["ref"][2], "fp8 decode logits")
+    counts = {name: _device_ops(lambda r=r, fb=fb: r.forward(fb)) for name, (r, fb, _) in steps.items()}
+    print(f"device kernels per decode step: fp8 unfused {counts['ref']}, fp8 fused {counts['fused']}, "
+          f"bf16 fused {counts['bf16']}")
+    assert counts["fused"] == counts["bf16"] < counts["ref"]

@@ -83,6 +83,30 @@ def test_rope_with_kv_store(neox, dtype, buf_dtype, tokens, hq, hk, head_dim, ro
     C.check_rope_store_kv(DEVICE, dtype, buf_dtype, tokens, hq, hk, head_dim, rotary_dim, neox, seed=tokens + hq)
 
 
+@pytest.mark.parametrize("buf_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("tokens,hq,hk,head_dim,rotary_dim,neox", [(3, 9, 3, 64, 64, True), (2, 4, 2, 48, 24, False)])
+def test_rope_with_fp8_kv_store(buf_dtype, tokens, hq, hk, head_dim, rotary_dim, neox):
+    """RoPE and the quantising FP8 KV-cache write in one launch (scales != 1, saturation);
+    on the CPU interpreter with inputs that need no rounding (see the check), on a GPU with
+    random ones."""
+    C.check_rope_store_kv_fp8(DEVICE, torch.float32, buf_dtype, tokens, hq, hk, head_dim, rotary_dim, neox,
+                              k_scale=0.125, v_scale=0.5, on_grid=DEVICE == "cpu", seed=tokens + hq)
+
+
+def test_rope_fp8_kv_store_rejects_bad_scales():
+    q, k, v = torch.zeros(2, 4 * 16), torch.zeros(2, 2 * 16), torch.zeros(2, 2 * 16)
+    buf = torch.zeros(8, 2, 16, dtype=torch.float8_e4m3fn)
+    for scale in (0.0, -1.0, float("nan")):
+        bad = fk.KVStoreTarget(buf, buf.clone(), torch.zeros(2, dtype=torch.int64), v, k_scale=scale)
+        with pytest.raises(ValueError, match="k_scale"):
+            fk.rotary_embedding_inplace(torch.zeros(2, dtype=torch.int64), q, k, torch.zeros(4, 16), 16, 16, True,
+                                        kv_store=bad)
+    mixed = fk.KVStoreTarget(buf, torch.zeros(8, 2, 16), torch.zeros(2, dtype=torch.int64), v)
+    with pytest.raises(ValueError, match="both be FP8"):
+        fk.rotary_embedding_inplace(torch.zeros(2, dtype=torch.int64), q, k, torch.zeros(4, 16), 16, 16, True,
+                                    kv_store=mixed)
+
+
 def test_rope_kv_store_rejects_mismatch():
     q = torch.zeros(2, 4 * 16)
     k = torch.zeros(2, 2 * 16)

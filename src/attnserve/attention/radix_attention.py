@@ -98,12 +98,13 @@ class RadixAttention(nn.Module):
         """Where a fused kernel may write this layer's new K/V itself (a
         `attnserve.mem_cache.store_kv.KVStoreTarget`), or None. The caller that uses it
         must then call `forward` with ``save_kv_cache=False``. None for idle steps and for
-        pools without a fused store (CPU, ``--disable-fused-kernels``, MLA pools)."""
+        pools without a fused store (CPU, ``--disable-fused-kernels``, MLA pools). An FP8
+        pool's target carries this layer's ``k_scale`` / ``v_scale``."""
         pool = forward_batch.token_to_kv_pool
         loc = forward_batch.out_cache_loc
         if loc is None or forward_batch.forward_mode.is_idle():
             return None
-        return pool.fused_store_target(self.layer_id, loc, value)
+        return pool.fused_store_target(self.layer_id, loc, value, self.k_scale, self.v_scale)
 
     def extra_repr(self) -> str:
         return (

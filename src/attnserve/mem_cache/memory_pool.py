@@ -227,15 +227,17 @@ class MHATokenToKVPool(KVCache):
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         return self.v_buffer[layer_id]
 
-    def fused_store_target(self, layer_id: int, loc: torch.Tensor, value: torch.Tensor) -> Optional[KVStoreTarget]:
+    def fused_store_target(
+        self, layer_id: int, loc: torch.Tensor, value: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0
+    ) -> Optional[KVStoreTarget]:
         """The layer's K/V buffers as a `KVStoreTarget` for a kernel that writes the cache
-        itself (RoPE + KV store in one launch), or None when this pool writes through
-        `set_kv_buffer` only (CPU pool, fused kernels disabled, ``loc`` not on a GPU). ``value``: ``[n, head_num * v_head_dim]`` or ``[n, head_num, v_head_dim]``."""
+        itself (RoPE + KV store in one launch; an FP8 pool is quantised there with
+        ``k_scale`` / ``v_scale``), or None when this pool writes through `set_kv_buffer`
+        only (CPU pool, fused kernels disabled, ``loc`` not on a GPU). ``value``: ``[n,
+        head_num * v_head_dim]`` or ``[n, head_num, v_head_dim]``."""
         if not self.use_fused_store or not loc.is_cuda or loc.dtype not in (torch.int64, torch.int32):
             return None
-        if is_fp8(self.dtype):  # the fused RoPE + store does not quantize: RoPE, then `set_kv_buffer`
-            return None
-        return KVStoreTarget(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, value)
+        return KVStoreTarget(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, value, k_scale, v_scale)
 
     def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         """Write ``cache_k``/``cache_v`` ``[n, head_num, D]`` into rows ``loc`` (int64 ``[n]``)
@@ -308,7 +310,8 @@ class MLATokenToKVPool(KVCache):
         value, so one scale)."""
         self.kv_buffer[layer.layer_id][loc] = quantize_kv(cache_k, layer.k_scale, self.dtype)
 
-    def fused_store_target(self, layer_id: int, loc: torch.Tensor, value: torch.Tensor) -> None:
+    def fused_store_target(self, layer_id: int, loc: torch.Tensor, value: torch.Tensor, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> None:
         """None: the latent pool has no fused RoPE + store (the layer stores the latent)."""
         return None
 

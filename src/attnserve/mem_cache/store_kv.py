@@ -65,12 +65,17 @@ class KVStoreTarget:
         loc: int64/int32 ``[T]`` destination rows (``out_cache_loc``); not range-checked.
         value: ``[T, Hkv*Dv]`` or ``[T, Hkv, Dv]`` values of the step's tokens (last dim
             contiguous; e.g. the v part of a fused qkv output).
+        k_scale / v_scale: per-tensor dequantisation scales (floats > 0) of an FP8 cache,
+            which stores ``saturate(x / scale)`` (`kv_quant.quantize_kv`); ignored by 16/32-bit
+            caches.
     """
 
     k_buffer: torch.Tensor
     v_buffer: torch.Tensor
     loc: torch.Tensor
     value: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 def _next_pow2(n: int) -> int:

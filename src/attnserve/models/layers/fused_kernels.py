@@ -241,13 +241,16 @@ def rotary_embedding_inplace(
         kv_store: also write the rotated ``k`` and ``kv_store.value`` into the KV cache
             rows ``kv_store.loc`` (see `KVStoreTarget`), replacing a separate
             `store_kv` launch; needs ``k``. The cache receives exactly the values left in
-            ``k`` (rounded to its dtype, then converted to the cache dtype).
+            ``k`` (rounded to its dtype, then converted to the cache dtype; an FP8 cache
+            gets ``saturate(x / scale)`` with ``kv_store.k_scale`` / ``v_scale``, the bytes
+            `kv_quant.quantize_kv` gives).
 
     Grid ``(T, q head blocks + k head blocks [+ v head blocks])``.
 
     Raises:
         ValueError: unsupported layout (see `rope_layout_supported`), table shape, or a
-            ``kv_store`` whose shapes do not match ``k``.
+            ``kv_store`` whose shapes do not match ``k`` (or with one FP8 and one non-FP8
+            cache, or an FP8 scale <= 0 / non-finite).
     """
     if not rope_layout_supported(q, k, head_dim):
         raise ValueError(f"rotary_embedding_inplace: unsupported q {tuple(q.shape)}/{q.stride()} or k layout")
@@ -262,6 +265,7 @@ def rotary_embedding_inplace(
     if t == 0:
         return
     hq, q_st, q_sh = _rope_heads(q, head_dim)
+    quant = {}
     if k is not None:
         hk, k_st, k_sh = _rope_heads(k, head_dim)
     else:
@@ -297,12 +301,30 @@ def rotary_embedding_inplace(
         block_dv = _next_pow2(dv)
         nv = -(-hk // block_h)
         block_pass = _next_pow2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
+        quant = _quant_args(k_buf.dtype, v_buf.dtype, kv_store.k_scale, kv_store.v_scale)
     _rope_kernel[(t, nq + nk + nv)](
         positions, q, k, cos_sin_cache, q_st, q_sh, k_st, k_sh, cos_sin_cache.stride(0), hq, hk, nq,
         *store_args, nk, head_dim, dv,
         HALF=half, BLOCK_R=block_r, BLOCK_H=block_h, IS_NEOX=bool(is_neox), STORE_KV=kv_store is not None,
-        BLOCK_PASS=block_pass, BLOCK_DV=block_dv, num_warps=4,
+        BLOCK_PASS=block_pass, BLOCK_DV=block_dv, num_warps=4, **quant,
     )
+
+
+def _quant_args(k_dtype: torch.dtype, v_dtype: torch.dtype, k_scale: float, v_scale: float) -> dict:
+    """The fused RoPE + store kernel's quantisation arguments for caches of ``k_dtype`` /
+    ``v_dtype``: none for 16/32-bit caches; inverse scales and the saturation bound for FP8.
+
+    Raises:
+        ValueError: only one of the two caches is FP8, or a scale <= 0 / non-finite.
+    """
+    from attnserve.mem_cache.kv_quant import check_scale, fp8_max, is_fp8
+
+    if is_fp8(k_dtype) != is_fp8(v_dtype):
+        raise ValueError(f"rotary_embedding_inplace: K and V caches must both be FP8 or neither ({k_dtype}, {v_dtype})")
+    if not is_fp8(k_dtype):
+        return {}
+    return dict(k_inv_scale=1.0 / check_scale("k_scale", k_scale), v_inv_scale=1.0 / check_scale("v_scale", v_scale),
+                max_val=fp8_max(k_dtype), QUANT=True)
 
 
 def _act_and_mul(x: torch.Tensor, act: int) -> torch.Tensor:

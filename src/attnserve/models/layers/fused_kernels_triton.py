@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attnserve.mem_cache.store_kv_triton import copy_heads_to_slot
+from attnserve.mem_cache.store_kv_triton import copy_heads_to_slot, quant_heads_to_slot
 
 
 @triton.jit
@@ -116,6 +116,9 @@ def _rope_rotate_heads(
     IS_NEOX: tl.constexpr,
     STORE: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
+    inv_scale=1.0,
+    max_val=0.0,
+    QUANT: tl.constexpr = False,
 ):
     """Rotate ``BLOCK_H`` heads (from ``head_start``) of token ``tok`` in place.
 
@@ -123,7 +126,8 @@ def _rope_rotate_heads(
     NeoX pairs channel ``i`` with ``i + HALF``; GPT-J pairs ``2i`` with ``2i + 1``.
     STORE: also write the rotated heads, and their ``head_dim - 2*HALF`` pass-through
     channels (``BLOCK_PASS`` >= that count), to ``dst_ptr + dst_row + head * dst_stride_h``
-    (a KV-cache row), converting to the destination dtype.
+    (a KV-cache row), converting to the destination dtype; QUANT (an FP8 cache) stores
+    ``clamp(x * inv_scale, -max_val, max_val)`` (`kv_quant.quantize_kv`).
     """
     heads = head_start + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads
@@ -147,14 +151,23 @@ def _rope_rotate_heads(
         # the cache gets exactly the rounded values written back to ``ptr`` (as if the
         # un-fused store had read them again)
         dst = dst_ptr + dst_row + heads.to(tl.int64)[:, None] * dst_stride_h
-        dty = dst_ptr.dtype.element_ty
-        tl.store(dst + off1[None, :], y1.to(tl.float32).to(dty), mask=mask)
-        tl.store(dst + off2[None, :], y2.to(tl.float32).to(dty), mask=mask)
+        tl.store(dst + off1[None, :], _to_cache(y1, dst_ptr, inv_scale, max_val, QUANT), mask=mask)
+        tl.store(dst + off2[None, :], _to_cache(y2, dst_ptr, inv_scale, max_val, QUANT), mask=mask)
         if BLOCK_PASS > 0:
             rest = 2 * HALF + tl.arange(0, BLOCK_PASS)
             rmask = head_mask[:, None] & (rest < head_dim)[None, :]
             xr = tl.load(base + rest[None, :], mask=rmask, other=0.0)
-            tl.store(dst + rest[None, :], xr.to(tl.float32).to(dty), mask=rmask)
+            tl.store(dst + rest[None, :], _to_cache(xr, dst_ptr, inv_scale, max_val, QUANT), mask=rmask)
+
+
+@triton.jit
+def _to_cache(x, dst_ptr, inv_scale, max_val, QUANT: tl.constexpr):
+    """``x`` as a cache entry of ``dst_ptr``'s dtype, through float32: a plain cast, or
+    (QUANT, an FP8 cache) ``clamp(x * inv_scale, -max_val, max_val)`` then the cast."""
+    y = x.to(tl.float32)
+    if QUANT:
+        y = tl.minimum(tl.maximum(y * inv_scale, -max_val), max_val)
+    return y.to(dst_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -191,12 +204,17 @@ def _rope_kernel(
     STORE_KV: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    k_inv_scale=1.0,
+    v_inv_scale=1.0,
+    max_val=0.0,
+    QUANT: tl.constexpr = False,
 ):
     """Grid ``(T, q head blocks + k head blocks [+ v head blocks])``: rotate one block of q
     or k heads of one token in place, reading ``cos``/``sin`` of its position from
     ``cache`` ``[P, 2*HALF]``. STORE_KV: k programs also write the rotated key heads into
     row ``loc[tok]`` of ``kb`` (the K cache) and the v programs copy the token's value
-    heads into row ``loc[tok]`` of ``vb`` (the V cache)."""
+    heads into row ``loc[tok]`` of ``vb`` (the V cache); QUANT (FP8 caches) quantises both
+    with their inverse scales and saturates at ``max_val``."""
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     if STORE_KV:
@@ -206,8 +224,12 @@ def _rope_kernel(
     if hb >= num_q_blocks + num_k_blocks:
         # value heads: a plain copy into the V cache
         heads = (hb - num_q_blocks - num_k_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        copy_heads_to_slot(v_ptr, tok, v_stride_t, v_stride_h, vb_ptr, slot, vb_stride_s, vb_stride_h,
-                           heads.to(tl.int64), heads < num_k_heads, v_head_dim, BLOCK_DV)
+        if QUANT:
+            quant_heads_to_slot(v_ptr, tok, v_stride_t, v_stride_h, vb_ptr, slot, vb_stride_s, vb_stride_h,
+                                heads.to(tl.int64), heads < num_k_heads, v_head_dim, v_inv_scale, max_val, BLOCK_DV)
+        else:
+            copy_heads_to_slot(v_ptr, tok, v_stride_t, v_stride_h, vb_ptr, slot, vb_stride_s, vb_stride_h,
+                               heads.to(tl.int64), heads < num_k_heads, v_head_dim, BLOCK_DV)
     else:
         pos = tl.load(pos_ptr + tok).to(tl.int64)
         pairs = tl.arange(0, BLOCK_R)
@@ -221,7 +243,7 @@ def _rope_kernel(
         else:
             _rope_rotate_heads(k_ptr, tok, (hb - num_q_blocks) * BLOCK_H, num_k_heads, k_stride_t, k_stride_h,
                                cos, sin, pairs, pair_mask, kb_ptr, slot * kb_stride_s, kb_stride_h, head_dim,
-                               HALF, BLOCK_H, IS_NEOX, STORE_KV, BLOCK_PASS)
+                               HALF, BLOCK_H, IS_NEOX, STORE_KV, BLOCK_PASS, k_inv_scale, max_val, QUANT)
 
 
 @triton.jit

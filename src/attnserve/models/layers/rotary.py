@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
+from attnserve.mem_cache.kv_quant import quantize_kv
 from attnserve.models.layers.fused_kernels import (
     KVStoreTarget,
     FusedKernelUser,
@@ -296,9 +297,10 @@ class RotaryEmbedding(nn.Module, FusedKernelUser):
             query: ``[T, Hq * head_dim]`` or ``[T, Hq, head_dim]``.
             key: ``[T, Hk * head_dim]`` or ``[T, Hk, head_dim]``, or None.
             kv_store: also write the rotated key and ``kv_store.value`` into the KV cache
-                rows ``kv_store.loc`` (`RadixAttention.kv_store_target`); needs ``key``. On
-                the fused path this is the same launch as the rotation; otherwise the
-                rows are written after it with ``index_put``.
+                rows ``kv_store.loc`` (`RadixAttention.kv_store_target`; an FP8 cache is
+                quantised with ``kv_store.k_scale`` / ``v_scale``); needs ``key``. On the
+                fused path this is the same launch as the rotation; otherwise the rows are
+                written after it with ``index_put``.
 
         Returns:
             ``(query, key)`` rotated, same shapes and dtypes (math in float32): new tensors on
@@ -326,8 +328,10 @@ class RotaryEmbedding(nn.Module, FusedKernelUser):
                 key = self._rotate(key, cos, sin)
         if kv_store is not None:
             k_buf, v_buf = kv_store.k_buffer, kv_store.v_buffer
-            k_buf[kv_store.loc] = key.reshape(key.shape[0], *k_buf.shape[1:]).to(k_buf.dtype)
-            v_buf[kv_store.loc] = kv_store.value.reshape(key.shape[0], *v_buf.shape[1:]).to(v_buf.dtype)
+            k_rows = key.reshape(key.shape[0], *k_buf.shape[1:])
+            v_rows = kv_store.value.reshape(key.shape[0], *v_buf.shape[1:])
+            k_buf[kv_store.loc] = quantize_kv(k_rows, kv_store.k_scale, k_buf.dtype)
+            v_buf[kv_store.loc] = quantize_kv(v_rows, kv_store.v_scale, v_buf.dtype)
         return query, key
 
     def extra_repr(self) -> str:
