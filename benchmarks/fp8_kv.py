@@ -61,7 +61,39 @@ def _kernel_breakdown(fn, iters: int = 5, top: int = 8) -> dict:
     out = {k[:80]: round(v, 1) for k, v in ranked[:top]}
     out["(other kernels)"] = round(sum(v for _, v in ranked[top:]), 1)
     out["(kernel launches)"] = launches // iters
+    out.update(_idle_gaps(fn))
     return out
+
+
+def _idle_gaps(fn, show: int = 4) -> dict:
+    """Where the GPU waits inside one profiled ``fn()``: ``(span us)`` from its first kernel's
+    start to its last kernel's end, ``(idle us)`` the span minus the kernels' busy time
+    (overlapping kernels merged), ``(largest gaps)`` the ``show`` longest waits as "before ->
+    after: us". The waits between the input copies before a graph replay are host time
+    stretched by the profiler (ms under it), not the step's own gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        ks = sorted(((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                     if ev.device_type.name == "CUDA"), key=lambda k: k[0])
+    except Exception as e:  # a diagnostic: never lose the timings for it
+        return {"(gaps error)": repr(e)[:200]}
+    if not ks:
+        return {}
+    gaps, busy, end, prev = [], 0.0, ks[0][0], ks[0][2]
+    for start, stop, name in ks:
+        if start > end:
+            gaps.append((start - end, f"{prev[:40]} -> {name[:40]}"))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, prev = stop, name
+    span = end - ks[0][0]
+    return {"(span us)": round(span, 1), "(idle us)": round(span - busy, 1),
+            "(largest gaps)": [f"{where}: {g:.1f}" for g, where in sorted(gaps, reverse=True)[:show]]}
 
 
 def decode_step(kv_cache_dtype, bs=64, ctx=8192, fused_store=True):

@@ -293,9 +293,10 @@ def check_rope_store_kv_fp8(
         for cols, scale in ((k_cols, k_scale), (v_cols, v_scale)):
             grid = (qkv[:, cols].float() / 40.0 * 300.0).to(buf_dtype).float()  # |x| up to ~1000: some saturate
             qkv[:, cols] = (grid * scale).to(dtype)
-        qkv[0, k_cols.start] = 2.0 * torch.finfo(buf_dtype).max * k_scale  # past the format's max
     else:
         positions = torch.randint(0, 64, (tokens,), generator=gen).to(device)
+    # past the format's max (after any rotation one of the pair stays above it: max(|cos|, |sin|) >= 0.7)
+    qkv[:, hq * head_dim] = 2.0 * torch.finfo(buf_dtype).max * k_scale
     qkv2 = qkv.clone()
     q = qkv[:, : hq * head_dim]
     k = qkv[:, hq * head_dim : (hq + hk) * head_dim]
