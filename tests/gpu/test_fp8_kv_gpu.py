@@ -89,3 +89,30 @@ def test_engine_with_fp8_kv_and_graphs():
     # the first generated token comes from the prefill, whose keys of the step itself are
     # unquantized in the triton extend: identical to the bf16 cache
     assert [o[0] for o in outs["fp8_e4m3"]] == [o[0] for o in outs["auto"]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, *FP8])
+def test_mla_pool_fused_store_matches_index_put(dtype):
+    """The latent pool's CUDA write (one `store_kv` launch for c_kv and k_pe, quantising an fp8
+    pool with the layer's k_scale) leaves the bytes of its ``index_put`` path, for both
+    `set_mla_kv_buffer` (the two parts as views of one projection output) and
+    `set_kv_buffer` (whole rows)."""
+    from types import SimpleNamespace
+
+    from attnserve.mem_cache.memory_pool import MLATokenToKVPool
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    layer = SimpleNamespace(layer_id=1, k_scale=0.07, v_scale=0.07)
+    fused = MLATokenToKVPool(128, 64, dtype, 512, 64, 2, "cuda")
+    plain = MLATokenToKVPool(128, 64, dtype, 512, 64, 2, "cuda", use_fused_store=False)
+    assert fused.use_fused_store and not plain.use_fused_store
+    kv_a = torch.randn(9, 600, device="cuda", generator=g, dtype=torch.bfloat16) * 20  # some entries saturate
+    c_kv, k_pe = kv_a[:, :512].unsqueeze(1), kv_a[:, 536:].unsqueeze(1)
+    loc = torch.randperm(128, device="cuda", generator=g)[:9]
+    rows = torch.randn(4, 1, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+    for pool in (fused, plain):
+        pool.set_mla_kv_buffer(layer, loc, c_kv, k_pe)
+        pool.set_kv_buffer(layer, loc[:4] + 0, rows.clone())
+    for a, b in zip(fused.kv_buffer, plain.kv_buffer):
+        assert torch.equal(a.view(torch.uint8) if dtype in FP8 else a, b.view(torch.uint8) if dtype in FP8 else b)
+    assert fused.kv_buffer[1].float().abs().sum() > 0 and not fused.kv_buffer[0].float().any()

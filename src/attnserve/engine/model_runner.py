@@ -181,7 +181,7 @@ class ModelRunner:
         if mc.attention_arch == "mla":
             self.token_to_kv_pool = MLATokenToKVPool(
                 size, self.page_size, self.kv_cache_dtype, mc.kv_lora_rank, mc.qk_rope_head_dim, mc.num_hidden_layers,
-                self.device,
+                self.device, use_fused_store=not args.disable_fused_kernels,
             )
         else:
             self.token_to_kv_pool = MHATokenToKVPool(

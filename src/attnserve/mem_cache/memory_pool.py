@@ -268,6 +268,9 @@ class MLATokenToKVPool(KVCache):
 
     ``get_key_buffer`` returns the whole 576-wide row, ``get_value_buffer`` its first
     ``kv_lora_rank`` columns (a view).
+
+    Writes on CUDA go through `store_kv` (one Triton launch for both parts, quantising an FP8
+    pool) when ``use_fused_store`` and Triton is installed; elsewhere through ``index_put``.
     """
 
     def __init__(
@@ -279,6 +282,7 @@ class MLATokenToKVPool(KVCache):
         qk_rope_head_dim: int,
         layer_num: int,
         device: Union[str, torch.device],
+        use_fused_store: bool = True,
     ):
         self.size = size
         self.page_size = page_size
@@ -294,6 +298,7 @@ class MLATokenToKVPool(KVCache):
         self.kv_buffer = [
             torch.zeros((rows, 1, self.head_dim), dtype=dtype, device=self.device) for _ in range(layer_num)
         ]
+        self.use_fused_store = bool(use_fused_store) and self.device.type == "cuda" and fused_kernels_available()
 
     def buffers(self) -> list:
         return list(self.kv_buffer)
@@ -308,7 +313,9 @@ class MLATokenToKVPool(KVCache):
         """Write full latent rows ``cache_k`` ``[n, 1, kv_lora_rank + rope]`` (``cache_v``
         ignored); an FP8 pool quantizes with ``layer.k_scale`` (the latent row is key and
         value, so one scale)."""
-        self.kv_buffer[layer.layer_id][loc] = quantize_kv(cache_k, layer.k_scale, self.dtype)
+        r = self.kv_lora_rank
+        if not self._store_fused(layer, loc, cache_k[..., :r], cache_k[..., r:]):
+            self.kv_buffer[layer.layer_id][loc] = quantize_kv(cache_k, layer.k_scale, self.dtype)
 
     def fused_store_target(self, layer_id: int, loc: torch.Tensor, value: torch.Tensor, k_scale: float = 1.0,
                            v_scale: float = 1.0) -> None:
@@ -316,10 +323,27 @@ class MLATokenToKVPool(KVCache):
         return None
 
     def set_mla_kv_buffer(self, layer, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor) -> None:
-        """Write ``c_kv`` ``[n, 1, kv_lora_rank]`` and ``k_pe`` ``[n, 1, rope]`` into rows ``loc``."""
+        """Write ``c_kv`` ``[n, 1, kv_lora_rank]`` and ``k_pe`` ``[n, 1, rope]`` into rows ``loc``
+        (an FP8 pool quantizes both with ``layer.k_scale``)."""
+        if self._store_fused(layer, loc, cache_k_nope, cache_k_rope):
+            return
         buf = self.kv_buffer[layer.layer_id]
         buf[loc, :, : self.kv_lora_rank] = quantize_kv(cache_k_nope, layer.k_scale, self.dtype)
         buf[loc, :, self.kv_lora_rank :] = quantize_kv(cache_k_rope, layer.k_scale, self.dtype)
+
+    def _store_fused(self, layer, loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> bool:
+        """Write the two parts of the rows ``loc`` with one `store_kv` launch (the row's
+        ``c_kv`` and ``k_pe`` columns as its K and V buffers, both scaled by
+        ``layer.k_scale``); False, writing nothing, where it does not apply (CPU, fused
+        stores off, a non-contiguous last dim)."""
+        if not (self.use_fused_store and loc.is_cuda and loc.dtype in (torch.int64, torch.int32)
+                and c_kv.is_cuda and c_kv.stride(-1) == 1 and k_pe.stride(-1) == 1):
+            return False
+        buf = self.kv_buffer[layer.layer_id]
+        r = self.kv_lora_rank
+        store_kv(buf[..., :r], buf[..., r:], loc, c_kv.reshape(-1, 1, r), k_pe.reshape(-1, 1, self.qk_rope_head_dim),
+                 layer.k_scale, layer.k_scale)
+        return True
 
     def mem_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.kv_buffer)
