@@ -5,7 +5,8 @@ Writes ``<out>/<device>-fp8-kv-<date>.json``.
 
 * Kernels (inside CUDA graphs of many calls, median of replays; `kernel_timings`' shapes and
   functions):
-  paged GQA decode (Hq 32, Hkv 8, D 128, page 16) at bs 64 x 8K and 8 x 32K; MLA decode
+  paged GQA decode (Hq 32, Hkv 8, D 128, page 16) at bs 64 x 8K and 8 x 32K; GQA extend of
+  512 new tokens over an 8K cached prefix (4 requests, the prefix in the format); MLA decode
   (kv_lora_rank 512 + rope 64, page 64) at 16 heads bs 128 x 4K and bs 32 x 16K and 128
   heads bs 32 x 16K with the defaults, plus fp8-only rows for other stage-1 paths (the
   Triton byte path ``*_triton_stage1``, its pairs path ``*_triton_pairs``) and pages of 32.
@@ -29,7 +30,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import copy_bandwidth_gbs, fill_requests, time_ms  # noqa: E402
-from kernel_timings import gqa_decode, mla_decode  # noqa: E402
+from kernel_timings import extend_prefix, gqa_decode, mla_decode  # noqa: E402
 
 from attnserve.bench.results import cuda_run_metadata, write_result  # noqa: E402
 from attnserve.mem_cache.kv_quant import quantize_kv  # noqa: E402
@@ -162,6 +163,8 @@ def main(argv=None) -> int:
     print(f"copy {res['copy_tbps']:.2f} TB/s", flush=True)
     cases = [("gqa_decode_bs64_8k", lambda dt_: gqa_decode(64, 8192, kv_dtype=dt_)),
              ("gqa_decode_bs8_32k", lambda dt_: gqa_decode(8, 32768, kv_dtype=dt_)),
+             # a prefix-cache hit's prefill: 512 new tokens over an 8K cached prefix, 4 requests
+             ("gqa_extend_bs4_prefix8k_new512", lambda dt_: extend_prefix(4, 8192, 512, kv_dtype=dt_)),
              # the split counts before issue 21's rounding change (rounded up), same run
              ("gqa_decode_bs64_8k_ceil_splits", lambda dt_: gqa_decode(64, 8192, kv_dtype=dt_, ceil_splits=True)),
              ("gqa_decode_bs8_32k_ceil_splits", lambda dt_: gqa_decode(8, 32768, kv_dtype=dt_, ceil_splits=True)),

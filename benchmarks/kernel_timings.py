@@ -111,6 +111,32 @@ def extend(t: int = 8192, hq: int = 32, hkv: int = 8, d: int = 128) -> dict:
     return dict(us=us, tflops=2 * 2 * t * t / 2 * hq * d / (us * 1e-6) / 1e12)
 
 
+def extend_prefix(bs: int = 4, prefix: int = 8192, new: int = 512, hq: int = 32, hkv: int = 8, d: int = 128,
+                  kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Causal extend of ``new`` bf16 tokens a request over a cached ``prefix`` of
+    ``kv_dtype`` (random slots; fp8 entries = the bf16 values cast, scale 1): the prefill
+    of a prefix-cache hit. ``tflops`` counts the prefix and the causal new-token scores."""
+    from attnserve.attention.triton_ops.extend_attention import extend_attention_fwd
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    t = bs * new
+    q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn_like(k)
+    o = torch.empty_like(q)
+    slots = bs * prefix + 1
+    kb = torch.randn(slots, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g).to(kv_dtype)
+    vb = torch.randn(slots, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g).to(kv_dtype)
+    qo = torch.arange(bs + 1, dtype=torch.int32, device="cuda") * new
+    kv_indptr = torch.arange(bs + 1, dtype=torch.int32, device="cuda") * prefix
+    kv_idx = (torch.randperm(slots - 1, device="cuda", generator=g) + 1).to(torch.int32)
+    kw = _kv_args(kv_dtype, "k_scale", "v_scale")
+    us = graph_us(lambda: extend_attention_fwd(q, k, v, o, kb, vb, qo, kv_indptr, kv_idx, None, True, None, new,
+                                               d ** -0.5, **kw), calls=5)
+    flops = bs * hq * d * 2 * 2 * (new * prefix + new * new / 2)
+    return dict(us=us, tflops=flops / (us * 1e-6) / 1e12)
+
+
 def summarize_rounds(res: dict, shape: str, times: dict, base: str) -> None:
     """Record one shape's timed rounds in ``res``: ``res["rounds"][shape] = times`` (name ->
     list of us) and ``res["us"][shape]`` their medians; print each median with ``base``'s

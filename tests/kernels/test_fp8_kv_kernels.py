@@ -301,6 +301,19 @@ def test_extend_fp8_causal_gqa(hq, hkv, kv_dtype, gen, paged):
     _check(out, ref, torch.float32)
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="the fp16 prefix dots (bf16 queries) run only on a GPU; the "
+                    "interpreter computes in fp32 (bf16 queries on the CPU: the logit-cap test below)")
+@pytest.mark.parametrize("kv_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("hq,hkv,dk,mask_kind", [(8, 2, 128, None), (4, 1, 80, None), (4, 2, 64, "tree")])
+def test_extend_fp8_bf16_queries_gpu(hq, hkv, dk, mask_kind, kv_dtype, gen, paged):
+    """bf16 queries over an fp8 prefix (the engine's case): the prefix dots run in fp16
+    (``PREFIX_F16``), the new tokens' in bf16; at bf16 tolerances."""
+    out, ref = _run_extend(gen, paged, prefix=[300, 0, 77, 129], ext=[40, 65, 1, 128], hq=hq, hkv=hkv,
+                           kv_dtype=kv_dtype, q_dtype=torch.bfloat16, dk=dk, dv=dk, page_size=16,
+                           mask_kind=mask_kind)
+    _check(out, ref, torch.bfloat16)
+
+
 @pytest.mark.parametrize("kv_dtype", FP8, ids=FP8_IDS)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_extend_fp8_non_causal_pages(page_size, kv_dtype, gen, paged):

@@ -16,7 +16,9 @@ visited tile is masked (the window still bounds the visited range).
 
 FP8 KV cache: the paged buffers may hold float8 (e4m3fn / e5m2) entries with per-tensor
 scales (true value = stored * scale); the new tokens' K/V are true values in q's dtype.
-Prefix tiles are converted to q's dtype after loading, score with ``sm_scale * k_scale``,
+Prefix tiles are converted to q's dtype after loading (with bf16 queries on a GPU: to fp16,
+with q clamped to fp16's range, since fp8 -> fp16 is one instruction and fp8 -> bf16 two;
+the prefix dots then run in fp16), score with ``sm_scale * k_scale``,
 and the accumulator is multiplied by ``v_scale`` once, after the prefix stage and before
 the new-token stage (the online-softmax rescaling is linear, so this equals scaling every
 prefix V tile). With scales of 1.0 nothing extra runs.
@@ -220,6 +222,7 @@ def _extend_fwd_kernel(
     HAS_PREFIX_START: tl.constexpr,
     K_SCALED: tl.constexpr,
     V_SCALED: tl.constexpr,
+    PREFIX_F16: tl.constexpr,
     EVEN_DK: tl.constexpr,
     EVEN_DPE: tl.constexpr,
     EVEN_DV: tl.constexpr,
@@ -291,21 +294,30 @@ def _extend_fwd_kernel(
     k_buf_head = k_buf_ptr + kv_head.to(tl.int64) * stride_kbh
     v_buf_head = v_buf_ptr + kv_head.to(tl.int64) * stride_vbh
     idx_ptr = kv_indices_ptr + kv_start
+    # PREFIX_F16 (fp8 prefix, bf16 queries): the prefix dots run in fp16, whose conversion
+    # from fp8 is one instruction on sm_89+ (bf16 needs two), as in the decode kernel; q is
+    # clamped to fp16's range, p (in [0, 1]) is rounded to fp16 instead of bf16
+    q_pre = q
+    q_pe_pre = q_pe
+    if PREFIX_F16:
+        q_pre = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        if BLOCK_DPE > 0:
+            q_pe_pre = tl.minimum(tl.maximum(q_pe.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     acc, l_i, m_i = _attn_run(
-        acc, l_i, m_i, q, q_pe, lo, s1, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
+        acc, l_i, m_i, q_pre, q_pe_pre, lo, s1, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
         q_pos, prefix_start, mask_base, mask_rows, row_valid, pre_qk_scale, pre_sm_scale, logit_cap, window,
         offs_d, offs_dpe, offs_dv, True, True, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
         DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
     )
     if not PREFIX_MASK:
         acc, l_i, m_i = _attn_run(
-            acc, l_i, m_i, q, q_pe, s1, s2, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
+            acc, l_i, m_i, q_pre, q_pe_pre, s1, s2, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
             q_pos, prefix_start, mask_base, mask_rows, row_valid, pre_qk_scale, pre_sm_scale, logit_cap, window,
             offs_d, offs_dpe, offs_dv, True, False, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
             DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
         )
     acc, l_i, m_i = _attn_run(
-        acc, l_i, m_i, q, q_pe, s2, n_prefix, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
+        acc, l_i, m_i, q_pre, q_pe_pre, s2, n_prefix, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
         q_pos, prefix_start, mask_base, mask_rows, row_valid, pre_qk_scale, pre_sm_scale, logit_cap, window,
         offs_d, offs_dpe, offs_dv, True, True, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
         DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
@@ -522,6 +534,7 @@ def extend_attention_fwd(
         HAS_PREFIX_START=prefix_kv_start is not None,
         K_SCALED=k_scale != 1.0,
         V_SCALED=v_scale != 1.0,
+        PREFIX_F16=k_buffer.dtype in FP8_DTYPES and q_extend.dtype == torch.bfloat16 and not compute_fp32,
         EVEN_DK=block_d <= dk,  # the main block never crosses Dk
         EVEN_DPE=block_d + block_dpe == dk,
         EVEN_DV=block_dv == dv,
