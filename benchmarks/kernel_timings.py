@@ -112,10 +112,11 @@ def extend(t: int = 8192, hq: int = 32, hkv: int = 8, d: int = 128) -> dict:
 
 
 def extend_prefix(bs: int = 4, prefix: int = 8192, new: int = 512, hq: int = 32, hkv: int = 8, d: int = 128,
-                  kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+                  kv_dtype: torch.dtype = torch.bfloat16, config=None) -> dict:
     """Causal extend of ``new`` bf16 tokens a request over a cached ``prefix`` of
     ``kv_dtype`` (random slots; fp8 entries = the bf16 values cast, scale 1): the prefill
-    of a prefix-cache hit. ``tflops`` counts the prefix and the causal new-token scores."""
+    of a prefix-cache hit. ``tflops`` counts the prefix and the causal new-token scores.
+    ``config``: an `ExtendConfig` instead of the default (`benchmarks/fp8_extend_sweep.py`)."""
     from attnserve.attention.triton_ops.extend_attention import extend_attention_fwd
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -124,13 +125,15 @@ def extend_prefix(bs: int = 4, prefix: int = 8192, new: int = 512, hq: int = 32,
     k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn_like(k)
     o = torch.empty_like(q)
-    slots = bs * prefix + 1
+    slots = bs * prefix + 2
     kb = torch.randn(slots, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g).to(kv_dtype)
     vb = torch.randn(slots, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g).to(kv_dtype)
     qo = torch.arange(bs + 1, dtype=torch.int32, device="cuda") * new
     kv_indptr = torch.arange(bs + 1, dtype=torch.int32, device="cuda") * prefix
     kv_idx = (torch.randperm(slots - 1, device="cuda", generator=g) + 1).to(torch.int32)
     kw = _kv_args(kv_dtype, "k_scale", "v_scale")
+    if config is not None:
+        kw["config"] = config
     us = graph_us(lambda: extend_attention_fwd(q, k, v, o, kb, vb, qo, kv_indptr, kv_idx, None, True, None, new,
                                                d ** -0.5, **kw), calls=5)
     flops = bs * hq * d * 2 * 2 * (new * prefix + new * new / 2)

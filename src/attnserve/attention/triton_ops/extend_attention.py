@@ -45,12 +45,14 @@ from attnserve.triton_jit import tanh
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    """Launch parameters of the extend kernel (see `extend_config`)."""
+    """Launch parameters of the extend kernel (see `extend_config`). ``block_n_prefix``: the
+    key tile of the cached-prefix stage (None: ``block_n``, the new-token stage's)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    block_n_prefix: Optional[int] = None
 
 
 def extend_config(
@@ -73,8 +75,8 @@ def extend_config(
         has_custom_mask: tree-verification batches (few queries per request; the mask
             tile costs registers).
     """
-    if interpret:
-        return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+    if interpret:  # prefix tiles of another size than the new tokens' (as on a GPU)
+        return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, block_n_prefix=32)
     d = max(head_dim, v_head_dim)
     if is_hip:
         return ExtendConfig(64, 64, 4, 1) if d <= 128 else ExtendConfig(64, 32, 4, 1)
@@ -83,7 +85,11 @@ def extend_config(
     if d <= 128:
         if has_custom_mask:
             return ExtendConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)  # 242 regs, 96 KB
-        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)  # wgmma, 236 regs, 128 KB
+        # wgmma, 236 regs, 128 KB; prefix tiles of 128 keys: extends over a cached prefix
+        # 1.17-1.26x faster in bf16, fp8 prefixes 1.24-1.28x (64-key tiles stay best for the
+        # causal new tokens: a plain prefill 1.0 / 0.90x with 128). H100, session 14,
+        # benchmarks/fp8_extend_sweep.py
+        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, block_n_prefix=128)
     if d <= 256:
         return ExtendConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)  # 255 regs, 160 KB
     return ExtendConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)  # MLA 576/512
@@ -211,6 +217,7 @@ def _extend_fwd_kernel(
     DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_NP: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DPE: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -285,9 +292,9 @@ def _extend_fwd_kernel(
     lo = 0
     a = 0
     if HAS_WINDOW:
-        lo = (tl.maximum(n_prefix + m0 - window, 0) // BLOCK_N) * BLOCK_N
-        a = tl.cdiv(tl.maximum(n_prefix + m1 - 1 - window, 0), BLOCK_N) * BLOCK_N
-    full_end = (n_prefix // BLOCK_N) * BLOCK_N
+        lo = (tl.maximum(n_prefix + m0 - window, 0) // BLOCK_NP) * BLOCK_NP
+        a = tl.cdiv(tl.maximum(n_prefix + m1 - 1 - window, 0), BLOCK_NP) * BLOCK_NP
+    full_end = (n_prefix // BLOCK_NP) * BLOCK_NP
     if PREFIX_MASK:
         full_end = lo
     s1, s2 = _runs(lo, a, full_end)
@@ -307,20 +314,20 @@ def _extend_fwd_kernel(
         acc, l_i, m_i, q_pre, q_pe_pre, lo, s1, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
         q_pos, prefix_start, mask_base, mask_rows, row_valid, pre_qk_scale, pre_sm_scale, logit_cap, window,
         offs_d, offs_dpe, offs_dv, True, True, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
-        DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
+        DK, DV, BLOCK_NP, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
     )
     if not PREFIX_MASK:
         acc, l_i, m_i = _attn_run(
             acc, l_i, m_i, q_pre, q_pe_pre, s1, s2, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
             q_pos, prefix_start, mask_base, mask_rows, row_valid, pre_qk_scale, pre_sm_scale, logit_cap, window,
             offs_d, offs_dpe, offs_dv, True, False, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
-            DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
+            DK, DV, BLOCK_NP, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
         )
     acc, l_i, m_i = _attn_run(
         acc, l_i, m_i, q_pre, q_pe_pre, s2, n_prefix, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
         q_pos, prefix_start, mask_base, mask_rows, row_valid, pre_qk_scale, pre_sm_scale, logit_cap, window,
         offs_d, offs_dpe, offs_dv, True, True, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
-        DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
+        DK, DV, BLOCK_NP, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
     )
 
     if V_SCALED:  # acc holds only prefix terms so far (sum of p * V_stored): make them true values
@@ -523,6 +530,7 @@ def extend_attention_fwd(
         DV=dv,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
+        BLOCK_NP=cfg.block_n_prefix or cfg.block_n,
         BLOCK_D=block_d,
         BLOCK_DPE=block_dpe,
         BLOCK_DV=block_dv,
