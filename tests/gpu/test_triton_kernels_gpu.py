@@ -203,7 +203,7 @@ def test_decode_cuda_graph_replay():
 
 # ----------------------------------------------------------------------------------- extend
 def _extend(prefix, ext, page_size, hq, hkv, d, seed, is_causal=True, window=-1, logit_cap=0.0,
-            prefix_start=None, mask=False):
+            prefix_start=None, mask=False, **kw):
     from attnserve.attention.triton_ops.extend_attention import extend_attention_fwd
     from attnserve.attention.triton_ops.kv_indices import compute_kv_indptr, create_kv_indices
 
@@ -240,7 +240,7 @@ def _extend(prefix, ext, page_size, hq, hkv, d, seed, is_causal=True, window=-1,
     extend_attention_fwd(
         q, ke, ve, o, kb, vb, torch.tensor(qo, dtype=torch.int32, device=DEV), kv_indptr, kv_indices,
         mask_flat, is_causal, mask_indptr, max(ext), d ** -0.5, logit_cap, window,
-        torch.tensor(pstart, dtype=torch.int32, device=DEV) if prefix_start else None,
+        torch.tensor(pstart, dtype=torch.int32, device=DEV) if prefix_start else None, **kw,
     )
     # float64 reference
     ref = torch.empty(t, hq, d, dtype=torch.float64, device=DEV)
@@ -291,6 +291,16 @@ def test_extend_custom_mask_and_non_causal():
     o, ref = _extend([500, 3000, 0, 64], [8, 64, 16, 33], 16, 32, 8, 128, seed=21, mask=True)
     assert _rel_err(o, ref) <= REL_TOL
     o, ref = _extend([0, 300], [1000, 77], 64, 16, 4, 128, seed=22, is_causal=False)
+    assert _rel_err(o, ref) <= REL_TOL
+
+
+def test_extend_has_prefix_hint():
+    """``has_prefix=False`` (no separate prefix tile) is a speed hint only: a plain prefill
+    gives the same bits either way, and a batch that does have prefixes stays correct."""
+    o_hint, ref = _extend([0, 0], [700, 129], 16, 32, 8, 128, seed=24, has_prefix=False)
+    o_default, _ = _extend([0, 0], [700, 129], 16, 32, 8, 128, seed=24)
+    assert _rel_err(o_hint, ref) <= REL_TOL and torch.equal(o_hint, o_default)
+    o, ref = _extend(EXT_PREFIX, EXT_LENS, 16, 32, 8, 128, seed=25, has_prefix=False, window=300)
     assert _rel_err(o, ref) <= REL_TOL
 
 

@@ -58,6 +58,8 @@ class TritonForwardMetadata:
         num_kv_splits: int32 ``[bs]`` split-K partitions per request (decode).
         attn_logits / attn_lse: float32 split scratch (decode).
         max_extend_len: longest new-token run (extend grid size).
+        has_prefix: some request of the extend batch has a cached prefix (host flag:
+            the extend kernel's tiles).
         custom_mask / mask_indptr: speculative tree masks (TARGET_VERIFY) or None.
         windows: window size -> its indices, one entry per distinct window of the model.
     """
@@ -69,6 +71,7 @@ class TritonForwardMetadata:
     attn_logits: Optional[torch.Tensor] = None
     attn_lse: Optional[torch.Tensor] = None
     max_extend_len: int = 0
+    has_prefix: bool = True
     custom_mask: Optional[torch.Tensor] = None
     mask_indptr: Optional[torch.Tensor] = None
     mask_covers_prefix: bool = True
@@ -229,7 +232,8 @@ class TritonAttnBackend(AttentionBackend):
         kv_indptr, kv_indices = self._build_indices(rows, prefix, total=sum(fb.extend_prefix_lens_cpu))
         qo_indptr = _cumsum_indptr(fb.extend_seq_lens.to(torch.int32))
         md = TritonForwardMetadata(kv_indptr, kv_indices, qo_indptr=qo_indptr,
-                                   max_extend_len=max(fb.extend_seq_lens_cpu))
+                                   max_extend_len=max(fb.extend_seq_lens_cpu),
+                                   has_prefix=any(fb.extend_prefix_lens_cpu))
         spec = fb.spec_info
         if spec is not None and spec.custom_mask is not None:
             md.custom_mask = spec.custom_mask
@@ -296,7 +300,7 @@ class TritonAttnBackend(AttentionBackend):
             k_buffer, v_buffer, md.qo_indptr, kv_indptr, kv_indices, md.custom_mask, md.custom_mask is None,
             md.mask_indptr, md.max_extend_len, layer.scaling, logit_cap=layer.logit_cap,
             sliding_window_size=layer.sliding_window_size, prefix_kv_start=start,
-            mask_covers_prefix=md.mask_covers_prefix, **kv_scales(layer, k_buffer),
+            mask_covers_prefix=md.mask_covers_prefix, has_prefix=md.has_prefix, **kv_scales(layer, k_buffer),
         )
         return o.view(-1, hq * dv)
 

@@ -62,6 +62,7 @@ def extend_config(
     is_hip: bool = False,
     interpret: bool = False,
     has_custom_mask: bool = False,
+    has_prefix: bool = True,
 ) -> ExtendConfig:
     """The one place extend tuning lives.
 
@@ -74,6 +75,7 @@ def extend_config(
         interpret: the CPU interpreter (small tiles keep tests fast and multi-tile).
         has_custom_mask: tree-verification batches (few queries per request; the mask
             tile costs registers).
+        has_prefix: False when no request has a cached prefix: no separate prefix tile.
     """
     if interpret:  # prefix tiles of another size than the new tokens' (as on a GPU)
         return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, block_n_prefix=32)
@@ -85,11 +87,12 @@ def extend_config(
     if d <= 128:
         if has_custom_mask:
             return ExtendConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)  # 242 regs, 96 KB
-        # wgmma, 236 regs, 128 KB; prefix tiles of 128 keys: extends over a cached prefix
-        # 1.17-1.26x faster in bf16, fp8 prefixes 1.24-1.28x (64-key tiles stay best for the
-        # causal new tokens: a plain prefill 1.0 / 0.90x with 128). H100, session 14,
-        # benchmarks/fp8_extend_sweep.py
-        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, block_n_prefix=128)
+        # wgmma, 236 regs, 128 KB. Prefix tiles of 128 keys: extends over a cached prefix
+        # 1.08-1.30x faster in bf16, 1.20-1.31x over fp8 prefixes, while 64-key tiles stay
+        # best for the causal new tokens; the kernel with both tiles runs a plain prefill
+        # 3-7% slower, hence ``has_prefix`` (H100, session 14, benchmarks/fp8_extend_sweep.py)
+        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3,
+                            block_n_prefix=128 if has_prefix else None)
     if d <= 256:
         return ExtendConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)  # 255 regs, 160 KB
     return ExtendConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)  # MLA 576/512
@@ -398,6 +401,7 @@ def extend_attention_fwd(
     config: Optional[ExtendConfig] = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    has_prefix: bool = True,
 ) -> torch.Tensor:
     """Attention of new tokens over their cached prefix (paged) and over each other.
 
@@ -434,6 +438,9 @@ def extend_attention_fwd(
         prefix_kv_start: int32/int64 ``[bs]`` absolute position of each request's first
             prefix key (None: 0).
         config: override of `extend_config` (tuning).
+        has_prefix: host hint, False when no request has a cached prefix (a plain
+            prefill): the default config then has no separate prefix tile (its code is
+            3-7% faster on plain prefills; results are the same either way).
         k_scale / v_scale: host floats > 0, per-tensor dequantisation scales of
             ``k_buffer`` / ``v_buffer`` (true value = stored value * scale; applied with any
             buffer dtype, to the prefix only: ``k_extend`` / ``v_extend`` are true values).
@@ -503,7 +510,7 @@ def extend_attention_fwd(
         return o_extend
 
     cfg = config or extend_config(dk, dv, q_extend.dtype, is_hip=torch.version.hip is not None, interpret=interpret,
-                                   has_custom_mask=custom_mask is not None)
+                                   has_custom_mask=custom_mask is not None, has_prefix=has_prefix)
     block_d, block_dpe = _split_dims(dk)
     block_dv = max(16, triton.next_power_of_2(dv))
     num_m_blocks = triton.cdiv(int(max_len_extend), cfg.block_m)
