@@ -134,6 +134,8 @@ def extend_prefix(bs: int = 4, prefix: int = 8192, new: int = 512, hq: int = 32,
     kw = _kv_args(kv_dtype, "k_scale", "v_scale")
     if config is not None:
         kw["config"] = config
+    if prefix == 0:  # the triton backend's hint for a plain prefill
+        kw["has_prefix"] = False
     us = graph_us(lambda: extend_attention_fwd(q, k, v, o, kb, vb, qo, kv_indptr, kv_idx, None, True, None, new,
                                                d ** -0.5, **kw), calls=5)
     flops = bs * hq * d * 2 * 2 * (new * prefix + new * new / 2)
