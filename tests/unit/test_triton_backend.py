@@ -68,3 +68,17 @@ def test_hybrid_routes_by_mode():
     assert hybrid._select(ForwardMode.TARGET_VERIFY) is hybrid.prefill_backend
     hybrid.speculative_attention_mode = "decode"
     assert hybrid._select(ForwardMode.DRAFT_EXTEND) is hybrid.decode_backend
+
+
+@pytest.mark.parametrize("prefix,expect", [([0, 0], False), ([0, 7], True)])
+def test_extend_metadata_has_prefix_hint(prefix, expect):
+    """The extend metadata tells the kernel (from host lengths) whether any request has a
+    cached prefix: a plain prefill launches without the separate prefix tile."""
+    from attnserve.attention.triton_backend import TritonAttnBackend
+
+    case = make_batch(ForwardMode.EXTEND, prefix, [5, 9], 4, 2, 16, 4, seed=11, device=DEVICE)
+    backend = TritonAttnBackend(backend_config(case))
+    out = _run(case, backend)
+    assert backend.forward_metadata.has_prefix is expect
+    ref = naive_reference(case)
+    assert (out.double().cpu() - ref).norm() / ref.norm() < 1e-4
