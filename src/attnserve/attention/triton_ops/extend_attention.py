@@ -89,7 +89,7 @@ def extend_config(
             return ExtendConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)  # 242 regs, 96 KB
         # wgmma; one tile 239 regs / 128 KB, two tiles 255 regs / 161 KB, no spills (triton
         # 3.6 JIT, scripts/extend_regs.py). Prefix tiles of 128 keys: extends over a cached prefix
-        # 1.08-1.30x faster in bf16, 1.20-1.31x over fp8 prefixes, while 64-key tiles stay
+        # 1.08-1.30x faster in bf16, 1.19-1.31x over fp8 prefixes, while 64-key tiles stay
         # best for the causal new tokens; the kernel with both tiles runs a plain prefill
         # 3-7% slower, hence ``has_prefix`` (H100, session 14, benchmarks/fp8_extend_sweep.py)
         return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3,
