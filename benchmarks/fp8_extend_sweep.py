@@ -3,10 +3,11 @@
 ``PYTHONPATH=src python benchmarks/fp8_extend_sweep.py [--rounds 2] [--out DIR]``
 
 Cases `kernel_timings.extend_prefix` (``--shapes``; default 4 requests, 512 new bf16 tokens
-over an 8K cached prefix; Hq 32 / Hkv 8 / D 128). Each ``ExtendConfig`` in ``CONFIGS`` (the
-first ``--only``) is timed with an e4m3
-prefix (the first ``--e5m2`` also with e5m2, the first ``--bf16`` with a bf16 prefix), rounds
-interleaved; the bf16 prefix with the default config is the base. Writes ``<out>/<device>-fp8-extend-sweep-<date>.json``.
+over an 8K cached prefix; Hq 32 / Hkv 8 / D 128). Each ``ExtendConfig`` among the first
+``--only`` of ``CONFIGS`` is timed with an e4m3 prefix (the first ``--e5m2`` also with e5m2,
+the first ``--bf16`` with a bf16 prefix), rounds interleaved; the bf16 prefix with the
+default config is the base. Writes ``<out>/<device>-fp8-extend-sweep-<date>.json``.
+Session 14's runs: benchmarks/NOTES.md ("extend over an fp8 prefix").
 """
 
 from __future__ import annotations
