@@ -37,7 +37,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bf16", type=int, default=0, help="how many of the first configs also run with a bf16 prefix")
     ap.add_argument("--only", type=int, default=len(CONFIGS), help="the first N configs only")
     ap.add_argument("--shapes", nargs="*", default=["4,8192,512"],
-                    help="bs,prefix,new triples (prefix 0: a plain causal prefill)")
+                    help="bs,prefix,new[,plain] (prefix 0: a plain causal prefill; plain > 0: one more request "
+                         "of that many new tokens and no prefix, a mixed batch)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     from attnserve.attention.triton_ops.extend_attention import ExtendConfig
@@ -49,15 +50,15 @@ def main(argv=None) -> int:
     runs += [(f"e4m3_{'_'.join(map(str, c))}", torch.float8_e4m3fn, ExtendConfig(*c)) for c in CONFIGS[: args.only]]
     runs += [(f"e5m2_{'_'.join(map(str, c))}", torch.float8_e5m2, ExtendConfig(*c)) for c in CONFIGS[: args.e5m2]]
     for shape in args.shapes:
-        bs, prefix, new = map(int, shape.split(","))
-        key = f"gqa_extend_bs{bs}_prefix{prefix}_new{new}"
+        bs, prefix, new, plain = (list(map(int, shape.split(","))) + [0])[:4]
+        key = f"gqa_extend_bs{bs}_prefix{prefix}_new{new}" + (f"_plus_plain{plain}" if plain else "")
         times = {name: [] for name, dt_, _ in runs if prefix or dt_ == torch.bfloat16}
         for r in range(args.rounds):
             for name, dt_, cfg in runs:
                 if name not in times:  # no prefix: the KV format does not matter
                     continue
                 try:
-                    times[name].append(extend_prefix(bs, prefix, new, kv_dtype=dt_, config=cfg)["us"])
+                    times[name].append(extend_prefix(bs, prefix, new, kv_dtype=dt_, config=cfg, plain_new=plain)["us"])
                 except Exception as e:  # a config that does not fit (shared memory): recorded, not fatal
                     res.setdefault("errors", {})[f"{key}/{name}"] = repr(e)[:200]
                     times[name].append(float("nan"))

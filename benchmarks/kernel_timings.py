@@ -112,15 +112,19 @@ def extend(t: int = 8192, hq: int = 32, hkv: int = 8, d: int = 128) -> dict:
 
 
 def extend_prefix(bs: int = 4, prefix: int = 8192, new: int = 512, hq: int = 32, hkv: int = 8, d: int = 128,
-                  kv_dtype: torch.dtype = torch.bfloat16, config=None) -> dict:
+                  kv_dtype: torch.dtype = torch.bfloat16, config=None, plain_new: int = 0) -> dict:
     """Causal extend of ``new`` bf16 tokens a request over a cached ``prefix`` of
     ``kv_dtype`` (random slots; fp8 entries = the bf16 values cast, scale 1): the prefill
     of a prefix-cache hit. ``tflops`` counts the prefix and the causal new-token scores.
-    ``config``: an `ExtendConfig` instead of the default (`benchmarks/fp8_extend_sweep.py`)."""
+    ``config``: an `ExtendConfig` instead of the default (`benchmarks/fp8_extend_sweep.py`).
+    ``plain_new`` > 0 adds one request of that many new tokens and no prefix first (a mixed
+    batch: a plain prefill chunk beside the prefix hits)."""
     from attnserve.attention.triton_ops.extend_attention import extend_attention_fwd
 
     g = torch.Generator(device="cuda").manual_seed(3)
-    t = bs * new
+    news = ([plain_new] if plain_new else []) + [new] * bs
+    prefixes = ([0] if plain_new else []) + [prefix] * bs
+    t = sum(news)
     q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn_like(k)
@@ -128,17 +132,17 @@ def extend_prefix(bs: int = 4, prefix: int = 8192, new: int = 512, hq: int = 32,
     slots = bs * prefix + 2
     kb = torch.randn(slots, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g).to(kv_dtype)
     vb = torch.randn(slots, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g).to(kv_dtype)
-    qo = torch.arange(bs + 1, dtype=torch.int32, device="cuda") * new
-    kv_indptr = torch.arange(bs + 1, dtype=torch.int32, device="cuda") * prefix
+    qo = torch.tensor([0] + news, dtype=torch.int32, device="cuda").cumsum(0).to(torch.int32)
+    kv_indptr = torch.tensor([0] + prefixes, dtype=torch.int32, device="cuda").cumsum(0).to(torch.int32)
     kv_idx = (torch.randperm(slots - 1, device="cuda", generator=g) + 1).to(torch.int32)
     kw = _kv_args(kv_dtype, "k_scale", "v_scale")
     if config is not None:
         kw["config"] = config
     if prefix == 0:  # the triton backend's hint for a plain prefill
         kw["has_prefix"] = False
-    us = graph_us(lambda: extend_attention_fwd(q, k, v, o, kb, vb, qo, kv_indptr, kv_idx, None, True, None, new,
+    us = graph_us(lambda: extend_attention_fwd(q, k, v, o, kb, vb, qo, kv_indptr, kv_idx, None, True, None, max(news),
                                                d ** -0.5, **kw), calls=5)
-    flops = bs * hq * d * 2 * 2 * (new * prefix + new * new / 2)
+    flops = hq * d * 2 * 2 * sum(e * p + e * e / 2 for e, p in zip(news, prefixes))
     return dict(us=us, tflops=flops / (us * 1e-6) / 1e12)
 
 
