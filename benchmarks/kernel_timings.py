@@ -14,6 +14,7 @@ split heuristics. Only functions that exist with the same signature in every tre
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -95,6 +96,12 @@ def gqa_decode(bs: int, ctx: int, page: int = 16, hq: int = 32, hkv: int = 8, d:
     return out
 
 
+def _plain_prefill_hint(extend_fwd) -> dict:
+    """``has_prefix=False`` (what the triton backend passes for a batch without cached
+    prefixes) where ``extend_fwd`` takes it; none on trees before session 14."""
+    return {"has_prefix": False} if "has_prefix" in inspect.signature(extend_fwd).parameters else {}
+
+
 def extend(t: int = 8192, hq: int = 32, hkv: int = 8, d: int = 128) -> dict:
     from attnserve.attention.triton_ops.extend_attention import extend_attention_fwd
 
@@ -106,8 +113,9 @@ def extend(t: int = 8192, hq: int = 32, hkv: int = 8, d: int = 128) -> dict:
     qo = torch.tensor([0, t], dtype=torch.int32, device="cuda")
     kv_indptr = torch.zeros(2, dtype=torch.int32, device="cuda")
     kv_idx = torch.zeros(1, dtype=torch.int32, device="cuda")
+    kw = _plain_prefill_hint(extend_attention_fwd)
     us = graph_us(lambda: extend_attention_fwd(q, k, v, o, k, v, qo, kv_indptr, kv_idx, None, True, None, t,
-                                               d ** -0.5), calls=5)
+                                               d ** -0.5, **kw), calls=5)
     return dict(us=us, tflops=2 * 2 * t * t / 2 * hq * d / (us * 1e-6) / 1e12)
 
 
@@ -138,8 +146,8 @@ def extend_prefix(bs: int = 4, prefix: int = 8192, new: int = 512, hq: int = 32,
     kw = _kv_args(kv_dtype, "k_scale", "v_scale")
     if config is not None:
         kw["config"] = config
-    if prefix == 0:  # the triton backend's hint for a plain prefill
-        kw["has_prefix"] = False
+    if prefix == 0:
+        kw.update(_plain_prefill_hint(extend_attention_fwd))
     us = graph_us(lambda: extend_attention_fwd(q, k, v, o, kb, vb, qo, kv_indptr, kv_idx, None, True, None, max(news),
                                                d ** -0.5, **kw), calls=5)
     flops = hq * d * 2 * 2 * sum(e * p + e * e / 2 for e, p in zip(news, prefixes))

@@ -223,7 +223,7 @@ def build_extend_case(lens: List[int], prefix: int = 0, device="cuda", hq=HQ, hk
 
     def ours():
         extend_attention_fwd(q, k, v, o, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, None, True, None,
-                             max(lens), sm_scale, config=config)
+                             max(lens), sm_scale, config=config, has_prefix=prefix > 0)  # as the backend passes
 
     peer = None
     if prefix == 0 and len(set(lens)) == 1:
