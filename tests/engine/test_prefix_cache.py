@@ -188,3 +188,27 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(llm_factory):
     assert sum(o.cached_tokens >= 64 for o in outs) == 7
     assert sched.stats.cached_prompt_tokens - before >= 7 * 64
     _assert_whole(llm)
+
+
+def test_retracted_request_is_not_readmitted_on_its_own_cached_kv(llm_factory):
+    """Eight equal requests (64-token prompts, 64 tokens each, ``ignore_eos``) in a pool of
+    700 tokens: admitted by estimate, they outgrow the pool near the end and one is
+    retracted, its K/V going to the tree. Admission must not count that cached K/V as free
+    space (locking it for the re-admitted request takes it out of the evictable pool), or
+    the request is re-admitted at once and retracted again every few steps (57
+    retractions here before the fix, 1 after). Outputs equal a large pool's."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 250, (64,), generator=g).tolist() for _ in range(8)]
+    sp = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in llm_factory(model="llama-tiny", load_format="dummy").generate(prompts, sp)]
+    for radix in (True, False):
+        llm = llm_factory(model="llama-tiny", load_format="dummy", max_total_tokens=700, max_running_requests=16,
+                          disable_radix_cache=not radix)
+        sched = llm.engine.scheduler
+        sched.flush_prefix_cache()
+        before = sched.stats.num_retractions
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+        assert 1 <= sched.stats.num_retractions - before <= 2, radix
+        _assert_whole(llm)

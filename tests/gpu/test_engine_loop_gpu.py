@@ -159,3 +159,30 @@ def test_prefix_cache_with_graphs_and_overlap(page_size):
         _assert_free(eng)
         del eng
     assert outs[False] == outs[True]
+
+
+def test_dropped_engine_gives_its_gpu_memory_back():
+    """An engine with CUDA graphs that has served requests, once dropped (no reference left,
+    garbage collected, allocator cache emptied), leaves no more than 64 MiB allocated above
+    what was allocated before it: a process can build a second engine (another KV dtype,
+    another model) in the memory of the first."""
+    import gc
+    import weakref
+
+    import torch
+
+    gc.collect()
+    base = torch.cuda.memory_allocated()
+    eng = _engine(max_total_tokens=100_000)
+    assert eng.model_runner.cuda_graph_runner is not None
+    _run(eng, _prompts(4, 5), [SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)] * 4)
+    held = torch.cuda.memory_allocated() - base
+    pool = weakref.ref(eng.model_runner.token_to_kv_pool)
+    assert held > 100 * 2**20  # weights + a 100K-token pool
+    eng.shutdown()
+    del eng
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert pool() is None
+    assert torch.cuda.memory_allocated() - base <= 64 * 2**20

@@ -66,6 +66,27 @@ def test_locks_protect_and_eviction_is_lru():
     assert a.available_size() == a.size  # every evicted slot went back
 
 
+def test_evictable_on_path_is_what_a_lock_takes():
+    """`evictable_on_path(node)`: the tokens `evictable_size` loses when ``node`` is locked
+    (a path partly locked by another request counts only its unlocked part)."""
+    a = TokenToKVPoolAllocator(64, 1)
+    tree = RadixCache(a, 1)
+    for k in ([1, 2, 3, 4], [1, 2, 9, 9, 9]):
+        s = _slots(a, len(k))
+        present = tree.insert(k, s)
+        a.free(s[:present])
+    deep = tree.match_prefix([1, 2, 9, 9, 9]).last_node
+    assert tree.evictable_on_path(deep) == 5
+    other = tree.match_prefix([1, 2, 3, 4]).last_node
+    tree.inc_lock_ref(other)  # locks [1, 2] (shared) and [3, 4]
+    before = tree.evictable_size()
+    assert tree.evictable_on_path(deep) == 3  # [9, 9, 9]: [1, 2] is locked already
+    tree.inc_lock_ref(deep)
+    assert before - tree.evictable_size() == 3 and tree.evictable_on_path(deep) == 0
+    assert tree.evictable_on_path(tree.root) == 0
+    assert ChunkCache(None, 1).evictable_on_path(None) == 0
+
+
 def test_chunk_cache_contract():
     c = ChunkCache(None, 1)
     assert c.match_prefix([1, 2, 3]).slots.numel() == 0

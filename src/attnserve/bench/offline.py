@@ -9,9 +9,11 @@ the median of ``--repeat`` timed passes (default 3) after a warm-up of the same 
 
 Engine loop on a GPU (dummy weights, any shape):
 ``python -m attnserve.bench.offline --device cuda --load-format dummy
-[--models smollm2-135m llama-3-8b] [--requests 1 64] [--input-len 512] [--output-len 256]``
-runs, per model shape and request count, with overlap scheduling on and off in the same
-run, each workload once to warm up and then timed:
+[--models smollm2-135m llama-3-8b] [--requests 1 64] [--input-len 512] [--output-len 256]
+[--kv-cache-dtypes auto fp8_e4m3] [--overlap both|on|off] [--warmup-output-len N]``
+runs, per KV cache dtype, model shape and request count, with overlap scheduling on and off
+(``--overlap both``, the default) in the same run, each workload once to warm up (with
+``--warmup-output-len`` output tokens, default ``--output-len``) and then timed:
 
 * ``output_tokens_per_s``: generated tokens / wall time of the whole workload;
 * ``prefill_s``: the same prompts with one new token (prefill alone);
@@ -20,7 +22,13 @@ run, each workload once to warm up and then timed:
 * ``decode_efficiency`` = decode steps x ``graph_step_ms`` / (wall - ``prefill_s``): the
   share of the decode wall time the GPU would need anyway (1.0: the host never stalls it);
 * ``host_ms_per_step``: the scheduler's own count of host time per decode step (time in
-  ``Scheduler.step`` minus time blocked on the GPU's results).
+  ``Scheduler.step`` minus time blocked on the GPU's results);
+* ``pool_tokens``: the KV pool's size in tokens (an fp8 cache holds twice a bf16 one's at the
+  same ``--mem-fraction-static``); ``mean_decode_batch``: decode tokens / decode steps, below
+  the request count when the pool cannot hold every request at once; ``retractions``.
+
+``graph_step_ms`` and ``decode_efficiency`` are null when the pool cannot hold the batch at
+its mean context (the workload then runs in waves, so prefill and decode interleave).
 """
 
 from __future__ import annotations
@@ -32,9 +40,12 @@ import platform
 import statistics
 import time
 
+from typing import Optional
+
 import torch
 
 from attnserve.bench.results import device_slug, write_result
+from attnserve.mem_cache.kv_quant import KV_CACHE_DTYPES
 
 PROMPTS = [
     "What is the capital of France?",
@@ -113,7 +124,7 @@ def bench_hf(model_dir: str, gguf_file: str, prompts, max_new_tokens: int, batch
 
 def fill_decode_kv(runner, bs: int, ctx: int):
     """Give ``bs`` new requests ``ctx`` cached tokens of random K/V (every layer's buffers
-    filled with N(0, 1)) and one decode slot each.
+    filled with N(0, 1), rounded to the pool's dtype, fp8 included) and one decode slot each.
 
     Args:
         runner: a `ModelRunner` whose pools are free enough for ``bs * (ctx + 1)`` slots.
@@ -136,7 +147,8 @@ def fill_decode_kv(runner, bs: int, ctx: int):
     pool = runner.token_to_kv_pool
     for layer in range(runner.model_config.num_hidden_layers):
         for buf in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
-            buf.normal_()
+            for chunk in torch.split(buf, 1 << 16):  # N(0, 1) in chunks: no normal_ for fp8, bounded temporaries
+                chunk.copy_(torch.randn(chunk.shape, device=chunk.device))
     fb = runner.build_forward_batch(ForwardMode.DECODE, [1] * bs, rows, [ctx] * bs, [1] * bs, out_loc)
     return rows, slots, out_loc, fb
 
@@ -181,8 +193,9 @@ def _timed_generate(llm, prompts, sp) -> tuple:
     return wall, sched.stats
 
 
-def bench_engine_loop(model: str, request_counts, input_len: int, output_len: int) -> list:
-    """The GPU engine-loop cases of one model shape (see the module doc)."""
+def bench_engine_loop(model: str, request_counts, input_len: int, output_len: int, kv_cache_dtype: str = "auto",
+                      overlaps=(True, False), warmup_output_len: Optional[int] = None) -> list:
+    """The GPU engine-loop cases of one model shape and KV cache dtype (see the module doc)."""
     import gc
 
     from attnserve.engine.llm import LLM
@@ -190,34 +203,45 @@ def bench_engine_loop(model: str, request_counts, input_len: int, output_len: in
 
     ctx_len = input_len + output_len + 16
     llm = LLM(model, load_format="dummy", device="cuda", context_length=ctx_len,
-              max_running_requests=max(request_counts))
+              max_running_requests=max(request_counts), kv_cache_dtype=kv_cache_dtype)
+    runner = llm.engine.model_runner
     vocab = llm.engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
+    warm = SamplingParams(max_new_tokens=warmup_output_len or output_len, temperature=0.0, ignore_eos=True)
     rows = []
     for n in request_counts:
         prompts = [torch.randint(1, vocab, (input_len,), generator=gen).tolist() for _ in range(n)]
         sp = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
         sp1 = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-        graph_ms = _graph_step_ms(llm, n, input_len + output_len // 2)
-        for overlap in (True, False):
+        mean_ctx = input_len + output_len // 2
+        fits = n * (mean_ctx + 1) <= runner.token_to_kv_pool_allocator.available_size()
+        graph_ms = _graph_step_ms(llm, n, mean_ctx) if fits else None
+        for overlap in overlaps:
             llm.engine.scheduler.overlap = overlap
-            llm.generate(prompts, sp)  # warm-up
+            llm.generate(prompts, warm)  # warm-up
             prefill_s, _ = _timed_generate(llm, prompts, sp1)
             wall, stats = _timed_generate(llm, prompts, sp)
             decode_wall = wall - prefill_s
+            steps = max(stats.num_decode_steps, 1)
             row = {
-                "model": model, "requests": n, "input_len": input_len, "output_len": output_len,
-                "overlap": overlap, "wall_s": wall, "output_tokens_per_s": n * output_len / wall,
-                "prefill_s": prefill_s, "decode_steps": stats.num_decode_steps, "graph_step_ms": graph_ms,
-                "decode_wall_ms_per_step": 1e3 * decode_wall / max(stats.num_decode_steps, 1),
-                "decode_efficiency": stats.num_decode_steps * graph_ms / 1e3 / decode_wall,
+                "model": model, "kv_cache_dtype": str(runner.kv_cache_dtype).replace("torch.", ""),
+                "pool_tokens": runner.max_total_num_tokens, "requests": n, "input_len": input_len,
+                "output_len": output_len, "overlap": overlap, "wall_s": wall,
+                "output_tokens_per_s": n * output_len / wall, "prefill_s": prefill_s,
+                "decode_steps": stats.num_decode_steps, "mean_decode_batch": n * (output_len - 1) / steps,
+                "graph_step_ms": graph_ms, "decode_wall_ms_per_step": 1e3 * decode_wall / steps,
+                "decode_efficiency": None if graph_ms is None else stats.num_decode_steps * graph_ms / 1e3 / decode_wall,
                 "host_ms_per_step": stats.host_ms_per_decode_step, "retractions": stats.num_retractions,
+                "retracted_requests": stats.num_retracted_requests,
             }
             rows.append(row)
-            print(f"{model:14s} n={n:3d} overlap={'on ' if overlap else 'off'} {row['output_tokens_per_s']:9.0f} tok/s "
-                  f"prefill {prefill_s:.3f} s  step {row['decode_wall_ms_per_step']:.2f} ms (graph {graph_ms:.2f}) "
-                  f"eff {row['decode_efficiency']:.2f}  host {row['host_ms_per_step']:.2f} ms", flush=True)
-    del llm
+            graph = "n/a" if graph_ms is None else f"{graph_ms:.2f}"
+            eff = "n/a" if graph_ms is None else f"{row['decode_efficiency']:.2f}"
+            print(f"{model:14s} {row['kv_cache_dtype']:13s} n={n:3d} overlap={'on ' if overlap else 'off'} "
+                  f"{row['output_tokens_per_s']:9.0f} tok/s wall {wall:.2f} s prefill {prefill_s:.3f} s  "
+                  f"step {row['decode_wall_ms_per_step']:.2f} ms (graph {graph}) batch {row['mean_decode_batch']:.1f} "
+                  f"eff {eff}  host {row['host_ms_per_step']:.2f} ms  retractions {stats.num_retractions}", flush=True)
+    del llm, runner  # every reference to the engine: the next dtype's engine needs its memory
     gc.collect()
     torch.cuda.empty_cache()
     return rows
@@ -227,14 +251,17 @@ def main_engine_loop(args) -> int:
     import triton
     import transformers
 
+    overlaps = {"both": (True, False), "on": (True,), "off": (False,)}[args.overlap]
     rows = []
-    for m in args.models:
-        rows += bench_engine_loop(m, args.requests, args.input_len, args.output_len)
+    for kv_dtype in args.kv_cache_dtypes:
+        for m in args.models:
+            rows += bench_engine_loop(m, args.requests, args.input_len, args.output_len, kv_dtype, overlaps,
+                                      args.warmup_output_len)
     result = {
         "benchmark": "offline", "mode": "engine_loop", "date": dt.date.today().isoformat(),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "cuda": torch.version.cuda, "transformers": transformers.__version__, "dtype": "bfloat16",
-        "load_format": "dummy", "rows": rows,
+        "load_format": "dummy", "kv_cache_dtypes": args.kv_cache_dtypes, "rows": rows,
     }
     write_result(result, args.out, "offline", "cuda")
     return 0
@@ -249,6 +276,12 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 64], help="request counts for dummy mode")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
+                    help="dummy mode: KV cache dtypes to run, each with its own engine")
+    ap.add_argument("--overlap", default="both", choices=["both", "on", "off"],
+                    help="dummy mode: overlap scheduling on, off or both (each a row)")
+    ap.add_argument("--warmup-output-len", type=int, default=None,
+                    help="dummy mode: output tokens of the warm-up pass (default: --output-len)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--attention-backend", default=None)

@@ -48,6 +48,13 @@ class PrefixCacheManager:
         """Slots that can be handed out: free in the allocator or evictable from the tree."""
         return self.allocator.available_size() + self.tree.evictable_size()
 
+    def available_tokens_after_attach(self, match: MatchResult) -> int:
+        """`available_tokens` once ``match`` is locked by an admitted request: its cached
+        prefix is no longer evictable (SGLang's ``PrefillAdder`` checks the budget again
+        with the prefix locked). Without this, a retracted request whose own K/V went to
+        the tree counts them as free space, is re-admitted at once and retracted again."""
+        return self.available_tokens() - self.tree.evictable_on_path(match.last_node)
+
     def make_room(self, num_pages: int) -> bool:
         """Evict least recently used cached prefixes until ``num_pages`` pages are free;
         True when they are."""

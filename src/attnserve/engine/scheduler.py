@@ -232,7 +232,6 @@ class Scheduler:
         if self.radix_enabled and policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
             matches = {id(r): self.cache.match(r) for r in self.waiting}
         order = order_waiting(self.waiting, {k: int(m.slots.numel()) for k, m in matches.items()}, policy)
-        free = self.cache.available_tokens()
         reserved = sum(self._future_tokens(r) for r in self.running)
         check = InBatchPrefixCheck(self.allocator.page_size) if self.radix_enabled else None
         admitted = set()
@@ -245,7 +244,7 @@ class Scheduler:
             if check is not None and check.holds_back(key, cached):
                 continue  # shares an uncached prefix with a request admitted now: next step
             need = self._future_tokens(req, cached)
-            if self.running and free - reserved < need:
+            if self.running and self.cache.available_tokens_after_attach(match) - reserved < need:
                 break
             rows = self.req_to_token_pool.alloc(1)
             if rows is None:
@@ -256,7 +255,6 @@ class Scheduler:
             if req.num_retractions == 0:
                 self.stats.admitted_prompt_tokens += len(req.prompt_ids)
                 self.stats.cached_prompt_tokens += req.cached_tokens
-            free = self.cache.available_tokens()
             reserved += need
             self.running.append(req)
             admitted.add(id(req))

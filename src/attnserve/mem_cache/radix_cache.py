@@ -200,6 +200,16 @@ class RadixCache:
     def evictable_size(self) -> int:
         return self._evictable
 
+    def evictable_on_path(self, node: TreeNode) -> int:
+        """Tokens of ``node`` and its ancestors that are evictable now (unlocked): what
+        `evictable_size` loses when ``node`` is locked."""
+        n = 0
+        while node is not self.root and node is not None:
+            if node.lock_ref == 0:
+                n += len(node.key)
+            node = node.parent
+        return n
+
     def protected_size(self) -> int:
         return self._protected
 
@@ -250,6 +260,9 @@ class ChunkCache:
         return 0
 
     def evictable_size(self) -> int:
+        return 0
+
+    def evictable_on_path(self, node) -> int:
         return 0
 
     def protected_size(self) -> int:
