@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="*", default=["4,8192,512"],
                     help="bs,prefix,new[,plain] (prefix 0: a plain causal prefill; plain > 0: one more request "
                          "of that many new tokens and no prefix, a mixed batch)")
+    ap.add_argument("--fp8-plain", action="store_true",
+                    help="also time the fp8 pools on plain prefills (prefix 0): the new tokens' K/V are bf16, but "
+                         "the kernel is compiled for the fp8 buffers it does not read")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     from attnserve.attention.triton_ops.extend_attention import ExtendConfig
@@ -49,13 +52,15 @@ def main(argv=None) -> int:
     runs += [(f"bf16_{'_'.join(map(str, c))}", torch.bfloat16, ExtendConfig(*c)) for c in CONFIGS[: args.bf16]]
     runs += [(f"e4m3_{'_'.join(map(str, c))}", torch.float8_e4m3fn, ExtendConfig(*c)) for c in CONFIGS[: args.only]]
     runs += [(f"e5m2_{'_'.join(map(str, c))}", torch.float8_e5m2, ExtendConfig(*c)) for c in CONFIGS[: args.e5m2]]
+    if args.fp8_plain:  # the default config, as the engine launches it
+        runs.append(("e4m3_default", torch.float8_e4m3fn, None))
     for shape in args.shapes:
         bs, prefix, new, plain = (list(map(int, shape.split(","))) + [0])[:4]
         key = f"gqa_extend_bs{bs}_prefix{prefix}_new{new}" + (f"_plus_plain{plain}" if plain else "")
-        times = {name: [] for name, dt_, _ in runs if prefix or dt_ == torch.bfloat16}
+        times = {name: [] for name, dt_, _ in runs if prefix or args.fp8_plain or dt_ == torch.bfloat16}
         for r in range(args.rounds):
             for name, dt_, cfg in runs:
-                if name not in times:  # no prefix: the KV format does not matter
+                if name not in times:  # no prefix: the KV format is not read (unless --fp8-plain)
                     continue
                 try:
                     times[name].append(extend_prefix(bs, prefix, new, kv_dtype=dt_, config=cfg, plain_new=plain)["us"])

@@ -295,12 +295,16 @@ def test_extend_custom_mask_and_non_causal():
 
 
 def test_extend_has_prefix_hint():
-    """``has_prefix=False`` (no separate prefix tile) is a speed hint only: a plain prefill
-    gives the same bits either way, and a batch that does have prefixes stays correct."""
+    """``has_prefix=False`` (prefix stage compiled out, no separate prefix tile) on a plain
+    prefill gives the same bits as the default kernel; with a window too. Batches with
+    prefixes keep the default (True) and stay correct."""
     o_hint, ref = _extend([0, 0], [700, 129], 16, 32, 8, 128, seed=24, has_prefix=False)
     o_default, _ = _extend([0, 0], [700, 129], 16, 32, 8, 128, seed=24)
     assert _rel_err(o_hint, ref) <= REL_TOL and torch.equal(o_hint, o_default)
-    o, ref = _extend(EXT_PREFIX, EXT_LENS, 16, 32, 8, 128, seed=25, has_prefix=False, window=300)
+    o_hint, ref = _extend([0, 0, 0], [300, 1, 64], 16, 32, 8, 128, seed=26, has_prefix=False, window=100)
+    o_default, _ = _extend([0, 0, 0], [300, 1, 64], 16, 32, 8, 128, seed=26, window=100)
+    assert _rel_err(o_hint, ref) <= REL_TOL and torch.equal(o_hint, o_default)
+    o, ref = _extend(EXT_PREFIX, EXT_LENS, 16, 32, 8, 128, seed=25, window=300)
     assert _rel_err(o, ref) <= REL_TOL
 
 

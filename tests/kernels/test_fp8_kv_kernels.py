@@ -273,7 +273,7 @@ def _extend_call(q, k_ext, v_ext, k_buf, v_buf, idx, sm_scale, *, is_causal=True
 
 def _run_extend(gen, paged, *, prefix, ext, hq, hkv, kv_dtype, q_dtype=torch.float32, dk=64, dv=64, page_size=4,
                 is_causal=True, window=-1, logit_cap=0.0, prefix_start=None, mask_kind=None, mask_covers_prefix=True,
-                k_scale=K_SCALE, v_scale=V_SCALE):
+                k_scale=K_SCALE, v_scale=V_SCALE, has_prefix=True):
     q, k_ext, v_ext, k_pre, v_pre, idx = _extend_inputs(
         gen, paged, prefix=prefix, ext=ext, hq=hq, hkv=hkv, dk=dk, dv=dv, page_size=page_size,
         prefix_start=prefix_start, mask_kind=mask_kind, mask_covers_prefix=mask_covers_prefix)
@@ -282,7 +282,7 @@ def _run_extend(gen, paged, *, prefix, ext, hq, hkv, kv_dtype, q_dtype=torch.flo
     sm_scale = dk ** -0.5
     out = _extend_call(*(x.to(DEVICE) for x in (q, k_ext, v_ext, k_buf, v_buf)), idx, sm_scale, is_causal=is_causal,
                        logit_cap=logit_cap, window=window, mask_covers_prefix=mask_covers_prefix,
-                       k_scale=k_scale, v_scale=v_scale)
+                       k_scale=k_scale, v_scale=v_scale, has_prefix=has_prefix)
     ref = _extend_reference64(q, k_ext, v_ext, _dequant(k_buf, k_scale), _dequant(v_buf, v_scale), idx["qo"],
                               idx["prefix_slots"], idx["prefix_start"], idx["masks"], is_causal, window, sm_scale,
                               logit_cap, mask_covers_prefix)
@@ -312,6 +312,21 @@ def test_extend_fp8_bf16_queries_gpu(hq, hkv, dk, mask_kind, kv_dtype, gen, page
                            kv_dtype=kv_dtype, q_dtype=torch.bfloat16, dk=dk, dv=dk, page_size=16,
                            mask_kind=mask_kind)
     _check(out, ref, torch.bfloat16)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="compares the GPU's fp8 and bf16 kernel variants")
+@pytest.mark.parametrize("kv_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("has_prefix", [False, True], ids=["hint", "no_hint"])
+def test_extend_plain_prefill_fp8_pool_same_bits_as_bf16_pool_gpu(kv_dtype, has_prefix, gen, paged):
+    """A plain prefill (no request has a prefix) reads no cached K/V: over an fp8 pool it
+    gives the same bits as over a bf16 pool, with the engine's hint (``has_prefix=False``:
+    the prefix stage compiled out) or without it."""
+    q, k_ext, v_ext, k_pre, v_pre, idx = _extend_inputs(gen, paged, prefix=[0, 0, 0], ext=[300, 64, 129], hq=8, hkv=2,
+                                                        dk=128, dv=128, page_size=16)
+    q, k_ext, v_ext = (x.to(torch.bfloat16).to(DEVICE) for x in (q, k_ext, v_ext))
+    outs = [_extend_call(q, k_ext, v_ext, _quantize(k_pre, dt, 1.0).to(DEVICE), _quantize(v_pre, dt, 1.0).to(DEVICE),
+                         idx, 128 ** -0.5, has_prefix=has_prefix) for dt in (kv_dtype, torch.bfloat16)]
+    assert not torch.isnan(outs[0]).any() and torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("kv_dtype", FP8, ids=FP8_IDS)

@@ -148,6 +148,15 @@ def _split_bounds(kv_len, num_splits, max_splits, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def _saturate_to_f16(x):
+    """``x`` (bf16, fp16 or fp32) as fp16, clamped to fp16's finite range (+-65504) so that a
+    bf16 query above it becomes the largest fp16 instead of inf (IEEE 754 binary16's
+    largest finite value). For the fp16 dots over fp8 tiles: fp8 -> fp16 is one conversion
+    on sm_89+, fp8 -> bf16 two."""
+    return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+
+@triton.jit
 def _fp8_pairs_to_f16(vp, E5M2: tl.constexpr):
     """Split int16 pairs of fp8 values (byte 0: column 2c, byte 1: column 2c+1) into two
     fp16 tensors (columns 2c, 2c+1). ``pack=2`` hands each asm instance the two
@@ -232,7 +241,7 @@ def _decode_stage1_kernel(
     if COMPUTE_FP32 or BLOCK_H == 1:
         q = q.to(tl.float32)
     elif F16_DOT:
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        q = _saturate_to_f16(q)
     if BLOCK_DPE > 0:
         offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
         mask_dpe = offs_dpe < DK
@@ -240,7 +249,7 @@ def _decode_stage1_kernel(
         if COMPUTE_FP32 or BLOCK_H == 1:
             q_pe = q_pe.to(tl.float32)
         elif F16_DOT:
-            q_pe = tl.minimum(tl.maximum(q_pe.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+            q_pe = _saturate_to_f16(q_pe)
     qk_scale = sm_scale * 1.4426950408889634
 
     k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_kh

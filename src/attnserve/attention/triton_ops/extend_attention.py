@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnserve.attention.triton_ops.decode_attention import _split_dims
+from attnserve.attention.triton_ops.decode_attention import _saturate_to_f16, _split_dims
 from attnserve.mem_cache.kv_quant import FP8_DTYPES, check_scale
 from attnserve.triton_env import triton_interpreting
 from attnserve.triton_jit import tanh
@@ -234,6 +234,7 @@ def _extend_fwd_kernel(
     K_SCALED: tl.constexpr,
     V_SCALED: tl.constexpr,
     PREFIX_F16: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
     EVEN_DK: tl.constexpr,
     EVEN_DPE: tl.constexpr,
     EVEN_DV: tl.constexpr,
@@ -293,49 +294,51 @@ def _extend_fwd_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
 
     # ---- stage 1: cached prefix, keys j in [0, n_prefix), positions prefix_start + j ----
-    lo = 0
-    a = 0
-    if HAS_WINDOW:
-        lo = (tl.maximum(n_prefix + m0 - window, 0) // BLOCK_NP) * BLOCK_NP
-        a = tl.cdiv(tl.maximum(n_prefix + m1 - 1 - window, 0), BLOCK_NP) * BLOCK_NP
-    full_end = (n_prefix // BLOCK_NP) * BLOCK_NP
-    if PREFIX_MASK:
-        full_end = lo
-    s1, s2 = _runs(lo, a, full_end)
-    k_buf_head = k_buf_ptr + kv_head.to(tl.int64) * stride_kbh
-    v_buf_head = v_buf_ptr + kv_head.to(tl.int64) * stride_vbh
-    idx_ptr = kv_indices_ptr + kv_start
-    # PREFIX_F16 (fp8 prefix, bf16 queries): the prefix dots run in fp16, whose conversion
-    # from fp8 is one instruction on sm_89+ (bf16 needs two), as in the decode kernel; q is
-    # clamped to fp16's range, p (in [0, 1]) is rounded to fp16 instead of bf16
-    q_pre = q
-    q_pe_pre = q_pe
-    if PREFIX_F16:
-        q_pre = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-        if BLOCK_DPE > 0:
-            q_pe_pre = tl.minimum(tl.maximum(q_pe.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-    acc, l_i, m_i = _attn_run(
-        acc, l_i, m_i, q_pre, q_pe_pre, lo, s1, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
-        q_pos, prefix_start, mask_base, mask_rows, row_valid, pre_qk_scale, pre_sm_scale, logit_cap, window,
-        offs_d, offs_dpe, offs_dv, True, True, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
-        DK, DV, BLOCK_NP, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
-    )
-    if not PREFIX_MASK:
+    # (compiled out when the host says no request has a prefix: HAS_PREFIX)
+    if HAS_PREFIX:
+        lo = 0
+        a = 0
+        if HAS_WINDOW:
+            lo = (tl.maximum(n_prefix + m0 - window, 0) // BLOCK_NP) * BLOCK_NP
+            a = tl.cdiv(tl.maximum(n_prefix + m1 - 1 - window, 0), BLOCK_NP) * BLOCK_NP
+        full_end = (n_prefix // BLOCK_NP) * BLOCK_NP
+        if PREFIX_MASK:
+            full_end = lo
+        s1, s2 = _runs(lo, a, full_end)
+        k_buf_head = k_buf_ptr + kv_head.to(tl.int64) * stride_kbh
+        v_buf_head = v_buf_ptr + kv_head.to(tl.int64) * stride_vbh
+        idx_ptr = kv_indices_ptr + kv_start
+        # PREFIX_F16 (fp8 prefix, bf16 queries): the prefix dots run in fp16, whose conversion
+        # from fp8 is one instruction on sm_89+ (bf16 needs two), as in the decode kernel; q is
+        # clamped to fp16's range, p (in [0, 1]) is rounded to fp16 instead of bf16
+        q_pre = q
+        q_pe_pre = q_pe
+        if PREFIX_F16:
+            q_pre = _saturate_to_f16(q)
+            if BLOCK_DPE > 0:
+                q_pe_pre = _saturate_to_f16(q_pe)
         acc, l_i, m_i = _attn_run(
-            acc, l_i, m_i, q_pre, q_pe_pre, s1, s2, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
+            acc, l_i, m_i, q_pre, q_pe_pre, lo, s1, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
             q_pos, prefix_start, mask_base, mask_rows, row_valid, pre_qk_scale, pre_sm_scale, logit_cap, window,
-            offs_d, offs_dpe, offs_dv, True, False, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
+            offs_d, offs_dpe, offs_dv, True, True, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
             DK, DV, BLOCK_NP, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
         )
-    acc, l_i, m_i = _attn_run(
-        acc, l_i, m_i, q_pre, q_pe_pre, s2, n_prefix, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
-        q_pos, prefix_start, mask_base, mask_rows, row_valid, pre_qk_scale, pre_sm_scale, logit_cap, window,
-        offs_d, offs_dpe, offs_dv, True, True, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
-        DK, DV, BLOCK_NP, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
-    )
+        if not PREFIX_MASK:
+            acc, l_i, m_i = _attn_run(
+                acc, l_i, m_i, q_pre, q_pe_pre, s1, s2, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
+                q_pos, prefix_start, mask_base, mask_rows, row_valid, pre_qk_scale, pre_sm_scale, logit_cap, window,
+                offs_d, offs_dpe, offs_dv, True, False, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
+                DK, DV, BLOCK_NP, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
+            )
+        acc, l_i, m_i = _attn_run(
+            acc, l_i, m_i, q_pre, q_pe_pre, s2, n_prefix, n_prefix, k_buf_head, v_buf_head, stride_kbt, stride_vbt, idx_ptr,
+            q_pos, prefix_start, mask_base, mask_rows, row_valid, pre_qk_scale, pre_sm_scale, logit_cap, window,
+            offs_d, offs_dpe, offs_dv, True, True, IS_CAUSAL, PREFIX_MASK, HAS_WINDOW, HAS_CAP,
+            DK, DV, BLOCK_NP, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
+        )
 
-    if V_SCALED:  # acc holds only prefix terms so far (sum of p * V_stored): make them true values
-        acc = acc * v_scale
+        if V_SCALED:  # acc holds only prefix terms so far (sum of p * V_stored): make them true values
+            acc = acc * v_scale
 
     # ---- stage 2: new tokens, keys t in [0, ext_len), positions prefix_len + t ----
     hi = ext_len
@@ -439,9 +442,12 @@ def extend_attention_fwd(
         prefix_kv_start: int32/int64 ``[bs]`` absolute position of each request's first
             prefix key (None: 0).
         config: override of `extend_config` (tuning).
-        has_prefix: host hint, False when no request has a cached prefix (a plain
-            prefill): the default config then has no separate prefix tile (its code is
-            3-7% faster on plain prefills; results are the same either way).
+        has_prefix: False promises that no request has a cached prefix (a plain prefill:
+            ``kv_indptr`` all zeros); the prefix stage is then compiled out and the
+            buffers are not read, and the default config has no separate prefix tile.
+            With an fp8 pool the prefix stage's code alone made a plain prefill 1.3x
+            slower (H100, benchmarks/NOTES.md session 15). A wrong False drops the
+            prefixes from the attention. True (default) is right for any batch.
         k_scale / v_scale: host floats > 0, per-tensor dequantisation scales of
             ``k_buffer`` / ``v_buffer`` (true value = stored value * scale; applied with any
             buffer dtype, to the prefix only: ``k_extend`` / ``v_extend`` are true values).
@@ -551,6 +557,7 @@ def extend_attention_fwd(
         K_SCALED=k_scale != 1.0,
         V_SCALED=v_scale != 1.0,
         PREFIX_F16=k_buffer.dtype in FP8_DTYPES and q_extend.dtype == torch.bfloat16 and not compute_fp32,
+        HAS_PREFIX=bool(has_prefix),
         EVEN_DK=block_d <= dk,  # the main block never crosses Dk
         EVEN_DPE=block_d + block_dpe == dk,
         EVEN_DV=block_dv == dv,

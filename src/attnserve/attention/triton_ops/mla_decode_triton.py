@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnserve.attention.triton_ops.decode_attention import _fp8_pairs_to_f16
+from attnserve.attention.triton_ops.decode_attention import _fp8_pairs_to_f16, _saturate_to_f16
 from attnserve.attention.triton_ops.mla_common import (
     MLA_FP8_DTYPES,
     MLADecodeConfig,
@@ -265,7 +265,7 @@ def _online_softmax_step(qn, qp, ckv, kpe, m_i, l_i, acc, offs_n, end, sm_scale_
 def _q_pairs_f16(q, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """A query tile [BLOCK_H, BLOCK_D] as fp16 ``(even columns, odd columns)``, each
     [BLOCK_H, BLOCK_D / 2]; bf16 values are clamped to fp16's range (+-65504) first."""
-    q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    q = _saturate_to_f16(q)
     return tl.split(tl.reshape(q, [BLOCK_H, BLOCK_D // 2, 2]))
 
 
