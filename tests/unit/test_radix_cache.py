@@ -66,6 +66,28 @@ def test_locks_protect_and_eviction_is_lru():
     assert a.available_size() == a.size  # every evicted slot went back
 
 
+@pytest.mark.parametrize("ps", [1, 4])
+def test_long_keys_diverging_anywhere(ps):
+    """Keys of 1,000 tokens that leave a cached one at positions around the 256-token
+    steps of the slice comparison: the match is the shared length in whole pages, for
+    list and tuple keys alike, and inserting the new key splits at the same place."""
+    rnd = random.Random(ps)
+    base = [rnd.randrange(1, 50_000) for _ in range(1000)]
+    for at in (0, 1, 255, 256, 257, 511, 700, 999, 1000):
+        a = TokenToKVPoolAllocator(4096, ps)
+        tree = RadixCache(a, ps)
+        tree.insert(base, _slots(a, len(base)))
+        other = base[:at] + [0] * (1000 - at)
+        want = at // ps * ps
+        assert tree.match_prefix(other).slots.numel() == want
+        assert tree.match_prefix(tuple(other)).slots.numel() == want
+        assert tree.match_prefix(other[: at + 3]).slots.numel() == want
+        present = tree.insert(other, _slots(a, len(other)))
+        assert present == want
+        assert tree.match_prefix(other).slots.numel() == len(other) // ps * ps
+        assert tree.match_prefix(base).slots.numel() == len(base) // ps * ps
+
+
 def test_evictable_on_path_is_what_a_lock_takes():
     """`evictable_on_path(node)`: the tokens `evictable_size` loses when ``node`` is locked
     (a path partly locked by another request counts only its unlocked part)."""
