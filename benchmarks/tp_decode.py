@@ -88,10 +88,11 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128):
                    "wall_s": wall, "prefill_s": times["prefill"][0], "decode_steps": stats.num_decode_steps,
                    "decode_ms_per_step": 1e3 * (wall - times["prefill"][0]) / steps,
                    "output_tokens_per_s": n * output_len / wall, "host_ms_per_step": stats.host_ms_per_decode_step,
+                   "tp_send_ms_per_step": stats.tp_send_ms_per_step,
                    "weight_bytes_per_gpu": weight_bytes}
             rows.append(row)
             print(f"{model} tp {tp} n {n}: {row['decode_ms_per_step']:.2f} ms/step, {row['output_tokens_per_s']:.0f} "
-                  f"tok/s, host {row['host_ms_per_step']:.2f} ms", flush=True)
+                  f"tok/s, host {row['host_ms_per_step']:.2f} ms (step broadcast {row['tp_send_ms_per_step']:.2f})", flush=True)
     finally:
         llm.engine.shutdown()
         del llm

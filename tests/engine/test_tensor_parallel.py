@@ -151,6 +151,41 @@ def test_rank0_step_failure_stops_every_rank(no_orphans):
         llm.engine.shutdown()
 
 
+def test_shutdown_releases_graphs_before_the_ranks_and_the_groups(no_orphans, monkeypatch):
+    """A CUDA graph that captured a collective keeps NCCL's teardown waiting (seen on two
+    H100s: a 10 s teardown timeout, then an abort at exit). Rank 0 therefore releases its
+    graphs while the other ranks still serve collectives, then sends SHUTDOWN, then tears
+    the groups down; on a failed engine (`test_rank0_step_failure_stops_every_rank`) it
+    skips the release."""
+    from attnserve.engine import model_runner
+    from attnserve.engine.tp import launch, step_sync
+
+    calls = []
+
+    def spy(name, real):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(model_runner.ModelRunner, "release_cuda_graphs",
+                        spy("graphs", model_runner.ModelRunner.release_cuda_graphs))
+    monkeypatch.setattr(step_sync.StepSender, "shutdown", spy("shutdown message", step_sync.StepSender.shutdown))
+    monkeypatch.setattr(launch, "_release_process_groups", spy("groups", launch._release_process_groups))
+    llm = LLM(model="llama-tiny", load_format="dummy", max_total_tokens=2048, tp_size=2)
+    pids = [p.pid for p in llm.engine.tp_runtime.procs]
+    try:
+        assert len(llm.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 16
+        assert calls == []
+        assert llm.engine.scheduler.stats.tp_send_seconds > 0  # rank 0 timed its step broadcasts
+    finally:
+        llm.engine.shutdown()
+    assert calls == ["graphs", "shutdown message", "groups"]
+    llm.engine.shutdown()  # idempotent
+    assert calls == ["graphs", "shutdown message", "groups"]
+    _assert_dead(pids)
+
+
 def test_tp_start_up_errors(monkeypatch):
     # 9 attention heads cannot be split over 2 ranks: refused before any process starts
     with pytest.raises(ValueError, match="does not divide the 9 attention heads"):

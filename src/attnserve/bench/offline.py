@@ -39,7 +39,6 @@ import os
 import platform
 import statistics
 import time
-
 from typing import Optional
 
 import torch
@@ -144,11 +143,9 @@ def fill_decode_kv(runner, bs: int, ctx: int):
     out_loc = alloc.alloc_extend([ctx] * bs, [ctx + 1] * bs, last)
     for i, r in enumerate(rows):
         runner.req_to_token_pool.write(r, ctx, out_loc[i:i + 1])
-    pool = runner.token_to_kv_pool
-    for layer in range(runner.model_config.num_hidden_layers):
-        for buf in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
-            for chunk in torch.split(buf, 1 << 16):  # N(0, 1) in chunks: no normal_ for fp8, bounded temporaries
-                chunk.copy_(torch.randn(chunk.shape, device=chunk.device))
+    for buf in runner.token_to_kv_pool.buffers():  # each storage once (an MLA value buffer is a view)
+        for chunk in torch.split(buf, 1 << 16):  # N(0, 1) in chunks: no normal_ for fp8, bounded temporaries
+            chunk.copy_(torch.randn(chunk.shape, device=chunk.device))
     fb = runner.build_forward_batch(ForwardMode.DECODE, [1] * bs, rows, [ctx] * bs, [1] * bs, out_loc)
     return rows, slots, out_loc, fb
 

@@ -120,7 +120,21 @@ class CudaGraphRunner:
         )
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
+        return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs and bool(self.graphs)
+
+    def release(self) -> None:
+        """Destroy the captured graphs and drop their outputs; `can_run` is False afterwards.
+
+        A graph that captured NCCL collectives holds a reference on the communicator, and
+        NCCL's communicator abort/destroy waits until every such graph is destroyed (NCCL's
+        ``commDestroySync`` waits for ``localPersistentRefs`` to reach 0, as analysed in
+        vLLM PR #39846): a tensor-parallel engine releases its graphs before its process
+        groups. Call it only once the device has finished the graphs' last replays.
+        """
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         """Run ``fb`` (a DECODE batch of ``<= max_bs`` rows) through its bucket's graph.

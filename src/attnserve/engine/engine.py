@@ -74,7 +74,8 @@ class Engine:
             self.shutdown()
             raise
         if self.tp_runtime is not None:
-            self._tp_finalizer = weakref.finalize(self, _stop_ranks, self.scheduler.tp_sender, self.tp_runtime)
+            self._tp_finalizer = weakref.finalize(self, _stop_ranks, self.scheduler.tp_sender, self.tp_runtime,
+                                                  self.model_runner)
 
     def _start_tensor_parallel(self, server_args: ServerArgs):
         """Check the heads against ``--tp-size``, spawn the other ranks, join them."""
@@ -229,8 +230,12 @@ class Engine:
         return self.scheduler.has_work()
 
 
-def _stop_ranks(sender, runtime) -> None:
-    """Tell the other ranks to stop (when they are alive), then reap them."""
+def _stop_ranks(sender, runtime, model_runner=None) -> None:
+    """Release rank 0's CUDA graphs while the other ranks still serve their collectives (a
+    graph that captured one keeps NCCL's teardown waiting: `ModelRunner.release_cuda_graphs`),
+    tell the ranks to stop (when they are alive), then reap them."""
+    if model_runner is not None and runtime.failure is None:
+        model_runner.release_cuda_graphs()
     try:
         if sender is not None and runtime.failure is None:
             sender.shutdown()

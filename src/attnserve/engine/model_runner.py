@@ -10,6 +10,7 @@ when one is captured. The scheduler builds the batch (`attnserve.engine.step_inp
 from __future__ import annotations
 
 import logging
+import time
 from typing import List
 
 import torch
@@ -221,6 +222,33 @@ class ModelRunner:
         from attnserve.engine.cuda_graph_runner import CudaGraphRunner
 
         self.cuda_graph_runner = CudaGraphRunner(self)
+
+    def release_cuda_graphs(self, drain_timeout_s: float = 10.0) -> bool:
+        """Wait up to ``drain_timeout_s`` s for the device to finish the work queued so far,
+        then destroy the captured decode graphs (eager decode from then on).
+
+        Tensor-parallel shutdown calls it before tearing down the process groups, which
+        cannot finish while a graph that captured a collective is alive (see
+        `CudaGraphRunner.release`).
+
+        Returns:
+            True when there were no graphs or they were released; False (graphs kept,
+            logged) when the device did not drain in time, e.g. a collective waits on a
+            rank that died.
+        """
+        if self.cuda_graph_runner is None:
+            return True
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + drain_timeout_s
+        while not done.query():
+            if time.monotonic() >= deadline:
+                logger.warning("the device did not finish its queued work in %.0f s; CUDA graphs kept", drain_timeout_s)
+                return False
+            time.sleep(0.001)
+        self.cuda_graph_runner.release()
+        self.cuda_graph_runner = None
+        return True
 
     # ---- forward -----------------------------------------------------------------------
     def build_forward_batch(

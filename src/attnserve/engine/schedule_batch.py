@@ -20,7 +20,10 @@ class SchedulerStats:
     minus the time blocked waiting for the GPU's results (``wait_seconds``), by the kind of
     step launched. ``discarded_tokens``: tokens computed for requests that had already
     finished (overlap). ``cached_prompt_tokens`` of ``admitted_prompt_tokens`` came from the
-    prefix cache.
+    prefix cache. ``tp_send_seconds`` (tensor parallel, rank 0): time spent broadcasting
+    step messages, part of the host time; a gloo broadcast returns only once every rank has
+    reached it, so this includes waiting for the other ranks' previous step (and, through
+    them, for their GPUs).
     """
 
     num_steps: int = 0
@@ -34,10 +37,15 @@ class SchedulerStats:
     discarded_tokens: int = 0
     admitted_prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    tp_send_seconds: float = 0.0
 
     @property
     def host_ms_per_decode_step(self) -> float:
         return 1e3 * self.decode_host_seconds / max(self.num_decode_steps, 1)
+
+    @property
+    def tp_send_ms_per_step(self) -> float:
+        return 1e3 * self.tp_send_seconds / max(self.num_steps, 1)
 
 
 @dataclass

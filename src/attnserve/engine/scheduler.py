@@ -459,7 +459,9 @@ class Scheduler:
         msg = StepMessage(batch.forward_mode, host, list(prefix_lens), list(extend_lens), has_future,
                           len(emit_reqs))
         if self.tp_sender is not None:
+            t_send = time.perf_counter()
             self.tp_sender.send_step(msg)
+            self.stats.tp_send_seconds += time.perf_counter() - t_send
         logits, dev = execute_step(self.runner, self.packer, self.token_map, msg)
         if not emit_reqs:
             return LaunchedStep(batch, [], None)

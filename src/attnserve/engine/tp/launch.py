@@ -283,8 +283,11 @@ def run_worker_node(server_args) -> int:
         raise ValueError("run_worker_node is for --node-rank >= 1; node 0 runs the engine itself")
     runtime = TPRuntime(server_args, first_rank=server_args.node_rank * ranks_per_node(server_args))
     tp = runtime.start()
+    runner = None
     try:
         runner = build_rank(server_args, tp)
         return follow(runner, tp)
     finally:
+        if runner is not None:
+            runner.release_cuda_graphs()  # before the groups: see `ModelRunner.release_cuda_graphs`
         runtime.stop()

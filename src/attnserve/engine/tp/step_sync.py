@@ -44,6 +44,31 @@ class StepMessage:
     num_emit: int
     r2t_writes: List[Tuple[int, int, torch.Tensor]] = field(default_factory=list)
 
+    # Pickled once a step by rank 0 and unpickled by every other rank. A torch tensor
+    # pickles through torch's storage serializer (~0.5 ms for the step's 11 small tensors
+    # each way on a 2-core CPU); the same values as numpy arrays take ~40 us to pickle and
+    # ~30 us to restore, so host tensors travel as numpy and come back as tensors.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["host"] = {k: _to_numpy(v) for k, v in self.host.items()}
+        state["r2t_writes"] = [(row, start, _to_numpy(slots)) for row, start, slots in self.r2t_writes]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state["host"] = {k: _from_numpy(v) for k, v in state["host"].items()}
+        state["r2t_writes"] = [(row, start, _from_numpy(slots)) for row, start, slots in state["r2t_writes"]]
+        self.__dict__.update(state)
+
+
+def _to_numpy(x):
+    return x.numpy() if isinstance(x, torch.Tensor) and x.device.type == "cpu" and not x.requires_grad else x
+
+
+def _from_numpy(x):
+    import numpy as np
+
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+
 
 #: the message that stops the other ranks' loops
 SHUTDOWN = "shutdown"
