@@ -235,7 +235,10 @@ def _stop_ranks(sender, runtime, model_runner=None) -> None:
     graph that captured one keeps NCCL's teardown waiting: `ModelRunner.release_cuda_graphs`),
     tell the ranks to stop (when they are alive), then reap them."""
     if model_runner is not None and runtime.failure is None:
-        model_runner.release_cuda_graphs()
+        try:
+            model_runner.release_cuda_graphs()
+        except Exception:  # e.g. a device fault: still stop the ranks
+            logger.exception("releasing the CUDA graphs before the tensor-parallel teardown failed")
     try:
         if sender is not None and runtime.failure is None:
             sender.shutdown()

@@ -288,6 +288,8 @@ def run_worker_node(server_args) -> int:
         runner = build_rank(server_args, tp)
         return follow(runner, tp)
     finally:
-        if runner is not None:
-            runner.release_cuda_graphs()  # before the groups: see `ModelRunner.release_cuda_graphs`
-        runtime.stop()
+        try:
+            if runner is not None:
+                runner.release_cuda_graphs()  # before the groups: see `ModelRunner.release_cuda_graphs`
+        finally:
+            runtime.stop()
