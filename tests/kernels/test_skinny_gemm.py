@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attnserve.models.layers import cpu_gemm
 from attnserve.models.layers.linear import Linear
 from attnserve.models.layers.skinny_gemm import (
     MAX_SKINNY_M,
@@ -189,14 +190,17 @@ def test_bad_inputs(device, monkeypatch):
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("shape", [(3, 64), (2, 5, 64)])
 def test_linear_forward_gated_cpu(shape, activation, bias, gen):
-    """CPU path of `Linear`: F.linear and the PyTorch gate formula (no Triton)."""
+    """CPU path of `Linear`: its GEMM (oneDNN-packed for 2+ rows, `cpu_gemm.linear`; within
+    float32 rounding of F.linear, whose MKL kernel may round differently on another CPU) and
+    the PyTorch gate formula (no Triton)."""
     lin = Linear(64, 2 * 24, bias=bias)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(48, 64, generator=gen) / 8)
         if bias:
             lin.bias.copy_(torch.randn(48, generator=gen))
     x = torch.randn(*shape, generator=gen)
-    y = F.linear(x, lin.weight, lin.bias)
+    y = cpu_gemm.linear(x, lin.weight, lin.bias, lin.cpu_packed)
+    torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-6)
     g, u = y[..., :24], y[..., 24:]
     ref = F.silu(g) * u if activation == "silu" else F.gelu(g, approximate="tanh") * u
     torch.testing.assert_close(lin.forward_gated(x, activation), ref, rtol=0, atol=0)
