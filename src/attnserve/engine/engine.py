@@ -230,18 +230,19 @@ class Engine:
         return self.scheduler.has_work()
 
 
-def _stop_ranks(sender, runtime, model_runner=None) -> None:
-    """Release rank 0's CUDA graphs while the other ranks still serve their collectives (a
-    graph that captured one keeps NCCL's teardown waiting: `ModelRunner.release_cuda_graphs`),
-    tell the ranks to stop (when they are alive), then reap them."""
-    if model_runner is not None and runtime.failure is None:
+def _stop_ranks(sender, runtime, model_runner) -> None:
+    """On a healthy engine: release rank 0's CUDA graphs while the other ranks still serve
+    their collectives (a graph that captured one keeps NCCL's teardown waiting:
+    `ModelRunner.release_cuda_graphs`), then tell the ranks to stop. Then reap them (a
+    failed engine's ranks are killed there)."""
+    if runtime.failure is None:
         try:
             model_runner.release_cuda_graphs()
         except Exception:  # e.g. a device fault: still stop the ranks
             logger.exception("releasing the CUDA graphs before the tensor-parallel teardown failed")
-    try:
-        if sender is not None and runtime.failure is None:
-            sender.shutdown()
-    except Exception:  # a broken group: the ranks are killed below
-        pass
+        try:
+            if sender is not None:
+                sender.shutdown()
+        except Exception:  # a broken group: the ranks are killed below
+            pass
     runtime.stop()
