@@ -1,8 +1,9 @@
 """Malformed and hostile requests get a 4xx with an OpenAI error body, and the server
 keeps serving: a well-formed request right after each one succeeds.
 
-Policy for fields OpenAI does not define: accepted and ignored (as the OpenAI API does);
-see `test_unknown_fields_are_ignored`.
+Fields no API defines are refused (``unrecognized_request_argument``), and known fields that
+attnserve does not implement are accepted only at their neutral value: see
+`test_request_fields.py` and `test_neutral_fields_are_accepted`.
 """
 
 import json
@@ -99,6 +100,8 @@ CASES = [
     ("echo-unsupported", "POST", C, {"json": {"prompt": "hi", "echo": True}}, 400, "echo"),
     ("penalty-unsupported", "POST", C, {"json": {"prompt": "hi", "presence_penalty": 1.0}}, 400,
      "presence_penalty"),
+    ("regex-unsupported", "POST", C, {"json": {"prompt": "hi", "regex": "[a-z]+"}}, 400, "regex"),
+    ("unknown-field", "POST", CHAT, {"json": {"messages": MSG, "temprature": 0.5}}, 400, "temprature"),
     ("unknown-model", "POST", C, {"json": {"prompt": "hi", "model": "gpt-4"}}, 404, "model"),
     ("bad-api-key", "POST", C, {"json": OK, "headers": {"Authorization": "Bearer wrong"}}, 401, None),
     ("missing-api-key", "POST", C, {"json": OK, "headers": {"Authorization": ""}}, 401, None),
@@ -159,13 +162,19 @@ def test_context_errors_carry_code(client):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
-def test_unknown_fields_are_ignored(client):
-    """Like the OpenAI API, fields it does not know are ignored (not a 422)."""
-    r = client.post(C, json={**OK, "temperature": 0, "frobnicate": {"x": [1, 2]}, "best_of": 1, "user": "u1"})
+def test_neutral_fields_are_accepted(client):
+    """Fields attnserve does not implement pass at their neutral value; an unknown field,
+    top-level or inside a message, is a 400 naming it (never silently ignored)."""
+    r = client.post(C, json={**OK, "temperature": 0, "best_of": 1, "user": "u1"})
     assert r.status_code == 200, r.text
-    r = client.post(CHAT, json={"messages": [{"role": "user", "content": "Hi", "extra": 1}], "max_tokens": 1,
-                                "tool_choice": "none", "response_format": {"type": "text"}})
+    r = client.post(CHAT, json={"messages": MSG, "max_tokens": 1, "tool_choice": "none",
+                                "response_format": {"type": "text"}})
     assert r.status_code == 200, r.text
+    r = client.post(C, json={**OK, "frobnicate": {"x": [1, 2]}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate", r.text
+    assert r.json()["error"]["code"] == "unrecognized_request_argument"
+    r = client.post(CHAT, json={"messages": [{"role": "user", "content": "Hi", "extra": 1}], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.extra", r.text
 
 
 def test_stream_errors_before_streaming_are_plain_json(client):

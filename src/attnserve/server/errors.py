@@ -4,8 +4,11 @@ Status codes:
 
 * 400 ``invalid_request_error``: malformed JSON, non-UTF-8 bodies, text that is not valid
   Unicode (a lone surrogate; code ``invalid_value``), wrong types, values out of range,
-  unsupported options, prompt + ``max_tokens`` beyond what one request can hold (code
-  ``context_length_exceeded``, ``param`` ``prompt``/``messages`` or ``max_tokens``).
+  a field attnserve does not implement set to a non-neutral value (code
+  ``unsupported_parameter``), a field no API defines (code
+  ``unrecognized_request_argument``; both name the field in ``param``, see
+  `attnserve.server.request_fields`), prompt + ``max_tokens`` beyond what one request can
+  hold (code ``context_length_exceeded``, ``param`` ``prompt``/``messages`` or ``max_tokens``).
   Schema errors are 400 (as OpenAI answers), not FastAPI's default 422.
 * 401 ``authentication_error``: missing or wrong ``Authorization: Bearer`` key.
 * 404 ``not_found_error``: unknown route or model.

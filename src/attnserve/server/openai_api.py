@@ -75,22 +75,20 @@ class ServingContext:
 
 # ---- request -> (prompt ids, SamplingParams) ---------------------------------------------------
 def _check_model_and_options(ctx: ServingContext, body) -> None:
-    """Checks that need no tokenizer: valid Unicode, the model name, unsupported options,
-    stop strings.
+    """Checks that need no tokenizer: valid Unicode, the model name, refused fields
+    (unsupported or unrecognized), stop strings.
 
     Raises:
-        APIError: 400 (``invalid_value`` / ``unsupported_parameter``) or 404 (unknown model).
+        APIError: 400 (``invalid_value`` / ``unsupported_parameter`` /
+            ``unrecognized_request_argument``, ``param`` naming the field) or 404 (unknown model).
     """
     _check_unicode(body)
     if body.model is not None and body.model != ctx.model_name:
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves {ctx.model_name!r}",
                        "model", "model_not_found")
-    field = body.unsupported()
-    if field is not None:
-        hint = (f"best_of={getattr(body, 'best_of', None)} is not supported: attnserve returns n independent "
-                f"samples and does not rank them; leave best_of out or set it equal to n" if field == "best_of"
-                else f"{field} is not supported by attnserve")
-        raise APIError(400, hint, field, "unsupported_parameter")
+    refused = body.refusal()  # no field is silently dropped (attnserve.server.request_fields)
+    if refused is not None:
+        raise APIError(400, refused.message, refused.param, refused.code)
     stops = body.stop_list()
     if len(stops) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_LEN for s in stops):
         raise APIError(400, f"stop takes at most {MAX_STOP_SEQUENCES} strings of at most {MAX_STOP_LEN} characters",
@@ -143,11 +141,13 @@ def _prompt_ids(ctx: ServingContext, prompt) -> List[int]:
 
 def _chat_ids(ctx: ServingContext, body: ChatCompletionRequest) -> List[int]:
     """Token ids of a conversation in the tokenizer's chat template, with the assistant
-    header appended (runs in a worker thread)."""
+    header appended (runs in a worker thread). A message's ``name`` goes to the template
+    with it (as in HF's message dicts); templates that render names use it."""
     tok = ctx.engine.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages", "invalid_value")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                 **({"name": m.name} if m.name is not None else {})} for m in body.messages]
     try:
         out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     except Exception as e:  # jinja2 TemplateError and friends: the conversation does not fit the template

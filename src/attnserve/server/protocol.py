@@ -2,23 +2,43 @@
 
 Requests are validated strictly: a JSON string where a number is expected, a number
 where a boolean is expected, ``NaN``/``Infinity`` and values out of range are errors
-(HTTP 400 with an OpenAI-style error body, see `attnserve.server.errors`). Fields that
-OpenAI defines but attnserve does not implement (``logprobs``, ``echo``, penalties,
-``tools`` ...) are accepted only at their neutral value; anything else is a 400 naming the
-field. Fields that OpenAI does not define are **ignored** (``extra="ignore"``), as the
-OpenAI API itself does, so clients that send vendor extensions keep working.
+(HTTP 400 with an OpenAI-style error body, see `attnserve.server.errors`).
 
-Extensions beyond OpenAI (SGLang/vLLM names): ``top_k``, ``min_p``, ``ignore_eos``,
-``stop_token_ids``.
+No field is silently dropped (`attnserve.server.request_fields`): every field is honoured
+or refused with a 400 naming it (``param``). OpenAI fields that attnserve does not
+implement (``logprobs``, ``echo``, penalties, ``tools``, ``reasoning_effort`` ...) and the
+SGLang/vLLM extensions it does not implement (``regex``, ``json_schema``,
+``repetition_penalty``, ``min_tokens``, ``lora_path``, ``chat_template_kwargs`` ...) are
+accepted only at their neutral value, else code ``unsupported_parameter``; a field that
+none of these APIs defines gets ``unrecognized_request_argument``. The request models keep
+undeclared fields aside (``extra="allow"``) and `CompletionRequest.refusal` /
+`ChatCompletionRequest.refusal` sort them in one pass after validation.
+
+Extensions beyond OpenAI that attnserve honours (SGLang/vLLM names): ``top_k``, ``min_p``,
+``ignore_eos``, ``stop_token_ids``. Accepted as OpenAI accepts them and changing no output:
+``user`` (both endpoints); ``store``, ``metadata``, ``safety_identifier`` and
+``prompt_cache_key`` (chat; see `ChatCompletionRequest`).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Dict, List, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from attnserve.server.request_fields import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    MESSAGE_FIELDS,
+    NO_FIELDS,
+    STREAM_OPTIONS_FIELDS,
+    KnownField,
+    Refusal,
+    refuse_extras,
+    unsupported,
+)
 
 #: OpenAI allows 4 stop sequences; attnserve allows this many (each is checked per token).
 MAX_STOP_SEQUENCES = 16
@@ -32,12 +52,16 @@ MAX_N = 16
 MAX_STOP_TOKEN_IDS = 64
 #: Seeds must fit a 64-bit generator state (``torch.Generator.manual_seed``).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+#: OpenAI's ``metadata`` limits: pairs, key and value length in characters.
+METADATA_MAX_PAIRS, METADATA_MAX_KEY, METADATA_MAX_VALUE = 16, 64, 512
 
-_STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+#: Undeclared fields are kept (``model_extra``) for `refuse_extras`, never dropped.
+_STRICT = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
     model_config = _STRICT
+    known_extras: ClassVar[Mapping[str, KnownField]] = STREAM_OPTIONS_FIELDS
     include_usage: Optional[StrictBool] = False
 
 
@@ -58,27 +82,38 @@ class _SamplingFields(BaseModel):
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: Optional[StrictBool] = False
+    #: An end-user id (OpenAI's abuse-monitoring tag); accepted, changes no output.
     user: Optional[StrictStr] = None
     # OpenAI fields that attnserve does not implement: only their neutral value is accepted.
     logprobs: Optional[Any] = None
-    top_logprobs: Optional[Any] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[Dict[str, Any]] = None
 
-    def unsupported(self) -> Optional[str]:
-        """Name of the first field set to a value attnserve cannot honour, else None."""
+    #: Undeclared fields this endpoint knows (`attnserve.server.request_fields`).
+    known_extras: ClassVar[Mapping[str, KnownField]] = {}
+
+    def declared_refusal(self) -> Optional[Refusal]:
+        """The first declared field set to a value attnserve cannot honour, else None."""
         if self.logprobs not in (None, False, 0):
-            return "logprobs"
-        if self.top_logprobs not in (None, 0):
-            return "top_logprobs"
+            return unsupported("logprobs", self.logprobs)
         if self.presence_penalty not in (None, 0.0):
-            return "presence_penalty"
+            return unsupported("presence_penalty", self.presence_penalty)
         if self.frequency_penalty not in (None, 0.0):
-            return "frequency_penalty"
+            return unsupported("frequency_penalty", self.frequency_penalty)
         if self.logit_bias:
-            return "logit_bias"
+            return unsupported("logit_bias", self.logit_bias)
         return None
+
+    def refusal(self) -> Optional[Refusal]:
+        """Why this request cannot be served as asked (the first offending field): an
+        undeclared field that is unknown or not neutral, a declared one that attnserve
+        cannot honour, or a refused field of a nested object; None when every field is
+        honoured. (The no-silent-drop rule; see `attnserve.server.request_fields`.)"""
+        refused = refuse_extras(self.model_extra, self.known_extras) or self.declared_refusal()
+        if refused is None and self.stream_options is not None:
+            refused = refuse_extras(self.stream_options.model_extra, StreamOptions.known_extras, "stream_options.")
+        return refused
 
     def stop_list(self) -> List[str]:
         if self.stop is None:
@@ -101,14 +136,17 @@ class CompletionRequest(_SamplingFields):
     best_of: Optional[StrictInt] = None
     suffix: Optional[StrictStr] = None
 
-    def unsupported(self) -> Optional[str]:
+    known_extras: ClassVar[Mapping[str, KnownField]] = COMPLETION_FIELDS
+
+    def declared_refusal(self) -> Optional[Refusal]:
         if self.echo:
-            return "echo"
+            return unsupported("echo", self.echo)
         if self.best_of is not None and self.best_of != (self.n or 1):
-            return "best_of"
+            return unsupported("best_of", self.best_of, hint="attnserve returns n independent samples and does not "
+                                                              "rank them; leave best_of out or set it equal to n")
         if self.suffix:
-            return "suffix"
-        return super().unsupported()
+            return unsupported("suffix", self.suffix)
+        return super().declared_refusal()
 
     def requested_max_tokens(self) -> Optional[int]:
         """The client's explicit ``max_tokens``; None when it sent none (or null)."""
@@ -117,15 +155,17 @@ class CompletionRequest(_SamplingFields):
 
 class TextContentPart(BaseModel):
     model_config = _STRICT
+    known_extras: ClassVar[Mapping[str, KnownField]] = NO_FIELDS
     type: Literal["text"]
     text: StrictStr
 
 
 class ChatMessage(BaseModel):
     """One message; ``content`` is a string or a list of ``{"type": "text", "text": ...}``
-    parts (image/audio parts are rejected)."""
+    parts (image/audio parts are rejected). ``name`` is passed to the chat template."""
 
     model_config = _STRICT
+    known_extras: ClassVar[Mapping[str, KnownField]] = MESSAGE_FIELDS
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[StrictStr, List[TextContentPart]]
     name: Optional[StrictStr] = None
@@ -135,10 +175,38 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def refusal(self, prefix: str) -> Optional[Refusal]:
+        """The first refused field of this message or of its content parts (``param``
+        starts with ``prefix``, e.g. ``"messages.0."``)."""
+        refused = refuse_extras(self.model_extra, self.known_extras, prefix)
+        if refused is None and not isinstance(self.content, str):
+            for j, part in enumerate(self.content):
+                refused = refuse_extras(part.model_extra, part.known_extras, f"{prefix}content.{j}.")
+                if refused is not None:
+                    break
+        return refused
+
+
+_MetadataKey = Annotated[StrictStr, Field(max_length=METADATA_MAX_KEY)]
+_MetadataValue = Annotated[StrictStr, Field(max_length=METADATA_MAX_VALUE)]
+
 
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over the older
-    ``max_tokens``; without either the request may use the rest of the context."""
+    ``max_tokens``; without either the request may use the rest of the context.
+
+    Accepted as OpenAI accepts them, changing no output:
+
+    * ``store`` (``true``/``false``/``null``): attnserve never stores a completion, whatever
+      the value; OpenAI keeps ``store: true`` completions for its dashboard and its
+      stored-completions routes, which attnserve does not serve (they are 404).
+    * ``metadata``: at most 16 string pairs (keys at most 64 characters, values at most
+      512), checked as OpenAI checks them (else 400 ``invalid_value``) and then discarded,
+      like ``store``, since nothing is stored to tag.
+    * ``safety_identifier`` (OpenAI's successor of ``user``): a string.
+    * ``prompt_cache_key``: a string. OpenAI routes requests by it to raise cache hits;
+      attnserve's prefix cache matches every request's tokens already, so it needs none.
+    """
 
     messages: List[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
@@ -146,15 +214,29 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[List[Any]] = None
     tool_choice: Optional[Any] = None
     response_format: Optional[Dict[str, Any]] = None
+    store: Optional[StrictBool] = None
+    metadata: Optional[Dict[_MetadataKey, _MetadataValue]] = Field(default=None, max_length=METADATA_MAX_PAIRS)
+    safety_identifier: Optional[StrictStr] = None
+    prompt_cache_key: Optional[StrictStr] = None
 
-    def unsupported(self) -> Optional[str]:
+    known_extras: ClassVar[Mapping[str, KnownField]] = CHAT_FIELDS
+
+    def declared_refusal(self) -> Optional[Refusal]:
         if self.tools:
-            return "tools"
+            return unsupported("tools", self.tools)
         if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice"
+            return unsupported("tool_choice", self.tool_choice)
         if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format"
-        return super().unsupported()
+            return unsupported("response_format", self.response_format)
+        return super().declared_refusal()
+
+    def refusal(self) -> Optional[Refusal]:
+        refused = super().refusal()
+        for i, message in enumerate(self.messages):
+            if refused is not None:
+                break
+            refused = message.refusal(f"messages.{i}.")
+        return refused
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
