@@ -67,21 +67,19 @@ def run_generate(args) -> int:
         min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
     )
     sa = ServerArgs.from_cli_args(args)
-    llm = LLM(**vars(sa))
-    t0 = time.perf_counter()
-    try:
+    with LLM(**vars(sa)) as llm:
+        t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, chat=args.chat)
-    finally:
-        llm.engine.shutdown()
-    dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        runner = llm.engine.model_runner
+        where = f"backend={runner.backend_choice.decode} device={runner.device}"  # read before the shutdown
     for prompt, out in zip(prompts, outs):
         print(f"### {prompt}\n{out.text.strip()}\n[finish_reason={out.finish_reason}, tokens={len(out.token_ids)}]\n")
     n_prompt = sum(len(o.prompt_token_ids) for o in outs)
     n_gen = sum(len(o.token_ids) for o in outs)
     print(
         f"requests={len(outs)} prompt_tokens={n_prompt} generated_tokens={n_gen} "
-        f"seconds={dt:.2f} tokens/s={n_gen / max(dt, 1e-9):.1f} "
-        f"backend={llm.engine.model_runner.backend_choice.decode} device={llm.engine.model_runner.device}"
+        f"seconds={dt:.2f} tokens/s={n_gen / max(dt, 1e-9):.1f} {where}"
     )
     return 0
 

@@ -46,8 +46,8 @@ class ServerArgs:
     page_size: int = 1
     max_total_tokens: Optional[int] = None
     mem_fraction_static: float = 0.8
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 8192
+    max_running_requests: Optional[int] = None  # None: from the KV pool (engine/memory_sizing.py); CPU 64
+    chunked_prefill_size: Optional[int] = None  # None: from the GPU's memory; CPU 8192
     enable_mixed_chunk: bool = False
     max_queued_requests: Optional[int] = None
     disable_overlap_schedule: Optional[bool] = None  # None: overlap on CUDA, off on CPU
@@ -55,7 +55,7 @@ class ServerArgs:
     schedule_policy: str = "lpm"  # lpm | fcfs
     # CUDA graphs
     disable_cuda_graph: bool = False
-    cuda_graph_max_bs: Optional[int] = None  # None: 64
+    cuda_graph_max_bs: Optional[int] = None  # None: from the GPU's memory (256 on 80 GB cards)
     cuda_graph_bs: Optional[List[int]] = None
     disable_fused_kernels: bool = False  # PyTorch norms / RoPE / gates / KV store / linear on CUDA
     # server
@@ -69,6 +69,7 @@ class ServerArgs:
     # misc
     random_seed: int = 0
     log_level: str = "info"
+    skip_server_warmup: bool = False  # no start-up warm-up (engine/warmup.py; it runs on CUDA only)
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -116,14 +117,14 @@ class ServerArgs:
         for name in (self.attention_backend, self.prefill_attention_backend, self.decode_attention_backend):
             if name:
                 get_attention_backend_class(name)  # ValueError listing the valid names
-        if self.max_running_requests < 1:
+        if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         if self.triton_attention_num_kv_splits < 1 or self.triton_attention_split_tile_size < 1:
             raise ValueError(
                 "--triton-attention-num-kv-splits and --triton-attention-split-tile-size must be >= 1, got "
                 f"{self.triton_attention_num_kv_splits} and {self.triton_attention_split_tile_size}"
             )
-        if self.chunked_prefill_size < 1:
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise ValueError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"--max-total-tokens {self.max_total_tokens} is below one page ({self.page_size})")
@@ -235,10 +236,12 @@ class ServerArgs:
         a("--page-size", type=int, default=d.page_size, help="tokens per KV page")
         a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
         a("--mem-fraction-static", type=float, default=d.mem_fraction_static,
-          help="fraction of free GPU memory for weights + KV pool")
-        a("--max-running-requests", type=int, default=d.max_running_requests)
-        a("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
-          help="max prompt tokens prefilled per step")
+          help="fraction of the GPU's memory for weights + KV pool (the pool takes what the weights leave)")
+        a("--max-running-requests", type=int, default=None,
+          help="most requests in one step (default: KV pool tokens / 64, at most 1024; 64 on CPU)")
+        a("--chunked-prefill-size", type=int, default=None,
+          help="max prompt tokens prefilled per step (default: from the GPU's memory, 8192 on 80 GB cards; "
+               "8192 on CPU)")
         a("--enable-mixed-chunk", action="store_true", help="prefill and decode in the same step")
         a("--max-queued-requests", type=int, default=None)
         a("--disable-radix-cache", action="store_true", help="no prefix caching across requests")
@@ -247,7 +250,9 @@ class ServerArgs:
         a("--disable-overlap-schedule", action="store_const", const=True, default=None,
           help="process each step's results before launching the next (overlap is on by default on CUDA)")
         a("--disable-cuda-graph", action="store_true")
-        a("--cuda-graph-max-bs", type=int, default=None, help="largest captured decode batch (default 64)")
+        a("--cuda-graph-max-bs", type=int, default=None,
+          help="largest captured decode batch (default: from the GPU's memory, 256 on 80 GB cards, at most "
+               "--max-running-requests)")
         a("--cuda-graph-bs", type=int, nargs="+", default=None)
         a("--disable-fused-kernels", action="store_true",
           help="run the PyTorch norms, RoPE, gates, skinny linears and KV-cache writes on CUDA instead of "
@@ -263,6 +268,9 @@ class ServerArgs:
           help="seconds a collective or the rendezvous may wait before failing")
         a("--random-seed", type=int, default=d.random_seed)
         a("--log-level", default=d.log_level)
+        a("--skip-server-warmup", action="store_true",
+          help="start without compiling every kernel variant first (engine/warmup.py; CUDA only): faster start-up, "
+               "slower first requests")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

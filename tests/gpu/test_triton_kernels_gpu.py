@@ -201,6 +201,44 @@ def test_decode_cuda_graph_replay():
         assert _rel_err(o, ref) <= REL_TOL
 
 
+
+@pytest.mark.parametrize("bs,dist,grid_waves", [(64, "uniform", 4), (256, "uniform", 16), (64, "tail", 4),
+                                                (64, "tail", 16), (256, "tail", 32)])
+def test_decode_ragged_split_heuristic(bs, dist, grid_waves):
+    """Serving-size ragged batches (lengths uniform in [128, 8192], or a log-normal tail with
+    median 1K clipped to [1, 32768]; Hq 32, Hkv 8, D 128, page 1) with the ragged-aware split
+    counts, at the default split grid and at larger ones: requests get different split
+    counts (the longest as many as the grid axis allows, > 1 here; the shortest one) and the
+    output matches float64."""
+    from attnserve.attention.triton_ops.decode_attention import decode_attention_fwd
+    from attnserve.attention.triton_ops.decode_splits import compute_num_kv_splits, decode_grid_splits
+    from attnserve.attention.triton_ops.kv_indices import compute_kv_indptr, create_kv_indices
+
+    g = _gen(bs * 7 + grid_waves + (1 if dist == "tail" else 0))
+    hq, hkv, d, max_splits = 32, 8, 128, 32
+    if dist == "uniform":
+        lens = torch.randint(128, 8193, (bs,), generator=g, device=DEV).tolist()
+    else:
+        lens = torch.exp(torch.randn(bs, generator=g, device=DEV) + 6.93).clamp(1, 32768).long().tolist()
+    r2t, rows, slots = _paged(lens, 1, g)
+    kb = torch.randn(slots, hkv, d, generator=g, device=DEV).to(DTYPE)
+    vb = torch.randn(slots, hkv, d, generator=g, device=DEV).to(DTYPE)
+    q = torch.randn(bs, hq, d, generator=g, device=DEV).to(DTYPE)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    indptr = compute_kv_indptr(seq)
+    idx = torch.empty(sum(lens), dtype=torch.int32, device=DEV)
+    create_kv_indices(r2t, rows, seq, indptr, None, idx)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ns = torch.empty(bs, dtype=torch.int32, device=DEV)
+    compute_num_kv_splits(seq, ns, max_splits, num_sms, hkv, grid_waves=grid_waves)
+    grid = decode_grid_splits(bs, hkv, max_splits, num_sms, grid_waves)
+    assert ns.min().item() == 1 and ns.max().item() == grid > 1
+    o = torch.full((bs, hq, d), float("nan"), dtype=DTYPE, device=DEV)
+    logits = torch.full((bs, hq, max_splits, d), float("nan"), device=DEV)
+    lse = torch.full((bs, hq, max_splits), float("nan"), device=DEV)
+    decode_attention_fwd(q, kb, vb, o, indptr, idx, logits, lse, ns, max_splits, d ** -0.5, grid_splits=grid)
+    assert _rel_err(o, _decode_ref(q, kb, vb, r2t, rows, [0] * bs, lens, 0.0)) <= REL_TOL
+
 # ----------------------------------------------------------------------------------- extend
 def _extend(prefix, ext, page_size, hq, hkv, d, seed, is_causal=True, window=-1, logit_cap=0.0,
             prefix_start=None, mask=False, **kw):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnserve.attention.triton_ops.decode_attention import DecodeConfig, compute_num_kv_splits, decode_attention_fwd
+from attnserve.attention.triton_ops.decode_attention import DecodeConfig, decode_attention_fwd
+from attnserve.attention.triton_ops.decode_splits import compute_num_kv_splits
 from attnserve.attention.triton_ops.kv_indices import compute_kv_indptr, create_kv_indices
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
@@ -153,32 +154,6 @@ def test_deterministic_is_batch_invariant(gen, paged, device):
     batched, ns_batched = run([0, 1, 2, 3])
     assert ns_alone.tolist() == [5] and ns_batched.tolist() == [3, 1, 2, 5]
     assert torch.equal(alone[0], batched[3])
-
-
-def test_compute_num_kv_splits_policy(device):
-    lens = torch.tensor([1, 100, 1000, 4000, 8192, 0], dtype=torch.int32, device=device)
-    ns = torch.full((6,), -1, dtype=torch.int32, device=device)
-    compute_num_kv_splits(lens, ns, 16, num_sms=132, num_kv_heads=8, min_split_tokens=128)
-    got = ns.cpu().tolist()
-    total = int(lens.sum())
-    per = max(-(-total // (132 * 4 // 8)), 128)
-    assert got == [min(max(n // per, 1), 16) for n in lens.tolist()]
-    assert all(1 <= s <= 16 for s in got) and got == sorted(got[:5]) + got[5:]
-    # rounded down: the splits never exceed the target units (132 SMs x 4 waves / 8 heads)
-    assert sum(got) <= 132 * 4 // 8
-    # a single short request is not split below the minimum split length
-    one = torch.tensor([300], dtype=torch.int32, device=device)
-    ns1 = torch.empty(1, dtype=torch.int32, device=device)
-    compute_num_kv_splits(one, ns1, 64, num_sms=132, num_kv_heads=8, min_split_tokens=128)
-    assert ns1.item() == 2
-    # a huge batch gets one split per request
-    many = torch.full((512,), 2048, dtype=torch.int32, device=device)
-    ns2 = torch.empty(512, dtype=torch.int32, device=device)
-    compute_num_kv_splits(many, ns2, 16, num_sms=132, num_kv_heads=8)
-    assert (ns2 == 1).all()
-    # deterministic mode depends on the length alone, clamped to max_kv_splits
-    compute_num_kv_splits(lens, ns, 16, num_sms=132, num_kv_heads=8, deterministic=True, split_tile_size=256)
-    assert ns.cpu().tolist() == [1, 1, 4, 16, 16, 1]
 
 
 def test_decode_argument_errors(device):

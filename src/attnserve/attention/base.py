@@ -48,6 +48,13 @@ class AttentionBackend(ABC):
         that must be counted before the KV pool is sized); ``config`` may have no pools."""
         return 0
 
+    def release(self) -> None:
+        """Drop everything this backend holds: the config with its pools, workspaces, the
+        CUDA-graph metadata buffers of `init_cuda_graph_state` and the last step's metadata
+        (which may keep a `ForwardBatch` that points back at the backend: a reference cycle).
+        The engine calls it at shutdown; the backend cannot run afterwards."""
+        self.__dict__.clear()
+
     def check_config(self) -> None:
         """Refuse a config this backend cannot serve.
 

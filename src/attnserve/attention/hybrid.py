@@ -35,6 +35,13 @@ class HybridAttnBackend(AttentionBackend):
         self.supports_verify_cuda_graph = verify.supports_verify_cuda_graph and (
             verify.replay_hook_is_capturable or not self.replay_hook_is_capturable)
 
+    def release(self) -> None:
+        """Release both backends, then this one (`AttentionBackend.release`); idempotent."""
+        children = (self.__dict__.get("prefill_backend"), self.__dict__.get("decode_backend"))
+        for backend in {id(b): b for b in children if b is not None}.values():
+            backend.release()
+        super().release()
+
     def _select(self, mode: ForwardMode) -> AttentionBackend:
         if mode.is_decode_or_idle():
             return self.decode_backend

@@ -178,7 +178,7 @@ class TritonAttnBackend(AttentionBackend):
 
     # ---- metadata ----------------------------------------------------------------------
     def _num_kv_splits(self, seq_lens: torch.Tensor, out: torch.Tensor) -> None:
-        from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits
+        from attnserve.attention.triton_ops.decode_splits import compute_num_kv_splits
 
         compute_num_kv_splits(seq_lens, out, self.max_kv_splits, self.num_sms, self.num_kv_heads,
                               deterministic=self.deterministic, split_tile_size=self.split_tile_size)

@@ -7,6 +7,10 @@ request generates exactly ``max_new_tokens``), then HF ``generate`` on the same 
 with batch 1 and batch 8 (left-padded), greedy, the same dtype and device; every row is
 the median of ``--repeat`` timed passes (default 3) after a warm-up of the same batch.
 
+Random workload against its roofline (`attnserve.bench.offline_random`):
+``python -m attnserve.bench.offline --dataset random --load-format dummy --models llama-3-8b
+--num-prompts 256 --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.098``.
+
 Engine loop on a GPU (dummy weights, any shape):
 ``python -m attnserve.bench.offline --device cuda --load-format dummy
 [--models smollm2-135m llama-3-8b] [--requests 1 64] [--input-len 512] [--output-len 256]
@@ -286,9 +290,28 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--repeat", type=int, default=3,
                     help="timed passes per row (real-weights mode); rows report the median")
+    ap.add_argument("--dataset", default=None, choices=["random"],
+                    help="random: SGLang's random workload against its roofline (bench/offline_random.py)")
+    ap.add_argument("--num-prompts", type=int, default=256, help="random dataset: requests")
+    ap.add_argument("--random-input-len", type=int, default=1024, help="random dataset: most prompt tokens")
+    ap.add_argument("--random-output-len", type=int, default=1024, help="random dataset: most output tokens")
+    ap.add_argument("--random-range-ratio", type=float, default=0.0,
+                    help="random dataset: lengths uniform in [R * len, len]")
+    ap.add_argument("--seed", type=int, default=0, help="random dataset: seed of lengths and token ids")
+    ap.add_argument("--max-running-requests", type=int, default=None, help="random dataset: engine flag")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None, help="random dataset: engine flag")
+    ap.add_argument("--chunked-prefill-size", type=int, default=None, help="random dataset: engine flag")
+    ap.add_argument("--tag", default=None, help="random dataset: suffix of the result file's kind")
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.dataset == "random":
+        from attnserve.bench.offline_random import main_random
+
+        try:
+            return main_random(args)
+        except ValueError as e:
+            ap.error(str(e))
     if args.load_format == "dummy":
         if args.device not in ("cuda", "auto") or not torch.cuda.is_available():
             ap.error("--load-format dummy measures the engine loop on a GPU: needs CUDA (--device cuda)")

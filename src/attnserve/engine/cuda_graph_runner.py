@@ -37,6 +37,23 @@ def default_capture_batch_sizes(max_bs: int) -> List[int]:
     return sorted(set(sizes))
 
 
+def capture_stream() -> "torch.cuda.Stream":
+    """The side stream that graphs are warmed up and captured on: torch's process-wide
+    default capture stream (``torch.cuda.graph.default_capture_stream``, created by the
+    first ``torch.cuda.graph``), shared by every engine and graph runner of the process.
+
+    cuBLAS keeps a workspace per (handle, stream) until the process ends (32 MiB each on
+    an H100, torch's ``CUBLAS_WORKSPACE_CONFIG`` default for sm_90): with a fresh stream
+    per capture, every engine built and shut down left 32 MiB allocated behind it.
+    """
+    if torch.cuda.graph.default_capture_stream is None:
+        torch.cuda.graph(torch.cuda.CUDAGraph())  # the constructor creates the shared stream
+    stream = torch.cuda.graph.default_capture_stream
+    if stream.device != torch.device("cuda", torch.cuda.current_device()):  # made for another GPU
+        return torch.cuda.Stream()
+    return stream
+
+
 class CudaGraphRunner:
     """Captured decode graphs of one `ModelRunner`.
 
@@ -48,7 +65,8 @@ class CudaGraphRunner:
     def __init__(self, model_runner):
         self.runner = model_runner
         args = model_runner.server_args
-        max_bs = min(args.cuda_graph_max_bs or 64, args.max_running_requests)
+        limits = model_runner.serving_limits
+        max_bs = max(1, min(limits.cuda_graph_max_bs, limits.max_running_requests))
         sizes = sorted(set(args.cuda_graph_bs)) if args.cuda_graph_bs else default_capture_batch_sizes(max_bs)
         self.capture_bs = sizes
         self.max_bs = sizes[-1]
@@ -88,7 +106,7 @@ class CudaGraphRunner:
         free_before = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
+        stream = capture_stream()
         for bs in reversed(self.capture_bs):
             fb = self._batch(bs)
             self.backend.init_forward_metadata_capture_cuda_graph(

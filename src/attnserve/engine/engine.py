@@ -6,16 +6,20 @@ background thread).
 
 from __future__ import annotations
 
+import gc
 import logging
 import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
+
+import torch
 
 from attnserve.engine.model_runner import ModelRunner
 from attnserve.engine.request import Req
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.scheduler import Scheduler
 from attnserve.engine.tp.launch import TPStepFailed
+from attnserve.engine.warmup import warm_up_at_start
 from attnserve.server_args import ServerArgs
 from attnserve.speculative_config import SpeculativeConfig
 
@@ -52,6 +56,8 @@ class GenerateOutput:
 class Engine:
     """A model with its KV cache, attention backend and scheduler.
 
+    `shutdown` gives its memory back; every other method raises RuntimeError afterwards.
+
     Args:
         server_args: engine options (validated with `ServerArgs.check`).
 
@@ -60,6 +66,7 @@ class Engine:
     """
 
     def __init__(self, server_args: ServerArgs):
+        self._shut_down = False
         server_args.check()
         self.server_args = server_args
         self.tp_runtime = None
@@ -120,14 +127,26 @@ class Engine:
             eos.append(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(self.model_runner, server_args, self.tokenizer, sorted(set(eos)),
                                    draft_runner=draft_runner)
+        self.warmup_report = warm_up_at_start(self)  # compile what serving launches (engine/warmup.py)
+
+    @property
+    def is_shut_down(self) -> bool:
+        return self._shut_down
+
+    def check_running(self) -> None:
+        """Raise RuntimeError once `shutdown` has run."""
+        if self._shut_down:
+            raise RuntimeError("this engine was shut down and its memory released; build a new one")
 
     @property
     def context_len(self) -> int:
+        self.check_running()
         return self.model_runner.context_len
 
     @property
     def max_total_tokens(self) -> int:
         """KV-pool size in tokens: no request can hold more (prompt + output)."""
+        self.check_running()
         return self.model_runner.token_to_kv_pool_allocator.size
 
     def tokenize(self, prompt: Prompt, chat: bool = False) -> List[int]:
@@ -137,7 +156,9 @@ class Engine:
         Raises:
             ValueError: an empty prompt, ids that are not ints in the vocabulary, or text
                 without a tokenizer.
+            RuntimeError: the engine was shut down.
         """
+        self.check_running()
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
@@ -166,7 +187,9 @@ class Engine:
         """Raise ValueError if the request could not be served as asked (checked before
         enqueueing, so nothing is silently truncated): an empty prompt, invalid sampling
         parameters, or prompt + ``max_new_tokens`` beyond what one request can ever hold
-        (`max_request_tokens`: the context length and the KV pool)."""
+        (`max_request_tokens`: the context length and the KV pool). RuntimeError after
+        `shutdown`."""
+        self.check_running()
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
@@ -189,9 +212,11 @@ class Engine:
                              f"or give the engine a larger pool (max_total_tokens)")
 
     def add_request(self, prompt_ids: List[int], sampling_params: SamplingParams, rid: Optional[str] = None) -> Req:
+        self.check_running()
         return self.scheduler.add_request(prompt_ids, sampling_params, rid)
 
     def abort_request(self, rid: str) -> bool:
+        self.check_running()
         return self.scheduler.abort_request(rid)
 
     def step(self) -> List[Req]:
@@ -203,7 +228,9 @@ class Engine:
                 parallelism. The other ranks may then be inside that step's collectives and
                 cannot be brought back in step, so they are stopped at once (no hang); the
                 engine stays stopped and every later call raises the same error.
+            RuntimeError: the engine was shut down.
         """
+        self.check_running()
         if self.tp_runtime is None:
             return self.scheduler.step()
         if self._tp_step_failure is not None:
@@ -220,13 +247,61 @@ class Engine:
             raise TPStepFailed(self._tp_step_failure) from e
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do on one device); idempotent."""
+        """Stop the engine and give back its memory; idempotent.
+
+        1. Tensor parallelism: stop the other ranks first, as before (`_stop_ranks`: rank
+           0's CUDA graphs are released while the ranks still serve collectives, then
+           SHUTDOWN, then the process groups).
+        2. `ModelRunner.release` of the target: wait for the device to finish the queued
+           work, destroy the decode graphs and their memory pool, drop the attention
+           backend's buffers, the KV pool, ``req_to_token`` and the weights.
+        3. `Scheduler.release`: the future-token map, pinned host rings, the pending step,
+           the speculative decoder (verify and draft graphs); then the draft runner's
+           `ModelRunner.release`. The engine drops its runners and scheduler.
+        4. ``gc.collect()``, then ``torch.cuda.empty_cache()``: the caching allocator hands
+           the freed blocks back to the driver, so `torch.cuda.mem_get_info`, which sizes
+           the next engine's KV pool, sees them as free; the unused pinned host blocks go
+           back too (``torch._C._host_emptyCache``, where torch has it).
+
+        What stays allocated is torch's, for the process: cuBLAS's workspace of each stream
+        that ran a matmul (32 MiB each on an H100: the current stream and the one capture
+        stream, `cuda_graph_runner.capture_stream`). Five Llama-3-8B-shape engines in turn
+        on an H100 each left 64.0 MiB above the level before the first
+        (tests/gpu/test_engine_release_gpu.py).
+
+        Kept (device state untouched, logged): the engine of a failed tensor-parallel
+        group (its device may still sit in a collective that will never complete), and an
+        engine whose device did not finish its queued work within 10 s. Afterwards every
+        method but this one raises RuntimeError. Tokenizer and model config stay readable.
+        """
+        if self._shut_down:
+            return
+        self._shut_down = True
         if self._tp_finalizer is not None:
             self._tp_finalizer()
         elif self.tp_runtime is not None:
             self.tp_runtime.stop(timeout=0.0)
+        if self.tp_runtime is not None and self.tp_runtime.failure is not None:
+            logger.warning("engine shut down after a tensor-parallel failure: its device memory is not released")
+            return
+        runner = getattr(self, "model_runner", None)
+        if runner is not None and not runner.release():
+            return  # the device is busy: freeing would block on it (logged by release_cuda_graphs)
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            scheduler.release()
+        draft = getattr(self, "draft_runner", None)
+        if draft is not None:
+            draft.release()
+        self.model_runner = self.draft_runner = self.scheduler = None
+        gc.collect()
+        torch.cuda.empty_cache()  # a no-op unless CUDA was initialised
+        empty_pinned = getattr(torch._C, "_host_emptyCache", None)  # pinned host blocks (CUDA builds)
+        if empty_pinned is not None and torch.cuda.is_initialized():
+            empty_pinned()
 
     def has_work(self) -> bool:
+        self.check_running()
         return self.scheduler.has_work()
 
 

@@ -18,10 +18,13 @@ class LLM:
         **kwargs: any `ServerArgs` field (``attention_backend``, ``page_size``, ``dtype``,
             ``device``, ``max_total_tokens``, ...).
 
+    `shutdown` gives back all the memory the engine holds (`Engine.shutdown`); as a context
+    manager the LLM shuts down when the ``with`` block ends, also on an exception.
+
     Example::
 
-        llm = LLM()
-        out = llm.generate(["What is the capital of France?"], SamplingParams(temperature=0), chat=True)
+        with LLM() as llm:
+            out = llm.generate(["What is the capital of France?"], SamplingParams(temperature=0), chat=True)
         print(out[0].text)
     """
 
@@ -32,6 +35,20 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Release every device allocation of the engine: CUDA graphs and their memory pool,
+        KV pools, ``req_to_token``, weights, attention workspaces, the scheduler's buffers
+        (`Engine.shutdown`); stops tensor-parallel ranks. Idempotent; `generate` raises
+        RuntimeError afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.shutdown()
+        return False
 
     def generate(
         self,
@@ -52,7 +69,9 @@ class LLM:
             ValueError: an empty prompt list, an empty or over-long prompt, invalid sampling
                 parameters. Every prompt is checked before any is enqueued, so a bad one
                 leaves the engine untouched.
+            RuntimeError: the LLM was shut down.
         """
+        self.engine.check_running()
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)

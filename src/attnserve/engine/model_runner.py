@@ -9,6 +9,7 @@ when one is captured. The scheduler builds the batch (`attnserve.engine.step_inp
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import List
@@ -23,6 +24,7 @@ from attnserve.attention.selection import (
     choose_backends,
     create_backends,
 )
+from attnserve.engine.memory_sizing import kv_pool_tokens, resolve_serving_limits
 from attnserve.forward_batch import ForwardBatch, ForwardMode
 from attnserve.mem_cache.memory_pool import (
     MHATokenToKVPool,
@@ -83,10 +85,8 @@ class ModelRunner:
         self.context_len = draft_of.context_len if draft_of is not None else server_args.context_length or mc.context_len
         self.page_size = server_args.page_size
         self.backend_choice = choose_backends(server_args, DeviceCaps.detect(self.device), mc.attention_arch)
-        facts = self._backend_config()
-        self.attn_workspace_bytes = backend_workspace_bytes(facts, self.backend_choice)
         self._check_kv_cache_dtype()
-        self._init_memory_pool()
+        facts = self._init_memory_pool()
         self.attn_backend_config = facts.with_pools(self.req_to_token_pool, self.token_to_kv_pool)
         self.attn_backend = create_backends(self.attn_backend_config, self.backend_choice,
                                             server_args.speculative_attention_mode)
@@ -134,8 +134,9 @@ class ModelRunner:
                 raise ValueError(f"attention backend '{backend}' cannot read an FP8 KV cache (--kv-cache-dtype "
                                  f"{name}); use triton, triton_mla or torch_native, or --kv-cache-dtype auto")
 
-    def _backend_config(self) -> AttentionBackendConfig:
-        """Model facts and limits for the attention backends (pools attached later)."""
+    def _backend_config(self, max_batch_size: int) -> AttentionBackendConfig:
+        """Model facts and limits for the attention backends (pools attached later);
+        ``max_batch_size``: the most requests one step can hold."""
         mc, args = self.model_config, self.server_args
         mla = mc.attention_arch == "mla"
         return AttentionBackendConfig(
@@ -145,39 +146,68 @@ class ModelRunner:
             v_head_dim=mc.kv_lora_rank if mla else mc.v_head_dim,
             kv_lora_rank=mc.kv_lora_rank if mla else 0, qk_rope_head_dim=mc.qk_rope_head_dim if mla else 0,
             layer_windows=self._layer_windows(), page_size=self.page_size,
-            max_batch_size=args.max_running_requests, deterministic=args.enable_deterministic_inference,
+            max_batch_size=max_batch_size, deterministic=args.enable_deterministic_inference,
             num_kv_splits=args.triton_attention_num_kv_splits, split_tile_size=args.triton_attention_split_tile_size,
         )
 
-    def _init_memory_pool(self) -> None:
+    def _pool_tokens(self, workspace_bytes: int) -> int:
+        """KV pool tokens from memory alone (`memory_sizing.kv_pool_tokens`; CPU: the bytes
+        of `CPU_DEFAULT_MAX_TOTAL_TOKENS` tokens in the model dtype)."""
+        mc, heads = self.model_config, self.tp_k_head_num
+        if self.device.type == "cpu":
+            budget = CPU_DEFAULT_MAX_TOTAL_TOKENS * mc.kv_cache_bytes_per_token(self.dtype, heads)
+            return budget // mc.kv_cache_bytes_per_token(self.kv_cache_dtype, heads)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return kv_pool_tokens(free, total, self.server_args.mem_fraction_static, workspace_bytes,
+                              mc.kv_cache_bytes_per_token(self.kv_cache_dtype, heads) + self.extra_kv_bytes_per_token)
+
+    def _init_memory_pool(self) -> AttentionBackendConfig:
+        """Size the KV pool and the serving limits (`memory_sizing`), build the pools.
+
+        Returns:
+            the backends' `AttentionBackendConfig` (before the pools are attached).
+
+        Raises:
+            ValueError: the GPU cannot hold two pages of KV cache.
+        """
         args = self.server_args
         mc = self.model_config
         heads = self.tp_k_head_num
         if self.draft_of is not None:
+            limits = self.draft_of.serving_limits
             size = self.draft_of.max_total_num_tokens
-        elif args.max_total_tokens is not None:
-            size = args.max_total_tokens
-        elif self.device.type == "cpu":  # the memory of that many tokens in the model dtype
-            budget = CPU_DEFAULT_MAX_TOTAL_TOKENS * mc.kv_cache_bytes_per_token(self.dtype, heads)
-            size = budget // mc.kv_cache_bytes_per_token(self.kv_cache_dtype, heads)
         else:
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1.0 - args.mem_fraction_static) - self.attn_workspace_bytes
-            size = int(max(budget, 0) // (mc.kv_cache_bytes_per_token(self.kv_cache_dtype, heads)
-                                          + self.extra_kv_bytes_per_token))
-            size = min(size, args.max_running_requests * self.context_len)
-            if size < self.page_size * 2:
+            total_gpu = torch.cuda.mem_get_info(self.device)[1] if self.device.type == "cuda" else 0
+            # the request count bounds the attention workspace, which the pool's budget pays for:
+            # derive it from the pool without a workspace, then size the pool with that workspace
+            mrr = args.max_running_requests
+            if mrr is None:
+                first = args.max_total_tokens if args.max_total_tokens is not None else self._pool_tokens(0)
+                mrr = resolve_serving_limits(first, self.device.type, total_gpu).max_running_requests
+            workspace = backend_workspace_bytes(self._backend_config(mrr), self.backend_choice)
+            size = args.max_total_tokens if args.max_total_tokens is not None else self._pool_tokens(workspace)
+            if self.device.type == "cuda" and args.max_total_tokens is None and size < self.page_size * 2:
                 raise ValueError(
                     "not enough GPU memory for the KV cache; raise --mem-fraction-static or set --max-total-tokens"
                 )
-        size = self.tp.min_int(size)  # every rank must hold every slot rank 0 hands out
+            size = self.tp.min_int(size)  # every rank must hold every slot rank 0 hands out
+            limits = resolve_serving_limits(
+                size, self.device.type, total_gpu, max_running_requests=args.max_running_requests or mrr,
+                chunked_prefill_size=args.chunked_prefill_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                max_total_tokens_chosen=args.max_total_tokens is None)
+            if args.max_running_requests is None:  # the count derived from the first estimate was its default
+                limits = dataclasses.replace(limits, chosen=limits.chosen + ("max_running_requests",))
+        #: the limits this engine runs with (flags, or the memory rules where flags are unset)
+        self.serving_limits = limits
+        facts = self._backend_config(limits.max_running_requests)
+        self.attn_workspace_bytes = backend_workspace_bytes(facts, self.backend_choice)
         size = max(self.page_size, size - size % self.page_size)
         self.max_total_num_tokens = size
         if self.draft_of is not None:
             self.req_to_token_pool = self.draft_of.req_to_token_pool
             self.token_to_kv_pool_allocator = self.draft_of.token_to_kv_pool_allocator
         else:
-            self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, self.context_len + 1, self.device)
+            self.req_to_token_pool = ReqToTokenPool(limits.max_running_requests + 1, self.context_len + 1, self.device)
             self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(size, self.page_size)
         if mc.attention_arch == "mla":
             self.token_to_kv_pool = MLATokenToKVPool(
@@ -194,8 +224,11 @@ class ModelRunner:
             "requests)", "draft model " if self.draft_of is not None else "", size,
             str(self.kv_cache_dtype).replace("torch.", ""), self.page_size,
             self.token_to_kv_pool.mem_bytes() / 2**20, self.attn_workspace_bytes / 2**20,
-            self.backend_choice.decode, args.max_running_requests,
+            self.backend_choice.decode, limits.max_running_requests,
         )
+        if self.draft_of is None:
+            logger.info("serving limits: %s", limits.describe())
+        return facts
 
     def _init_cuda_graphs(self) -> None:
         """Capture decode graphs on CUDA with a capturable backend (the default there).
@@ -248,6 +281,35 @@ class ModelRunner:
             time.sleep(0.001)
         self.cuda_graph_runner.release()
         self.cuda_graph_runner = None
+        return True
+
+    def release(self, drain_timeout_s: float = 10.0) -> bool:
+        """Give back every device allocation this runner owns; the runner cannot run afterwards.
+
+        Drops, in order: the captured decode graphs with their private memory pool
+        (`release_cuda_graphs`, which first waits up to ``drain_timeout_s`` s for queued
+        work), the attention backend (its CUDA-graph metadata buffers, workspaces and
+        last-step metadata: `AttentionBackend.release`, which also breaks the cycle of a
+        backend that keeps a `ForwardBatch` pointing back at it), the KV pool, the
+        ``req_to_token`` table with its host mirror, the slot allocator and the model's
+        weights. A draft runner drops its references to the target's shared
+        ``req_to_token`` and allocator. Tensors go back to PyTorch's caching allocator once
+        nothing else refers to them; the caller empties that cache
+        (`attnserve.engine.engine.Engine.shutdown`). Idempotent.
+
+        Returns:
+            True when released; False (nothing released, logged by `release_cuda_graphs`)
+            when the device did not finish its queued work in time.
+        """
+        if self.cuda_graph_runner is not None and not self.release_cuda_graphs(drain_timeout_s):
+            return False
+        backend = getattr(self, "attn_backend", None)
+        if backend is not None:
+            backend.release()
+        self.attn_backend = self.attn_backend_config = None
+        self.token_to_kv_pool = self.req_to_token_pool = self.token_to_kv_pool_allocator = None
+        self.model = None
+        self.draft_of = None
         return True
 
     # ---- forward -----------------------------------------------------------------------

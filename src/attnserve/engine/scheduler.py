@@ -212,6 +212,36 @@ class Scheduler:
         if req is not None and req.finished:
             del self.requests[rid]
 
+    def release(self) -> None:
+        """Drop everything the scheduler holds on the device or in pinned host memory, and
+        its references to the runner and its pools; the scheduler cannot step afterwards.
+
+        Requests still waiting or running end with ``abort`` (``error`` says why); the
+        launched step whose results were pending is dropped. Released: the future-token map
+        (int64 per ``req_to_token`` row), the pinned rings of `StepInputPacker` and of the
+        sampled ids, the pending step's device ids and event, the speculative decoder
+        (`SpecDecoder.release`: verify/draft graphs and their buffers), the prefix cache, the
+        tensor-parallel step sender. Idempotent. Call it once the device has finished the
+        launched work (`ModelRunner.release` waits for it)."""
+        for req in [*self.waiting, *self.running]:
+            if not req.finished:
+                req.finish_reason = FinishReason.ABORT
+                req.error = "the engine was shut down"
+        self.waiting.clear()
+        self.running.clear()
+        self.requests.clear()
+        self._pending = None
+        self._current, self.failed_reqs, self.touched_before_failure = [], [], []
+        if self.spec is not None:
+            self.spec.release()
+        self.spec = None
+        self.token_map = self.packer = None
+        self._ids_ring = [None] * len(self._ids_ring)
+        self.tree_cache = self.cache = None
+        self.allocator = self.req_to_token_pool = None
+        self.tp_sender = None
+        self.runner = None
+
     # ---- KV accounting -----------------------------------------------------------------
     def _future_tokens(self, req: Req, cached: int = 0) -> float:
         """Tokens ``req`` is expected to still add to the cache (prefill exactly, decode by
@@ -225,7 +255,7 @@ class Scheduler:
         return prefill + self.new_token_ratio * max(decode, 0) + (self.allocator.page_size - 1)
 
     def _admit(self) -> None:
-        if not self.waiting or len(self.running) >= self.args.max_running_requests:
+        if not self.waiting or len(self.running) >= self.runner.serving_limits.max_running_requests:
             return
         policy = self.args.schedule_policy
         matches = {}
@@ -236,7 +266,7 @@ class Scheduler:
         check = InBatchPrefixCheck(self.allocator.page_size) if self.radix_enabled else None
         admitted = set()
         for req in order:
-            if len(self.running) >= self.args.max_running_requests:
+            if len(self.running) >= self.runner.serving_limits.max_running_requests:
                 break
             match = matches.get(id(req)) or self.cache.match(req)
             cached = int(match.slots.numel())
@@ -302,7 +332,7 @@ class Scheduler:
                 return ScheduleBatch(ForwardMode.TARGET_VERIFY, decoding, [r.kv_len for r in decoding],
                                      list(plan.extents), spec=plan)
             return ScheduleBatch(ForwardMode.DECODE, decoding, [r.kv_len for r in decoding], [1] * len(decoding))
-        budget = self.args.chunked_prefill_size
+        budget = self.runner.serving_limits.chunked_prefill_size
         reqs, lens = [], []
         for r in prefilling:
             if budget <= 0:

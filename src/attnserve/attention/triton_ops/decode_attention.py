@@ -25,7 +25,8 @@ combination of the splits, so this is exact). With scales of 1.0 nothing extra r
 
 Everything the launch depends on is host-known (bs, head counts, ``max_kv_splits``), and
 no host synchronisation happens, so `decode_attention_fwd` is CUDA-graph capturable.
-Tuning lives in `decode_config`; split counts in `compute_num_kv_splits`.
+Tuning lives in `decode_config`; split counts and the split grid in `decode_splits`
+(`compute_num_kv_splits`, `decode_grid_splits`, re-exported here).
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ import torch
 import triton
 import triton.language as tl
 
+from attnserve.attention.triton_ops.decode_splits import (  # noqa: F401  (re-exported: callers import them here)
+    compute_num_kv_splits,
+    decode_grid_splits,
+    device_num_sms,
+)
 from attnserve.mem_cache.kv_quant import FP8_DTYPES, check_scale
 from attnserve.triton_env import triton_interpreting
 from attnserve.triton_jit import tanh
-
-# Split-count policy constants (tuning, not state).
-_SPLIT_WAVES = 4  # aim for this many programs per SM across stage 1
-_MIN_SPLIT_TOKENS = 128  # never cut a request into splits shorter than this (non-deterministic mode)
-
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -402,20 +403,6 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # interpreter: a pretend small GPU
-
-
-def decode_grid_splits(bs: int, head_programs: int, max_kv_splits: int, num_sms: int) -> int:
-    """Size of stage 1's split grid axis: enough programs for ``_SPLIT_WAVES`` waves, at
-    most ``max_kv_splits``. Programs loop over splits ``pid, pid + G, ...`` so a smaller
-    axis only serialises work, it never changes results (deterministic mode relies on it)."""
-    want = triton.cdiv(num_sms * _SPLIT_WAVES, max(1, bs * head_programs))
-    return max(1, min(max_kv_splits, want))
-
-
 def decode_attention_fwd(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -532,7 +519,7 @@ def decode_attention_fwd(
     if block_h == 1 and group != 1:
         raise ValueError("block_h == 1 (per-head kernel) needs group size 1")
     head_programs = hkv * head_blocks
-    g = grid_splits or decode_grid_splits(bs, head_programs, max_kv_splits, _num_sms(q.device))
+    g = grid_splits or decode_grid_splits(bs, head_programs, max_kv_splits, device_num_sms(q.device))
     g = max(1, min(int(g), max_kv_splits))
     block_d, block_dpe = _split_dims(dk)
     block_dv = max(16, triton.next_power_of_2(dv))
@@ -591,110 +578,3 @@ def decode_attention_fwd(
         num_warps=cfg.stage2_warps,
     )
     return o
-
-
-@triton.jit
-def _num_kv_splits_kernel(
-    seq_lens_ptr,
-    out_ptr,
-    bs,
-    max_kv_splits,
-    target_units,
-    min_split_tokens,
-    split_tile_size,
-    DETERMINISTIC: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    offs = tl.arange(0, BLOCK)
-    if DETERMINISTIC:
-        for base in range(0, bs, BLOCK):
-            m = base + offs < bs
-            n = tl.load(seq_lens_ptr + base + offs, mask=m, other=0).to(tl.int32)
-            s = tl.minimum(tl.maximum(tl.cdiv(n, split_tile_size), 1), max_kv_splits)
-            tl.store(out_ptr + base + offs, s, mask=m)
-    else:
-        total = tl.zeros([BLOCK], dtype=tl.int64)
-        for base in range(0, bs, BLOCK):
-            m = base + offs < bs
-            total += tl.load(seq_lens_ptr + base + offs, mask=m, other=0).to(tl.int64)
-        tokens = tl.sum(total, 0)
-        # Tokens per split so that sum_i splits_i <= target_units; longer requests get
-        # proportionally more splits, so all programs carry similar work. Rounded down: a
-        # rounded-up count adds up to one split per request, i.e. a partial extra wave.
-        per = tl.maximum(tl.cdiv(tokens, target_units), min_split_tokens).to(tl.int32)
-        for base in range(0, bs, BLOCK):
-            m = base + offs < bs
-            n = tl.load(seq_lens_ptr + base + offs, mask=m, other=0).to(tl.int32)
-            s = tl.minimum(tl.maximum(n // per, 1), max_kv_splits)
-            tl.store(out_ptr + base + offs, s, mask=m)
-
-
-def compute_num_kv_splits(
-    seq_lens: torch.Tensor,
-    num_kv_splits: torch.Tensor,
-    max_kv_splits: int,
-    num_sms: int,
-    num_kv_heads: int,
-    deterministic: bool = False,
-    split_tile_size: int = 256,
-    *,
-    waves: int = _SPLIT_WAVES,
-    min_split_tokens: int = _MIN_SPLIT_TOKENS,
-) -> torch.Tensor:
-    """Per-request split counts for `decode_attention_fwd`, computed on the device.
-
-    Default (throughput) mode: with ``T = sum(seq_lens)`` and a target of
-    ``U = max(1, num_sms * waves // num_kv_heads)`` (request, split) units, every split gets
-    about ``t = max(min_split_tokens, cdiv(T, U))`` tokens:
-    ``num_kv_splits[i] = clamp(seq_lens[i] // t, 1, max_kv_splits)``. So stage 1 has at
-    most ``waves`` programs per SM (plus one split for each request shorter than ``t``): a
-    long request gets more splits than a short one, and no split is shorter than
-    ``min_split_tokens`` (beyond the request's own length). Rounding down keeps the grid
-    within whole waves: at 8 x 32K on an H100 (U = 66, t = 3,972) a rounded-up count gives
-    9 splits, 576 programs = 4.4 waves, 8 splits are ~7% (bf16) to ~16% (fp8) faster
-    (`benchmarks/NOTES.md`, issue 21). The result depends on the whole batch.
-
-    Deterministic mode: ``num_kv_splits[i] = clamp(cdiv(seq_lens[i], split_tile_size), 1,
-    max_kv_splits)`` depends on the request alone, so its output is bitwise identical in
-    any batch (split boundaries and merge order depend only on its length). Choose
-    ``max_kv_splits >= cdiv(max_context_len, split_tile_size)``: otherwise requests longer
-    than ``max_kv_splits * split_tile_size`` are cut into ``max_kv_splits`` longer splits;
-    results stay batch-invariant, but their split boundaries (and so their rounding) then
-    differ from those under a larger ``max_kv_splits``, and long requests get less
-    parallelism.
-
-    Args:
-        seq_lens: int32/int64 ``[bs]`` keys per request (after any window trimming).
-        num_kv_splits: int32 ``[>= bs]`` output.
-        max_kv_splits: host int, the scratch capacity of `decode_attention_fwd`.
-        num_sms: streaming multiprocessors of the GPU (host int).
-        num_kv_heads: stage-1 head programs per request (KV heads on this rank).
-        deterministic: batch-invariant split counts (see above).
-        split_tile_size: tokens per split in deterministic mode.
-        waves / min_split_tokens: tuning of the default mode.
-
-    Returns:
-        ``num_kv_splits``.
-    """
-    if seq_lens.dim() != 1 or seq_lens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"seq_lens must be 1-D int32/int64, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
-    bs = seq_lens.shape[0]
-    if num_kv_splits.dim() != 1 or num_kv_splits.shape[0] < bs or num_kv_splits.dtype != torch.int32:
-        raise ValueError(f"num_kv_splits must be int32 [>= {bs}], got {tuple(num_kv_splits.shape)} {num_kv_splits.dtype}")
-    if max_kv_splits < 1 or num_sms < 1 or num_kv_heads < 1 or split_tile_size < 1:
-        raise ValueError("max_kv_splits, num_sms, num_kv_heads and split_tile_size must be >= 1")
-    if bs == 0:
-        return num_kv_splits
-    target_units = max(1, (num_sms * waves) // num_kv_heads)
-    _num_kv_splits_kernel[(1,)](
-        seq_lens,
-        num_kv_splits,
-        bs,
-        int(max_kv_splits),
-        target_units,
-        int(min_split_tokens),
-        int(split_tile_size),
-        DETERMINISTIC=bool(deterministic),
-        BLOCK=min(1024, max(16, triton.next_power_of_2(bs))),
-    )
-    return num_kv_splits

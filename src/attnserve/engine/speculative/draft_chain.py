@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from attnserve.engine.cuda_graph_runner import capture_stream
 from attnserve.engine.sampler import argmax_last
 from attnserve.forward_batch import ForwardBatch, ForwardMode
 
@@ -51,7 +52,7 @@ class DraftChainRunner:
             from attnserve.attention.multi_step_draft import TritonMultiStepDraftBackend
 
             # eager rounds may run batches above the largest graph (max_running_requests)
-            max_bs = max([runner.server_args.max_running_requests, *(capture_bs or [])])
+            max_bs = max([runner.serving_limits.max_running_requests, *(capture_bs or [])])
             self.multi = TritonMultiStepDraftBackend(runner.attn_backend_config, self.num_steps, max_bs)
         self.graphs: Dict[int, "torch.cuda.CUDAGraph"] = {}
         self.capture_bs: List[int] = []
@@ -122,7 +123,7 @@ class DraftChainRunner:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
+        stream = capture_stream()  # one per process (cuda_graph_runner.capture_stream)
         with torch.inference_mode():
             for bs in reversed(sizes):
                 args = (bs, self.rows[:bs], self.seq_lens[:bs], self.step_limits[:bs], self.tokens[:bs],

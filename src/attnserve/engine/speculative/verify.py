@@ -176,6 +176,15 @@ class SpecDecoder:
         """Drop the drafter's state of a request whose K/V are gone."""
         (self.proposer or self.drafter).forget(req)
 
+    def release(self) -> None:
+        """Drop the verify graphs (`VerifyGraphRunner`: graphs, their memory pool and fixed
+        inputs), the drafter (`DraftWorker`: its draft graphs and multi-step buffers), the
+        n-gram indexes and the references to the runner, the future-token map and the
+        packer; nothing else refers to them, so they are freed now. Engine shutdown only,
+        after the device has finished its work; idempotent."""
+        self.verify_graph = self.drafter = self.proposer = None
+        self.runner = self.token_map = self.packer = None
+
     # ---- one verify step ---------------------------------------------------------------
     def verify(self, reqs: Sequence[Req], plan: SpecPlan) -> VerifyResult:
         """Reserve ``plan.extents`` slots, draft (STANDALONE), run the target over the

@@ -21,6 +21,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from attnserve.engine.cuda_graph_runner import capture_stream
 from attnserve.engine.speculative.tree import DraftTree
 from attnserve.forward_batch import ForwardBatch, ForwardMode, VerifyInput
 
@@ -99,7 +100,7 @@ class VerifyGraphRunner:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
+        stream = capture_stream()  # one per process (cuda_graph_runner.capture_stream)
         model = self.runner.model
         for bs in reversed(self.capture_bs):
             fb = self._batch(bs)

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Engine benchmarks on the lent GPU, each a mode (several may be given; logs and JSON under $OUT):
+#   roofline  bench.offline --dataset random: the mixed 256-request workload ([100, 1024] in and out)
+#             and the fixed 64 x 512 -> 256 and 1 x 512 -> 256 rows, Llama-3-8B and Qwen3-0.6B shapes,
+#             default flags, bf16 and fp8 KV: output tok/s against the roofline measured in the same run
+#   loop      bench.offline --load-format dummy (the engine-loop rows: graph step, host ms per step)
+#   spec      benchmarks/speculative_gpu.py
+#   fp8       benchmarks/fp8_kv.py
+#   profile   benchmarks/profile_host.py (cProfile of the host at 256 running requests, Qwen3-0.6B shape)
+#   bash scripts/gpu_engine_bench.sh roofline [loop spec fp8]
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
+offline="python3 -m attnserve.bench.offline --dataset random --load-format dummy --out $OUT"
+for what in "${@:-roofline}"; do
+  case $what in
+    roofline)
+      timeout "${ROOFLINE_TIMEOUT:-420}" $offline --tag mixed --models ${ROOFLINE_MODELS:-llama-3-8b qwen3-0.6b} \
+        --kv-cache-dtypes ${ROOFLINE_KV:-auto fp8_e4m3} --num-prompts 256 --random-input-len 1024 \
+        --random-output-len 1024 --random-range-ratio 0.098 ${ROOFLINE_ARGS:-} 2>&1 | grep -v INFO | tee "$OUT/roofline_mixed.log"
+      timeout 200 $offline --tag fixed64 --models llama-3-8b --num-prompts 64 --random-input-len 512 \
+        --random-output-len 256 --random-range-ratio 1 2>&1 | grep -v INFO | tee "$OUT/roofline_fixed64.log"
+      timeout 200 $offline --tag fixed1 --models llama-3-8b --num-prompts 1 --random-input-len 512 \
+        --random-output-len 256 --random-range-ratio 1 2>&1 | grep -v INFO | tee "$OUT/roofline_fixed1.log" ;;
+    loop)
+      timeout "${LOOP_TIMEOUT:-500}" python3 -m attnserve.bench.offline --device cuda --load-format dummy --out "$OUT" \
+        ${LOOP_ARGS:-} 2>&1 | tee "$OUT/offline.log" | tail -40 ;;
+    spec)
+      timeout "${SPEC_TIMEOUT:-500}" python3 benchmarks/speculative_gpu.py --out "$OUT" ${SPEC_ARGS:-} 2>&1 \
+        | tee "$OUT/spec.log" | tail -40 ;;
+    fp8)
+      timeout "${FP8_TIMEOUT:-400}" python3 benchmarks/fp8_kv.py --out "$OUT" ${FP8_ARGS:-} 2>&1 \
+        | tee "$OUT/fp8.log" | tail -20 ;;
+    profile)
+      timeout "${PROFILE_TIMEOUT:-300}" python3 benchmarks/profile_host.py --out "$OUT" ${PROFILE_ARGS:-} 2>&1 \
+        | grep -v INFO | tail -20 ;;
+    *) echo "unknown mode $what (roofline loop spec fp8 profile)"; exit 2 ;;
+  esac
+done

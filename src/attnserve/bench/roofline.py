@@ -1,0 +1,140 @@
+"""The physical floor ("roofline") of an offline workload, and the facts it needs.
+
+``roofline_s`` is the least time any engine could take for a workload of prompts with
+input lengths ``isl_r`` and output lengths ``osl_r`` on a device that copies ``BW``
+bytes/s (device-to-device copy rate, bytes read + written) and multiplies at ``F``
+FLOP/s (bf16 8192^3 matmul), both measured in the same run:
+
+* **Prefill**: ``sum_r (2 P isl_r + 2 L Hq D isl_r^2) / F`` (the linears' FLOPs, and causal
+  attention's ``QK^T`` and ``PV``: ``2 Hq D isl^2 / 2`` FLOPs each per layer).
+* **Decode**: every request decodes from step 0, one step for each output token of the
+  longest request (``max_r osl_r`` steps). Step ``s`` runs the ``n_s`` requests with
+  ``osl_r > s`` at context ``ctx_r = isl_r + s`` and costs
+  ``max((W + sum ctx_r * kv_bytes_per_token) / BW, (2 P n_s + 4 L Hq D sum ctx_r) / F)``:
+  the weights and every running request's KV read once, or the matmul work, whichever
+  is longer.
+
+``P`` and ``W`` are the model's parameters and weight bytes without an untied input
+embedding (a lookup reads a few rows, not the matrix; a tied embedding is counted once, as
+the LM head). ``L``, ``Hq`` and ``D`` are the layers, query heads and query/key head size;
+``kv_bytes_per_token`` is the KV cache's bytes per token over all layers in its storage
+dtype (half for FP8). The rule is the one issue 33 fixes for ``bench.offline``; it is a
+floor, not a prediction: real kernels reach 80-95% of these rates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RooflineModel:
+    """What the floor needs to know of a model.
+
+    Attributes:
+        params: ``P``, parameters without an untied input embedding.
+        weight_bytes: ``W``, their bytes as stored.
+        num_layers / num_q_heads / head_dim: ``L``, ``Hq``, ``D`` (query/key head size).
+        kv_bytes_per_token: KV cache bytes of one token over all layers.
+    """
+
+    params: int
+    weight_bytes: int
+    num_layers: int
+    num_q_heads: int
+    head_dim: int
+    kv_bytes_per_token: int
+
+    @classmethod
+    def from_runner(cls, runner) -> "RooflineModel":
+        """From a `ModelRunner` on one device: its model's parameters (each storage once,
+        the input embedding left out unless it is also the LM head) and KV pool dtype."""
+        model, mc = runner.model, runner.model_config
+        skip = set()
+        inner = getattr(model, "model", None)
+        embed = getattr(inner, "embed_tokens", None)
+        tied = getattr(model, "lm_head", None) is None
+        if embed is not None and not tied:
+            skip = {p.data_ptr() for p in embed.parameters()}
+        seen, params, nbytes = set(), 0, 0
+        for p in model.parameters():
+            ptr = p.data_ptr()
+            if ptr in seen or ptr in skip:
+                continue
+            seen.add(ptr)
+            params += p.numel()
+            nbytes += p.numel() * p.element_size()
+        return cls(params=params, weight_bytes=nbytes, num_layers=mc.num_hidden_layers,
+                   num_q_heads=mc.num_attention_heads, head_dim=mc.head_dim,
+                   kv_bytes_per_token=mc.kv_cache_bytes_per_token(runner.kv_cache_dtype))
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The floor of one workload, in seconds: ``prefill_s + decode_s = roofline_s``."""
+
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+
+    @property
+    def roofline_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+
+def workload_roofline(model: RooflineModel, input_lens: Sequence[int], output_lens: Sequence[int],
+                      copy_bytes_per_s: float, matmul_flops_per_s: float) -> Roofline:
+    """The floor of a workload (module docstring).
+
+    Args:
+        model: `RooflineModel`.
+        input_lens / output_lens: per request, prompt and generated tokens (same length).
+        copy_bytes_per_s: ``BW``, device-to-device copy rate in bytes/s.
+        matmul_flops_per_s: ``F``, bf16 matmul rate in FLOP/s.
+
+    Raises:
+        ValueError: mismatched lengths or non-positive rates.
+    """
+    isl = np.asarray(input_lens, dtype=np.float64)
+    osl = np.asarray(output_lens, dtype=np.int64)
+    if isl.shape != osl.shape:
+        raise ValueError(f"{isl.size} input lengths but {osl.size} output lengths")
+    if copy_bytes_per_s <= 0 or matmul_flops_per_s <= 0:
+        raise ValueError("the copy and matmul rates must be > 0")
+    attn = model.num_layers * model.num_q_heads * model.head_dim
+    prefill = float(np.sum(2.0 * model.params * isl + 2.0 * attn * isl * isl)) / matmul_flops_per_s
+    steps = int(osl.max()) if osl.size else 0
+    decode = 0.0
+    for s in range(steps):
+        running = osl > s
+        n = int(running.sum())
+        ctx = float(np.sum(isl[running] + s))
+        mem = (model.weight_bytes + ctx * model.kv_bytes_per_token) / copy_bytes_per_s
+        flops = (2.0 * model.params * n + 4.0 * attn * ctx) / matmul_flops_per_s
+        decode += max(mem, flops)
+    return Roofline(prefill_s=prefill, decode_s=decode, decode_steps=steps)
+
+
+def random_lengths(num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int):
+    """SGLang's random dataset lengths: input lengths uniform in ``[R * input_len, input_len]``
+    and output lengths in ``[R * output_len, output_len]`` (integers, both ends included, at
+    least 1), from a seeded generator.
+
+    Returns:
+        ``(input_lens, output_lens)``: int lists of ``num_prompts``.
+
+    Raises:
+        ValueError: ``range_ratio`` outside ``[0, 1]`` or non-positive lengths.
+    """
+    if not 0.0 <= range_ratio <= 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1], got {range_ratio}")
+    if input_len < 1 or output_len < 1 or num_prompts < 1:
+        raise ValueError("--random-input-len, --random-output-len and --num-prompts must be >= 1")
+    rng = np.random.default_rng(seed)
+    lo_in, lo_out = max(1, int(range_ratio * input_len)), max(1, int(range_ratio * output_len))
+    isl = rng.integers(lo_in, input_len + 1, size=num_prompts)
+    osl = rng.integers(lo_out, output_len + 1, size=num_prompts)
+    return isl.tolist(), osl.tolist()

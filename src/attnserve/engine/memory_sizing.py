@@ -1,0 +1,144 @@
+"""Defaults sized from memory: KV pool tokens, running requests, CUDA-graph batch, prefill chunk.
+
+SGLang sizes its serving limits from the GPU rather than from fixed numbers (its
+``ServerArgs`` picks ``chunked_prefill_size`` and ``cuda_graph_max_bs`` from the card's
+memory; its model runner derives the request-slot count from the KV pool), so a user who
+passes no flag still fills the GPU. attnserve does the same, with these rules:
+
+* **KV pool** (`kv_pool_tokens`): every byte of the static budget that the weights and the
+  attention workspace leave, ``free - total * (1 - mem_fraction_static) - workspace``,
+  divided by the KV bytes of one token. It does not depend on ``max_running_requests``.
+* **Running requests** (`default_max_running_requests`): ``pool_tokens // 64`` (room for
+  every running request to hold 64 tokens of KV), at least 1 and at most
+  `MAX_RUNNING_REQUESTS_CAP` (1024). Admission still checks each request's KV need, so the
+  count only bounds how many requests can share a step; the cap bounds the host-side work
+  per step and the ``req_to_token`` table (``cap x context_len`` int32).
+* **CUDA-graph batch and prefill chunk** (`gpu_batch_defaults`): a table over the card's
+  total memory (`GPU_MEMORY_TIERS`), in the spirit of SGLang's (80 GB cards: graphs up to
+  256 requests, 8192-token prefill chunks). The graph batch never exceeds the running
+  request count.
+* **CPU**: 64 running requests, 8192-token chunks, no graphs: the values measured best on
+  the 2-core CPU machines (`CPU_MAX_RUNNING_REQUESTS`, `CPU_CHUNKED_PREFILL_SIZE`).
+
+Explicit flags always win; `resolve_serving_limits` fills only the ``None`` ones and
+returns what it chose, which the model runner logs once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+#: most running requests the memory rule picks on its own (``--max-running-requests`` may go higher)
+MAX_RUNNING_REQUESTS_CAP = 1024
+#: KV tokens reserved per running request by the memory rule (pool_tokens // this)
+TOKENS_PER_RUNNING_REQUEST = 64
+#: CPU defaults (measured best on the 2-core machines)
+CPU_MAX_RUNNING_REQUESTS = 64
+CPU_CHUNKED_PREFILL_SIZE = 8192
+
+#: (total GPU memory below this many GiB, chunked_prefill_size, cuda_graph_max_bs), first match wins
+GPU_MEMORY_TIERS: Tuple[Tuple[float, int, int], ...] = (
+    (20.0, 2048, 32),
+    (36.0, 4096, 96),
+    (64.0, 4096, 160),
+    (100.0, 8192, 256),  # H100 80 GB
+    (float("inf"), 16384, 512),  # H200 141 GB, B200
+)
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """The limits one engine runs with, and which of them were chosen by rule.
+
+    Attributes:
+        max_total_tokens: KV pool size in tokens.
+        max_running_requests: most requests in one step (``req_to_token`` rows).
+        chunked_prefill_size: most prompt tokens prefilled in one step.
+        cuda_graph_max_bs: largest captured decode batch (0: no graphs).
+        chosen: names of the fields the rules filled (the others came from flags).
+    """
+
+    max_total_tokens: int
+    max_running_requests: int
+    chunked_prefill_size: int
+    cuda_graph_max_bs: int
+    chosen: Tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """One log line: each value, marked ``(auto)`` where a rule chose it."""
+        parts = []
+        for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size", "cuda_graph_max_bs"):
+            parts.append(f"{name}={getattr(self, name)}{' (auto)' if name in self.chosen else ''}")
+        return ", ".join(parts)
+
+
+def kv_pool_tokens(free_bytes: int, total_bytes: int, mem_fraction_static: float, workspace_bytes: int,
+                   kv_bytes_per_token: int) -> int:
+    """KV tokens that fit in the static memory budget left after the weights.
+
+    Args:
+        free_bytes / total_bytes: ``torch.cuda.mem_get_info()`` once the weights are loaded.
+        mem_fraction_static: share of the card for weights + KV pool (``--mem-fraction-static``).
+        workspace_bytes: attention workspace allocated whatever the batch.
+        kv_bytes_per_token: KV bytes of one token over all layers (plus a draft model's).
+
+    Returns:
+        tokens (>= 0; the caller refuses a pool below two pages).
+    """
+    if kv_bytes_per_token <= 0:
+        raise ValueError(f"kv_bytes_per_token must be > 0, got {kv_bytes_per_token}")
+    budget = free_bytes - total_bytes * (1.0 - mem_fraction_static) - workspace_bytes
+    return int(max(budget, 0) // kv_bytes_per_token)
+
+
+def default_max_running_requests(pool_tokens: int) -> int:
+    """``clamp(pool_tokens // TOKENS_PER_RUNNING_REQUEST, 1, MAX_RUNNING_REQUESTS_CAP)``."""
+    return max(1, min(MAX_RUNNING_REQUESTS_CAP, pool_tokens // TOKENS_PER_RUNNING_REQUEST))
+
+
+def gpu_batch_defaults(total_gpu_bytes: int) -> Tuple[int, int]:
+    """``(chunked_prefill_size, cuda_graph_max_bs)`` for a card of ``total_gpu_bytes``
+    (`GPU_MEMORY_TIERS`)."""
+    gib = total_gpu_bytes / 2**30
+    for below, chunk, graph_bs in GPU_MEMORY_TIERS:
+        if gib < below:
+            return chunk, graph_bs
+    raise AssertionError("the last tier is unbounded")
+
+
+def resolve_serving_limits(pool_tokens: int, device_type: str, total_gpu_bytes: int = 0,
+                           max_running_requests: Optional[int] = None,
+                           chunked_prefill_size: Optional[int] = None,
+                           cuda_graph_max_bs: Optional[int] = None,
+                           max_total_tokens_chosen: bool = True) -> ServingLimits:
+    """Fill the limits the user left at ``None``.
+
+    Args:
+        pool_tokens: the KV pool's size in tokens (already decided).
+        device_type: ``"cuda"`` or ``"cpu"``.
+        total_gpu_bytes: the card's total memory (CUDA only).
+        max_running_requests / chunked_prefill_size / cuda_graph_max_bs: the flags (None: choose).
+        max_total_tokens_chosen: whether ``pool_tokens`` came from the memory rule.
+
+    Returns:
+        `ServingLimits`; ``cuda_graph_max_bs`` is capped at ``max_running_requests`` and is 0 on CPU.
+    """
+    chosen = ["max_total_tokens"] if max_total_tokens_chosen else []
+    if device_type == "cuda":
+        chunk_default, graph_default = gpu_batch_defaults(total_gpu_bytes)
+        mrr_default = default_max_running_requests(pool_tokens)
+    else:
+        chunk_default, graph_default, mrr_default = CPU_CHUNKED_PREFILL_SIZE, 0, CPU_MAX_RUNNING_REQUESTS
+    if max_running_requests is None:
+        max_running_requests = mrr_default
+        chosen.append("max_running_requests")
+    if chunked_prefill_size is None:
+        chunked_prefill_size = chunk_default
+        chosen.append("chunked_prefill_size")
+    if cuda_graph_max_bs is None:
+        cuda_graph_max_bs = graph_default
+        chosen.append("cuda_graph_max_bs")
+    cuda_graph_max_bs = min(cuda_graph_max_bs, max_running_requests) if device_type == "cuda" else 0
+    return ServingLimits(int(pool_tokens), int(max_running_requests), int(chunked_prefill_size),
+                         int(cuda_graph_max_bs), tuple(chosen))

@@ -1,0 +1,70 @@
+"""The memory-sizing rules (`attnserve.engine.memory_sizing`) on fake memory figures."""
+
+import pytest
+
+from attnserve.engine.memory_sizing import (
+    MAX_RUNNING_REQUESTS_CAP,
+    TOKENS_PER_RUNNING_REQUEST,
+    default_max_running_requests,
+    gpu_batch_defaults,
+    kv_pool_tokens,
+    resolve_serving_limits,
+)
+
+GiB = 2**30
+
+
+def test_kv_pool_tokens_is_the_static_budget_left_after_weights():
+    # an 80 GiB card with 64 GiB free after 16 GiB of weights, fraction 0.8:
+    # budget = 64 - 80 * 0.2 - 0.5 (workspace) = 47.5 GiB; Llama-3-8B bf16 KV = 128 KiB a token
+    tokens = kv_pool_tokens(64 * GiB, 80 * GiB, 0.8, GiB // 2, 128 * 1024)
+    assert tokens == int(47.5 * GiB) // (128 * 1024) == 389120
+    assert kv_pool_tokens(10 * GiB, 80 * GiB, 0.8, 0, 1024) == 0  # weights already past the fraction
+    with pytest.raises(ValueError):
+        kv_pool_tokens(GiB, GiB, 0.8, 0, 0)
+
+
+def test_running_requests_follow_the_pool_within_the_cap():
+    assert default_max_running_requests(389120) == MAX_RUNNING_REQUESTS_CAP
+    assert default_max_running_requests(100 * TOKENS_PER_RUNNING_REQUEST + 5) == 100
+    assert default_max_running_requests(10) == 1
+
+
+@pytest.mark.parametrize("gib,expected", [(16, (2048, 32)), (24, (4096, 96)), (40, (4096, 160)),
+                                          (79.1, (8192, 256)), (139.8, (16384, 512))])
+def test_gpu_tiers(gib, expected):
+    assert gpu_batch_defaults(int(gib * GiB)) == expected
+
+
+def test_resolve_fills_only_unset_limits_and_caps_graphs():
+    h100 = int(79.1 * GiB)
+    auto = resolve_serving_limits(389120, "cuda", h100)
+    assert (auto.max_running_requests, auto.chunked_prefill_size, auto.cuda_graph_max_bs) == (1024, 8192, 256)
+    assert set(auto.chosen) == {"max_total_tokens", "max_running_requests", "chunked_prefill_size",
+                                "cuda_graph_max_bs"}
+    flags = resolve_serving_limits(389120, "cuda", h100, max_running_requests=48, chunked_prefill_size=512,
+                                   max_total_tokens_chosen=False)
+    # explicit flags win; the graph batch never exceeds the running requests
+    assert (flags.max_running_requests, flags.chunked_prefill_size, flags.cuda_graph_max_bs) == (48, 512, 48)
+    assert flags.chosen == ("cuda_graph_max_bs",)
+    small_pool = resolve_serving_limits(4096, "cuda", h100)
+    assert small_pool.max_running_requests == 64 and small_pool.cuda_graph_max_bs == 64
+    assert "(auto)" in auto.describe() and "max_running_requests=1024" in auto.describe()
+
+
+def test_cpu_defaults_stay_as_measured():
+    cpu = resolve_serving_limits(32768, "cpu")
+    assert (cpu.max_running_requests, cpu.chunked_prefill_size, cpu.cuda_graph_max_bs) == (64, 8192, 0)
+    assert resolve_serving_limits(32768, "cpu", max_running_requests=3).max_running_requests == 3
+
+
+def test_engine_on_cpu_uses_the_cpu_limits():
+    from attnserve import LLM, SamplingParams
+
+    llm = LLM("qwen3-tiny", load_format="dummy", device="cpu", context_length=128)
+    limits = llm.engine.model_runner.serving_limits
+    assert limits.max_running_requests == 64 and limits.chunked_prefill_size == 8192
+    assert llm.engine.model_runner.req_to_token_pool.req_to_token.shape[0] == 65
+    assert llm.server_args.max_running_requests is None  # the user's args are left as given
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, temperature=0.0))
+    assert len(out[0].token_ids) == 3

@@ -1,0 +1,64 @@
+"""The roofline arithmetic of `attnserve.bench.roofline` against hand-computed cases."""
+
+import pytest
+
+from attnserve.bench.roofline import RooflineModel, random_lengths, workload_roofline
+
+# a toy model: P = 1000 parameters of 2 bytes, L = 2 layers, Hq = 4 heads, D = 8, 64 KV bytes a token
+TOY = RooflineModel(params=1000, weight_bytes=2000, num_layers=2, num_q_heads=4, head_dim=8, kv_bytes_per_token=64)
+BW, F = 1000.0, 100000.0  # bytes/s and FLOP/s: slow enough that every term is visible
+
+
+def test_hand_computed_two_requests():
+    # request a: isl 10, osl 3; request b: isl 4, osl 1; L*Hq*D = 64
+    # prefill = (2*1000*10 + 2*64*100) + (2*1000*4 + 2*64*16) = 32800 + 10048 = 42848 FLOPs -> 0.42848 s
+    # decode steps: 3 (the longest output)
+    #  s=0: both run, ctx 10+4 = 14: mem (2000 + 14*64)/1000 = 2.896 s; flops (2*1000*2 + 4*64*14)/1e5 = 0.07584
+    #  s=1: a alone, ctx 11: mem (2000 + 704)/1000 = 2.704 s
+    #  s=2: a alone, ctx 12: mem (2000 + 768)/1000 = 2.768 s
+    r = workload_roofline(TOY, [10, 4], [3, 1], BW, F)
+    assert r.prefill_s == pytest.approx(0.42848)
+    assert r.decode_steps == 3
+    assert r.decode_s == pytest.approx(2.896 + 2.704 + 2.768)
+    assert r.roofline_s == pytest.approx(0.42848 + 8.368)
+
+
+def test_compute_bound_steps_take_the_flops_term():
+    # a fast copy engine: every decode step is bound by FLOPs
+    r = workload_roofline(TOY, [10, 4], [3, 1], 1e12, F)
+    steps = [(2 * 1000 * 2 + 4 * 64 * 14), (2 * 1000 + 4 * 64 * 11), (2 * 1000 + 4 * 64 * 12)]
+    assert r.decode_s == pytest.approx(sum(steps) / F)
+
+
+def test_errors():
+    with pytest.raises(ValueError):
+        workload_roofline(TOY, [1, 2], [1], BW, F)
+    with pytest.raises(ValueError):
+        workload_roofline(TOY, [1], [1], 0.0, F)
+
+
+def test_random_lengths_are_seeded_and_in_range():
+    isl, osl = random_lengths(500, 1024, 512, 0.098, seed=3)
+    assert (isl, osl) == random_lengths(500, 1024, 512, 0.098, seed=3)
+    assert isl != random_lengths(500, 1024, 512, 0.098, seed=4)[0]
+    assert min(isl) >= 100 and max(isl) <= 1024 and min(osl) >= 50 and max(osl) <= 512
+    assert max(isl) > 1000 and min(isl) < 130  # spans the range (500 draws)
+    fixed_in, fixed_out = random_lengths(4, 512, 256, 1.0, seed=0)
+    assert fixed_in == [512] * 4 and fixed_out == [256] * 4
+    with pytest.raises(ValueError):
+        random_lengths(4, 512, 256, 1.5, seed=0)
+
+
+def test_from_runner_counts_an_untied_embedding_out(tmp_path):
+    from attnserve.engine.llm import LLM
+
+    llm = LLM("qwen3-tiny", load_format="dummy", device="cpu", context_length=64)
+    model = llm.engine.model_runner.model
+    rm = RooflineModel.from_runner(llm.engine.model_runner)
+    total = sum(p.numel() for p in model.parameters())
+    embed = model.model.embed_tokens.weight.numel()
+    assert model.lm_head is not None  # qwen3-tiny has an untied head
+    assert rm.params == total - embed
+    assert rm.weight_bytes == rm.params * 4  # float32 on CPU
+    mc = llm.engine.model_config
+    assert rm.kv_bytes_per_token == mc.num_hidden_layers * mc.num_key_value_heads * 2 * mc.head_dim * 4
