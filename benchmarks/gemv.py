@@ -18,6 +18,11 @@ shapes in `MODELS`, ``N x K`` = weight rows x columns) and ``M`` activation rows
   The sweep stops when ``--sweep-budget-s`` is spent (shapes are visited in the order of
   `MODELS`, linear then gated); ``sweep_complete`` in the JSON says whether it finished.
 
+``--candidates``: instead of the sweep, time at M = 1 the v1 rule's config with and without
+programmatic dependent launch (PDL) and the named deferred-reduction candidates
+(`CANDIDATES_LINEAR` / `CANDIDATES_GATED`) with PDL, and the ``tl.dot`` default at
+``--dot-ms`` with and without PDL; writes ``<out>/<device-slug>-gemv-candidates-<date>.json``.
+
 Timing: a CUDA graph of >= 20 back-to-back calls (launch overhead removed; µs per call,
 median of the replays). Each call reads a different copy of the weight, cycling through
 enough copies to span 3x the L2 cache, so weights stream from HBM as they do in a real
@@ -84,7 +89,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _cfg_dict(cfg) -> dict:
     return {"block_n": cfg.block_n, "block_k": cfg.block_k, "num_warps": cfg.num_warps,
-            "num_stages": cfg.num_stages, "use_dot": cfg.use_dot}
+            "num_stages": cfg.num_stages, "use_dot": cfg.use_dot, "carry": cfg.carry, "defer": cfg.defer}
 
 
 def _fits(cfg, m: int, k: int, gated: bool) -> bool:
@@ -114,24 +119,26 @@ class _Case:
 
         return silu_and_mul(y) if self.activation == "silu" else gelu_tanh_and_mul(y)
 
-    def ours_once(self, w: torch.Tensor, cfg) -> torch.Tensor:
+    def ours_once(self, w: torch.Tensor, cfg, pdl: Optional[bool] = False) -> torch.Tensor:
         from attnserve.models.layers.skinny_gemm import skinny_linear, skinny_linear_gated
 
         if self.op == "linear":
-            return skinny_linear(self.x, w, config=cfg)
-        return skinny_linear_gated(self.x, w, self.activation, config=cfg)
+            return skinny_linear(self.x, w, config=cfg, pdl=pdl)
+        return skinny_linear_gated(self.x, w, self.activation, config=cfg, pdl=pdl)
 
     def time_peer(self) -> float:
         return _graph_us([lambda w=w: self.peer_once(w) for w in self.ws])
 
-    def time_ours(self, cfg) -> dict:
-        """µs, TB/s and error of one config (None config = default); errors are recorded."""
-        row = {"config": _cfg_dict(cfg) if cfg is not None else None}
+    def time_ours(self, cfg, pdl: Optional[bool] = False) -> dict:
+        """µs, TB/s and error of one config (None config = default); errors are recorded.
+        ``pdl``: launch with programmatic dependent launch (the calls of the timed graph then
+        overlap each other's start and end, as consecutive decode kernels do)."""
+        row = {"config": _cfg_dict(cfg) if cfg is not None else None, "pdl": pdl}
         try:
-            out = self.ours_once(self.ws[0], cfg)
+            out = self.ours_once(self.ws[0], cfg, pdl)
             torch.cuda.synchronize()
             row["rel_err"] = _rel_err(out, self.ref)
-            row["us"] = _graph_us([lambda w=w: self.ours_once(w, cfg) for w in self.ws])
+            row["us"] = _graph_us([lambda w=w: self.ours_once(w, cfg, pdl) for w in self.ws])
             row["tbps"] = self.weight_bytes / (row["us"] * 1e-6) / 1e12
         except Exception as e:  # a config that fails to compile or run is reported, not fatal
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -165,6 +172,99 @@ def _sweep(case: _Case) -> List[dict]:
     return sorted(rows, key=lambda r: r.get("us", float("inf")))
 
 
+#: named M = 1 candidates of `run_candidates`: (block_n, block_k, num_warps, carry, defer), plain
+CANDIDATES_LINEAR = {
+    "d512x4w4": (4, 512, 4, False, True), "dc512x4w4": (4, 512, 4, True, True),
+    "d1024x4w8": (4, 1024, 8, False, True), "dc1024x4w8": (4, 1024, 8, True, True),
+    "d1024x4w4": (4, 1024, 4, False, True), "d1024x2w4": (2, 1024, 4, False, True),
+    "d512x8w8": (8, 512, 8, False, True), "d256x8w4": (8, 256, 4, False, True),
+    "d2048x2w8": (2, 2048, 8, False, True), "dc512x2w2": (2, 512, 2, True, True),
+}
+#: the same for the gated form (block_n counts gate rows; a program reads twice as many)
+CANDIDATES_GATED = {
+    "d512x4w4": (4, 512, 4, False, True), "dc512x4w4": (4, 512, 4, True, True),
+    "d512x8w8": (8, 512, 8, False, True), "dc512x8w8": (8, 512, 8, True, True),
+    "d1024x4w8": (4, 1024, 8, False, True), "d256x8w4": (8, 256, 4, False, True),
+    "d512x4w8": (4, 512, 8, False, True), "d512x2w4": (2, 512, 4, False, True),
+}
+
+
+def run_candidates(models: List[str], dot_ms: List[int], out_dir: Optional[str] = None) -> Dict[str, object]:
+    """M = 1: the v1 rule's config with and without PDL, the named candidates with PDL (and
+    the first one without, to separate the two effects); M in ``dot_ms``: the default
+    ``tl.dot`` config with and without PDL; the cuBLAS peer (``candidate`` "peer") at those M
+    and at M = 64 (no lm_head). One row per (shape, M, candidate, pdl); with
+    ``out_dir``, the JSON is rewritten after every shape (a run cut short keeps its rows)."""
+    from common import copy_bandwidth_gbs
+    from attnserve.bench.results import write_result
+    from attnserve.models.layers.skinny_gemm import MAX_SKINNY_M, SkinnyGemmConfig, _rule_v1
+
+    copy_gbs = copy_bandwidth_gbs()
+    torch.cuda.empty_cache()
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    rows = []
+    # the projections a decode step runs: gate_up only in its gated form; lm_head last (largest)
+    todo = []
+    for m_ in models:
+        shapes = sorted(MODELS[m_], key=lambda t: t[0] == "lm_head")
+        todo += [(m_, p, "gated" if p == "gate_up" else "linear", n, k, ACTIVATION[m_] if p == "gate_up" else None)
+                 for p, n, k in shapes]
+    for model, proj, op, n, k, act in todo:
+        gated = op == "gated"
+        for m in [1] + [d for d in dot_ms if proj != "lm_head"] + ([64] if proj != "lm_head" else []):
+            case = _Case(op, n, k, m, act, gen)
+            if m > MAX_SKINNY_M:  # cuBLAS only (what a 64-request decode step runs)
+                peer_us = case.time_peer()
+                rows.append({"model": model, "proj": proj, "op": op, "N": n, "K": k, "M": m, "candidate": "peer",
+                             "weight_bytes": case.weight_bytes, "us": peer_us,
+                             "tbps": case.weight_bytes / (peer_us * 1e-6) / 1e12})
+                print(f"{model:<11}{proj:<8}{op:<7}M={m:<3}{'peer':<11}       {peer_us:8.2f} us "
+                      f"{rows[-1]['tbps']:5.2f} TB/s", flush=True)
+                del case
+                continue
+            v1 = _rule_v1(m, n, k, 2, gated)
+            runs = [("v1", v1, False), ("v1", v1, True)]
+            if m == 1:
+                cands = CANDIDATES_GATED if gated else CANDIDATES_LINEAR
+                for i, (name, (bn, bk, w, carry, defer)) in enumerate(cands.items()):
+                    cfg = SkinnyGemmConfig(bn, bk, num_warps=w, num_stages=1, carry=carry, defer=defer)
+                    runs += [(name, cfg, True)] + ([(name, cfg, False)] if i == 0 else [])
+            peer_us = case.time_peer()
+            rows.append({"model": model, "proj": proj, "op": op, "N": n, "K": k, "M": m, "candidate": "peer",
+                         "weight_bytes": case.weight_bytes, "us": peer_us,
+                         "tbps": case.weight_bytes / (peer_us * 1e-6) / 1e12})
+            print(f"{model:<11}{proj:<8}{op:<7}M={m:<3}{'peer':<11}       {peer_us:8.2f} us "
+                  f"{rows[-1]['tbps']:5.2f} TB/s", flush=True)
+            for name, cfg, pdl in runs:
+                r = case.time_ours(cfg, pdl)
+                row = {"model": model, "proj": proj, "op": op, "N": n, "K": k, "M": m, "candidate": name,
+                       "weight_bytes": case.weight_bytes, **r}
+                if "us" in r:
+                    row["pct_copy"] = 100 * r["tbps"] * 1e3 / copy_gbs
+                rows.append(row)
+                print(f"{model:<11}{proj:<8}{op:<7}M={m:<3}{name:<11}pdl={int(pdl)}  "
+                      f"{_fmt(r.get('us'), '8.2f')} us {_fmt(r.get('tbps'), '5.2f')} TB/s "
+                      f"err {_fmt(r.get('rel_err'), '.1e')} {r.get('error', '')}", flush=True)
+            del case
+            torch.cuda.empty_cache()
+            if out_dir:
+                write_result(_candidates_result(copy_gbs, rows), out_dir, "gemv-candidates")
+    return _candidates_result(copy_gbs, rows)
+
+
+def _candidates_result(copy_gbs: float, rows: List[dict]) -> Dict[str, object]:
+    import triton
+
+    return {
+        "benchmark": "gemv-candidates", "date": dt.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "dtype": str(DTYPE), "copy_bandwidth_gbs": copy_gbs,
+        "timing": f"CUDA graph of >= {MIN_CALLS} calls over weight copies spanning 3x L2; median of {REPLAYS} replays",
+        "rows": rows,
+    }
+
+
 def _fmt(x, spec=".1f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -172,7 +272,8 @@ def _fmt(x, spec=".1f") -> str:
 def _cfg_str(c: Optional[dict]) -> str:
     if not c:
         return "-"
-    return f"{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} {'dot' if c['use_dot'] else 'bc'}"
+    form = "dot" if c["use_dot"] else ("defer" if c.get("defer") else "bc") + ("+carry" if c.get("carry") else "")
+    return f"{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} {form}"
 
 
 def run(ms: List[int], sweep_ms: List[int], sweep: bool, budget_s: float, models: List[str]) -> Dict[str, object]:
@@ -272,6 +373,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--no-sweep", action="store_true", help="time cuBLAS and the default config only")
     ap.add_argument("--sweep-budget-s", type=float, default=150.0, help="stop sweeping after this many seconds")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--candidates", action="store_true",
+                    help="time the named M=1 candidates and PDL on/off (run_candidates) instead of the sweep")
+    ap.add_argument("--dot-ms", type=int, nargs="*", default=[4],
+                    help="--candidates: M values (>= 2) at which the tl.dot default is timed with and without PDL")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/gemv.py needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -283,6 +388,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if bad_m:
         ap.error(f"M values must be in 1..{MAX_SKINNY_M}: {bad_m}")
     t0 = time.perf_counter()
+    if args.candidates:
+        result = run_candidates(args.models, args.dot_ms, args.out)
+        result["total_seconds"] = time.perf_counter() - t0
+        write_result(result, args.out, "gemv-candidates")
+        return 0
     result = run(args.ms, args.sweep_ms, not args.no_sweep, args.sweep_budget_s, args.models)
     result["total_seconds"] = time.perf_counter() - t0
     print_table(result)

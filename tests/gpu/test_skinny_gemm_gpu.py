@@ -139,3 +139,60 @@ def test_cuda_graph_capture_replay(m):
         torch.testing.assert_close(y, skinny_linear(new_x, w, b), rtol=0, atol=0)
         torch.testing.assert_close(z, skinny_linear_gated(new_x, wg, "silu"), rtol=0, atol=0)
         assert _rel(y, _ref(new_x, w, b)) <= REL
+
+
+#: M = 1 forms of rule v2 / the candidate sweep (benchmarks/gemv.py --candidates), on model
+#: shapes and on a ragged one (K = 4104 = 8 x 512 + 8: a partial last step at every block_k)
+NEW_FORMS = {
+    "defer": SkinnyGemmConfig(block_n=4, block_k=512, num_warps=4, num_stages=1, defer=True),
+    "defer_carry": SkinnyGemmConfig(block_n=4, block_k=1024, num_warps=8, num_stages=1, defer=True, carry=True),
+    "defer_wide": SkinnyGemmConfig(block_n=2, block_k=2048, num_warps=8, num_stages=1, defer=True),
+    "carry": SkinnyGemmConfig(block_n=4, block_k=512, num_warps=4, num_stages=1, carry=True),
+}
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("form", list(NEW_FORMS))
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 4104)])
+def test_skinny_linear_new_forms_gpu(n, k, form, pdl):
+    x, w, b = _inputs(1, n, k, seed=n + k, bias=n == 1000)
+    out = skinny_linear(x, w, b, config=NEW_FORMS[form], pdl=pdl)
+    assert out.shape == (1, n)
+    assert _rel(out, _ref(x, w, b)) <= REL
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("form", ["defer", "defer_carry", "carry"])
+@pytest.mark.parametrize("n,k", [(28672, 4096), (2000, 4104)])
+def test_skinny_linear_gated_new_forms_gpu(n, k, form, pdl):
+    x, w, _ = _inputs(1, n, k, seed=n + 2 * k)
+    out = skinny_linear_gated(x, w, "silu", config=NEW_FORMS[form], pdl=pdl)
+    assert _rel(out, _gate(_ref(x, w), "silu")) <= REL
+
+
+def test_lm_head_shape_default_config():
+    """The vocabulary-projection class of rule v2 (128256 x 4096, one row)."""
+    x, w, _ = _inputs(1, 128256, 4096, seed=9)
+    assert _rel(skinny_linear(x, w), _ref(x, w)) <= REL
+
+
+@pytest.mark.parametrize("rule,rows,skinny", [("v2", 1, True), ("v2", 16, True), ("v2", 17, False),
+                                              ("v1", 1, False)])
+def test_compute_logits_routing(monkeypatch, rule, rows, skinny):
+    """`LlamaForCausalLM.compute_logits`: skinny GEMM for <= 16 rows under rule v2, cuBLAS
+    otherwise; float32 logits equal to the float32 product up to bf16 rounding."""
+    import attnserve.models.llama as llama
+    from attnserve.model_loader.loader import load_model
+
+    monkeypatch.setenv("ATTNSERVE_SKINNY_RULE", rule)
+    calls = []
+    real = llama.skinny_linear
+    monkeypatch.setattr(llama, "skinny_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = load_model("llama-tiny", load_format="dummy", dtype=torch.bfloat16, device=DEV,
+                       load_tokenizer=False).model
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    h = torch.randn(rows, model.config.hidden_size, device=DEV, generator=g).to(torch.bfloat16)
+    logits = model.compute_logits(h)
+    assert logits.dtype == torch.float32 and logits.shape == (rows, model.config.vocab_size)
+    assert bool(calls) == skinny
+    assert _rel(logits, _ref(h, model.lm_head_weight)) <= REL

@@ -27,6 +27,7 @@ from attnserve.models.layers.parallel import (
     load_param,
 )
 from attnserve.models.layers.norm import RMSNorm
+from attnserve.models.layers.skinny_gemm import skinny_gemm_supported, skinny_linear, skinny_rule
 from attnserve.models.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
 
 
@@ -256,9 +257,16 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` logits (every rank's vocabulary
-        rows gathered under tensor parallelism)."""
-        return gather_logits(cpu_gemm.linear(hidden_states, self.lm_head_weight, None, self.lm_head_packed),
-                             self.config.vocab_size, self.tp).float()
+        rows gathered under tensor parallelism). Decode-sized CUDA batches use the skinny
+        GEMM while the model's fused kernels are on (Llama-3-8B at batch 1: 331 vs 367 µs
+        for cuBLAS, benchmarks/NOTES.md, issue 33)."""
+        w = self.lm_head_weight
+        if (getattr(self.model.norm, "use_fused", False) and hidden_states.is_cuda and skinny_rule() == "v2"
+                and skinny_gemm_supported(hidden_states, w)):
+            local = skinny_linear(hidden_states, w)
+        else:
+            local = cpu_gemm.linear(hidden_states, w, None, self.lm_head_packed)
+        return gather_logits(local, self.config.vocab_size, self.tp).float()
 
     # ---- weights ------------------------------------------------------------------------
     @torch.no_grad()

@@ -18,7 +18,11 @@ these launchers only for CUDA tensors and only while their ``use_fused`` is on
 
 All math is float32 inside the kernels; inputs may be float16, bfloat16 or float32;
 outputs are in the input's dtype. The launchers allocate nothing but their outputs, never
-read device values on the host, and are CUDA-graph capturable. Algorithms were studied in
+read device values on the host, and are CUDA-graph capturable. On Hopper the RMSNorm and
+RoPE kernels launch with programmatic dependent launch (`attnserve.models.layers.pdl`;
+``ATTNSERVE_PDL=0`` turns it off): the norms read their ``weight`` before waiting for the
+kernel launched before them, so ``weight`` must not be written by that kernel (module
+parameters never are). Algorithms were studied in
 SGLang / vLLM / FlashInfer; the code is our own.
 
 Triton is imported lazily (the kernels live in `fused_kernels_triton`), so this module
@@ -35,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from attnserve.mem_cache.store_kv import FusedKernelUser, KVStoreTarget, fused_kernels_available, store_kv
+from attnserve.models.layers.pdl import pdl_enabled
 
 __all__ = [
     "FusedKernelUser",
@@ -67,6 +72,12 @@ def _next_pow2(n: int) -> int:
 
 def _norm_warps(block: int) -> int:
     return max(1, min(16, block // 512))
+
+
+def _pdl_args(device: torch.device) -> dict:
+    """Launch arguments of a kernel that opts into programmatic dependent launch
+    (`attnserve.models.layers.pdl`): its ``USE_PDL`` constexpr and Triton's ``launch_pdl``."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"USE_PDL": False}
 
 
 def _row_layout(x: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
@@ -126,7 +137,7 @@ def rmsnorm(
     block = _next_pow2(n)
     _rmsnorm_kernel[(rows,)](
         xs, s0, s1, inner, weight, out, n, n, float(eps), float(weight_offset),
-        BLOCK=block, num_warps=_norm_warps(block),
+        BLOCK=block, num_warps=_norm_warps(block), **_pdl_args(x.device),
     )
     return out
 
@@ -187,7 +198,7 @@ def fused_add_rmsnorm(
     block = _next_pow2(n)
     _fused_add_rmsnorm_kernel[(rows,)](
         xs, xs0, xs1, rs, rs0, rs1, inner, weight, out, n, n, float(eps), float(weight_offset),
-        BLOCK=block, num_warps=_norm_warps(block),
+        BLOCK=block, num_warps=_norm_warps(block), **_pdl_args(x.device),
     )
     return out
 
@@ -306,7 +317,7 @@ def rotary_embedding_inplace(
         positions, q, k, cos_sin_cache, q_st, q_sh, k_st, k_sh, cos_sin_cache.stride(0), hq, hk, nq,
         *store_args, nk, head_dim, dv,
         HALF=half, BLOCK_R=block_r, BLOCK_H=block_h, IS_NEOX=bool(is_neox), STORE_KV=kv_store is not None,
-        BLOCK_PASS=block_pass, BLOCK_DV=block_dv, num_warps=4, **quant,
+        BLOCK_PASS=block_pass, BLOCK_DV=block_dv, num_warps=4, **quant, **_pdl_args(q.device),
     )
 
 

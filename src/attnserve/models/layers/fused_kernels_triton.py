@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from attnserve.mem_cache.store_kv_triton import copy_heads_to_slot, quant_heads_to_slot
+from attnserve.models.layers.pdl_triton import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -36,21 +37,27 @@ def _rmsnorm_kernel(
     eps,
     w_offset,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """One program per row: ``out = x * rsqrt(mean(x^2) + eps) * (w + w_offset)``.
 
     Input row ``r`` starts at ``(r // inner) * x_stride_outer + (r % inner) * x_stride_inner``
     (2-D rows: ``inner = 1``; 3-D ``[A, B, N]`` views: ``inner = B``); ``out`` rows are
-    ``out_row_stride`` apart.
+    ``out_row_stride`` apart. USE_PDL (programmatic dependent launch): let the next kernel
+    launch, read ``w``, then wait for the previous kernel before reading ``x``.
     """
+    if USE_PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     x_off = (row // inner) * x_stride_outer + (row % inner) * x_stride_inner
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + w_offset
+    if USE_PDL:
+        gdc_wait()
     x = tl.load(x_ptr + x_off + cols, mask=mask, other=0.0).to(tl.float32)
     mean_sq = tl.sum(x * x, axis=0) / n_cols
     rstd = 1.0 / tl.sqrt(mean_sq + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + w_offset
     y = x * rstd * w
     tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -71,10 +78,14 @@ def _fused_add_rmsnorm_kernel(
     eps,
     w_offset,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """One program per row: ``res = x + res`` (rounded to res's dtype, stored in place), then
     ``out = res * rsqrt(mean(res^2) + eps) * (w + w_offset)``. Row addressing as in
-    `_rmsnorm_kernel` (x and res share ``inner``)."""
+    `_rmsnorm_kernel` (x and res share ``inner``); USE_PDL as there (``w`` read before the
+    wait, ``x`` and ``res`` after it)."""
+    if USE_PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     outer_i = row // inner
     inner_i = row % inner
@@ -82,6 +93,9 @@ def _fused_add_rmsnorm_kernel(
     r_off = outer_i * res_stride_outer + inner_i * res_stride_inner
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + w_offset
+    if USE_PDL:
+        gdc_wait()
     x = tl.load(x_ptr + x_off + cols, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(res_ptr + r_off + cols, mask=mask, other=0.0).to(tl.float32)
     # round the sum to the storage dtype first: the un-fused path adds in that dtype
@@ -90,7 +104,6 @@ def _fused_add_rmsnorm_kernel(
     s = s.to(tl.float32)
     mean_sq = tl.sum(s * s, axis=0) / n_cols
     rstd = 1.0 / tl.sqrt(mean_sq + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + w_offset
     y = s * rstd * w
     tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -208,13 +221,17 @@ def _rope_kernel(
     v_inv_scale=1.0,
     max_val=0.0,
     QUANT: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     """Grid ``(T, q head blocks + k head blocks [+ v head blocks])``: rotate one block of q
     or k heads of one token in place, reading ``cos``/``sin`` of its position from
     ``cache`` ``[P, 2*HALF]``. STORE_KV: k programs also write the rotated key heads into
     row ``loc[tok]`` of ``kb`` (the K cache) and the v programs copy the token's value
     heads into row ``loc[tok]`` of ``vb`` (the V cache); QUANT (FP8 caches) quantises both
-    with their inverse scales and saturates at ``max_val``."""
+    with their inverse scales and saturates at ``max_val``. USE_PDL (programmatic dependent
+    launch): the program waits for the previous kernel before anything else."""
+    if USE_PDL:
+        gdc_wait()
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     if STORE_KV:

@@ -17,7 +17,9 @@ matrices (bandwidth alone needs < 1 µs), 1.6 TB/s of 3.0 TB/s copy bandwidth on
   tuning lives.
 
 Both launchers allocate only their output, never read device values on the host and are
-CUDA-graph capturable. `Linear` (``attnserve.models.layers.linear``) calls them for CUDA
+CUDA-graph capturable. On Hopper they launch with programmatic dependent launch
+(`attnserve.models.layers.pdl`; ``ATTNSERVE_PDL=0`` turns it off): the weight stream of
+one projection starts while the kernel before it finishes. `Linear` (``attnserve.models.layers.linear``) calls them for CUDA
 tensors with ``M <= MAX_SKINNY_M`` while its ``use_fused`` is on (``--disable-fused-kernels`` turns it
 off).
 
@@ -28,11 +30,13 @@ interpreter (``TRITON_INTERPRET=1``; the tests use it).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from attnserve.models.layers.pdl import pdl_enabled, pdl_supported
 from attnserve.triton_env import triton_interpreting
 
 __all__ = [
@@ -43,6 +47,7 @@ __all__ = [
     "skinny_gemm_supported",
     "skinny_linear",
     "skinny_linear_gated",
+    "skinny_rule",
 ]
 
 #: largest number of activation rows the skinny kernels take (the ``tl.dot`` tile height)
@@ -86,6 +91,12 @@ class SkinnyGemmConfig:
         use_dot: inner product on ``tl.dot`` (activation tile padded to 16 rows) instead of
             a float32 broadcast-multiply + ``tl.sum`` (activation tile padded to
             ``next_pow2(M)`` rows).
+        carry: load each weight tile one ``K`` step ahead, into registers, so a tile is in
+            flight while the previous one is multiplied (see `skinny_gemm_triton`); the
+            register budget then holds two weight tiles.
+        defer: (broadcast form, one activation row only) accumulate the float32 products
+            in a ``[block_n, block_k]`` tile and reduce over ``K`` once after the loop,
+            instead of a cross-warp ``tl.sum`` at every step.
     """
 
     block_n: int
@@ -93,6 +104,8 @@ class SkinnyGemmConfig:
     num_warps: int = 4
     num_stages: int = 2
     use_dot: bool = False
+    carry: bool = False
+    defer: bool = False
 
     def block_m(self, m: int) -> int:
         """Rows of the activation tile for ``m`` rows."""
@@ -109,6 +122,8 @@ class SkinnyGemmConfig:
             problems.append("num_warps must be a power of two in 1..16")
         if self.num_stages < 1:
             problems.append("num_stages must be >= 1")
+        if self.defer and self.use_dot:
+            problems.append("defer needs the broadcast form (use_dot=False)")
         if problems:
             raise ValueError(f"invalid {self}: " + "; ".join(problems))
 
@@ -126,7 +141,7 @@ def skinny_gemm_config(
         num_sms: streaming multiprocessors of the device (132 on an H100 SXM).
         gated: parameters for `skinny_linear_gated` (a program reads ``2 * block_n`` rows).
 
-    Rule, tuned on an H100 (``benchmarks/gemv.py``, 2026-11-21: 40-config sweep
+    Rule v1, tuned on an H100 (``benchmarks/gemv.py``, 2026-11-21: 40-config sweep
     of every projection of SmolLM2-135M, Gemma-3-270M and Llama-3-8B at M = 1, 4, 16):
 
     * ``M == 1``: the broadcast form (``use_dot=False``; a ``tl.dot`` would compute 15 zero
@@ -141,29 +156,72 @@ def skinny_gemm_config(
     * float32 always uses the broadcast form (no tensor-core rate for exact float32), with
       ``block_m * block_n * block_k`` (x2 when gated) kept within 64 float32 values per
       thread: ``block_n`` shrinks first, then ``block_k``.
+
+    Rule v2 (the default; ``ATTNSERVE_SKINNY_RULE=v1`` selects v1) differs only for one
+    16-bit row with ``K > 1024`` (the Llama-3-8B decode GEMVs at batch 1): the deferred
+    reduction (``defer``; no cross-warp ``tl.sum`` inside the ``K`` loop), 16 weight values
+    per thread per tile, and per class the fastest of the 2026-11-26 H100 candidates
+    (``benchmarks/gemv.py --candidates``, with PDL; v1 in brackets, µs):
+
+    * gated: ``block_n`` 2, ``block_k`` 512, 4 warps (gate_up 28672 x 4096: 77.6 [82.8]);
+    * ``K >= 8192``: 2 x 2048, 8 warps (down 4096 x 14336: 41.7 [43.2]);
+    * ``N <= 4096``: 4 x 512, 4 warps, carried tiles (o 4096 x 4096: 12.9 [14.1]);
+    * ``N <= 16384``: 2 x 1024, 4 warps (qkv 6144 x 4096: 19.1 [22.1]);
+    * larger ``N`` (vocabulary projections): 4 x 1024, 8 warps, carried (lm_head
+      128256 x 4096: 331.5 [338.1]).
+
+    Together -270 µs of the Llama-3-8B batch-1 decode step (6.19 -> 5.93 ms with PDL,
+    benchmarks/NOTES.md, "Issue 33: the batch-1 decode step").
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
-    cols = max(1, N // 2 if gated else N)
+    _ = num_sms  # neither rule needed it on the H100; kept for other GPUs' tuning
+    if skinny_rule() == "v1":
+        return _rule_v1(M, N, K, itemsize, gated)
+    if M == 1 and itemsize <= 2 and K > 1024:
+        if gated:
+            bn, bk, warps, carry = 2, 512, 4, False
+        elif K >= 8192:
+            bn, bk, warps, carry = 2, 2048, 8, False
+        elif N <= 4096:
+            bn, bk, warps, carry = 4, 512, 4, True
+        elif N <= 16384:
+            bn, bk, warps, carry = 2, 1024, 4, False
+        else:
+            bn, bk, warps, carry = 4, 1024, 8, True
+        return SkinnyGemmConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=1, use_dot=False,
+                                carry=carry, defer=True)
+    return _rule_v1(M, N, K, itemsize, gated)
+
+
+def skinny_rule() -> str:
+    """``"v2"`` (default) or ``"v1"`` (``ATTNSERVE_SKINNY_RULE=v1``): the 2026-11-21 decode
+    GEMM choices, i.e. rule v1 in `skinny_gemm_config` and the LM head on cuBLAS
+    (`LlamaForCausalLM.compute_logits`); kept for A/B measurements. Read at every call."""
+    return "v1" if os.environ.get("ATTNSERVE_SKINNY_RULE", "v2").strip().lower() == "v1" else "v2"
+
+
+def _rule_v1(m: int, n: int, k: int, itemsize: int, gated: bool) -> SkinnyGemmConfig:
+    """The 2026-11-21 rule (``ATTNSERVE_SKINNY_RULE=v1``; see `skinny_gemm_config`)."""
+    cols = max(1, n // 2 if gated else n)
     tiles = 2 if gated else 1
-    use_dot = M >= 2 and itemsize <= 2
+    use_dot = m >= 2 and itemsize <= 2
     if use_dot:
-        block_k = max(16, min(_next_pow2(K), 128 if K <= 1024 else 256))
+        block_k = max(16, min(_next_pow2(k), 128 if k <= 1024 else 256))
         if gated:
             block_n = 32 if cols <= 4096 else 64
         else:
-            block_n = 16 if (cols <= 1024 or (K > 1024 and cols <= 4096)) else 32
+            block_n = 16 if (cols <= 1024 or (k > 1024 and cols <= 4096)) else 32
         return SkinnyGemmConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, use_dot=True)
-    small_k = K <= 1024
-    block_k = _next_pow2(K) if small_k else 512
+    small_k = k <= 1024
+    block_k = _next_pow2(k) if small_k else 512
     block_n = 8 if (gated and not small_k) else 4
-    num_warps = 8 if (small_k and not gated and M == 1) else 4
-    block_m = _next_pow2(M)
+    num_warps = 8 if (small_k and not gated and m == 1) else 4
+    block_m = _next_pow2(m)
     budget = 64 * 32 * num_warps  # float32 product values in registers, per program
     while tiles * block_m * block_n * block_k > budget and block_n > 1:
         block_n //= 2
     while tiles * block_m * block_n * block_k > budget and block_k > 16:
         block_k //= 2
-    _ = num_sms  # the rule above did not need it on the H100; kept for other GPUs' tuning
     return SkinnyGemmConfig(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=3, use_dot=False)
 
 
@@ -233,6 +291,7 @@ def _launch(
     bias: Optional[torch.Tensor],
     act: Optional[int],
     config: Optional[SkinnyGemmConfig],
+    pdl: Optional[bool],
 ) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
@@ -242,6 +301,11 @@ def _launch(
         config = skinny_gemm_config(m, n, k, x.dtype, _num_sms(x.device), gated=gated)
     else:
         config.validate()
+    if config.defer and m != 1:
+        raise ValueError(f"skinny GEMM: config.defer needs one activation row, x has {m}")
+    # not the tl.dot form (M >= 2): with PDL, back-to-back launches of it ran slower on the
+    # H100 (M = 4, o_proj 14.6 -> 19.6 µs, down 43.4 -> 60.6; benchmarks/NOTES.md, issue 33)
+    use_pdl = not config.use_dot and (pdl_enabled(x.device) if pdl is None else bool(pdl) and pdl_supported(x.device))
     out = torch.empty((m, cols), dtype=x.dtype, device=x.device)
     from attnserve.models.layers import skinny_gemm_triton as kt
 
@@ -254,9 +318,14 @@ def _launch(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_UPCAST=interpret and x.dtype == torch.bfloat16,
         HAS_BIAS=bias is not None,
+        CARRY=bool(config.carry),
+        DEFER=bool(config.defer),
+        USE_PDL=use_pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+    if use_pdl:
+        common["launch_pdl"] = True
     b = bias if bias is not None else weight  # never read when HAS_BIAS is False
     grid = (_cdiv(cols, config.block_n),)
     kt._skinny_gemm_kernel[grid](x, weight, b, out, m, cols, k, x.stride(0), out.stride(0), GATED=gated,
@@ -270,6 +339,7 @@ def skinny_linear(
     bias: Optional[torch.Tensor] = None,
     *,
     config: Optional[SkinnyGemmConfig] = None,
+    pdl: Optional[bool] = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a few rows, in one launch.
 
@@ -279,6 +349,10 @@ def skinny_linear(
         weight: contiguous ``[N, K]`` (``nn.Linear`` layout) of ``x``'s dtype and device.
         bias: optional unit-stride ``[N]`` of ``x``'s dtype.
         config: launch parameters; default `skinny_gemm_config` for this shape and device.
+        pdl: launch with programmatic dependent launch (`attnserve.models.layers.pdl`);
+            None: `pdl_enabled` decides (on for Hopper unless ``ATTNSERVE_PDL=0``). Ignored
+            (plain launch) for the ``tl.dot`` form and where `pdl_supported` is False (CPU,
+            interpreter, pre-Hopper).
 
     Returns:
         new contiguous ``[M, N]`` tensor in ``x``'s dtype: ``sum_k x[m, k] w[n, k] (+ b[n])``
@@ -286,10 +360,10 @@ def skinny_linear(
 
     Raises:
         ValueError: anything `skinny_gemm_supported` rejects (the message names it), or an
-            invalid ``config``.
+            invalid ``config`` (or ``config.defer`` with more than one row).
     """
     _check("skinny_linear", x, weight, bias)
-    return _launch(x, weight, bias, None, config)
+    return _launch(x, weight, bias, None, config, pdl)
 
 
 def skinny_linear_gated(
@@ -299,6 +373,7 @@ def skinny_linear_gated(
     *,
     bias: Optional[torch.Tensor] = None,
     config: Optional[SkinnyGemmConfig] = None,
+    pdl: Optional[bool] = None,
 ) -> torch.Tensor:
     """Fused gate-up projection with its gate: ``act(x W_g^T + b_g) * (x W_u^T + b_u)``.
 
@@ -310,6 +385,7 @@ def skinny_linear_gated(
         bias: optional unit-stride ``[2I]`` = ``[b_g | b_u]`` of ``x``'s dtype.
         config: launch parameters (``block_n`` counts gate columns); default
             ``skinny_gemm_config(..., gated=True)``.
+        pdl: as in `skinny_linear`.
 
     Returns:
         new contiguous ``[M, I]`` tensor in ``x``'s dtype. Gate and up are kept in float32
@@ -330,4 +406,4 @@ def skinny_linear_gated(
         raise ValueError(
             f"skinny_linear_gated: weight {tuple(weight.shape)} must have an even number of rows ([gate | up])"
         )
-    return _launch(x, weight, bias, SKINNY_ACTIVATIONS[activation], config)
+    return _launch(x, weight, bias, SKINNY_ACTIVATIONS[activation], config, pdl)

@@ -14,6 +14,10 @@ split-K (no atomics, no reduction kernel). Two inner products (constexpr ``USE_D
   cores (float32 inputs: ``input_precision="ieee"``, matching ``F.linear`` without TF32);
 * broadcast-multiply + ``tl.sum`` over ``K`` in float32 (``BLOCK_M`` = next power of two of
   ``M``; ``BLOCK_M == 1`` keeps the product 2-D), cheaper than padding 1..4 rows to 16.
+  ``DEFER`` (``BLOCK_M == 1`` only): the products are summed into a ``[BLOCK_N, BLOCK_K]``
+  float32 accumulator and reduced over ``K`` once, after the loop. The per-step ``tl.sum``
+  spans every warp of the program, so it costs shared-memory round trips and barriers at
+  each step (6 ``BAR.SYNC`` a step at 4 warps, sm_90), which hold back the next loads.
 
 ``M`` is not specialised (``do_not_specialize``): every batch size sharing a ``BLOCK_M``
 runs the same compiled kernel, so decode batches 2..16 do not each trigger a compile.
@@ -22,6 +26,17 @@ offsets are formed in int64 (``N * K`` may exceed 2**31 for vocabulary projectio
 Loads are converted to float32 before any arithmetic of the non-dot path, which also
 keeps interpreter runs on bfloat16 exact (the interpreter handles bf16 as raw bits); for
 the same reason the host sets ``DOT_UPCAST`` (float32 operands of ``tl.dot``) there.
+
+Two loop forms (constexpr ``CARRY``): the plain loop loads a step's weight tile and then
+multiplies it, so a program has a tile in flight only between its products; the carried
+loop loads step ``i + 1``'s tile before step ``i``'s product (register double-buffering),
+keeping one in flight all the time. A decode GEMV is a stream over the weight whose rate
+is bytes in flight / latency (Little's law), so this matters where the grid alone keeps
+too few bytes in flight (``N * BLOCK_K * 2`` bytes for a bf16 matrix of ``N`` rows when
+every program is resident). With ``USE_PDL`` (programmatic dependent launch,
+`attnserve.models.layers.pdl`) a program lets the next kernel launch at once, loads its
+first weight tile (carried form) and only then waits for the previous kernel to finish
+before reading ``x``.
 
 Gated (constexpr ``GATED``), it reads a fused ``gate_up`` weight ``[2I, K]`` = ``[gate rows | up rows]``:
 program ``p`` accumulates gate columns ``n`` and up columns ``n + I`` for the same ``n``
@@ -37,6 +52,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from attnserve.models.layers.pdl_triton import gdc_launch_dependents, gdc_wait
 from attnserve.triton_jit import tanh
 
 
@@ -83,6 +99,36 @@ def _tile_dot(
     return part
 
 
+@triton.jit
+def _load_w(w_ptrs, u_ptrs, mask_n, offs_k, k0, K, GATED: tl.constexpr):
+    """Weight (and, GATED, up) tile of K columns ``k0 .. k0 + BLOCK_K``; masked lanes
+    (past ``N`` or ``K``) read 0 and move no bytes."""
+    w_mask = mask_n[:, None] & ((offs_k + k0) < K)[None, :]
+    w_tile = tl.load(w_ptrs + k0, mask=w_mask, other=0.0)
+    if GATED:
+        u_tile = tl.load(u_ptrs + k0, mask=w_mask, other=0.0)
+    else:
+        u_tile = w_tile
+    return w_tile, u_tile
+
+
+@triton.jit
+def _step(acc, acc_u, x_tile, w_tile, u_tile, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
+          DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, GATED: tl.constexpr, DEFER: tl.constexpr):
+    """One ``K`` step into the accumulators: DEFER, elementwise float32 products into
+    ``[BLOCK_N, BLOCK_K]`` (``x_tile`` ``[BLOCK_N, BLOCK_K]``, the one x row repeated); else `_tile_dot` into ``[BLOCK_M, BLOCK_N]``."""
+    if DEFER:
+        xf = x_tile.to(tl.float32)
+        acc += w_tile.to(tl.float32) * xf
+        if GATED:
+            acc_u += u_tile.to(tl.float32) * xf
+    else:
+        acc += _tile_dot(x_tile, w_tile, BLOCK_M, USE_DOT, DOT_PRECISION, DOT_UPCAST)
+        if GATED:
+            acc_u += _tile_dot(x_tile, u_tile, BLOCK_M, USE_DOT, DOT_PRECISION, DOT_UPCAST)
+    return acc, acc_u
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr,
@@ -103,6 +149,9 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     ACT: tl.constexpr,
+    CARRY: tl.constexpr = False,
+    DEFER: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     """Grid ``(cdiv(N, BLOCK_N),)``; ``y`` is ``[M, N]``.
 
@@ -113,38 +162,81 @@ def _skinny_gemm_kernel(
 
     ``x`` ``[M, K]`` rows ``stride_xm`` apart (unit stride along K); ``w`` contiguous; ``b``
     read only when HAS_BIAS; ``y`` rows ``stride_ym`` apart, unit column stride. Requires
-    ``M <= BLOCK_M``.
+    ``M <= BLOCK_M``; DEFER requires ``BLOCK_M == 1`` and not USE_DOT.
+
+    CARRY: the weight tile of step ``i + 1`` is loaded before step ``i``'s product (held in
+    registers across the loop), so every program keeps a tile in flight while it
+    multiplies. DEFER: see the module doc. USE_PDL (programmatic dependent launch,
+    `attnserve.models.layers.pdl`): the program first lets the next kernel launch, then
+    (CARRY) loads its first weight tile, then waits for the previous kernel before it reads
+    ``x``; nothing activation-dependent is read and nothing is written before the wait.
     """
+    if USE_PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    if DEFER:
+        # x (one row) loaded in the weight tile's shape and layout: each lane reads the x
+        # values its weight values meet (L1 hits), with no per-step layout conversion
+        # through shared memory (a [1, BLOCK_K] tile broadcast over the rows needs one)
+        x_ptrs = x_ptr + tl.zeros((BLOCK_N, 1), dtype=tl.int32) + offs_k[None, :]
+        x_rows = mask_n
+    else:
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        x_rows = mask_m
     rows = offs_n.to(tl.int64)
     w_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]
     u_ptrs = w_ptr + (rows + N)[:, None] * K + offs_k[None, :]  # up rows (GATED only)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (offs_k + k0) < K
-        x_tile = tl.load(x_ptrs, mask=mask_m[:, None] & k_mask[None, :], other=0.0)
-        w_mask = mask_n[:, None] & k_mask[None, :]
-        w_tile = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        if GATED:
-            u_tile = tl.load(u_ptrs, mask=w_mask, other=0.0)
-        acc += _tile_dot(x_tile, w_tile, BLOCK_M, USE_DOT, DOT_PRECISION, DOT_UPCAST)
-        if GATED:
-            acc_u += _tile_dot(x_tile, u_tile, BLOCK_M, USE_DOT, DOT_PRECISION, DOT_UPCAST)
-            u_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if DEFER:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if CARRY:
+        w_tile, u_tile = _load_w(w_ptrs, u_ptrs, mask_n, offs_k, 0, K, GATED)
+        if USE_PDL:
+            gdc_wait()
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (offs_k + k0) < K
+            x_tile = tl.load(x_ptrs + k0, mask=x_rows[:, None] & k_mask[None, :], other=0.0)
+            # the next step's tile (all lanes masked past K: no bytes) before this product
+            w_next, u_next = _load_w(w_ptrs, u_ptrs, mask_n, offs_k, k0 + BLOCK_K, K, GATED)
+            acc, acc_u = _step(acc, acc_u, x_tile, w_tile, u_tile, BLOCK_M, USE_DOT, DOT_PRECISION, DOT_UPCAST,
+                               GATED, DEFER)
+            w_tile = w_next
+            u_tile = u_next
+    else:
+        if USE_PDL:
+            gdc_wait()
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (offs_k + k0) < K
+            x_tile = tl.load(x_ptrs, mask=x_rows[:, None] & k_mask[None, :], other=0.0)
+            w_mask = mask_n[:, None] & k_mask[None, :]
+            w_tile = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            u_tile = w_tile
+            if GATED:
+                u_tile = tl.load(u_ptrs, mask=w_mask, other=0.0)
+                u_ptrs += BLOCK_K
+            acc, acc_u = _step(acc, acc_u, x_tile, w_tile, u_tile, BLOCK_M, USE_DOT, DOT_PRECISION, DOT_UPCAST,
+                               GATED, DEFER)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    if DEFER:
+        out = tl.sum(acc, axis=1)[None, :]
+        out_u = tl.sum(acc_u, axis=1)[None, :]
+    else:
+        out = acc
+        out_u = acc_u
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if GATED:
-            acc_u += tl.load(b_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            out_u += tl.load(b_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = _gate_act(acc, ACT) * acc_u
+        out = _gate_act(out, ACT) * out_u
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
