@@ -7,6 +7,7 @@ import torch
 
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.forward_batch import ForwardMode
+from numeric_bounds import assert_within, forward_bound, llama_like_terms
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -63,7 +64,11 @@ def test_prefill_logits_match_hf(llm, hf_model):
         with torch.inference_mode():
             ref = hf_model(torch.tensor([ids])).logits[0].float()
         assert ours.shape == ref.shape
-        assert (ours - ref).abs().max().item() < 1e-3
+        # float32 rounding of the whole forward on both sides, relative to the largest logit:
+        # SmolLM2-135M, N ~ 30 x (3328 + context) + 576, 4 u sqrt(N) ~ 7.6e-5 of max|ref|
+        # (tests/numeric_bounds.py); the GEMM kernels, and so the rounding, differ by CPU
+        assert_within(ours, ref, forward_bound(ref, llama_like_terms(hf_model.config, len(ids))),
+                      "engine prefill vs HF")
     finally:
         runner.token_to_kv_pool_allocator.free(slots)
         runner.req_to_token_pool.free(row)
