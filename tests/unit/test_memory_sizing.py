@@ -68,3 +68,19 @@ def test_engine_on_cpu_uses_the_cpu_limits():
     assert llm.server_args.max_running_requests is None  # the user's args are left as given
     out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, temperature=0.0))
     assert len(out[0].token_ids) == 3
+
+
+def test_small_models_get_a_longer_prefill_chunk():
+    from attnserve.engine.memory_sizing import host_bound_prefill_chunk
+
+    # Qwen3-0.6B: 28 layers, ~0.6e9 params: 28 * 1.1e-3 * 6.8e14 / 1.2e9 = 17,453 tokens -> capped at 2 x 8192
+    assert host_bound_prefill_chunk(8192, 596_049_920, 28) == 16384
+    # Llama-3-8B: 32 * 1.1e-3 * 6.8e14 / 1.5e10 = 1,596 tokens -> the tier's 8192
+    assert host_bound_prefill_chunk(8192, 7_504_924_672, 32) == 8192
+    assert host_bound_prefill_chunk(8192, 0, 32) == 8192  # unknown size: the tier
+    h100 = int(79.1 * GiB)
+    small = resolve_serving_limits(500_000, "cuda", h100, params=596_049_920, num_layers=28)
+    assert small.chunked_prefill_size == 16384
+    assert resolve_serving_limits(500_000, "cuda", h100, chunked_prefill_size=4096, params=596_049_920,
+                                  num_layers=28).chunked_prefill_size == 4096  # the flag wins
+    assert resolve_serving_limits(500_000, "cpu", params=596_049_920, num_layers=28).chunked_prefill_size == 8192

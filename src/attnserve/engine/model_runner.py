@@ -194,7 +194,8 @@ class ModelRunner:
             limits = resolve_serving_limits(
                 size, self.device.type, total_gpu, max_running_requests=args.max_running_requests or mrr,
                 chunked_prefill_size=args.chunked_prefill_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                max_total_tokens_chosen=args.max_total_tokens is None)
+                max_total_tokens_chosen=args.max_total_tokens is None,
+                params=sum(p.numel() for p in self.model.parameters()), num_layers=mc.num_hidden_layers)
             if args.max_running_requests is None:  # the count derived from the first estimate was its default
                 limits = dataclasses.replace(limits, chosen=limits.chosen + ("max_running_requests",))
         #: the limits this engine runs with (flags, or the memory rules where flags are unset)
