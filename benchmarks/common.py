@@ -65,23 +65,14 @@ def try_run(fn, *args):
 
 # ----------------------------------------------------------------------------- ceilings
 def measure_ceilings() -> Dict[str, float]:
-    """Device-to-device copy TB/s (bytes read + written) and bf16 8192^3 matmul TFLOPS."""
-    n = 1 << 28  # 1 GiB of float32 per side
-    a = torch.randn(n, device="cuda")
-    b = torch.empty_like(a)
-    import triton.testing
+    """Device-to-device copy TB/s (bytes read + written) and bf16 8192^3 matmul TFLOPS
+    (`attnserve.bench.offline_random.measure_device_rates`, the rates the roofline uses)."""
+    from attnserve.bench.offline_random import measure_device_rates
 
-    copy_ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
-    copy_tbps = 2 * a.numel() * a.element_size() / (copy_ms * 1e-3) / 1e12
-    del a, b
-    m = 8192
-    x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    mm_ms = triton.testing.do_bench(lambda: torch.matmul(x, y), warmup=25, rep=200, return_mode="median")
-    del x, y
-    torch.cuda.empty_cache()
-    return {"copy_tbps": copy_tbps, "copy_us_1GiB": copy_ms * 1e3, "matmul_bf16_tflops": 2 * m**3 / (mm_ms * 1e-3) / 1e12}
-
+    r = measure_device_rates()
+    copy_tbps = r["copy_bytes_per_s"] / 1e12
+    return {"copy_tbps": copy_tbps, "copy_us_1GiB": 2 * (1 << 30) / r["copy_bytes_per_s"] * 1e6,
+            "matmul_bf16_tflops": r["matmul_flops_per_s"] / 1e12}
 
 
 def copy_bandwidth_gbs(n_bytes: int = 2 << 30) -> float:
