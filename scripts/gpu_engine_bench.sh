@@ -7,6 +7,8 @@
 #   spec      benchmarks/speculative_gpu.py
 #   fp8       benchmarks/fp8_kv.py
 #   profile   benchmarks/profile_host.py (cProfile of the host at 256 running requests, Qwen3-0.6B shape)
+#   serving   scripts/serving_vs_offline.sh: the server path against the offline engine, both shapes
+#             (needs the server wheels carried in .whl/serving, see the device README)
 #   bash scripts/gpu_engine_bench.sh roofline [loop spec fp8]
 set -u
 OUT=${OUT:-/tmp/out}
@@ -36,6 +38,10 @@ for what in "${@:-roofline}"; do
     profile)
       timeout "${PROFILE_TIMEOUT:-300}" python3 benchmarks/profile_host.py --out "$OUT" ${PROFILE_ARGS:-} 2>&1 \
         | grep -v INFO | tail -20 ;;
-    *) echo "unknown mode $what (roofline loop spec fp8 profile)"; exit 2 ;;
+    serving)
+      for shape in ${SERVING_SHAPES:-qwen3-0.6b llama-3-8b}; do
+        timeout "${SERVING_TIMEOUT:-280}" bash scripts/serving_vs_offline.sh "$OUT" "$shape" ${SERVING_MODES:-on}
+      done ;;
+    *) echo "unknown mode $what (roofline loop spec fp8 profile serving)"; exit 2 ;;
   esac
 done

@@ -70,6 +70,7 @@ class ServerArgs:
     random_seed: int = 0
     log_level: str = "info"
     skip_server_warmup: bool = False  # no start-up warm-up (engine/warmup.py; it runs on CUDA only)
+    engine_process: str = "auto"  # serve: the engine in a process of its own (auto: on CUDA); server/engine_client.py
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -271,6 +272,9 @@ class ServerArgs:
         a("--skip-server-warmup", action="store_true",
           help="start without compiling every kernel variant first (engine/warmup.py; CUDA only): faster start-up, "
                "slower first requests")
+        a("--engine-process", default=d.engine_process, choices=["auto", "on", "off"],
+          help="serve: run the scheduler in a process of its own, apart from HTTP, tokenization and streaming "
+               "(auto: on CUDA; off: a thread of the HTTP process)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

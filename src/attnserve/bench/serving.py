@@ -11,9 +11,13 @@
 * Arrivals: a Poisson process at ``--request-rate`` requests/s (``inf``: all at once),
   optionally capped at ``--max-concurrency`` requests in flight. Several concurrency values
   run one after the other against the same server.
-* Every request streams (SSE, greedy). Measured per request: TTFT (send -> first chunk
-  with text), inter-token latency (gaps between text chunks), end-to-end latency, and the
-  server's token counts (``stream_options.include_usage``).
+* Requests are greedy and stream (SSE) unless ``--stream-fraction`` sends some whole.
+  Measured per request: TTFT (send -> first chunk with text) and inter-token latency (gaps
+  between text chunks) of streamed requests, end-to-end latency, and the server's token
+  counts (``stream_options.include_usage``, or the whole response's ``usage``).
+* ``--offline-baseline`` (with ``--launch``) first runs the same warm-up and workload
+  through ``LLM.generate`` with the same server flags, in a process of its own
+  (`attnserve.bench.serving_baseline`), and reports server / offline output tok/s.
 * Report: a table on stdout; ``benchmarks/results/<device>-serving-<date>.json`` (date,
   device, versions, args, server facts, per-run metrics: mean/P50/P90/P99 in ms); a PNG
   beside it with the latency distributions (CDFs).
@@ -41,6 +45,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from attnserve.bench.serving_baseline import run_offline_baseline
+from attnserve.bench.serving_host import cpu_delta, cpu_snapshot
+
 
 @dataclass
 class Workload:
@@ -50,6 +57,7 @@ class Workload:
     path: str
     payload: Dict[str, Any]
     prompt_len: Optional[int] = None
+    stream: bool = True
 
 
 @dataclass
@@ -105,7 +113,11 @@ def file_workload(path: str, num: Optional[int], ignore_eos: bool) -> List[Workl
 
 # ---- one request -------------------------------------------------------------------------------
 async def send_one(client, base_url: str, model: str, work: Workload, timeout: float) -> Result:
-    """Stream one request and time it (never raises: failures are ``Result.ok=False``)."""
+    """Send one request (streamed when ``work.stream``) and time it (never raises:
+    failures are ``Result.ok=False``). A non-streamed request has no TTFT or ITL; its
+    token counts come from the response's ``usage``."""
+    if not work.stream:
+        return await _send_whole(client, base_url, model, work, timeout)
     body = {**work.payload, "model": model, "stream": True, "temperature": 0.0,
             "stream_options": {"include_usage": True}}
     res = Result(prompt_tokens=work.prompt_len or 0)
@@ -143,6 +155,32 @@ async def send_one(client, base_url: str, model: str, work: Workload, timeout: f
     except Exception as e:  # network errors, timeouts, bad JSON: the request failed
         res.error = f"{type(e).__name__}: {e}"
     return res
+
+
+async def _send_whole(client, base_url: str, model: str, work: Workload, timeout: float) -> Result:
+    body = {**work.payload, "model": model, "stream": False, "temperature": 0.0}
+    res = Result(prompt_tokens=work.prompt_len or 0)
+    t0 = time.perf_counter()
+    try:
+        resp = await client.post(base_url + work.path, json=body, timeout=timeout)
+        if resp.status_code != 200:
+            res.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            return res
+        usage = resp.json().get("usage") or {}
+        res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
+        res.output_tokens = usage.get("completion_tokens", 0)
+        res.e2e = time.perf_counter() - t0
+        res.ok = True
+    except Exception as e:  # network errors, timeouts, bad JSON: the request failed
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def set_stream_fraction(work: Sequence[Workload], fraction: float) -> None:
+    """Stream ``fraction`` of the requests, spread evenly (0.5: every other one, the first
+    streamed); the rest are sent whole."""
+    for i, w in enumerate(work):
+        w.stream = math.floor((i + 1) * fraction) > math.floor(i * fraction)
 
 
 async def run_load(base_url: str, model: str, api_key: Optional[str], work: Sequence[Workload],
@@ -367,6 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, nargs="+", default=[None],
                    help="requests in flight at most; several values run one after another")
     p.add_argument("--warmup", type=int, default=2, help="requests sent (and not measured) first")
+    p.add_argument("--warmup-like-workload", action="store_true",
+                   help="warm-up prompts drawn from the workload's length range (another seed), each making "
+                        "--warmup-output-len tokens (default: 8-token prompts making 4)")
+    p.add_argument("--warmup-output-len", type=int, default=16)
+    p.add_argument("--stream-fraction", type=float, default=1.0,
+                   help="share of the requests streamed, spread evenly (the rest are sent whole)")
+    p.add_argument("--offline-baseline", action="store_true",
+                   help="with --launch: first run the same workload (and warm-up) through LLM.generate with "
+                        "the same server flags in a process of its own; report server / offline tok/s")
+    p.add_argument("--output-file", default=None, help="result JSON path (default: under --output-dir)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
     p.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for a launched server")
@@ -390,6 +438,23 @@ def main(argv: Optional[List[str]] = None) -> int:
             parser.error("--output-len needs 1 <= MIN <= MAX")
         work = random_workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.seed,
                                tuple(args.token_range))
+    if not 0.0 <= args.stream_fraction <= 1.0:
+        parser.error("--stream-fraction must be in [0, 1]")
+    if args.offline_baseline and (not args.launch or args.dataset):
+        parser.error("--offline-baseline needs --launch and the random workload")
+    set_stream_fraction(work, args.stream_fraction)
+    warm = random_workload(args.warmup, (8, 8), (4, 4), args.seed + 1, tuple(args.token_range))
+    if args.warmup_like_workload and not args.dataset:
+        warm = random_workload(args.warmup, tuple(args.input_len), (args.warmup_output_len,) * 2, args.seed + 1,
+                               tuple(args.token_range))
+    elif args.dataset:
+        warm = work[: args.warmup]
+    offline = None
+    if args.offline_baseline:
+        offline = run_offline_baseline(server_flags, [(w.payload["prompt"], w.payload["max_tokens"]) for w in warm],
+                                       [(w.payload["prompt"], w.payload["max_tokens"]) for w in work])
+        print(f"offline baseline: {offline['output_tokens_per_s']:.1f} out tok/s "
+              f"({offline['output_tokens']} tokens in {offline['seconds']:.2f} s)", flush=True)
     proc = None
     log_path = os.path.join(tempfile.gettempdir(), f"attnserve-bench-server-{os.getpid()}.log")
     try:
@@ -401,17 +466,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             base_url = args.base_url.rstrip("/")
             wait_healthy(base_url, 30.0)
         model, facts = server_facts(base_url, args.api_key)
-        if args.warmup:
-            warm = random_workload(args.warmup, (8, 8), (4, 4), args.seed + 1, tuple(args.token_range))
-            if work[0].path != "/v1/completions":
-                warm = work[: args.warmup]
+        if warm:
             asyncio.run(run_load(base_url, model, args.api_key, warm, float("inf"), None, args.seed, args.timeout))
         runs, raw = [], []
         for conc in args.max_concurrency:
+            before = cpu_snapshot(base_url, args.api_key, proc.pid if proc is not None else None)
             results, duration = asyncio.run(run_load(base_url, model, args.api_key, work, args.request_rate, conc,
                                                      args.seed, args.timeout))
+            host = cpu_delta(before, cpu_snapshot(base_url, args.api_key, proc.pid if proc is not None else None))
             runs.append({"max_concurrency": conc, "request_rate": args.request_rate,
-                         "num_prompts": len(work), "summary": summarize(results, duration)})
+                         "num_prompts": len(work), "summary": summarize(results, duration), "host": host})
+            if offline is not None:
+                runs[-1]["ratio_to_offline"] = runs[-1]["summary"]["output_throughput"] / offline["output_tokens_per_s"]
             raw.append(results)
             print(f"done: concurrency {conc}, {runs[-1]['summary']['completed']}/{len(work)} ok "
                   f"in {duration:.1f} s", flush=True)
@@ -426,6 +492,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"\nmodel {model} on {facts.get('device_name', facts.get('device', '?'))} at {base_url}")
     print(format_table(runs))
     for run in runs:
+        h = run["host"]
+        if "engine_steps" in h:
+            print(f"host (concurrency {run['max_concurrency']}): {h['engine_steps']} engine steps; loop-thread CPU per "
+                  f"step {h['step_cpu_ms_per_step']:.3f} ms in the scheduler + {h['serving_cpu_ms_per_step']:.3f} ms "
+                  f"serving; server process {h.get('server_process_cpu_s', float('nan')):.2f} s CPU, children "
+                  f"{h.get('children_cpu_s', float('nan')):.2f} s")
+    if offline is not None:
+        print(f"offline {offline['output_tokens_per_s']:.1f} out tok/s; server / offline: "
+              + ", ".join(f"{r['ratio_to_offline']:.3f}" for r in runs))
+    for run in runs:
         if run["summary"]["errors"]:
             print(f"errors (concurrency {run['max_concurrency']}): {run['summary']['errors']}")
     if not args.no_save:
@@ -433,7 +509,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         device = args.device_label or device_slug(facts)
         date = dt.date.today().isoformat()
-        path = result_path(args.output_dir, device, date)
+        path = args.output_file or result_path(args.output_dir, device, date)
         record = {
             "benchmark": "serving",
             "date": dt.datetime.now().isoformat(timespec="seconds"),
@@ -445,6 +521,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "server": facts.get("versions")},
             "args": {**vars(args), "server_flags": server_flags},
             "runs": runs,
+            "offline": offline,
         }
         with open(path, "w", encoding="utf-8") as f:
             json.dump(jsonable(record), f, indent=2, default=str, allow_nan=False)

@@ -93,6 +93,10 @@ class RequestStream:
         except RuntimeError:
             pass
 
+    def put(self, event: StreamEvent) -> None:
+        """`push` from the consuming loop's own thread (no cross-thread wake-up)."""
+        self._queue.put_nowait(event)
+
     async def get(self) -> StreamEvent:
         return await self._queue.get()
 
@@ -165,6 +169,11 @@ class EngineLoop:
         self._drain_deadline = float("inf")
         self._state: Dict[str, Any] = {}
         self.step_errors = 0
+        # CPU seconds of the loop thread: every iteration, and inside `Engine.step` alone;
+        # the difference is what serving adds to the scheduler's own host work
+        self.loop_cpu_s = 0.0
+        self.step_cpu_s = 0.0
+        self._iter_t0: Optional[float] = None  # thread_time() at the start of the running iteration
 
     # ---- called from any thread ----------------------------------------------------------
     def start(self) -> None:
@@ -269,6 +278,14 @@ class EngineLoop:
 
     def _iterate(self) -> None:
         """One round: drain commands, end requests past a drain's deadline, step, publish."""
+        self._iter_t0 = time.thread_time()
+        try:
+            self._iterate_once()
+        finally:
+            self.loop_cpu_s += time.thread_time() - self._iter_t0
+            self._iter_t0 = None
+
+    def _iterate_once(self) -> None:
         self._drain(block=not self.engine.has_work())
         if self._stopping.is_set():
             return
@@ -355,7 +372,11 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            touched = self.engine.step()
+            t0 = time.thread_time()
+            try:
+                touched = self.engine.step()
+            finally:
+                self.step_cpu_s += time.thread_time() - t0
         except Exception as e:
             self.step_errors += 1
             logger.exception("engine step failed; failing the running batch")
@@ -450,6 +471,9 @@ class EngineLoop:
             "pending_commands": self._commands.qsize(),
             "num_steps": getattr(sched, "num_steps", 0),
             "step_errors": self.step_errors,
+            "loop_cpu_seconds": self.loop_cpu_s + (0.0 if self._iter_t0 is None
+                                                   else time.thread_time() - self._iter_t0),
+            "step_cpu_seconds": self.step_cpu_s,
         }
         stats = getattr(sched, "stats", None)
         if stats is not None:

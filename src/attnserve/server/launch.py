@@ -5,6 +5,12 @@ a `ServerMetrics` with its own Prometheus registry, the OpenAI error handlers, t
 middleware and FastAPI's request-body limit (413 above ``max_body_bytes``); `wrap_app` adds
 the declared-length body check in front. `launch_server` serves that for the CLI;
 `ServerThread` runs the same app in a background thread (tests, notebooks).
+
+Two ways to run the engine (``--engine-process``): in a process of its own
+(`attnserve.server.engine_client.start_engine_process`; the default on CUDA), so that HTTP,
+tokenization, detokenization and streaming never hold the GIL the scheduler needs, or as a
+thread of the HTTP process (`EngineLoop`; the default on CPU, where start-up time matters
+more to the tests than the GIL does). The handlers see the same interface either way.
 """
 
 from __future__ import annotations
@@ -65,12 +71,12 @@ def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] 
 
     Args:
         engine: an `attnserve.engine.engine.Engine`; from now on only the app's engine loop
-            thread touches it.
+            thread touches it. Or a `RemoteEngine` (with ``loop`` its `EngineClient`).
         api_key: when set, ``/v1/*`` and ``/debug/*`` need ``Authorization: Bearer <key>``.
         model_name: id under ``/v1/models`` (default: ``engine.server_args.model``).
         max_body_bytes: request bodies above this many bytes get 413.
-        loop: an `EngineLoop` to use (default: a new one); started with the app's lifespan
-            and stopped at shutdown.
+        loop: an `EngineLoop` (or `EngineClient`) to use (default: a new `EngineLoop`);
+            started with the app's lifespan and stopped at shutdown.
 
     Returns:
         the FastAPI app; ``app.state.ctx`` is its `ServingContext`.
@@ -91,16 +97,24 @@ def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] 
         loop = EngineLoop(engine, metrics)
     elif loop.metrics is None:
         loop.metrics = metrics
-    ctx = ServingContext(loop=loop, engine=engine, model_name=name, metrics=metrics, info=describe_engine(engine))
+    info = getattr(engine, "info", None)  # a `RemoteEngine` brings the engine process's facts
+    ctx = ServingContext(loop=loop, engine=engine, model_name=name, metrics=metrics,
+                         info=info if isinstance(info, dict) else describe_engine(engine))
 
     @asynccontextmanager
     async def lifespan(app):
         if loop.thread_id is None:
-            loop.start()
+            if hasattr(loop, "start_async"):  # an `EngineClient` joins the app's event loop
+                await loop.start_async()
+            else:
+                loop.start()
         try:
             yield
         finally:
-            loop.stop()
+            if hasattr(loop, "stop_async"):
+                await loop.stop_async()
+            else:
+                loop.stop()
             logger.warning("attnserve: engine loop stopped")
 
     app = FastAPI(title="attnserve", version=ctx.info["versions"]["attnserve"], lifespan=lifespan,
@@ -153,8 +167,15 @@ def launch_server(args) -> int:
     server_args = ServerArgs.from_cli_args(args)
     if not 0 <= int(args.port) <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    engine = Engine(server_args)
-    app = create_app(engine, api_key=args.api_key,
+    loop = None
+    if use_engine_process(server_args):
+        from attnserve.server.engine_client import start_engine_process
+
+        server_args.check()  # flag errors in this process, before a process is spawned
+        engine, loop = start_engine_process(server_args, logging.getLogger("attnserve").level or None)
+    else:
+        engine = Engine(server_args)
+    app = create_app(engine, api_key=args.api_key, loop=loop,
                      max_body_bytes=getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES)
     log_level = str(server_args.log_level).lower()
     logger.warning("attnserve serving %s on http://%s:%s", server_args.model, args.host, args.port)
@@ -164,8 +185,21 @@ def launch_server(args) -> int:
     try:
         draining_server(config, app.state.ctx.loop, server_args.graceful_shutdown_timeout).run()
     finally:
-        engine.shutdown()  # the other tensor-parallel ranks
+        engine.shutdown()  # the engine process, or the other tensor-parallel ranks
     return 0
+
+
+def use_engine_process(server_args) -> bool:
+    """``--engine-process``: ``on``, ``off``, or ``auto`` (on when the engine runs on CUDA).
+
+    Raises:
+        ValueError: any other value."""
+    mode = getattr(server_args, "engine_process", "auto")
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"--engine-process must be auto, on or off, got {mode!r}")
+    if mode == "auto":
+        return server_args.resolved_device() == "cuda"
+    return mode == "on"
 
 
 def draining_server(config, loop, grace_s: float):
