@@ -23,30 +23,10 @@ import os
 
 import torch
 
-from attnserve.bench.offline import fill_decode_kv
+from attnserve.bench.offline import graph_step_ms
 from attnserve.bench.offline_random import measure_device_rates, run_random_workload
 from attnserve.bench.results import write_result
 from attnserve.bench.roofline import RooflineModel, random_lengths, workload_roofline
-
-
-def graph_step_ms(runner, bs: int, ctx: int, iters: int = 50) -> float:
-    """Mean ms of ``iters`` back-to-back replays of the decode graph for ``bs`` x ``ctx``."""
-    rows, slots, out_loc, fb = fill_decode_kv(runner, bs, ctx)
-    try:
-        with torch.inference_mode():
-            for _ in range(5):
-                runner.cuda_graph_runner.replay(fb)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(iters):
-                runner.cuda_graph_runner.replay(fb)
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / iters
-    finally:
-        runner.token_to_kv_pool_allocator.free(torch.cat([slots, out_loc]))
-        runner.req_to_token_pool.free(rows)
 
 
 def main(argv=None) -> int:

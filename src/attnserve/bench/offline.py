@@ -154,12 +154,12 @@ def fill_decode_kv(runner, bs: int, ctx: int):
     return rows, slots, out_loc, fb
 
 
-def _graph_step_ms(llm, bs: int, ctx: int, iters: int = 50) -> float:
+def graph_step_ms(runner, bs: int, ctx: int, iters: int = 50) -> float:
     """GPU time of one replay of the engine's captured decode graph for ``bs`` requests of
     ``ctx`` cached tokens: ``iters`` replays back to back between two CUDA events (so the
     host's launch work overlaps the GPU's, as in a running engine), divided by ``iters``.
-    The pool must be free; it is free again afterwards."""
-    runner = llm.engine.model_runner
+    ``runner``: the engine's `ModelRunner`, whose pool must be free; it is free again
+    afterwards."""
     rows, slots, out_loc, fb = fill_decode_kv(runner, bs, ctx)
     try:
         with torch.inference_mode():
@@ -216,7 +216,7 @@ def bench_engine_loop(model: str, request_counts, input_len: int, output_len: in
         sp1 = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         mean_ctx = input_len + output_len // 2
         fits = n * (mean_ctx + 1) <= runner.token_to_kv_pool_allocator.available_size()
-        graph_ms = _graph_step_ms(llm, n, mean_ctx) if fits else None
+        graph_ms = graph_step_ms(runner, n, mean_ctx) if fits else None
         for overlap in overlaps:
             llm.engine.scheduler.overlap = overlap
             llm.generate(prompts, warm)  # warm-up

@@ -21,7 +21,6 @@ host ms per decode step, retractions).
 
 from __future__ import annotations
 
-import gc
 import time
 from typing import Dict, List, Optional
 
@@ -132,13 +131,7 @@ def bench_random(model: str, num_prompts: int, input_len: int, output_len: int, 
                        params=rm.params, weight_bytes=rm.weight_bytes)
         return row
     finally:
-        shutdown = getattr(llm, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        llm.shutdown()  # gives back the GPU memory for the next row's engine
 
 
 def format_row(row: dict) -> str:

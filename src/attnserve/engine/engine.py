@@ -159,23 +159,9 @@ class Engine:
             RuntimeError: the engine was shut down.
         """
         self.check_running()
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass token ids instead of text")
-            if chat:
-                from attnserve.model_loader.tokenizer import apply_chat_template
+        from attnserve.model_loader.tokenizer import tokenize_prompt
 
-                return apply_chat_template(self.tokenizer, prompt)
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return ids
+        return tokenize_prompt(self.tokenizer, self.model_config.vocab_size, prompt, chat)
 
     @property
     def max_request_tokens(self) -> int:

@@ -192,7 +192,7 @@ class ModelRunner:
                 )
             size = self.tp.min_int(size)  # every rank must hold every slot rank 0 hands out
             limits = resolve_serving_limits(
-                size, self.device.type, total_gpu, max_running_requests=args.max_running_requests or mrr,
+                size, self.device.type, total_gpu, max_running_requests=mrr,
                 chunked_prefill_size=args.chunked_prefill_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
                 max_total_tokens_chosen=args.max_total_tokens is None,
                 params=sum(p.numel() for p in self.model.parameters()), num_layers=mc.num_hidden_layers)

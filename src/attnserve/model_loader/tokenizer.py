@@ -35,3 +35,27 @@ def apply_chat_template(tokenizer: Any, prompt: str) -> List[int]:
     if hasattr(out, "keys") and "input_ids" in out:  # transformers >= 5 returns a BatchEncoding
         out = out["input_ids"]
     return [int(t) for t in out]
+
+
+def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt, chat: bool = False) -> List[int]:
+    """Token ids of ``prompt`` (a string, or already ids); ``chat`` applies the model's chat
+    template as one user message (`apply_chat_template`).
+
+    Raises:
+        ValueError: an empty prompt, ids that are not ints in ``[0, vocab_size)``, or text
+            without a tokenizer.
+    """
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass token ids instead of text")
+        if chat:
+            return apply_chat_template(tokenizer, prompt)
+        return tokenizer.encode(prompt)
+    ids = list(prompt)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    return ids

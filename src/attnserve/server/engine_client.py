@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from attnserve.server.detokenize import IncrementalDetokenizer
-from attnserve.server.engine_loop import EngineError, StreamEvent, SubmitCommand
+from attnserve.server.engine_loop import EngineError, StreamEvent, SubmitCommand, wait_for_drain
 
 logger = logging.getLogger(__name__)
 
@@ -226,15 +226,7 @@ class EngineClient:
     def wait_drained(self, timeout: Optional[float] = None) -> bool:
         """Block until a drain has ended every request or the engine process is gone;
         False if ``timeout`` seconds passed first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._drained.is_set():
-            if self._closed.is_set() or not self.process.is_alive():
-                return True
-            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
-            if left <= 0:
-                return False
-            self._drained.wait(left)
-        return True
+        return wait_for_drain(self._drained, lambda: self._closed.is_set() or not self.process.is_alive(), timeout)
 
     # ---- requests ------------------------------------------------------------------------
     def submit(self, cmd: SubmitCommand) -> None:
@@ -428,29 +420,15 @@ class RemoteEngine:
 
     def tokenize(self, prompt, chat: bool = False) -> List[int]:
         """Token ids of ``prompt``, checked as `attnserve.engine.engine.Engine.tokenize`
-        checks them (the same messages).
+        checks them (both call `attnserve.model_loader.tokenizer.tokenize_prompt`).
 
         Raises:
             ValueError: an empty prompt, ids that are not ints in the vocabulary, or text
                 without a tokenizer.
         """
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass token ids instead of text")
-            if chat:
-                from attnserve.model_loader.tokenizer import apply_chat_template
+        from attnserve.model_loader.tokenizer import tokenize_prompt
 
-                return apply_chat_template(self.tokenizer, prompt)
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return ids
+        return tokenize_prompt(self.tokenizer, self.vocab_size, prompt, chat)
 
     def shutdown(self) -> None:
         """Stop the engine process (idempotent)."""

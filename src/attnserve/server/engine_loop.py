@@ -35,9 +35,23 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 logger = logging.getLogger(__name__)
+
+
+def wait_for_drain(drained: threading.Event, ended: Callable[[], bool], timeout: Optional[float]) -> bool:
+    """Block until ``drained`` is set or ``ended()`` (the engine is gone) is true, polling
+    every 0.1 s; False if ``timeout`` seconds passed first (None: no limit)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not drained.is_set():
+        if ended():
+            return True
+        left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+        if left <= 0:
+            return False
+        drained.wait(left)
+    return True
 
 
 @dataclass
@@ -206,15 +220,8 @@ class EngineLoop:
     def wait_drained(self, timeout: Optional[float] = None) -> bool:
         """Block until a drain has ended every request (finished, or failed at the
         deadline) or the loop thread has ended; False if ``timeout`` seconds passed first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._drained.is_set():
-            if self._closed.is_set() or (self._thread is not None and not self._thread.is_alive()):
-                return True
-            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
-            if left <= 0:
-                return False
-            self._drained.wait(left)
-        return True
+        return wait_for_drain(self._drained, lambda: self._closed.is_set() or (
+            self._thread is not None and not self._thread.is_alive()), timeout)
 
     @property
     def thread_id(self) -> Optional[int]:
