@@ -68,7 +68,8 @@ def test_real_weights_match_tp1(llm_factory, no_orphans, model, tp_size):
     _assert_dead(pids)
 
 
-@pytest.mark.parametrize("model,page_size", [("llama-tiny", 1), ("qwen3-tiny", 4), ("deepseek-v2-tiny", 1)])
+@pytest.mark.parametrize("model,page_size", [("llama-tiny", 1), ("qwen3-tiny", 4), ("deepseek-v2-tiny", 1),
+                                             ("qwen3-moe-tiny", 4), ("deepseek-v2-moe-tiny", 1)])
 def test_random_models_tp2_match_tp1(no_orphans, model, page_size):
     kw = dict(model=model, load_format="dummy", page_size=page_size, max_total_tokens=2048, max_running_requests=8)
     prompts = [[1, 5, 9, 13, 17, 21, 25], [3, 4, 5], list(range(10, 60)), [7] * 11]

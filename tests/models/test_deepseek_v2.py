@@ -1,4 +1,4 @@
-"""DeepSeek-V2/V3 (MLA, dense layers) against HF transformers built from small random configs.
+"""DeepSeek-V2/V3 (MLA, dense layers; the MoE layers are in test_moe_models.py) against HF transformers built from small random configs.
 
 Each variant is an HF ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` with random
 weights (norm weights perturbed away from 1 so that every norm is exercised), saved with
@@ -47,11 +47,12 @@ def _hf_classes(kind):
     return transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM
 
 
-def _save_tokenizer(path):
+def _save_tokenizer(path, vocab: int = VOCAB):
+    """A word-level tokenizer of ``vocab`` tokens ``t0..`` (unk t0, bos t1, eos t2) at ``path``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(path)
 
@@ -228,22 +229,25 @@ def test_engine_greedy_matches_hf(variant, page_size, mixed, hf_variant):
 
 
 # ---- config handling --------------------------------------------------------------------
-def test_moe_config_is_refused():
+def test_moe_layers_follow_first_k_dense_replace():
+    """Layers ``i >= first_k_dense_replace`` get routed experts (HF's rule); a config without
+    ``n_routed_experts`` is dense everywhere."""
     from transformers import DeepseekV2Config, DeepseekV3Config
 
     from attnserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+    from attnserve.models.layers.moe.sparse_block import SparseMoeBlock
 
     small = {**BASE, "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2,
-             "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8}
+             "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
+             "moe_intermediate_size": 16, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1}
     for cfg_cls, cls in ((DeepseekV2Config, DeepseekV2ForCausalLM), (DeepseekV3Config, DeepseekV3ForCausalLM)):
-        cfg = cfg_cls(**{**small, "first_k_dense_replace": 1, "n_routed_experts": 4})
-        with pytest.raises(ValueError, match="MoE layers are not supported yet; set first_k_dense_replace >= "
-                                             "num_hidden_layers"):
-            cls(cfg, dtype=torch.float32)
-    # no routed experts at all: dense everywhere, accepted
+        model = cls(cfg_cls(**{**small, "first_k_dense_replace": 1, "n_routed_experts": 4}), dtype=torch.float32)
+        assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers] == [False, True]
+        assert (model.model.layers[1].mlp.gate.e_score_correction_bias is not None) == (cls is DeepseekV3ForCausalLM)
     dense = SimpleNamespace(**{**small, "n_routed_experts": None, "first_k_dense_replace": 0, "rms_norm_eps": 1e-6,
                                "hidden_act": "silu"})
-    DeepseekV2ForCausalLM(dense, dtype=torch.float32)
+    model = DeepseekV2ForCausalLM(dense, dtype=torch.float32)
+    assert not any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers)
 
 
 def test_load_weights_skips_extra_layers_and_rejects_unknown(hf_variant, ours):
@@ -259,6 +263,8 @@ def test_load_weights_skips_extra_layers_and_rejects_unknown(hf_variant, ours):
     mtp = {k.replace("model.layers.1.", "model.layers.2."): v for k, v in weights.items() if ".layers.1." in k}
     loaded.model.load_weights(list(weights.items()) + list(mtp.items()))  # V3's MTP layer index: skipped
     with pytest.raises(KeyError, match="matches no parameter"):
+        loaded.model.load_weights([("model.layers.0.mlp.bogus_proj.weight", torch.zeros(1))])
+    with pytest.raises(KeyError, match="model.layers.0.mlp has no routed experts"):  # dense layers
         loaded.model.load_weights([("model.layers.0.mlp.experts.0.gate_proj.weight", torch.zeros(1))])
     partial = [(k, v) for k, v in weights.items() if "up_proj" not in k]
     with pytest.raises(ValueError, match="gate_up_proj"):

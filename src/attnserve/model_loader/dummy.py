@@ -160,6 +160,45 @@ DUMMY_MODEL_CONFIGS["deepseek-v3-mla-tiny"] = dict(
 DUMMY_MODEL_CONFIGS["deepseek-v2-lite-mla-tiny"] = dict(DUMMY_MODEL_CONFIGS["deepseek-v3-mla-tiny"],
                                                         num_attention_heads=16, num_key_value_heads=16)
 
+# ---- mixture-of-experts shapes (config.json of each HF release) ----------------------------
+# DeepSeek-V2-Lite: 27 layers (the first dense), 64 routed experts of 1408 (top 6, greedy,
+# weights not renormalised) + 2 shared, MLA with 16 heads and no q LoRA, YaRN x40
+DUMMY_MODEL_CONFIGS["deepseek-v2-lite"] = dict(
+    hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+    num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+    first_k_dense_replace=1, moe_layer_freq=1, topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False,
+    routed_scaling_factor=1.0, vocab_size=102400, rms_norm_eps=1e-6, max_position_embeddings=163840,
+    rope_theta=10000.0, rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                                          beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
+    tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001,
+)
+# Qwen3-30B-A3B: 48 layers, 128 experts of 768, top 8 renormalised; GQA 32/4 heads of 128
+DUMMY_MODEL_CONFIGS["qwen3-30b-a3b"] = dict(
+    hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, rope_theta=1000000.0,
+    rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=151643,
+    eos_token_id=151645,
+)
+# Mixtral-8x7B-v0.1: 32 layers, 8 experts of 14336, top 2; GQA 32/8 heads of 128
+DUMMY_MODEL_CONFIGS["mixtral-8x7b"] = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, rope_theta=1000000.0,
+    rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=None, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2,
+)
+# few-MB MoE models for engine and tensor-parallel tests: every layer but the first sparse
+DUMMY_MODEL_CONFIGS["qwen3-moe-tiny"] = dict(
+    DUMMY_MODEL_CONFIGS["qwen3-tiny"], moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0],
+)
+DUMMY_MODEL_CONFIGS["deepseek-v2-moe-tiny"] = dict(
+    DUMMY_MODEL_CONFIGS["deepseek-v2-tiny"], first_k_dense_replace=1, moe_intermediate_size=64, n_routed_experts=8,
+    n_shared_experts=1, num_experts_per_tok=3, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+    norm_topk_prob=False, routed_scaling_factor=1.0,
+)
+
 #: named shapes that are not Llama: name -> (transformers config class, architecture)
 _DUMMY_CONFIG_CLASSES: Dict[str, Any] = {
     "deepseek-v2-tiny": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
@@ -168,6 +207,11 @@ _DUMMY_CONFIG_CLASSES: Dict[str, Any] = {
     "gemma3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "qwen3-0.6b": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3-tiny": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "deepseek-v2-lite": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "deepseek-v2-moe-tiny": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen3-moe-tiny": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral-8x7b": ("MixtralConfig", "MixtralForCausalLM"),
 }
 
 

@@ -10,6 +10,21 @@ Conversions undone here (llama.cpp ``convert_hf_to_gguf.py``):
   ``j * head_dim/2 + i``. `unpermute_qk` inverts it.
 * Gemma norms are stored as ``1 + w``; HF's Gemma modules add the 1 themselves, so 1 is
   subtracted (transformers does the same when it loads a Gemma GGUF).
+* Mixture-of-experts FFNs: llama.cpp stacks the experts of a layer into one tensor each
+  (``ffn_gate_exps``/``ffn_up_exps`` ``[E, I, H]``, ``ffn_down_exps`` ``[E, H, I]`` in torch
+  order; the router is ``ffn_gate_inp`` ``[E, H]``). They are split back into one HF tensor per
+  expert (``mlp.experts.{e}.gate_proj`` for Qwen3-MoE, ``block_sparse_moe.experts.{e}.w1``
+  for Mixtral), dequantised one expert at a time.
+
+What transformers' GGUF config reader (transformers 5.x, ``integrations/ggml.py``) makes of
+MoE files, and what `load_gguf_config` does about it:
+
+* ``qwen3moe``: supported; transformers drops ``qwen3moe.expert_feed_forward_length``
+  (``moe_intermediate_size`` keeps its default, 768), so it is read here and set.
+* Mixtral (llama.cpp arch ``llama`` with ``llama.expert_count`` > 0): transformers maps no
+  expert key for ``llama`` and would build a dense ``LlamaConfig``; refused with a message.
+  The weight names are mapped (``mixtral`` spec) for a caller that brings a ``MixtralConfig``.
+* ``deepseek2`` and any other architecture the reader lacks: refused with a message.
 
 Tensor shapes: ``GGUFReader`` reports ``tensor.shape`` in ggml order (fastest dimension
 first, i.e. ``[in, out]`` for a matrix), while ``gguf.quants.dequantize`` returns a numpy
@@ -18,10 +33,12 @@ array in row-major torch order ``[out, in]``; the latter is what is yielded.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -51,6 +68,18 @@ _GEMMA3_BLOCK = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_QWEN3_MOE_EXPERTS = {
+    "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+    "ffn_down_exps": "mlp.experts.{expert}.down_proj",
+}
+_MIXTRAL_EXPERTS = {  # Mixtral: w1 = gate, w3 = up, w2 = down
+    "ffn_gate_exps": "block_sparse_moe.experts.{expert}.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.{expert}.w3",
+    "ffn_down_exps": "block_sparse_moe.experts.{expert}.w2",
+}
+#: llama.cpp stacked expert tensors whose torch shape is [E, H, I] (the others are [E, I, H])
+_DOWN_EXPERTS = ("ffn_down_exps",)
 
 
 @dataclass(frozen=True)
@@ -62,12 +91,17 @@ class GGUFArchSpec:
         permute_qk: undo llama.cpp's RoPE row permutation of ``attn_q``/``attn_k``.
         norm_minus_one: subtract 1 from ``*norm.weight`` (Gemma's ``1 + w`` storage).
         skip: llama.cpp tensors with no HF counterpart (e.g. ``rope_freqs``, recomputed).
+        expert_names: llama.cpp stacked expert tensor base name -> HF per-expert name under
+            ``model.layers.N.`` with an ``{expert}`` field (empty for dense models).
+        expert_ffn_attr: HF config attribute holding one expert's intermediate size ``I``.
     """
 
     block_names: Dict[str, str]
     permute_qk: bool = False
     norm_minus_one: bool = False
     skip: Tuple[str, ...] = ("rope_freqs",)
+    expert_names: Dict[str, str] = field(default_factory=dict)
+    expert_ffn_attr: str = "intermediate_size"
 
 
 #: HF model_type -> storage spec (static table; add a model with one line)
@@ -75,7 +109,22 @@ GGUF_ARCH_SPECS: Dict[str, GGUFArchSpec] = {
     "llama": GGUFArchSpec(_BLOCK_COMMON, permute_qk=True),
     "qwen3": GGUFArchSpec({**_BLOCK_COMMON, **_QK_NORM}),
     "gemma3_text": GGUFArchSpec(_GEMMA3_BLOCK, norm_minus_one=True),
+    "qwen3_moe": GGUFArchSpec(
+        {**_BLOCK_COMMON, **_QK_NORM, "ffn_gate_inp": "mlp.gate"},
+        expert_names=_QWEN3_MOE_EXPERTS,
+        expert_ffn_attr="moe_intermediate_size",
+    ),
+    "mixtral": GGUFArchSpec(
+        {**_BLOCK_COMMON, "ffn_gate_inp": "block_sparse_moe.gate"}, permute_qk=True, expert_names=_MIXTRAL_EXPERTS
+    ),
 }
+
+# GGUF metadata value types (ggml docs/gguf.md): scalar struct formats; 8 = string, 9 = array
+_GGUF_SCALAR_FORMATS = {
+    **{0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?"},
+    **{10: "<Q", 11: "<q", 12: "<d"},
+}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(.+)\.(weight|bias)$")
@@ -87,12 +136,107 @@ def split_gguf_path(path: str) -> Tuple[str, str]:
     return os.path.dirname(path), os.path.basename(path)
 
 
+def _read_scalar_metadata(buf: Any) -> Dict[str, Any]:
+    """Scalar and string key/values of a little-endian GGUF v2/v3 header; arrays skipped.
+
+    Raises:
+        ValueError: for a file that is not such a GGUF (bad magic, version, nested array).
+    """
+    magic, version = struct.unpack_from("<4sI", buf, 0)
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"not a little-endian GGUF v2/v3 header (magic {magic!r}, version {version})")
+    (kv_count,) = struct.unpack_from("<Q", buf, 16)
+    off, meta = 24, {}
+
+    def string(at: int) -> Tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", buf, at)
+        return bytes(buf[at + 8 : at + 8 + n]).decode("utf-8"), at + 8 + n
+
+    for _ in range(kv_count):
+        key, off = string(off)
+        (vtype,) = struct.unpack_from("<I", buf, off)
+        off += 4
+        if vtype == _GGUF_STRING:
+            meta[key], off = string(off)
+        elif vtype in _GGUF_SCALAR_FORMATS:
+            fmt = _GGUF_SCALAR_FORMATS[vtype]
+            (meta[key],) = struct.unpack_from(fmt, buf, off)
+            off += struct.calcsize(fmt)
+        elif vtype == _GGUF_ARRAY:
+            etype, count = struct.unpack_from("<IQ", buf, off)
+            off += 12
+            if etype == _GGUF_STRING:
+                for _ in range(count):
+                    off += 8 + struct.unpack_from("<Q", buf, off)[0]
+            elif etype in _GGUF_SCALAR_FORMATS:
+                off += count * struct.calcsize(_GGUF_SCALAR_FORMATS[etype])
+            else:
+                raise ValueError(f"metadata {key!r}: array of type {etype} not scanned")
+        else:
+            raise ValueError(f"metadata {key!r}: unknown value type {vtype}")
+    return meta
+
+
+def read_gguf_scalar_metadata(path: str) -> Dict[str, Any]:
+    """Scalar and string metadata of a GGUF file (``general.architecture``,
+    ``qwen3moe.expert_count`` ...), without the arrays (tokenizer vocabulary).
+
+    A direct header scan skips the arrays in milliseconds, where ``gguf.GGUFReader`` spends
+    seconds building the vocabulary fields; files it does not handle (big-endian, nested
+    arrays) go through ``gguf.GGUFReader``.
+
+    Returns:
+        key -> int / float / bool / str.
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        try:
+            return _read_scalar_metadata(buf)
+        except (ValueError, struct.error):
+            pass
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    fields = (f for f in reader.fields.values() if not f.name.startswith("GGUF."))  # header, not metadata
+    return {f.name: f.contents() for f in fields if f.types and f.types[0] != gguf.GGUFValueType.ARRAY}
+
+
 def load_gguf_config(path: str) -> Any:
-    """HF config of a GGUF file via ``AutoConfig.from_pretrained(dir, gguf_file=name)``."""
+    """HF config of a GGUF file via ``AutoConfig.from_pretrained(dir, gguf_file=name)``.
+
+    For ``qwen3moe`` files ``moe_intermediate_size`` is set from
+    ``qwen3moe.expert_feed_forward_length``, which transformers' reader drops.
+
+    Raises:
+        ValueError: for a Mixtral GGUF (llama.cpp arch ``llama`` with experts: transformers
+            would build a dense ``LlamaConfig``), for an architecture transformers' GGUF reader
+            does not support (e.g. ``deepseek2``), and for a ``qwen3moe`` file without
+            ``expert_feed_forward_length``.
+    """
     from transformers import AutoConfig
 
+    meta = read_gguf_scalar_metadata(path)
+    arch = meta.get("general.architecture")
+    if arch == "llama" and int(meta.get("llama.expert_count", 0) or 0) > 0:
+        raise ValueError(
+            f"{path}: a llama-architecture GGUF with {meta['llama.expert_count']} experts (Mixtral); transformers' "
+            "GGUF reader maps no expert keys for llama and would build a dense LlamaConfig, so it cannot be loaded "
+            "from GGUF; use the HF safetensors checkpoint"
+        )
     directory, name = split_gguf_path(path)
-    return AutoConfig.from_pretrained(directory, gguf_file=name)
+    try:
+        config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    except ValueError as e:
+        if "not supported" not in str(e):  # transformers: "GGUF model with architecture X is not supported yet."
+            raise
+        raise ValueError(
+            f"GGUF for {arch} is not supported by transformers' GGUF reader ({e}); use the HF safetensors checkpoint"
+        ) from e
+    if config.model_type == "qwen3_moe":
+        key = f"{arch}.expert_feed_forward_length"
+        if key not in meta:
+            raise ValueError(f"{path}: Qwen3-MoE GGUF without {key!r}; the experts' intermediate size is unknown")
+        config.moe_intermediate_size = int(meta[key])
+    return config
 
 
 def gguf_arch_spec(model_type: str) -> GGUFArchSpec:
@@ -127,6 +271,8 @@ def gguf_to_hf_name(name: str, spec: GGUFArchSpec) -> Optional[str]:
             return None
         if base in spec.block_names:
             return f"model.layers.{layer}.{spec.block_names[base]}.{suffix}"
+        if base in spec.expert_names:
+            raise KeyError(f"GGUF tensor {name!r} stacks experts: see gguf_expert_hf_names")
     else:
         m = _GLOBAL_RE.match(name)
         if m:
@@ -136,6 +282,63 @@ def gguf_to_hf_name(name: str, spec: GGUFArchSpec) -> Optional[str]:
             if base in _GLOBAL:
                 return f"{_GLOBAL[base]}.{suffix}"
     raise KeyError(f"GGUF tensor {name!r} has no HF name mapping")
+
+
+def gguf_expert_hf_names(name: str, spec: GGUFArchSpec, num_experts: int) -> Optional[List[str]]:
+    """HF names of the experts stacked in one llama.cpp tensor, in expert order.
+
+    ``blk.3.ffn_gate_exps.weight`` (Qwen3-MoE, 4 experts) ->
+    ``[model.layers.3.mlp.experts.0.gate_proj.weight, ..., ...experts.3.gate_proj.weight]``.
+
+    Returns:
+        ``num_experts`` names, or None when ``name`` is not a stacked expert tensor of ``spec``.
+    """
+    m = _BLOCK_RE.match(name)
+    if not m or m.group(2) not in spec.expert_names:
+        return None
+    layer, base, suffix = m.groups()
+    template = f"model.layers.{layer}.{spec.expert_names[base]}.{suffix}"
+    return [template.format(expert=e) for e in range(num_experts)]
+
+
+def _num_experts(config: Any) -> Optional[int]:
+    for attr in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if getattr(config, attr, None):
+            return int(getattr(config, attr))
+    return None
+
+
+def _check_expert_shape(tensor: Any, spec: GGUFArchSpec, config: Any) -> int:
+    """Number of experts of a stacked tensor after checking its shape against ``config``."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml order -> torch order
+    base = _BLOCK_RE.match(tensor.name).group(2)
+    num, inter, hidden = _num_experts(config), getattr(config, spec.expert_ffn_attr, None), config.hidden_size
+    expected = (num, hidden, inter) if base in _DOWN_EXPERTS else (num, inter, hidden)
+    if len(shape) != 3 or any(e is not None and e != s for e, s in zip(expected, shape)):
+        names = "[E, H, I]" if base in _DOWN_EXPERTS else "[E, I, H]"
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} has shape {list(shape)}, the config expects {names} = {list(expected)} "
+            f"(E = experts, I = {spec.expert_ffn_attr}, H = hidden_size)"
+        )
+    return shape[0]
+
+
+def _owned(w: np.ndarray, mapped: np.ndarray) -> torch.Tensor:
+    """float32 CPU tensor over ``w``, copied when it is a view of the mapped file or not writeable."""
+    if np.may_share_memory(w, mapped) or not (w.flags.writeable and w.flags.c_contiguous):
+        w = np.array(w, dtype=np.float32, copy=True)  # never alias the mapped file
+    return torch.from_numpy(w)
+
+
+def _iterate_experts(tensor: Any, names: List[str]) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield one expert of a stacked tensor at a time, each dequantised on its own from
+    ``tensor.data[e]`` (the reader's data keeps the expert axis first for every ggml type), so
+    peak memory is one float32 expert slice on top of the memory-mapped file."""
+    import gguf
+
+    for e, hf_name in enumerate(names):
+        w = gguf.quants.dequantize(tensor.data[e], tensor.tensor_type)
+        yield hf_name, _owned(np.asarray(w, dtype=np.float32), tensor.data)
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -175,8 +378,10 @@ def iterate_gguf_weights(path: Any, config: Any, progress: bool = True) -> Itera
 
     Each tensor is dequantised with ``gguf.quants.dequantize`` to float32, mapped with
     `gguf_to_hf_name` and post-processed (q/k un-permutation, Gemma norm offset).
-    Tensors are produced one at a time, so peak host memory is one float32 tensor on top of
-    the memory-mapped file.
+    A stacked expert tensor (``blk.N.ffn_{gate,up,down}_exps``) yields one HF tensor per
+    expert (`gguf_expert_hf_names`): ``[I, H]`` for gate/up, ``[H, I]`` for down.
+    Tensors are produced one at a time, so peak host memory is one float32 tensor (one
+    expert for stacked ones) on top of the memory-mapped file.
 
     Args:
         path: the ``.gguf`` file, or an open ``gguf.GGUFReader`` (parsing the metadata of
@@ -186,7 +391,8 @@ def iterate_gguf_weights(path: Any, config: Any, progress: bool = True) -> Itera
         progress: show a tqdm progress bar.
 
     Raises:
-        ValueError: for an unsupported ``model_type``.
+        ValueError: for an unsupported ``model_type``, or a stacked expert tensor whose shape
+            does not match the config's experts, intermediate and hidden sizes.
         KeyError: for a tensor without a name mapping.
     """
     import gguf
@@ -197,11 +403,13 @@ def iterate_gguf_weights(path: Any, config: Any, progress: bool = True) -> Itera
     reader = path if isinstance(path, gguf.GGUFReader) else gguf.GGUFReader(path)
     desc = f"Loading {os.path.basename(str(getattr(reader.data, 'filename', 'GGUF')))}"
     for tensor in tqdm(reader.tensors, desc=desc, disable=not progress, unit="tensor"):
+        m = _BLOCK_RE.match(tensor.name)
+        if m and m.group(2) in spec.expert_names:
+            num = _check_expert_shape(tensor, spec, config)
+            yield from _iterate_experts(tensor, gguf_expert_hf_names(tensor.name, spec, num))
+            continue
         hf_name = gguf_to_hf_name(tensor.name, spec)
         if hf_name is None:
             continue
         w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        w = process(hf_name, np.asarray(w, dtype=np.float32))
-        if np.may_share_memory(w, tensor.data) or not (w.flags.writeable and w.flags.c_contiguous):
-            w = np.array(w, dtype=np.float32, copy=True)  # never alias the mapped file
-        yield hf_name, torch.from_numpy(w)
+        yield hf_name, _owned(process(hf_name, np.asarray(w, dtype=np.float32)), tensor.data)

@@ -35,7 +35,12 @@ pairs de-interleaved (evens then odds), a fixed permutation applied to both ``q_
 V3 with ``rope_interleave=False`` rotates halves (neox style). YaRN's cos/sin attention
 factor and the softmax ``mscale ** 2`` come from `attnserve.models.layers.rotary`.
 
-MoE layers are not implemented: a config with routed experts in some layer is refused.
+Feed-forward: layer ``i`` is a mixture of experts (`SparseMoeBlock`: routed experts chosen
+by the router of `routing_config_from_hf`, plus ``n_shared_experts`` shared ones) when
+``n_routed_experts`` is set, ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``
+(HF's rule is the first two; every released config has ``moe_layer_freq`` 1), else a dense
+SwiGLU MLP of ``intermediate_size``. Routers take their logits in float32 (HF
+``DeepseekV2TopkRouter`` / ``DeepseekV3TopkRouter``); V3's add ``e_score_correction_bias``.
 """
 
 from __future__ import annotations
@@ -60,27 +65,36 @@ from attnserve.models.layers.parallel import (
 )
 from attnserve.models.layers.norm import RMSNorm
 from attnserve.models.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config, yarn_softmax_mscale
+from attnserve.models.layers.moe.routing import routing_config_from_hf
+from attnserve.models.layers.moe.sparse_block import (
+    SparseMoeBlock,
+    check_experts_complete,
+    is_expert_param,
+    route_expert_tensors,
+)
 from attnserve.models.llama import LlamaMLP
 
-def check_dense_only(config: Any) -> None:
-    """Refuse configs with MoE layers (SGLang's rule: layer ``i`` is MoE when
-    ``n_routed_experts`` is set, ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``).
-
-    Raises:
-        ValueError: when any layer would be MoE.
-    """
-    n_experts = getattr(config, "n_routed_experts", None)
-    if not n_experts:
-        return
+def layer_is_moe(config: Any, layer_id: int) -> bool:
+    """Whether layer ``layer_id`` has routed experts (see the module docstring)."""
+    if not getattr(config, "n_routed_experts", None):
+        return False
     first_dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
     freq = int(getattr(config, "moe_layer_freq", 1) or 1)
-    moe = [i for i in range(config.num_hidden_layers) if i >= first_dense and i % freq == 0]
-    if moe:
-        raise ValueError(
-            f"MoE layers are not supported yet; set first_k_dense_replace >= num_hidden_layers "
-            f"(n_routed_experts={n_experts}, first_k_dense_replace={first_dense}, "
-            f"num_hidden_layers={config.num_hidden_layers}: layers {moe[:4]}{'...' if len(moe) > 4 else ''} are MoE)"
-        )
+    return layer_id >= first_dense and layer_id % freq == 0
+
+
+def deepseek_moe_block(config: Any, dtype: torch.dtype, tp: Optional[TPGroup]) -> SparseMoeBlock:
+    """The MoE feed-forward of a DeepSeek-V2/V3 layer (HF ``DeepseekV2Moe`` / ``DeepseekV3MoE``).
+
+    Raises:
+        ValueError: an unsupported routing method or a ``--tp-size`` that does not divide
+            ``moe_intermediate_size``.
+    """
+    v3 = getattr(config, "model_type", "") == "deepseek_v3"
+    inter = int(config.moe_intermediate_size)
+    return SparseMoeBlock(config.hidden_size, int(config.n_routed_experts), inter, routing_config_from_hf(config),
+                          dtype, tp, shared_intermediate_size=inter * int(getattr(config, "n_shared_experts", 0) or 0),
+                          correction_bias=v3, float32_logits=True)
 
 
 class DeepseekV2AttentionMLA(nn.Module):
@@ -189,15 +203,19 @@ class DeepseekV2AttentionMLA(nn.Module):
 
 
 class DeepseekV2DecoderLayer(nn.Module):
-    """Pre-norm block: MLA then a dense SwiGLU MLP; carries the residual stream separately."""
+    """Pre-norm block: MLA then a dense SwiGLU MLP or a `SparseMoeBlock`; carries the
+    residual stream separately."""
 
     def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
                  tp: Optional[TPGroup] = None):
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = DeepseekV2AttentionMLA(config, layer_id, rotary_emb, dtype, tp)
-        bias = bool(getattr(config, "mlp_bias", False))
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias, dtype, tp)
+        if layer_is_moe(config, layer_id):
+            self.mlp = deepseek_moe_block(config, dtype, tp)
+        else:
+            self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)),
+                                dtype, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
 
@@ -237,7 +255,7 @@ class DeepseekV2Model(nn.Module):
 
 
 class DeepseekV2ForCausalLM(nn.Module):
-    """DeepSeek-V2 causal LM (dense layers) for the engine.
+    """DeepSeek-V2 causal LM for the engine.
 
     Args:
         config: HF ``DeepseekV2Config``-like: ``hidden_size``, ``intermediate_size``,
@@ -246,13 +264,16 @@ class DeepseekV2ForCausalLM(nn.Module):
             ``v_head_dim``, ``rms_norm_eps``, ``rope_parameters`` / ``rope_theta`` +
             ``rope_scaling`` (default or yarn), ``max_position_embeddings``,
             ``vocab_size``, ``tie_word_embeddings``, ``attention_bias``, ``mlp_bias``,
-            ``hidden_act`` (silu), MoE fields (``n_routed_experts``,
-            ``first_k_dense_replace``, ``moe_layer_freq``).
+            ``hidden_act`` (silu), MoE fields (``n_routed_experts``, ``num_experts_per_tok``,
+            ``moe_intermediate_size``, ``n_shared_experts``, ``first_k_dense_replace``,
+            ``moe_layer_freq``, ``topk_method``, ``n_group``, ``topk_group``,
+            ``norm_topk_prob``, ``routed_scaling_factor``).
         dtype: parameter dtype (parameters are uninitialised until `load_weights` or
             `init_dummy_weights`; built on the current default device).
 
     Raises:
-        ValueError: MoE layers in the config, or an activation other than silu.
+        ValueError: an unsupported routing method, a ``--tp-size`` that does not divide an
+            intermediate size, or an activation other than silu.
 
     The KV cache is an `MLATokenToKVPool` of ``kv_lora_rank + qk_rope_head_dim`` per token
     and layer (`ModelConfig` reports ``attention_arch == "mla"``).
@@ -265,7 +286,6 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
         super().__init__()
-        check_dense_only(config)
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"DeepSeek MLP activation {act!r} is not supported (only silu)")
@@ -300,45 +320,48 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
-        """Copy HF-named tensors into the parameters; ``mlp.gate_proj`` / ``mlp.up_proj`` go to
-        the halves of the fused ``mlp.gate_up_proj``. Layers past ``num_hidden_layers`` (the
+        """Copy HF-named tensors into the parameters; ``gate_proj`` / ``up_proj`` (dense and
+        shared-expert MLPs) go to the halves of the fused ``gate_up_proj``, routed experts'
+        tensors to their `FusedMoE`. Layers past ``num_hidden_layers`` (the
         multi-token-prediction layer of V3 checkpoints) are skipped.
 
         Returns:
             names of the parameters written.
 
         Raises:
-            KeyError: a tensor that matches no parameter (e.g. MoE experts, FP8 scales).
-            ValueError: a shape mismatch, or parameters left without a weight.
+            KeyError: a tensor that matches no parameter (e.g. FP8 scales).
+            ValueError: a shape mismatch, parameters left without a weight, or a missing
+                expert tensor.
         """
         params: Dict[str, nn.Parameter] = dict(self.named_parameters())
         n_layers = self.config.num_hidden_layers
         filled: Dict[str, Set[int]] = {}
-        for name, tensor in weights:
+        kept = ((n, t) for n, t in weights
+                if not (n.startswith("model.layers.") and int(n.split(".")[2]) >= n_layers))
+        experts: Set[Tuple[str, int, str]] = set()
+        for name, tensor in route_expert_tensors(self, kept, experts):
             if name.endswith(self.ignored_weight_suffixes):
                 continue
             if name.startswith("lm_head.") and self.tie_word_embeddings:
                 continue
-            parts = name.split(".")
-            if name.startswith("model.layers.") and int(parts[2]) >= n_layers:
-                continue
             target, shard = name, None
             for i, hf in enumerate(("gate_proj", "up_proj")):
-                if f".mlp.{hf}." in name:
-                    target, shard = name.replace(f".mlp.{hf}.", ".mlp.gate_up_proj."), i
+                if f".{hf}." in name:
+                    target, shard = name.replace(f".{hf}.", ".gate_up_proj."), i
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
             load_param(params[target], tensor, name, part=shard)
             filled.setdefault(target, set()).add(-1 if shard is None else shard)
-        missing = [n for n in params if filled.get(n) not in ({-1}, {0, 1})]
+        check_experts_complete(self, experts)
+        missing = [n for n in params if not is_expert_param(n) and filled.get(n) not in ({-1}, {0, 1})]
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ValueError(f"checkpoint left {len(missing)} parameters unset: {shown}")
-        return set(filled)
+        return set(filled) | {n for n in params if is_expert_param(n)}
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
-    """DeepSeek-V3 layout (dense layers only): same MLA as V2; ``rope_interleave=False``
+    """DeepSeek-V3 layout: same MLA as V2, sigmoid routing with a correction bias; ``rope_interleave=False``
     selects half-split (neox) rotation, the default ``True`` interleaved pairs."""
 
     def _neox_rope(self, config: Any) -> bool:

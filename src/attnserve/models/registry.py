@@ -19,6 +19,8 @@ _MODELS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM", ("qwen3",)),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM", ("deepseek_v2",)),
     "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM", ("deepseek_v3",)),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM", ("qwen3_moe",)),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM", ("mixtral",)),
 }
 
 #: architecture -> "module:Class" (static; see `_MODELS`)
