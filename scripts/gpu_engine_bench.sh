@@ -7,6 +7,8 @@
 #   spec      benchmarks/speculative_gpu.py
 #   fp8       benchmarks/fp8_kv.py
 #   profile   benchmarks/profile_host.py (cProfile of the host at 256 running requests, Qwen3-0.6B shape)
+#   moe       bench.offline --dataset random, the mixed 256-request workload on the MoE shapes
+#             (deepseek-v2-lite, qwen3-30b-a3b; MOE_MODELS, MOE_ARGS e.g. --tp-size 2 for mixtral-8x7b)
 #   serving   scripts/serving_vs_offline.sh: the server path against the offline engine, both shapes
 #             (needs the server wheels carried in .whl/serving, see the device README)
 #   bash scripts/gpu_engine_bench.sh roofline [loop spec fp8]
@@ -26,6 +28,10 @@ for what in "${@:-roofline}"; do
         --random-output-len 256 --random-range-ratio 1 2>&1 | grep -v INFO | tee "$OUT/roofline_fixed64.log"
       timeout 200 $offline --tag fixed1 --models llama-3-8b --num-prompts 1 --random-input-len 512 \
         --random-output-len 256 --random-range-ratio 1 2>&1 | grep -v INFO | tee "$OUT/roofline_fixed1.log" ;;
+    moe)
+      timeout "${MOE_TIMEOUT:-420}" $offline --tag moe-mixed --models ${MOE_MODELS:-deepseek-v2-lite qwen3-30b-a3b} \
+        --num-prompts 256 --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.098 \
+        ${MOE_ARGS:-} 2>&1 | grep -v INFO | tee "$OUT/roofline_moe.log" ;;
     loop)
       timeout "${LOOP_TIMEOUT:-500}" python3 -m attnserve.bench.offline --device cuda --load-format dummy --out "$OUT" \
         ${LOOP_ARGS:-} 2>&1 | tee "$OUT/offline.log" | tail -40 ;;
@@ -42,6 +48,6 @@ for what in "${@:-roofline}"; do
       for shape in ${SERVING_SHAPES:-qwen3-0.6b llama-3-8b}; do
         timeout "${SERVING_TIMEOUT:-280}" bash scripts/serving_vs_offline.sh "$OUT" "$shape" ${SERVING_MODES:-on}
       done ;;
-    *) echo "unknown mode $what (roofline loop spec fp8 profile serving)"; exit 2 ;;
+    *) echo "unknown mode $what (roofline moe loop spec fp8 profile serving)"; exit 2 ;;
   esac
 done

@@ -62,3 +62,35 @@ def test_from_runner_counts_an_untied_embedding_out(tmp_path):
     assert rm.weight_bytes == rm.params * 4  # float32 on CPU
     mc = llm.engine.model_config
     assert rm.kv_bytes_per_token == mc.num_hidden_layers * mc.num_key_value_heads * 2 * mc.head_dim * 4
+
+
+def test_moe_counts_distinct_experts_and_active_params():
+    # one MoE layer of E = 4 experts, top 2, 100 params (200 bytes) an expert
+    moe = RooflineModel(params=1000, weight_bytes=2000, num_layers=2, num_q_heads=4, head_dim=8,
+                        kv_bytes_per_token=64, moe_layers=1, num_experts=4, top_k=2, expert_params=100,
+                        expert_bytes=200)
+    assert moe.active_params == 1000 + 2 * 100
+    # D(1) = 4 (1 - 1/2) = 2 experts; D(2) = 4 (1 - 1/4) = 3; D(n) -> 4
+    assert moe.distinct_experts(1) == pytest.approx(2.0)
+    assert moe.distinct_experts(2) == pytest.approx(3.0)
+    assert moe.distinct_experts(64) == pytest.approx(4.0)
+    assert moe.step_weight_bytes(2) == pytest.approx(2000 + 3 * 200)
+    # isl 10 / osl 1 and isl 4 / osl 1: prefill 2*1200*14 + 2*64*(100+16); one step of 2 tokens, ctx 14
+    r = workload_roofline(moe, [10, 4], [1, 1], BW, F)
+    assert r.prefill_s == pytest.approx((2 * 1200 * 14 + 2 * 64 * 116) / F)
+    assert r.decode_s == pytest.approx((2000 + 600 + 14 * 64) / BW)
+
+
+def test_from_runner_counts_experts_apart():
+    from attnserve.engine.llm import LLM
+
+    with LLM("qwen3-moe-tiny", load_format="dummy", device="cpu", context_length=64) as llm:
+        model = llm.engine.model_runner.model
+        rm = RooflineModel.from_runner(llm.engine.model_runner)
+    cfg = model.config
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    sparse = cfg.num_hidden_layers - len(cfg.mlp_only_layers)
+    total = sum(p.numel() for p in model.parameters())
+    assert (rm.moe_layers, rm.num_experts, rm.top_k, rm.expert_params) == (sparse, 8, 2, per_expert)
+    assert rm.params == total - model.model.embed_tokens.weight.numel() - sparse * 8 * per_expert
+    assert rm.expert_bytes == per_expert * 4

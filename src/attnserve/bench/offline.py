@@ -301,6 +301,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-running-requests", type=int, default=None, help="random dataset: engine flag")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None, help="random dataset: engine flag")
     ap.add_argument("--chunked-prefill-size", type=int, default=None, help="random dataset: engine flag")
+    ap.add_argument("--tp-size", type=int, default=None,
+                    help="random dataset: engine flag (the floor is then one rank's share of the work)")
     ap.add_argument("--tag", default=None, help="random dataset: suffix of the result file's kind")
     args = ap.parse_args(argv)
     if args.repeat < 1:

@@ -20,6 +20,14 @@ the LM head). ``L``, ``Hq`` and ``D`` are the layers, query heads and query/key 
 ``kv_bytes_per_token`` is the KV cache's bytes per token over all layers in its storage
 dtype (half for FP8). The rule is the one issue 33 fixes for ``bench.offline``; it is a
 floor, not a prediction: real kernels reach 80-95% of these rates.
+
+**Mixture of experts** (issue 34): ``P`` and ``W`` hold the dense part only; each of the
+``L_moe`` MoE layers adds, per token, ``top_k`` experts of ``p_e`` parameters to the FLOPs
+(``P_active = P + L_moe * top_k * p_e``), and a decode step of ``n`` tokens reads the
+*distinct* experts its tokens chose: ``L_moe * D(n) * b_e`` bytes, with
+``D(n) = E * (1 - (1 - top_k / E) ** n)`` the expected number of distinct experts when every
+token picks ``top_k`` of ``E`` uniformly (the routing of random weights; a trained router
+is less uniform, so fewer distinct experts and a lower floor).
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ class RooflineModel:
         weight_bytes: ``W``, their bytes as stored.
         num_layers / num_q_heads / head_dim: ``L``, ``Hq``, ``D`` (query/key head size).
         kv_bytes_per_token: KV cache bytes of one token over all layers.
+        moe_layers / num_experts / top_k: ``L_moe``, ``E``, ``top_k`` (0: a dense model).
+        expert_params / expert_bytes: ``p_e`` and ``b_e``, one expert of one layer.
     """
 
     params: int
@@ -47,11 +57,35 @@ class RooflineModel:
     num_q_heads: int
     head_dim: int
     kv_bytes_per_token: int
+    moe_layers: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    expert_params: int = 0
+    expert_bytes: int = 0
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token multiplies by: the dense part plus ``top_k`` experts a layer."""
+        return self.params + self.moe_layers * self.top_k * self.expert_params
+
+    def distinct_experts(self, n: int) -> float:
+        """Expected distinct experts one MoE layer reads for ``n`` tokens (uniform routing)."""
+        if not self.moe_layers or n <= 0:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** n)
+
+    def step_weight_bytes(self, n: int) -> float:
+        """Weight bytes a decode step of ``n`` tokens reads: dense part plus distinct experts."""
+        return self.weight_bytes + self.moe_layers * self.distinct_experts(n) * self.expert_bytes
 
     @classmethod
     def from_runner(cls, runner) -> "RooflineModel":
         """From a `ModelRunner` on one device: its model's parameters (each storage once,
-        the input embedding left out unless it is also the LM head) and KV pool dtype."""
+        the input embedding left out unless it is also the LM head; routed experts counted
+        per expert) and KV pool dtype."""
+        from attnserve.models.layers.moe.layer import FusedMoE
+        from attnserve.models.layers.moe.sparse_block import SparseMoeBlock
+
         model, mc = runner.model, runner.model_config
         skip = set()
         inner = getattr(model, "model", None)
@@ -59,6 +93,16 @@ class RooflineModel:
         tied = getattr(model, "lm_head", None) is None
         if embed is not None and not tied:
             skip = {p.data_ptr() for p in embed.parameters()}
+        moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        expert_params = expert_bytes = 0
+        for m in moe:
+            for p in (m.w13_weight, m.w2_weight):
+                skip.add(p.data_ptr())
+        if moe:
+            first = moe[0]
+            expert_params = (first.w13_weight[0].numel() + first.w2_weight[0].numel())
+            expert_bytes = expert_params * first.w13_weight.element_size()
         seen, params, nbytes = set(), 0, 0
         for p in model.parameters():
             ptr = p.data_ptr()
@@ -67,9 +111,16 @@ class RooflineModel:
             seen.add(ptr)
             params += p.numel()
             nbytes += p.numel() * p.element_size()
+        # under tensor parallelism: rank 0's shard of the weights, heads and KV (every rank
+        # works in parallel on its own, so this is the floor of the whole group)
+        heads = getattr(runner, "tp_q_head_num", mc.num_attention_heads)
+        kv_heads = getattr(runner, "tp_k_head_num", None) if not mc.is_mla else None
         return cls(params=params, weight_bytes=nbytes, num_layers=mc.num_hidden_layers,
-                   num_q_heads=mc.num_attention_heads, head_dim=mc.head_dim,
-                   kv_bytes_per_token=mc.kv_cache_bytes_per_token(runner.kv_cache_dtype))
+                   num_q_heads=heads, head_dim=mc.head_dim,
+                   kv_bytes_per_token=mc.kv_cache_bytes_per_token(runner.kv_cache_dtype, kv_heads),
+                   moe_layers=len(moe), num_experts=moe[0].num_experts if moe else 0,
+                   top_k=blocks[0].routing.top_k if blocks else 0, expert_params=expert_params,
+                   expert_bytes=expert_bytes)
 
 
 @dataclass(frozen=True)
@@ -105,15 +156,15 @@ def workload_roofline(model: RooflineModel, input_lens: Sequence[int], output_le
     if copy_bytes_per_s <= 0 or matmul_flops_per_s <= 0:
         raise ValueError("the copy and matmul rates must be > 0")
     attn = model.num_layers * model.num_q_heads * model.head_dim
-    prefill = float(np.sum(2.0 * model.params * isl + 2.0 * attn * isl * isl)) / matmul_flops_per_s
+    prefill = float(np.sum(2.0 * model.active_params * isl + 2.0 * attn * isl * isl)) / matmul_flops_per_s
     steps = int(osl.max()) if osl.size else 0
     decode = 0.0
     for s in range(steps):
         running = osl > s
         n = int(running.sum())
         ctx = float(np.sum(isl[running] + s))
-        mem = (model.weight_bytes + ctx * model.kv_bytes_per_token) / copy_bytes_per_s
-        flops = (2.0 * model.params * n + 4.0 * attn * ctx) / matmul_flops_per_s
+        mem = (model.step_weight_bytes(n) + ctx * model.kv_bytes_per_token) / copy_bytes_per_s
+        flops = (2.0 * model.active_params * n + 4.0 * attn * ctx) / matmul_flops_per_s
         decode += max(mem, flops)
     return Roofline(prefill_s=prefill, decode_s=decode, decode_steps=steps)
 
