@@ -1,0 +1,156 @@
+"""Speed of the fused MoE layer (`fused_experts_triton`) against the device's own ceilings (issue 34).
+
+``PYTHONPATH=src:benchmarks python benchmarks/moe_layer.py --output RESULT.json [--shapes ...]
+[--batches 1 2 4 ... 256] [--prefill-tokens 8192] [--budget-s 100]``
+
+Shapes: `moe_tune.SHAPES` (Qwen3-30B-A3B, DeepSeek-V2-Lite, Mixtral-8x7B at tp 1 and 2),
+bfloat16 dummy weights (N(0, 0.02)), uniform random top-k routing, softmax weights. The
+launch configurations are whatever `fused_experts_triton` looks up (a tuned table in
+``$ATTNSERVE_MOE_CONFIG_DIR`` or the package, else the default rule); the JSON records
+which, per case.
+
+* **Decode**, batches 1..256: µs per layer call (alignment, gate-up, down, top-k sum) from
+  a CUDA graph of back-to-back calls cycling through 4 routings (different experts from
+  call to call; each shape's weights exceed the 50 MB L2), median of 10 replays. The
+  floor is the bytes of the *distinct* experts each routing selects (counted on the
+  device with ``torch.unique``; ``3 H I`` weights an expert) over the device-to-device
+  copy rate measured in this run (bytes read + written, `measure_device_rates`);
+  ``share = floor / time`` (the issue's target: >= 0.70). The alignment alone is timed
+  the same way (``align_us``).
+* **Prefill**, ``--prefill-tokens`` (8192): ms per call (a CUDA graph of two calls, median
+  of 7 replays: the device time, without the host's launch cost, which an eager layer
+  stack hides behind the device's work), FLOPs ``2 T top_k (2 I H + I H)`` (the gate-up and down GEMMs),
+  ``share`` of the bf16 8192^3 ``torch.matmul`` rate measured in this run (target >= 0.55).
+
+Every case is also checked against `fused_experts_native` (float32 loop over experts):
+``max_rel_err = max |ours - native| / max |native|`` (bf16 roundings: ~1e-2 at most).
+No peer is timed (a PyTorch loop over experts is no peer); the ceilings are reported.
+Writes the JSON after every shape (date, device, torch / triton / CUDA versions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from moe_tune import DEV, DTYPE, SHAPES, graph_us, random_routing
+
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def _rel_err(out: torch.Tensor, x, w13, w2, w, ids) -> float:
+    """``max |out - native| / max |native|`` (`fused_experts_native`); NaN if that path is unavailable."""
+    try:
+        from attnserve.models.layers.moe.native import fused_experts_native
+    except Exception:  # the reference path belongs to another module; the timing does not need it
+        return float("nan")
+    ref = fused_experts_native(x, w13, w2, w, ids).float()
+    return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def bench_shape(name: str, batches, prefill_tokens: int, rates: dict, deadline: float, seed: int = 1) -> dict:
+    from attnserve.models.layers.moe import align as align_mod
+    from attnserve.models.layers.moe.align import moe_align_block_size
+    from attnserve.models.layers.moe.fused_moe_triton import fused_experts_triton
+    from attnserve.models.layers.moe.tuned_configs import get_fused_moe_config, load_tuned_configs
+
+    sh = SHAPES[name]
+    e, h, inter, k = sh["E"], sh["H"], sh["I"], sh["top_k"]
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    w13 = (torch.randn(e, 2 * inter, h, device=DEV, generator=gen) * 0.02).to(DTYPE)
+    w2 = (torch.randn(e, h, inter, device=DEV, generator=gen) * 0.02).to(DTYPE)
+    expert_bytes = 3 * h * inter * w13.element_size()
+    dev = torch.device(DEV)
+    tuned = load_tuned_configs(e, inter, h, DTYPE, torch.cuda.get_device_name()) is not None
+    res = {"shape": name, **sh, "expert_bytes": expert_bytes, "tuned_table": tuned, "decode": [], "prefill": None}
+    for bs in batches:
+        if time.time() > deadline:
+            print(f"  {name}: budget spent at batch {bs}", flush=True)
+            break
+        routs = [random_routing(bs, e, k, gen) for _ in range(4)]
+        xs = [torch.randn(bs, h, device=DEV, generator=gen).to(DTYPE) for _ in routs]
+        fns = [(lambda x=x, w=w, ids=ids: fused_experts_triton(x, w13, w2, w, ids)) for x, (w, ids) in zip(xs, routs)]
+        cfg = get_fused_moe_config(bs, e, inter, h, k, DTYPE, dev)
+        for f in fns:
+            f()
+        torch.cuda.synchronize()
+        us = graph_us(fns, est_us=50.0, replays=10)
+        aligns = [(lambda ids=ids: moe_align_block_size(ids, cfg.block_m, e)) for _, ids in routs]
+        align_us = graph_us(aligns, est_us=5.0, replays=10)  # for one token the layer skips it
+        align_form = "none" if bs == 1 else ("single" if bs * k <= align_mod.SMALL_ALIGN_MAX_SLOTS else "multi")
+        distinct = [torch.unique(ids).numel() for _, ids in routs]
+        floor_us = statistics.mean(distinct) * expert_bytes / rates["copy_bytes_per_s"] * 1e6
+        err = max(_rel_err(f(), x, w13, w2, w, ids) for f, x, (w, ids) in zip(fns, xs, routs))
+        row = dict(batch=bs, us=round(us, 2), align_us=round(align_us, 2), align_form=align_form,
+                   distinct_experts=statistics.mean(distinct),
+                   floor_us=round(floor_us, 2), share=round(floor_us / us, 3),
+                   weight_tbps=round(statistics.mean(distinct) * expert_bytes / us / 1e6, 3),
+                   max_rel_err=float(f"{err:.3g}"), config=cfg.to_dict())
+        res["decode"].append(row)
+        print(f"  {name} bs={bs:4d}: {us:8.1f} us (align {align_us:.1f}), {row['distinct_experts']:.1f} experts, "
+              f"floor {floor_us:.1f} us, share {row['share']:.2f}, err {err:.1e}, BM {cfg.block_m}", flush=True)
+    if prefill_tokens and time.time() < deadline:
+        t = prefill_tokens
+        w, ids = random_routing(t, e, k, gen)
+        x = torch.randn(t, h, device=DEV, generator=gen).to(DTYPE)
+        cfg = get_fused_moe_config(t, e, inter, h, k, DTYPE, dev)
+        fn = lambda: fused_experts_triton(x, w13, w2, w, ids)  # noqa: E731
+        out = fn()
+        torch.cuda.synchronize()
+        ms = graph_us([fn], est_us=1000.0, replays=7) / 1e3
+        flops = 2.0 * t * k * 3 * inter * h
+        tflops = flops / (ms * 1e-3) / 1e12
+        err = _rel_err(out, x, w13, w2, w, ids)
+        res["prefill"] = dict(tokens=t, ms=round(ms, 4), tflops=round(tflops, 1),
+                              share=round(tflops * 1e12 / rates["matmul_flops_per_s"], 3),
+                              max_rel_err=float(f"{err:.3g}"), config=cfg.to_dict())
+        print(f"  {name} prefill {t}: {ms:.3f} ms, {tflops:.0f} TFLOP/s, share {res['prefill']['share']:.2f}, "
+              f"err {err:.1e}, BM {cfg.block_m}", flush=True)
+    del w13, w2
+    torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--output", required=True)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--batches", nargs="+", type=int, default=BATCHES)
+    p.add_argument("--prefill-tokens", type=int, default=8192)
+    p.add_argument("--budget-s", type=float, default=1e9)
+    p.add_argument("--seed", type=int, default=1, help="weights and routings")
+    args = p.parse_args()
+    import triton
+
+    from attnserve.bench.offline_random import measure_device_rates
+
+    t0 = time.time()
+    rates = measure_device_rates()
+    print(f"copy {rates['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + written), bf16 matmul "
+          f"{rates['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    out = {"date": dt.date.today().isoformat(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "cuda": torch.version.cuda, "dtype": str(DTYPE)[6:],
+           "ceilings": {"copy_tbps": round(rates["copy_bytes_per_s"] / 1e12, 3),
+                        "matmul_bf16_tflops": round(rates["matmul_flops_per_s"] / 1e12, 1)},
+           "targets": {"decode_share": 0.70, "prefill_share": 0.55}, "seed": args.seed, "shapes": []}
+    deadline = t0 + args.budget_s
+    for name in args.shapes:
+        out["shapes"].append(bench_shape(name, args.batches, args.prefill_tokens, rates, deadline, args.seed))
+        with open(args.output, "w") as f:
+            json.dump(out, f, indent=1)
+    print("\nshape                 " + " ".join(f"{b:>6d}" for b in args.batches) + "   prefill")
+    for r in out["shapes"]:
+        shares = {d["batch"]: d["share"] for d in r["decode"]}
+        pre = r["prefill"]["share"] if r["prefill"] else float("nan")
+        print(f"{r['shape']:<22}" + " ".join(f"{shares.get(b, float('nan')):6.2f}" for b in args.batches)
+              + f"   {pre:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""Fused MoE on Triton: permutation, grouped gate-up GEMM with SiLU-and-mul, grouped down GEMM, top-k sum.
+
+`fused_experts_triton` has the contract of ``native.fused_experts_native`` (see
+``moe_interface``): ``hidden_states [T, H]``, ``w13 [E, 2I, H]`` (rows ``[0, I)`` gate,
+``[I, 2I)`` up), ``w2 [E, H, I]``, ``topk_weights`` float32 ``[T, top_k]``, ``topk_ids``
+int32 ``[T, top_k]`` -> ``[T, H]`` in the hidden dtype, with
+
+    out[t] = sum_j topk_weights[t, j] * (silu(x_t W_g^T) * (x_t W_u^T)) W_2^T   (experts topk_ids[t, j]).
+
+Steps (the design of SGLang / vLLM ``fused_moe``, read for facts; our own code):
+
+1. `moe_align_block_size` lists the ``S = T * top_k`` slots grouped by expert, each
+   expert's run padded to ``BLOCK_SIZE_M``; ``expert_ids`` gives each block's expert.
+   A single token (``T == 1``, decode at batch 1) skips it: its ``top_k`` experts are
+   distinct, so each slot is its own block (``SLOT_BLOCKS``) and ``topk_ids`` itself is
+   the block-to-expert map -- one launch fewer (Qwen3-30B-A3B shape, batch 1, H100:
+   38.6 -> 33.3 µs a layer call, 2026-11-26).
+2. `fused_moe_kernel`, gated (gate-up): one program per (M block, column band); it loads
+   its block's expert id, gathers the activation rows ``slot // top_k`` and multiplies
+   them by ``BLOCK_SIZE_N`` rows of that expert's ``w13`` -- ``BLOCK_SIZE_N / 2`` gate rows
+   and the matching up rows, in one ``tl.dot``. The epilogue splits the float32
+   accumulator into gate and up halves (reshape / permute / split, as the epilogue
+   sub-tiling of Triton's persistent-matmul tutorial) and writes ``silu(g) * u``
+   ``[S, I]`` once, rounded to the storage dtype (no ``[S, 2I]`` intermediate).
+3. `fused_moe_kernel`, plain (down): rows of that intermediate (slot order) times the
+   expert's ``w2``; the epilogue multiplies by the routed weight in float32 and writes
+   ``[S, H]`` (top_k = 1: straight into the output).
+4. the top-k rows of each token are summed (``torch.sum`` over a ``[T, top_k, H]`` view;
+   ATen accumulates 16-bit inputs in float32 and rounds once).
+
+Blocks at or past ``num_tokens_post_padded`` exit at once; padded rows (sentinel ``S``)
+load nothing and store nothing. Weight rows past ``N`` are read wrapped (``% N``, always
+in bounds, no predicate on the weight stream) and never stored. Offsets are int64.
+Accumulation is float32; float32 weights use IEEE dots (no TF32). No host sync, static
+shapes, nothing but allocations and launches: CUDA-graph capturable.
+
+Launch parameters come from `tuned_configs` (tables per shape and device chosen by
+``benchmarks/moe_tune.py``; a rule of thumb otherwise). On the CPU the kernels run under
+the Triton interpreter (``TRITON_INTERPRET=1``); there ``tl.dot`` gets float32 operands
+(``DOT_UPCAST``: the interpreter's dot mishandles 16-bit operands).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from attnserve.models.layers.moe.align import moe_align_block_size
+from attnserve.models.layers.moe.tuned_configs import FusedMoEConfig, MoEGemmConfig, get_fused_moe_config
+from attnserve.triton_env import triton_interpreting
+
+__all__ = ["fused_experts_triton", "fused_moe_kernel", "invoke_fused_moe_kernel"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _silu(g):
+    """``g * sigmoid(g)`` from ``exp(-|g|)`` (in ``(0, 1]``: no overflow), float32."""
+    e = tl.exp(-tl.abs(g))
+    return g * tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@triton.jit(do_not_specialize=["num_m_blocks", "num_valid_tokens", "group_m", "num_experts"])
+def fused_moe_kernel(
+    a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+    N, K, num_m_blocks, num_valid_tokens, top_k, group_m, num_experts,
+    stride_am, stride_be, stride_bn, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, SLOT_BLOCKS: tl.constexpr = False,
+):
+    """Grouped GEMM over the aligned slots. Grid ``(num_m_blocks * cdiv(N, OUT_N),)``.
+
+    ``a`` ``[*, K]`` (row stride ``stride_am``, unit K stride): row ``slot // top_k`` feeds
+    slot ``slot``. ``b`` ``[E, rows, K]`` contiguous in K (``stride_be``, ``stride_bn``).
+    GATED: ``rows = 2N`` (gate rows then up rows), ``OUT_N = BLOCK_N / 2`` and
+    ``c[slot, n] = silu(a_s . b[e, n]) * (a_s . b[e, N + n])``; else ``rows = N``,
+    ``OUT_N = BLOCK_N`` and ``c[slot, n] = a_s . b[e, n]``, times
+    ``topk_weights[slot]`` (float) when MUL_ROUTED_WEIGHT. ``c`` ``[S, N]`` row stride
+    ``stride_cm``. EVEN_K: ``K % BLOCK_K == 0`` (no K masks).
+
+    SLOT_BLOCKS (no alignment): block ``m`` is slot ``m`` alone (row 0 of the tile; the
+    other rows are padding), ``expert_ids`` is the flat ``topk_ids`` and
+    ``num_m_blocks = S``; ``sorted_token_ids`` / ``num_tokens_post_padded`` are not read.
+    Ids outside ``[0, num_experts)`` write nothing.
+    """
+    OUT_N: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, OUT_N)
+    # grouped order: group_m consecutive M blocks share each column band (L2 reuse)
+    num_pid_in_group = group_m * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * group_m
+    group_size_m = tl.minimum(num_m_blocks - first_pid_m, group_m)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    if not SLOT_BLOCKS:
+        num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
+        if pid_m * BLOCK_M >= num_tokens_post_padded:
+            return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if SLOT_BLOCKS:
+        if (expert < 0) | (expert >= num_experts):
+            return
+        offs_token = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_valid_tokens)
+    else:
+        offs_token = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    token_mask = offs_token < num_valid_tokens
+    if GATED:
+        a_rows = offs_token // top_k
+    else:
+        a_rows = offs_token
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    j = tl.arange(0, BLOCK_N)
+    if GATED:
+        col = pid_n * OUT_N + (j % OUT_N)
+        w_row = (col % N) + (j // OUT_N) * N  # first half gate rows, second half the matching up rows
+    else:
+        w_row = (pid_n * BLOCK_N + j) % N
+    b_ptrs = b_ptr + expert * stride_be + w_row.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_mask = offs_k < K - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=token_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        if DOT_UPCAST:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    offs_cn = pid_n * OUT_N + tl.arange(0, OUT_N)
+    if GATED:
+        gu = tl.permute(tl.reshape(acc, (BLOCK_M, 2, OUT_N)), (0, 2, 1))
+        g, u = tl.split(gu)
+        out = _silu(g) * u
+    else:
+        out = acc
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0.0)
+        out = out * w.to(tl.float32)[:, None]
+    c_ptrs = c_ptr + offs_token.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :]
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=token_mask[:, None] & (offs_cn < N)[None, :])
+
+
+def invoke_fused_moe_kernel(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    c: torch.Tensor,
+    topk_weights: Optional[torch.Tensor],
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    top_k: int,
+    num_valid_tokens: int,
+    block_m: int,
+    gemm: MoEGemmConfig,
+    gated: bool,
+    slot_blocks: bool = False,
+) -> None:
+    """Launch `fused_moe_kernel` once (no checks; `fused_experts_triton` validates).
+
+    Args:
+        a: activations ``[rows, K]``, unit column stride; slot ``s`` reads row ``s // top_k``.
+        w: ``[E, 2N, K]`` (gated: gate rows then up rows) or ``[E, N, K]``, contiguous.
+        c: output ``[num_valid_tokens, N]``, unit column stride, a's dtype.
+        topk_weights: flat float ``[num_valid_tokens]`` routed weights multiplied in the
+            epilogue, or None.
+        sorted_token_ids, expert_ids, num_tokens_post_padded: `moe_align_block_size`'s
+            outputs for ``block_m``.
+        top_k: slots per activation row (1 when ``a`` is already in slot order).
+        num_valid_tokens: ``S``, the sentinel of ``sorted_token_ids``.
+        block_m: the M tile (the alignment's block size).
+        gemm: the rest of the launch parameters.
+        gated: gate-up with SiLU-and-mul (``N = w.shape[1] / 2``) or plain.
+        slot_blocks: no alignment: one block per slot, ``expert_ids`` = the flat int32
+            ``topk_ids`` (``sorted_token_ids`` and ``num_tokens_post_padded`` unused).
+    """
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    k = w.shape[2]
+    out_n = gemm.block_n // 2 if gated else gemm.block_n
+    num_m_blocks = expert_ids.numel()
+    grid = (num_m_blocks * triton.cdiv(n, out_n),)
+    interpret = a.device.type == "cpu"
+    fused_moe_kernel[grid](
+        a, w, c, topk_weights if topk_weights is not None else c, sorted_token_ids, expert_ids, num_tokens_post_padded,
+        n, k, num_m_blocks, num_valid_tokens, top_k, gemm.group_m, w.shape[0],
+        a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
+        GATED=bool(gated), MUL_ROUTED_WEIGHT=topk_weights is not None, EVEN_K=k % gemm.block_k == 0,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", DOT_UPCAST=interpret,
+        SLOT_BLOCKS=bool(slot_blocks), num_warps=gemm.num_warps, num_stages=gemm.num_stages,
+    )
+
+
+def _check(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
+    """Raise ValueError naming the first way the inputs break the contract."""
+    why = None
+    dev = hidden_states.device
+    if not (hidden_states.is_cuda or (dev.type == "cpu" and triton_interpreting())):
+        why = f"hidden_states is on {dev}; needs CUDA (or CPU under TRITON_INTERPRET=1)"
+    elif hidden_states.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        why = f"need hidden_states [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(hidden_states.shape)}, " \
+              f"{tuple(w13.shape)}, {tuple(w2.shape)}"
+    else:
+        t, h = hidden_states.shape
+        e, two_i, h13 = w13.shape
+        if two_i % 2 or h13 != h or tuple(w2.shape) != (e, h, two_i // 2):
+            why = f"shapes hidden_states {tuple(hidden_states.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} " \
+                  f"do not match [T, H], [E, 2I, H], [E, H, I]"
+        elif hidden_states.dtype not in _DTYPES or w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
+            why = f"dtypes hidden_states {hidden_states.dtype}, w13 {w13.dtype}, w2 {w2.dtype}: need one of " \
+                  f"float16/bfloat16/float32 for all three"
+        elif w13.device != dev or w2.device != dev or topk_weights.device != dev or topk_ids.device != dev:
+            why = "all tensors must be on one device"
+        elif not w13.is_contiguous() or not w2.is_contiguous():
+            why = "w13 and w2 must be contiguous"
+        elif topk_ids.dim() != 2 or topk_ids.shape[0] != t or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            why = f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [T={t}, top_k]"
+        elif topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool or not topk_weights.dtype.is_floating_point:
+            why = f"topk_ids must be integer ({topk_ids.dtype}) and topk_weights floating ({topk_weights.dtype})"
+    if why is not None:
+        raise ValueError(f"fused_experts_triton: {why}")
+
+
+def fused_experts_triton(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: Optional[Mapping] = None,
+) -> torch.Tensor:
+    """Routed-expert MLP of a MoE layer: alignment, gate-up, down, top-k sum (no alignment for one token).
+
+    Args:
+        hidden_states: ``[T, H]`` float16 / bfloat16 / float32, unit column stride, on CUDA
+            (or the CPU under ``TRITON_INTERPRET=1``).
+        w13: ``[E, 2I, H]`` contiguous, hidden's dtype: rows ``[0, I)`` gate (HF
+            ``gate_proj`` / Mixtral ``w1``), ``[I, 2I)`` up (``up_proj`` / ``w3``).
+        w2: ``[E, H, I]`` contiguous (``down_proj`` / ``w2``).
+        topk_weights: ``[T, top_k]`` routed weights (float32; any float dtype is read as float32).
+        topk_ids: ``[T, top_k]`` expert ids in ``[0, E)`` (int32; other integer dtypes are converted).
+        config: launch parameters as a `FusedMoEConfig` dict (nested or flat, see
+            `tuned_configs`); None: the tuned table for this shape and device, else the
+            default rule.
+
+    Returns:
+        new ``[T, H]`` tensor in hidden's dtype: ``sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``,
+        each GEMM accumulated in float32; the gated intermediate and the per-slot outputs
+        are rounded to the storage dtype once each, the top-k sum accumulates in float32.
+
+    Raises:
+        ValueError: shapes, dtypes, devices or layouts outside the above, or an invalid config.
+    """
+    _check(hidden_states, w13, w2, topk_weights, topk_ids)
+    if hidden_states.stride(1) != 1:
+        hidden_states = hidden_states.contiguous()
+    t, h = hidden_states.shape
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    dtype, dev = hidden_states.dtype, hidden_states.device
+    if t == 0 or top_k == 0:
+        return torch.zeros((t, h), dtype=dtype, device=dev)
+    if config is None:
+        cfg = get_fused_moe_config(t, e, inter, h, top_k, dtype, dev)
+    elif isinstance(config, FusedMoEConfig):
+        cfg = config
+    else:
+        cfg = FusedMoEConfig.from_dict(config)
+    cfg.validate()
+    s = t * top_k
+    slot_blocks = t == 1  # one token: its top_k experts are distinct, so no slot shares a weight tile
+    if slot_blocks:
+        expert_ids = topk_ids.reshape(-1).to(torch.int32).contiguous()  # no copy for int32 [1, top_k]
+        sorted_ids = ntpp = expert_ids  # not read with slot blocks
+    else:
+        sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, cfg.block_m, e)
+    weights = topk_weights.reshape(-1)
+    if not weights.is_contiguous():
+        weights = weights.contiguous()
+    act = torch.empty((s, inter), dtype=dtype, device=dev)
+    invoke_fused_moe_kernel(hidden_states, w13, act, None, sorted_ids, expert_ids, ntpp, top_k, s, cfg.block_m,
+                            cfg.gemm1, gated=True, slot_blocks=slot_blocks)
+    per_slot = torch.empty((s, h), dtype=dtype, device=dev)
+    invoke_fused_moe_kernel(act, w2, per_slot, weights, sorted_ids, expert_ids, ntpp, 1, s, cfg.block_m,
+                            cfg.gemm2, gated=False, slot_blocks=slot_blocks)
+    if top_k == 1:
+        return per_slot
+    return per_slot.view(t, top_k, h).sum(dim=1)

@@ -1,0 +1,104 @@
+"""Float64 reference of the routed-expert MLP, with an element-wise rounding bound, and the
+invariants of `moe_align_block_size` (shared by tests/kernels/test_fused_moe.py and
+tests/gpu/test_fused_moe_gpu.py).
+
+The bound follows the path of the fused Triton layer (``fused_moe_triton``), in units of
+the storage dtype's unit roundoff ``u_s`` (2**-24 float32, 2**-11 float16, 2**-8
+bfloat16) and of ``gamma_n = n u / (1 - n u)``, ``u = 2**-24`` (float32 accumulation of
+``n`` terms in any order; Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd
+ed., eq. 3.5). For each slot (token ``t`` routed to expert ``e`` with weight ``w``):
+
+* gate ``g`` and up ``u`` are float32 dots of ``H`` terms: errors within
+  ``gamma_H |x| @ |W_g|^T`` and ``gamma_H |x| @ |W_u|^T``; since ``|silu'| <= 1.1``,
+  ``a = silu(g) u`` is off by at most
+  ``da = gamma_H (1.1 |u| (|x||W_g|) + |silu(g)| (|x||W_u|)) + (u_s + 4u) |a|``
+  (the last term: the one rounding of ``a`` to the storage dtype and the float32 exp-based
+  sigmoid);
+* ``y = a W_2^T`` (``I`` terms): ``dy <= da @ |W_2|^T + gamma_I (|a| + da) @ |W_2|^T``;
+* the slot ``w y`` is rounded to the storage dtype: ``|w| (dy + u_s (|y| + dy)) + u |w y|``;
+* the top-k sum (float32, ``k`` terms) and the final rounding: ``gamma_k sum |w y| + u_s |out|``.
+
+The sum of these is doubled (`SAFETY`) for the second-order terms left out. A real bug
+(a wrong expert, weight or row, a dropped K tile) moves an output by the size of a slot,
+orders of magnitude above the bound.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+U32 = 2.0**-24
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+SAFETY = 2.0
+
+
+def _gamma(n: int) -> float:
+    return n * U32 / (1 - n * U32)
+
+
+def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(out, bound)``: the exact (float64) routed-expert output ``[T, H]`` of the rounded
+    inputs, a loop over the experts, and the element-wise bound of the module docstring
+    for the fused layer in ``x``'s dtype."""
+    us = UNIT_ROUNDOFF[x.dtype]
+    t, h = x.shape
+    e_num, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    xd = x.double()
+    out = torch.zeros(t, h, dtype=torch.float64, device=x.device)
+    err = torch.zeros_like(out)
+    mag = torch.zeros_like(out)
+    ids = topk_ids.long()
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        xs = xd[tok]
+        w13e, w2e = w13[e].double(), w2[e].double()
+        wg, wu = w13e[:inter], w13e[inter:]
+        g, u = xs @ wg.T, xs @ wu.T
+        gm, um = xs.abs() @ wg.abs().T, xs.abs() @ wu.abs().T
+        sg = g * torch.sigmoid(g)
+        a = sg * u
+        da = _gamma(h) * (1.1 * u.abs() * gm + sg.abs() * um) + (us + 4 * U32) * a.abs()
+        y = a @ w2e.T
+        dy = da @ w2e.abs().T + _gamma(inter) * ((a.abs() + da) @ w2e.abs().T)
+        w = topk_weights[tok, slot].double()[:, None]
+        out.index_add_(0, tok, w * y)
+        err.index_add_(0, tok, w.abs() * (dy + us * (y.abs() + dy)) + U32 * (w * y).abs())
+        mag.index_add_(0, tok, (w * y).abs())
+    bound = SAFETY * (err + _gamma(top_k) * mag + us * out.abs()) + 1e-300
+    return out, bound
+
+
+def check_alignment(topk_ids: torch.Tensor, block_size: int, num_experts: int, sorted_token_ids: torch.Tensor,
+                    expert_ids: torch.Tensor, num_tokens_post_padded: torch.Tensor) -> None:
+    """Assert every property `moe_align_block_size` promises (slots with ids outside
+    ``[0, E)`` must be listed nowhere)."""
+    ids = topk_ids.reshape(-1).long().cpu()
+    s = ids.numel()
+    st, ex, ntpp = sorted_token_ids.cpu().long(), expert_ids.cpu().long(), int(num_tokens_post_padded.cpu()[0])
+    assert sorted_token_ids.dtype == torch.int32 and expert_ids.dtype == torch.int32
+    assert num_tokens_post_padded.dtype == torch.int32 and num_tokens_post_padded.shape == (1,)
+    max_len = s + min(num_experts, s) * (block_size - 1)
+    assert st.shape == (max_len,) and ex.shape == (max_len // block_size,)
+    valid = (ids >= 0) & (ids < num_experts)
+    counts = torch.bincount(ids[valid], minlength=num_experts)
+    padded = (counts + block_size - 1) // block_size * block_size
+    starts = torch.cumsum(padded, 0) - padded
+    assert ntpp == int(padded.sum()), (ntpp, int(padded.sum()))
+    listed = st[st < s]
+    assert ((st == s) | (st < s)).all(), "entries must be slots or the sentinel"
+    # every valid slot exactly once, invalid ones never
+    assert torch.equal(torch.sort(listed).values, torch.nonzero(valid).flatten())
+    assert (st[ntpp:] == s).all()
+    for e in range(num_experts):
+        run = st[starts[e]:starts[e] + padded[e]]
+        c = int(counts[e])
+        assert (ids[run[:c]] == e).all(), f"expert {e}: foreign slot in its run"
+        assert (run[c:] == s).all(), f"expert {e}: padding must be the sentinel"
+        blocks = ex[starts[e] // block_size:(starts[e] + padded[e]) // block_size]
+        assert (blocks == e).all(), f"expert {e}: block ids {blocks.tolist()}"
+    assert (ex[ntpp // block_size:] == -1).all()
