@@ -93,24 +93,12 @@ def gemm_cfg(c):
 
 
 def graph_us(fns: Sequence[Callable[[], object]], est_us: float, replays: int = REPLAYS) -> float:
-    """Median µs per call of a CUDA graph of back-to-back calls cycling through ``fns``."""
-    calls = len(fns) * max(1, math.ceil(min(32, max(1, TARGET_MS * 1e3 / max(est_us, 1.0))) / len(fns)))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
+    """Median µs per call of a CUDA graph of back-to-back calls cycling through ``fns``
+    (`common.bench_graph`), about ``TARGET_MS`` of work (at most 32 calls) a replay."""
+    from common import bench_graph
+
+    calls = max(1, math.ceil(min(32, max(1, TARGET_MS * 1e3 / max(est_us, 1.0)))))
+    return bench_graph(fns, min_calls=calls, replays=replays)
 
 
 def eager_us(fn) -> float:
