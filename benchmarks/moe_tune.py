@@ -39,7 +39,6 @@ import datetime as dt
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
