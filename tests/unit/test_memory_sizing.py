@@ -84,3 +84,22 @@ def test_small_models_get_a_longer_prefill_chunk():
     assert resolve_serving_limits(500_000, "cuda", h100, chunked_prefill_size=4096, params=596_049_920,
                                   num_layers=28).chunked_prefill_size == 4096  # the flag wins
     assert resolve_serving_limits(500_000, "cpu", params=596_049_920, num_layers=28).chunked_prefill_size == 8192
+
+
+def test_default_mem_fraction_static_reserves_like_sglang():
+    from attnserve.engine.memory_sizing import CPU_MEM_FRACTION_STATIC, default_mem_fraction_static
+
+    gib = 2**30
+    h100 = int(79.19 * gib)  # torch.cuda.mem_get_info total of an H100 80GB HBM3
+    # 9.5 GiB + 0.5 GiB per rank
+    assert default_mem_fraction_static(h100, 1) == round((79.19 - 10.0) / 79.19, 3)
+    assert default_mem_fraction_static(h100, 4) == round((79.19 - 11.5) / 79.19, 3)
+    assert default_mem_fraction_static(h100, 1, speculative=True) == round((79.19 - 12.0) / 79.19, 3)
+    h200 = int(139.8 * gib)  # 12 GiB + 0.5 per rank
+    assert default_mem_fraction_static(h200, 2) == round((139.8 - 13.0) / 139.8, 3)
+    assert default_mem_fraction_static(int(24 * gib)) == round((24 - 2.9) / 24, 3)
+    assert default_mem_fraction_static(0) == CPU_MEM_FRACTION_STATIC
+    # more memory left to weights + KV than the old fixed 0.8 on 24 GB, H100, H200 and B200
+    # cards; a 40 GB A100 keeps SGLang's 10 GiB reserve (0.75)
+    assert all(default_mem_fraction_static(int(g * gib)) > 0.8 for g in (24, 79.19, 139.8, 180))
+    assert default_mem_fraction_static(int(40 * gib)) == 0.75

@@ -8,6 +8,11 @@ passes no flag still fills the GPU. attnserve does the same, with these rules:
 * **KV pool** (`kv_pool_tokens`): every byte of the static budget that the weights and the
   attention workspace leave, ``free - total * (1 - mem_fraction_static) - workspace``,
   divided by the KV bytes of one token. It does not depend on ``max_running_requests``.
+* **Static fraction** (`default_mem_fraction_static`): the card's memory less a reserve for
+  activations, CUDA graphs and the allocator, by card size as SGLang's ``ServerArgs``
+  reserves it (H100 80 GB: 9.5 GiB + 0.5 GiB per rank, so 0.874 at tp 1; 141 GB cards
+  12 GiB + 0.5 per rank; 2 GiB more with a draft model). A fixed 0.8 left a 61 GB MoE
+  model (Qwen3-30B-A3B) 4 GB of KV on an 80 GB card.
 * **Running requests** (`default_max_running_requests`): ``pool_tokens // 64`` (room for
   every running request to hold 64 tokens of KV), at least 1 and at most
   `MAX_RUNNING_REQUESTS_CAP` (1024). Admission still checks each request's KV need, so the
@@ -46,6 +51,32 @@ CPU_MAX_RUNNING_REQUESTS = 64
 CPU_CHUNKED_PREFILL_SIZE = 8192
 
 #: (total GPU memory below this many GiB, chunked_prefill_size, cuda_graph_max_bs), first match wins
+#: ``(card GiB below, reserve GiB, reserve GiB per rank)`` (SGLang's ``ServerArgs`` reserve)
+MEMORY_RESERVE_TIERS: Tuple[Tuple[float, float, float], ...] = (
+    (35.0, 2.8, 0.1),
+    (90.0, 9.5, 0.5),  # H100 80 GB, A100
+    (160.0, 12.0, 0.5),  # H200 141 GB, H20
+    (float("inf"), 32.0, 0.0),  # B200, MI300
+)
+#: fraction on the CPU (its "memory" is the KV budget of `CPU_DEFAULT_MAX_TOTAL_TOKENS`)
+CPU_MEM_FRACTION_STATIC = 0.8
+#: extra reserve for a draft model's graphs and buffers (GiB)
+SPECULATIVE_RESERVE_GIB = 2.0
+
+
+def default_mem_fraction_static(total_gpu_bytes: int, tp_size: int = 1, speculative: bool = False) -> float:
+    """``(total - reserve) / total`` for a card of ``total_gpu_bytes`` (`MEMORY_RESERVE_TIERS`),
+    rounded to 3 digits; `CPU_MEM_FRACTION_STATIC` when ``total_gpu_bytes`` is 0 (CPU)."""
+    if total_gpu_bytes <= 0:
+        return CPU_MEM_FRACTION_STATIC
+    gib = total_gpu_bytes / 2**30
+    for below, base, per_rank in MEMORY_RESERVE_TIERS:
+        if gib < below:
+            reserve = base + per_rank * tp_size + (SPECULATIVE_RESERVE_GIB if speculative else 0.0)
+            return round(max(gib - reserve, 0.1 * gib) / gib, 3)
+    raise AssertionError("unreachable: the last tier has no bound")
+
+
 GPU_MEMORY_TIERS: Tuple[Tuple[float, int, int], ...] = (
     (20.0, 2048, 32),
     (36.0, 4096, 96),

@@ -24,7 +24,7 @@ from attnserve.attention.selection import (
     choose_backends,
     create_backends,
 )
-from attnserve.engine.memory_sizing import kv_pool_tokens, resolve_serving_limits
+from attnserve.engine.memory_sizing import default_mem_fraction_static, kv_pool_tokens, resolve_serving_limits
 from attnserve.forward_batch import ForwardBatch, ForwardMode
 from attnserve.mem_cache.memory_pool import (
     MHATokenToKVPool,
@@ -158,7 +158,11 @@ class ModelRunner:
             budget = CPU_DEFAULT_MAX_TOTAL_TOKENS * mc.kv_cache_bytes_per_token(self.dtype, heads)
             return budget // mc.kv_cache_bytes_per_token(self.kv_cache_dtype, heads)
         free, total = torch.cuda.mem_get_info(self.device)
-        return kv_pool_tokens(free, total, self.server_args.mem_fraction_static, workspace_bytes,
+        fraction = self.server_args.mem_fraction_static
+        if fraction is None:
+            fraction = default_mem_fraction_static(total, self.tp.size,
+                                                   self.server_args.speculative_algorithm is not None)
+        return kv_pool_tokens(free, total, fraction, workspace_bytes,
                               mc.kv_cache_bytes_per_token(self.kv_cache_dtype, heads) + self.extra_kv_bytes_per_token)
 
     def _init_memory_pool(self) -> AttentionBackendConfig:
