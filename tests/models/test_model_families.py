@@ -198,6 +198,26 @@ def test_soft_caps_and_longrope_change_the_result(hf_variant, step_runner):
     assert (long - prefill(loaded)).abs().max() > 0.05
 
 
+def test_longrope_factors_chosen_per_request():
+    """Extend tokens follow their request's length after the step (a 3-token chunk ending at 40
+    is long, a 10-token prompt short, in one batch); decode tokens their own position."""
+    from types import SimpleNamespace
+
+    from attnserve.models.layers.rotary import get_rope
+
+    rope = get_rope(32, 128, dict(rope_type="longrope", rope_theta=1e4, short_factor=SHORT, long_factor=LONG,
+                                  original_max_position_embeddings=ORIG, partial_rotary_factor=0.5))
+    pos = torch.tensor([37, 38, 39] + list(range(10)))
+    fb = SimpleNamespace(forward_mode=ForwardMode.MIXED, seq_lens=torch.tensor([40, 10], dtype=torch.int32),
+                         extend_seq_lens=torch.tensor([3, 10], dtype=torch.int32))
+    assert rope.table_positions(pos, fb).tolist() == [128 + 37, 128 + 38, 128 + 39] + list(range(10))
+    fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, seq_lens=torch.tensor([32, 33], dtype=torch.int32),
+                         extend_seq_lens=None)
+    assert rope.table_positions(torch.tensor([31, 32]), fb).tolist() == [31, 128 + 32]
+    scale = math.sqrt(1 + math.log(128 / ORIG) / math.log(ORIG))  # HF's default attention factor
+    assert rope.cos_sin_cache[[0, 128], 0].tolist() == pytest.approx([scale, scale])  # cos(0) * factor, both tables
+
+
 @pytest.mark.parametrize("variant", ["qwen2", "phi3_longrope"])
 def test_tp2_matches_tp1(variant, hf_variant):
     """tp 2 on CPU ranks loads the HF checkpoint (Qwen2's q/k/v bias, Phi-3's fused qkv_proj and

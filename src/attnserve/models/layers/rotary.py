@@ -443,10 +443,9 @@ class LongRoPERotaryEmbedding(RotaryEmbedding):
         the forward that computed them (HF's Phi-3 ``generate`` then recomputes the cache
         once at the crossing; see `attnserve.models.phi3`). Per request of the step this
         is: extend (prefill, mixed, draft extend) tokens use the long factors iff their
-        request's ``seq_lens``
-        (cached + new tokens) exceeds it; decode and verify tokens iff their own
-        ``position + 1`` does (one token per request in decode; no host sync, so decode
-        steps can be captured in CUDA graphs).
+        request's ``seq_lens`` (cached + new tokens) exceeds it; decode and verify tokens
+        iff their own ``position + 1`` does (one token per request in decode; no host sync,
+        so decode steps can be captured in CUDA graphs).
         """
         mode = forward_batch.forward_mode
         seq_lens, extend_lens = forward_batch.seq_lens, forward_batch.extend_seq_lens
