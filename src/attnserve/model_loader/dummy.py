@@ -199,6 +199,35 @@ DUMMY_MODEL_CONFIGS["deepseek-v2-moe-tiny"] = dict(
     norm_topk_prob=False, routed_scaling_factor=1.0,
 )
 
+# ---- dense families beyond Llama (config.json of each HF release) ---------------------------
+# Qwen2.5-7B-Instruct: 28 layers, GQA 28/4 heads of 128, q/k/v bias, untied head, no window
+DUMMY_MODEL_CONFIGS["qwen2.5-7b"] = dict(
+    hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+    vocab_size=152064, rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
+    use_sliding_window=False, sliding_window=131072, max_window_layers=28, tie_word_embeddings=False,
+    bos_token_id=151643, eos_token_id=151645,
+)
+# Mistral-7B-Instruct-v0.3: 32 layers, GQA 32/8 heads of 128, no sliding window (v0.2 on)
+DUMMY_MODEL_CONFIGS["mistral-7b"] = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, vocab_size=32768, rope_theta=1000000.0, rms_norm_eps=1e-5, max_position_embeddings=32768,
+    sliding_window=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+)
+# Phi-3-mini-4k-instruct: 32 layers, 32 heads of 96 (MHA), fused qkv/gate_up, window 2047, no rope scaling
+DUMMY_MODEL_CONFIGS["phi-3-mini"] = dict(
+    hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+    vocab_size=32064, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
+    original_max_position_embeddings=4096, sliding_window=2047, tie_word_embeddings=False, bos_token_id=1,
+    eos_token_id=32000, pad_token_id=32000,
+)
+# gemma-2-9b: 42 layers alternating local (4096 window) / global, GQA 16/8 heads of 256, soft-caps 50/30
+DUMMY_MODEL_CONFIGS["gemma-2-9b"] = dict(
+    hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+    head_dim=256, vocab_size=256000, query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=8192,
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+)
+
 #: named shapes that are not Llama: name -> (transformers config class, architecture)
 _DUMMY_CONFIG_CLASSES: Dict[str, Any] = {
     "deepseek-v2-tiny": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
@@ -212,6 +241,10 @@ _DUMMY_CONFIG_CLASSES: Dict[str, Any] = {
     "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen3-moe-tiny": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral-8x7b": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2.5-7b": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral-7b": ("MistralConfig", "MistralForCausalLM"),
+    "phi-3-mini": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma-2-9b": ("Gemma2Config", "Gemma2ForCausalLM"),
 }
 
 

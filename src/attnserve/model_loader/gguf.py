@@ -26,6 +26,18 @@ MoE files, and what `load_gguf_config` does about it:
   The weight names are mapped (``mixtral`` spec) for a caller that brings a ``MixtralConfig``.
 * ``deepseek2`` and any other architecture the reader lacks: refused with a message.
 
+Dense families whose settings the reader drops (llama.cpp ``convert_hf_to_gguf.py`` writes
+them; `load_gguf_config` restores them):
+
+* ``phi3``: ``rope.scaling.original_context_length`` -> ``original_max_position_embeddings``;
+  ``rope.dimension_count`` below the head size -> ``partial_rotary_factor`` (Phi-4-mini);
+  ``attention.sliding_window`` (0 = none); LongRoPE (``rope.scaling.attn_factor`` and the
+  ``rope_factors_long`` / ``rope_factors_short`` tensors) -> ``rope_type`` ``longrope``
+  with ``long_factor`` / ``short_factor`` / ``attention_factor``.
+* ``gemma2``: ``attn_logit_softcapping`` / ``final_logit_softcapping``; the softmax scale,
+  which llama.cpp derives from the size (``hidden / heads`` for the 46-layer 27B, else
+  ``head_dim``: its ``f_attention_scale``), -> ``query_pre_attn_scalar``.
+
 Tensor shapes: ``GGUFReader`` reports ``tensor.shape`` in ggml order (fastest dimension
 first, i.e. ``[in, out]`` for a matrix), while ``gguf.quants.dequantize`` returns a numpy
 array in row-major torch order ``[out, in]``; the latter is what is yielded.
@@ -68,6 +80,10 @@ _GEMMA3_BLOCK = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_GEMMA2_BLOCK = {k: v for k, v in _GEMMA3_BLOCK.items() if k not in _QK_NORM}
+#: Phi-3: fused ``attn_qkv`` and ``ffn_up`` holding [gate | up] (split by `Phi3ForCausalLM`);
+#: some converters write separate ``attn_q``/``attn_k``/``attn_v`` instead
+_PHI3_BLOCK = {**_BLOCK_COMMON, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _QWEN3_MOE_EXPERTS = {
     "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
     "ffn_up_exps": "mlp.experts.{expert}.up_proj",
@@ -117,6 +133,13 @@ GGUF_ARCH_SPECS: Dict[str, GGUFArchSpec] = {
     "mixtral": GGUFArchSpec(
         {**_BLOCK_COMMON, "ffn_gate_inp": "block_sparse_moe.gate"}, permute_qk=True, expert_names=_MIXTRAL_EXPERTS
     ),
+    # llama.cpp converts Qwen2, Phi-3 and Gemma 2 with NEOX RoPE (no row permutation); a
+    # Mistral GGUF is a ``llama`` file (transformers names it ``mistral`` only when
+    # ``general.name`` is exactly "mistral"; otherwise it loads as Llama)
+    "qwen2": GGUFArchSpec(_BLOCK_COMMON),
+    "mistral": GGUFArchSpec(_BLOCK_COMMON, permute_qk=True),
+    "phi3": GGUFArchSpec(_PHI3_BLOCK, skip=("rope_freqs", "rope_factors_long", "rope_factors_short")),
+    "gemma2": GGUFArchSpec(_GEMMA2_BLOCK, norm_minus_one=True),
 }
 
 # GGUF metadata value types (ggml docs/gguf.md): scalar struct formats; 8 = string, 9 = array
@@ -204,13 +227,16 @@ def load_gguf_config(path: str) -> Any:
     """HF config of a GGUF file via ``AutoConfig.from_pretrained(dir, gguf_file=name)``.
 
     For ``qwen3moe`` files ``moe_intermediate_size`` is set from
-    ``qwen3moe.expert_feed_forward_length``, which transformers' reader drops.
+    ``qwen3moe.expert_feed_forward_length``, which transformers' reader drops; ``phi3``
+    and ``gemma2`` get back the settings listed in the module docstring (a Phi-3 file with
+    LongRoPE is parsed once more by ``gguf.GGUFReader`` for its two factor tensors).
 
     Raises:
         ValueError: for a Mixtral GGUF (llama.cpp arch ``llama`` with experts: transformers
             would build a dense ``LlamaConfig``), for an architecture transformers' GGUF reader
-            does not support (e.g. ``deepseek2``), and for a ``qwen3moe`` file without
-            ``expert_feed_forward_length``.
+            does not support (e.g. ``deepseek2``), for a ``qwen3moe`` file without
+            ``expert_feed_forward_length``, and for a Phi-3 file with a LongRoPE attention
+            factor but no factor tensors.
     """
     from transformers import AutoConfig
 
@@ -236,7 +262,62 @@ def load_gguf_config(path: str) -> Any:
         if key not in meta:
             raise ValueError(f"{path}: Qwen3-MoE GGUF without {key!r}; the experts' intermediate size is unknown")
         config.moe_intermediate_size = int(meta[key])
+    elif config.model_type == "phi3":
+        _restore_phi3(path, meta, config)
+    elif config.model_type == "gemma2":
+        _restore_gemma2(meta, config)
     return config
+
+
+def _set_rope(config: Any, **values: Any) -> None:
+    """Set keys of the config's RoPE dict (``rope_parameters`` in transformers >= 5, else
+    ``rope_scaling``) and the same-named top-level attributes that are already there."""
+    attr = "rope_parameters" if getattr(config, "rope_parameters", None) is not None else "rope_scaling"
+    params = dict(getattr(config, attr, None) or {})
+    params.update(values)
+    setattr(config, attr, params)
+    for key, value in values.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+
+
+def _restore_phi3(path: str, meta: Dict[str, Any], config: Any) -> None:
+    """Phi-3 settings transformers' reader drops (module docstring); see `load_gguf_config`."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    orig = meta.get("phi3.rope.scaling.original_context_length")
+    if orig:
+        _set_rope(config, original_max_position_embeddings=int(orig))
+    dims = meta.get("phi3.rope.dimension_count")
+    if dims and int(dims) != head_dim:
+        _set_rope(config, partial_rotary_factor=int(dims) / head_dim)
+    window = int(meta.get("phi3.attention.sliding_window", 0) or 0)
+    config.sliding_window = window or None
+    if "phi3.rope.scaling.attn_factor" not in meta:  # written only with LongRoPE factors
+        return
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    factors = {}
+    for tensor in reader.tensors:
+        if tensor.name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            factors[tensor.name.split(".")[0]] = [float(v) for v in np.asarray(values, dtype=np.float32).ravel()]
+    if len(factors) != 2:
+        raise ValueError(f"{path}: Phi-3 GGUF with phi3.rope.scaling.attn_factor but without the rope_factors_long "
+                         "and rope_factors_short tensors; its LongRoPE scaling cannot be rebuilt")
+    _set_rope(config, rope_type="longrope", long_factor=factors["rope_factors_long"],
+              short_factor=factors["rope_factors_short"],
+              attention_factor=float(meta["phi3.rope.scaling.attn_factor"]))
+
+
+def _restore_gemma2(meta: Dict[str, Any], config: Any) -> None:
+    """Gemma 2 settings transformers' reader drops (module docstring); see `load_gguf_config`."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if f"gemma2.{key}" in meta:
+            setattr(config, key, float(meta[f"gemma2.{key}"]))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    is_27b = config.num_hidden_layers == 46
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if is_27b else head_dim
 
 
 def gguf_arch_spec(model_type: str) -> GGUFArchSpec:

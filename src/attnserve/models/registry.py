@@ -21,6 +21,10 @@ _MODELS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
     "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM", ("deepseek_v3",)),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM", ("qwen3_moe",)),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM", ("mixtral",)),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM", ("qwen2",)),
+    "MistralForCausalLM": ("mistral", "MistralForCausalLM", ("mistral",)),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM", ("phi3",)),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM", ("gemma2",)),
 }
 
 #: architecture -> "module:Class" (static; see `_MODELS`)

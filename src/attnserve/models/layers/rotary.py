@@ -20,6 +20,16 @@ Frequency schedules (``rope_type``):
   cos/sin table is multiplied by an attention factor (`yarn_attention_factor`), and
   DeepSeek additionally multiplies the softmax scale by ``yarn_get_mscale(factor,
   mscale_all_dim) ** 2`` (`yarn_softmax_mscale`; applied by the model, not here).
+* ``longrope`` -- LongRoPE (Ding et al., arXiv:2402.13753), as Phi-3/3.5/4 configure it:
+  ``inv_freq[i] = 1 / (ext[i] * base ** (2i / rotary_dim))`` with ``ext`` the config's
+  ``short_factor`` or ``long_factor`` list, the cos/sin table multiplied by
+  `longrope_attention_factor`. HF transformers picks the long factors for a whole forward
+  when its sequence is longer than ``original_max_position_embeddings``
+  (``dynamic_rope_update``); `LongRoPERotaryEmbedding` holds both tables and
+  `LongRoPERotaryEmbedding.table_positions` makes the same choice per request.
+
+A ``rope_type`` outside these (``dynamic``, ``su`` outside Phi-3 ...) is refused by `get_rope`
+with the list of supported ones: a scaling the table does not apply is never ignored.
 """
 
 from __future__ import annotations
@@ -134,6 +144,45 @@ def _inv_freq_yarn(rotary_dim: int, base: float, params: Mapping[str, Any]) -> t
     return (1.0 / (factor * pos_freq)) * (1 - extrapolate) + (1.0 / pos_freq) * extrapolate
 
 
+def _longrope_factor_list(params: Mapping[str, Any], key: str, rotary_dim: int) -> torch.Tensor:
+    values = params.get(key)
+    if values is None or len(values) != rotary_dim // 2:
+        got = "missing" if values is None else f"{len(values)} values"
+        raise ValueError(f"longrope RoPE needs {key} with rotary_dim / 2 = {rotary_dim // 2} values; {got}")
+    return torch.tensor([float(v) for v in values], dtype=torch.float32)
+
+
+def _longrope_original_max(params: Mapping[str, Any]) -> int:
+    orig = params.get("original_max_position_embeddings")
+    if orig is None:
+        raise ValueError("longrope RoPE needs original_max_position_embeddings")
+    return int(orig)
+
+
+def _inv_freq_longrope(rotary_dim: int, base: float, params: Mapping[str, Any],
+                       key: str = "short_factor") -> torch.Tensor:
+    # same operation order as transformers' _compute_longrope_parameters (read, not copied), so
+    # the float32 frequencies are bit-identical: 1 / (ext * base ** (2i / d))
+    ext = _longrope_factor_list(params, key, rotary_dim)
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    return 1.0 / (ext * base**exponent)
+
+
+def longrope_attention_factor(params: Mapping[str, Any]) -> float:
+    """Multiplier of LongRoPE's cos/sin tables (both): ``attention_factor`` when given; else
+    with ``factor`` (default ``max_position_embeddings / original_max_position_embeddings``,
+    as Phi-3 configs leave it out) ``sqrt(1 + ln(factor) / ln(original_max))``, or 1 for
+    ``factor <= 1`` (transformers' ``_compute_longrope_parameters``; LongRoPE paper)."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    orig = _longrope_original_max(params)
+    factor = params.get("factor")
+    if factor is None:
+        factor = float(params["max_position_embeddings"]) / orig
+    factor = float(factor)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+
+
 #: rope_type -> function(rotary_dim, base, params) -> float32 ``[rotary_dim // 2]`` inverse
 #: frequencies in radians per position. Static table; add a schedule with one line.
 ROPE_INV_FREQ: Dict[str, Callable[[int, float, Mapping[str, Any]], torch.Tensor]] = {
@@ -141,11 +190,14 @@ ROPE_INV_FREQ: Dict[str, Callable[[int, float, Mapping[str, Any]], torch.Tensor]
     "linear": _inv_freq_linear,
     "llama3": _inv_freq_llama3,
     "yarn": _inv_freq_yarn,
+    # the short-factor table; `get_rope` builds a `LongRoPERotaryEmbedding` with both
+    "longrope": _inv_freq_longrope,
 }
 
 #: rope_type -> function(params) -> multiplier of the cos/sin table (1 when absent).
 ROPE_ATTENTION_FACTOR: Dict[str, Callable[[Mapping[str, Any]], float]] = {
     "yarn": yarn_attention_factor,
+    "longrope": longrope_attention_factor,
 }
 
 
@@ -353,6 +405,71 @@ def _adjacent_columns(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+class LongRoPERotaryEmbedding(RotaryEmbedding):
+    """LongRoPE: a `RotaryEmbedding` whose table holds the short-factor rotation of positions
+    ``0 .. max_position-1`` in rows ``0 .. max_position-1`` and the long-factor rotation of
+    the same positions in rows ``max_position .. 2*max_position-1``.
+
+    Args:
+        head_dim, rotary_dim, max_position, base, is_neox_style: as `RotaryEmbedding`.
+        short_inv_freq / long_inv_freq: float32 ``[rotary_dim // 2]``.
+        original_max_position: ``original_max_position_embeddings``: a request whose
+            sequence is longer uses the long factors.
+        cos_sin_scale: `longrope_attention_factor` (both tables).
+
+    Buffer ``cos_sin_cache``: float32 ``[2 * max_position, rotary_dim]``. The model passes
+    `table_positions` (not the token positions) to `forward`; both the PyTorch path and the
+    fused kernel only gather rows, so nothing else changes (CUDA-graph safe).
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
+                 short_inv_freq: torch.Tensor, long_inv_freq: torch.Tensor, original_max_position: int,
+                 cos_sin_scale: float = 1.0, is_neox_style: bool = True):
+        super().__init__(head_dim, rotary_dim, max_position, base, is_neox_style, short_inv_freq, cos_sin_scale)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, long_inv_freq.to(device=t.device, dtype=torch.float32))
+        long_table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        if self.cos_sin_scale != 1.0:
+            long_table = long_table * self.cos_sin_scale
+        self.cos_sin_cache = torch.cat([self.cos_sin_cache, long_table.to(self.cos_sin_cache.device)])
+        self.original_max_position = int(original_max_position)
+
+    def use_long_factors(self, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor:
+        """bool ``[T]``: whether each token is rotated with the long factors.
+
+        transformers (``dynamic_rope_update`` -> ``longrope_frequency_update``) uses the long
+        factors for every position of a forward whose ``max(position_ids) + 1`` exceeds
+        ``original_max_position_embeddings``; with its KV cache, keys keep the rotation of
+        the forward that computed them (HF's Phi-3 ``generate`` then recomputes the cache
+        once at the crossing; see `attnserve.models.phi3`). Per request of the step this
+        is: extend (prefill, mixed, draft extend) tokens use the long factors iff their
+        request's ``seq_lens`` (cached + new tokens) exceeds it; decode and verify tokens
+        iff their own ``position + 1`` does (one token per request in decode; no host sync,
+        so decode steps can be captured in CUDA graphs).
+        """
+        mode = forward_batch.forward_mode
+        seq_lens, extend_lens = forward_batch.seq_lens, forward_batch.extend_seq_lens
+        if mode.is_decode_or_idle() or mode.is_target_verify() or seq_lens is None or extend_lens is None:
+            seq_end = positions + 1
+        else:
+            seq_end = torch.repeat_interleave(seq_lens.to(positions.device), extend_lens.to(positions.device),
+                                              output_size=positions.shape[0])
+        return seq_end > self.original_max_position
+
+    def table_positions(self, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor:
+        """int64 ``[T]`` rows of ``cos_sin_cache`` for ``positions`` (int64 ``[T]``):
+        ``position`` (short factors) or ``max_position + position`` (long factors), chosen by
+        `use_long_factors`."""
+        # a normal tensor even under inference mode: `_cos_sin` keys its per-step reuse on the
+        # version counter, which inference tensors lack (reading them here is allowed)
+        with torch.inference_mode(False):
+            long = self.use_long_factors(positions, forward_batch)
+            return positions + long.to(positions.dtype) * self.max_position
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", longrope original_max_position={self.original_max_position}"
+
+
 def get_rope(
     head_dim: int,
     max_position: int,
@@ -370,13 +487,16 @@ def get_rope(
             ``high_freq_factor``, ``original_max_position_embeddings``; for yarn
             ``original_max_position_embeddings`` (default ``max_position``),
             ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``,
-            ``attention_factor``, ``truncate``).
+            ``attention_factor``, ``truncate``; for longrope ``short_factor``,
+            ``long_factor``, ``original_max_position_embeddings``, optionally ``factor`` /
+            ``attention_factor``: a `LongRoPERotaryEmbedding` is returned).
         rotary_dim: rotated channels per head (default ``head_dim``; with
             ``partial_rotary_factor`` in the parameters, ``head_dim * factor``).
         is_neox_style: see `RotaryEmbedding`.
 
     Raises:
-        ValueError: for an unsupported ``rope_type`` (the message lists supported ones).
+        ValueError: for an unsupported ``rope_type`` (the message lists supported ones), or
+            longrope parameters that are missing or of the wrong length.
     """
     rope_type = rope_parameters.get("rope_type", rope_parameters.get("type")) or "default"
     if rope_type not in ROPE_INV_FREQ:
@@ -388,4 +508,8 @@ def get_rope(
     params.setdefault("max_position_embeddings", max_position)
     inv_freq = ROPE_INV_FREQ[rope_type](rotary_dim, base, params)
     scale = ROPE_ATTENTION_FACTOR[rope_type](params) if rope_type in ROPE_ATTENTION_FACTOR else 1.0
+    if rope_type == "longrope":
+        long_inv_freq = _inv_freq_longrope(rotary_dim, base, params, key="long_factor")
+        return LongRoPERotaryEmbedding(head_dim, rotary_dim, max_position, base, inv_freq, long_inv_freq,
+                                       _longrope_original_max(params), scale, is_neox_style)
     return RotaryEmbedding(head_dim, rotary_dim, max_position, base, is_neox_style, inv_freq, cos_sin_scale=scale)
