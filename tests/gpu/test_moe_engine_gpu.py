@@ -50,7 +50,7 @@ def test_triton_moe_with_graphs_matches_native(model, monkeypatch, no_tf32):
     ref = _engine(model, monkeypatch, "native", attention_backend="torch_native", disable_cuda_graph=True)
     want = _generate(ref, prompts)
     ref.shutdown()
-    fast = _engine(model, monkeypatch, "triton", attention_backend="triton")
+    fast = _engine(model, monkeypatch, "triton")  # the default backend: triton, or triton_mla for MLA
     assert fast.model_runner.cuda_graph_runner is not None
     got = _generate(fast, prompts)
     fast.shutdown()
