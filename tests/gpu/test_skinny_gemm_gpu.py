@@ -179,15 +179,15 @@ def test_lm_head_shape_default_config():
 @pytest.mark.parametrize("rule,rows,skinny", [("v2", 1, True), ("v2", 16, True), ("v2", 17, False),
                                               ("v1", 1, False)])
 def test_compute_logits_routing(monkeypatch, rule, rows, skinny):
-    """`LlamaForCausalLM.compute_logits`: skinny GEMM for <= 16 rows under rule v2, cuBLAS
+    """`CausalLM.compute_logits` (Llama's): skinny GEMM for <= 16 rows under rule v2, cuBLAS
     otherwise; float32 logits equal to the float32 product up to bf16 rounding."""
-    import attnserve.models.llama as llama
+    import attnserve.models.base as base
     from attnserve.model_loader.loader import load_model
 
     monkeypatch.setenv("ATTNSERVE_SKINNY_RULE", rule)
     calls = []
-    real = llama.skinny_linear
-    monkeypatch.setattr(llama, "skinny_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = base.skinny_linear
+    monkeypatch.setattr(base, "skinny_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = load_model("llama-tiny", load_format="dummy", dtype=torch.bfloat16, device=DEV,
                        load_tokenizer=False).model
     g = torch.Generator(device=DEV).manual_seed(rows)

@@ -1,4 +1,4 @@
-"""DeepSeek-V2 / V3 decoder with multi-head latent attention (MLA), dense MLP layers only.
+"""DeepSeek-V2 / V3 decoder with multi-head latent attention (MLA), dense or mixture-of-experts MLPs.
 
 MLA (DeepSeek-V2, arXiv:2405.04434, section 2.1). Per token ``x`` and head ``h``:
 
@@ -45,7 +45,7 @@ SwiGLU MLP of ``intermediate_size``. Routers take their logits in float32 (HF
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Set, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import nn
@@ -54,25 +54,15 @@ from attnserve.attention.radix_attention import RadixAttention
 from attnserve.distributed.group import TPGroup
 from attnserve.distributed.partition import q_head_range
 from attnserve.forward_batch import ForwardBatch
-from attnserve.models.layers import cpu_gemm
+from attnserve.models.base import CausalLM, DecoderModel
 from attnserve.models.layers.linear import Linear
-from attnserve.models.layers.parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    gather_logits,
-    load_param,
-)
+from attnserve.models.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from attnserve.models.layers.norm import RMSNorm
 from attnserve.models.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config, yarn_softmax_mscale
 from attnserve.models.layers.moe.routing import routing_config_from_hf
-from attnserve.models.layers.moe.sparse_block import (
-    SparseMoeBlock,
-    check_experts_complete,
-    is_expert_param,
-    route_expert_tensors,
-)
-from attnserve.models.llama import LlamaMLP
+from attnserve.models.layers.moe.sparse_block import SparseMoeBlock
+from attnserve.models.llama import LlamaDecoderLayer
+
 
 def layer_is_moe(config: Any, layer_id: int) -> bool:
     """Whether layer ``layer_id`` has routed experts (see the module docstring)."""
@@ -202,59 +192,45 @@ class DeepseekV2AttentionMLA(nn.Module):
         return o.view(t, h * self.v_head_dim)
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    """Pre-norm block: MLA then a dense SwiGLU MLP or a `SparseMoeBlock`; carries the
-    residual stream separately."""
+class DeepseekV2DecoderLayer(LlamaDecoderLayer):
+    """Pre-norm block: MLA then a dense SwiGLU MLP or a `SparseMoeBlock` (``forward`` and
+    the norms are Llama's)."""
 
-    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
-                 tp: Optional[TPGroup] = None):
-        super().__init__()
-        eps = config.rms_norm_eps
-        self.self_attn = DeepseekV2AttentionMLA(config, layer_id, rotary_emb, dtype, tp)
+    def _make_attention(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
+                        tp: Optional[TPGroup]) -> nn.Module:
+        return DeepseekV2AttentionMLA(config, layer_id, rotary_emb, dtype, tp)
+
+    def _make_mlp(self, config: Any, layer_id: int, dtype: torch.dtype, tp: Optional[TPGroup]) -> nn.Module:
         if layer_is_moe(config, layer_id):
-            self.mlp = deepseek_moe_block(config, dtype, tp)
-        else:
-            self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)),
-                                dtype, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
-
-    def forward(self, positions, hidden_states, forward_batch, residual: Optional[torch.Tensor]):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+            return deepseek_moe_block(config, dtype, tp)
+        return super()._make_mlp(config, layer_id, dtype, tp)
 
 
-class DeepseekV2Model(nn.Module):
-    """Embedding, decoder layers, final norm (HF prefix ``model.``); one shared RoPE table."""
+class DeepseekV2Model(DecoderModel):
+    """Embedding, decoder layers, final norm (HF prefix ``model.``); one shared RoPE table
+    over the ``qk_rope_head_dim`` channels, interleaved pairs (see the module docstring)."""
 
-    def __init__(self, config: Any, dtype: torch.dtype, neox_rope: bool, tp: TPGroup):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype=dtype)
+    decoder_layer_cls = DeepseekV2DecoderLayer
+
+    def _neox_rope(self, config: Any) -> bool:
+        return False
+
+    def _init_rope(self, config: Any, dtype: torch.dtype) -> None:
         rope = int(config.qk_rope_head_dim)
         self.rotary_emb = get_rope(rope, int(getattr(config, "max_position_embeddings", 4096)),
-                                   rope_parameters_from_config(config), rotary_dim=rope, is_neox_style=neox_rope)
-        self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, i, self.rotary_emb, dtype, tp) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-
-    def forward(self, input_ids, positions, forward_batch,
-                num_layers: Optional[int] = None):
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers[:num_layers]:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+                                   rope_parameters_from_config(config), rotary_dim=rope,
+                                   is_neox_style=self._neox_rope(config))
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV3Model(DeepseekV2Model):
+    """V3's body: ``rope_interleave=False`` selects half-split (neox) rotation, the default
+    ``True`` interleaved pairs."""
+
+    def _neox_rope(self, config: Any) -> bool:
+        return getattr(config, "rope_interleave", True) is False
+
+
+class DeepseekV2ForCausalLM(CausalLM):
     """DeepSeek-V2 causal LM for the engine.
 
     Args:
@@ -279,93 +255,24 @@ class DeepseekV2ForCausalLM(nn.Module):
     and layer (`ModelConfig` reports ``attention_arch == "mla"``).
     """
 
-    #: DeepSeek-V2 rotates interleaved pairs; see the module docstring.
-    neox_rope: bool = False
-    #: HF checkpoint tensors without a parameter here
-    ignored_weight_suffixes: Tuple[str, ...] = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+    model_cls = DeepseekV2Model
+    #: MLA's projections are not fused; only the dense and shared-expert MLPs are
+    packed_modules_mapping = {"gate_up_proj": (("gate_proj", 0), ("up_proj", 1))}
+    #: V3 checkpoints carry a multi-token-prediction layer past ``num_hidden_layers``
+    skip_extra_layers = True
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
-        super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"DeepSeek MLP activation {act!r} is not supported (only silu)")
-        self.config = config
-        self.dtype = dtype
-        self.tp = tp or TPGroup.single()
-        self.model = DeepseekV2Model(config, dtype, self._neox_rope(config), self.tp)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None
-        self.lm_head_packed = cpu_gemm.PackedCPUWeight()
-        if not self.tie_word_embeddings:
-            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp, dtype=dtype)
-
-    def _neox_rope(self, config: Any) -> bool:
-        return self.neox_rope
-
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
-                num_layers: Optional[int] = None) -> torch.Tensor:
-        """int64 ``input_ids``/``positions`` ``[T]`` -> ``[T, hidden_size]`` after the final norm."""
-        return self.model(input_ids, positions, forward_batch, num_layers)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    @torch.no_grad()
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` (gathered over the ranks)."""
-        return gather_logits(cpu_gemm.linear(hidden_states, self.lm_head_weight, None, self.lm_head_packed),
-                             self.config.vocab_size, self.tp).float()
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
-        """Copy HF-named tensors into the parameters; ``gate_proj`` / ``up_proj`` (dense and
-        shared-expert MLPs) go to the halves of the fused ``gate_up_proj``, routed experts'
-        tensors to their `FusedMoE`. Layers past ``num_hidden_layers`` (the
-        multi-token-prediction layer of V3 checkpoints) are skipped.
-
-        Returns:
-            names of the parameters written.
-
-        Raises:
-            KeyError: a tensor that matches no parameter (e.g. FP8 scales).
-            ValueError: a shape mismatch, parameters left without a weight, or a missing
-                expert tensor.
-        """
-        params: Dict[str, nn.Parameter] = dict(self.named_parameters())
-        n_layers = self.config.num_hidden_layers
-        filled: Dict[str, Set[int]] = {}
-        kept = ((n, t) for n, t in weights
-                if not (n.startswith("model.layers.") and int(n.split(".")[2]) >= n_layers))
-        experts: Set[Tuple[str, int, str]] = set()
-        for name, tensor in route_expert_tensors(self, kept, experts):
-            if name.endswith(self.ignored_weight_suffixes):
-                continue
-            if name.startswith("lm_head.") and self.tie_word_embeddings:
-                continue
-            target, shard = name, None
-            for i, hf in enumerate(("gate_proj", "up_proj")):
-                if f".{hf}." in name:
-                    target, shard = name.replace(f".{hf}.", ".gate_up_proj."), i
-            if target not in params:
-                raise KeyError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-            load_param(params[target], tensor, name, part=shard)
-            filled.setdefault(target, set()).add(-1 if shard is None else shard)
-        check_experts_complete(self, experts)
-        missing = [n for n in params if not is_expert_param(n) and filled.get(n) not in ({-1}, {0, 1})]
-        if missing:
-            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-            raise ValueError(f"checkpoint left {len(missing)} parameters unset: {shown}")
-        return set(filled) | {n for n in params if is_expert_param(n)}
+        super().__init__(config, dtype, tp)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """DeepSeek-V3 layout: same MLA as V2, sigmoid routing with a correction bias; ``rope_interleave=False``
     selects half-split (neox) rotation, the default ``True`` interleaved pairs."""
 
-    def _neox_rope(self, config: Any) -> bool:
-        return getattr(config, "rope_interleave", True) is False
+    model_cls = DeepseekV3Model
 
 
 EntryClass = [DeepseekV2ForCausalLM, DeepseekV3ForCausalLM]

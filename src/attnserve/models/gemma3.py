@@ -22,9 +22,11 @@ packaged ``gemma3-270m`` GGUF. What differs from Llama (`attnserve.models.llama`
   attention call passes no soft cap): Gemma 3 replaced Gemma 2's attention soft-capping by
   QK-norm (technical report, section 2). A config that sets it gets a warning.
 
-Weights use HF names; q/k/v and gate/up are fused like Llama's (`LlamaForCausalLM`'s
-``load_weights`` is reused). The forward has no host synchronisation and no data-dependent
-Python branching, so decode steps can be captured in CUDA graphs.
+Weights use HF names; q/k/v and gate/up are fused like Llama's (`CausalLM.load_weights`).
+The body, LM head and loading are `attnserve.models.base`'s; the attention is Qwen3's
+QK-normed one (`Qwen3Attention`) with Gemma's norms, scale and windows. The forward has no
+host synchronisation and no data-dependent Python branching, so decode steps can be
+captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -35,14 +37,14 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from attnserve.attention.radix_attention import RadixAttention
 from attnserve.distributed.group import TPGroup
 from attnserve.forward_batch import ForwardBatch
+from attnserve.models.base import CausalLM, DecoderModel, attention_head_dim
 from attnserve.models.layers.activation import GeluAndMul
-from attnserve.models.layers.parallel import VocabParallelEmbedding
 from attnserve.models.layers.norm import GemmaRMSNorm
 from attnserve.models.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
-from attnserve.models.llama import LlamaForCausalLM, parallel_gate_up_down, parallel_qkv_o, rope_then_attention
+from attnserve.models.llama import parallel_gate_up_down
+from attnserve.models.qwen3 import Qwen3Attention
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +86,9 @@ def gemma3_rope_parameters(config: Any, layer_type: str) -> Dict[str, Any]:
     return out
 
 
-class Gemma3Attention(nn.Module):
-    """QK-normed grouped-query attention, local (windowed) or global.
+class Gemma3Attention(Qwen3Attention):
+    """QK-normed grouped-query attention (`GemmaRMSNorm` per head), local (windowed) or
+    global, scaled by ``query_pre_attn_scalar ** -0.5``.
 
     Args:
         config: Gemma 3 text config.
@@ -97,36 +100,17 @@ class Gemma3Attention(nn.Module):
     Shapes: ``positions`` int64 ``[T]``, ``hidden_states`` ``[T, hidden]`` -> ``[T, hidden]``.
     """
 
+    qk_norm_cls = GemmaRMSNorm
+
     def __init__(self, config: Any, layer_id: int, layer_type: str, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
                  tp: Optional[TPGroup] = None):
-        super().__init__()
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj, self.o_proj, self.num_heads, self.num_kv_heads = parallel_qkv_o(
-            config, self.head_dim, bias, dtype, tp or TPGroup.single())
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
-        self.rotary_emb = rotary_emb
-        self.is_sliding = layer_type == SLIDING
-        window = int(config.sliding_window) - 1 if self.is_sliding and config.sliding_window else -1
-        scalar = getattr(config, "query_pre_attn_scalar", None) or self.head_dim
-        self.attn = RadixAttention(
-            self.num_heads,
-            self.head_dim,
-            float(scalar) ** -0.5,
-            num_kv_heads=self.num_kv_heads,
-            layer_id=layer_id,
-            logit_cap=0.0,  # Gemma 3 uses QK-norm instead of attention soft-capping (see module doc)
-            sliding_window_size=window,
-        )
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).reshape(-1, self.q_size)
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).reshape(-1, self.kv_size)
-        return self.o_proj(rope_then_attention(self.rotary_emb, self.attn, positions, q, k, v, forward_batch))
+        sliding = layer_type == SLIDING
+        window = int(config.sliding_window) - 1 if sliding and config.sliding_window else -1
+        scalar = getattr(config, "query_pre_attn_scalar", None) or attention_head_dim(config)
+        # logit_cap 0: Gemma 3 uses QK-norm instead of attention soft-capping (see module doc)
+        super().__init__(config, layer_id, rotary_emb, dtype, tp=tp, sliding_window_size=window,
+                         scaling=float(scalar) ** -0.5, logit_cap=0.0)
+        self.is_sliding = sliding
 
 
 class Gemma3MLP(nn.Module):
@@ -143,8 +127,8 @@ class Gemma3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_fn.approximate == "tanh":  # projection and gate in one kernel for decode batches
-            return self.down_proj(self.gate_up_proj.forward_gated(x, "gelu_tanh"))
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+            return self.down_proj.forward(self.gate_up_proj.forward_gated(x, "gelu_tanh"))
+        return self.down_proj.forward(self.act_fn.forward(self.gate_up_proj.forward(x)))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -178,53 +162,47 @@ class Gemma3DecoderLayer(nn.Module):
         layer's output in HF's formulation."""
         if residual is None:
             residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states = self.input_layernorm.forward(hidden_states)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
-        hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
+            hidden_states, residual = self.input_layernorm.forward(hidden_states, residual)
+        hidden_states = self.self_attn.forward(positions, hidden_states, forward_batch)
+        hidden_states = self.post_attention_layernorm.forward(hidden_states)
+        hidden_states, residual = self.pre_feedforward_layernorm.forward(hidden_states, residual)
+        hidden_states = self.post_feedforward_layernorm.forward(self.mlp.forward(hidden_states))
         return hidden_states, residual
 
 
-class Gemma3TextModel(nn.Module):
+class Gemma3TextModel(DecoderModel):
     """Scaled embedding, decoder layers and final norm (HF prefix ``model.``).
 
     Buffer ``embed_scale``: ``sqrt(hidden_size)`` as a 0-d tensor in the model dtype
     (float32 value rounded once, e.g. 25.25 in bfloat16 for hidden 640, as HF rounds it).
+    Layers are ``decoder_layer_cls(config, layer_id, layer_type, rotary_emb, dtype, tp)``.
     """
 
-    def __init__(self, config: Any, dtype: torch.dtype, tp: Optional[TPGroup] = None):
-        super().__init__()
-        tp = tp or TPGroup.single()
-        self.config = config
+    decoder_layer_cls: Any = Gemma3DecoderLayer
+    norm_cls = GemmaRMSNorm
+
+    def _init_rope(self, config: Any, dtype: torch.dtype) -> None:
         self.layer_types = gemma3_layer_types(config)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype=dtype)
         scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype)
         self.register_buffer("embed_scale", scale, persistent=False)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = attention_head_dim(config)
         max_pos = int(getattr(config, "max_position_embeddings", 8192))
         # one cos/sin table per layer type, shared by the layers of that type
         self.rotary_emb_local = get_rope(head_dim, max_pos, gemma3_rope_parameters(config, SLIDING))
         self.rotary_emb_global = get_rope(head_dim, max_pos, gemma3_rope_parameters(config, FULL))
-        ropes = {SLIDING: self.rotary_emb_local, FULL: self.rotary_emb_global}
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, t, ropes[t], dtype, tp) for i, t in enumerate(self.layer_types)
-        )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
-                num_layers: Optional[int] = None) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) * self.embed_scale
-        residual = None
-        for layer in self.layers[:num_layers]:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+    def _make_layer(self, config: Any, layer_id: int, dtype: torch.dtype, tp: TPGroup) -> nn.Module:
+        layer_type = self.layer_types[layer_id]
+        rope = self.rotary_emb_local if layer_type == SLIDING else self.rotary_emb_global
+        return self.decoder_layer_cls(config, layer_id, layer_type, rope, dtype, tp)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
+class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 causal LM for the engine (text only).
 
     Args:
@@ -235,7 +213,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             ``rope_theta`` + ``rope_local_base_freq``), ``query_pre_attn_scalar``,
             ``hidden_activation``, ``final_logit_softcapping``,
             ``max_position_embeddings`` (RoPE table length), ``vocab_size``,
-            ``tie_word_embeddings``.
+            ``tie_word_embeddings`` (default True).
         dtype: parameter dtype. Parameters are created on the current default device and
             left uninitialised (norm offsets are zeros) until `load_weights` or
             `init_dummy_weights` (which fills norms with ``dummy_norm_fill`` = 0) fills them.
@@ -248,21 +226,18 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             unsupported activation.
     """
 
+    model_cls = Gemma3TextModel
+    tie_word_embeddings_default = True
     #: Gemma norms are ``x * (1 + w)``: w = 0 is the identity scale
     dummy_norm_fill = 0.0
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
-        nn.Module.__init__(self)  # LlamaForCausalLM.__init__ would build a Llama body
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 with use_bidirectional_attention is not a causal LM; not supported")
         if getattr(config, "attn_logit_softcapping", None):
             logger.warning("Gemma 3: attn_logit_softcapping=%s is ignored (as in HF transformers; Gemma 3 uses "
                            "QK-norm instead)", config.attn_logit_softcapping)
-        self.config = config
-        self.dtype = dtype
-        self.tp = tp or TPGroup.single()
-        self.model = Gemma3TextModel(config, dtype, self.tp)
-        self._init_lm_head(config, dtype, tie_default=True)
+        super().__init__(config, dtype, tp)
         self.final_logit_softcapping = float(getattr(config, "final_logit_softcapping", None) or 0.0)
 
     @torch.no_grad()
@@ -274,12 +249,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    @staticmethod
-    def _param(params: Dict[str, nn.Parameter], target: str, source: str) -> nn.Parameter:
-        if target not in params:
-            raise KeyError(f"checkpoint tensor {source!r} matches no parameter of Gemma3ForCausalLM")
-        return params[target]
 
 
 EntryClass = Gemma3ForCausalLM

@@ -2,13 +2,16 @@
 
 Also serves SmolLM2 and other checkpoints of HF architecture ``LlamaForCausalLM``.
 Parameter names follow HF's, except that q/k/v are fused into ``qkv_proj`` and gate/up
-into ``gate_up_proj`` (`LlamaForCausalLM.load_weights` maps HF names onto the fused
-shards). Attention itself is `RadixAttention`, computed by the step's attention backend.
+into ``gate_up_proj`` (`CausalLM.load_weights` maps HF names onto the fused shards).
+Attention itself is `RadixAttention`, computed by the step's attention backend. The body,
+LM head, logits and loading are the shared ones of `attnserve.models.base`; the blocks
+here (`LlamaAttention`, `LlamaMLP`, `LlamaDecoderLayer`) are reused by the Llama-like
+families.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Set, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import nn
@@ -17,22 +20,10 @@ from attnserve.attention.radix_attention import RadixAttention
 from attnserve.distributed.group import TPGroup
 from attnserve.distributed.partition import kv_head_range, q_head_range
 from attnserve.forward_batch import ForwardBatch
-from attnserve.models.layers import cpu_gemm
-from attnserve.models.layers.parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    even_parts,
-    gather_logits,
-    load_param,
-)
+from attnserve.models.base import CausalLM, DecoderModel, attention_head_dim
 from attnserve.models.layers.norm import RMSNorm
-from attnserve.models.layers.skinny_gemm import skinny_gemm_supported, skinny_linear, skinny_rule
-from attnserve.models.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
-
-
-def _head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+from attnserve.models.layers.parallel import ColumnParallelLinear, RowParallelLinear, even_parts
+from attnserve.models.layers.rotary import RotaryEmbedding
 
 
 def rope_then_attention(rotary_emb: RotaryEmbedding, attn: RadixAttention, positions: torch.Tensor,
@@ -66,14 +57,18 @@ class LlamaAttention(nn.Module):
     Under tensor parallelism (``tp``) the block holds this rank's heads
     (``num_heads`` / ``num_kv_heads`` are the local counts) and its output is all-reduced.
 
+    ``scaling`` (default ``head_dim ** -0.5``), ``logit_cap`` and ``sliding_window_size``
+    go to `RadixAttention`.
+
     Shapes: ``positions`` int64 ``[T]``, ``hidden_states`` ``[T, hidden]`` -> ``[T, hidden]``.
     """
 
     def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
-                 sliding_window_size: int = -1, tp: Optional[TPGroup] = None):
+                 sliding_window_size: int = -1, tp: Optional[TPGroup] = None, scaling: Optional[float] = None,
+                 logit_cap: float = 0.0):
         super().__init__()
         tp = tp or TPGroup.single()
-        self.head_dim = _head_dim(config)
+        self.head_dim = attention_head_dim(config)
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj, self.o_proj, self.num_heads, self.num_kv_heads = parallel_qkv_o(
             config, self.head_dim, bias, dtype, tp)
@@ -83,9 +78,10 @@ class LlamaAttention(nn.Module):
         self.attn = RadixAttention(
             self.num_heads,
             self.head_dim,
-            self.head_dim**-0.5,
+            self.head_dim**-0.5 if scaling is None else scaling,
             num_kv_heads=self.num_kv_heads,
             layer_id=layer_id,
+            logit_cap=logit_cap,
             sliding_window_size=sliding_window_size,
         )
 
@@ -121,18 +117,29 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm decoder block; carries the residual stream separately (see `RMSNorm`)."""
+    """Pre-norm decoder block; carries the residual stream separately (see `RMSNorm`).
+
+    Variants override `_make_attention` / `_make_mlp` (the norms and ``forward`` stay), or
+    build ``self_attn``, ``mlp``, ``input_layernorm`` and ``post_attention_layernorm``
+    themselves.
+    """
 
     def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
                  tp: Optional[TPGroup] = None):
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, dtype, tp=tp)
-        self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), dtype, tp
-        )
+        self.self_attn = self._make_attention(config, layer_id, rotary_emb, dtype, tp)
+        self.mlp = self._make_mlp(config, layer_id, dtype, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
+
+    def _make_attention(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
+                        tp: Optional[TPGroup]) -> nn.Module:
+        return LlamaAttention(config, layer_id, rotary_emb, dtype, tp=tp)
+
+    def _make_mlp(self, config: Any, layer_id: int, dtype: torch.dtype, tp: Optional[TPGroup]) -> nn.Module:
+        return LlamaMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), dtype,
+                        tp)
 
     def forward(
         self,
@@ -153,43 +160,15 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp.forward(hidden_states), residual
 
 
-class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (HF prefix ``model.``). Subclasses change
-    the block by setting ``decoder_layer_cls``."""
+class LlamaModel(DecoderModel):
+    """Embedding, decoder layers and final norm (HF prefix ``model.``), one RoPE table
+    shared by every layer. Subclasses change the block by setting ``decoder_layer_cls``."""
 
-    decoder_layer_cls: Any = None  # None: LlamaDecoderLayer
-
-    def __init__(self, config: Any, dtype: torch.dtype, tp: Optional[TPGroup] = None):
-        super().__init__()
-        tp = tp or TPGroup.single()
-        self.config = config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype=dtype)
-        # one cos/sin table shared by every layer
-        self.rotary_emb = get_rope(
-            _head_dim(config),
-            int(getattr(config, "max_position_embeddings", 8192)),
-            rope_parameters_from_config(config),
-        )
-        self.layers = nn.ModuleList(
-            (self.decoder_layer_cls or LlamaDecoderLayer)(config, i, self.rotary_emb, dtype, tp=tp)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
-                num_layers: Optional[int] = None) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers[:num_layers]:
-            # direct ``forward`` calls on the per-layer path: no module hooks are used, and
-            # ``nn.Module.__call__`` costs ~7 us a call, ~300 calls a step (~3% of a CPU step)
-            hidden_states, residual = layer.forward(positions, hidden_states, forward_batch, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+    decoder_layer_cls: Any = LlamaDecoderLayer
 
 
-class LlamaForCausalLM(nn.Module):
-    """Llama causal LM for the engine.
+class LlamaForCausalLM(CausalLM):
+    """Llama causal LM for the engine (`CausalLM` around a `LlamaModel`).
 
     Args:
         config: HF ``LlamaConfig``-like object: ``hidden_size``, ``intermediate_size``,
@@ -198,135 +177,14 @@ class LlamaForCausalLM(nn.Module):
             ``rope_parameters`` or ``rope_theta``/``rope_scaling``,
             ``max_position_embeddings`` (RoPE table length), ``vocab_size``,
             ``tie_word_embeddings``, ``attention_bias``, ``mlp_bias``.
-        dtype: parameter dtype. Parameters are created on the current default device (use
-            ``with torch.device(...)`` to build directly on a GPU or on ``meta``) and are
-            left uninitialised (norms are ones) until `load_weights` or
-            `attnserve.model_loader.dummy.init_dummy_weights` fills them.
-        tp: this rank's `TPGroup` (default: one device). Heads, MLP rows and vocabulary
-            rows are split over its ranks (`attnserve.models.layers.parallel`); the loaders
-            give every rank full checkpoint tensors, one at a time, and keep its slice.
+        dtype: parameter dtype (see `CausalLM`).
+        tp: this rank's `TPGroup` (see `CausalLM`).
 
     The KV cache holds ``num_key_value_heads`` heads of ``head_dim`` per layer (this rank's
     heads under ``tp``).
     """
 
-    #: fused parameter -> HF shards it is built from, as (HF module name, shard id)
-    packed_modules_mapping: Dict[str, Tuple[Tuple[str, int], ...]] = {
-        "qkv_proj": (("q_proj", 0), ("k_proj", 1), ("v_proj", 2)),
-        "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
-    }
-    #: HF checkpoint tensors that have no parameter here (recomputed buffers)
-    ignored_weight_suffixes: Tuple[str, ...] = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
-        super().__init__()
-        self.config = config
-        self.dtype = dtype
-        self.tp = tp or TPGroup.single()
-        self.model = LlamaModel(config, dtype, self.tp)
-        self._init_lm_head(config, dtype, tie_default=False)
-
-    def _init_lm_head(self, config: Any, dtype: torch.dtype, tie_default: bool) -> None:
-        """``lm_head`` (vocabulary-parallel rows), or None when tied to the embeddings."""
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", tie_default))
-        self.lm_head = None
-        self.lm_head_packed = cpu_gemm.PackedCPUWeight()
-        if not self.tie_word_embeddings:
-            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp, dtype=dtype)
-
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
-                num_layers: Optional[int] = None) -> torch.Tensor:
-        """Run the decoder on the step's tokens.
-
-        Args:
-            input_ids: int64 ``[T]``.
-            positions: int64 ``[T]`` absolute positions (< ``max_position_embeddings``).
-            forward_batch: the step's `ForwardBatch` (attention backend and KV pools).
-
-        Returns:
-            ``[T, hidden_size]`` hidden states after the final norm, in the model dtype.
-        """
-        return self.model(input_ids, positions, forward_batch, num_layers)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        """``[vocab rows of this rank, hidden_size]``: the embedding matrix when tied."""
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    @torch.no_grad()
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` logits (every rank's vocabulary
-        rows gathered under tensor parallelism). Decode-sized CUDA batches use the skinny
-        GEMM while the model's fused kernels are on (Llama-3-8B at batch 1: 331 vs 367 µs
-        for cuBLAS, benchmarks/NOTES.md, issue 33)."""
-        w = self.lm_head_weight
-        if (getattr(self.model.norm, "use_fused", False) and hidden_states.is_cuda and skinny_rule() == "v2"
-                and skinny_gemm_supported(hidden_states, w)):
-            local = skinny_linear(hidden_states, w)
-        else:
-            local = cpu_gemm.linear(hidden_states, w, None, self.lm_head_packed)
-        return gather_logits(local, self.config.vocab_size, self.tp).float()
-
-    # ---- weights ------------------------------------------------------------------------
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
-        """Copy HF-named tensors into the parameters (casting to their dtype and device).
-
-        Args:
-            weights: ``(name, tensor)`` pairs with HF names, e.g.
-                ``model.layers.3.self_attn.q_proj.weight``. ``lm_head.weight`` is skipped
-                when the embeddings are tied.
-
-        Returns:
-            the names of this module's parameters that were written.
-
-        Raises:
-            KeyError: for a name that matches no parameter.
-            ValueError: for a shape mismatch, or when some parameters received no weight.
-        """
-        params = dict(self.named_parameters())
-        loaded: Set[str] = set()
-        shard_map = {
-            f".{hf}.": (fused, shard) for fused, shards in self.packed_modules_mapping.items() for hf, shard in shards
-        }
-        for name, tensor in weights:
-            if name.endswith(self.ignored_weight_suffixes):
-                continue
-            if name.startswith("lm_head.") and self.tie_word_embeddings:
-                continue
-            for key, (fused, shard) in shard_map.items():
-                if key in name:
-                    target = name.replace(key, f".{fused}.")
-                    load_param(self._param(params, target, name), tensor, name, part=shard)
-                    loaded.add(f"{target}#{shard}")
-                    loaded.add(target)
-                    break
-            else:
-                load_param(self._param(params, name, name), tensor, name)
-                loaded.add(name)
-        self._check_complete(params, loaded)
-        return {n for n in loaded if "#" not in n}
-
-    @staticmethod
-    def _param(params: Dict[str, nn.Parameter], target: str, source: str) -> nn.Parameter:
-        if target not in params:
-            raise KeyError(f"checkpoint tensor {source!r} matches no parameter of LlamaForCausalLM")
-        return params[target]
-
-    def _check_complete(self, params: Dict[str, nn.Parameter], loaded: Set[str]) -> None:
-        missing = []
-        for pname in params:
-            fused = pname.split(".")[-2] if "." in pname else ""
-            if fused in self.packed_modules_mapping:
-                shards = self.packed_modules_mapping[fused]
-                if any(f"{pname}#{shard}" not in loaded for _, shard in shards):
-                    missing.append(pname)
-            elif pname not in loaded:
-                missing.append(pname)
-        if missing:
-            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-            raise ValueError(f"checkpoint left {len(missing)} parameters unset: {shown}")
+    model_cls = LlamaModel
 
 
 EntryClass = LlamaForCausalLM

@@ -15,7 +15,7 @@ attribute) and the names are mapped on load.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Set, Tuple
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -23,10 +23,8 @@ from torch import nn
 from attnserve.distributed.group import TPGroup
 from attnserve.models.layers.moe.routing import routing_config_from_hf
 from attnserve.models.layers.moe.sparse_block import SparseMoeBlock
-from attnserve.models.layers.norm import RMSNorm
 from attnserve.models.layers.rotary import RotaryEmbedding
 from attnserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from attnserve.models.qwen3_moe import MoECausalLMMixin
 
 
 def _window(config: Any) -> int:
@@ -37,15 +35,13 @@ def _window(config: Any) -> int:
 class MixtralDecoderLayer(LlamaDecoderLayer):
     """Pre-norm block: `LlamaAttention` (optionally windowed) then a `SparseMoeBlock`."""
 
-    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
-                 tp: Optional[TPGroup] = None):
-        nn.Module.__init__(self)
-        eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, dtype, sliding_window_size=_window(config), tp=tp)
-        self.mlp = SparseMoeBlock(config.hidden_size, int(config.num_local_experts), int(config.intermediate_size),
-                                  routing_config_from_hf(config), dtype, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
+    def _make_attention(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
+                        tp: Optional[TPGroup]) -> nn.Module:
+        return LlamaAttention(config, layer_id, rotary_emb, dtype, sliding_window_size=_window(config), tp=tp)
+
+    def _make_mlp(self, config: Any, layer_id: int, dtype: torch.dtype, tp: Optional[TPGroup]) -> nn.Module:
+        return SparseMoeBlock(config.hidden_size, int(config.num_local_experts), int(config.intermediate_size),
+                              routing_config_from_hf(config), dtype, tp)
 
 
 class MixtralModel(LlamaModel):
@@ -54,7 +50,7 @@ class MixtralModel(LlamaModel):
     decoder_layer_cls = MixtralDecoderLayer
 
 
-class MixtralForCausalLM(MoECausalLMMixin, LlamaForCausalLM):
+class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral causal LM for the engine.
 
     Args:
@@ -68,21 +64,10 @@ class MixtralForCausalLM(MoECausalLMMixin, LlamaForCausalLM):
         ValueError: a ``--tp-size`` that does not divide ``intermediate_size``.
     """
 
+    model_cls = MixtralModel
+    #: HF Mixtral names the block ``block_sparse_moe``; it is held here as ``mlp``
+    weight_name_replacements = ((".block_sparse_moe.", ".mlp."),)
     mixtral_expert_names = True
-
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
-        nn.Module.__init__(self)
-        self.config = config
-        self.dtype = dtype
-        self.tp = tp or TPGroup.single()
-        self.model = MixtralModel(config, dtype, self.tp)
-        self._init_lm_head(config, dtype, tie_default=False)
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
-        """HF Mixtral names (``block_sparse_moe.``) mapped onto ``mlp.``, then
-        `MoECausalLMMixin.load_weights`."""
-        return super().load_weights((n.replace(".block_sparse_moe.", ".mlp."), t) for n, t in weights)
 
 
 EntryClass = MixtralForCausalLM

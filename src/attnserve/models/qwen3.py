@@ -9,13 +9,13 @@ and ``head_dim`` taken from the config (128 in the released models, not
 ``sliding_attention`` (only with ``use_sliding_window``) attend to the last
 ``sliding_window`` tokens (``RadixAttention(sliding_window_size=sliding_window - 1)``).
 
-Weights use HF names, q/k/v and gate/up fused as in Llama, whose ``load_weights``,
-``forward`` and ``compute_logits`` are reused.
+Weights use HF names, q/k/v and gate/up fused as in Llama; the body, LM head and loading
+are `attnserve.models.base`'s.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -44,36 +44,43 @@ def _window(config: Any, layer_id: int) -> int:
 
 
 class Qwen3Attention(LlamaAttention):
-    """Fused QKV projection, per-head q/k RMSNorm, RoPE, paged attention, output projection.
+    """Fused QKV projection, per-head q/k norm (``qk_norm_cls``), RoPE, paged attention,
+    output projection.
+
+    ``sliding_window_size`` None: Qwen3's per-layer window (`_window`); ``scaling`` and
+    ``logit_cap`` as in `LlamaAttention`.
 
     Shapes: ``positions`` int64 ``[T]``, ``hidden_states`` ``[T, hidden]`` -> ``[T, hidden]``;
     q is ``[T, Hq * head_dim]``, k and v ``[T, Hkv * head_dim]``.
     """
 
+    qk_norm_cls: Any = RMSNorm
+
     def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
-                 tp: Optional[TPGroup] = None):
-        super().__init__(config, layer_id, rotary_emb, dtype, sliding_window_size=_window(config, layer_id), tp=tp)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
+                 tp: Optional[TPGroup] = None, sliding_window_size: Optional[int] = None,
+                 scaling: Optional[float] = None, logit_cap: float = 0.0):
+        window = _window(config, layer_id) if sliding_window_size is None else sliding_window_size
+        super().__init__(config, layer_id, rotary_emb, dtype, sliding_window_size=window, tp=tp, scaling=scaling,
+                         logit_cap=logit_cap)
+        self.q_norm = self.qk_norm_cls(self.head_dim, config.rms_norm_eps, dtype=dtype)
+        self.k_norm = self.qk_norm_cls(self.head_dim, config.rms_norm_eps, dtype=dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).reshape(-1, self.q_size)
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).reshape(-1, self.kv_size)
-        return self.o_proj(rope_then_attention(self.rotary_emb, self.attn, positions, q, k, v, forward_batch))
+        q, k, v = self.qkv_proj.forward(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm.forward(q.reshape(-1, self.num_heads, self.head_dim)).reshape(-1, self.q_size)
+        k = self.k_norm.forward(k.reshape(-1, self.num_kv_heads, self.head_dim)).reshape(-1, self.kv_size)
+        return self.o_proj.forward(rope_then_attention(self.rotary_emb, self.attn, positions, q, k, v, forward_batch))
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
-    """Llama's pre-norm block with `Qwen3Attention` (``forward`` is Llama's)."""
+    """Llama's pre-norm block with `Qwen3Attention` and a bias-free MLP."""
 
-    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
-                 tp: Optional[TPGroup] = None):
-        nn.Module.__init__(self)  # not LlamaDecoderLayer.__init__: it would build a LlamaAttention
-        eps = config.rms_norm_eps
-        self.self_attn = Qwen3Attention(config, layer_id, rotary_emb, dtype, tp=tp)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, False, dtype, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
+    def _make_attention(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
+                        tp: Optional[TPGroup]) -> nn.Module:
+        return Qwen3Attention(config, layer_id, rotary_emb, dtype, tp=tp)
+
+    def _make_mlp(self, config: Any, layer_id: int, dtype: torch.dtype, tp: Optional[TPGroup]) -> nn.Module:
+        return LlamaMLP(config.hidden_size, config.intermediate_size, False, dtype, tp)
 
 
 class Qwen3Model(LlamaModel):
@@ -94,19 +101,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     The KV cache holds ``num_key_value_heads`` heads of ``head_dim`` per layer.
     """
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
-        nn.Module.__init__(self)  # LlamaForCausalLM.__init__ would build a Llama body
-        self.config = config
-        self.dtype = dtype
-        self.tp = tp or TPGroup.single()
-        self.model = Qwen3Model(config, dtype, self.tp)
-        self._init_lm_head(config, dtype, tie_default=False)
-
-    @staticmethod
-    def _param(params: Dict[str, nn.Parameter], target: str, source: str) -> nn.Parameter:
-        if target not in params:
-            raise KeyError(f"checkpoint tensor {source!r} matches no parameter of Qwen3ForCausalLM")
-        return params[target]
+    model_cls = Qwen3Model
 
 
 EntryClass = Qwen3ForCausalLM

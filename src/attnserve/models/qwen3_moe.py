@@ -13,23 +13,15 @@ HF names: the router is ``mlp.gate.weight``, experts ``mlp.experts.{e}.{gate,up,
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Set, Tuple
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from attnserve.distributed.group import TPGroup
 from attnserve.models.layers.moe.routing import routing_config_from_hf
-from attnserve.models.layers.moe.sparse_block import (
-    SparseMoeBlock,
-    check_experts_complete,
-    is_expert_param,
-    route_expert_tensors,
-)
-from attnserve.models.layers.norm import RMSNorm
-from attnserve.models.layers.rotary import RotaryEmbedding
-from attnserve.models.llama import LlamaDecoderLayer, LlamaMLP
-from attnserve.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM, Qwen3Model
+from attnserve.models.layers.moe.sparse_block import SparseMoeBlock
+from attnserve.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
 
 
 def qwen3_moe_layer_is_sparse(config: Any, layer_id: int) -> bool:
@@ -40,22 +32,14 @@ def qwen3_moe_layer_is_sparse(config: Any, layer_id: int) -> bool:
             and int(config.num_experts) > 0 and (layer_id + 1) % step == 0)
 
 
-class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
-    """Pre-norm block: `Qwen3Attention`, then a `SparseMoeBlock` or a dense MLP
-    (``forward`` is Llama's)."""
+class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    """Pre-norm block: `Qwen3Attention`, then a `SparseMoeBlock` or a dense MLP."""
 
-    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
-                 tp: Optional[TPGroup] = None):
-        nn.Module.__init__(self)
-        eps = config.rms_norm_eps
-        self.self_attn = Qwen3Attention(config, layer_id, rotary_emb, dtype, tp=tp)
+    def _make_mlp(self, config: Any, layer_id: int, dtype: torch.dtype, tp: Optional[TPGroup]) -> nn.Module:
         if qwen3_moe_layer_is_sparse(config, layer_id):
-            self.mlp = SparseMoeBlock(config.hidden_size, int(config.num_experts), int(config.moe_intermediate_size),
-                                      routing_config_from_hf(config), dtype, tp)
-        else:
-            self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, False, dtype, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
+            return SparseMoeBlock(config.hidden_size, int(config.num_experts), int(config.moe_intermediate_size),
+                                  routing_config_from_hf(config), dtype, tp)
+        return super()._make_mlp(config, layer_id, dtype, tp)
 
 
 class Qwen3MoeModel(Qwen3Model):
@@ -64,34 +48,8 @@ class Qwen3MoeModel(Qwen3Model):
     decoder_layer_cls = Qwen3MoeDecoderLayer
 
 
-class MoECausalLMMixin:
-    """``load_weights`` for Llama-family models with `SparseMoeBlock` layers: expert tensors
-    go to their `FusedMoE` (`route_expert_tensors`), everything else through the dense
-    loader; missing expert tensors are named (`check_experts_complete`)."""
-
-    #: name missing expert tensors w1/w3/w2 (Mixtral) rather than gate/up/down_proj
-    mixtral_expert_names: bool = False
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
-        """As `LlamaForCausalLM.load_weights`, plus per-expert HF tensors.
-
-        Raises:
-            KeyError: a tensor that matches no parameter (or experts in a dense layer).
-            ValueError: a shape mismatch, parameters left unset, or a missing expert tensor.
-        """
-        experts: Set[Tuple[str, int, str]] = set()
-        loaded = super().load_weights(route_expert_tensors(self, weights, experts))  # type: ignore[misc]
-        check_experts_complete(self, experts, self.mixtral_expert_names)  # type: ignore[arg-type]
-        return loaded | {n for n, _ in self.named_parameters() if is_expert_param(n)}  # type: ignore[attr-defined]
-
-    def _check_complete(self, params: Dict[str, nn.Parameter], loaded: Set[str]) -> None:
-        dense = {n: p for n, p in params.items() if not is_expert_param(n)}
-        super()._check_complete(dense, loaded)  # type: ignore[misc]
-
-
-class Qwen3MoeForCausalLM(MoECausalLMMixin, Qwen3ForCausalLM):
-    """Qwen3-MoE causal LM for the engine.
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    """Qwen3-MoE causal LM for the engine (expert tensors are loaded by `CausalLM.load_weights`).
 
     Args:
         config: HF ``Qwen3MoeConfig``-like: the `Qwen3ForCausalLM` fields plus
@@ -104,13 +62,7 @@ class Qwen3MoeForCausalLM(MoECausalLMMixin, Qwen3ForCausalLM):
         ValueError: a ``--tp-size`` that does not divide ``moe_intermediate_size``.
     """
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
-        nn.Module.__init__(self)
-        self.config = config
-        self.dtype = dtype
-        self.tp = tp or TPGroup.single()
-        self.model = Qwen3MoeModel(config, dtype, self.tp)
-        self._init_lm_head(config, dtype, tie_default=False)
+    model_cls = Qwen3MoeModel
 
 
 EntryClass = Qwen3MoeForCausalLM

@@ -196,7 +196,7 @@ def skinny_gemm_config(
 def skinny_rule() -> str:
     """``"v2"`` (default) or ``"v1"`` (``ATTNSERVE_SKINNY_RULE=v1``): the 2026-11-21 decode
     GEMM choices, i.e. rule v1 in `skinny_gemm_config` and the LM head on cuBLAS
-    (`LlamaForCausalLM.compute_logits`); kept for A/B measurements. Read at every call."""
+    (`CausalLM.compute_logits`, models/base.py); kept for A/B measurements. Read at every call."""
     return "v1" if os.environ.get("ATTNSERVE_SKINNY_RULE", "v2").strip().lower() == "v1" else "v2"
 
 
