@@ -17,22 +17,20 @@ releases). What differs from Gemma 3:
   pattern 2); local layers see the last ``sliding_window`` (4096) tokens including
   themselves (``RadixAttention(sliding_window_size=sliding_window - 1)``).
 
-Weights use HF names; q/k/v and gate/up are fused as in Llama (`LlamaForCausalLM`'s
-``load_weights`` is reused).
+Weights use HF names, q/k/v and gate/up fused as in Llama; the body, LM head and loading are
+`attnserve.models.base`'s.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import torch
 from torch import nn
 
-from attnserve.attention.radix_attention import RadixAttention
 from attnserve.distributed.group import TPGroup
-from attnserve.models.gemma3 import FULL, SLIDING, Gemma3DecoderLayer, Gemma3ForCausalLM, Gemma3MLP, Gemma3TextModel
-from attnserve.models.layers.norm import GemmaRMSNorm
-from attnserve.models.layers.parallel import VocabParallelEmbedding
+from attnserve.models.base import attention_head_dim
+from attnserve.models.gemma3 import FULL, SLIDING, Gemma3DecoderLayer, Gemma3ForCausalLM, Gemma3TextModel
 from attnserve.models.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
 from attnserve.models.llama import LlamaAttention
 
@@ -64,55 +62,33 @@ class Gemma2Attention(LlamaAttention):
     def __init__(self, config: Any, layer_id: int, layer_type: str, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
                  tp: Optional[TPGroup] = None):
         window = int(config.sliding_window) - 1 if layer_type == SLIDING and config.sliding_window else -1
-        super().__init__(config, layer_id, rotary_emb, dtype, sliding_window_size=window, tp=tp)
-        scalar = getattr(config, "query_pre_attn_scalar", None) or self.head_dim
-        self.attn = RadixAttention(
-            self.num_heads,
-            self.head_dim,
-            float(scalar) ** -0.5,
-            num_kv_heads=self.num_kv_heads,
-            layer_id=layer_id,
-            logit_cap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
-            sliding_window_size=window,
-        )
+        scalar = getattr(config, "query_pre_attn_scalar", None) or attention_head_dim(config)
+        super().__init__(config, layer_id, rotary_emb, dtype, sliding_window_size=window, tp=tp,
+                         scaling=float(scalar) ** -0.5,
+                         logit_cap=float(getattr(config, "attn_logit_softcapping", None) or 0.0))
 
 
 class Gemma2DecoderLayer(Gemma3DecoderLayer):
-    """Gemma 3's four-norm block (``forward`` is Gemma 3's) with `Gemma2Attention`."""
+    """Gemma 3's four-norm block and GeGLU feed-forward with `Gemma2Attention`."""
 
-    def __init__(self, config: Any, layer_id: int, layer_type: str, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
-                 tp: Optional[TPGroup] = None):
-        nn.Module.__init__(self)  # not Gemma3DecoderLayer.__init__: its attention has QK-norm and no cap
-        eps, hidden = config.rms_norm_eps, config.hidden_size
-        self.layer_type = layer_type
-        self.self_attn = Gemma2Attention(config, layer_id, layer_type, rotary_emb, dtype, tp)
-        activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-        self.mlp = Gemma3MLP(hidden, config.intermediate_size, activation or "gelu_pytorch_tanh", dtype, tp)
-        self.input_layernorm = GemmaRMSNorm(hidden, eps, dtype=dtype)
-        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, dtype=dtype)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype=dtype)
-        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype=dtype)
+    attention_cls = Gemma2Attention
 
 
 class Gemma2Model(Gemma3TextModel):
-    """Scaled embedding, `Gemma2DecoderLayer` stack (one RoPE table) and final norm (HF prefix
-    ``model.``); ``forward`` is Gemma 3's."""
+    """Scaled embedding, `Gemma2DecoderLayer` stack and final norm (HF prefix ``model.``), one
+    RoPE table (``self.rotary_emb``) for both layer types."""
 
-    def __init__(self, config: Any, dtype: torch.dtype, tp: Optional[TPGroup] = None):
-        nn.Module.__init__(self)  # not Gemma3TextModel.__init__: two RoPE tables, Gemma 3 layers
-        tp = tp or TPGroup.single()
-        self.config = config
+    decoder_layer_cls = Gemma2DecoderLayer
+
+    def _init_rope(self, config: Any, dtype: torch.dtype) -> None:
         self.layer_types = gemma2_layer_types(config)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype=dtype)
         scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype)
         self.register_buffer("embed_scale", scale, persistent=False)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary_emb = get_rope(head_dim, int(getattr(config, "max_position_embeddings", 8192)),
+        self.rotary_emb = get_rope(attention_head_dim(config), int(getattr(config, "max_position_embeddings", 8192)),
                                    rope_parameters_from_config(config))
-        self.layers = nn.ModuleList(
-            Gemma2DecoderLayer(config, i, t, self.rotary_emb, dtype, tp) for i, t in enumerate(self.layer_types)
-        )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def _make_layer(self, config: Any, layer_id: int, dtype: torch.dtype, tp: TPGroup) -> nn.Module:
+        return self.decoder_layer_cls(config, layer_id, self.layer_types[layer_id], self.rotary_emb, dtype, tp)
 
 
 class Gemma2ForCausalLM(Gemma3ForCausalLM):
@@ -134,22 +110,9 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
             activation or rope type (named in the message).
     """
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
-        nn.Module.__init__(self)  # Gemma3ForCausalLM.__init__ would build a Gemma 3 body
-        if getattr(config, "use_bidirectional_attention", False):
-            raise ValueError("Gemma 2 with use_bidirectional_attention is not a causal LM; not supported")
-        self.config = config
-        self.dtype = dtype
-        self.tp = tp or TPGroup.single()
-        self.model = Gemma2Model(config, dtype, self.tp)
-        self._init_lm_head(config, dtype, tie_default=True)
-        self.final_logit_softcapping = float(getattr(config, "final_logit_softcapping", None) or 0.0)
-
-    @staticmethod
-    def _param(params: Dict[str, nn.Parameter], target: str, source: str) -> nn.Parameter:
-        if target not in params:
-            raise KeyError(f"checkpoint tensor {source!r} matches no parameter of Gemma2ForCausalLM")
-        return params[target]
+    model_cls = Gemma2Model
+    family = "Gemma 2"
+    ignores_attn_logit_softcapping = False
 
 
 EntryClass = Gemma2ForCausalLM

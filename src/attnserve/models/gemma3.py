@@ -135,15 +135,18 @@ class Gemma3DecoderLayer(nn.Module):
     """``h += post_attn_norm(attn(input_norm(h)))``; ``h += post_ffw_norm(mlp(pre_ffw_norm(h)))``.
 
     The residual stream is carried separately (as in `LlamaDecoderLayer`): the returned
-    block output is added to it by the next norm that takes ``residual``.
+    block output is added to it by the next norm that takes ``residual``. The attention is
+    ``attention_cls(config, layer_id, layer_type, rotary_emb, dtype, tp)``.
     """
+
+    attention_cls: Any = Gemma3Attention
 
     def __init__(self, config: Any, layer_id: int, layer_type: str, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
                  tp: Optional[TPGroup] = None):
         super().__init__()
         eps, hidden = config.rms_norm_eps, config.hidden_size
         self.layer_type = layer_type
-        self.self_attn = Gemma3Attention(config, layer_id, layer_type, rotary_emb, dtype, tp)
+        self.self_attn = self.attention_cls(config, layer_id, layer_type, rotary_emb, dtype, tp)
         activation = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
         self.mlp = Gemma3MLP(hidden, config.intermediate_size, activation, dtype, tp)
         self.input_layernorm = GemmaRMSNorm(hidden, eps, dtype=dtype)
@@ -230,11 +233,14 @@ class Gemma3ForCausalLM(CausalLM):
     tie_word_embeddings_default = True
     #: Gemma norms are ``x * (1 + w)``: w = 0 is the identity scale
     dummy_norm_fill = 0.0
+    #: the family in messages; whether ``attn_logit_softcapping`` is ignored (with a warning)
+    family = "Gemma 3"
+    ignores_attn_logit_softcapping = True
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
         if getattr(config, "use_bidirectional_attention", False):
-            raise ValueError("Gemma 3 with use_bidirectional_attention is not a causal LM; not supported")
-        if getattr(config, "attn_logit_softcapping", None):
+            raise ValueError(f"{self.family} with use_bidirectional_attention is not a causal LM; not supported")
+        if self.ignores_attn_logit_softcapping and getattr(config, "attn_logit_softcapping", None):
             logger.warning("Gemma 3: attn_logit_softcapping=%s is ignored (as in HF transformers; Gemma 3 uses "
                            "QK-norm instead)", config.attn_logit_softcapping)
         super().__init__(config, dtype, tp)

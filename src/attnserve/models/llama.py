@@ -39,14 +39,16 @@ def rope_then_attention(rotary_emb: RotaryEmbedding, attn: RadixAttention, posit
     return attn.forward(q, k, v, forward_batch, save_kv_cache=target is None)
 
 
-def parallel_qkv_o(config: Any, head_dim: int, bias: bool, dtype: torch.dtype, tp: TPGroup):
+def parallel_qkv_o(config: Any, head_dim: int, bias: bool, dtype: torch.dtype, tp: TPGroup,
+                   qkv_bias: Optional[bool] = None):
     """``(qkv_proj, o_proj, local q heads, local KV heads)`` of a GQA block under ``tp``:
-    QKV column-parallel by heads (KV heads replicated when fewer than ranks), O row-parallel."""
+    QKV column-parallel by heads (KV heads replicated when fewer than ranks), O row-parallel.
+    ``bias`` is O's, and QKV's unless ``qkv_bias`` is given."""
     total_q = config.num_attention_heads
     q_rng = q_head_range(total_q, tp.size, tp.rank)
     kv_rng = kv_head_range(getattr(config, "num_key_value_heads", None) or total_q, tp.size, tp.rank)
     qkv = ColumnParallelLinear(config.hidden_size, [(q_rng, head_dim), (kv_rng, head_dim), (kv_rng, head_dim)],
-                               bias=bias, dtype=dtype)
+                               bias=bias if qkv_bias is None else qkv_bias, dtype=dtype)
     o = RowParallelLinear([(q_rng, head_dim)], config.hidden_size, tp, bias=bias, dtype=dtype)
     return qkv, o, q_rng.count, kv_rng.count
 
@@ -58,10 +60,13 @@ class LlamaAttention(nn.Module):
     (``num_heads`` / ``num_kv_heads`` are the local counts) and its output is all-reduced.
 
     ``scaling`` (default ``head_dim ** -0.5``), ``logit_cap`` and ``sliding_window_size``
-    go to `RadixAttention`.
+    go to `RadixAttention`. The projections are biased by ``config.attention_bias``; a
+    variant sets ``qkv_bias`` to fix the q/k/v bias alone (Qwen2: q/k/v biased, o not).
 
     Shapes: ``positions`` int64 ``[T]``, ``hidden_states`` ``[T, hidden]`` -> ``[T, hidden]``.
     """
+
+    qkv_bias: Optional[bool] = None
 
     def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
                  sliding_window_size: int = -1, tp: Optional[TPGroup] = None, scaling: Optional[float] = None,
@@ -71,7 +76,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = attention_head_dim(config)
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj, self.o_proj, self.num_heads, self.num_kv_heads = parallel_qkv_o(
-            config, self.head_dim, bias, dtype, tp)
+            config, self.head_dim, bias, dtype, tp, self.qkv_bias)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.rotary_emb = rotary_emb

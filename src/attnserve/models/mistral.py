@@ -10,20 +10,19 @@ layer attends to the last ``sliding_window`` tokens including itself, HF's mask
 HF's Mistral applies the window to every layer even when a config lists ``layer_types``
 (it warns and points to Ministral), and so does this class.
 
-Weights use HF names; q/k/v and gate/up are fused as in Llama, whose ``load_weights``,
-``forward`` and ``compute_logits`` are reused. Mistral GGUF files are llama.cpp ``llama``
-files (q/k rows permuted for RoPE; `attnserve.model_loader.gguf`).
+Weights use HF names, q/k/v and gate/up fused as in Llama; the body, LM head and loading are
+`attnserve.models.base`'s. Mistral GGUF files are llama.cpp ``llama`` files (q/k rows
+permuted for RoPE; `attnserve.model_loader.gguf`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from attnserve.distributed.group import TPGroup
-from attnserve.models.layers.norm import RMSNorm
 from attnserve.models.layers.rotary import RotaryEmbedding
 from attnserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
@@ -49,17 +48,14 @@ def require_silu(config: Any, family: str) -> None:
 
 class MistralDecoderLayer(LlamaDecoderLayer):
     """Llama's pre-norm block whose attention is windowed by ``config.sliding_window``
-    (`mistral_window`); ``forward`` is Llama's."""
+    (`mistral_window`), with a bias-free MLP."""
 
-    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
-                 tp: Optional[TPGroup] = None):
-        nn.Module.__init__(self)  # not LlamaDecoderLayer.__init__: its attention has no window
-        eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, dtype, sliding_window_size=mistral_window(config),
-                                        tp=tp)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, False, dtype, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
+    def _make_attention(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
+                        tp: Optional[TPGroup]) -> nn.Module:
+        return LlamaAttention(config, layer_id, rotary_emb, dtype, sliding_window_size=mistral_window(config), tp=tp)
+
+    def _make_mlp(self, config: Any, layer_id: int, dtype: torch.dtype, tp: Optional[TPGroup]) -> nn.Module:
+        return LlamaMLP(config.hidden_size, config.intermediate_size, False, dtype, tp)
 
 
 class MistralModel(LlamaModel):
@@ -83,20 +79,11 @@ class MistralForCausalLM(LlamaForCausalLM):
             implement (named in the message).
     """
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
-        nn.Module.__init__(self)  # LlamaForCausalLM.__init__ would build a Llama body
-        require_silu(config, "Mistral")
-        self.config = config
-        self.dtype = dtype
-        self.tp = tp or TPGroup.single()
-        self.model = MistralModel(config, dtype, self.tp)
-        self._init_lm_head(config, dtype, tie_default=False)
+    model_cls = MistralModel
 
-    @staticmethod
-    def _param(params: Dict[str, nn.Parameter], target: str, source: str) -> nn.Parameter:
-        if target not in params:
-            raise KeyError(f"checkpoint tensor {source!r} matches no parameter of MistralForCausalLM")
-        return params[target]
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
+        require_silu(config, "Mistral")
+        super().__init__(config, dtype, tp)
 
 
 EntryClass = MistralForCausalLM

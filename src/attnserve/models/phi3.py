@@ -8,7 +8,7 @@ Serves HF architecture ``Phi3ForCausalLM`` (``model_type`` ``phi3``). The block 
 * fused checkpoint tensors: ``self_attn.qkv_proj`` ``[q | k | v]`` rows and
   ``mlp.gate_up_proj`` ``[gate | up]`` rows (HF ``Phi3MLP`` chunks the output in two, gate
   first). `Phi3ForCausalLM.load_weights` splits each into its parts (views, no copy) and
-  loads them as Llama loads separate q/k/v and gate/up tensors, so under tensor
+  loads them as separate q/k/v and gate/up tensors load (`CausalLM.load_weights`), so under tensor
   parallelism every rank keeps its heads of q, k and v and its rows of gate and up.
   Checkpoints with separate tensors (GGUF ``attn_q``/``attn_k``/``attn_v``) load as they are.
 * RoPE: ``default`` or ``longrope`` (Phi-3-mini-128k, Phi-3.5, Phi-4-mini:
@@ -40,22 +40,16 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, Iterator, Optional, Set, Tuple
 
 import torch
-from torch import nn
 
 from attnserve.distributed.group import TPGroup
 from attnserve.forward_batch import ForwardBatch
-from attnserve.models.layers.norm import RMSNorm
-from attnserve.models.layers.parallel import VocabParallelEmbedding
+from attnserve.models.base import attention_head_dim
 from attnserve.models.layers.rotary import LongRoPERotaryEmbedding, get_rope, rope_parameters_from_config
 from attnserve.models.llama import LlamaForCausalLM, LlamaModel
 from attnserve.models.mistral import MistralDecoderLayer, require_silu
 
 #: legacy Phi-3 rope types that transformers' Phi3Config reads as longrope
 _LONGROPE_ALIASES = ("su", "yarn")
-
-
-def _head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def phi3_rope_parameters(config: Any) -> Dict[str, Any]:
@@ -81,17 +75,9 @@ class Phi3Model(LlamaModel):
 
     decoder_layer_cls = MistralDecoderLayer
 
-    def __init__(self, config: Any, dtype: torch.dtype, tp: Optional[TPGroup] = None):
-        nn.Module.__init__(self)  # LlamaModel.__init__ would read the rope without Phi-3's rules
-        tp = tp or TPGroup.single()
-        self.config = config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype=dtype)
-        self.rotary_emb = get_rope(_head_dim(config), int(getattr(config, "max_position_embeddings", 4096)),
+    def _init_rope(self, config: Any, dtype: torch.dtype) -> None:
+        self.rotary_emb = get_rope(attention_head_dim(config), int(getattr(config, "max_position_embeddings", 4096)),
                                    phi3_rope_parameters(config))
-        self.layers = nn.ModuleList(
-            self.decoder_layer_cls(config, i, self.rotary_emb, dtype, tp=tp) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
                 num_layers: Optional[int] = None) -> torch.Tensor:
@@ -118,14 +104,11 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             wrong length.
     """
 
+    model_cls = Phi3Model
+
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
-        nn.Module.__init__(self)  # LlamaForCausalLM.__init__ would build a Llama body
         require_silu(config, "Phi-3")
-        self.config = config
-        self.dtype = dtype
-        self.tp = tp or TPGroup.single()
-        self.model = Phi3Model(config, dtype, self.tp)
-        self._init_lm_head(config, dtype, tie_default=False)
+        super().__init__(config, dtype, tp)
 
     def _split_fused(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterator[Tuple[str, torch.Tensor]]:
         """HF ``qkv_proj`` -> ``q_proj``/``k_proj``/``v_proj`` rows and ``gate_up_proj`` ->
@@ -136,7 +119,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 ``(heads + 2 * kv_heads) * head_dim`` or ``2 * intermediate_size``.
         """
         cfg = self.config
-        head_dim = _head_dim(cfg)
+        head_dim = attention_head_dim(cfg)
         q = cfg.num_attention_heads * head_dim
         kv = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * head_dim
         inter = cfg.intermediate_size
@@ -159,15 +142,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
-        """`LlamaForCausalLM.load_weights` after splitting Phi-3's fused tensors
+        """`CausalLM.load_weights` after splitting Phi-3's fused tensors
         (`_split_fused`); same arguments, result and errors."""
         return super().load_weights(self._split_fused(weights))
-
-    @staticmethod
-    def _param(params: Dict[str, nn.Parameter], target: str, source: str) -> nn.Parameter:
-        if target not in params:
-            raise KeyError(f"checkpoint tensor {source!r} matches no parameter of Phi3ForCausalLM")
-        return params[target]
 
 
 EntryClass = Phi3ForCausalLM

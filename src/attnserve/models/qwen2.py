@@ -16,21 +16,18 @@ Serves HF architecture ``Qwen2ForCausalLM`` (``model_type`` ``qwen2``). It is th
 
 RoPE scaling (``rope_scaling``, e.g. YaRN in the long-context Qwen2.5 configs) goes through
 `get_rope`, which refuses a type it does not implement. Weights use HF names; q/k/v (weights
-and biases) and gate/up are fused as in Llama, whose ``load_weights``, ``forward`` and
-``compute_logits`` are reused.
+and biases) and gate/up are fused as in Llama; the body, LM head and loading are
+`attnserve.models.base`'s.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from attnserve.distributed.group import TPGroup
-from attnserve.distributed.partition import kv_head_range, q_head_range
-from attnserve.models.layers.norm import RMSNorm
-from attnserve.models.layers.parallel import ColumnParallelLinear
 from attnserve.models.layers.rotary import RotaryEmbedding
 from attnserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from attnserve.models.mistral import require_silu
@@ -56,35 +53,23 @@ def qwen2_window(config: Any, layer_id: int) -> int:
 
 
 class Qwen2Attention(LlamaAttention):
-    """Llama's attention with a biased fused ``qkv_proj`` (``[q | k | v]`` rows and bias,
-    this rank's heads of each) and an unbiased ``o_proj``; ``forward`` is Llama's.
+    """Llama's attention with a biased fused ``qkv_proj`` (``[q | k | v]`` rows and bias, this
+    rank's heads of each) and an unbiased ``o_proj`` (HF ``Qwen2Attention``)."""
 
-    Shapes: ``positions`` int64 ``[T]``, ``hidden_states`` ``[T, hidden]`` -> ``[T, hidden]``.
-    """
-
-    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
-                 tp: Optional[TPGroup] = None):
-        tp = tp or TPGroup.single()
-        super().__init__(config, layer_id, rotary_emb, dtype, sliding_window_size=qwen2_window(config, layer_id), tp=tp)
-        heads = config.num_attention_heads
-        q_rng = q_head_range(heads, tp.size, tp.rank)
-        kv_rng = kv_head_range(getattr(config, "num_key_value_heads", None) or heads, tp.size, tp.rank)
-        parts = [(q_rng, self.head_dim), (kv_rng, self.head_dim), (kv_rng, self.head_dim)]
-        # replaces Llama's unbiased projection (same rows; HF Qwen2Attention: q/k/v bias=True, o bias=False)
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, parts, bias=True, dtype=dtype)
+    qkv_bias = True
 
 
 class Qwen2DecoderLayer(LlamaDecoderLayer):
-    """Llama's pre-norm block with `Qwen2Attention` (``forward`` is Llama's)."""
+    """Llama's pre-norm block with `Qwen2Attention` (windowed by `qwen2_window`) and a
+    bias-free MLP."""
 
-    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
-                 tp: Optional[TPGroup] = None):
-        nn.Module.__init__(self)  # not LlamaDecoderLayer.__init__: it would build a LlamaAttention
-        eps = config.rms_norm_eps
-        self.self_attn = Qwen2Attention(config, layer_id, rotary_emb, dtype, tp=tp)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, False, dtype, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
+    def _make_attention(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
+                        tp: Optional[TPGroup]) -> nn.Module:
+        return Qwen2Attention(config, layer_id, rotary_emb, dtype, sliding_window_size=qwen2_window(config, layer_id),
+                              tp=tp)
+
+    def _make_mlp(self, config: Any, layer_id: int, dtype: torch.dtype, tp: Optional[TPGroup]) -> nn.Module:
+        return LlamaMLP(config.hidden_size, config.intermediate_size, False, dtype, tp)
 
 
 class Qwen2Model(LlamaModel):
@@ -108,20 +93,11 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
             implement (named in the message).
     """
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
-        nn.Module.__init__(self)  # LlamaForCausalLM.__init__ would build a Llama body
-        require_silu(config, "Qwen2")
-        self.config = config
-        self.dtype = dtype
-        self.tp = tp or TPGroup.single()
-        self.model = Qwen2Model(config, dtype, self.tp)
-        self._init_lm_head(config, dtype, tie_default=False)
+    model_cls = Qwen2Model
 
-    @staticmethod
-    def _param(params: Dict[str, nn.Parameter], target: str, source: str) -> nn.Parameter:
-        if target not in params:
-            raise KeyError(f"checkpoint tensor {source!r} matches no parameter of Qwen2ForCausalLM")
-        return params[target]
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: Optional[TPGroup] = None):
+        require_silu(config, "Qwen2")
+        super().__init__(config, dtype, tp)
 
 
 EntryClass = Qwen2ForCausalLM
