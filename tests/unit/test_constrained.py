@@ -96,13 +96,16 @@ def _allowed(tok_info_mask_row: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("width", [MODEL_VOCAB, MODEL_VOCAB + 13])
-def test_bitmask_masks_constrained_rows_and_padding(cache, width):
+@pytest.mark.parametrize("compact", [False, True], ids=["rows-in-place", "compact-then-scatter"])
+def test_bitmask_masks_constrained_rows_and_padding(cache, width, compact):
     compiled = cache.get(GrammarSpec("regex", r"(yes|no)[0-9]{2}")).result(timeout=30)
     m1, m3 = xgr.GrammarMatcher(compiled), xgr.GrammarMatcher(compiled)
     assert m3.accept_string("ye")
     logits = torch.randn(4, width, generator=torch.Generator().manual_seed(0))
     before = logits.clone()
-    TokenBitmask(MODEL_VOCAB, "cpu").apply(logits, [1, 3], [m1, m3])
+    bitmask = TokenBitmask(MODEL_VOCAB, "cpu", compact=compact)
+    for _ in range(2):  # the second call reuses the (other) host buffer
+        bitmask.apply(logits, [1, 3], [m1, m3])
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])  # unconstrained rows
     for row, m in ((1, m1), (3, m3)):
         ref = xgr.allocate_token_bitmask(1, MODEL_VOCAB)
@@ -114,6 +117,9 @@ def test_bitmask_masks_constrained_rows_and_padding(cache, width):
         assert not finite[TOKENIZER_VOCAB:].any()  # ids the tokenizer lacks (padded head), and past it
         assert 0 < int(allowed.sum()) < TOKENIZER_VOCAB
     assert not torch.isfinite(logits[3, EOS])  # "ye" needs "s" and two digits first
+    full = torch.randn(2, MODEL_VOCAB)
+    bitmask.apply(full, [0, 1], [m1, m3])  # every row constrained: no row indices
+    assert torch.equal(torch.isfinite(full[1]), torch.isfinite(logits[3])[:MODEL_VOCAB])
 
 
 def test_manager_queues_compiled_fails_bad_and_finishes_on_termination(tok):

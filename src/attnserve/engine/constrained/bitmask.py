@@ -50,14 +50,17 @@ class TokenBitmask:
         vocab_size: V, the grammar's vocabulary (the model's logits width, padding included).
         device: the logits' device.
         fill_threads: xgrammar batch-fill threads (``"auto"``: half the host's cores).
+        compact: fill ``k`` compact rows and scatter them on the device (default: on CUDA;
+            tests force it on the CPU to check that path's indexing).
     """
 
-    def __init__(self, vocab_size: int, device, fill_threads="auto"):
+    def __init__(self, vocab_size: int, device, fill_threads="auto", compact=None):
         self._xgr = import_xgrammar()
         self.vocab_size = int(vocab_size)
         self.words = (self.vocab_size + 31) // 32
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.compact = self.cuda if compact is None else bool(compact)
         self.stats = BitmaskStats()
         self._batch = self._xgr.BatchGrammarMatcher(fill_threads)
         self._host: List[Optional[torch.Tensor]] = [None, None]  # [cap, W] int32 (pinned on CUDA)
@@ -115,8 +118,8 @@ class TokenBitmask:
         """
         k, n = len(rows), logits.shape[0]
         t0 = time.perf_counter()
-        slot, host, host_rows = self._host_buffers(n if not self.cuda else k)
-        if not self.cuda:
+        slot, host, host_rows = self._host_buffers(k if self.compact else n)
+        if not self.compact:
             self._fill(matchers, host, rows)
             t1 = time.perf_counter()
             self._mask(logits, host[:n], None if k == n else rows, rows)
@@ -135,9 +138,10 @@ class TokenBitmask:
                 full = self._dev_full[:n]
                 full.index_copy_(0, dev_rows, dev_mask)
                 self._mask(logits, full, dev_rows, dev_rows)
-            ev = torch.cuda.Event()
-            ev.record()
-            self._events[slot] = ev
+            if self.cuda:
+                ev = torch.cuda.Event()
+                ev.record()
+                self._events[slot] = ev
         t2 = time.perf_counter()
         st = self.stats
         st.steps += 1
