@@ -70,7 +70,8 @@ def _free(oai, kind, text):
 def batch(oai, server):
     """Every request of the module at once (one mixed batch in the engine); while it runs,
     bad grammars are sent and must be refused with a 400. Returns the results by name."""
-    free_alone = [_free(oai, k, t) for k, t in FREE]
+    with ThreadPoolExecutor(len(FREE)) as pool:  # together: multi-row GEMMs, as in the big batch
+        free_alone = list(pool.map(lambda kt: _free(oai, *kt), FREE))
     misses0 = _compile_misses(server)
     jobs = {}
     for i, (name, schema) in enumerate(SCHEMAS.items()):
@@ -81,16 +82,16 @@ def batch(oai, server):
                 kw = dict(response_format={"type": "json_schema", "json_schema": {
                     "name": name, "schema": schema, "strict": bool(j)}})
             jobs[f"schema:{name}:{j}"] = (lambda kw=kw, prompt=prompt: oai.chat.completions.create(
-                model=MODEL, messages=_chat(prompt), max_tokens=64, temperature=0, **kw))
+                model=MODEL, messages=_chat(prompt), max_tokens=96, temperature=0, **kw))
     jobs["n2"] = lambda: oai.chat.completions.create(
-        model=MODEL, messages=_chat(PROMPTS[0]), max_tokens=64, temperature=0.8, seed=3, n=2,
+        model=MODEL, messages=_chat(PROMPTS[0]), max_tokens=96, temperature=0.8, seed=3, n=2,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMAS["person"]}})
     jobs["stream"] = lambda: "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
-        model=MODEL, messages=_chat(PROMPTS[1]), max_tokens=64, temperature=0, stream=True,
+        model=MODEL, messages=_chat(PROMPTS[1]), max_tokens=96, temperature=0, stream=True,
         response_format={"type": "json_schema", "json_schema": {"name": "array", "schema": SCHEMAS["array"]}})
         if c.choices)
     jobs["json_object"] = lambda: oai.chat.completions.create(
-        model=MODEL, messages=_chat("Give me a JSON object with one key."), max_tokens=48, temperature=0,
+        model=MODEL, messages=_chat("Give me a JSON object with one key."), max_tokens=96, temperature=0,
         response_format={"type": "json_object"})
     jobs["regex"] = lambda: oai.completions.create(model=MODEL, prompt="Is water wet? Answer:", max_tokens=32,
                                                    temperature=0, extra_body={"regex": REGEX})
