@@ -100,7 +100,7 @@ CASES = [
     ("echo-unsupported", "POST", C, {"json": {"prompt": "hi", "echo": True}}, 400, "echo"),
     ("penalty-unsupported", "POST", C, {"json": {"prompt": "hi", "presence_penalty": 1.0}}, 400,
      "presence_penalty"),
-    ("regex-unsupported", "POST", C, {"json": {"prompt": "hi", "regex": "[a-z]+"}}, 400, "regex"),
+    ("regex-malformed", "POST", C, {"json": {"prompt": "hi", "regex": "[a-z+"}}, 400, "regex"),
     ("unknown-field", "POST", CHAT, {"json": {"messages": MSG, "temprature": 0.5}}, 400, "temprature"),
     ("unknown-model", "POST", C, {"json": {"prompt": "hi", "model": "gpt-4"}}, 404, "model"),
     ("bad-api-key", "POST", C, {"json": OK, "headers": {"Authorization": "Bearer wrong"}}, 401, None),

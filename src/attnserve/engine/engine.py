@@ -172,7 +172,8 @@ class Engine:
     def check_prompt(self, prompt_ids: Sequence[int], sampling_params: SamplingParams) -> None:
         """Raise ValueError if the request could not be served as asked (checked before
         enqueueing, so nothing is silently truncated): an empty prompt, invalid sampling
-        parameters, or prompt + ``max_new_tokens`` beyond what one request can ever hold
+        parameters (a grammar must parse and suit the engine: `attnserve.engine.constrained`),
+        or prompt + ``max_new_tokens`` beyond what one request can ever hold
         (`max_request_tokens`: the context length and the KV pool). RuntimeError after
         `shutdown`."""
         self.check_running()
@@ -180,6 +181,7 @@ class Engine:
         if n == 0:
             raise ValueError("the prompt is empty")
         sampling_params.verify()
+        self.scheduler.grammar.check(sampling_params, parse=True)  # a grammar this engine can serve
         ctx, pool = self.context_len, self.max_total_tokens
         if n >= ctx:
             raise ValueError(

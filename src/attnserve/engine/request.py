@@ -37,6 +37,10 @@ class Req:
 
     ``spec_verify_ct``: speculative verify steps the request took part in (SGLang's name;
     accept length = output tokens / ``spec_verify_ct``).
+
+    ``grammar``: the `attnserve.engine.constrained.RequestGrammar` of a constrained request
+    (None otherwise). ``error_status``: the HTTP status of ``error`` (400: the request
+    itself was at fault, e.g. a grammar that does not compile; 500 otherwise).
     """
 
     rid: str
@@ -51,11 +55,13 @@ class Req:
     seed: int = 0
     num_retractions: int = 0
     error: Optional[str] = None
+    error_status: int = 500
     last_node: Optional[Any] = None
     cache_own_len: int = 0
     cached_tokens: int = 0
     kv_committed: bool = True
     spec_verify_ct: int = 0
+    grammar: Optional[Any] = None
     finish_reason: Optional[FinishReason] = None
     matched_stop: Optional[object] = None
     text: str = ""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 #: temperatures below this are greedy (SGLang's ``_SAMPLING_EPS`` is 1e-6; 1e-5 keeps
 #: ``logits / T`` well inside float32 for any logit a model produces, so a tiny temperature
@@ -27,6 +27,9 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (kept in ``token_ids``).
         ignore_eos: keep generating past the end-of-sequence token.
         seed: per-request random seed (sampled requests are then reproducible).
+        json_schema / regex / ebnf: constrain the output to a JSON Schema (JSON text or a
+            dict), a regular expression or an EBNF grammar (xgrammar's dialect, a ``root``
+            rule); at most one (`attnserve.engine.constrained`).
     """
 
     max_new_tokens: int = 128
@@ -38,6 +41,10 @@ class SamplingParams:
     stop_token_ids: Optional[List[int]] = None
     ignore_eos: bool = False
     seed: Optional[int] = None
+    # constrained decoding (attnserve.engine.constrained)
+    json_schema: Optional[Union[str, Dict[str, Any]]] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
     stop_strs: List[str] = field(init=False, default_factory=list)
 
     def __post_init__(self):
@@ -47,6 +54,9 @@ class SamplingParams:
             self.stop_strs = [self.stop]
         else:
             self.stop_strs = list(self.stop)
+        from attnserve.engine.constrained.spec import normalize_json_schema
+
+        self.json_schema = normalize_json_schema(self.json_schema)
         self.verify()
 
     def verify(self) -> None:
@@ -70,6 +80,9 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        from attnserve.engine.constrained.spec import check_fields
+
+        check_fields(self)  # grammar fields: types, at most one
 
     @property
     def is_greedy(self) -> bool:

@@ -46,6 +46,7 @@ from typing import Deque, Dict, List, Optional, Sequence
 
 import torch
 
+from attnserve.engine.constrained.scheduler_hooks import ConstrainedScheduling
 from attnserve.engine.detokenizer import check_stop
 from attnserve.engine.prefix_cache import PrefixCacheManager
 from attnserve.engine.request import FinishReason, Req
@@ -66,7 +67,7 @@ from attnserve.forward_batch import ForwardMode
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(ConstrainedScheduling):
     """Owns the waiting queue and the running batch of one engine.
 
     Args:
@@ -106,6 +107,7 @@ class Scheduler:
             from attnserve.engine.speculative.verify import SpecDecoder
 
             self.spec = SpecDecoder(spec_config, model_runner, self.token_map, self.packer, draft_runner)
+        self._init_grammar(model_runner)  # constrained decoding (engine/constrained)
         #: tensor parallelism: rank 0 broadcasts each step to the other ranks
         self.tp_sender = None
         if model_runner.tp.size > 1:
@@ -164,6 +166,7 @@ class Scheduler:
         """
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        self.grammar.check(sampling_params)
         n = len(prompt_ids)
         if n >= self.context_len:
             raise ValueError(
@@ -185,7 +188,7 @@ class Scheduler:
         else:
             req.seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.seed_generator))
         self.requests[rid] = req
-        self.waiting.append(req)
+        self.grammar.enqueue(req, self.waiting)  # held back while its grammar compiles
         return req
 
     def abort_request(self, rid: str) -> bool:
@@ -204,7 +207,7 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending is not None)
+        return bool(self.waiting or self.running or self._pending is not None or self.grammar.compiling)
 
     def forget(self, rid: str) -> None:
         """Drop a finished request's record (the caller has consumed its output)."""
@@ -235,6 +238,7 @@ class Scheduler:
         if self.spec is not None:
             self.spec.release()
         self.spec = None
+        self.grammar.shutdown()
         self.token_map = self.packer = None
         self._ids_ring = [None] * len(self._ids_ring)
         self.tree_cache = self.cache = None
@@ -389,6 +393,7 @@ class Scheduler:
         self.failed_reqs = []
         self.touched_before_failure = []
         try:
+            self._poll_grammars(touched)
             self._admit()
             batch = self._schedule(touched)
             if batch is not None and batch.spec is not None:  # speculative: verify, then accept at once
@@ -403,6 +408,7 @@ class Scheduler:
                     touched.extend(self._process(pending))
             elif launched is not None:
                 touched.extend(self._process(launched))
+            self._wait_for_grammars(batch)
         except BaseException:
             # Only the step that raised is lost: a launch that failed leaves the pending
             # step pending; a pending step whose results could not be read is dropped while
@@ -497,6 +503,7 @@ class Scheduler:
             return LaunchedStep(batch, [], None)
         if len(emit_reqs) != len(reqs):
             logits = logits[dev.emit_index]
+        self._mask_grammar(logits, emit_reqs)  # constrained rows only (engine/constrained)
         params = [r.sampling_params for r in emit_reqs]
         if all(p.is_greedy for p in params):
             next_ids = argmax_last(logits)
@@ -553,6 +560,7 @@ class Scheduler:
                 kept += 1
                 if r.first_token_at is None:
                     r.first_token_at = now
+                self.grammar.accept(r, tok)  # a terminated grammar finishes r with stop
                 check_stop(r, self.tokenizer, self.eos_token_ids, self.context_len)
                 if r.finished:
                     break

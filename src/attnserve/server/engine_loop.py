@@ -64,6 +64,15 @@ class EngineError:
     code: Optional[str] = None
 
 
+def request_error(req) -> EngineError:
+    """The error event of a request that failed alone (``req.error`` set): 400 when the
+    request was at fault (``req.error_status``, e.g. a grammar that did not compile), else
+    500."""
+    if getattr(req, "error_status", 500) == 400:
+        return EngineError(400, req.error, "invalid_request_error", "invalid_value")
+    return EngineError(500, f"internal error while finishing the request: {req.error}")
+
+
 @dataclass
 class StreamEvent:
     """One update of a request, in order.
@@ -421,8 +430,8 @@ class EngineLoop:
         live = self._live.get(req.rid)
         if live is None:  # not ours (or already failed): nothing to report
             return
-        if req.finished and getattr(req, "error", None):  # failed alone while post-processing
-            self._fail(req.rid, EngineError(500, f"internal error while finishing the request: {req.error}"))
+        if req.finished and getattr(req, "error", None):  # failed alone (a bad grammar: 400)
+            self._fail(req.rid, request_error(req))
             return
         now = time.perf_counter()
         new_tokens = len(req.output_ids) - live.tokens

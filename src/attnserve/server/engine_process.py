@@ -43,7 +43,7 @@ import signal
 import time
 from typing import Any, Dict, List, Optional
 
-from attnserve.server.engine_loop import EngineError, EngineLoop, SubmitCommand
+from attnserve.server.engine_loop import EngineError, EngineLoop, SubmitCommand, request_error
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +122,8 @@ class ProcessEngineLoop(EngineLoop):
         live = self._live.get(req.rid)
         if live is None:
             return
-        if req.finished and getattr(req, "error", None):  # failed alone while post-processing
-            self._fail(req.rid, EngineError(500, f"internal error while finishing the request: {req.error}"))
+        if req.finished and getattr(req, "error", None):  # failed alone (a bad grammar: 400)
+            self._fail(req.rid, request_error(req))
             return
         out = req.output_ids
         n = len(out)

@@ -30,6 +30,7 @@ from starlette.concurrency import run_in_threadpool
 
 from attnserve.server.engine_loop import EngineLoop, RequestStream, StreamEvent, SubmitCommand
 from attnserve.server.errors import APIError, error_body
+from attnserve.server.grammar_request import request_grammar
 from attnserve.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_STOP_LEN,
@@ -204,12 +205,13 @@ def _max_new_tokens(ctx: ServingContext, prompt_len: int, max_tokens: Optional[i
 
 
 def _sampling_params(ctx: ServingContext, body, prompt_len: int, max_tokens: Optional[int], prompt_param: str,
-                     default_max_tokens: Optional[int] = None):
+                     default_max_tokens: Optional[int] = None, grammar: Optional[Dict[str, Any]] = None):
     """Build `SamplingParams`, checking the prompt and the output against the context.
 
     Args:
         max_tokens: the client's explicit output limit, or None (then ``default_max_tokens``,
             clamped to what fits; see `_max_new_tokens`).
+        grammar: the request's checked grammar field (`request_grammar`), or None.
 
     Raises:
         APIError 400: a request that cannot fit (``context_length_exceeded``), or invalid
@@ -229,6 +231,7 @@ def _sampling_params(ctx: ServingContext, body, prompt_len: int, max_tokens: Opt
             stop_token_ids=body.stop_token_ids,
             ignore_eos=bool(body.ignore_eos),
             seed=body.seed,
+            **(grammar or {}),
         )
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
@@ -461,8 +464,9 @@ def build_router():
         arrival = time.perf_counter()
         _check_model_and_options(ctx, body)
         prompt_ids = await run_in_threadpool(_prompt_ids, ctx, body.prompt)
+        grammar = await run_in_threadpool(request_grammar, body)  # parsed off the event loop
         sp = _sampling_params(ctx, body, len(prompt_ids), body.requested_max_tokens(), "prompt",
-                              DEFAULT_COMPLETION_MAX_TOKENS)
+                              DEFAULT_COMPLETION_MAX_TOKENS, grammar)
         rid = new_id("cmpl")
         choices = await _submit_choices(ctx, rid, prompt_ids, sp, body.n or 1, arrival)
         model, created = ctx.model_name, now_s()  # one `created` for every chunk of the response
@@ -492,7 +496,8 @@ def build_router():
         arrival = time.perf_counter()
         _check_model_and_options(ctx, body)
         prompt_ids = await run_in_threadpool(_chat_ids, ctx, body)
-        sp = _sampling_params(ctx, body, len(prompt_ids), body.requested_max_tokens(), "messages")
+        grammar = await run_in_threadpool(request_grammar, body)  # parsed off the event loop
+        sp = _sampling_params(ctx, body, len(prompt_ids), body.requested_max_tokens(), "messages", None, grammar)
         rid = new_id("chatcmpl")
         choices = await _submit_choices(ctx, rid, prompt_ids, sp, body.n or 1, arrival)
         model, created = ctx.model_name, now_s()  # one `created` for every chunk of the response

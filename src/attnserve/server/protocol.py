@@ -7,7 +7,7 @@ where a boolean is expected, ``NaN``/``Infinity`` and values out of range are er
 No field is silently dropped (`attnserve.server.request_fields`): every field is honoured
 or refused with a 400 naming it (``param``). OpenAI fields that attnserve does not
 implement (``logprobs``, ``echo``, penalties, ``tools``, ``reasoning_effort`` ...) and the
-SGLang/vLLM extensions it does not implement (``regex``, ``json_schema``,
+SGLang/vLLM extensions it does not implement (``guided_json``, ``structural_tag``,
 ``repetition_penalty``, ``min_tokens``, ``lora_path``, ``chat_template_kwargs`` ...) are
 accepted only at their neutral value, else code ``unsupported_parameter``; a field that
 none of these APIs defines gets ``unrecognized_request_argument``. The request models keep
@@ -15,7 +15,8 @@ undeclared fields aside (``extra="allow"``) and `CompletionRequest.refusal` /
 `ChatCompletionRequest.refusal` sort them in one pass after validation.
 
 Extensions beyond OpenAI that attnserve honours (SGLang/vLLM names): ``top_k``, ``min_p``,
-``ignore_eos``, ``stop_token_ids``. Accepted as OpenAI accepts them and changing no output:
+``ignore_eos``, ``stop_token_ids``; constrained decoding: ``response_format`` (also on
+completions), ``json_schema``, ``regex``, ``ebnf`` (`attnserve.server.grammar_request`). Accepted as OpenAI accepts them and changing no output:
 ``user`` (both endpoints); ``store``, ``metadata``, ``safety_identifier`` and
 ``prompt_cache_key`` (chat; see `ChatCompletionRequest`).
 """
@@ -84,6 +85,11 @@ class _SamplingFields(BaseModel):
     ignore_eos: Optional[StrictBool] = False
     #: An end-user id (OpenAI's abuse-monitoring tag); accepted, changes no output.
     user: Optional[StrictStr] = None
+    # constrained decoding, at most one of them (attnserve.server.grammar_request)
+    response_format: Optional[Dict[str, Any]] = None
+    json_schema: Optional[Union[StrictStr, Dict[str, Any]]] = None
+    regex: Optional[StrictStr] = None
+    ebnf: Optional[StrictStr] = None
     # OpenAI fields that attnserve does not implement: only their neutral value is accepted.
     logprobs: Optional[Any] = None
     presence_penalty: Optional[float] = None
@@ -213,7 +219,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     tools: Optional[List[Any]] = None
     tool_choice: Optional[Any] = None
-    response_format: Optional[Dict[str, Any]] = None
     store: Optional[StrictBool] = None
     metadata: Optional[Dict[_MetadataKey, _MetadataValue]] = Field(default=None, max_length=METADATA_MAX_PAIRS)
     safety_identifier: Optional[StrictStr] = None
@@ -226,8 +231,6 @@ class ChatCompletionRequest(_SamplingFields):
             return unsupported("tools", self.tools)
         if self.tool_choice not in (None, "none", "auto"):
             return unsupported("tool_choice", self.tool_choice)
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return unsupported("response_format", self.response_format)
         return super().declared_refusal()
 
     def refusal(self) -> Optional[Refusal]:

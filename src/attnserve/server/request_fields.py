@@ -8,7 +8,7 @@ few OpenAI fields it accepts only at their neutral value; they keep any other fi
 
 * a field that OpenAI, SGLang or vLLM defines for this endpoint but attnserve does not
   implement: accepted at a neutral value (one that asks for the default behaviour, e.g.
-  ``repetition_penalty: 1.0``, ``min_tokens: 0``, ``regex: null``), else 400 with code
+  ``repetition_penalty: 1.0``, ``min_tokens: 0``, ``guided_regex: null``), else 400 with code
   ``unsupported_parameter``;
 * any other field: 400 with OpenAI's code ``unrecognized_request_argument`` and message
   "Unrecognized request argument supplied: <name>".
@@ -18,7 +18,8 @@ SGLang ``python/sglang/srt/entrypoints/openai/protocol.py`` (``CompletionRequest
 ``ChatCompletionRequest``, ``StreamOptions``, chat message params); vLLM
 ``vllm/entrypoints/openai/protocol.py`` (the ``*-sampling-params`` and ``*-extra-params``
 blocks of the same requests). Fields that attnserve honours (``top_k``, ``min_p``,
-``stop_token_ids``, ``ignore_eos`` ...) are declared on the models, not listed here.
+``stop_token_ids``, ``ignore_eos``, the grammars ``response_format``, ``json_schema``,
+``regex``, ``ebnf`` ...) are declared on the models, not listed here.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ _EXT_COMMON = _table(
     # detokenisation: attnserve decodes with skip_special_tokens=True (engine/detokenizer.py)
     skip_special_tokens=_TRUE, spaces_between_special_tokens=_TRUE,
     # constrained decoding
-    regex=_NONE, ebnf=_NONE, json_schema=_NONE, structural_tag=_NONE, structured_outputs=_NONE,
+    structural_tag=_NONE, structured_outputs=_NONE,
     guided_json=_NONE, guided_regex=_NONE, guided_choice=_NONE, guided_grammar=_NONE,
     guided_decoding_backend=_NONE, guided_whitespace_pattern=_NONE,
     # extra outputs
@@ -80,7 +81,7 @@ _EXT_COMMON = _table(
 #: tokens (BOS), so ``add_special_tokens: true`` is what attnserve does.
 _EXT_COMPLETION = _table(
     "SGLang/vLLM",
-    response_format=(None, {"type": "text"}), add_special_tokens=_TRUE, prompt_embeds=_NONE,
+    add_special_tokens=_TRUE, prompt_embeds=_NONE,
 )
 
 #: Extensions of ``/v1/chat/completions`` only. The chat template is applied with the

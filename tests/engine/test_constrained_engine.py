@@ -1,0 +1,155 @@
+"""Constrained decoding through the offline API (`LLM.generate`), on a 2-layer Llama with
+random weights and a 300-token byte-level BPE tokenizer under a 320-wide LM head
+(`grammar_fixtures`): a random model emits valid output only because of the mask, and
+the 20 padded ids must never be sampled. Covers JSON Schema / regex / EBNF, overlap
+scheduling forced on the CPU (the early processing of the pending step), mixed batches,
+the radix cache, grammar termination with ``ignore_eos``, bad grammars, and a grammar that
+fails inside the engine while the other requests go on."""
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+from attnserve.engine.llm import LLM  # noqa: E402
+from attnserve.engine.sampling_params import SamplingParams  # noqa: E402
+from grammar_fixtures import TOKENIZER_VOCAB, tiny_model_dir  # noqa: E402
+
+SCHEMAS = [
+    {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                      "kind": {"enum": ["red", "green", "blue"]}}, "required": ["id", "kind"]},
+    {"type": "object", "properties": {
+        "point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
+                                                   "y": {"type": "boolean"}}, "required": ["x", "y"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+        "note": {"type": "string", "maxLength": 6}}, "required": ["point", "tags"]},
+    {"type": "object", "properties": {"v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 50},
+                                                      {"type": "null"}, {"enum": ["none"]}]}}, "required": ["v"]},
+]
+REGEX = r"(yes|no)-[0-9]{2,3}"
+EBNF = 'root ::= "(" item ("," item)? ")"\nitem ::= "x" | "y" [0-9]'
+EBNF_LANGUAGE = re.compile(r"\((x|y[0-9])(,(x|y[0-9]))?\)")
+PROMPTS = ["hello", "the quick brown fox", "abc", "123-456 yes"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(str(tmp_path_factory.mktemp("tiny-grammar")))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    with LLM(model_dir, load_format="dummy", max_total_tokens=4096) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def overlap_llm(model_dir):
+    with LLM(model_dir, load_format="dummy", max_total_tokens=4096, disable_overlap_schedule=False) as engine:
+        yield engine
+
+
+def _requests(temperature):
+    prompts, params = [], []
+    for i, schema in enumerate(SCHEMAS * 2):
+        prompts.append(PROMPTS[i % len(PROMPTS)])
+        params.append(SamplingParams(max_new_tokens=96, temperature=temperature, seed=i, json_schema=schema))
+    for i in range(3):
+        prompts.append(PROMPTS[i])
+        params.append(SamplingParams(max_new_tokens=16, temperature=temperature, seed=10 + i, regex=REGEX))
+        prompts.append(PROMPTS[i + 1])
+        params.append(SamplingParams(max_new_tokens=16, temperature=temperature, seed=20 + i, ebnf=EBNF))
+    return prompts, params
+
+
+def _check_valid(outs, params):
+    for o, p in zip(outs, params):
+        assert o.finish_reason == "stop" and o.error is None, (o.text, o.finish_reason, o.error)
+        assert all(t < TOKENIZER_VOCAB for t in o.token_ids), o.token_ids  # padded ids never sampled
+        if p.json_schema is not None:
+            jsonschema.validate(json.loads(o.text), json.loads(p.json_schema))
+        elif p.regex is not None:
+            assert re.fullmatch(REGEX, o.text), o.text
+        else:
+            assert EBNF_LANGUAGE.fullmatch(o.text), o.text
+
+
+def test_random_model_output_matches_its_grammar(llm):
+    prompts, params = _requests(temperature=1.0)
+    outs = llm.generate(prompts, params)
+    _check_valid(outs, params)
+    assert len({o.text for o in outs}) > len(outs) // 2  # really sampled, not one fixed string
+    g = llm.engine.scheduler.grammar
+    assert g.stats.terminated >= len(outs) and g.cache.stats.hits >= 3  # SCHEMAS * 2: compiled once each
+
+
+def test_overlap_scheduling_gives_the_same_tokens(llm, overlap_llm):
+    prompts, params = _requests(temperature=0.7)
+    plain = llm.generate(prompts, params)
+    overlapped = overlap_llm.generate(prompts, params)
+    _check_valid(overlapped, params)
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
+    assert overlap_llm.engine.scheduler.grammar.stats.early_syncs > 0  # the pending step was read before sampling
+
+
+def test_mixed_batch_leaves_unconstrained_rows_alone(overlap_llm):
+    free = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = overlap_llm.generate(PROMPTS, free)
+    prompts, params = _requests(temperature=0.0)
+    mixed = overlap_llm.generate(PROMPTS + prompts, [free] * len(PROMPTS) + params)
+    assert [o.token_ids for o in mixed[:len(PROMPTS)]] == [o.token_ids for o in alone]
+    assert any(t >= TOKENIZER_VOCAB for o in alone for t in o.token_ids)  # unmasked rows do reach the padding
+    _check_valid(mixed[len(PROMPTS):], params)
+
+
+def test_radix_cache_and_ignore_eos(llm):
+    prompt = "the quick brown fox " * 6
+    sp = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True, json_schema=SCHEMAS[0])
+    first, second = llm.generate([prompt, prompt], [sp, sp])
+    third = llm.generate([prompt], sp)[0]
+    assert third.cached_tokens > 0 and third.token_ids == first.token_ids == second.token_ids
+    assert third.finish_reason == "stop" and len(third.token_ids) < 64  # the grammar ended it, not the length
+    jsonschema.validate(json.loads(third.text), SCHEMAS[0])
+
+
+def test_bad_grammars_raise_and_the_engine_keeps_serving(llm):
+    with pytest.raises(ValueError, match="invalid regex"):
+        llm.generate(["hi"], SamplingParams(regex="(ab"))
+    with pytest.raises(ValueError, match="invalid ebnf"):
+        llm.generate(["hi"], SamplingParams(ebnf="root ::= missing_rule"))
+    with pytest.raises(ValueError, match="not a valid JSON Schema"):
+        llm.generate(["hi"], SamplingParams(json_schema={"type": "object", "required": "id"}))
+    with pytest.raises(ValueError, match="at most one grammar"):
+        llm.generate(["hi"], SamplingParams(regex="a", ebnf='root ::= "a"'))
+    out = llm.generate(["hi"], SamplingParams(max_new_tokens=16, temperature=0.0, regex=REGEX))[0]
+    assert re.fullmatch(REGEX, out.text)
+
+
+def test_grammar_failing_inside_the_engine_fails_alone(llm):
+    engine = llm.engine
+    tok = engine.tokenizer
+    bad = engine.add_request(tok.encode("hi"), SamplingParams(regex="[z-a]"))  # past check_prompt
+    good = engine.add_request(tok.encode("hi"), SamplingParams(max_new_tokens=16, temperature=0.0, regex=REGEX))
+    plain = engine.add_request(tok.encode("hi"), SamplingParams(max_new_tokens=5, temperature=0.0))
+    touched = set()
+    for _ in range(200):
+        touched.update(r.rid for r in engine.step())
+        if not engine.has_work():
+            break
+    engine.scheduler.flush()
+    assert bad.finish_reason.value == "abort" and bad.error_status == 400 and "invalid regex" in bad.error
+    assert bad.rid in touched and bad.output_ids == []
+    assert good.finish_reason.value == "stop" and re.fullmatch(REGEX, tok.decode(good.output_ids[:-1]))
+    assert plain.finish_reason is not None and plain.error is None
+    for r in (bad, good, plain):
+        engine.scheduler.forget(r.rid)
+
+
+def test_speculative_engine_refuses_constrained_requests(model_dir):
+    with LLM(model_dir, load_format="dummy", max_total_tokens=2048, speculative_algorithm="NGRAM") as spec:
+        with pytest.raises(ValueError, match="speculative decoding"):
+            spec.generate(["hi"], SamplingParams(json_schema=SCHEMAS[0]))
+        assert spec.generate(["hi"], SamplingParams(max_new_tokens=4, temperature=0.0))[0].finish_reason

@@ -1,0 +1,104 @@
+"""Constrained decoding on the GPU: the dummy Qwen3-0.6B shape (random bf16 weights) with the
+300-token byte-level tokenizer of `grammar_fixtures` under its 151,936-wide LM head. With
+the CUDA defaults (decode CUDA graphs, overlap scheduling), 64 concurrent JSON-schema
+requests must all validate (a random model's output is valid only through the mask, and
+no padded id may be sampled), the decode steps replay graphs, the pending step is read
+before the masks are filled, and unconstrained rows of a mixed batch are untouched.
+The speed comparison is `benchmarks/grammar_decode.py`."""
+
+import json
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+from attnserve.engine.llm import LLM  # noqa: E402
+from attnserve.engine.sampling_params import SamplingParams  # noqa: E402
+from grammar_fixtures import TOKENIZER_VOCAB, tiny_bpe_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+_STR = {"type": "string", "minLength": 1, "maxLength": 10}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+        "name": _STR,
+        "status": {"enum": ["active", "inactive"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+        "where": {"type": "object", "properties": {"city": _STR, "zip": {"type": "integer", "minimum": 100,
+                                                                         "maximum": 999}},
+                  "required": ["city", "zip"]},
+        "ok": {"type": "boolean"},
+        "note": {"anyOf": [{"type": "string", "maxLength": 6}, {"type": "null"}]},
+    },
+    "required": ["id", "name", "status", "tags", "where", "ok", "note"],
+}
+N = 64
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from attnserve.model_loader.dummy import dummy_hf_config
+
+    path = str(tmp_path_factory.mktemp("qwen3-0.6b-tiny-tokenizer"))
+    dummy_hf_config("qwen3-0.6b").save_pretrained(path)
+    tiny_bpe_tokenizer().save_pretrained(path)
+    with LLM(path, load_format="dummy", device="cuda", context_length=1024, max_running_requests=N,
+             skip_server_warmup=True) as engine:
+        yield engine
+
+
+def _prompts(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, TOKENIZER_VOCAB, (int(torch.randint(8, 64, (1,), generator=gen)),),
+                          generator=gen).tolist() for _ in range(n)]
+
+
+def test_64_json_requests_validate_with_graphs_and_overlap(llm):
+    engine = llm.engine
+    runner, sched = engine.model_runner, engine.scheduler
+    assert runner.cuda_graph_runner is not None and sched.overlap
+    replays = {"n": 0}
+    original = runner.cuda_graph_runner.replay
+
+    def counting(fb):
+        replays["n"] += 1
+        return original(fb)
+
+    runner.cuda_graph_runner.replay = counting
+    try:
+        params = [SamplingParams(max_new_tokens=320, temperature=1.0, seed=i, json_schema=SCHEMA) for i in range(N)]
+        outs = llm.generate(_prompts(N, 0), params)
+    finally:
+        runner.cuda_graph_runner.replay = original
+    for o in outs:
+        assert o.finish_reason == "stop" and o.error is None, (o.finish_reason, o.text)
+        assert all(t < TOKENIZER_VOCAB for t in o.token_ids)
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert len({o.text for o in outs}) > N // 2
+    assert replays["n"] > 20  # decode steps ran as graph replays, masked after them
+    assert sched.grammar.stats.early_syncs > 0 and sched.grammar.bitmask.stats.rows > N
+
+
+def test_mixed_batch_leaves_unconstrained_rows_alone(llm):
+    free = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    cons = [SamplingParams(max_new_tokens=320, temperature=0.0, json_schema=SCHEMA),
+            SamplingParams(max_new_tokens=16, temperature=0.0, regex=r"(yes|no)-[0-9]{2,4}"),
+            SamplingParams(max_new_tokens=16, temperature=0.0, ebnf='root ::= "(" [a-c] [a-c]? [a-c]? ")"')] * 3
+    prompts = _prompts(8 + len(cons), 1)
+    alone = llm.generate(prompts[:8], free)
+    mixed = llm.generate(prompts, [free] * 8 + cons)
+    assert [o.token_ids for o in mixed[:8]] == [o.token_ids for o in alone]
+    assert any(t >= TOKENIZER_VOCAB for o in alone for t in o.token_ids)  # unmasked rows reach the padding
+    for o, p in zip(mixed[8:], cons):
+        assert o.finish_reason == "stop", (o.text, o.finish_reason)
+        if p.json_schema is not None:
+            jsonschema.validate(json.loads(o.text), SCHEMA)
+        elif p.regex is not None:
+            assert re.fullmatch(p.regex, o.text), o.text
+        else:
+            assert re.fullmatch(r"\([a-c]{1,3}\)", o.text), o.text
