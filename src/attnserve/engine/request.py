@@ -37,6 +37,10 @@ class Req:
 
     ``spec_verify_ct``: speculative verify steps the request took part in (SGLang's name;
     accept length = output tokens / ``spec_verify_ct``).
+
+    Sampling extras (`attnserve.engine.sampling_extras`): ``control_slot`` is the request's
+    row of the logit-control tensors (None: no controls; -1: not taken yet); ``logprobs``
+    its `LogprobRecord` when it asked for logprobs.
     """
 
     rid: str
@@ -56,6 +60,8 @@ class Req:
     cached_tokens: int = 0
     kv_committed: bool = True
     spec_verify_ct: int = 0
+    control_slot: Optional[int] = None
+    logprobs: Optional[Any] = None
     finish_reason: Optional[FinishReason] = None
     matched_stop: Optional[object] = None
     text: str = ""

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Union
+
+from attnserve.engine.logprobs import verify_logprob_params
+from attnserve.engine.penalties import verify_controls
 
 #: temperatures below this are greedy (SGLang's ``_SAMPLING_EPS`` is 1e-6; 1e-5 keeps
 #: ``logits / T`` well inside float32 for any logit a model produces, so a tiny temperature
@@ -27,6 +30,26 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (kept in ``token_ids``).
         ignore_eos: keep generating past the end-of-sequence token.
         seed: per-request random seed (sampled requests are then reproducible).
+
+    Logit controls (`attnserve.engine.penalties`; applied on the device, in this order,
+    before temperature and the filters):
+        logit_bias: token id -> value in [-100, 100] added to that token's logit (OpenAI);
+            ids are checked against the vocabulary when the request is admitted.
+        min_tokens: EOS (unless ``ignore_eos``) and ``stop_token_ids`` are masked until this
+            many tokens were generated (>= 0, <= ``max_new_tokens``).
+        repetition_penalty: > 0; 1 is off. The CTRL rule (Keskar et al., arXiv:1909.05858,
+            as HF's ``RepetitionPenaltyLogitsProcessor``): the logit of every token already in
+            the prompt or the output is divided by it when positive, multiplied when negative.
+        frequency_penalty / presence_penalty: in [-2, 2] (OpenAI): ``logit -= frequency *
+            count + presence * (count > 0)``, count = occurrences in the output so far.
+
+    Logprobs (`attnserve.engine.logprobs`; of the model's own distribution: ``log_softmax``
+    of the float32 logits before the controls above and before temperature):
+        logprobs: return each output token's logprob.
+        top_logprobs: also the most likely tokens at each position, 0..20 (needs
+            ``logprobs`` or ``prompt_logprobs``).
+        prompt_logprobs: return the logprobs of the prompt tokens (the first has none);
+            such a request computes its whole prompt (no prefix-cache reuse).
     """
 
     max_new_tokens: int = 128
@@ -38,6 +61,15 @@ class SamplingParams:
     stop_token_ids: Optional[List[int]] = None
     ignore_eos: bool = False
     seed: Optional[int] = None
+    # ---- logit controls and logprobs (issue 35) ----
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[Dict[int, float]] = None
+    min_tokens: int = 0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
     stop_strs: List[str] = field(init=False, default_factory=list)
 
     def __post_init__(self):
@@ -70,6 +102,18 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        verify_controls(self)
+        verify_logprob_params(self)
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Any penalty, logit bias or ``min_tokens`` (`attnserve.engine.penalties`)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias) or self.min_tokens > 0)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs or self.prompt_logprobs)
 
     @property
     def is_greedy(self) -> bool:
