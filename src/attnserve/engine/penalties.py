@@ -248,6 +248,7 @@ class LogitControls:
             use_repetition=any(x != 1.0 for x in rep), use_freq_presence=any(x != 0.0 for x in pres + freq),
         )
 
+    @torch.inference_mode()  # the logits come from the model's inference-mode forward
     def apply(self, logits: torch.Tensor, step: ControlStep, inplace: bool = True) -> torch.Tensor:
         """Logits with the rules applied to the controlled rows.
 
