@@ -123,7 +123,7 @@ class SamplingExtras:
             req.logprobs = LogprobRecord.for_request(p, len(req.prompt_ids))
             if p.logprobs:
                 self._logprob_users.add(id(req))
-            if p.prompt_logprobs:
+            if req.logprobs.prompt_pending:
                 self._prompt_users.add(id(req))
 
     def forget(self, req) -> None:
