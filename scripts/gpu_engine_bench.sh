@@ -11,6 +11,8 @@
 #             (deepseek-v2-lite, qwen3-30b-a3b; MOE_MODELS, MOE_ARGS e.g. --tp-size 2 for mixtral-8x7b)
 #   serving   scripts/serving_vs_offline.sh: the server path against the offline engine, both shapes
 #             (needs the server wheels carried in .whl/serving, see the device README)
+#   sampling  benchmarks/sampling_extras_gpu.py: decode step with logprobs (top 5) / penalties / logit
+#             bias + min_tokens on all 64 requests vs none, Llama-3-8B shape (issue 35; SAMPLING_ARGS)
 #   bash scripts/gpu_engine_bench.sh roofline [loop spec fp8]
 set -u
 OUT=${OUT:-/tmp/out}
@@ -48,6 +50,9 @@ for what in "${@:-roofline}"; do
       for shape in ${SERVING_SHAPES:-qwen3-0.6b llama-3-8b}; do
         timeout "${SERVING_TIMEOUT:-280}" bash scripts/serving_vs_offline.sh "$OUT" "$shape" ${SERVING_MODES:-on}
       done ;;
-    *) echo "unknown mode $what (roofline moe loop spec fp8 profile serving)"; exit 2 ;;
+    sampling)
+      timeout "${SAMPLING_TIMEOUT:-500}" python3 benchmarks/sampling_extras_gpu.py --out "$OUT" ${SAMPLING_ARGS:-} 2>&1 \
+        | grep -v INFO | tee "$OUT/sampling.log" | tail -20 ;;
+    *) echo "unknown mode $what (roofline moe loop spec fp8 profile serving sampling)"; exit 2 ;;
   esac
 done

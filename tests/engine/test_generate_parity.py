@@ -72,3 +72,25 @@ def test_prefill_logits_match_hf(llm, hf_model):
     finally:
         runner.token_to_kv_pool_allocator.free(slots)
         runner.req_to_token_pool.free(row)
+
+
+def test_greedy_logprobs_match_hf(llm, hf_model):
+    """Issue 35: the logprobs of greedy tokens, of the prompt (``echo``) and of the top
+    alternatives are within 1e-3 of HF's ``log_softmax`` of the same sequence (float32);
+    each top list is sorted, starts with the chosen token and sums to at most 1."""
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5,
+                        prompt_logprobs=True)
+    for out in llm.generate(CHAT_PROMPTS[:2], sp, chat=True):
+        n = len(out.prompt_token_ids)
+        seq = torch.tensor(out.prompt_token_ids + out.token_ids)
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf_model(seq[None]).logits[0].float(), dim=-1)
+        want = ref[:-1].gather(1, seq[1:, None])[:, 0]  # position q predicts token q + 1
+        got = torch.tensor(out.prompt_token_logprobs[1:] + out.output_token_logprobs)
+        assert out.prompt_token_logprobs[0] is None and got.shape == want.shape
+        assert (got - want).abs().max() < 1e-3
+        for q, (tok, top) in enumerate(zip(out.token_ids, out.output_top_logprobs)):
+            vals = [v for _, v in top]
+            assert top[0][0] == tok and vals == sorted(vals, reverse=True)
+            assert sum(torch.tensor(vals).exp()) <= 1 + 1e-5
+            assert max(abs(v - float(ref[n - 1 + q, t])) for t, v in top) < 1e-3

@@ -138,6 +138,32 @@ def test_bad_input(served):
     served.wait_idle()
 
 
+def test_logprobs_over_the_connection(served):
+    """Logprob entries travel with the token messages (issue 35): streamed chunks carry
+    their tokens' logprobs, equal to the whole answer's; echo brings the prompt's; a
+    logit_bias key outside the vocabulary is a 400 naming it."""
+    url = served.base_url + "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 6,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2, "frequency_penalty": 0.5}
+    whole = httpx.post(url, json=body, timeout=120).json()["choices"][0]
+    content = whole["logprobs"]["content"]
+    assert "".join(c["token"] for c in content) == whole["message"]["content"] and len(content) == 6
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    streamed = [c for ch in chunks for choice in ch["choices"] if choice.get("logprobs")
+                for c in choice["logprobs"]["content"]]
+    assert [c["token"] for c in streamed] == [c["token"] for c in content]
+    assert [c["logprob"] for c in streamed] == pytest.approx([c["logprob"] for c in content], abs=1e-4)
+    r = httpx.post(served.base_url + "/v1/completions", timeout=120, json={
+        "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "logprobs": 1, "echo": True})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and all(x <= 0 for x in lp["token_logprobs"][1:])
+    assert r.json()["choices"][0]["text"] == "".join(lp["tokens"])
+    r = httpx.post(served.base_url + "/v1/completions", json={"prompt": "hi", "logit_bias": {"49152": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    served.wait_idle()
+
+
 def test_disconnects_abort_and_free_the_kv(served):
     aborted_before = _metric(httpx.get(served.base_url + "/metrics").text, "attnserve_requests_total",
                              finish_reason="abort")

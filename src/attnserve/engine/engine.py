@@ -10,7 +10,7 @@ import gc
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -34,7 +34,13 @@ class GenerateOutput:
     (EOS/stop token included when it ended the request), ``finish_reason`` ("stop",
     "length" or "abort"), ``cached_tokens`` (prompt tokens served from the prefix cache),
     ``error`` (why an aborted request failed, when it did), ``spec_verify_ct`` (speculative
-    verify steps; accept length = ``len(token_ids) / spec_verify_ct``)."""
+    verify steps; accept length = ``len(token_ids) / spec_verify_ct``).
+
+    Logprobs (when asked; `attnserve.engine.logprobs`, natural log of the model's own
+    distribution): ``output_token_logprobs[i]`` is that of ``token_ids[i]`` and
+    ``output_top_logprobs[i]`` the ``top_logprobs`` most likely ``(token id, logprob)`` at
+    that position, most likely first; ``prompt_token_logprobs`` / ``prompt_top_logprobs``
+    the same for ``prompt_token_ids`` (None at position 0). None when not asked."""
 
     rid: str
     text: str
@@ -45,12 +51,22 @@ class GenerateOutput:
     cached_tokens: int = 0
     error: Optional[str] = None
     spec_verify_ct: int = 0
+    output_token_logprobs: Optional[List[float]] = None
+    output_top_logprobs: Optional[List[List[Tuple[int, float]]]] = None
+    prompt_token_logprobs: Optional[List[Optional[float]]] = None
+    prompt_top_logprobs: Optional[List[Optional[List[Tuple[int, float]]]]] = None
 
     @classmethod
     def from_req(cls, req: Req) -> "GenerateOutput":
         reason = req.finish_reason.value if req.finish_reason is not None else None
-        return cls(req.rid, req.text, list(req.output_ids), reason, list(req.prompt_ids), req.matched_stop,
-                   req.cached_tokens, req.error, req.spec_verify_ct)
+        out = cls(req.rid, req.text, list(req.output_ids), reason, list(req.prompt_ids), req.matched_stop,
+                  req.cached_tokens, req.error, req.spec_verify_ct)
+        rec = req.logprobs
+        if rec is not None and rec.output:
+            out.output_token_logprobs, out.output_top_logprobs = rec.output_token_logprobs, rec.output_top_logprobs
+        if rec is not None and rec.prompt_len:
+            out.prompt_token_logprobs, out.prompt_top_logprobs = rec.prompt_token_logprobs, rec.prompt_top_logprobs
+        return out
 
 
 class Engine:
@@ -182,6 +198,7 @@ class Engine:
             raise ValueError("the prompt is empty")
         sampling_params.verify()
         self.scheduler.grammar.check(sampling_params, parse=True)  # a grammar this engine can serve
+        self.scheduler.extras.check(sampling_params)  # logit_bias ids in the vocabulary; none under speculation
         ctx, pool = self.context_len, self.max_total_tokens
         if n >= ctx:
             raise ValueError(

@@ -328,8 +328,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
-        """Run the model on ``fb``.
+    def forward(self, fb: ForwardBatch, return_all_logits: bool = False, prompt_plan=None) -> torch.Tensor:
+        """Run the model on ``fb``; ``prompt_plan`` (a `PromptLogprobPlan`, extend steps)
+        computes the logprobs of chosen prompt positions from the hidden states.
 
         Returns:
             float32 logits: ``[bs, V]`` of each request's last token, or ``[T, V]`` of every
@@ -338,11 +339,14 @@ class ModelRunner:
         if (
             self.cuda_graph_runner is not None
             and not return_all_logits
+            and prompt_plan is None
             and self.cuda_graph_runner.can_run(fb)
         ):
             return self.cuda_graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
+        if prompt_plan is not None:
+            prompt_plan.consume(hidden, self.model.compute_logits)
         if not return_all_logits and not fb.forward_mode.is_decode():
             last = fb.extend_start_loc.to(torch.int64) + fb.extend_seq_lens.to(torch.int64) - 1
             hidden = hidden[last]

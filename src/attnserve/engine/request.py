@@ -41,6 +41,9 @@ class Req:
     ``grammar``: the `attnserve.engine.constrained.RequestGrammar` of a constrained request
     (None otherwise). ``error_status``: the HTTP status of ``error`` (400: the request
     itself was at fault, e.g. a grammar that does not compile; 500 otherwise).
+    Sampling extras (`attnserve.engine.sampling_extras`): ``control_slot`` is the request's
+    row of the logit-control tensors (None: no controls; -1: not taken yet); ``logprobs``
+    its `LogprobRecord` when it asked for logprobs.
     """
 
     rid: str
@@ -62,6 +65,8 @@ class Req:
     kv_committed: bool = True
     spec_verify_ct: int = 0
     grammar: Optional[Any] = None
+    control_slot: Optional[int] = None
+    logprobs: Optional[Any] = None
     finish_reason: Optional[FinishReason] = None
     matched_stop: Optional[object] = None
     text: str = ""

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
+from attnserve.engine.logprobs import verify_logprob_params
+from attnserve.engine.penalties import verify_controls
+
 #: temperatures below this are greedy (SGLang's ``_SAMPLING_EPS`` is 1e-6; 1e-5 keeps
 #: ``logits / T`` well inside float32 for any logit a model produces, so a tiny temperature
 #: can never turn into inf/NaN probabilities).
@@ -30,6 +33,26 @@ class SamplingParams:
         json_schema / regex / ebnf: constrain the output to a JSON Schema (JSON text or a
             dict), a regular expression or an EBNF grammar (xgrammar's dialect, a ``root``
             rule); at most one (`attnserve.engine.constrained`).
+
+    Logit controls (`attnserve.engine.penalties`; applied on the device, in this order,
+    before temperature and the filters):
+        logit_bias: token id -> value in [-100, 100] added to that token's logit (OpenAI);
+            ids are checked against the vocabulary when the request is admitted.
+        min_tokens: EOS (unless ``ignore_eos``) and ``stop_token_ids`` are masked until this
+            many tokens were generated (>= 0, <= ``max_new_tokens``).
+        repetition_penalty: > 0; 1 is off. The CTRL rule (Keskar et al., arXiv:1909.05858,
+            as HF's ``RepetitionPenaltyLogitsProcessor``): the logit of every token already in
+            the prompt or the output is divided by it when positive, multiplied when negative.
+        frequency_penalty / presence_penalty: in [-2, 2] (OpenAI): ``logit -= frequency *
+            count + presence * (count > 0)``, count = occurrences in the output so far.
+
+    Logprobs (`attnserve.engine.logprobs`; of the model's own distribution: ``log_softmax``
+    of the float32 logits before the controls above and before temperature):
+        logprobs: return each output token's logprob.
+        top_logprobs: also the most likely tokens at each position, 0..20 (needs
+            ``logprobs`` or ``prompt_logprobs``).
+        prompt_logprobs: return the logprobs of the prompt tokens (the first has none);
+            such a request computes its whole prompt (no prefix-cache reuse).
     """
 
     max_new_tokens: int = 128
@@ -45,6 +68,15 @@ class SamplingParams:
     json_schema: Optional[Union[str, Dict[str, Any]]] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    # ---- logit controls and logprobs (issue 35) ----
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[Dict[int, float]] = None
+    min_tokens: int = 0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
     stop_strs: List[str] = field(init=False, default_factory=list)
 
     def __post_init__(self):
@@ -83,6 +115,18 @@ class SamplingParams:
         from attnserve.engine.constrained.spec import check_fields
 
         check_fields(self)  # grammar fields: types, at most one
+        verify_controls(self)
+        verify_logprob_params(self)
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Any penalty, logit bias or ``min_tokens`` (`attnserve.engine.penalties`)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias) or self.min_tokens > 0)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs or self.prompt_logprobs)
 
     @property
     def is_greedy(self) -> bool:

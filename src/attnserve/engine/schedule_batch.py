@@ -65,9 +65,11 @@ class ScheduleBatch:
 @dataclass
 class LaunchedStep:
     """A step whose GPU work is enqueued: ``emit_reqs`` get ``next_ids_host`` (valid once
-    ``event`` has completed; None on the CPU, where it is valid at once)."""
+    ``event`` has completed; None on the CPU, where it is valid at once); ``extras``: its
+    logprob results (`attnserve.engine.sampling_extras.LaunchedLogprobs`), or None."""
 
     batch: ScheduleBatch
     emit_reqs: List[Req]
     next_ids_host: Optional[torch.Tensor]
     event: Optional["torch.cuda.Event"] = None
+    extras: Optional[object] = None

@@ -51,6 +51,7 @@ from attnserve.engine.detokenizer import check_stop
 from attnserve.engine.prefix_cache import PrefixCacheManager
 from attnserve.engine.request import FinishReason, Req
 from attnserve.engine.sampler import SamplingBatchInfo, argmax_last, sample
+from attnserve.engine.sampling_extras import SamplingExtras
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.schedule_batch import LaunchedStep, ScheduleBatch, SchedulerStats  # noqa: F401 (re-export)
 from attnserve.speculative_config import SpeculativeConfig
@@ -108,6 +109,7 @@ class Scheduler(ConstrainedScheduling):
 
             self.spec = SpecDecoder(spec_config, model_runner, self.token_map, self.packer, draft_runner)
         self._init_grammar(model_runner)  # constrained decoding (engine/constrained)
+        self.extras = SamplingExtras.of(self)  # logit controls and logprobs: free for requests without them
         #: tensor parallelism: rank 0 broadcasts each step to the other ranks
         self.tp_sender = None
         if model_runner.tp.size > 1:
@@ -187,6 +189,7 @@ class Scheduler(ConstrainedScheduling):
             req.seed = int(sampling_params.seed)
         else:
             req.seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.seed_generator))
+        self.extras.register(req)
         self.requests[rid] = req
         self.grammar.enqueue(req, self.waiting)  # held back while its grammar compiles
         return req
@@ -202,6 +205,7 @@ class Scheduler(ConstrainedScheduling):
         if req in self.running:
             self.running.remove(req)
         self._release(req)
+        self.extras.forget(req)
         if self.spec is not None:
             self.spec.forget(req)
         return True
@@ -239,7 +243,7 @@ class Scheduler(ConstrainedScheduling):
             self.spec.release()
         self.spec = None
         self.grammar.shutdown()
-        self.token_map = self.packer = None
+        self.token_map = self.packer = self.extras = None
         self._ids_ring = [None] * len(self._ids_ring)
         self.tree_cache = self.cache = None
         self.allocator = self.req_to_token_pool = None
@@ -273,6 +277,7 @@ class Scheduler(ConstrainedScheduling):
             if len(self.running) >= self.runner.serving_limits.max_running_requests:
                 break
             match = matches.get(id(req)) or self.cache.match(req)
+            match = self.extras.prefix_match(req, match, self.tree_cache)  # none for prompt logprobs
             cached = int(match.slots.numel())
             key = req.fill_ids
             if check is not None and check.holds_back(key, cached):
@@ -492,17 +497,22 @@ class Scheduler(ConstrainedScheduling):
             input_ids=torch.tensor(input_ids, dtype=torch.int64), out_cache_loc=loc,
             out_cache_loc_i32=loc_i32, emit_index=torch.tensor(emit_index, dtype=torch.int64),
         )
+        plan, plan_owners = self.extras.plan_prompt(batch.forward_mode, reqs, prefix_lens, extend_lens)
         msg = StepMessage(batch.forward_mode, host, list(prefix_lens), list(extend_lens), has_future,
-                          len(emit_reqs))
+                          len(emit_reqs), prompt_plan=plan)
         if self.tp_sender is not None:
             t_send = time.perf_counter()
             self.tp_sender.send_step(msg)
             self.stats.tp_send_seconds += time.perf_counter() - t_send
         logits, dev = execute_step(self.runner, self.packer, self.token_map, msg)
         if not emit_reqs:
-            return LaunchedStep(batch, [], None)
+            return LaunchedStep(batch, [], None, extras=self.extras.after_sampling(None, None, plan, plan_owners))
         if len(emit_reqs) != len(reqs):
             logits = logits[dev.emit_index]
+        logits, pending_extras = self.extras.before_sampling(emit_reqs, logits)
+        if (pending_extras is not None and logits is pending_extras.raw_logits
+                and self.grammar.any_constrained(emit_reqs)):
+            logits = logits.clone()  # the logprobs are of the unmasked logits (after_sampling)
         self._mask_grammar(logits, emit_reqs)  # constrained rows only (engine/constrained)
         params = [r.sampling_params for r in emit_reqs]
         if all(p.is_greedy for p in params):
@@ -512,21 +522,23 @@ class Scheduler(ConstrainedScheduling):
                                                  [r.num_launched_outputs for r in emit_reqs], self.device)
             next_ids = sample(logits, info)
         self.token_map[emit_rows(dev, len(emit_reqs))] = next_ids
+        extras = self.extras.after_sampling(pending_extras, next_ids, plan, plan_owners, emit_reqs)
         if self.tp_sender is not None:
             self.tp_sender.send_ids(next_ids)
         for r in emit_reqs:
             r.num_inflight += 1
         host_ids = self._ids_buffer(len(emit_reqs))
         if host_ids is None:
-            return LaunchedStep(batch, emit_reqs, next_ids)
+            return LaunchedStep(batch, emit_reqs, next_ids, extras=extras)
         host_ids.copy_(next_ids, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
-        return LaunchedStep(batch, emit_reqs, host_ids, ev)
+        return LaunchedStep(batch, emit_reqs, host_ids, ev, extras=extras)
 
     def _process(self, launched: LaunchedStep) -> List[Req]:
         """Apply a launched step's sampled ids: append, check stops, free finished KV."""
         self._current = launched.batch.reqs
+        self.stats.wait_seconds += self.extras.deliver(launched.extras, launched.emit_reqs)  # logprobs first
         if not launched.emit_reqs:
             return []
         if launched.event is not None:
@@ -587,6 +599,7 @@ class Scheduler(ConstrainedScheduling):
 
     def _finish(self, req: Req) -> None:
         req.finished_at = time.perf_counter()
+        self.extras.forget(req)
         if self.spec is not None:
             self.spec.forget(req)
         if req in self.running:

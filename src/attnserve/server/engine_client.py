@@ -109,6 +109,8 @@ class _Pending:
     tokens: int = 0
     sent: int = 0  # characters of the detokenized text already pushed
     last_token_at: Optional[float] = None
+    logprobs: Optional[list] = None  # output logprob entries not pushed yet
+    prompt_logprobs: Optional[list] = None
 
 
 class EngineClient:
@@ -347,10 +349,15 @@ class EngineClient:
         p.cmd.stream.put(ev)
 
     def _on_tokens(self, now: float, rid: str, new_ids: List[int], n: int, reason: Optional[str],
-                   final_text: Optional[str], cached: int) -> None:
+                   final_text: Optional[str], cached: int, logprobs: Optional[tuple] = None) -> None:
         p = self._reqs.get(rid)
         if p is None:
             return
+        if logprobs is not None:  # held until an event goes out (text may be held back)
+            if logprobs[0]:
+                p.logprobs = (p.logprobs or []) + logprobs[0]
+            if logprobs[1] is not None:
+                p.prompt_logprobs = logprobs[1]
         m = self.metrics
         k = n - p.tokens
         if k > 0:
@@ -379,7 +386,9 @@ class EngineClient:
         else:
             delta = ""
         if delta or reason is not None:
-            p.cmd.stream.put(StreamEvent(delta, n, len(p.cmd.prompt_ids), reason, cached_tokens=cached))
+            p.cmd.stream.put(StreamEvent(delta, n, len(p.cmd.prompt_ids), reason, cached_tokens=cached,
+                                         logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs))
+            p.logprobs = p.prompt_logprobs = None
         if reason is not None:
             del self._reqs[rid]
             if m is not None:

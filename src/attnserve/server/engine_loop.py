@@ -85,6 +85,9 @@ class StreamEvent:
         finish_reason: ``"stop"``, ``"length"``, ``"abort"`` on the last event, else None.
         error: set (and final) when the request failed.
         cached_tokens: prompt tokens served from the prefix cache (known once admitted).
+        logprobs: output tokens' logprob entries not sent before (requests that asked;
+            `attnserve.engine.logprobs.StreamCursor`), else None.
+        prompt_logprobs: the prompt's entries, once, with the first tokens (``echo``).
     """
 
     text: str = ""
@@ -93,6 +96,8 @@ class StreamEvent:
     finish_reason: Optional[str] = None
     error: Optional[EngineError] = None
     cached_tokens: int = 0
+    logprobs: Optional[list] = None
+    prompt_logprobs: Optional[list] = None
 
     @property
     def final(self) -> bool:
@@ -151,10 +156,23 @@ class _Live:
     sent: str = ""  # text already pushed
     last_token_at: Optional[float] = None
     tokens: int = 0
+    logprobs: Any = None  # a StreamCursor once the request's logprobs are streamed
 
 
 _STOP = object()
 _WAKE = object()  # nudges an idle loop thread (a drain began)
+
+
+def take_logprobs(live, req) -> tuple:
+    """``(output entries, prompt entries)`` of ``req`` not yet sent to ``live``'s client
+    (`attnserve.engine.logprobs.StreamCursor.take`); ``(None, None)`` without logprobs."""
+    if getattr(req, "logprobs", None) is None:
+        return None, None
+    if live.logprobs is None:
+        from attnserve.engine.logprobs import StreamCursor
+
+        live.logprobs = StreamCursor()
+    return live.logprobs.take(req)
 
 
 def _shutting_down(detail: str = "") -> EngineError:
@@ -454,8 +472,10 @@ class EngineLoop:
         reason = req.finish_reason.value if req.finish_reason is not None else None
         if not delta and reason is None:
             return
+        lp = take_logprobs(live, req)
         live.cmd.stream.push(StreamEvent(delta, live.tokens, len(req.prompt_ids), reason,
-                                         cached_tokens=getattr(req, "cached_tokens", 0)))
+                                         cached_tokens=getattr(req, "cached_tokens", 0), logprobs=lp[0],
+                                         prompt_logprobs=lp[1]))
         if reason is not None:
             del self._live[req.rid]
             self.engine.scheduler.forget(req.rid)

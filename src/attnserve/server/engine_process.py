@@ -23,9 +23,11 @@ precedes its tokens):
 * ``("e", rid, StreamEvent)``: acceptance (empty event), refusal, abort or failure, exactly
   the events the in-process `EngineLoop` sends;
 * ``("t", rid, new_token_ids, completion_tokens, finish_reason, final_text,
-  cached_tokens)``: one per request that got tokens this step (one message per step for the
-  whole batch, not one per request); ``finish_reason`` and ``final_text`` (the engine's
-  `finalize_text`) are None until the request finishes.
+  cached_tokens, logprobs)``: one per request that got tokens this step (one message per
+  step for the whole batch, not one per request); ``finish_reason`` and ``final_text`` (the
+  engine's `finalize_text`) are None until the request finishes; ``logprobs`` is None, or
+  ``(new output entries, prompt entries)`` for a request that asked
+  (`attnserve.engine.logprobs.StreamCursor`).
 
 The loop is `EngineLoop`'s own (same admission, abort-before-step, failure isolation, drain
 deadline, state snapshot), run in a thread of the engine process (`ProcessEngineLoop.serve`
@@ -43,7 +45,7 @@ import signal
 import time
 from typing import Any, Dict, List, Optional
 
-from attnserve.server.engine_loop import EngineError, EngineLoop, SubmitCommand, request_error
+from attnserve.server.engine_loop import EngineError, EngineLoop, SubmitCommand, request_error, take_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +134,9 @@ class ProcessEngineLoop(EngineLoop):
         reason = req.finish_reason.value if req.finish_reason is not None else None
         if not new and reason is None:
             return
+        lp = take_logprobs(live, req) if getattr(req, "logprobs", None) is not None else None
         self._entries.append(("t", req.rid, new, n, reason, req.text if reason is not None else None,
-                              getattr(req, "cached_tokens", 0)))
+                              getattr(req, "cached_tokens", 0), lp))
         if reason is not None:
             del self._live[req.rid]
             self.engine.scheduler.forget(req.rid)

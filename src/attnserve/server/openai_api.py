@@ -31,6 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from attnserve.server.engine_loop import EngineLoop, RequestStream, StreamEvent, SubmitCommand
 from attnserve.server.errors import APIError, error_body
 from attnserve.server.grammar_request import request_grammar
+from attnserve.server.logprob_format import CompletionLogprobsBuilder, TokenTexts, chat_logprobs
 from attnserve.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_STOP_LEN,
@@ -217,11 +218,12 @@ def _sampling_params(ctx: ServingContext, body, prompt_len: int, max_tokens: Opt
         APIError 400: a request that cannot fit (``context_length_exceeded``), or invalid
             sampling values (``param`` names the field).
     """
+    from attnserve.engine.penalties import check_logit_bias_vocab
     from attnserve.engine.sampling_params import SamplingParams
 
     max_tokens = _max_new_tokens(ctx, prompt_len, max_tokens, default_max_tokens, prompt_param)
     try:
-        return SamplingParams(
+        sp = SamplingParams(
             max_new_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
@@ -232,11 +234,28 @@ def _sampling_params(ctx: ServingContext, body, prompt_len: int, max_tokens: Opt
             ignore_eos=bool(body.ignore_eos),
             seed=body.seed,
             **(grammar or {}),
+            **body.control_params(),
+            **body.logprob_params(),
         )
+        vocab = getattr(ctx.engine, "vocab_size", None) or getattr(getattr(ctx.engine, "model_config", None),
+                                                                   "vocab_size", None)
+        if vocab:
+            check_logit_bias_vocab(sp, vocab)
+        return sp
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
         param = {"max_new_tokens": "max_tokens"}.get(name, name)
         raise APIError(400, str(e), param, "invalid_value") from e
+
+
+def _echo_text(ctx: ServingContext, body, prompt_ids: List[int]) -> Optional[str]:
+    """The prompt as a completion's ``echo`` repeats it (a token-id prompt decoded), or None."""
+    if not body.echo:
+        return None
+    if isinstance(body.prompt, str):
+        return body.prompt
+    tok = ctx.engine.tokenizer
+    return tok.decode(prompt_ids, skip_special_tokens=False) if tok is not None else ""
 
 
 def _raise_engine_error(ev: StreamEvent) -> None:
@@ -328,15 +347,20 @@ async def _collect(request, ctx: ServingContext, choices: List[Tuple[str, Reques
     rids = [rid for rid, _ in choices]
     watcher = asyncio.ensure_future(_abort_on_disconnect(request, ctx, rids))
     parts: List[List[str]] = [[] for _ in choices]
+    lps: List[list] = [[] for _ in choices]  # logprob entries (requests that asked)
+    prompt_lps: List[Optional[list]] = [None] * len(choices)
     finals: List[Optional[StreamEvent]] = [None] * len(choices)
     try:
         async for i, ev in _merged(choices):
             if ev.error is not None:
                 _raise_engine_error(ev)
             parts[i].append(ev.text)
+            lps[i].extend(ev.logprobs or ())
+            prompt_lps[i] = ev.prompt_logprobs if ev.prompt_logprobs is not None else prompt_lps[i]
             if ev.final:
                 finals[i] = StreamEvent("".join(parts[i]), ev.completion_tokens, ev.prompt_tokens,
-                                        ev.finish_reason, cached_tokens=ev.cached_tokens)
+                                        ev.finish_reason, cached_tokens=ev.cached_tokens, logprobs=lps[i],
+                                        prompt_logprobs=prompt_lps[i])
         return finals
     finally:
         watcher.cancel()
@@ -358,8 +382,9 @@ def _sse(obj) -> str:
 
 
 async def _stream_events(ctx: ServingContext, choices, make_chunk, make_usage, first_chunks=()) -> AsyncIterator[str]:
-    """SSE body: one chunk per text delta of any choice (``make_chunk(index, text,
-    finish_reason)``), a chunk with each choice's ``finish_reason``, the usage chunk when
+    """SSE body: one chunk per event of any choice with something to say (``make_chunk(index,
+    text, None, event)``, None when it has nothing: no text, no logprobs), a chunk with each
+    choice's ``finish_reason`` (``make_chunk(index, None, reason)``), the usage chunk when
     asked (``make_usage(final events)``), then ``data: [DONE]``. An error after the stream
     started becomes a ``data: {"error": ...}`` event (the other choices are aborted).
     (Aborting on early exit is `_SSEResponse`'s job.)"""
@@ -372,8 +397,9 @@ async def _stream_events(ctx: ServingContext, choices, make_chunk, make_usage, f
                 ctx.loop.abort(rid)
             yield _sse(error_body(ev.error.status, ev.error.message, None, ev.error.code, ev.error.type))
             break
-        if ev.text:
-            yield _sse(make_chunk(i, ev.text, None))
+        chunk = make_chunk(i, ev.text, None, ev)
+        if chunk is not None:
+            yield _sse(chunk)
         if ev.final:
             finals[i] = ev
             yield _sse(make_chunk(i, None, ev.finish_reason))
@@ -470,10 +496,23 @@ def build_router():
         rid = new_id("cmpl")
         choices = await _submit_choices(ctx, rid, prompt_ids, sp, body.n or 1, arrival)
         model, created = ctx.model_name, now_s()  # one `created` for every chunk of the response
+        echo = _echo_text(ctx, body, prompt_ids)
+        texts = TokenTexts(ctx.engine.tokenizer) if body.logprobs is not None else None
         if body.stream:
-            def chunk(i, text, reason):
-                return CompletionResponse(id=rid, model=model, created=created,
-                                          choices=[CompletionChoice(index=i, text=text or "", finish_reason=reason)])
+            builders = [CompletionLogprobsBuilder(texts) if texts else None for _ in choices]
+            echoed = [echo is None] * len(choices)
+
+            def chunk(i, text, reason, ev=None):
+                entries, lp = list((ev and ev.logprobs) or ()), None
+                if reason is None and not echoed[i]:  # the prompt (and its logprobs) first
+                    echoed[i] = True
+                    text, entries = echo + (text or ""), list(ev.prompt_logprobs or ()) + entries
+                if reason is None and not text and not entries:
+                    return None
+                if builders[i] is not None and (entries or reason is None):
+                    lp = builders[i].build(entries)
+                return CompletionResponse(id=rid, model=model, created=created, choices=[
+                    CompletionChoice(index=i, text=text or "", logprobs=lp, finish_reason=reason)])
 
             def usage(finals):
                 if not body.include_usage:
@@ -485,7 +524,9 @@ def build_router():
         finals = await _collect(request, ctx, choices)
         return CompletionResponse(
             id=rid, model=model, created=created,
-            choices=[CompletionChoice(index=i, text=f.text, finish_reason=f.finish_reason)
+            choices=[CompletionChoice(index=i, text=(echo or "") + f.text, finish_reason=f.finish_reason,
+                                      logprobs=CompletionLogprobsBuilder(texts).build(
+                                          list(f.prompt_logprobs or ()) + f.logprobs) if texts else None)
                      for i, f in enumerate(finals)],
             usage=_usage(len(prompt_ids), finals),
         )
@@ -501,11 +542,16 @@ def build_router():
         rid = new_id("chatcmpl")
         choices = await _submit_choices(ctx, rid, prompt_ids, sp, body.n or 1, arrival)
         model, created = ctx.model_name, now_s()  # one `created` for every chunk of the response
+        texts = TokenTexts(ctx.engine.tokenizer) if body.logprobs else None
         if body.stream:
-            def chunk(i, text, reason):
-                delta = {"content": text} if text is not None else {}
-                return ChatCompletionChunk(id=rid, model=model, created=created,
-                                           choices=[ChatChunkChoice(index=i, delta=delta, finish_reason=reason)])
+            def chunk(i, text, reason, ev=None):
+                entries = (ev and ev.logprobs) or None
+                if reason is None and not text and not entries:
+                    return None
+                delta = {"content": text or ""} if reason is None else {}
+                lp = chat_logprobs(entries, texts) if texts and entries else None
+                return ChatCompletionChunk(id=rid, model=model, created=created, choices=[
+                    ChatChunkChoice(index=i, delta=delta, logprobs=lp, finish_reason=reason)])
 
             def usage(finals):
                 if not body.include_usage:
@@ -521,7 +567,8 @@ def build_router():
         finals = await _collect(request, ctx, choices)
         return ChatCompletionResponse(
             id=rid, model=model, created=created,
-            choices=[ChatChoice(index=i, message=ChatResponseMessage(content=f.text), finish_reason=f.finish_reason)
+            choices=[ChatChoice(index=i, message=ChatResponseMessage(content=f.text), finish_reason=f.finish_reason,
+                                logprobs=chat_logprobs(f.logprobs, texts) if texts else None)
                      for i, f in enumerate(finals)],
             usage=_usage(len(prompt_ids), finals),
         )

@@ -6,17 +6,23 @@ where a boolean is expected, ``NaN``/``Infinity`` and values out of range are er
 
 No field is silently dropped (`attnserve.server.request_fields`): every field is honoured
 or refused with a 400 naming it (``param``). OpenAI fields that attnserve does not
-implement (``logprobs``, ``echo``, penalties, ``tools``, ``reasoning_effort`` ...) and the
-SGLang/vLLM extensions it does not implement (``guided_json``, ``structural_tag``,
-``repetition_penalty``, ``min_tokens``, ``lora_path``, ``chat_template_kwargs`` ...) are
-accepted only at their neutral value, else code ``unsupported_parameter``; a field that
-none of these APIs defines gets ``unrecognized_request_argument``. The request models keep
-undeclared fields aside (``extra="allow"``) and `CompletionRequest.refusal` /
+implement (``suffix``, ``tools``, ``reasoning_effort`` ...) and the SGLang/vLLM extensions
+it does not implement (``guided_json``, ``structural_tag``, ``lora_path``,
+``chat_template_kwargs`` ...) are accepted only at their neutral value, else code
+``unsupported_parameter``; a field that none of these APIs defines gets
+``unrecognized_request_argument``. The request models keep undeclared fields aside
+(``extra="allow"``) and `CompletionRequest.refusal` /
 `ChatCompletionRequest.refusal` sort them in one pass after validation.
 
+Logprobs and logit controls (`attnserve.engine.logprobs`, `attnserve.engine.penalties`):
+chat ``logprobs`` + ``top_logprobs`` (<= 20), completions ``logprobs`` (<= 5) and ``echo``
+(with ``logprobs``: the prompt's logprobs too); ``presence_penalty``,
+``frequency_penalty`` ([-2, 2]) and ``logit_bias`` (token id -> [-100, 100]) on both.
+
 Extensions beyond OpenAI that attnserve honours (SGLang/vLLM names): ``top_k``, ``min_p``,
-``ignore_eos``, ``stop_token_ids``; constrained decoding: ``response_format`` (also on
-completions), ``json_schema``, ``regex``, ``ebnf`` (`attnserve.server.grammar_request`). Accepted as OpenAI accepts them and changing no output:
+``ignore_eos``, ``stop_token_ids``, ``repetition_penalty`` (> 0), ``min_tokens``; constrained
+decoding: ``response_format`` (also on completions), ``json_schema``, ``regex``, ``ebnf``
+(`attnserve.server.grammar_request`). Accepted as OpenAI accepts them and changing no output:
 ``user`` (both endpoints); ``store``, ``metadata``, ``safety_identifier`` and
 ``prompt_cache_key`` (chat; see `ChatCompletionRequest`).
 """
@@ -27,7 +33,7 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Dict, List, Literal, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from attnserve.server.request_fields import (
     CHAT_FIELDS,
@@ -58,6 +64,9 @@ METADATA_MAX_PAIRS, METADATA_MAX_KEY, METADATA_MAX_VALUE = 16, 64, 512
 
 #: Undeclared fields are kept (``model_extra``) for `refuse_extras`, never dropped.
 _STRICT = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+#: OpenAI's limits: ``top_logprobs`` of chat, ``logprobs`` of completions.
+MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5
+_BiasValue = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
 class StreamOptions(BaseModel):
@@ -90,26 +99,36 @@ class _SamplingFields(BaseModel):
     json_schema: Optional[Union[StrictStr, Dict[str, Any]]] = None
     regex: Optional[StrictStr] = None
     ebnf: Optional[StrictStr] = None
-    # OpenAI fields that attnserve does not implement: only their neutral value is accepted.
-    logprobs: Optional[Any] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[Dict[str, Any]] = None
+    # logit controls (attnserve.engine.penalties); the last two are SGLang/vLLM extensions
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: Optional[Dict[StrictStr, _BiasValue]] = None
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
+    min_tokens: Optional[StrictInt] = Field(default=None, ge=0)
 
     #: Undeclared fields this endpoint knows (`attnserve.server.request_fields`).
     known_extras: ClassVar[Mapping[str, KnownField]] = {}
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_ids(cls, v):
+        for key in v or {}:
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (decimal integers), got {key!r}")
+        return v
+
     def declared_refusal(self) -> Optional[Refusal]:
         """The first declared field set to a value attnserve cannot honour, else None."""
-        if self.logprobs not in (None, False, 0):
-            return unsupported("logprobs", self.logprobs)
-        if self.presence_penalty not in (None, 0.0):
-            return unsupported("presence_penalty", self.presence_penalty)
-        if self.frequency_penalty not in (None, 0.0):
-            return unsupported("frequency_penalty", self.frequency_penalty)
-        if self.logit_bias:
-            return unsupported("logit_bias", self.logit_bias)
         return None
+
+    def control_params(self) -> Dict[str, Any]:
+        """The logit-control fields of `SamplingParams`."""
+        return dict(
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            min_tokens=self.min_tokens or 0,
+        )
 
     def refusal(self) -> Optional[Refusal]:
         """Why this request cannot be served as asked (the first offending field): an
@@ -138,15 +157,21 @@ class CompletionRequest(_SamplingFields):
 
     prompt: Union[StrictStr, List[StrictInt]]
     max_tokens: Optional[StrictInt] = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    #: the prompt's text first in the choice's text (and its logprobs, with ``logprobs``)
     echo: Optional[StrictBool] = False
+    #: logprobs of the chosen tokens and of the ``logprobs`` most likely alternatives
+    logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     best_of: Optional[StrictInt] = None
     suffix: Optional[StrictStr] = None
 
     known_extras: ClassVar[Mapping[str, KnownField]] = COMPLETION_FIELDS
 
+    def logprob_params(self) -> Dict[str, Any]:
+        """The logprob fields of `SamplingParams`."""
+        on = self.logprobs is not None
+        return dict(logprobs=on, top_logprobs=self.logprobs or 0, prompt_logprobs=on and bool(self.echo))
+
     def declared_refusal(self) -> Optional[Refusal]:
-        if self.echo:
-            return unsupported("echo", self.echo)
         if self.best_of is not None and self.best_of != (self.n or 1):
             return unsupported("best_of", self.best_of, hint="attnserve returns n independent samples and does not "
                                                               "rank them; leave best_of out or set it equal to n")
@@ -215,6 +240,8 @@ class ChatCompletionRequest(_SamplingFields):
     """
 
     messages: List[ChatMessage] = Field(min_length=1)
+    logprobs: Optional[StrictBool] = False
+    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     tools: Optional[List[Any]] = None
@@ -225,6 +252,11 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_cache_key: Optional[StrictStr] = None
 
     known_extras: ClassVar[Mapping[str, KnownField]] = CHAT_FIELDS
+
+    def logprob_params(self) -> Dict[str, Any]:
+        """The logprob fields of `SamplingParams` (``top_logprobs`` without ``logprobs``
+        is refused there, naming ``top_logprobs``)."""
+        return dict(logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs or 0)
 
     def declared_refusal(self) -> Optional[Refusal]:
         if self.tools:
@@ -274,10 +306,43 @@ def now_s() -> int:
     return int(time.time())
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions ``logprobs``: per token its text, logprob (None for the
+    first prompt token under ``echo``), the most likely alternatives as ``{text: logprob}``
+    (the chosen token always among them) and its character offset in the choice's text."""
+
+    tokens: List[str]
+    token_logprobs: List[Optional[float]]
+    top_logprobs: List[Optional[Dict[str, float]]]
+    text_offset: List[int]
+
+
+class TopLogprob(BaseModel):
+    """One alternative of a chat token: text, logprob, UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: Optional[List[int]] = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[List[int]] = None
+    top_logprobs: List[TopLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    """``choices[].logprobs`` of chat: one entry per output token."""
+
+    content: Optional[List[ChatTokenLogprob]] = None
+    refusal: Optional[List[ChatTokenLogprob]] = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
 
 
@@ -298,7 +363,7 @@ class ChatResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: Optional[ChatChoiceLogprobs] = None
     finish_reason: Optional[str] = None
 
 
@@ -317,7 +382,7 @@ class ChatChunkChoice(BaseModel):
 
     index: int = 0
     delta: Dict[str, str]
-    logprobs: None = None
+    logprobs: Optional[ChatChoiceLogprobs] = None
     finish_reason: Optional[str] = None
 
 

@@ -8,7 +8,7 @@ few OpenAI fields it accepts only at their neutral value; they keep any other fi
 
 * a field that OpenAI, SGLang or vLLM defines for this endpoint but attnserve does not
   implement: accepted at a neutral value (one that asks for the default behaviour, e.g.
-  ``repetition_penalty: 1.0``, ``min_tokens: 0``, ``guided_regex: null``), else 400 with code
+  ``length_penalty: 1.0``, ``prompt_logprobs: null``, ``guided_regex: null``), else 400 with code
   ``unsupported_parameter``;
 * any other field: 400 with OpenAI's code ``unrecognized_request_argument`` and message
   "Unrecognized request argument supplied: <name>".
@@ -18,8 +18,9 @@ SGLang ``python/sglang/srt/entrypoints/openai/protocol.py`` (``CompletionRequest
 ``ChatCompletionRequest``, ``StreamOptions``, chat message params); vLLM
 ``vllm/entrypoints/openai/protocol.py`` (the ``*-sampling-params`` and ``*-extra-params``
 blocks of the same requests). Fields that attnserve honours (``top_k``, ``min_p``,
-``stop_token_ids``, ``ignore_eos``, the grammars ``response_format``, ``json_schema``,
-``regex``, ``ebnf`` ...) are declared on the models, not listed here.
+``stop_token_ids``, ``ignore_eos``, ``repetition_penalty``, ``min_tokens``, chat's
+``top_logprobs``, the grammars ``response_format``, ``json_schema``, ``regex``, ``ebnf``
+...) are declared on the models, not listed here.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _table(origin: str, **fields: Tuple[Any, ...]) -> Mapping[str, KnownField]:
 _EXT_COMMON = _table(
     "SGLang/vLLM",
     # sampling and stopping
-    min_tokens=(None, 0), repetition_penalty=(None, 1.0), length_penalty=(None, 1.0), use_beam_search=_FALSE,
+    length_penalty=(None, 1.0), use_beam_search=_FALSE,
     no_stop_trim=_FALSE, include_stop_str_in_output=_FALSE, stop_regex=_NONE, bad_words=(None, []),
     allowed_token_ids=_NONE, truncate_prompt_tokens=_NONE, prompt_logprobs=_NONE,
     logits_processors=_NONE, custom_logit_processor=_NONE, custom_params=_NONE, vllm_xargs=_NONE,
@@ -101,7 +102,7 @@ _EXT_CHAT = _table(
 #: for ordinary processing.
 _OPENAI_CHAT = _table(
     "OpenAI",
-    top_logprobs=(None, 0), reasoning_effort=_NONE, audio=_NONE, modalities=(None, ["text"]), prediction=_NONE,
+    reasoning_effort=_NONE, audio=_NONE, modalities=(None, ["text"]), prediction=_NONE,
     service_tier=(None, "auto", "default"), functions=(None, []), function_call=(None, "none", "auto"),
     web_search_options=_NONE, verbosity=_NONE, parallel_tool_calls=(None, True, False),
 )

@@ -13,7 +13,7 @@ and overlap scheduling works as on one GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -34,6 +34,8 @@ class StepMessage:
         num_emit: requests that sample a token (0: no ids broadcast after the forward).
         r2t_writes: ``(row, start, slots)`` single-request ``req_to_token`` writes rank 0
             made since the previous step (prefix-cache matches), applied first.
+        prompt_plan: the prompt positions whose logprobs are wanted
+            (`attnserve.engine.logprobs.PromptLogprobPlan`), or None.
     """
 
     forward_mode: ForwardMode
@@ -43,6 +45,7 @@ class StepMessage:
     has_future: bool
     num_emit: int
     r2t_writes: List[Tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    prompt_plan: Optional[object] = None
 
     # Pickled once a step by rank 0 and unpickled by every other rank. A torch tensor
     # pickles through torch's storage serializer (~0.5 ms for the step's 11 small tensors
@@ -109,7 +112,7 @@ def execute_step(runner, packer: StepInputPacker, token_map: torch.Tensor,
         extend_start_loc=dev.extend_start_loc, req_to_token_pool=r2t,
         token_to_kv_pool=runner.token_to_kv_pool, attn_backend=runner.attn_backend,
     )
-    return runner.forward(fb), dev
+    return runner.forward(fb, prompt_plan=msg.prompt_plan), dev
 
 
 def emit_rows(dev: StepTensors, num_emit: int) -> torch.Tensor:
