@@ -101,13 +101,13 @@ def test_gemma3_sliding_window_with_cache(llm_factory):
     """Gemma 3 (sliding-window layers, window 512) with a cached prefix longer than the
     window: same tokens as without the cache."""
     pytest.importorskip("gguf")
-    long_system = " ".join(f"Fact {i}: the number {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(90))
+    long_system = " ".join(f"Fact {i}: the number {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(60))
     outs = {}
     for disable in (True, False):
         llm = llm_factory(model="gemma3-270m", disable_radix_cache=disable)
         llm.engine.scheduler.flush_prefix_cache()
         prompts = [llm.tokenizer.encode(long_system + " Question: " + q) for q in QUESTIONS[:2]]
-        assert len(prompts[0]) > 600
+        assert len(prompts[0]) > 560  # past the 512-token window
         first = llm.generate(prompts[:1], GREEDY)
         rest = llm.generate(prompts, GREEDY)
         outs[disable] = [o.token_ids for o in first + rest]

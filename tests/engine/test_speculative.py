@@ -85,9 +85,9 @@ def test_gemma3_ngram_identical_and_chains(llm_factory):
     backends place windows by slot, which is the tree depth only on a chain) and the
     tokens are plain decoding's."""
     prompts = [EDIT_PROMPT, "Count from one to twenty: one, two, three,", "What is the capital of France?"]
-    params = [SamplingParams(max_new_tokens=40, temperature=0.0),
-              SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_new_tokens=24, temperature=0.9, seed=5)]
+    params = [SamplingParams(max_new_tokens=28, temperature=0.0),
+              SamplingParams(max_new_tokens=28, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_new_tokens=16, temperature=0.9, seed=5)]
     plain = llm_factory(model="gemma3-270m").generate(prompts, params)
     llm = llm_factory(model="gemma3-270m", speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)
     assert llm.engine.scheduler.spec.proposer.drafter.max_bfs_breadth == 1
