@@ -16,9 +16,10 @@ undeclared fields aside (``extra="allow"``) and `CompletionRequest.refusal` /
 
 Extensions beyond OpenAI that attnserve honours (SGLang/vLLM names): ``top_k``, ``min_p``,
 ``ignore_eos``, ``stop_token_ids``; constrained decoding: ``response_format`` (also on
-completions), ``json_schema``, ``regex``, ``ebnf`` (`attnserve.server.grammar_request`). Accepted as OpenAI accepts them and changing no output:
-``user`` (both endpoints); ``store``, ``metadata``, ``safety_identifier`` and
-``prompt_cache_key`` (chat; see `ChatCompletionRequest`).
+completions), ``json_schema``, ``regex``, ``ebnf`` (`attnserve.server.grammar_request`).
+Accepted as OpenAI accepts them and changing no output: ``user`` (both endpoints);
+``store``, ``metadata``, ``safety_identifier`` and ``prompt_cache_key`` (chat; see
+`ChatCompletionRequest`).
 """
 
 from __future__ import annotations
