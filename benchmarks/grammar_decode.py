@@ -183,7 +183,8 @@ def bench_model(shape: str, tokenizer_dir: str, n: int, input_len: int, output_l
     ratio = runs["json"]["median_step_ms"] / runs["free"]["median_step_ms"]
     row = {"model": shape, "requests": n, "input_len": input_len, "output_len_free": output_len,
            "tokenizer_vocab": tok_vocab, "model_vocab": llm.engine.model_config.vocab_size,
-           "overlap": llm.engine.scheduler.overlap, "cuda_graphs": llm.engine.model_runner.cuda_graph_runner is not None,
+           "overlap": llm.engine.scheduler.overlap,
+           "cuda_graphs": llm.engine.model_runner.cuda_graph_runner is not None,
            "ratio_json_over_free": ratio,
            "ratio_mixed_over_free": runs["mixed"]["median_step_ms"] / runs["free"]["median_step_ms"],
            "target": TARGETS.get(shape), "meets_target": None if shape not in TARGETS else ratio <= TARGETS[shape],

@@ -161,6 +161,25 @@ def test_logprobs_over_the_connection(served):
     assert r.json()["choices"][0]["text"] == "".join(lp["tokens"])
     r = httpx.post(served.base_url + "/v1/completions", json={"prompt": "hi", "logit_bias": {"49152": 1}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+
+
+def test_grammars_cross_the_process_boundary(served):
+    """Constrained requests reach the engine process with their grammar (issue 35): a regex
+    completion and a JSON-mode chat completion match; a malformed regex is a 400."""
+    import re
+
+    pytest.importorskip("xgrammar")
+    url = served.base_url + "/v1"
+    r = httpx.post(url + "/completions", timeout=120, json={
+        "prompt": "Is water wet? Answer:", "max_tokens": 24, "temperature": 0, "regex": r"(yes|no)[.!]"}).json()
+    assert re.fullmatch(r"(yes|no)[.!]", r["choices"][0]["text"]) and r["choices"][0]["finish_reason"] == "stop"
+    r = httpx.post(url + "/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "Give me a JSON object with one key."}], "max_tokens": 96,
+        "temperature": 0, "response_format": {"type": "json_object"}}).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert isinstance(json.loads(r["choices"][0]["message"]["content"]), dict)
+    bad = httpx.post(url + "/completions", timeout=60, json={"prompt": "hi", "regex": "(yes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "regex"
     served.wait_idle()
 
 
@@ -473,22 +492,3 @@ def test_failing_step_over_the_connection_then_serving_goes_on():
         assert "".join(e.text for e in events) == "a" * (2 + i)  # the engine's final text
     assert ploop.step_errors == 1 and not client._reqs and not ploop._thread.is_alive()
 
-
-def test_grammars_cross_the_process_boundary(served):
-    """Constrained requests reach the engine process with their grammar (issue 35): a regex
-    completion and a JSON-mode chat completion match; a malformed regex is a 400."""
-    import re
-
-    pytest.importorskip("xgrammar")
-    url = served.base_url + "/v1"
-    r = httpx.post(url + "/completions", timeout=120, json={
-        "prompt": "Is water wet? Answer:", "max_tokens": 24, "temperature": 0, "regex": r"(yes|no)[.!]"}).json()
-    assert re.fullmatch(r"(yes|no)[.!]", r["choices"][0]["text"]) and r["choices"][0]["finish_reason"] == "stop"
-    r = httpx.post(url + "/chat/completions", timeout=120, json={
-        "messages": [{"role": "user", "content": "Give me a JSON object with one key."}], "max_tokens": 96,
-        "temperature": 0, "response_format": {"type": "json_object"}}).json()
-    assert r["choices"][0]["finish_reason"] == "stop"
-    assert isinstance(json.loads(r["choices"][0]["message"]["content"]), dict)
-    bad = httpx.post(url + "/completions", timeout=60, json={"prompt": "hi", "regex": "(yes"})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "regex"
-    served.wait_idle()

@@ -86,6 +86,12 @@ def _openai_json_schema(js: Any) -> Any:
     return schema
 
 
+def has_grammar_fields(body) -> bool:
+    """Whether ``body`` sets any grammar field (requests without one skip `request_grammar`
+    and its worker-thread hop)."""
+    return any(getattr(body, name, None) is not None for name in ("response_format", "json_schema", "regex", "ebnf"))
+
+
 def request_grammar(body) -> Dict[str, Any]:
     """The `SamplingParams` keyword arguments of ``body``'s grammar (``{}`` without one),
     after parsing it. Runs in a worker thread (a large schema takes milliseconds).

@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 
 from attnserve.server.engine_loop import EngineLoop, RequestStream, StreamEvent, SubmitCommand
 from attnserve.server.errors import APIError, error_body
-from attnserve.server.grammar_request import request_grammar
+from attnserve.server.grammar_request import has_grammar_fields, request_grammar
 from attnserve.server.logprob_format import CompletionLogprobsBuilder, TokenTexts, chat_logprobs
 from attnserve.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -490,7 +490,7 @@ def build_router():
         arrival = time.perf_counter()
         _check_model_and_options(ctx, body)
         prompt_ids = await run_in_threadpool(_prompt_ids, ctx, body.prompt)
-        grammar = await run_in_threadpool(request_grammar, body)  # parsed off the event loop
+        grammar = await run_in_threadpool(request_grammar, body) if has_grammar_fields(body) else None
         sp = _sampling_params(ctx, body, len(prompt_ids), body.requested_max_tokens(), "prompt",
                               DEFAULT_COMPLETION_MAX_TOKENS, grammar)
         rid = new_id("cmpl")
@@ -537,7 +537,7 @@ def build_router():
         arrival = time.perf_counter()
         _check_model_and_options(ctx, body)
         prompt_ids = await run_in_threadpool(_chat_ids, ctx, body)
-        grammar = await run_in_threadpool(request_grammar, body)  # parsed off the event loop
+        grammar = await run_in_threadpool(request_grammar, body) if has_grammar_fields(body) else None
         sp = _sampling_params(ctx, body, len(prompt_ids), body.requested_max_tokens(), "messages", None, grammar)
         rid = new_id("chatcmpl")
         choices = await _submit_choices(ctx, rid, prompt_ids, sp, body.n or 1, arrival)
