@@ -40,7 +40,7 @@ def _repeats(ids):
 
 def _mixed_params(eos):
     """Requests with and without extras side by side (all run to a known length)."""
-    n = 16
+    n = 10
     return [
         SP(max_new_tokens=n, temperature=0.0, ignore_eos=True),  # no extras
         SP(max_new_tokens=n, temperature=0.0, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5,
@@ -74,8 +74,8 @@ def _assert_close_logprobs(a, b):
 
 
 def test_frequency_penalty_reduces_repeats(llm):
-    base = llm.generate(REPETITIVE, SP(max_new_tokens=24, temperature=0.0, ignore_eos=True))[0]
-    pen = llm.generate(REPETITIVE, SP(max_new_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=2.0))[0]
+    base = llm.generate(REPETITIVE, SP(max_new_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    pen = llm.generate(REPETITIVE, SP(max_new_tokens=16, temperature=0.0, ignore_eos=True, frequency_penalty=2.0))[0]
     assert _repeats(base.token_ids) >= 12  # the model loops on this prompt ...
     assert _repeats(pen.token_ids) < _repeats(base.token_ids) // 2  # ... and the penalty breaks the loop
 
