@@ -153,3 +153,21 @@ def test_speculative_engine_refuses_constrained_requests(model_dir):
         with pytest.raises(ValueError, match="speculative decoding"):
             spec.generate(["hi"], SamplingParams(json_schema=SCHEMAS[0]))
         assert spec.generate(["hi"], SamplingParams(max_new_tokens=4, temperature=0.0))[0].finish_reason
+
+
+def test_retraction_keeps_constrained_outputs(model_dir, llm):
+    """A KV pool too small for the batch: requests are retracted mid-output and re-prefilled
+    (prompt + output); their matchers keep their state, so the tokens equal the roomy run's."""
+    prompts, params = _requests(temperature=0.0)
+    roomy = llm.generate(prompts, params)
+    from attnserve.engine.scheduler import AdmissionPolicy
+
+    with LLM(model_dir, load_format="dummy", max_total_tokens=112, page_size=4,
+             disable_overlap_schedule=False) as small:
+        sched = small.engine.scheduler
+        sched.policy = AdmissionPolicy(init_ratio=0.05, min_ratio=0.01)  # admit optimistically
+        sched.new_token_ratio = sched.policy.init_ratio
+        tight = small.generate(prompts, params)
+        assert small.engine.scheduler.stats.num_retractions > 0
+    _check_valid(tight, params)
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
