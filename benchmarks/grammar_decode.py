@@ -175,7 +175,8 @@ def bench_model(shape: str, tokenizer_dir: str, n: int, input_len: int, output_l
         if cons:
             run["validity"] = validate(cons, SCHEMA)
             run["mean_json_tokens"] = statistics.fmean(len(o[2]) for o in cons)
-            run["padded_ids_sampled"] = sum(t >= tok_vocab for o in cons for t in o[2])
+            eos = set(llm.engine.scheduler.eos_token_ids)  # the shape's EOS may lie past the tokenizer
+            run["padded_ids_sampled"] = sum(t >= tok_vocab and t not in eos for o in cons for t in o[2])
         runs[name] = run
         print(f"{shape:12s} {name:5s} median step {run['median_step_ms']:.3f} ms over {run['full_batch_steps']} "
               f"full-batch steps; fill {run['fill_ms_per_masked_step']:.3f} ms/step; "
