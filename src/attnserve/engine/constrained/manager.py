@@ -128,8 +128,9 @@ class GrammarManager:
         req.grammar = RequestGrammar(spec, self.cache.get(spec))
         self.stats.requests += 1
         self._compiling.append(req)
-        if req.grammar.compiled.done():
-            self._failed.extend(self.poll(waiting))
+        if req.grammar.compiled.done():  # cached: queued now; a cached failure is reported by `poll`
+            failed = self.poll(waiting)  # poll rebinds self._failed: extend the new list
+            self._failed.extend(failed)
 
     # ---- while grammars compile ------------------------------------------------------------
     @property
