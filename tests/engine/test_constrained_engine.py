@@ -1,7 +1,8 @@
 """Constrained decoding through the offline API (`LLM.generate`), on a 2-layer Llama with
 random weights and a 300-token byte-level BPE tokenizer under a 320-wide LM head
 (`grammar_fixtures`): a random model emits valid output only because of the mask, and
-the 20 padded ids must never be sampled. Covers JSON Schema / regex / EBNF, overlap
+the 20 padded ids must never be sampled. Strings are bounded with ASCII patterns (see
+`attnserve.engine.constrained.json_schema` on xgrammar's UTF-8 classes). Covers JSON Schema / regex / EBNF, overlap
 scheduling forced on the CPU (the early processing of the pending step), mixed batches,
 the radix cache, grammar termination with ``ignore_eos``, bad grammars, and a grammar that
 fails inside the engine while the other requests go on."""
@@ -25,7 +26,7 @@ SCHEMAS = [
         "point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
                                                    "y": {"type": "boolean"}}, "required": ["x", "y"]},
         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
-        "note": {"type": "string", "maxLength": 6}}, "required": ["point", "tags"]},
+        "note": {"type": "string", "pattern": "^[a-z ]{0,6}$"}}, "required": ["point", "tags"]},
     {"type": "object", "properties": {"v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 50},
                                                       {"type": "null"}, {"enum": ["none"]}]}}, "required": ["v"]},
 ]

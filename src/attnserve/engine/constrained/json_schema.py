@@ -20,6 +20,13 @@ vocabulary on this project's 2-core CPU:
 
 Either way a bounded string holds no escape sequences (no ``"``, ``\``, newline), as
 xgrammar's own bounded strings; the output still validates against the client's schema.
+
+Left as xgrammar has it (found with random weights, which emit any byte a mask allows; a
+trained model does not write invalid UTF-8): its character classes accept UTF-16
+surrogates encoded in UTF-8 (``ED A0..BF xx``) in every string, and its regex classes
+also 3-byte overlong forms (``E0 80..9F xx``). Decoded, such bytes become U+FFFD, which
+can push a bounded string past its ``maxLength``; the random-weight tests therefore bound
+their strings with ASCII patterns.
 The rewrite touches only ``{"type": "string"}`` subschemas with a length bound and no
 ``pattern``, ``format``, ``enum`` or ``const``; values of ``enum``, ``const``,
 ``default`` and ``examples`` are data and are left alone.
