@@ -24,7 +24,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Sequence
 
 from attnserve.engine.constrained.spec import GrammarSpec, check_grammar_text, import_xgrammar, spec_of
 from attnserve.engine.detokenizer import finalize_text
