@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Constrained decoding (issue 35, item 1) on the lent GPU; logs and JSON under $OUT.
 # The device has no xgrammar / pydantic / jsonschema: their Python 3.12 wheels, and SmolLM2's
-# tokenizer saved as tokenizer.json, travel in the ignored folder .whl/grammar (carry ".whl").
+# tokenizer saved as tokenizer.json, travel in the ignored folder .whl/grammar: run with
+# carry [".whl/grammar"] (copy it from a worktree with: cp -r <worktree>/.whl/grammar .whl/).
 #   bash scripts/gpu_grammar.sh [test] [bench]     (default: both, ~4-6 min on an H100)
+#   env: BENCH_TIMEOUT (s, default 330), GRAMMAR_MODELS (default "llama-3-8b qwen3-0.6b")
 #   test   tests/gpu/test_constrained_gpu.py (+ the CPU grammar tests on the device's stack)
 #   bench  benchmarks/grammar_decode.py -> $OUT/<device>-grammar-<date>.json
 set -u
@@ -18,9 +20,11 @@ for mode in "${@:-test bench}"; do
   for m in $mode; do
     echo "=== $m at $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
     case $m in
-      test) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_constrained_gpu.py \
+      test) timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_constrained_gpu.py \
               tests/unit/test_constrained.py 2>&1 | tee "$OUT/grammar_tests.log" | tail -25 ;;
-      bench) timeout 300 python3 benchmarks/grammar_decode.py --out "$OUT" 2>&1 | tee "$OUT/grammar_bench.log" \
+      # shellcheck disable=SC2086
+      bench) timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/grammar_decode.py --out "$OUT" \
+               --models ${GRAMMAR_MODELS:-llama-3-8b qwen3-0.6b} 2>&1 | tee "$OUT/grammar_bench.log" \
                | grep -v "^Loading" | tail -12 ;;
       *) echo "unknown mode $m (test bench)"; exit 2 ;;
     esac

@@ -1,7 +1,8 @@
 """Constrained decoding through the offline API (`LLM.generate`), on a 2-layer Llama with
 random weights and a 300-token byte-level BPE tokenizer under a 320-wide LM head
 (`grammar_fixtures`): a random model emits valid output only because of the mask, and
-the 20 padded ids must never be sampled. Covers JSON Schema / regex / EBNF, overlap
+the 20 padded ids must never be sampled. Strings are bounded with ASCII patterns (see
+`attnserve.engine.constrained.json_schema` on xgrammar's UTF-8 classes). Covers JSON Schema / regex / EBNF, overlap
 scheduling forced on the CPU (the early processing of the pending step), mixed batches,
 the radix cache, grammar termination with ``ignore_eos``, bad grammars, and a grammar that
 fails inside the engine while the other requests go on."""
@@ -25,7 +26,7 @@ SCHEMAS = [
         "point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
                                                    "y": {"type": "boolean"}}, "required": ["x", "y"]},
         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
-        "note": {"type": "string", "maxLength": 6}}, "required": ["point", "tags"]},
+        "note": {"type": "string", "pattern": "^[a-z ]{0,6}$"}}, "required": ["point", "tags"]},
     {"type": "object", "properties": {"v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 50},
                                                       {"type": "null"}, {"enum": ["none"]}]}}, "required": ["v"]},
 ]
@@ -153,3 +154,21 @@ def test_speculative_engine_refuses_constrained_requests(model_dir):
         with pytest.raises(ValueError, match="speculative decoding"):
             spec.generate(["hi"], SamplingParams(json_schema=SCHEMAS[0]))
         assert spec.generate(["hi"], SamplingParams(max_new_tokens=4, temperature=0.0))[0].finish_reason
+
+
+def test_retraction_keeps_constrained_outputs(model_dir, llm):
+    """A KV pool too small for the batch: requests are retracted mid-output and re-prefilled
+    (prompt + output); their matchers keep their state, so the tokens equal the roomy run's."""
+    prompts, params = _requests(temperature=0.0)
+    roomy = llm.generate(prompts, params)
+    from attnserve.engine.scheduler import AdmissionPolicy
+
+    with LLM(model_dir, load_format="dummy", max_total_tokens=112, page_size=4,
+             disable_overlap_schedule=False) as small:
+        sched = small.engine.scheduler
+        sched.policy = AdmissionPolicy(init_ratio=0.05, min_ratio=0.01)  # admit optimistically
+        sched.new_token_ratio = sched.policy.init_ratio
+        tight = small.generate(prompts, params)
+        assert small.engine.scheduler.stats.num_retractions > 0
+    _check_valid(tight, params)
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]

@@ -135,12 +135,18 @@ def test_manager_queues_compiled_fails_bad_and_finishes_on_termination(tok):
         failed += mgr.poll(waiting)
     assert failed == [bad] and bad.finish_reason == FinishReason.ABORT and bad.error_status == 400
     assert bad.error.startswith("invalid regex") and bad not in waiting
-    assert list(waiting) == [plain, good] and good.grammar.matcher is not None
+    assert {r.rid for r in waiting} == {"plain", "good"} and good.grammar.matcher is not None
+    again, cached_bad = _req("again", ebnf='root ::= "yes" | "no"'), _req("bad2", regex="(x")
+    mgr.enqueue(again, waiting)
+    mgr.enqueue(cached_bad, waiting)  # both compiled already: queued / failed at once
+    assert waiting[-1] is again and again.grammar.matcher is not None and mgr.compiling
+    assert mgr.poll(waiting) == [cached_bad] and not mgr.compiling and cached_bad.error_status == 400
+    waiting.pop()
     for t in tok.encode("yes") + [EOS]:
         good.output_ids.append(t)
         mgr.accept(good, t)
     assert good.finish_reason == FinishReason.STOP and good.matched_stop == EOS
-    assert good.text == "yes" and mgr.stats.terminated == 1 and mgr.stats.failed == 1
+    assert good.text == "yes" and mgr.stats.terminated == 1 and mgr.stats.failed == 2
     off_grammar = _req("off", regex="[0-9]+")
     mgr.enqueue(off_grammar, waiting)
     while off_grammar.grammar.matcher is None:
@@ -173,14 +179,40 @@ def test_failed_request_maps_to_400_or_500():
     assert request_error(r).status == 500 and "internal error" in request_error(r).message
 
 
-def test_length_bounded_json_strings_exclude_control_characters(cache):
+@pytest.mark.parametrize("bounds", [{"minLength": 1, "maxLength": 4}, {"maxLength": 200}],
+                         ids=["regex-pattern", "narrowed-repetition"])
+def test_length_bounded_json_strings_exclude_control_characters(cache, bounds):
     """xgrammar 0.2.8 lets raw U+0000-U+001F into strings with maxLength/minLength, which
-    JSON forbids; the compile cache narrows that class (`compile_cache.json_schema_grammar`)."""
-    schema = '{"type": "object", "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 4}}}'
-    compiled = cache.get(GrammarSpec("json_schema", schema)).result(timeout=30)
+    JSON forbids; short bounds become a regex pattern, long ones keep xgrammar's repetition
+    with a narrowed class (`attnserve.engine.constrained.json_schema`)."""
+    schema = json.dumps({"type": "object", "properties": {"s": {"type": "string", **bounds}}})
+    compiled = cache.get(GrammarSpec("json_schema", schema)).result(timeout=60)
     m = xgr.GrammarMatcher(compiled)
     assert m.accept_string('{"s": "a')
     for ch in ("\x00", "\x17", "\t", "\x1f"):
         assert not m.fork().accept_string(ch), repr(ch)
     assert m.accept_string('b~"}') and m.is_completed()
-    assert json.loads('{"s": "ab~"}') == {"s": "ab~"}
+    too_long = xgr.GrammarMatcher(compiled)
+    n = bounds["maxLength"]
+    assert too_long.accept_string('{"s": "' + "x" * n) and not too_long.accept_string("x")
+
+
+def test_bounded_strings_rewrite_touches_only_string_schemas():
+    from attnserve.engine.constrained.json_schema import REGEX_MAX_LENGTH, bounded_strings_as_patterns
+
+    schema = {"type": "object", "properties": {
+        "enum": {"type": "string", "maxLength": 5},  # a property named like a keyword
+        "pat": {"type": "string", "maxLength": 5, "pattern": "^a+$"},
+        "long": {"type": "string", "maxLength": REGEX_MAX_LENGTH + 1},
+        "opt": {"anyOf": [{"type": "string", "minLength": 2}, {"type": "null"}]},
+        "arr": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 3}}},
+        "default": {"type": "string", "maxLength": 5}, "$defs": {"d": {"type": "string", "maxLength": 7}}}
+    out = bounded_strings_as_patterns(schema)
+    props = out["properties"]
+    assert props["enum"] == {"type": "string", "pattern": "^[\\s\\S]{0,5}$"}
+    assert props["pat"] == schema["properties"]["pat"] and props["long"] == schema["properties"]["long"]
+    assert props["opt"]["anyOf"][0] == {"type": "string", "pattern": "^[\\s\\S]{2,}$"}
+    assert props["arr"]["items"]["pattern"] == "^[\\s\\S]{1,3}$"
+    assert out["default"] == schema["default"]  # data, not a schema
+    assert out["$defs"]["d"]["pattern"] == "^[\\s\\S]{0,7}$"
+    assert schema["properties"]["enum"] == {"type": "string", "maxLength": 5}  # the input is not modified

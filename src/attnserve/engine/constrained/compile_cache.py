@@ -1,4 +1,4 @@
-r"""`GrammarCompileCache`: xgrammar grammars compiled once per distinct grammar, off the
+"""`GrammarCompileCache`: xgrammar grammars compiled once per distinct grammar, off the
 scheduler's thread.
 
 Compiling a grammar against a vocabulary (xgrammar's ``GrammarCompiler``: the grammar's
@@ -18,12 +18,8 @@ string properties against SmolLM2's 49,152 tokens on this project's 2-core CPU).
 Two or more workers, so that one slow compile never holds another request's grammar
 back. xgrammar's own compiler cache is off (this one is the cache, with a bound).
 
-A fix-up of xgrammar 0.2.8's JSON Schema conversion: a string with ``minLength`` or
-``maxLength`` becomes ``"\"" chars{lo, hi} "\""`` with ``chars ::= [^\"\\\r\n]``, which
-admits the control characters U+0000-U+001F that JSON forbids unescaped (a random model
-produced ``"G\x17)<z"``, which ``json.loads`` refuses). So the schema's EBNF is generated,
-that character class narrowed to ``[^\0-\x1f\"\\\r\n]`` (the class of xgrammar's own
-unbounded strings), and the EBNF compiled.
+JSON Schemas go through `attnserve.engine.constrained.json_schema` (fixes of xgrammar
+0.2.8's length-bounded strings: speed and validity).
 
 Threading: only the scheduler thread calls the methods; the workers run `_compile` and
 `_make_compiler` only, and futures are the sole shared state.
@@ -37,17 +33,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from attnserve.engine.constrained.spec import (
-    JSON_ANY_WHITESPACE,
-    JSON_STRICT_MODE,
-    GrammarSpec,
-    clean_error,
-    import_xgrammar,
-)
-
-#: the character class of xgrammar's length-bounded JSON strings, and the one used instead
-_RAW_STRING_CHARS = '[^\\"\\\\\\r\\n]'
-_JSON_STRING_CHARS = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+from attnserve.engine.constrained.json_schema import json_schema_grammar
+from attnserve.engine.constrained.spec import GrammarSpec, clean_error, import_xgrammar
 
 #: compiled grammars kept (a small schema's compiled grammar is tens of KB; a large one a
 #: few MB)
@@ -136,17 +123,3 @@ class GrammarCompileCache:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._entries.clear()
 
-
-def json_schema_grammar(schema: str):
-    """The xgrammar ``Grammar`` of a JSON Schema (text), with the control characters that
-    xgrammar 0.2.8 lets into length-bounded strings taken out (see the module doc).
-
-    Raises:
-        RuntimeError: xgrammar cannot convert the schema.
-    """
-    xgr = import_xgrammar()
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=JSON_ANY_WHITESPACE, strict_mode=JSON_STRICT_MODE)
-    ebnf = str(grammar)
-    if _RAW_STRING_CHARS not in ebnf:
-        return grammar
-    return xgr.Grammar.from_ebnf(ebnf.replace(_RAW_STRING_CHARS, _JSON_STRING_CHARS))

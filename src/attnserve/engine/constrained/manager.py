@@ -24,7 +24,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Sequence
 
 from attnserve.engine.constrained.spec import GrammarSpec, check_grammar_text, import_xgrammar, spec_of
 from attnserve.engine.detokenizer import finalize_text
@@ -128,8 +128,9 @@ class GrammarManager:
         req.grammar = RequestGrammar(spec, self.cache.get(spec))
         self.stats.requests += 1
         self._compiling.append(req)
-        if req.grammar.compiled.done():
-            self._failed.extend(self.poll(waiting))
+        if req.grammar.compiled.done():  # cached: queued now; a cached failure is reported by `poll`
+            failed = self.poll(waiting)  # poll rebinds self._failed: extend the new list
+            self._failed.extend(failed)
 
     # ---- while grammars compile ------------------------------------------------------------
     @property
