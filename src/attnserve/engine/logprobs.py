@@ -190,7 +190,8 @@ def plan_prompt_logprobs(reqs: Sequence, prefix_lens: Sequence[int], extend_lens
         offset += e
     if not index:
         return None, []
-    return PromptLogprobPlan(torch.tensor(index, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64), k), owners
+    plan = PromptLogprobPlan(torch.tensor(index, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64), k)
+    return plan, owners
 
 
 # ---- delivery ------------------------------------------------------------------------------
@@ -232,6 +233,7 @@ class StreamCursor:
             end = reported_len(req)
             if end > self.sent:
                 ids = req.output_ids
-                out = [(ids[i], rec.output_token_logprobs[i], rec.output_top_logprobs[i]) for i in range(self.sent, end)]
+                lps, tops = rec.output_token_logprobs, rec.output_top_logprobs
+                out = [(ids[i], lps[i], tops[i]) for i in range(self.sent, end)]
                 self.sent = end
         return out, prompt

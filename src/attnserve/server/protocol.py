@@ -19,7 +19,8 @@ chat ``logprobs`` + ``top_logprobs`` (<= 20), completions ``logprobs`` (<= 5) an
 ``frequency_penalty`` ([-2, 2]) and ``logit_bias`` (token id -> [-100, 100]) on both.
 
 Extensions beyond OpenAI that attnserve honours (SGLang/vLLM names): ``top_k``, ``min_p``,
-``ignore_eos``, ``stop_token_ids``, ``repetition_penalty`` (> 0), ``min_tokens``. Accepted as OpenAI accepts them and changing no output:
+``ignore_eos``, ``stop_token_ids``, ``repetition_penalty`` (> 0), ``min_tokens``. Accepted
+as OpenAI accepts them and changing no output:
 ``user`` (both endpoints); ``store``, ``metadata``, ``safety_identifier`` and
 ``prompt_cache_key`` (chat; see `ChatCompletionRequest`).
 """
