@@ -5,9 +5,10 @@ distribution, taken before the logit controls (`attnserve.engine.penalties`), be
 temperature and before the top-k/top-p/min-p filters. The issue that asked for them
 (35) fixes this choice. For comparison (read for facts, not copied): SGLang's sampler
 reports ``log_softmax(logits / temperature)`` after its penalties and logit bias by
-default, and the pre-temperature values under ``SGLANG_RETURN_ORIGINAL_LOGPROB``; vLLM's
-default ``logprobs_mode`` ``raw_logprobs`` is the pre-processing distribution, as here.
-For greedy requests without controls all of these coincide.
+default, and under ``SGLANG_RETURN_ORIGINAL_LOGPROB`` the values before temperature (still
+after penalties and bias); vLLM's default ``logprobs_mode`` ``raw_logprobs`` is the
+distribution before any processing, as here. For greedy requests without controls all of
+these coincide.
 
 Cost: only the rows that ask pay. For ``m`` such rows of a step: one ``logsumexp`` over
 ``[m, V]``, one ``gather`` and, when top lists are asked, one ``topk`` (k = the largest
