@@ -158,6 +158,7 @@ def main(argv=None) -> int:
         print(f"{m:10s} decode {b['decode_ms_per_step']:.3f} ms/step = {rows[-1]['decode_step_ratio']:.3f}x none; "
               f"wall {rows[-1]['wall_ratio']:.3f}x", flush=True)
     runner = llm.engine.model_runner
+    llm.engine.scheduler.flush_prefix_cache()  # graph_step_ms fills the pool itself
     dev = device_timings(llm, args.num_prompts)
     dev["graph_step_ms"] = graph_step_ms(runner, args.num_prompts, args.input_len + args.output_len // 2)
     print(f"device: {dev}", flush=True)

@@ -77,7 +77,8 @@ def test_completion_logprobs_echo(oai, server):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     # logprobs=0: each position holds the chosen token alone
     r0 = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=0)
-    assert all(list(top) == [tok] for tok, top in zip(r0.choices[0].logprobs.tokens, r0.choices[0].logprobs.top_logprobs))
+    lp0 = r0.choices[0].logprobs
+    assert all(list(top) == [tok] for tok, top in zip(lp0.tokens, lp0.top_logprobs))
 
 
 def test_echo_without_logprobs(oai):

@@ -5,9 +5,10 @@ distribution, taken before the logit controls (`attnserve.engine.penalties`), be
 temperature and before the top-k/top-p/min-p filters. The issue that asked for them
 (35) fixes this choice. For comparison (read for facts, not copied): SGLang's sampler
 reports ``log_softmax(logits / temperature)`` after its penalties and logit bias by
-default, and the pre-temperature values under ``SGLANG_RETURN_ORIGINAL_LOGPROB``; vLLM's
-default ``logprobs_mode`` ``raw_logprobs`` is the pre-processing distribution, as here.
-For greedy requests without controls all of these coincide.
+default, and under ``SGLANG_RETURN_ORIGINAL_LOGPROB`` the values before temperature (still
+after penalties and bias); vLLM's default ``logprobs_mode`` ``raw_logprobs`` is the
+distribution before any processing, as here. For greedy requests without controls all of
+these coincide.
 
 Cost: only the rows that ask pay. For ``m`` such rows of a step: one ``logsumexp`` over
 ``[m, V]``, one ``gather`` and, when top lists are asked, one ``topk`` (k = the largest
@@ -190,7 +191,8 @@ def plan_prompt_logprobs(reqs: Sequence, prefix_lens: Sequence[int], extend_lens
         offset += e
     if not index:
         return None, []
-    return PromptLogprobPlan(torch.tensor(index, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64), k), owners
+    plan = PromptLogprobPlan(torch.tensor(index, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64), k)
+    return plan, owners
 
 
 # ---- delivery ------------------------------------------------------------------------------
@@ -232,6 +234,7 @@ class StreamCursor:
             end = reported_len(req)
             if end > self.sent:
                 ids = req.output_ids
-                out = [(ids[i], rec.output_token_logprobs[i], rec.output_top_logprobs[i]) for i in range(self.sent, end)]
+                lps, tops = rec.output_token_logprobs, rec.output_top_logprobs
+                out = [(ids[i], lps[i], tops[i]) for i in range(self.sent, end)]
                 self.sent = end
         return out, prompt

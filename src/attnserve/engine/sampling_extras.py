@@ -1,9 +1,11 @@
 """`SamplingExtras`: the scheduler's one entry point to logit controls
 (`attnserve.engine.penalties`) and logprobs (`attnserve.engine.logprobs`).
 
-A step whose sampling rows ask for neither costs one truthiness test of two sets
-(`SamplingExtras.before_sampling` returns at once and `sampler.sample` runs as before).
-Otherwise, around the step's sampling on the device:
+While no running or waiting request asks for either, a step costs four calls that each
+return after a truthiness test of a set or None (`plan_prompt`, `before_sampling`,
+`after_sampling`, `deliver`); the sampling itself (`sampler.sample`) runs as before. A
+request that asks for nothing never holds device state, whatever its batch. Otherwise,
+around the step's sampling on the device:
 
 1. `before_sampling`: the controlled rows get the controls (out of place when some rows
    also want logprobs, whose values come from the untouched logits);
