@@ -52,21 +52,12 @@ def mode_params(mode: str, max_new_tokens: int, vocab: int) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def timed_generate(llm, prompts, sp) -> dict:
-    from attnserve.engine.scheduler import SchedulerStats
+def timed_generate_row(llm, prompts, sp) -> dict:
+    from attnserve.bench.offline import timed_generate
 
-    sched = llm.engine.scheduler
-    sched.flush_prefix_cache()
-    sched.stats = SchedulerStats()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    assert all(len(o.token_ids) == sp.max_new_tokens for o in outs)
+    wall, st, outs = timed_generate(llm, prompts, sp)
     if sp.logprobs:
         assert all(len(o.output_token_logprobs) == sp.max_new_tokens for o in outs)
-    st = sched.stats
     return {"wall_s": wall, "decode_steps": st.num_decode_steps, "host_ms_per_decode_step": st.host_ms_per_decode_step,
             "wait_ms_per_step": 1e3 * st.wait_seconds / max(st.num_steps, 1), "decode_host_ms_total":
             1e3 * st.decode_host_seconds}
@@ -139,8 +130,8 @@ def main(argv=None) -> int:
     runs = {m: [] for m in modes}
     for rep in range(args.repeats):
         for m in modes:
-            full = timed_generate(llm, prompts, mode_params(m, args.output_len, vocab))
-            pre = timed_generate(llm, prompts, mode_params(m, 1, vocab))
+            full = timed_generate_row(llm, prompts, mode_params(m, args.output_len, vocab))
+            pre = timed_generate_row(llm, prompts, mode_params(m, 1, vocab))
             decode_ms = 1e3 * (full["wall_s"] - pre["wall_s"]) / (args.output_len - 1)
             runs[m].append({**full, "prefill_wall_s": pre["wall_s"], "decode_ms_per_step": decode_ms})
             print(f"rep {rep} {m:10s} wall {full['wall_s']:.3f} s prefill {pre['wall_s']:.3f} s decode "

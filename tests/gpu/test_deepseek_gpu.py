@@ -19,6 +19,7 @@ from attnserve.engine.sampling_params import SamplingParams
 from attnserve.forward_batch import ForwardBatch, ForwardMode
 from attnserve.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from attnserve.server_args import ServerArgs
+from engine_drive import greedy_generate as _generate
 
 pytestmark = pytest.mark.cuda
 
@@ -43,14 +44,6 @@ def _engine(**kw):
 def _prompts(n, seed, lo=3, hi=300):
     rnd = random.Random(seed)
     return [[rnd.randrange(3, VOCAB) for _ in range(rnd.randrange(lo, hi))] for _ in range(n)]
-
-
-def _generate(engine, prompts, max_new=24):
-    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
-            for p in prompts]
-    while engine.has_work():
-        engine.step()
-    return [r.output_ids for r in reqs]
 
 
 def _run_schedule(engine, schedule, max_new):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from attnserve.engine.engine import Engine
-from attnserve.engine.sampling_params import SamplingParams
 from attnserve.server_args import ServerArgs
+from engine_drive import greedy_generate as _generate
 
 pytestmark = pytest.mark.cuda
 
@@ -32,14 +32,6 @@ def _engine(model, monkeypatch, backend, **kw):
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5, generator=g)
     return engine
-
-
-def _generate(engine, prompts, max_new=24):
-    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
-            for p in prompts]
-    while engine.has_work():
-        engine.step()
-    return [r.output_ids for r in reqs]
 
 
 @pytest.mark.parametrize("model", ["qwen3-moe-tiny", "deepseek-v2-moe-tiny"])

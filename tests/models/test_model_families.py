@@ -20,7 +20,7 @@ import torch
 
 from attnserve.forward_batch import ForwardMode
 from numeric_bounds import assert_within, forward_bound, llama_like_terms
-from test_deepseek_v2 import _save_tokenizer
+from tiny_hf import hf_logits as _hf_logits, hf_variant_getter, load_checkpoint as _load, random_prompt
 
 VOCAB = 256
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -50,55 +50,25 @@ VARIANTS = {
 
 
 def _randomise(model, name):
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:  # Gemma's 1 + w norms: w around 0; the others around 1
-                p.copy_((0.0 if name == "gemma2" else 1.0) + 0.2 * torch.randn_like(p))
-            elif pname.endswith("bias"):
-                p.normal_(0.0, 0.3)
-            elif pname.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
-                p.normal_(0.0, 0.25)  # sharp attention: positions (RoPE, windows) matter
-            elif name == "gemma2" and "embed" in pname:
-                p.normal_(0.0, 0.25)  # logits of a few units: the final cap of 3 bites
+    for pname, p in model.named_parameters():
+        if "norm" in pname:  # Gemma's 1 + w norms: w around 0; the others around 1
+            p.copy_((0.0 if name == "gemma2" else 1.0) + 0.2 * torch.randn_like(p))
+        elif pname.endswith("bias"):
+            p.normal_(0.0, 0.3)
+        elif pname.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+            p.normal_(0.0, 0.25)  # sharp attention: positions (RoPE, windows) matter
+        elif name == "gemma2" and "embed" in pname:
+            p.normal_(0.0, 0.25)  # logits of a few units: the final cap of 3 bites
 
 
 @pytest.fixture(scope="module")
 def hf_variant(tmp_path_factory):
     """variant -> (checkpoint dir, HF model in eval mode), built once per module."""
-    import transformers
-
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cfg_name, arch, kw = VARIANTS[name]
-            torch.manual_seed(3900 + sorted(VARIANTS).index(name))
-            cfg = getattr(transformers, cfg_name)(architectures=[arch], **kw)
-            model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-            _randomise(model, name)
-            path = tmp_path_factory.mktemp(name)
-            model.save_pretrained(path)
-            _save_tokenizer(path, VOCAB)
-            cache[name] = (str(path), model)
-        return cache[name]
-
-    return get
-
-
-def _load(path, **kw):
-    from attnserve.model_loader.loader import load_model
-
-    return load_model(path, load_tokenizer=False, progress=False, **kw)
+    return hf_variant_getter(tmp_path_factory, VARIANTS, 3900, _randomise, VOCAB)
 
 
 def _prompt(seed, n):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (n,), generator=g).tolist()
-
-
-def _hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
+    return random_prompt(seed, n, VOCAB)
 
 
 def _hf_greedy(model, prompt, n=32):

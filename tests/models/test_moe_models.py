@@ -15,7 +15,8 @@ import torch
 
 from attnserve.forward_batch import ForwardMode
 from numeric_bounds import assert_within, forward_bound, llama_like_terms, mla_terms
-from test_deepseek_v2 import _mla_runner, _save_tokenizer
+from test_deepseek_v2 import _mla_runner
+from tiny_hf import hf_logits as _hf_logits, hf_variant_getter, load_checkpoint as _load, random_prompt
 
 VOCAB = 256
 LLAMA_LIKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -48,48 +49,27 @@ VARIANTS = {
 }
 
 
+def _randomise(model, name):
+    for pname, p in model.named_parameters():
+        if "norm" in pname:
+            p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        elif pname.endswith("gate.weight"):  # the router, away from ties
+            p.normal_(0.0, 0.2)
+        elif pname.endswith("e_score_correction_bias"):
+            p.copy_(0.05 * torch.randn_like(p))
+    for bname, b in model.named_buffers():
+        if bname.endswith("e_score_correction_bias"):  # HF keeps it as a buffer
+            b.copy_(0.05 * torch.randn_like(b))
+
+
 @pytest.fixture(scope="module")
 def hf_variant(tmp_path_factory):
     """variant -> (checkpoint dir, HF model in eval mode), built once per module."""
-    import transformers
-
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cfg_name, arch, kw = VARIANTS[name]
-            torch.manual_seed(4321 + sorted(VARIANTS).index(name))
-            cfg = getattr(transformers, cfg_name)(architectures=[arch], **kw)
-            model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-            with torch.no_grad():
-                for pname, p in model.named_parameters():
-                    if "norm" in pname:
-                        p.copy_(1.0 + 0.2 * torch.randn_like(p))
-                    elif pname.endswith("gate.weight"):  # the router, away from ties
-                        p.normal_(0.0, 0.2)
-                    elif pname.endswith("e_score_correction_bias"):
-                        p.copy_(0.05 * torch.randn_like(p))
-                for bname, b in model.named_buffers():
-                    if bname.endswith("e_score_correction_bias"):  # HF keeps it as a buffer
-                        b.copy_(0.05 * torch.randn_like(b))
-            path = tmp_path_factory.mktemp(name)
-            model.save_pretrained(path)
-            _save_tokenizer(path, VOCAB)
-            cache[name] = (str(path), model)
-        return cache[name]
-
-    return get
-
-
-def _load(path):
-    from attnserve.model_loader.loader import load_model
-
-    return load_model(path, load_tokenizer=False, progress=False)
+    return hf_variant_getter(tmp_path_factory, VARIANTS, 4321, _randomise, VOCAB)
 
 
 def _prompt(seed, n):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+    return random_prompt(seed, n, VOCAB)
 
 
 def _terms(config, n):
@@ -98,11 +78,6 @@ def _terms(config, n):
     if getattr(config, "kv_lora_rank", None):
         return mla_terms(config, n)
     return llama_like_terms(config, n)
-
-
-def _hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

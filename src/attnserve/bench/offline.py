@@ -178,8 +178,8 @@ def graph_step_ms(runner, bs: int, ctx: int, iters: int = 50) -> float:
         runner.req_to_token_pool.free(rows)
 
 
-def _timed_generate(llm, prompts, sp) -> tuple:
-    """(wall seconds, scheduler stats) of one ``generate`` call, stats reset before it."""
+def timed_generate(llm, prompts, sp) -> tuple:
+    """(wall seconds, scheduler stats, outputs) of one ``generate`` call, stats reset before it."""
     from attnserve.engine.scheduler import SchedulerStats
 
     sched = llm.engine.scheduler
@@ -191,7 +191,7 @@ def _timed_generate(llm, prompts, sp) -> tuple:
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     assert all(len(o.token_ids) == sp.max_new_tokens for o in outs)
-    return wall, sched.stats
+    return wall, sched.stats, outs
 
 
 def bench_engine_loop(model: str, request_counts, input_len: int, output_len: int, kv_cache_dtype: str = "auto",
@@ -220,8 +220,8 @@ def bench_engine_loop(model: str, request_counts, input_len: int, output_len: in
         for overlap in overlaps:
             llm.engine.scheduler.overlap = overlap
             llm.generate(prompts, warm)  # warm-up
-            prefill_s, _ = _timed_generate(llm, prompts, sp1)
-            wall, stats = _timed_generate(llm, prompts, sp)
+            prefill_s, _, _ = timed_generate(llm, prompts, sp1)
+            wall, stats, _ = timed_generate(llm, prompts, sp)
             decode_wall = wall - prefill_s
             steps = max(stats.num_decode_steps, 1)
             row = {
