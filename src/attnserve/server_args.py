@@ -101,7 +101,9 @@ class ServerArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
-        if self.quantization is not None and self.quantization != "fp8":
+        # (a QuantizationConfig object is also accepted, from Python: tests and tools)
+        if self.quantization is not None and self.quantization != "fp8" and not hasattr(self.quantization,
+                                                                                          "weight_strategy"):
             raise ValueError(f"--quantization must be fp8 (or unset), got {self.quantization!r}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")

@@ -156,13 +156,16 @@ def parse_hf_quantization_config(qc: Any) -> QuantizationConfig:
     raise ValueError(f"checkpoint quant_method {method!r} is not supported (supported: fp8, compressed-tensors)")
 
 
-def resolve_quantization(quantization: Optional[str], hf_config: Any) -> Optional[QuantizationConfig]:
+def resolve_quantization(quantization: Any, hf_config: Any) -> Optional[QuantizationConfig]:
     """The scheme for a model: the checkpoint's ``quantization_config`` if it has one, else
-    online FP8 for ``quantization == "fp8"``, else None (no quantisation).
+    online FP8 for ``quantization == "fp8"``, else None (no quantisation). A
+    `QuantizationConfig` given as ``quantization`` is used as it is (tests, tools).
 
     Raises:
         ValueError: an unknown ``--quantization`` value or ``quant_method`` (each named).
     """
+    if isinstance(quantization, QuantizationConfig):
+        return quantization
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"--quantization {quantization!r} is not supported (supported: "
                          f"{', '.join(QUANTIZATION_METHODS)})")
