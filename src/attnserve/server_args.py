@@ -24,6 +24,7 @@ class ServerArgs:
     device: str = "auto"  # auto | cpu | cuda
     context_length: Optional[int] = None
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8_e4m3 | fp8_e5m2
+    quantization: Optional[str] = None  # fp8: FP8 linears (models/layers/quantization)
     # attention
     attention_backend: Optional[str] = None
     prefill_attention_backend: Optional[str] = None
@@ -100,6 +101,10 @@ class ServerArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        # (a QuantizationConfig object is also accepted, from Python: tests and tools)
+        if self.quantization is not None and self.quantization != "fp8" and not hasattr(self.quantization,
+                                                                                          "weight_strategy"):
+            raise ValueError(f"--quantization must be fp8 (or unset), got {self.quantization!r}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
@@ -211,6 +216,8 @@ class ServerArgs:
         a("--context-length", type=int, default=None, help="override the model's context length")
         a("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "fp8_e4m3", "fp8_e5m2"],
           help="KV cache storage: auto (the model dtype) or FP8 with per-layer scales (half the bytes of bf16)")
+        a("--quantization", default=d.quantization, choices=["fp8"],
+          help="fp8: FP8 e4m3 linear weights, quantised at load (FP8 checkpoints load as FP8 without it)")
         a("--attention-backend", default=None, help="backend for every phase (torch_native, triton, ...)")
         a("--prefill-attention-backend", default=None, help="backend for EXTEND/MIXED steps")
         a("--decode-attention-backend", default=None, help="backend for DECODE steps")

@@ -303,6 +303,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunked-prefill-size", type=int, default=None, help="random dataset: engine flag")
     ap.add_argument("--tp-size", type=int, default=None,
                     help="random dataset: engine flag (the floor is then one rank's share of the work)")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="random dataset: FP8 linears (the roofline counts their FP8 bytes)")
     ap.add_argument("--tag", default=None, help="random dataset: suffix of the result file's kind")
     args = ap.parse_args(argv)
     if args.repeat < 1:

@@ -169,7 +169,8 @@ def main_random(args) -> int:
                                max_running_requests=args.max_running_requests,
                                cuda_graph_max_bs=args.cuda_graph_max_bs,
                                chunked_prefill_size=args.chunked_prefill_size,
-                               tp_size=getattr(args, "tp_size", None))
+                               tp_size=getattr(args, "tp_size", None),
+                               quantization=getattr(args, "quantization", None))
             rows.append(row)
             print(format_row(row), flush=True)
     result = {"benchmark": "offline", "mode": "random", "date": dt.date.today().isoformat(),

@@ -14,7 +14,8 @@ FLOP/s (bf16 8192^3 matmul), both measured in the same run:
   the weights and every running request's KV read once, or the matmul work, whichever
   is longer.
 
-``P`` and ``W`` are the model's parameters and weight bytes without an untied input
+``P`` and ``W`` are the model's parameters and weight bytes (as stored: 1 byte per FP8
+weight, plus its float32 scales, which count as bytes but not as parameters) without an untied input
 embedding (a lookup reads a few rows, not the matrix; a tied embedding is counted once, as
 the LM head). ``L``, ``Hq`` and ``D`` are the layers, query heads and query/key head size;
 ``kv_bytes_per_token`` is the KV cache's bytes per token over all layers in its storage
@@ -109,7 +110,8 @@ class RooflineModel:
             if ptr in seen or ptr in skip:
                 continue
             seen.add(ptr)
-            params += p.numel()
+            if not getattr(p, "is_quant_scale", False):  # FP8 scales: bytes, not parameters
+                params += p.numel()
             nbytes += p.numel() * p.element_size()
         # under tensor parallelism: rank 0's shard of the weights, heads and KV (every rank
         # works in parallel on its own, so this is the floor of the whole group)

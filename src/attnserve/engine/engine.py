@@ -123,6 +123,7 @@ class Engine:
             dtype=server_args.resolved_dtype(),
             device=server_args.resolved_device(),
             tp=tp,
+            quantization=server_args.quantization,
         )
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.model_config

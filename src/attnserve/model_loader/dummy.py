@@ -277,7 +277,10 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
     from attnserve.models.layers.parallel import load_param
 
     norm_fill = float(getattr(model, "dummy_norm_fill", 1.0))
-    for i, (name, param) in enumerate(model.named_parameters()):
+    # FP8 scales computed with their weight are skipped (and not counted), so a quantised
+    # model draws the same full-precision weights as the unquantised one
+    named = [(n, p) for n, p in model.named_parameters() if not getattr(p, "loaded_with_weight", False)]
+    for i, (name, param) in enumerate(named):
         if param.device.type == "meta":
             continue
         module_leaf = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
@@ -288,7 +291,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
         else:
             gen = torch.Generator(device=param.device).manual_seed(seed + i)
             spec = getattr(param, "tp_shard", None)
-            if spec is None:
+            source_dtype = getattr(param, "source_dtype", None)  # an FP8 weight: drawn, then quantised
+            if source_dtype is not None:
+                shape = spec.full_shape(param.shape) if spec is not None else param.shape
+                full = torch.empty(shape, dtype=source_dtype, device=param.device)
+                load_param(param, full.normal_(0.0, std, generator=gen), name)
+            elif spec is None:
                 param.normal_(0.0, std, generator=gen)
             else:  # one full tensor at a time
                 full = torch.empty(spec.full_shape(param.shape), dtype=param.dtype, device=param.device)

@@ -170,6 +170,29 @@ def _weights(source: ModelSource, load_format: str, hf_config: Any, progress: bo
     return iterate_safetensors_weights(source.model_path, progress=progress)
 
 
+def _quantization(quantization: Optional[str], hf_config: Any, load_format: str, device: Any):
+    """The model's `QuantizationConfig` (None: unquantised); random weights of an FP8
+    checkpoint's config are quantised as they are drawn."""
+    import dataclasses
+
+    from attnserve.models.layers.quantization import check_quantization_device, resolve_quantization
+
+    qcfg = resolve_quantization(quantization, hf_config)
+    check_quantization_device(qcfg, device)
+    if qcfg is not None and load_format == "dummy" and qcfg.is_checkpoint_fp8:
+        qcfg = dataclasses.replace(qcfg, is_checkpoint_fp8=False, activation_scheme="dynamic",
+                                   checkpoint_format="online")
+    return qcfg
+
+
+def _checked_fp8(weights):
+    from attnserve.models.layers.quantization.loading import check_fp8_checkpoint_tensor
+
+    for name, tensor in weights:
+        check_fp8_checkpoint_tensor(name, tensor)
+        yield name, tensor
+
+
 def load_model_config(model: str = DEFAULT_MODEL, load_format: str = "auto") -> ModelConfig:
     """The `ModelConfig` of ``model`` without loading weights (a dummy shape's, or the
     checkpoint's config). Raises as `resolve_model` does."""
@@ -189,6 +212,7 @@ def load_model(
     progress: bool = True,
     seed: int = 0,
     tp: Any = None,
+    quantization: Optional[str] = None,
 ) -> LoadedModel:
     """Resolve ``model``, build its class for its architecture and fill its weights.
 
@@ -203,11 +227,16 @@ def load_model(
         seed: seed of dummy weights.
         tp: this rank's `attnserve.distributed.group.TPGroup` under tensor parallelism
             (None: one device); every rank reads the checkpoint and keeps its slice.
+        quantization: ``"fp8"`` (``--quantization``): FP8 linears, quantised as each weight
+            is read; a checkpoint with an FP8 ``quantization_config`` is FP8 without it
+            (`attnserve.models.layers.quantization`).
 
     Raises:
         FileNotFoundError / ValueError: from `resolve_model`.
         ValueError: for an unknown ``load_format``, a format that does not fit the source,
             or an unsupported architecture (the message lists the supported ones).
+        ValueError: an unknown ``quantization`` or ``quant_method``, FP8 on a GPU below
+            sm 89, FP8 MoE experts, or scales whose shapes do not fit their weights.
     """
     from attnserve.model_loader.dummy import DUMMY_MODEL_CONFIGS, dummy_hf_config, init_dummy_weights
 
@@ -231,17 +260,33 @@ def load_model(
 
     model_config = ModelConfig.from_hf_config(hf_config)
     model_cls = get_model_class(model_config.architecture)
-    with torch.device(device):
+    qcfg = _quantization(quantization, model_config.hf_config, load_format, device)
+    from attnserve.models.layers.quantization import quantized_construction
+
+    with torch.device(device), quantized_construction(qcfg):
         module = model_cls(model_config.hf_config, dtype=dtype, tp=tp)
+    if qcfg is not None:
+        from attnserve.models.layers.quantization.apply import quantize_model_linears
+
+        n = quantize_model_linears(module, qcfg, device, dtype)
+        logger.info("FP8 (%s weights, %s activations, %s): %d linears", qcfg.weight_strategy, qcfg.activation_scheme,
+                    qcfg.checkpoint_format, n)
     if load_format == "dummy":
         init_dummy_weights(module, seed=seed)
     else:
         from attnserve.model_loader.kv_scales import KVScaleCollector
 
         scales = KVScaleCollector()
-        module.load_weights(scales.filter(_weights(source, load_format, model_config.hf_config, progress)))
+        weights = _weights(source, load_format, model_config.hf_config, progress)
+        if qcfg is not None and qcfg.is_checkpoint_fp8:
+            weights = _checked_fp8(weights)
+        module.load_weights(scales.filter(weights))
         if scales.apply(module):
             logger.info("KV cache scales read from the checkpoint for %d layers", len(scales.scales))
+    if qcfg is not None:
+        from attnserve.models.layers.quantization.apply import finish_quantized_model
+
+        finish_quantized_model(module)
     module.eval()
 
     tokenizer = None

@@ -241,7 +241,9 @@ class CausalLM(nn.Module):
         """Raise ValueError naming the parameters of ``params`` (expert ones excluded) that
         ``loaded`` (names, and ``name#shard`` for fused parts) does not cover."""
         missing = []
-        for pname in params:
+        for pname, param in params.items():
+            if getattr(param, "loaded_with_weight", False):  # FP8 scales computed with their weight
+                continue
             fused = pname.split(".")[-2] if "." in pname else ""
             if fused in self.packed_modules_mapping:
                 shards = self.packed_modules_mapping[fused]

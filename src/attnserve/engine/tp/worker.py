@@ -20,7 +20,7 @@ def build_rank(server_args, tp):
 
     loaded = load_model(server_args.model, load_format=server_args.load_format, dtype=server_args.resolved_dtype(),
                         device=tp_device(server_args, tp), load_tokenizer=False, progress=False,
-                        seed=server_args.random_seed, tp=tp)
+                        seed=server_args.random_seed, tp=tp, quantization=server_args.quantization)
     return ModelRunner(server_args, loaded, tp=tp)
 
 

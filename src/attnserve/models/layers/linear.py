@@ -10,6 +10,11 @@ skinny GEMM kernel (`attnserve.models.layers.skinny_gemm`) instead of cuBLAS, un
 ``use_fused`` is off (`FusedKernelUser`, ``--disable-fused-kernels``). On the CPU, float32
 inputs of two rows or more go through a oneDNN-packed copy of the weight
 (`attnserve.models.layers.cpu_gemm`).
+
+FP8 (issue 37): built inside `quantization.quantized_construction`, a `Linear` defers its
+weight (``meta``, ``quant_pending``) until `quantization.apply.quantize_model_linears`
+gives it FP8 parameters and a ``quant_method``; `matmul` and `forward_gated` then go
+through the method.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import nn
 from attnserve.models.layers import cpu_gemm
 from attnserve.models.layers.activation import act_and_mul
 from attnserve.models.layers.fused_kernels import FusedKernelUser
+from attnserve.models.layers.quantization.context import deferring_linear_weights
 from attnserve.models.layers.skinny_gemm import (
     MAX_SKINNY_M,
     SKINNY_ACTIVATIONS,
@@ -47,7 +53,11 @@ class Linear(nn.Module, FusedKernelUser):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        #: FP8 linear method (`quantization.fp8_linear`), or None for a plain weight
+        self.quant_method = None
+        self.quant_pending = deferring_linear_weights()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype,
+                                               device="meta" if self.quant_pending else None), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.init_fused(True)
         self.cpu_packed = cpu_gemm.PackedCPUWeight()
@@ -66,6 +76,8 @@ class Linear(nn.Module, FusedKernelUser):
         """``x @ weight.T (+ bias)`` by the same path choice as `forward`, with the bias
         given explicitly (None: no bias; `RowParallelLinear` adds its own after the
         all-reduce)."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
         if self._skinny(x):
             return skinny_linear(x, self.weight, bias)
         return cpu_gemm.linear(x, self.weight, bias, self.cpu_packed)
@@ -95,6 +107,8 @@ class Linear(nn.Module, FusedKernelUser):
             )
         if self.out_features % 2:
             raise ValueError(f"forward_gated: out_features={self.out_features} must be even ([gate | up] rows)")
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias, activation)
         if self._skinny(x):
             return skinny_linear_gated(x, self.weight, activation, bias=self.bias)
         return act_and_mul(cpu_gemm.linear(x, self.weight, self.bias, self.cpu_packed), activation, self.use_fused)

@@ -77,12 +77,51 @@ def _check_shape(dst_shape, src: torch.Tensor, name: str) -> None:
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst_shape)}")
 
 
+def source_shape(param: torch.Tensor, name: str, part: Optional[int] = None) -> Tuple[int, ...]:
+    """The full (tp 1) shape a checkpoint tensor for ``param`` (or its fused ``part``) has.
+
+    Raises:
+        ValueError: ``part`` given for a parameter without parts, or a part it lacks.
+    """
+    spec: Optional[ShardSpec] = getattr(param, "tp_shard", None)
+    if spec is None:
+        if part is not None:
+            raise ValueError(f"checkpoint tensor {name!r} is a part of a parameter that has no parts")
+        return tuple(param.shape)
+    if part is None:
+        return spec.full_shape(param.shape)
+    pieces = [p for p in spec.pieces if p.part == part]
+    if not pieces:
+        raise ValueError(f"checkpoint tensor {name!r}: no part {part}")
+    nxt = [p.part_offset for p in spec.pieces if p.part == part + 1]
+    part_size = (nxt[0] if nxt else spec.full_size) - pieces[0].part_offset
+    return spec.full_shape(param.shape)[: spec.dim] + (part_size,) + tuple(param.shape[spec.dim + 1:])
+
+
+@torch.no_grad()
+def copy_shards(param: torch.Tensor, tensor: torch.Tensor, name: str, part: Optional[int] = None) -> None:
+    """`load_param` without the parameter's own ``weight_loader``: check the shape and copy
+    this rank's slice (cast to ``param``'s dtype and device)."""
+    _check_shape(source_shape(param, name, part), tensor, name)
+    spec: Optional[ShardSpec] = getattr(param, "tp_shard", None)
+    if spec is None:
+        param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+        return
+    pieces = spec.pieces if part is None else [p for p in spec.pieces if p.part == part]
+    for p in pieces:
+        src_off = p.src_offset if part is not None else p.part_offset + p.src_offset
+        src = tensor.narrow(spec.dim, src_off, p.length)
+        param.narrow(spec.dim, p.local_offset, p.length).copy_(src.to(device=param.device, dtype=param.dtype))
+
+
 @torch.no_grad()
 def load_param(param: torch.Tensor, tensor: torch.Tensor, name: str, part: Optional[int] = None) -> None:
     """Copy a checkpoint tensor into ``param`` (cast to its dtype and device).
 
     Args:
-        param: a parameter; with a ``tp_shard`` `ShardSpec` only the rank's slice is taken.
+        param: a parameter; with a ``tp_shard`` `ShardSpec` only the rank's slice is taken;
+            with a ``weight_loader`` attribute (FP8 weights and scales,
+            `attnserve.models.layers.quantization.loading`) that function does the load.
         tensor: the full tensor, or with ``part`` the full tensor of one fused part.
         name: checkpoint name (for errors).
         part: index of the fused part (e.g. 0 = q, 1 = k, 2 = v), or None for the whole.
@@ -90,27 +129,11 @@ def load_param(param: torch.Tensor, tensor: torch.Tensor, name: str, part: Optio
     Raises:
         ValueError: a shape that does not match the full (tp 1) shape.
     """
-    spec: Optional[ShardSpec] = getattr(param, "tp_shard", None)
-    if spec is None:
-        if part is not None:
-            raise ValueError(f"checkpoint tensor {name!r} is a part of a parameter that has no parts")
-        _check_shape(param.shape, tensor, name)
-        param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+    loader = getattr(param, "weight_loader", None)
+    if loader is not None:
+        loader(param, tensor, name, part)
         return
-    pieces = spec.pieces if part is None else [p for p in spec.pieces if p.part == part]
-    if part is None:
-        _check_shape(spec.full_shape(param.shape), tensor, name)
-    else:
-        if not pieces:
-            raise ValueError(f"checkpoint tensor {name!r}: no part {part}")
-        nxt = [p.part_offset for p in spec.pieces if p.part == part + 1]
-        part_size = (nxt[0] if nxt else spec.full_size) - pieces[0].part_offset
-        _check_shape(spec.full_shape(param.shape)[: spec.dim] + (part_size,)
-                     + tuple(param.shape[spec.dim + 1:]), tensor, name)
-    for p in pieces:
-        src_off = p.src_offset if part is not None else p.part_offset + p.src_offset
-        src = tensor.narrow(spec.dim, src_off, p.length)
-        param.narrow(spec.dim, p.local_offset, p.length).copy_(src.to(device=param.device, dtype=param.dtype))
+    copy_shards(param, tensor, name, part)
 
 
 def _attach(param: Optional[nn.Parameter], spec: ShardSpec) -> None:

@@ -47,6 +47,8 @@ __all__ = [
     "skinny_gemm_supported",
     "skinny_linear",
     "skinny_linear_gated",
+    "skinny_linear_fp8",
+    "skinny_fp8_supported",
     "skinny_rule",
 ]
 
@@ -292,6 +294,7 @@ def _launch(
     act: Optional[int],
     config: Optional[SkinnyGemmConfig],
     pdl: Optional[bool],
+    scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
@@ -328,8 +331,9 @@ def _launch(
         common["launch_pdl"] = True
     b = bias if bias is not None else weight  # never read when HAS_BIAS is False
     grid = (_cdiv(cols, config.block_n),)
-    kt._skinny_gemm_kernel[grid](x, weight, b, out, m, cols, k, x.stride(0), out.stride(0), GATED=gated,
-                                 ACT=act if gated else 0, **common)
+    s = scale if scale is not None else weight  # never read when HAS_SCALE is False
+    kt._skinny_gemm_kernel[grid](x, weight, b, s, out, m, cols, k, x.stride(0), out.stride(0), GATED=gated,
+                                 ACT=act if gated else 0, HAS_SCALE=scale is not None, **common)
     return out
 
 
@@ -407,3 +411,69 @@ def skinny_linear_gated(
             f"skinny_linear_gated: weight {tuple(weight.shape)} must have an even number of rows ([gate | up])"
         )
     return _launch(x, weight, bias, SKINNY_ACTIVATIONS[activation], config, pdl)
+
+
+def skinny_fp8_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None) -> bool:
+    """Whether `skinny_linear_fp8` accepts its arguments: as `skinny_gemm_supported` for
+    ``x`` (float16/bfloat16) and a contiguous ``float8_e4m3fn`` ``weight [N, K]``, plus a
+    contiguous float32 ``scale [N]`` on the same device."""
+    if weight.dtype != torch.float8_e4m3fn or x.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if scale.dtype != torch.float32 or scale.dim() != 1 or scale.shape[0] != weight.shape[0]:
+        return False
+    if not scale.is_contiguous() or scale.device != weight.device or bias is not None and bias.dtype != x.dtype:
+        return False
+    if x.dim() != 2 or weight.dim() != 2 or not _device_ok(x) or weight.device != x.device:
+        return False
+    m, k = x.shape
+    if not (1 <= m <= MAX_SKINNY_M) or k < 1 or weight.shape[1] != k or not weight.is_contiguous():
+        return False
+    if (x.stride(1) != 1 and k > 1) or (bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1)):
+        return False
+    return True
+
+
+def skinny_linear_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    activation: Optional[str] = None,
+    *,
+    config: Optional[SkinnyGemmConfig] = None,
+    pdl: Optional[bool] = None,
+) -> torch.Tensor:
+    """``x @ (W_q * s)^T (+ b)`` for a few rows and an FP8 weight with one scale per row
+    (W8A16: the weight is widened in the kernel, the activations stay 16-bit).
+
+    Args:
+        x: ``[M, K]``, ``1 <= M <= MAX_SKINNY_M``, float16/bfloat16 (as `skinny_linear`).
+        weight: contiguous ``float8_e4m3fn`` ``[N, K]``.
+        scale: contiguous float32 ``[N]`` (per output row; a per-tensor scale repeated).
+        bias: optional unit-stride ``[N]`` of ``x``'s dtype.
+        activation: None, or ``"silu"`` / ``"gelu_tanh"`` for a fused ``[gate | up]``
+            weight (as `skinny_linear_gated`; the output then has ``N / 2`` columns).
+        config, pdl: as `skinny_linear` (default: the 16-bit rule for this shape).
+
+    Returns:
+        new ``[M, N]`` (``[M, N / 2]`` gated) tensor in ``x``'s dtype.
+
+    Raises:
+        ValueError: arguments `skinny_fp8_supported` rejects, an unknown activation, or an
+            odd number of rows for a gated call.
+    """
+    if not skinny_fp8_supported(x, weight, scale, bias):
+        raise ValueError(
+            f"skinny_linear_fp8: unsupported x {tuple(x.shape)} {x.dtype} {x.device}, weight {tuple(weight.shape)} "
+            f"{weight.dtype}, scale {tuple(scale.shape)} {scale.dtype}: need M <= {MAX_SKINNY_M}, 16-bit x, "
+            "contiguous float8_e4m3fn weight and float32 [N] scale on x's device")
+    act = None
+    if activation is not None:
+        if activation not in SKINNY_ACTIVATIONS:
+            raise ValueError(f"skinny_linear_fp8: activation must be one of {', '.join(map(repr, SKINNY_ACTIVATIONS))}"
+                             f", got {activation!r}")
+        if weight.shape[0] % 2:
+            raise ValueError(f"skinny_linear_fp8: weight {tuple(weight.shape)} must have an even number of rows")
+        act = SKINNY_ACTIVATIONS[activation]
+    return _launch(x, weight, bias, act, config, pdl, scale=scale)

@@ -87,7 +87,9 @@ def _tile_dot(
             part = tl.dot(x_tile.to(tl.float32), tl.trans(w_tile.to(tl.float32)), input_precision="ieee",
                           out_dtype=tl.float32)
         else:
-            part = tl.dot(x_tile, tl.trans(w_tile), input_precision=DOT_PRECISION, out_dtype=tl.float32)
+            # an FP8 weight (`skinny_linear_fp8`) is widened to x's dtype; a no-op otherwise
+            part = tl.dot(x_tile, tl.trans(w_tile.to(x_tile.dtype)), input_precision=DOT_PRECISION,
+                          out_dtype=tl.float32)
     else:
         xf = x_tile.to(tl.float32)
         wf = w_tile.to(tl.float32)
@@ -134,6 +136,7 @@ def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
+    s_ptr,
     y_ptr,
     M,
     N,
@@ -152,6 +155,7 @@ def _skinny_gemm_kernel(
     CARRY: tl.constexpr = False,
     DEFER: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
+    HAS_SCALE: tl.constexpr = False,
 ):
     """Grid ``(cdiv(N, BLOCK_N),)``; ``y`` is ``[M, N]``.
 
@@ -232,6 +236,10 @@ def _skinny_gemm_kernel(
     else:
         out = acc
         out_u = acc_u
+    if HAS_SCALE:
+        out *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+        if GATED:
+            out_u *= tl.load(s_ptr + N + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if GATED:

@@ -1,0 +1,60 @@
+"""Turn a model built under `context.quantized_construction` into an FP8 model, and finish
+it after its weights are loaded.
+
+`quantize_model_linears` walks the model's `Linear` layers by name: skipped ones
+(`QuantizationConfig.is_ignored`) get their ordinary weight in the model dtype, the others
+their linear method's FP8 parameters (`fp8_linear`), all on the load device.
+`finish_quantized_model` runs each method's ``process_weights_after_loading``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from attnserve.models.layers.quantization.config import QuantizationConfig
+from attnserve.models.layers.quantization.fp8_linear import make_linear_method
+
+logger = logging.getLogger(__name__)
+
+
+def quantize_model_linears(model: nn.Module, config: QuantizationConfig, device, dtype: torch.dtype) -> int:
+    """Give every pending `Linear` of ``model`` its parameters on ``device``.
+
+    Returns:
+        the number of quantised linears.
+    """
+    from attnserve.models.layers.linear import Linear
+    from attnserve.models.layers.moe.layer import FusedMoE
+
+    mapping = getattr(model, "packed_modules_mapping", {}) or {}
+    device = torch.device(device)
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or not getattr(module, "quant_pending", False):
+            continue
+        module.quant_pending = False
+        if config.is_ignored(name, mapping):
+            spec = getattr(module.weight, "tp_shard", None)
+            module.weight = nn.Parameter(torch.empty(module.out_features, module.in_features, dtype=dtype,
+                                                     device=device), requires_grad=False)
+            if spec is not None:
+                module.weight.tp_shard = spec
+            continue
+        method = make_linear_method(config)
+        method.create_weights(module, device, dtype)
+        module.quant_method = method
+        count += 1
+    if any(isinstance(m, FusedMoE) for m in model.modules()):
+        logger.info("FP8: MoE experts stay in %s (FP8 experts are not supported yet)", dtype)
+    return count
+
+
+def finish_quantized_model(model: nn.Module) -> None:
+    """Run ``process_weights_after_loading`` of every quantised linear (after loading)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)

@@ -1,0 +1,105 @@
+"""Triton kernels of the FP8 linear methods (import `fp8_kernels`, not this module).
+
+* `_act_quant_kernel`: dynamic activation quantisation, one program per (row, group):
+  ``s = max(amax(|x|), eps) / 448``, ``q = clamp(x / s)`` (a division, as the reference) as e4m3. A group is a whole row
+  (per-token scales) or a ``1 x GROUP`` run of it (DeepSeek-V3's activation groups); the
+  row is walked in ``BLOCK`` chunks twice (amax, then quantise), so any ``K`` works.
+* `_scaled_fp8_gemm_kernel`: ``C = (A_q * s_a) @ (B_q * s_b)^T`` for e4m3 ``A [M, K]`` and
+  ``B [N, K]`` (``nn.Linear`` layout). The ``K`` loop steps ``BLOCK_K`` (= the scale group
+  along ``K``, 128) at a time; each step's ``tl.dot`` (float32 accumulate) is multiplied by
+  the step's activation scale per row and weight scale per column before it is added, so
+  one kernel serves block scales (``B`` scales ``[cdiv(N, 128), cdiv(K, 128)]``), per
+  channel (group 1 along ``N``, stride 0 along ``K``) and per tensor (strides 0). Edge tiles
+  (``M``, ``N`` or ``K`` not multiples of the tile) are masked to zero. Programs are
+  ordered in groups of ``GROUP_M`` row tiles (the Triton matmul tutorial's L2 swizzle).
+
+Under the interpreter (``UPCAST``) the operands of ``tl.dot`` are converted to float32
+first (the interpreter has no FP8 dot). Ideas (not code) from the Triton matmul tutorial
+and DeepSeek-V3's published block-scaling scheme; the code is our own.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
+                      GROUP: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr):
+    """Grid ``(M, cdiv(K, GROUP))``: row ``pid0``'s group ``pid1`` -> ``q`` and ``s[row, group]``."""
+    row = tl.program_id(0)
+    grp = tl.program_id(1)
+    start = grp * GROUP
+    offs = tl.arange(0, BLOCK)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, GROUP, BLOCK):
+        cols = start + k0 + offs
+        mask = (cols < K) & (k0 + offs < GROUP)
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0), EPS) / FP8_MAX
+    for k0 in range(0, GROUP, BLOCK):
+        cols = start + k0 + offs
+        mask = (cols < K) & (k0 + offs < GROUP)
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_sm + grp, scale)
+
+
+@triton.jit
+def _scaled_fp8_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr,
+    M, N, K,
+    stride_am, stride_bn, stride_cm,
+    stride_as_m, stride_as_k, stride_bs_n, stride_bs_k,
+    GROUP_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)``; ``C [M, N]`` in ``c``'s dtype.
+
+    Scales: activation ``as[m * stride_as_m + kb * stride_as_k]``, weight
+    ``bs[(n // GROUP_N) * stride_bs_n + kb * stride_bs_k]`` for K step ``kb`` (float32).
+    ``A``, ``B`` unit stride along ``K``; ``bias`` ``[N]`` read only when HAS_BIAS.
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    group_id = pid // width
+    first_m = group_id * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    as_ptrs = as_ptr + offs_m * stride_as_m
+    bs_ptrs = bs_ptr + (offs_n // GROUP_N) * stride_bs_n
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & mask_n[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + kb * stride_as_k, mask=mask_m, other=0.0)
+        b_s = tl.load(bs_ptrs + kb * stride_bs_k, mask=mask_n, other=0.0)
+        if UPCAST:
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(a, b, out_dtype=tl.float32)
+        acc += part * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])

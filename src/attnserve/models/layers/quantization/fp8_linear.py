@@ -1,0 +1,239 @@
+"""FP8 linear methods: how a quantised `Linear` stores its weight and computes ``x W^T``.
+
+A method is attached to a `Linear` as ``layer.quant_method`` (`apply.quantize_model_linears`);
+`Linear.matmul` / `Linear.forward_gated` then call `apply` / `apply_gated`. Parameters:
+
+* `Fp8LinearMethod` (per-tensor and per-channel checkpoints, and ``--quantization fp8``):
+  ``weight`` e4m3 ``[N, K]``, ``weight_scale`` float32 ``[N]`` (one per output row; a
+  per-tensor checkpoint's scale is repeated over the rows of its tensor, so fused q|k|v
+  parts keep their own scales exactly), and for static activation schemes ``input_scale``
+  float32 ``[1]`` (the largest of the fused parts' scales, as the parts share one input).
+  CUDA: decode batches (``M <= 16``, fused kernels on, dynamic scheme) run
+  `skinny_linear_fp8` (W8A16: the weight widened in the kernel); larger batches quantise
+  the activations (per token, `quantize_activation`; static: ``x / input_scale``) and run
+  ``torch._scaled_mm`` (row-wise scales, sm 90; tensor-wise when the weight has one scale
+  and the activation scale is static) or, where it does not apply, `scaled_fp8_gemm`.
+* `BlockFp8LinearMethod` (DeepSeek-V3 style): ``weight`` e4m3 ``[N, K]`` and
+  ``weight_scale_inv`` float32 ``[cdiv(N, 128), cdiv(K, 128)]``; activations quantised in
+  ``1 x 128`` groups; `scaled_fp8_gemm` (Triton) on CUDA.
+* CPU (no Triton interpreter): the dequantising reference -- the activation quantised and
+  dequantised as on the GPU, the weight dequantised, the product in float32. It is the
+  emulation used for accuracy checks.
+
+No method reads device values on the host in its forward, so every path is CUDA-graph
+capturable. ``ATTNSERVE_FP8_GEMM=triton`` routes the ``_scaled_mm`` cases to
+`scaled_fp8_gemm` (for A/B timing).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+from attnserve.models.layers.activation import act_and_mul
+from attnserve.models.layers.quantization import loading
+from attnserve.models.layers.quantization.config import QuantizationConfig
+from attnserve.models.layers.quantization.fp8_kernels import quantize_activation, scaled_fp8_gemm
+from attnserve.models.layers.quantization.fp8_utils import (
+    BLOCK_SIZE,
+    FP8_DTYPE,
+    FP8_E4M3_MAX,
+    cdiv,
+    dequantize,
+)
+from attnserve.triton_env import triton_interpreting
+
+MAX_SKINNY_M = 16
+
+
+def _param(t: torch.Tensor, **attrs) -> nn.Parameter:
+    p = nn.Parameter(t, requires_grad=False)
+    for k, v in attrs.items():
+        setattr(p, k, v)
+    return p
+
+
+def _on_gpu_path(x: torch.Tensor) -> bool:
+    return x.is_cuda or (x.device.type == "cpu" and triton_interpreting())
+
+
+def _scaled_mm_ok(x: torch.Tensor, n: int, k: int) -> bool:
+    """``torch._scaled_mm`` applies: CUDA sm >= 9.0 (row-wise scales), ``K`` and ``N``
+    multiples of 16, and not disabled by ``ATTNSERVE_FP8_GEMM=triton``."""
+    if not x.is_cuda or k % 16 or n % 16 or os.environ.get("ATTNSERVE_FP8_GEMM", "").lower() == "triton":
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+class Fp8LinearMethod:
+    """Per-tensor / per-channel FP8 weights with dynamic per-token or static per-tensor
+    activation scales (see the module doc).
+
+    Args:
+        config: the model's `QuantizationConfig` (``weight_strategy`` tensor or channel).
+    """
+
+    def __init__(self, config: QuantizationConfig):
+        self.config = config
+
+    def create_weights(self, layer: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        """Replace ``layer.weight`` (a meta placeholder that carries the layer's ``tp_shard``)
+        with e4m3 ``[N, K]`` on ``device`` and add ``weight_scale`` (and ``input_scale``).
+        ``dtype``: the model dtype, of the activations and of an unquantised checkpoint."""
+        n, k = layer.out_features, layer.in_features
+        spec = getattr(layer.weight, "tp_shard", None)
+        online = not self.config.is_checkpoint_fp8
+        layer.weight = _param(torch.empty(n, k, dtype=FP8_DTYPE, device=device), source_dtype=dtype)
+        layer.weight_scale = _param(torch.ones(n, dtype=torch.float32, device=device), is_quant_scale=True)
+        if spec is not None:
+            layer.weight.tp_shard = spec
+            if spec.dim == 0:
+                layer.weight_scale.tp_shard = spec
+        if online:
+            layer.weight.weight_loader = functools.partial(loading.online_weight_loader, layer, "weight_scale",
+                                                           self.config.weight_strategy)
+            layer.weight_scale.loaded_with_weight = True
+        else:
+            layer.weight_scale.weight_loader = loading.per_row_scale_loader
+        layer.input_scale = None
+        if self.config.activation_scheme == "static":
+            layer.input_scale = _param(torch.zeros(1, dtype=torch.float32, device=device), is_quant_scale=True,
+                                       weight_loader=loading.input_scale_loader)
+        layer.fp8_tensor_scale = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """After the last tensor: one weight scale for the whole tensor (a per-tensor
+        checkpoint with a single part) enables the tensor-wise ``_scaled_mm``; reads the
+        scales once on the host (load time, not in the forward)."""
+        s = layer.weight_scale
+        if self.config.weight_strategy == "tensor" and s.numel() and s.device.type != "meta":
+            if bool((s == s[0]).all()):
+                layer.fp8_tensor_scale = s[:1].reshape(()).clone()
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """float32 ``[N, K]`` = ``weight * weight_scale[:, None]``."""
+        return dequantize(layer.weight, layer.weight_scale)
+
+    def _quantize_input(self, layer: nn.Module, x2: torch.Tensor):
+        if layer.input_scale is not None:
+            s = layer.input_scale
+            q = (x2.float() / s).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+            return q, s.reshape(1, 1).expand(x2.shape[0], 1).contiguous()
+        return quantize_activation(x2)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
+              activation: Optional[str] = None) -> torch.Tensor:
+        """``x [..., K]`` -> ``[..., N]`` in ``x``'s dtype (``[..., N / 2]`` with a gate
+        ``activation``, for a fused ``[gate | up]`` weight)."""
+        n, k = layer.weight.shape
+        shape = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        if (x2.is_cuda and getattr(layer, "use_fused", False) and 1 <= m <= MAX_SKINNY_M
+                and layer.input_scale is None):
+            from attnserve.models.layers.skinny_gemm import skinny_fp8_supported, skinny_linear_fp8
+
+            if skinny_fp8_supported(x2, layer.weight, layer.weight_scale, bias):
+                y = skinny_linear_fp8(x2, layer.weight, layer.weight_scale, bias, activation)
+                return y.reshape(*shape, y.shape[-1])
+        if not _on_gpu_path(x2):
+            y = self._reference(layer, x2, bias)
+        elif m == 0:
+            y = x2.new_empty((0, n))
+        else:
+            q, sa = self._quantize_input(layer, x2)
+            if _scaled_mm_ok(x2, n, k):
+                if layer.fp8_tensor_scale is not None and layer.input_scale is not None:
+                    y = torch._scaled_mm(q, layer.weight.t(), scale_a=layer.input_scale.reshape(()),
+                                         scale_b=layer.fp8_tensor_scale, out_dtype=torch.bfloat16)
+                else:
+                    y = torch._scaled_mm(q, layer.weight.t(), scale_a=sa, scale_b=layer.weight_scale.view(1, -1),
+                                         out_dtype=torch.bfloat16)
+                y = y.to(x2.dtype)
+                if bias is not None:
+                    y = y + bias
+            else:
+                y = scaled_fp8_gemm(q, sa, layer.weight, layer.weight_scale, x2.dtype, bias)
+        y = y.reshape(*shape, n)
+        if activation is not None:
+            y = act_and_mul(y, activation, getattr(layer, "use_fused", False))
+        return y
+
+    def _reference(self, layer: nn.Module, x2: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        q, sa = self._quantize_input(layer, x2)
+        y = dequantize(q, sa) @ self.dequantized_weight(layer).t()
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x2.dtype)
+
+
+class BlockFp8LinearMethod:
+    """128 x 128 block-scaled FP8 weights, ``1 x 128`` dynamic activation groups
+    (DeepSeek-V3; see the module doc).
+
+    Args:
+        config: the model's `QuantizationConfig` (``weight_strategy == "block"``).
+    """
+
+    def __init__(self, config: QuantizationConfig):
+        self.config = config
+        self.block = tuple(config.weight_block_size or (BLOCK_SIZE, BLOCK_SIZE))
+
+    def create_weights(self, layer: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        """e4m3 ``weight [N, K]`` and float32 ``weight_scale_inv [cdiv(N, 128), cdiv(K, 128)]``;
+        under tensor parallelism the scale's rows (column-parallel) or columns
+        (row-parallel) are cut with the weight's (`loading.block_shard_spec`).
+
+        Raises:
+            ValueError: a rank's slice (or a fused part) that does not start on a block.
+        """
+        n, k = layer.out_features, layer.in_features
+        br, bc = self.block
+        spec = getattr(layer.weight, "tp_shard", None)
+        layer.weight = _param(torch.empty(n, k, dtype=FP8_DTYPE, device=device), source_dtype=dtype)
+        layer.weight_scale_inv = _param(torch.ones(cdiv(n, br), cdiv(k, bc), dtype=torch.float32, device=device),
+                                        is_quant_scale=True)
+        if spec is not None:
+            layer.weight.tp_shard = spec
+            layer.weight_scale_inv.tp_shard = loading.block_shard_spec(spec, br if spec.dim == 0 else bc,
+                                                                        type(layer).__name__)
+        if not self.config.is_checkpoint_fp8:
+            layer.weight.weight_loader = functools.partial(loading.online_weight_loader, layer, "weight_scale_inv",
+                                                           "block")
+            layer.weight_scale_inv.loaded_with_weight = True
+        layer.input_scale = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Nothing to do (the scales are used as loaded)."""
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """float32 ``[N, K]``: every block times its scale."""
+        return dequantize(layer.weight, layer.weight_scale_inv, block=self.block)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
+              activation: Optional[str] = None) -> torch.Tensor:
+        """``x [..., K]`` -> ``[..., N]`` (``[..., N / 2]`` gated), ``x``'s dtype."""
+        n, k = layer.weight.shape
+        shape = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        q, sa = quantize_activation(x2, self.block[1])
+        if _on_gpu_path(x2):
+            y = scaled_fp8_gemm(q, sa, layer.weight, layer.weight_scale_inv, x2.dtype, bias)
+        else:
+            y = dequantize(q, sa, block=(1, self.block[1])) @ self.dequantized_weight(layer).t()
+            if bias is not None:
+                y = y + bias.float()
+            y = y.to(x2.dtype)
+        y = y.reshape(*shape, n)
+        if activation is not None:
+            y = act_and_mul(y, activation, getattr(layer, "use_fused", False))
+        return y
+
+
+def make_linear_method(config: QuantizationConfig):
+    """The method for ``config.weight_strategy``."""
+    return BlockFp8LinearMethod(config) if config.weight_strategy == "block" else Fp8LinearMethod(config)

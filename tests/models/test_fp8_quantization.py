@@ -1,0 +1,211 @@
+"""FP8 linears (issue 37) on the CPU: each method against the float64 product of its
+dequantised operands, tensor-parallel scale sharding, checkpoint formats round-tripped
+through disk against the model quantised in memory, and the errors of bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from attnserve.distributed.group import TPGroup
+from attnserve.distributed.partition import HeadRange
+from attnserve.forward_batch import ForwardMode
+from attnserve.model_loader.loader import load_model
+from attnserve.models.layers.linear import Linear
+from attnserve.models.layers.parallel import ColumnParallelLinear, RowParallelLinear, load_param
+from attnserve.models.layers.quantization import QuantizationConfig, quantized_construction
+from attnserve.models.layers.quantization.apply import quantize_model_linears
+from attnserve.models.layers.quantization.export import export_fp8_checkpoint, fp8_format_config
+from attnserve.models.layers.quantization.fp8_kernels import quantize_activation
+from attnserve.models.layers.quantization.fp8_utils import dequantize
+
+STRATEGIES = {"channel": QuantizationConfig("channel"), "tensor": QuantizationConfig("tensor"),
+              "block": QuantizationConfig("block", (128, 128))}
+
+
+def _quantized(module_fn, cfg):
+    with quantized_construction(cfg):
+        m = module_fn()
+    quantize_model_linears(m, cfg, "cpu", torch.float32)
+    return m
+
+
+def _float64_reference(layer, x):
+    """The product the method approximates: its own quantised activation and weight,
+    dequantised, multiplied in float64."""
+    block = layer.quant_method.config.weight_strategy == "block"
+    q, s = quantize_activation(x, 128 if block else None)
+    xd = dequantize(q, s, block=(1, 128) if block else None).double()
+    return xd @ layer.quant_method.dequantized_weight(layer).double().t()
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("m,n,k", [(3, 40, 200), (7, 256, 384), (1, 130, 72)])
+def test_method_matches_float64_product(strategy, m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    layer = _quantized(lambda: Linear(k, n, dtype=torch.float32), STRATEGIES[strategy])
+    w = torch.randn(n, k, generator=g) * 0.05
+    load_param(layer.weight, w, "w")
+    x = torch.randn(m, k, generator=g)
+    y = layer(x)
+    ref = _float64_reference(layer, x)
+    # float32 accumulation of K products, relative to the largest output
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    # and the quantised product is close to the unquantised one (e4m3: 3 mantissa bits)
+    exact = x.double() @ w.double().t()
+    assert (y.double() - exact).abs().max() <= 0.1 * exact.abs().max()
+
+
+def test_triton_block_gemm_interpreter(monkeypatch):
+    """The Triton scaled GEMM (block weight scales, 1 x 128 activation groups, K = 200 not
+    a multiple of 128) under the interpreter, against the float64 product."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from attnserve.models.layers.quantization.fp8_kernels import scaled_fp8_gemm
+    from attnserve.models.layers.quantization.fp8_utils import quantize_per_block, quantize_per_group
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(3, 200, generator=g), torch.randn(40, 200, generator=g)
+    xq, xs = quantize_per_group(x)  # the PyTorch quantiser (the interpreter rounds FP8 casts differently)
+    wq, ws = quantize_per_block(w)
+    y = scaled_fp8_gemm(xq, xs, wq, ws, torch.float32)
+    ref = dequantize(xq, xs, block=(1, 128)).double() @ dequantize(wq, ws, block=(128, 128)).double().t()
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def _tp_layers(tp):
+    head = 128
+    q, kv = HeadRange(tp.rank * 2 // tp.size, 2 // tp.size, 2), HeadRange(tp.rank * 2 // tp.size, 2 // tp.size, 2)
+    qkv = ColumnParallelLinear(256, [(q, head), (kv, head), (kv, head)], dtype=torch.float32)
+    o = RowParallelLinear([(q, head)], 256, tp, dtype=torch.float32)
+    return nn.ModuleDict({"qkv_proj": qkv, "o_proj": o})
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_tensor_parallel_scales_are_sharded(strategy):
+    """Each rank of tp 2 holds exactly its rows (qkv, scales concatenated per part) or
+    columns (o) of the tp-1 quantised layers."""
+    cfg = STRATEGIES[strategy]
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(256, 256, generator=g) for _ in range(3)]
+    wo = torch.randn(256, 256, generator=g)
+    full = _quantized(lambda: _tp_layers(TPGroup.single()), cfg)
+    ranks = [_quantized(lambda r=r: _tp_layers(TPGroup(rank=r, size=2)), cfg) for r in range(2)]
+    for mod in [full] + ranks:
+        for i, t in enumerate(parts):
+            load_param(mod["qkv_proj"].weight, t, f"q{i}", part=i)
+        load_param(mod["o_proj"].weight, wo, "o")
+    deq = {k: full[k].quant_method.dequantized_weight(full[k]) for k in full}
+    for r, mod in enumerate(ranks):
+        got_qkv = mod["qkv_proj"].quant_method.dequantized_weight(mod["qkv_proj"])
+        want_qkv = torch.cat([deq["qkv_proj"][p * 256 + r * 128: p * 256 + (r + 1) * 128] for p in range(3)])
+        assert torch.equal(got_qkv, want_qkv)
+        got_o = mod["o_proj"].quant_method.dequantized_weight(mod["o_proj"])
+        assert torch.equal(got_o, deq["o_proj"][:, r * 128:(r + 1) * 128])
+
+
+def test_block_tp_slice_not_on_a_block_is_refused():
+    head = 64  # 2 heads of 64 split over 2 ranks: 64-row slices of 128-row blocks
+    with pytest.raises(ValueError, match="not aligned"):
+        _quantized(lambda: ColumnParallelLinear(256, [(HeadRange(1, 1, 2), head)], dtype=torch.float32),
+                   STRATEGIES["block"])
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = str(tmp_path_factory.mktemp("fp8src"))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=64, vocab_size=300, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return path
+
+
+def _logits(loaded, step_runner, ids):
+    runner = step_runner(loaded.model, loaded.model_config, page_size=4)
+    row = runner.new_request()
+    return torch.cat([runner.step(ForwardMode.EXTEND, [(row, ids[:14])])]
+                     + [runner.step(ForwardMode.DECODE, [(row, [t])]) for t in ids[12:]])
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-tensor", "compressed-tensors"])
+def test_checkpoint_format_round_trip(fmt, tiny_hf_dir, tmp_path, step_runner):
+    ids = torch.randint(0, 300, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+    export_fp8_checkpoint(tiny_hf_dir, str(tmp_path), fmt)
+    from_disk = load_model(str(tmp_path), load_tokenizer=False, progress=False)
+    assert from_disk.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    in_memory = load_model(tiny_hf_dir, load_tokenizer=False, progress=False, quantization=fp8_format_config(fmt))
+    a, b = _logits(from_disk, step_runner, ids), _logits(in_memory, step_runner, ids)
+    assert torch.equal(a, b)
+    if fmt == "compressed-tensors":  # FP8 error, not a different model
+        plain = _logits(load_model(tiny_hf_dir, load_tokenizer=False, progress=False), step_runner, ids)
+        assert (a - plain).abs().max() <= 0.2 * plain.abs().max()
+        assert not torch.equal(a, plain)
+
+
+def _rewrite(src, dst, edit_tensors=None, edit_config=None):
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst, exist_ok=True)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    if edit_tensors:
+        edit_tensors(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    if edit_config:
+        edit_config(cfg)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+@pytest.mark.parametrize("fmt,scale", [("compressed-tensors", "weight_scale"), ("fp8-block", "weight_scale_inv")])
+def test_scale_shape_mismatch_names_the_tensor(fmt, scale, tiny_hf_dir, tmp_path):
+    export_fp8_checkpoint(tiny_hf_dir, str(tmp_path / "ok"), fmt)
+    name = f"model.layers.1.self_attn.k_proj.{scale}"
+
+    def grow(t):
+        t[name] = torch.cat([t[name], t[name][:1]])
+
+    _rewrite(str(tmp_path / "ok"), str(tmp_path / "bad"), edit_tensors=grow)
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        load_model(str(tmp_path / "bad"), load_tokenizer=False, progress=False)
+
+
+def test_unknown_quant_method_and_flag(tiny_hf_dir, tmp_path):
+    _rewrite(tiny_hf_dir, str(tmp_path), edit_config=lambda c: c.update(quantization_config={"quant_method": "awq"}))
+    with pytest.raises(ValueError, match="'awq'"):
+        load_model(str(tmp_path), load_tokenizer=False, progress=False)
+    with pytest.raises(ValueError, match="'int4'"):
+        load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False, quantization="int4")
+
+
+def test_fp8_refused_below_sm89(monkeypatch):
+    from attnserve.models.layers.quantization import check_quantization_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"NVIDIA A100 \(sm 80\)"):
+        check_quantization_device(QuantizationConfig(), "cuda:0")
+
+
+def test_online_dummy_matches_quantised_bf16_weights():
+    """--quantization fp8 with dummy weights draws the unquantised model's weights and
+    quantises them: the dequantised weight is within e4m3 rounding of the plain one."""
+    plain = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False)
+    fp8 = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False, quantization="fp8")
+    for name in ("self_attn.qkv_proj", "mlp.down_proj"):
+        a = plain.model.model.layers[1].get_submodule(name).weight
+        layer = fp8.model.model.layers[1].get_submodule(name)
+        d = layer.quant_method.dequantized_weight(layer)
+        row_max = a.abs().amax(dim=1, keepdim=True)
+        assert ((d - a).abs() <= row_max * 2.0 ** -4 + 1e-12).all()
+    assert fp8.model.lm_head.weight.dtype == torch.float32  # LM head unquantised
