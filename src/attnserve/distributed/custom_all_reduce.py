@@ -75,15 +75,19 @@ class CustomAllReduceConfig:
 def default_config(world_size: int) -> CustomAllReduceConfig:
     """Thresholds measured with ``benchmarks/allreduce_bench.py`` (bfloat16, inside CUDA graphs).
 
-    2 ranks: two H100 80GB HBM3 over NVLink, torch 2.11, NCCL 2.28 (2026-11, see
-    ``benchmarks/results/*-allreduce-*.json``). Other world sizes are not measured here:
-    one-shot reads ``W`` times the message, so its range shrinks as ``W`` grows.
+    2 ranks: two H100 80GB HBM3 over NVLink (NV18), torch 2.11, NCCL 2.28.9, 2026-11-26
+    (``benchmarks/results/h100-80gb-hbm3-allreduce-2026-11-26.json``): one-shot was the fastest
+    up to 1 MB (8.1 µs vs NCCL's 12.8 µs at 1 KB, 16.7 vs 24.4 at 1 MB); two-shot from 2 MB
+    to 16 MB (75 vs 94 µs at 16 MB); at 32 MB two-shot led by 7%, inside the run-to-run
+    spread, and at 64 MB NCCL led, so NCCL takes everything over 16 MB. 4 and 8 ranks are not
+    measured yet: one-shot reads ``W`` times the message per rank, so its range and two-shot's
+    are taken smaller there until ``--world-size 4`` / ``8`` runs of the benchmark set them.
     """
     if world_size <= 2:
-        return CustomAllReduceConfig(one_shot_max_bytes=512 * 1024, two_shot_max_bytes=4 * 1024 * 1024)
+        return CustomAllReduceConfig(one_shot_max_bytes=1 << 20, two_shot_max_bytes=16 << 20)
     if world_size <= 4:
-        return CustomAllReduceConfig(one_shot_max_bytes=256 * 1024, two_shot_max_bytes=4 * 1024 * 1024)
-    return CustomAllReduceConfig(one_shot_max_bytes=128 * 1024, two_shot_max_bytes=4 * 1024 * 1024)
+        return CustomAllReduceConfig(one_shot_max_bytes=256 << 10, two_shot_max_bytes=8 << 20)
+    return CustomAllReduceConfig(one_shot_max_bytes=128 << 10, two_shot_max_bytes=4 << 20)
 
 
 def _round_up(n: int, m: int) -> int:
