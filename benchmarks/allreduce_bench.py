@@ -168,7 +168,8 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
+    procs = [ctx.Process(target=_rank_main, args=(r, args.world_size, port, args, queue))
+             for r in range(args.world_size)]
     for pr in procs:
         pr.start()
     rows = queue.get()

@@ -274,8 +274,8 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
         return None
     if rank == 0:
         c = custom.config
-        logger.info("custom all-reduce on (%d ranks, symmetric memory): one-shot <= %d KB, two-shot <= %d KB, NCCL above",
-                    world_size, c.one_shot_max_bytes // 1024, c.two_shot_max_bytes // 1024)
+        logger.info("custom all-reduce on (%d ranks, symmetric memory): one-shot <= %d KB, two-shot <= %d KB, "
+                    "NCCL above", world_size, c.one_shot_max_bytes // 1024, c.two_shot_max_bytes // 1024)
     return custom
 
 
