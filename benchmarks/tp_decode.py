@@ -28,11 +28,11 @@ from common import copy_bandwidth_gbs  # noqa: E402
 from attnserve.bench.results import device_slug, write_result  # noqa: E402
 
 
-def _llm(model, tp, dtype, ctx, max_bs):
+def _llm(model, tp, dtype, ctx, max_bs, **extra):
     from attnserve.engine.llm import LLM
 
     return LLM(model, load_format="dummy", device="cuda", dtype=dtype, tp_size=tp, context_length=ctx,
-               max_running_requests=max_bs, cuda_graph_max_bs=max_bs, mem_fraction_static=0.85)
+               max_running_requests=max_bs, cuda_graph_max_bs=max_bs, mem_fraction_static=0.85, **extra)
 
 
 def identity(tps, model="llama-3-8b", n_tokens=24):
@@ -59,11 +59,11 @@ def identity(tps, model="llama-3-8b", n_tokens=24):
                                                 if a != b), None) for tp in tps}}
 
 
-def decode_steps(model, tp, requests, input_len=512, output_len=128):
+def decode_steps(model, tp, requests, input_len=512, output_len=128, **extra):
     from attnserve.engine.sampling_params import SamplingParams
     from attnserve.engine.scheduler import SchedulerStats
 
-    llm = _llm(model, tp, "bfloat16", input_len + output_len + 16, max(requests))
+    llm = _llm(model, tp, "bfloat16", input_len + output_len + 16, max(requests), **extra)
     rows = []
     try:
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model_runner.model.parameters())
@@ -110,13 +110,15 @@ def main(argv=None) -> int:
     ap.add_argument("--big-tp", type=int, default=0, help="tp size of the Llama-3-70B run (0: skip)")
     ap.add_argument("--skip-identity", action="store_true")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     copy = copy_bandwidth_gbs()
     res = {"copy_gbs": copy, "gpus": torch.cuda.device_count()}
     res.update(benchmark="tp", date=dt.date.today().isoformat(), device=device_slug("cuda"),
                gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())), decode=[])
+               cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())), decode=[],
+               custom_all_reduce=not args.disable_custom_all_reduce)
     if not args.skip_identity:
         res["identity"] = identity(args.tp)
         write_result(res, args.out, "tp", "cuda")  # partial results survive a cut-off run
@@ -124,7 +126,7 @@ def main(argv=None) -> int:
     if args.big_tp:
         runs.append(("llama-3-70b", args.big_tp, [1]))
     for model, tp, requests in runs:
-        res["decode"] += decode_steps(model, tp, requests)
+        res["decode"] += decode_steps(model, tp, requests, disable_custom_all_reduce=args.disable_custom_all_reduce)
         for row in res["decode"]:
             row["weights_floor_ms"] = row["weight_bytes_per_gpu"] / (copy * 1e9) * 1e3
         write_result(res, args.out, "tp", "cuda")

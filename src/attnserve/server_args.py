@@ -67,6 +67,7 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: Optional[str] = None  # host:port of node 0 (--nnodes > 1)
     dist_timeout: float = 600.0  # seconds a collective or the rendezvous may wait
+    disable_custom_all_reduce: bool = False  # NCCL for every all-reduce (distributed/custom_all_reduce.py)
     # misc
     random_seed: int = 0
     log_level: str = "info"
@@ -275,6 +276,9 @@ class ServerArgs:
         a("--dist-init-addr", default=None, help="host:port of node 0 for the rendezvous (--nnodes > 1)")
         a("--dist-timeout", type=float, default=d.dist_timeout,
           help="seconds a collective or the rendezvous may wait before failing")
+        a("--disable-custom-all-reduce", action="store_true",
+          help="run every tensor-parallel all-reduce through NCCL instead of the one-shot / two-shot kernels over "
+               "symmetric memory used for small messages on CUDA")
         a("--random-seed", type=int, default=d.random_seed)
         a("--log-level", default=d.log_level)
         a("--skip-server-warmup", action="store_true",

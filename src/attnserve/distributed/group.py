@@ -5,7 +5,8 @@ CPU) carries the activations (all-reduce after row-parallel layers, all-gather o
 vocabulary-parallel logits, the broadcast of sampled ids); the *CPU group* (always gloo)
 carries rank 0's pickled step messages. A group of size 1 runs no collective at all, so
 single-device models pay nothing (Megatron-LM's tensor parallelism, Shoeybi et al.,
-arXiv:1909.08053; SGLang keeps the same two groups per TP group).
+arXiv:1909.08053; SGLang keeps the same two groups per TP group). Small all-reduces on
+CUDA take the custom one-shot / two-shot path of `custom_all_reduce` when the group has one.
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ class TPGroup:
         device_group: ``torch.distributed`` group for tensors on the model's device (None
             when ``size == 1``).
         cpu_group: gloo group for host objects (None when ``size == 1``).
+        custom_all_reduce: `attnserve.distributed.custom_all_reduce.CustomAllReduce` for
+            small messages (None: NCCL / gloo carries every all-reduce).
     """
 
     rank: int = 0
     size: int = 1
     device_group: Any = None
     cpu_group: Any = None
+    custom_all_reduce: Any = None
 
     @classmethod
     def single(cls) -> "TPGroup":
@@ -41,8 +45,12 @@ class TPGroup:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place; returns ``x``."""
+        """Sum ``x`` over the ranks, in place; returns ``x``. The custom all-reduce takes
+        it when it has one and the size / dtype suit it (`CustomAllReduce.select`), else the
+        device group's backend."""
         if self.size > 1:
+            if self.custom_all_reduce is not None and self.custom_all_reduce.all_reduce(x):
+                return x
             import torch.distributed as dist
 
             dist.all_reduce(x, group=self.device_group)
@@ -88,6 +96,15 @@ class TPGroup:
         t = torch.tensor([int(value)], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
+
+    def init_custom_all_reduce(self, device: torch.device, disable: bool = False) -> None:
+        """Set up `custom_all_reduce` (a collective: every rank calls it, before any CUDA
+        graph capture); it stays None where NCCL must carry every all-reduce (see
+        `custom_all_reduce.init_custom_all_reduce`)."""
+        from attnserve.distributed.custom_all_reduce import init_custom_all_reduce
+
+        self.custom_all_reduce = init_custom_all_reduce(self.rank, self.size, self.device_group, self.cpu_group,
+                                                        torch.device(device), disable=disable)
 
     def _global(self, rank: int) -> int:
         # one TP group spans the whole world here (no data or pipeline parallelism)

@@ -43,6 +43,7 @@ class DistConfig:
         init_method: ``tcp://host:port`` rendezvous.
         device_type: ``"cuda"`` or ``"cpu"``.
         timeout_s: collective and rendezvous timeout of the device group.
+        disable_custom_all_reduce: ``--disable-custom-all-reduce`` (NCCL for every size).
     """
 
     rank: int
@@ -51,6 +52,7 @@ class DistConfig:
     init_method: str
     device_type: str
     timeout_s: float = 600.0
+    disable_custom_all_reduce: bool = False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -71,6 +73,7 @@ def init_rank(cfg: DistConfig) -> TPGroup:
     backend = "nccl" if cfg.device_type == "cuda" else "gloo"
     kwargs = {}
     if cfg.device_type == "cuda":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast (forbidden on the machines here)
         torch.cuda.set_device(cfg.local_rank)
         kwargs["device_id"] = torch.device("cuda", cfg.local_rank)
     dist.init_process_group(backend, init_method=cfg.init_method, world_size=cfg.world_size, rank=cfg.rank,
@@ -81,6 +84,7 @@ def init_rank(cfg: DistConfig) -> TPGroup:
     tp = TPGroup(rank=cfg.rank, size=cfg.world_size, device_group=world, cpu_group=cpu_group)
     if cfg.device_type == "cuda":  # create the NCCL communicator before any graph capture
         tp.all_reduce(torch.zeros(1, device="cuda"))
+        tp.init_custom_all_reduce(torch.device("cuda", cfg.local_rank), disable=cfg.disable_custom_all_reduce)
     return tp
 
 
@@ -128,7 +132,8 @@ class TPRuntime:
 
     def config(self, rank: int) -> DistConfig:
         return DistConfig(rank, self.server_args.tp_size, rank - self.first_rank, self.init_method,
-                          self.server_args.resolved_device(), self.server_args.dist_timeout)
+                          self.server_args.resolved_device(), self.server_args.dist_timeout,
+                          getattr(self.server_args, "disable_custom_all_reduce", False))
 
     def start(self) -> TPGroup:
         """Spawn the other local ranks, join the world as ``first_rank`` and start the

@@ -1,0 +1,299 @@
+"""Custom all-reduce for small messages over PyTorch symmetric memory (one node, peer access).
+
+A tensor-parallel decode step runs two all-reduces of a few KB per layer; NCCL's ring or
+tree algorithms are latency-bound there. Like SGLang's and vLLM's custom all-reduce (and
+TensorRT-LLM's one-shot / two-shot kernels), `CustomAllReduce` keeps one persistent buffer
+that every rank of the group can read (``torch.distributed._symmetric_memory``: ``empty`` +
+``rendezvous`` map each rank's buffer into its peers' address space and give each
+allocation a signal pad for device-side barriers) and runs PyTorch's built-in kernels:
+
+* **one-shot** (``torch.ops.symm_mem.one_shot_all_reduce_copy_out``): copy the local input
+  into the own buffer, barrier, every rank reads all ``W`` buffers and sums them
+  (``W`` reads of the message per rank; one barrier round).
+* **two-shot** (``torch.ops.symm_mem.two_shot_all_reduce_out``): copy in, barrier, each rank
+  reduces its ``1/W`` slice of all buffers (reduce-scatter), barrier, every rank gathers the
+  reduced slices (all-gather): ``2 (W-1)/W`` of the message per rank, two barrier rounds.
+* **NCCL** above ``two_shot_max_bytes``, for dtypes the kernels lack (only float32 and
+  bfloat16 are built), for non-contiguous inputs, and wherever symmetric memory or peer
+  access is missing (CPU / gloo, one GPU, several nodes, an old torch): `select_algorithm`.
+
+The ops read no host state after the rendezvous, so they are captured in CUDA graphs (the
+decode graphs of ``engine/cuda_graph_runner.py``); every rank must issue the same sequence of
+all-reduces (tensor parallelism does). NVLink multicast (NVLS, ``multimem`` operations) is
+never used: the machines here forbid it, so ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set
+before the rendezvous. For two ranks ``a + b`` has one rounding whatever the order, so the
+result is bit-identical to NCCL's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ONE_SHOT = "one_shot"
+TWO_SHOT = "two_shot"
+NCCL = "nccl"
+
+#: dtypes PyTorch's symmetric-memory reduction kernels are built for
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+#: world sizes ``two_shot_all_reduce_out`` is built for (one-shot takes any)
+TWO_SHOT_WORLD_SIZES = (2, 4, 8)
+#: the vector width of the kernels: padded sizes and two-shot alignment (bytes)
+_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class CustomAllReduceConfig:
+    """Message-size thresholds, in bytes of the input tensor (``numel * element_size``).
+
+    Attributes:
+        one_shot_max_bytes: messages of at most this many bytes run one-shot.
+        two_shot_max_bytes: larger messages up to this run two-shot (world sizes 2, 4, 8);
+            above it NCCL. Also the symmetric buffer's size per rank.
+    """
+
+    one_shot_max_bytes: int
+    two_shot_max_bytes: int
+
+    def __post_init__(self):
+        if self.one_shot_max_bytes < 0 or self.two_shot_max_bytes < 0:
+            raise ValueError(f"custom all-reduce thresholds must be >= 0, got {self}")
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Symmetric buffer bytes per rank (a one-shot message is padded to 16 bytes)."""
+        return _round_up(max(self.one_shot_max_bytes, self.two_shot_max_bytes, _ALIGN), _ALIGN)
+
+
+def default_config(world_size: int) -> CustomAllReduceConfig:
+    """Thresholds measured with ``benchmarks/allreduce_bench.py`` (bfloat16, inside CUDA graphs).
+
+    2 ranks: two H100 80GB HBM3 over NVLink (NV18), torch 2.11, NCCL 2.28.9, 2026-11-26
+    (``benchmarks/results/h100-80gb-hbm3-allreduce-2026-11-26.json``): one-shot was the fastest
+    up to 1 MB (8.1 µs vs NCCL's 12.8 µs at 1 KB, 16.7 vs 24.4 at 1 MB); two-shot from 2 MB
+    to 16 MB (75 vs 94 µs at 16 MB); at 32 MB two-shot led by 7%, inside the run-to-run
+    spread, and at 64 MB NCCL led, so NCCL takes everything over 16 MB. 4 and 8 ranks are not
+    measured yet: one-shot reads ``W`` times the message per rank, so its range and two-shot's
+    are taken smaller there until ``--world-size 4`` / ``8`` runs of the benchmark set them.
+    """
+    if world_size <= 2:
+        return CustomAllReduceConfig(one_shot_max_bytes=1 << 20, two_shot_max_bytes=16 << 20)
+    if world_size <= 4:
+        return CustomAllReduceConfig(one_shot_max_bytes=256 << 10, two_shot_max_bytes=8 << 20)
+    return CustomAllReduceConfig(one_shot_max_bytes=128 << 10, two_shot_max_bytes=4 << 20)
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def select_algorithm(numel: int, dtype: torch.dtype, contiguous: bool, offset_bytes: int, world_size: int,
+                     config: CustomAllReduceConfig) -> str:
+    """Which all-reduce a message takes: `ONE_SHOT`, `TWO_SHOT` or `NCCL`.
+
+    Args:
+        numel / dtype: the message; ``numel * itemsize`` is compared with ``config``.
+        contiguous: the kernels take dense tensors only.
+        offset_bytes: ``storage_offset * itemsize`` of the output (two-shot writes it with
+            16-byte vectors, so it must be 16-byte aligned; one-shot pads through scratch).
+        world_size: ranks in the group (two-shot is built for 2, 4 and 8).
+    A pure function of its arguments, so every rank of a group picks the same path.
+    """
+    if dtype not in SUPPORTED_DTYPES or not contiguous or numel == 0 or world_size < 2:
+        return NCCL
+    nbytes = numel * dtype.itemsize
+    if _round_up(nbytes, _ALIGN) <= config.one_shot_max_bytes:
+        return ONE_SHOT
+    if (nbytes <= config.two_shot_max_bytes and world_size in TWO_SHOT_WORLD_SIZES and nbytes % _ALIGN == 0
+            and offset_bytes % _ALIGN == 0):
+        return TWO_SHOT
+    return NCCL
+
+
+def local_unavailable_reason(device: torch.device, world_size: int, backend: Optional[str]) -> Optional[str]:
+    """Why this rank cannot run the custom all-reduce (None: it can, as far as it alone can tell).
+
+    Checks: a CUDA device, at least 2 ranks, an NCCL device group, and a torch with
+    symmetric memory and the ``symm_mem`` one-shot / two-shot ops.
+    """
+    if device.type != "cuda":
+        return f"device {device} is not CUDA"
+    if world_size < 2:
+        return "one rank"
+    if backend != "nccl":
+        return f"device group backend is {backend!r}, not nccl"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError as e:
+        return f"torch {torch.__version__} has no symmetric memory ({e})"
+    ops = getattr(torch.ops, "symm_mem", None)
+    for name in ("one_shot_all_reduce_out", "two_shot_all_reduce_out"):
+        if ops is None or not hasattr(ops, name):
+            return f"torch {torch.__version__} has no torch.ops.symm_mem.{name}"
+    return None
+
+
+def peer_access_reason(places: list, local_device: int) -> Optional[str]:
+    """Why the ranks at ``places`` (``(hostname, cuda index)`` of each rank, rank order) cannot
+    read each other's memory from ``local_device`` (None: they can)."""
+    hosts = {h for h, _ in places}
+    if len(hosts) > 1:
+        return f"ranks span {len(hosts)} hosts"
+    for _, dev in places:
+        if dev != local_device and not torch.cuda.can_device_access_peer(local_device, dev):
+            return f"cuda:{local_device} has no peer access to cuda:{dev}"
+    return None
+
+
+def agree(reason: Optional[str], cpu_group: Any, rank: int) -> Optional[str]:
+    """Every rank's verdict, combined over ``cpu_group`` (a collective of the group): the
+    first rank's reason that is not None, as ``"rank R: reason"``, or None when all can."""
+    import torch.distributed as dist
+
+    reasons: list = [None] * dist.get_world_size(cpu_group)
+    dist.all_gather_object(reasons, reason, group=cpu_group)
+    for r, why in enumerate(reasons):
+        if why is not None:
+            return f"rank {r}: {why}"
+    return None
+
+
+@dataclass
+class CustomAllReduce:
+    """One rank's symmetric buffer and the kernels over it. Build with `init_custom_all_reduce`.
+
+    Attributes:
+        rank / world_size: in the group.
+        group_name: ``ProcessGroup.group_name`` of the NCCL device group.
+        config: thresholds.
+        buffer: this rank's symmetric buffer, ``config.buffer_bytes`` uint8 on the device.
+        scratch: local output for padded one-shot messages (``config.one_shot_max_bytes``).
+        calls: Python-level calls per algorithm (a captured graph counts once, at capture).
+    """
+
+    rank: int
+    world_size: int
+    group_name: str
+    config: CustomAllReduceConfig
+    buffer: torch.Tensor
+    scratch: torch.Tensor
+    calls: Dict[str, int] = field(default_factory=lambda: {ONE_SHOT: 0, TWO_SHOT: 0, NCCL: 0})
+
+    def select(self, x: torch.Tensor) -> str:
+        """`select_algorithm` for ``x``."""
+        return select_algorithm(x.numel(), x.dtype, x.is_contiguous(), x.storage_offset() * x.element_size(),
+                                self.world_size, self.config)
+
+    def all_reduce(self, x: torch.Tensor) -> bool:
+        """Sum ``x`` over the ranks in place if a custom path takes it.
+
+        Returns:
+            True when done here; False when the caller must run NCCL (`select` said so).
+        Raises:
+            RuntimeError from the kernels (e.g. a device on another rank is lost).
+        """
+        algo = self.select(x)
+        self.calls[algo] += 1
+        if algo == NCCL:
+            return False
+        flat = x.view(-1)
+        n = flat.numel()
+        ops = torch.ops.symm_mem
+        if algo == ONE_SHOT:
+            aligned = (x.storage_offset() * x.element_size()) % _ALIGN == 0 and (n * x.element_size()) % _ALIGN == 0
+            if aligned and hasattr(ops, "one_shot_all_reduce_copy_out"):
+                # copy-in and reduction in one kernel (the buffer view and input share alignment)
+                ops.one_shot_all_reduce_copy_out(self._view(x.dtype, n), flat, "sum", self.group_name, flat)
+                return True
+            padded = _round_up(n * x.element_size(), _ALIGN) // x.element_size()
+            sym = self._view(x.dtype, padded)
+            sym[:n].copy_(flat)  # the tail holds stale values; their sums are dropped
+            out = self.scratch.view(x.dtype)[:padded]
+            ops.one_shot_all_reduce_out(sym, "sum", self.group_name, out)
+            flat.copy_(out[:n])
+            return True
+        sym = self._view(x.dtype, n)
+        sym.copy_(flat)
+        ops.two_shot_all_reduce_out(sym, "sum", self.group_name, flat)
+        return True
+
+    def _view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        # always from offset 0: the ops find the rendezvous handle by the data pointer
+        return self.buffer.view(dtype)[:numel]
+
+
+def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_group: Any,
+                           device: torch.device, disable: bool = False,
+                           config: Optional[CustomAllReduceConfig] = None) -> Optional[CustomAllReduce]:
+    """Build this rank's `CustomAllReduce`, or None where NCCL must carry every all-reduce.
+
+    A collective over ``cpu_group`` (every rank calls it with the same ``disable``): the ranks
+    agree on availability first, so either all of them get one or none does; the reason is
+    logged. Call it before any CUDA graph capture (the rendezvous cannot be captured).
+
+    Args:
+        rank / world_size: in the group.
+        device_group: the NCCL group the buffer is registered with.
+        cpu_group: a gloo group of the same ranks (the agreement).
+        device: this rank's CUDA device.
+        disable: ``--disable-custom-all-reduce``.
+        config: thresholds (default: `default_config`).
+    """
+    import torch.distributed as dist
+
+    if world_size < 2:
+        return None
+    if disable:
+        logger.info("custom all-reduce off (--disable-custom-all-reduce): NCCL carries every all-reduce")
+        return None
+    backend = dist.get_backend(device_group) if device_group is not None else None
+    reason = local_unavailable_reason(device, world_size, backend)
+    places: list = [None] * world_size
+    here = (socket.gethostname(), device.index if device.index is not None else -1)
+    dist.all_gather_object(places, here, group=cpu_group)
+    if reason is None:
+        reason = peer_access_reason(places, here[1])
+    reason = agree(reason, cpu_group, rank)
+    custom = None
+    if reason is None:
+        try:
+            custom = _build(rank, world_size, device_group, device, config or default_config(world_size))
+        except Exception as e:  # a torch whose symmetric memory cannot start here
+            reason = f"symmetric memory failed: {type(e).__name__}: {e}"
+        reason = agree(reason, cpu_group, rank)
+    if reason is not None:
+        if rank == 0:
+            logger.info("custom all-reduce off (%s): NCCL carries every all-reduce", reason)
+        return None
+    if rank == 0:
+        c = custom.config
+        logger.info("custom all-reduce on (%d ranks, symmetric memory): one-shot <= %d KB, two-shot <= %d KB, "
+                    "NCCL above", world_size, c.one_shot_max_bytes // 1024, c.two_shot_max_bytes // 1024)
+    return custom
+
+
+def _build(rank: int, world_size: int, device_group: Any, device: torch.device,
+           config: CustomAllReduceConfig) -> CustomAllReduce:
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # no NVLink multicast object at the rendezvous
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buffer = symm_mem.empty(config.buffer_bytes, dtype=torch.uint8, device=device)
+    symm_mem.rendezvous(buffer, device_group)
+    scratch = torch.empty(_round_up(max(config.one_shot_max_bytes, _ALIGN), _ALIGN), dtype=torch.uint8,
+                          device=device)
+    custom = CustomAllReduce(rank=rank, world_size=world_size, group_name=device_group.group_name, config=config,
+                             buffer=buffer, scratch=scratch)
+    probe = torch.full((4,), float(rank + 1), dtype=torch.float32, device=device)
+    custom.all_reduce(probe)  # a wrong mapping shows here, not inside a captured graph
+    want = world_size * (world_size + 1) / 2
+    if not bool((probe == want).all()):
+        raise RuntimeError(f"probe all-reduce gave {probe.tolist()}, expected {want}")
+    custom.calls[ONE_SHOT] = 0
+    return custom
