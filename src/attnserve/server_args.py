@@ -66,6 +66,9 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: Optional[str] = None  # host:port of node 0 (--nnodes > 1)
     dist_timeout: float = 600.0  # seconds a collective or the rendezvous may wait
+    # data parallelism (attnserve.server.data_parallel): replicas of --tp-size GPUs each
+    dp_size: int = 1
+    load_balance_method: str = "prefix_affinity"  # prefix_affinity | shortest_queue | round_robin
     # misc
     random_seed: int = 0
     log_level: str = "info"
@@ -153,6 +156,30 @@ class ServerArgs:
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be >= 1")
         self._check_parallel()
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        """``--dp-size`` / ``--load-balance-method`` (replica i takes GPUs [i*tp, (i+1)*tp))."""
+        from attnserve.distributed.dp_balancer import LOAD_BALANCE_METHODS
+
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}, "
+                             f"got {self.load_balance_method!r}")
+        if self.dp_size == 1:
+            return
+        if self.nnodes > 1:
+            raise ValueError("--dp-size > 1 runs its replicas on one node; drop --nnodes or use --dp-size 1")
+        if self.engine_process == "off":
+            raise ValueError("--dp-size > 1 runs every replica in an engine process; drop --engine-process off")
+        if self.resolved_device() == "cuda":
+            import torch
+
+            need = self.dp_size * self.tp_size
+            if need > torch.cuda.device_count():
+                raise ValueError(f"--dp-size {self.dp_size} x --tp-size {self.tp_size} needs {need} GPUs, but "
+                                 f"{torch.cuda.device_count()} are visible")
 
     def _check_parallel(self) -> None:
         """The tensor-parallel flags (the heads are checked once the model config is read)."""
@@ -268,6 +295,13 @@ class ServerArgs:
         a("--dist-init-addr", default=None, help="host:port of node 0 for the rendezvous (--nnodes > 1)")
         a("--dist-timeout", type=float, default=d.dist_timeout,
           help="seconds a collective or the rendezvous may wait before failing")
+        a("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=d.dp_size,
+          help="data-parallel replicas, each of --tp-size GPUs (replica i on GPUs [i*tp, (i+1)*tp)) in an engine "
+               "process of its own, behind one server")
+        a("--load-balance-method", default=d.load_balance_method,
+          choices=["prefix_affinity", "shortest_queue", "round_robin"],
+          help="--dp-size > 1: how requests are spread; prefix_affinity is shortest_queue with requests that "
+               "share a prompt prefix kept on one replica (its radix cache) while it is not overloaded")
         a("--random-seed", type=int, default=d.random_seed)
         a("--log-level", default=d.log_level)
         a("--skip-server-warmup", action="store_true",
