@@ -303,6 +303,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunked-prefill-size", type=int, default=None, help="random dataset: engine flag")
     ap.add_argument("--tp-size", type=int, default=None,
                     help="random dataset: engine flag (the floor is then one rank's share of the work)")
+    ap.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, nargs="+", default=[1],
+                    help="random dataset: data-parallel replicas, one row each (e.g. 1 2; bench/offline_dp.py)")
     ap.add_argument("--tag", default=None, help="random dataset: suffix of the result file's kind")
     args = ap.parse_args(argv)
     if args.repeat < 1:

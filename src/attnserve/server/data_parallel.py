@@ -172,18 +172,22 @@ class DataParallelController:
         return [ReplicaLoad(alive=c.is_alive() or (c.thread_id is None and c.process.is_alive()),
                             num_requests=c.num_in_flight) for c in self.clients]
 
-    def submit(self, cmd: SubmitCommand) -> None:
-        """Send the request to the replica the balancer picks (503 when none is alive)."""
+    def submit(self, cmd: SubmitCommand) -> Optional[int]:
+        """Send the request to the replica the balancer picks (503 when none is alive).
+
+        Returns:
+            the chosen ``dp_rank``, or None when the request was refused here."""
         if self._stopping or self._draining:
             self._push(cmd.stream, StreamEvent(error=_shutting_down()))
-            return
+            return None
         try:
             rank = self.balancer.select(cmd.prompt_ids, self.loads())
         except NoLiveReplica:
             self._push(cmd.stream, StreamEvent(error=_all_dead()))
-            return
+            return None
         self.routed[rank] += 1
         self.clients[rank].submit(cmd)
+        return rank
 
     def abort(self, rid: str) -> None:
         """Abort ``rid`` on whichever replica has it (unknown ids are ignored)."""
@@ -260,9 +264,12 @@ def _stop_at_exit(ref) -> None:
         ctl.stop(timeout=5.0)
 
 
-def start_data_parallel(server_args, log_level: Optional[int] = None, poll_s: float = 0.5
+def start_data_parallel(server_args, log_level: Optional[int] = None, poll_s: float = 0.5, with_metrics: bool = True
                         ) -> Tuple[RemoteEngine, DataParallelController]:
     """Start ``server_args.dp_size`` engine processes at once and wait until all are ready.
+
+    ``with_metrics``: give the controller a `DataParallelMetrics` (needs
+    ``prometheus_client``; the offline `DataParallelLLM` goes without).
 
     Returns:
         ``(engine facts for the handlers, the controller to pass as `create_app`'s loop)``;
@@ -273,7 +280,6 @@ def start_data_parallel(server_args, log_level: Optional[int] = None, poll_s: fl
         as `attnserve.server.engine_client.start_engine_process`; any replica failing to
         start stops the others.
     """
-    from attnserve.server.dp_metrics import DataParallelMetrics
     from attnserve.server.engine_client import spawn_engine_process, wait_engine_ready
 
     dp = server_args.dp_size
@@ -298,8 +304,12 @@ def start_data_parallel(server_args, log_level: Optional[int] = None, poll_s: fl
     clients = [EngineClient(proc, conn, tokenizer, ready[i][0].get("state"), dp_rank=i)
                for i, (proc, conn) in enumerate(spawned)]
     balancer = LoadBalancer(dp, server_args.load_balance_method)
-    ctl = DataParallelController(clients, balancer, tokenizer,
-                                 DataParallelMetrics(server_args.model, dp))
+    metrics = None
+    if with_metrics:
+        from attnserve.server.dp_metrics import DataParallelMetrics
+
+        metrics = DataParallelMetrics(server_args.model, dp)
+    ctl = DataParallelController(clients, balancer, tokenizer, metrics)
     atexit.register(_stop_at_exit, weakref.ref(ctl))
     facts = dict(facts, info={**facts["info"], "dp_size": dp,
                               "replica_devices": devices if devices[0] is not None else None})

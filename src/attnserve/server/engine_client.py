@@ -537,7 +537,16 @@ def spawn_engine_process(server_args, log_level: Optional[int] = None, name: str
     proc = ctx.Process(target=engine_process_main, args=(server_args, theirs, log_level),
                        kwargs=dict(env=env, num_threads=num_threads, new_process_group=new_process_group),
                        name=name)
-    proc.start()
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    try:  # the child's environment from its first instruction on (before its imports touch CUDA)
+        os.environ.update(env or {})
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     theirs.close()
     return proc, ours
 
