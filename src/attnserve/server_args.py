@@ -160,12 +160,11 @@ class ServerArgs:
 
     def _check_data_parallel(self) -> None:
         """``--dp-size`` / ``--load-balance-method`` (replica i takes GPUs [i*tp, (i+1)*tp))."""
-        from attnserve.distributed.dp_balancer import LOAD_BALANCE_METHODS
-
+        methods = ("prefix_affinity", "shortest_queue", "round_robin")  # distributed/dp_balancer.py's
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
-        if self.load_balance_method not in LOAD_BALANCE_METHODS:
-            raise ValueError(f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}, "
+        if self.load_balance_method not in methods:
+            raise ValueError(f"--load-balance-method must be one of {', '.join(methods)}, "
                              f"got {self.load_balance_method!r}")
         if self.dp_size == 1:
             return

@@ -104,3 +104,24 @@ def test_bad_arguments():
         LoadBalancer(0)
     with pytest.raises(ValueError, match="replica loads"):
         LoadBalancer(2).select([1], _loads(0))
+
+
+def test_the_flags_match_the_policy():
+    import argparse
+
+    from attnserve.distributed.dp_balancer import LOAD_BALANCE_METHODS
+    from attnserve.server_args import ServerArgs
+
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    a = p.parse_args(["--dp-size", "2", "--load-balance-method", "round_robin"])
+    sa = ServerArgs.from_cli_args(a)
+    assert (sa.dp_size, sa.load_balance_method) == (2, "round_robin")
+    choices = next(x.choices for x in p._actions if x.dest == "load_balance_method")
+    assert tuple(choices) == LOAD_BALANCE_METHODS
+    with pytest.raises(ValueError, match="--dp-size"):
+        ServerArgs(device="cpu", dp_size=0).check()
+    with pytest.raises(ValueError, match="--load-balance-method"):
+        ServerArgs(device="cpu", load_balance_method="random").check()
+    with pytest.raises(ValueError, match="engine-process"):
+        ServerArgs(device="cpu", dp_size=2, engine_process="off").check()
