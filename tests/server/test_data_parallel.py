@@ -120,13 +120,16 @@ def test_a_killed_replica_fails_only_its_requests(served):
     victim = served.ctl.clients[1]
     pid = victim.process.pid
     long = {"max_tokens": 400, "ignore_eos": True}
+    routed_before = sum(served.ctl.routed)
 
     async def run():
         async with httpx.AsyncClient(base_url=served.base_url, timeout=120) as c:
             tasks = [asyncio.ensure_future(_one(c, {**long, "prompt": [9 + i, 5, 6], "stream": i % 2 == 0}))
                      for i in range(12)]
             deadline = time.monotonic() + 60
-            while not all(r.get("running", 0) >= 1 for r in served.ctl.state()["replicas"]):
+            # every request routed, and both replicas running some
+            while (sum(served.ctl.routed) - routed_before < 12
+                   or not all(r.get("running", 0) >= 1 for r in served.ctl.state()["replicas"])):
                 assert time.monotonic() < deadline and not any(t.done() for t in tasks)
                 await asyncio.sleep(0.02)
             on_victim = victim.num_in_flight
