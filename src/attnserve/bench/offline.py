@@ -309,6 +309,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.dp_size != [1] and args.dataset != "random":
+        ap.error("--dp-size is measured on the random workload: add --dataset random")
+    if min(args.dp_size) < 1:
+        ap.error(f"--dp-size values must be >= 1, got {args.dp_size}")
     if args.dataset == "random":
         from attnserve.bench.offline_random import main_random
 
