@@ -67,6 +67,8 @@ def run_generate(args) -> int:
         min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
     )
     sa = ServerArgs.from_cli_args(args)
+    if sa.dp_size > 1:
+        raise ValueError("--dp-size > 1 is for 'attnserve serve' (and bench.offline); generate runs one engine")
     with LLM(**vars(sa)) as llm:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, chat=args.chat)

@@ -68,6 +68,9 @@ class ServerArgs:
     dist_init_addr: Optional[str] = None  # host:port of node 0 (--nnodes > 1)
     dist_timeout: float = 600.0  # seconds a collective or the rendezvous may wait
     disable_custom_all_reduce: bool = False  # NCCL for every all-reduce (distributed/custom_all_reduce.py)
+    # data parallelism (attnserve.server.data_parallel): replicas of --tp-size GPUs each
+    dp_size: int = 1
+    load_balance_method: str = "prefix_affinity"  # prefix_affinity | shortest_queue | round_robin
     # misc
     random_seed: int = 0
     log_level: str = "info"
@@ -159,6 +162,29 @@ class ServerArgs:
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be >= 1")
         self._check_parallel()
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        """``--dp-size`` / ``--load-balance-method`` (replica i takes GPUs [i*tp, (i+1)*tp))."""
+        methods = ("prefix_affinity", "shortest_queue", "round_robin")  # distributed/dp_balancer.py's
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.load_balance_method not in methods:
+            raise ValueError(f"--load-balance-method must be one of {', '.join(methods)}, "
+                             f"got {self.load_balance_method!r}")
+        if self.dp_size == 1:
+            return
+        if self.nnodes > 1:
+            raise ValueError("--dp-size > 1 runs its replicas on one node; drop --nnodes or use --dp-size 1")
+        if self.engine_process == "off":
+            raise ValueError("--dp-size > 1 runs every replica in an engine process; drop --engine-process off")
+        if self.resolved_device() == "cuda":
+            import torch
+
+            need = self.dp_size * self.tp_size
+            if need > torch.cuda.device_count():
+                raise ValueError(f"--dp-size {self.dp_size} x --tp-size {self.tp_size} needs {need} GPUs, but "
+                                 f"{torch.cuda.device_count()} are visible")
 
     def _check_parallel(self) -> None:
         """The tensor-parallel flags (the heads are checked once the model config is read)."""
@@ -279,6 +305,13 @@ class ServerArgs:
         a("--disable-custom-all-reduce", action="store_true",
           help="run every tensor-parallel all-reduce through NCCL instead of the one-shot / two-shot kernels over "
                "symmetric memory used for small messages on CUDA")
+        a("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=d.dp_size,
+          help="data-parallel replicas, each of --tp-size GPUs (replica i on GPUs [i*tp, (i+1)*tp)) in an engine "
+               "process of its own, behind one server")
+        a("--load-balance-method", default=d.load_balance_method,
+          choices=["prefix_affinity", "shortest_queue", "round_robin"],
+          help="--dp-size > 1: how requests are spread; prefix_affinity is shortest_queue with requests that "
+               "share a prompt prefix kept on one replica (its radix cache) while it is not overloaded")
         a("--random-seed", type=int, default=d.random_seed)
         a("--log-level", default=d.log_level)
         a("--skip-server-warmup", action="store_true",

@@ -305,10 +305,16 @@ def main(argv=None) -> int:
                     help="random dataset: engine flag (the floor is then one rank's share of the work)")
     ap.add_argument("--quantization", default=None, choices=["fp8"],
                     help="random dataset: FP8 linears (the roofline counts their FP8 bytes)")
+    ap.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, nargs="+", default=[1],
+                    help="random dataset: data-parallel replicas, one row each (e.g. 1 2; bench/offline_dp.py)")
     ap.add_argument("--tag", default=None, help="random dataset: suffix of the result file's kind")
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.dp_size != [1] and args.dataset != "random":
+        ap.error("--dp-size is measured on the random workload: add --dataset random")
+    if min(args.dp_size) < 1:
+        ap.error(f"--dp-size values must be >= 1, got {args.dp_size}")
     if args.dataset == "random":
         from attnserve.bench.offline_random import main_random
 

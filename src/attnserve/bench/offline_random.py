@@ -160,19 +160,31 @@ def main_random(args) -> int:
               f"bf16 matmul {rates['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     models = args.models if args.load_format == "dummy" else [args.model]
     rows = []
+    from attnserve.bench.offline_dp import add_speedups, bench_random_dp, format_dp_row
+
     for kv_dtype in args.kv_cache_dtypes:
         for m in models:
-            row = bench_random(m, args.num_prompts, args.random_input_len, args.random_output_len,
-                               args.random_range_ratio, args.seed, rates, kv_dtype,
-                               load_format="dummy" if args.load_format == "dummy" else "auto",
-                               device="cuda" if cuda else "cpu", warmup_output_len=args.warmup_output_len or 32,
-                               max_running_requests=args.max_running_requests,
-                               cuda_graph_max_bs=args.cuda_graph_max_bs,
-                               chunked_prefill_size=args.chunked_prefill_size,
-                               tp_size=getattr(args, "tp_size", None),
-                               quantization=getattr(args, "quantization", None))
-            rows.append(row)
-            print(format_row(row), flush=True)
+            for dp in getattr(args, "dp_size", None) or [1]:
+                common = dict(load_format="dummy" if args.load_format == "dummy" else "auto",
+                              device="cuda" if cuda else "cpu", warmup_output_len=args.warmup_output_len or 32,
+                              max_running_requests=args.max_running_requests,
+                              cuda_graph_max_bs=args.cuda_graph_max_bs,
+                              chunked_prefill_size=args.chunked_prefill_size, tp_size=getattr(args, "tp_size", None),
+                              quantization=getattr(args, "quantization", None))
+                if dp > 1:  # replicas in engine processes (bench/offline_dp.py)
+                    row = bench_random_dp(m, args.num_prompts, args.random_input_len, args.random_output_len,
+                                          args.random_range_ratio, args.seed, dp, kv_dtype, **common)
+                    add_speedups(rows + [row])
+                    print(format_dp_row(row), flush=True)
+                else:
+                    row = dict(bench_random(m, args.num_prompts, args.random_input_len, args.random_output_len,
+                                            args.random_range_ratio, args.seed, rates, kv_dtype, **common), dp_size=1)
+                    print(format_row(row), flush=True)
+                rows.append(row)
+    add_speedups(rows)
+    for row in rows:
+        if "speedup_vs_dp1" in row:
+            print(f"{row['model']} dp {row['dp_size']}: {row['speedup_vs_dp1']:.2f}x dp 1's output tok/s", flush=True)
     result = {"benchmark": "offline", "mode": "random", "date": dt.date.today().isoformat(),
               "torch": torch.__version__, **({k: v for k, v in rates.items()}), "rows": rows}
     if cuda:

@@ -39,7 +39,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from attnserve.server.detokenize import IncrementalDetokenizer
 from attnserve.server.engine_loop import EngineError, StreamEvent, SubmitCommand, wait_for_drain
@@ -123,10 +123,18 @@ class EngineClient:
         tokenizer: the engine's tokenizer (None: token-id prompts only; no text).
         state: the engine's first state snapshot.
         metrics: optional `ServerMetrics`, fed here from the engine's events.
+        dp_rank: the replica's index under data parallelism (``--dp-size``; None: the only
+            engine); the errors and log lines of its death name it.
+
+    ``on_closed``, when set, is called with the `EngineError` once the engine process has
+    stopped or died (on the event loop's thread).
     """
 
-    def __init__(self, process, conn, tokenizer=None, state: Optional[Dict[str, Any]] = None, metrics=None):
+    def __init__(self, process, conn, tokenizer=None, state: Optional[Dict[str, Any]] = None, metrics=None,
+                 dp_rank: Optional[int] = None):
         self.process = process
+        self.dp_rank = dp_rank
+        self.on_closed: Optional[Callable[[EngineError], None]] = None
         self.conn = conn
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -238,7 +246,7 @@ class EngineClient:
             self._push(cmd.stream, StreamEvent(error=_shutting_down()))
             return
         if self._closed.is_set() or not self.process.is_alive():
-            self._push(cmd.stream, StreamEvent(error=_engine_dead()))
+            self._push(cmd.stream, StreamEvent(error=self._dead_error()))
             return
         detok = None
         if self.tokenizer is not None:
@@ -246,7 +254,7 @@ class EngineClient:
         self._reqs[cmd.rid] = _Pending(cmd, detok)
         if not self._send([("submit", cmd.rid, list(cmd.prompt_ids), cmd.sampling_params)]):
             self._reqs.pop(cmd.rid, None)
-            self._push(cmd.stream, StreamEvent(error=_engine_dead()))
+            self._push(cmd.stream, StreamEvent(error=self._dead_error()))
 
     def abort(self, rid: str) -> None:
         """Abort ``rid`` (unknown or finished ids are ignored)."""
@@ -256,6 +264,25 @@ class EngineClient:
     def state(self) -> Dict[str, Any]:
         """The engine's last state snapshot (a fresh dict)."""
         return dict(self._state)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted here and not finished yet (the load balancer's queue length)."""
+        return len(self._reqs)
+
+    def flush_cache(self) -> bool:
+        """Ask the engine to drop its prefix cache (`Scheduler.flush_prefix_cache`; a no-op
+        while requests run) and reset its scheduler counters; False if it cannot be reached."""
+        return self._send([("flush_cache",)])
+
+    def _who(self) -> str:
+        return "the engine process" if self.dp_rank is None else f"data-parallel replica {self.dp_rank}"
+
+    def _dead_error(self) -> EngineError:
+        if self.dp_rank is None:
+            return _engine_dead()
+        return EngineError(503, f"data-parallel replica {self.dp_rank} died; its requests were ended",
+                           "server_error", "engine_dead")
 
     # ---- plumbing ------------------------------------------------------------------------
     def _send(self, cmds: List[tuple]) -> bool:
@@ -300,9 +327,9 @@ class EngineClient:
                 self._close(_shutting_down())
             else:
                 self.process.join(0.5)
-                logger.critical("attnserve: the engine process died (exit code %s); failing every request "
-                                "with 503", self.process.exitcode)
-                self._close(_engine_dead())
+                logger.critical("attnserve: %s (pid %s) died (exit code %s); failing its %d request(s) with 503",
+                                self._who(), self.process.pid, self.process.exitcode, len(self._reqs))
+                self._close(self._dead_error())
 
     def _dispatch(self, msg: tuple) -> None:
         kind = msg[0]
@@ -321,9 +348,9 @@ class EngineClient:
                 if self.metrics is not None:
                     self.metrics.set_state(msg[2])
         elif kind == "closed":
-            err = _engine_dead() if msg[1] == "engine_dead" else _shutting_down()
+            err = self._dead_error() if msg[1] == "engine_dead" else _shutting_down()
             if msg[1] == "engine_dead":
-                logger.critical("attnserve: the engine loop died; failing every request with 503")
+                logger.critical("attnserve: the engine loop of %s died; failing its requests with 503", self._who())
             self._close(err)
 
     def _on_event(self, now: float, rid: str, ev: StreamEvent) -> None:
@@ -396,6 +423,7 @@ class EngineClient:
 
     def _close(self, err: EngineError) -> None:
         """The engine process is gone: end every open request with ``err``, stop reading."""
+        first = not self._closed.is_set()
         self._closed.set()
         self._close_error = err
         for rid in list(self._reqs):
@@ -405,6 +433,11 @@ class EngineClient:
             self._push(p.cmd.stream, StreamEvent(completion_tokens=p.tokens, prompt_tokens=len(p.cmd.prompt_ids),
                                                  error=err))
         self._check_drained()
+        if first and self.on_closed is not None:
+            try:
+                self.on_closed(err)
+            except Exception:
+                logger.exception("attnserve: the on_closed callback of %s failed", self._who())
 
     def _check_drained(self) -> None:
         if self._draining.is_set() and not self._reqs:
@@ -470,6 +503,30 @@ def start_engine_process(server_args, log_level: Optional[int] = None, poll_s: f
             (the engine's own message).
         RuntimeError: the engine process failed otherwise or exited while starting.
     """
+    proc, conn = spawn_engine_process(server_args, log_level)
+    facts, tokenizer = wait_engine_ready(proc, conn, poll_s)
+    client = EngineClient(proc, conn, tokenizer, facts.get("state"))
+    atexit.register(_stop_at_exit, weakref.ref(client))
+    return RemoteEngine(server_args, facts, client), client
+
+
+def spawn_engine_process(server_args, log_level: Optional[int] = None, name: str = "attnserve-engine",
+                         env: Optional[Dict[str, str]] = None, num_threads: Optional[int] = None,
+                         new_process_group: bool = False):
+    """Start an engine process (`engine_process_main`) without waiting for it.
+
+    Args:
+        server_args / log_level: as `start_engine_process`.
+        name: the process's name.
+        env: variables set in the process before the engine is built (a data-parallel
+            replica's ``CUDA_VISIBLE_DEVICES``).
+        num_threads: ``torch.set_num_threads`` of the process (None: PyTorch's default).
+        new_process_group: run it in a process group of its own (its tensor-parallel ranks
+            join it), so that everything it started can be killed together.
+
+    Returns:
+        ``(process, the HTTP side of its connection)``; pass both to `wait_engine_ready`.
+    """
     import multiprocessing as mp
 
     from attnserve.server.engine_process import engine_process_main
@@ -477,15 +534,39 @@ def start_engine_process(server_args, log_level: Optional[int] = None, poll_s: f
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe(duplex=True)
     # not daemonic: the engine spawns its tensor-parallel ranks itself
-    proc = ctx.Process(target=engine_process_main, args=(server_args, theirs, log_level), name="attnserve-engine")
-    proc.start()
+    proc = ctx.Process(target=engine_process_main, args=(server_args, theirs, log_level),
+                       kwargs=dict(env=env, num_threads=num_threads, new_process_group=new_process_group),
+                       name=name)
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    try:  # the child's environment from its first instruction on (before its imports touch CUDA)
+        os.environ.update(env or {})
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     theirs.close()
+    return proc, ours
+
+
+def wait_engine_ready(proc, conn, poll_s: float = 0.5) -> Tuple[Dict[str, Any], Any]:
+    """Wait for the ``ready`` message of an engine process from `spawn_engine_process`.
+
+    Returns:
+        ``(facts, tokenizer)``: `engine_process.engine_facts` and the unpickled tokenizer
+        (None without one).
+
+    Raises:
+        as `start_engine_process`; the process is killed (or has exited) when this raises.
+    """
     try:
-        while not ours.poll(poll_s):
+        while not conn.poll(poll_s):
             if not proc.is_alive():
                 raise RuntimeError(f"the engine process exited with code {proc.exitcode} while starting "
                                    "(its log is above)")
-        msg = pickle.loads(ours.recv_bytes())
+        msg = pickle.loads(conn.recv_bytes())
     except BaseException:
         proc.kill()
         proc.join(5.0)
@@ -498,6 +579,4 @@ def start_engine_process(server_args, log_level: Optional[int] = None, poll_s: f
         raise RuntimeError(f"the engine could not be built: {msg[1]}: {msg[2]}")
     facts = msg[1]
     tokenizer = pickle.loads(facts["tokenizer"]) if facts.get("tokenizer") is not None else None
-    client = EngineClient(proc, ours, tokenizer, facts.get("state"))
-    atexit.register(_stop_at_exit, weakref.ref(client))
-    return RemoteEngine(server_args, facts, client), client
+    return facts, tokenizer

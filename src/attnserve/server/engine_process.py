@@ -8,7 +8,8 @@ the HTTP process (`attnserve.server.engine_client.EngineClient`) over one duplex
 
 HTTP -> engine, each a list of commands:
     ``("submit", rid, prompt_ids, sampling_params)``, ``("abort", rid)``,
-    ``("drain", grace_s)``, ``("stop",)``.
+    ``("drain", grace_s)``, ``("stop",)``, ``("flush_cache",)`` (drop the prefix cache when
+    idle and reset the scheduler's counters; benchmarks between timed passes).
 engine -> HTTP:
     ``("ready", facts)`` once the engine is built (facts: `describe_engine`, the context
     length, the per-request token limit, the vocabulary size, the pickled tokenizer, the
@@ -40,6 +41,7 @@ if the HTTP process disappears (end of file on the connection) the loop stops as
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import signal
 import time
@@ -114,6 +116,12 @@ class ProcessEngineLoop(EngineLoop):
             self._draining.set()
         elif kind == "stop":
             self._stopping.set()
+        elif kind == "flush_cache":
+            from attnserve.engine.schedule_batch import SchedulerStats
+
+            if not self.engine.scheduler.flush_prefix_cache():
+                logger.warning("attnserve engine process: flush_cache while requests run; the cache is kept")
+            self.engine.scheduler.stats = SchedulerStats()
         else:
             logger.error("attnserve engine process: unknown command %r", kind)
 
@@ -218,9 +226,21 @@ def engine_facts(engine, loop: EngineLoop) -> Dict[str, Any]:
     }
 
 
-def engine_process_main(server_args, conn, log_level: Optional[int] = None) -> None:
+def engine_process_main(server_args, conn, log_level: Optional[int] = None, env: Optional[Dict[str, str]] = None,
+                        num_threads: Optional[int] = None, new_process_group: bool = False) -> None:
     """Entry point of the engine process: build the engine, say ``ready`` (or ``error``),
-    serve until stopped, shut the engine down (its tensor-parallel ranks)."""
+    serve until stopped, shut the engine down (its tensor-parallel ranks).
+
+    ``env``, ``num_threads`` and ``new_process_group``: see
+    `attnserve.server.engine_client.spawn_engine_process` (data-parallel replicas)."""
+    if new_process_group:
+        os.setpgid(0, 0)
+    if env:
+        os.environ.update(env)  # before anything initializes CUDA in this process
+    if num_threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, int(num_threads)))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the HTTP process drains
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

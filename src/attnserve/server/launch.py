@@ -92,7 +92,8 @@ def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] 
     from attnserve.server.openai_api import ServingContext, build_router
 
     name = model_name or engine.server_args.model
-    metrics = ServerMetrics(name)
+    # a loop that brings its own metrics (the data-parallel controller's per-replica ones) keeps them
+    metrics = getattr(loop, "metrics", None) or ServerMetrics(name)
     if loop is None:
         loop = EngineLoop(engine, metrics)
     elif loop.metrics is None:
@@ -168,7 +169,12 @@ def launch_server(args) -> int:
     if not 0 <= int(args.port) <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     loop = None
-    if use_engine_process(server_args):
+    if server_args.dp_size > 1:  # replicas in engine processes of their own (server/data_parallel.py)
+        from attnserve.server.data_parallel import start_data_parallel
+
+        server_args.check()
+        engine, loop = start_data_parallel(server_args, logging.getLogger("attnserve").level or None)
+    elif use_engine_process(server_args):
         from attnserve.server.engine_client import start_engine_process
 
         server_args.check()  # flag errors in this process, before a process is spawned

@@ -456,6 +456,9 @@ def build_router():
             return JSONResponse(error_body(503, "the server is shutting down", code="shutting_down"), 503)
         if not ctx.loop.is_alive():
             return JSONResponse(error_body(503, "the engine loop is not running", code="engine_dead"), 503)
+        dead = ctx.loop.dead_replicas() if hasattr(ctx.loop, "dead_replicas") else []
+        if dead:  # --dp-size: the live replicas still serve
+            return {"status": "degraded", "dead_replicas": dead}
         return {"status": "ok"}
 
     @router.get("/metrics")

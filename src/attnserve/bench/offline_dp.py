@@ -1,0 +1,91 @@
+"""``bench.offline --dataset random --dp-size N ...``: the random workload over N replicas.
+
+``python -m attnserve.bench.offline --dataset random --load-format dummy --device cuda
+--models llama-3-8b --num-prompts 1024 --random-input-len 1024 --random-output-len 1024
+--random-range-ratio 0.098 --dp-size 1 2``
+
+Each ``--dp-size`` value is a row: 1 is `attnserve.bench.offline_random.bench_random` (one
+engine in this process, with its roofline); N > 1 is `bench_random_dp`: N engine processes
+(`attnserve.server.data_parallel_llm.DataParallelLLM`, replica i on GPUs [i*tp, (i+1)*tp)),
+the same workload, warm-up and timing (prefix caches flushed before each timed pass, a
+prefill-only pass with one output token, then the whole workload). A dp row reports
+``output_tokens_per_s``, ``total_tokens_per_s``, the requests each replica took, and
+``speedup_vs_dp1`` when a dp 1 row of the same model and KV dtype ran in the same run.
+Its roofline fields are null (each replica's floor is its share of the work).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List
+
+from attnserve.bench.offline_random import _prompts
+from attnserve.bench.roofline import random_lengths
+
+
+def bench_random_dp(model: str, num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int,
+                    dp_size: int, kv_cache_dtype: str = "auto", load_format: str = "dummy", device: str = "cuda",
+                    warmup_output_len: int = 32, **engine_flags) -> dict:
+    """One dp row (see the module doc); ``engine_flags`` are `ServerArgs` fields (None: default).
+
+    Raises:
+        RuntimeError: a replica failed, or fewer tokens than asked came back.
+    """
+    from attnserve.engine.sampling_params import SamplingParams
+    from attnserve.server.data_parallel_llm import DataParallelLLM
+
+    isl, osl = random_lengths(num_prompts, input_len, output_len, range_ratio, seed)
+    flags = {k: v for k, v in engine_flags.items() if v is not None}
+    with DataParallelLLM(model, load_format=load_format, device=device, kv_cache_dtype=kv_cache_dtype,
+                         dp_size=dp_size, **flags) as llm:
+        vocab = llm.engine.vocab_size
+        warm = [SamplingParams(max_new_tokens=min(n, warmup_output_len), temperature=0.0, ignore_eos=True)
+                for n in osl]
+        llm.generate(_prompts(vocab, isl, seed + 1), warm)
+        prompts = _prompts(vocab, isl, seed)
+        params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in osl]
+
+        def timed(sp) -> tuple:
+            llm.flush_cache()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp)
+            return time.perf_counter() - t0, outs
+
+        prefill_wall, _ = timed(SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+        wall, outs = timed(params)
+        generated = sum(o.completion_tokens for o in outs)
+        if generated != sum(osl):
+            raise RuntimeError(f"generated {generated} tokens, expected {sum(osl)} (ignore_eos)")
+        per_replica: List[int] = [0] * dp_size
+        for o in outs:
+            per_replica[o.dp_rank] += 1
+        limits = llm.engine.info
+        return {
+            "model": model, "kv_cache_dtype": llm.controller.state().get("kv_cache_dtype", kv_cache_dtype),
+            "flags": flags, "dp_size": dp_size,
+            "num_prompts": num_prompts, "random_input_len": input_len, "random_output_len": output_len,
+            "random_range_ratio": range_ratio, "seed": seed, "max_total_tokens": llm.engine.max_total_tokens,
+            "replica_devices": limits.get("replica_devices"), "requests_per_replica": per_replica,
+            "wall_s": wall, "prefill_wall_s": prefill_wall, "input_tokens": sum(isl), "output_tokens": generated,
+            "output_tokens_per_s": generated / wall, "total_tokens_per_s": (sum(isl) + generated) / wall,
+            "roofline_s": None, "roofline_share": None,
+        }
+
+
+def add_speedups(rows: List[dict]) -> None:
+    """``speedup_vs_dp1`` (output tok/s over the dp 1 row of the same model and KV dtype)
+    on every dp > 1 row that has one."""
+    base = {(r["model"], r["kv_cache_dtype"]): r for r in rows if r.get("dp_size", 1) == 1}
+    for r in rows:
+        ref = base.get((r["model"], r["kv_cache_dtype"]))
+        if r.get("dp_size", 1) > 1 and ref is not None:
+            r["speedup_vs_dp1"] = r["output_tokens_per_s"] / ref["output_tokens_per_s"]
+
+
+def format_dp_row(row: dict) -> str:
+    speed = f" ({row['speedup_vs_dp1']:.2f}x dp 1)" if "speedup_vs_dp1" in row else ""
+    return (f"{row['model']:12s} {row['kv_cache_dtype']:13s} dp={row['dp_size']} n={row['num_prompts']:4d} "
+            f"in<={row['random_input_len']} out<={row['random_output_len']} R={row['random_range_ratio']} "
+            f"flags={row['flags'] or '-'}: {row['output_tokens_per_s']:9.0f} out tok/s{speed} "
+            f"{row['total_tokens_per_s']:9.0f} total tok/s wall {row['wall_s']:.2f} s "
+            f"(prefill {row['prefill_wall_s']:.2f} s) requests per replica {row['requests_per_replica']}")
