@@ -61,6 +61,8 @@ class ServerArgs:
     disable_fused_kernels: bool = False  # PyTorch norms / RoPE / gates / KV store / linear on CUDA
     # server
     graceful_shutdown_timeout: float = 30.0  # seconds running requests get after SIGTERM
+    tool_call_parser: Optional[str] = None  # llama3 | qwen25 | hermes | mistral (server/parsers)
+    reasoning_parser: Optional[str] = None  # deepseek-r1 | qwen3 (server/parsers/reasoning.py)
     # tensor parallelism (attnserve.distributed)
     tp_size: int = 1
     nnodes: int = 1
@@ -161,7 +163,7 @@ class ServerArgs:
             raise ValueError(f"--schedule-policy must be lpm or fcfs, got {self.schedule_policy!r}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be >= 1")
-        self._check_parallel()
+        self._check_parallel()  # (--tool-call-parser / --reasoning-parser: server.launch checks them)
         self._check_data_parallel()
 
     def _check_data_parallel(self) -> None:
@@ -295,6 +297,10 @@ class ServerArgs:
                "attnserve's fused Triton kernels (to compare or to rule them out)")
         a("--graceful-shutdown-timeout", type=float, default=d.graceful_shutdown_timeout,
           help="on SIGTERM, seconds running requests get to finish before they are ended with an error")
+        a("--tool-call-parser", default=None,
+          help="read tool calls out of chat outputs: llama3, qwen25, hermes or mistral (server/parsers)")
+        a("--reasoning-parser", default=None,
+          help="split the thinking (<think>...</think>) into reasoning_content: deepseek-r1 or qwen3")
         a("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=d.tp_size,
           help="tensor-parallel ranks (one process each; NCCL on CUDA, gloo on CPU)")
         a("--nnodes", type=int, default=d.nnodes, help="machines the tensor-parallel ranks span")

@@ -65,13 +65,26 @@ def describe_engine(engine) -> Dict[str, Any]:
     }
 
 
+def check_parser_flags(server_args) -> None:
+    """``--tool-call-parser`` and ``--reasoning-parser`` name known parsers.
+
+    Raises:
+        ValueError: an unknown name (the message lists the valid ones).
+    """
+    from attnserve.server.parsers import check_reasoning_parser, check_tool_call_parser
+
+    check_tool_call_parser(getattr(server_args, "tool_call_parser", None))
+    check_reasoning_parser(getattr(server_args, "reasoning_parser", None))
+
+
 def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, loop=None):
     """Build the ASGI app serving ``engine``.
 
     Args:
         engine: an `attnserve.engine.engine.Engine`; from now on only the app's engine loop
-            thread touches it. Or a `RemoteEngine` (with ``loop`` its `EngineClient`).
+            thread touches it. Or a `RemoteEngine` (with ``loop`` its `EngineClient`). Its
+            ``server_args`` give ``--tool-call-parser`` and ``--reasoning-parser``.
         api_key: when set, ``/v1/*`` and ``/debug/*`` need ``Authorization: Bearer <key>``.
         model_name: id under ``/v1/models`` (default: ``engine.server_args.model``).
         max_body_bytes: request bodies above this many bytes get 413.
@@ -80,6 +93,9 @@ def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] 
 
     Returns:
         the FastAPI app; ``app.state.ctx`` is its `ServingContext`.
+
+    Raises:
+        ValueError: an unknown ``--tool-call-parser`` / ``--reasoning-parser``.
     """
     from contextlib import asynccontextmanager
 
@@ -91,6 +107,8 @@ def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] 
     from attnserve.server.metrics import ServerMetrics
     from attnserve.server.openai_api import ServingContext, build_router
 
+    sargs = getattr(engine, "server_args", None)
+    check_parser_flags(sargs)
     name = model_name or engine.server_args.model
     # a loop that brings its own metrics (the data-parallel controller's per-replica ones) keeps them
     metrics = getattr(loop, "metrics", None) or ServerMetrics(name)
@@ -100,7 +118,9 @@ def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] 
         loop.metrics = metrics
     info = getattr(engine, "info", None)  # a `RemoteEngine` brings the engine process's facts
     ctx = ServingContext(loop=loop, engine=engine, model_name=name, metrics=metrics,
-                         info=info if isinstance(info, dict) else describe_engine(engine))
+                         info=info if isinstance(info, dict) else describe_engine(engine),
+                         tool_call_parser=getattr(sargs, "tool_call_parser", None),
+                         reasoning_parser=getattr(sargs, "reasoning_parser", None))
 
     @asynccontextmanager
     async def lifespan(app):
@@ -166,6 +186,7 @@ def launch_server(args) -> int:
     from attnserve.server_args import ServerArgs
 
     server_args = ServerArgs.from_cli_args(args)
+    check_parser_flags(server_args)  # before the model loads
     if not 0 <= int(args.port) <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     loop = None

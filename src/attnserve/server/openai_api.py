@@ -28,6 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from attnserve.server.chat_output import chat_output, finish_reason
 from attnserve.server.engine_loop import EngineLoop, RequestStream, StreamEvent, SubmitCommand
 from attnserve.server.errors import APIError, error_body
 from attnserve.server.grammar_request import has_grammar_fields, request_grammar
@@ -51,6 +52,7 @@ from attnserve.server.protocol import (
     new_id,
     now_s,
 )
+from attnserve.server.tool_request import forced_call_grammar, template_messages, template_tools, tool_request
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,9 @@ class ServingContext:
     model_name: str
     metrics: Any = None
     info: Optional[Dict[str, Any]] = None
+    #: ``--tool-call-parser`` / ``--reasoning-parser`` (`attnserve.server.parsers`), or None.
+    tool_call_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None
 
 
 # ---- request -> (prompt ids, SamplingParams) ---------------------------------------------------
@@ -141,17 +146,19 @@ def _prompt_ids(ctx: ServingContext, prompt) -> List[int]:
         raise APIError(400, str(e), "prompt", "invalid_value") from e
 
 
-def _chat_ids(ctx: ServingContext, body: ChatCompletionRequest) -> List[int]:
+def _chat_ids(ctx: ServingContext, body: ChatCompletionRequest, tool_req=None) -> List[int]:
     """Token ids of a conversation in the tokenizer's chat template, with the assistant
     header appended (runs in a worker thread). A message's ``name`` goes to the template
-    with it (as in HF's message dicts); templates that render names use it."""
+    with it (as in HF's message dicts); templates that render names use it. Tools, tool
+    calls and tool results go through the template's own tool support
+    (`attnserve.server.tool_request`)."""
     tok = ctx.engine.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages", "invalid_value")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                 **({"name": m.name} if m.name is not None else {})} for m in body.messages]
+    messages = template_messages(body, tok.chat_template if isinstance(tok.chat_template, str) else None)
     try:
-        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = tok.apply_chat_template(messages, tools=template_tools(tool_req), add_generation_prompt=True,
+                                      tokenize=True)
     except Exception as e:  # jinja2 TemplateError and friends: the conversation does not fit the template
         raise APIError(400, f"the messages do not fit the chat template: {e}", "messages", "invalid_value") from e
     if hasattr(out, "keys") and "input_ids" in out:  # transformers >= 5 returns a BatchEncoding
@@ -539,19 +546,34 @@ def build_router():
         ctx: ServingContext = request.app.state.ctx
         arrival = time.perf_counter()
         _check_model_and_options(ctx, body)
-        prompt_ids = await run_in_threadpool(_chat_ids, ctx, body)
-        grammar = await run_in_threadpool(request_grammar, body) if has_grammar_fields(body) else None
+        tool_req = tool_request(body)
+        out = chat_output(tool_req, ctx.tool_call_parser, ctx.reasoning_parser)
+        prompt_ids = await run_in_threadpool(_chat_ids, ctx, body, tool_req)
+        if tool_req is not None and tool_req.forced:
+            grammar = await run_in_threadpool(forced_call_grammar, body, tool_req)
+        else:
+            grammar = await run_in_threadpool(request_grammar, body) if has_grammar_fields(body) else None
         sp = _sampling_params(ctx, body, len(prompt_ids), body.requested_max_tokens(), "messages", None, grammar)
         rid = new_id("chatcmpl")
         choices = await _submit_choices(ctx, rid, prompt_ids, sp, body.n or 1, arrival)
         model, created = ctx.model_name, now_s()  # one `created` for every chunk of the response
         texts = TokenTexts(ctx.engine.tokenizer) if body.logprobs else None
         if body.stream:
+            readers = [out.stream() for _ in choices] if out.active else None
+
             def chunk(i, text, reason, ev=None):
                 entries = (ev and ev.logprobs) or None
-                if reason is None and not text and not entries:
-                    return None
-                delta = {"content": text or ""} if reason is None else {}
+                if reason is not None:
+                    delta = {}
+                    reason = finish_reason(reason, readers is not None and readers[i].has_calls)
+                elif readers is not None:
+                    delta = readers[i].delta(text or "", final=bool(ev is not None and ev.final))
+                    if not delta and not entries:
+                        return None
+                else:
+                    if not text and not entries:
+                        return None
+                    delta = {"content": text or ""}
                 lp = chat_logprobs(entries, texts) if texts and entries else None
                 return ChatCompletionChunk(id=rid, model=model, created=created, choices=[
                     ChatChunkChoice(index=i, delta=delta, logprobs=lp, finish_reason=reason)])
@@ -568,9 +590,11 @@ def build_router():
             return _sse_response(ctx, [r for r, _ in choices],
                                  _stream_events(ctx, choices, chunk, usage, first_chunks=first))
         finals = await _collect(request, ctx, choices)
+        messages = [out.message(f.text) if out.active else ({"content": f.text}, False) for f in finals]
         return ChatCompletionResponse(
             id=rid, model=model, created=created,
-            choices=[ChatChoice(index=i, message=ChatResponseMessage(content=f.text), finish_reason=f.finish_reason,
+            choices=[ChatChoice(index=i, message=ChatResponseMessage(**messages[i][0]),
+                                finish_reason=finish_reason(f.finish_reason, messages[i][1]),
                                 logprobs=chat_logprobs(f.logprobs, texts) if texts else None)
                      for i, f in enumerate(finals)],
             usage=_usage(len(prompt_ids), finals),

@@ -6,7 +6,7 @@ where a boolean is expected, ``NaN``/``Infinity`` and values out of range are er
 
 No field is silently dropped (`attnserve.server.request_fields`): every field is honoured
 or refused with a 400 naming it (``param``). OpenAI fields that attnserve does not
-implement (``suffix``, ``tools``, ``reasoning_effort`` ...) and the SGLang/vLLM extensions
+implement (``suffix``, ``reasoning_effort`` ...) and the SGLang/vLLM extensions
 it does not implement (``guided_json``, ``structural_tag``, ``lora_path``,
 ``chat_template_kwargs`` ...) are accepted only at their neutral value, else code
 ``unsupported_parameter``; a field that none of these APIs defines gets
@@ -33,7 +33,17 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Dict, List, Literal, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from attnserve.server.request_fields import (
     CHAT_FIELDS,
@@ -191,17 +201,53 @@ class TextContentPart(BaseModel):
     text: StrictStr
 
 
+class ToolCallFunction(BaseModel):
+    """``function`` of an assistant message's tool call: its name and JSON ``arguments`` text."""
+
+    model_config = _STRICT
+    known_extras: ClassVar[Mapping[str, KnownField]] = NO_FIELDS
+    name: StrictStr
+    arguments: StrictStr
+
+
+class MessageToolCall(BaseModel):
+    """One ``tool_calls`` entry of an assistant message in the history."""
+
+    model_config = _STRICT
+    known_extras: ClassVar[Mapping[str, KnownField]] = NO_FIELDS
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     """One message; ``content`` is a string or a list of ``{"type": "text", "text": ...}``
-    parts (image/audio parts are rejected). ``name`` is passed to the chat template."""
+    parts (image/audio parts are rejected). ``name`` is passed to the chat template.
+    An assistant message may carry ``tool_calls`` (then ``content`` may be null or absent);
+    a ``tool`` message answers one call and needs its ``tool_call_id``
+    (`attnserve.server.tool_request`)."""
 
     model_config = _STRICT
     known_extras: ClassVar[Mapping[str, KnownField]] = MESSAGE_FIELDS
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[StrictStr, List[TextContentPart]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[StrictStr, List[TextContentPart]]] = None
     name: Optional[StrictStr] = None
+    tool_calls: Optional[List[MessageToolCall]] = None
+    tool_call_id: Optional[StrictStr] = None
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self):
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -210,7 +256,11 @@ class ChatMessage(BaseModel):
         """The first refused field of this message or of its content parts (``param``
         starts with ``prefix``, e.g. ``"messages.0."``)."""
         refused = refuse_extras(self.model_extra, self.known_extras, prefix)
-        if refused is None and not isinstance(self.content, str):
+        for j, call in enumerate(self.tool_calls or ()):
+            if refused is None:
+                refused = (refuse_extras(call.model_extra, call.known_extras, f"{prefix}tool_calls.{j}.")
+                           or refuse_extras(call.function.model_extra, NO_FIELDS, f"{prefix}tool_calls.{j}.function."))
+        if refused is None and isinstance(self.content, list):
             for j, part in enumerate(self.content):
                 refused = refuse_extras(part.model_extra, part.known_extras, f"{prefix}content.{j}.")
                 if refused is not None:
@@ -244,7 +294,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
-    tools: Optional[List[Any]] = None
+    tools: Optional[List[Any]] = None  # checked by attnserve.server.tool_request
     tool_choice: Optional[Any] = None
     store: Optional[StrictBool] = None
     metadata: Optional[Dict[_MetadataKey, _MetadataValue]] = Field(default=None, max_length=METADATA_MAX_PAIRS)
@@ -257,13 +307,6 @@ class ChatCompletionRequest(_SamplingFields):
         """The logprob fields of `SamplingParams` (``top_logprobs`` without ``logprobs``
         is refused there, naming ``top_logprobs``)."""
         return dict(logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs or 0)
-
-    def declared_refusal(self) -> Optional[Refusal]:
-        if self.tools:
-            return unsupported("tools", self.tools)
-        if self.tool_choice not in (None, "none", "auto"):
-            return unsupported("tool_choice", self.tool_choice)
-        return super().declared_refusal()
 
     def refusal(self) -> Optional[Refusal]:
         refused = super().refusal()
@@ -355,9 +398,35 @@ class CompletionResponse(BaseModel):
     usage: Optional[UsageInfo] = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    """A call in a response message: ``id`` (``call_...``), ``type`` and ``function``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
+    """``content`` is null when the message holds only tool calls; ``reasoning_content``
+    (``--reasoning-parser``) and ``tool_calls`` appear only when set."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_extras(self, handler):
+        data = handler(self)
+        for key in ("reasoning_content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -378,10 +447,12 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     """``delta`` holds only the keys that are present: ``{"role": "assistant", "content": ""}``
-    first, then ``{"content": "..."}``, then ``{}`` beside the ``finish_reason``."""
+    first, then ``{"content": "..."}`` (and ``reasoning_content``, ``tool_calls`` deltas
+    with the parsers of `attnserve.server.chat_output`), then ``{}`` beside the
+    ``finish_reason``."""
 
     index: int = 0
-    delta: Dict[str, str]
+    delta: Dict[str, Any]
     logprobs: Optional[ChatChoiceLogprobs] = None
     finish_reason: Optional[str] = None
 

@@ -97,9 +97,9 @@ _EXT_CHAT = _table(
     best_of=(None, 1),
 )
 
-#: OpenAI chat fields attnserve does not implement and the models do not declare. Without
-#: tools, ``parallel_tool_calls`` asks for nothing; ``service_tier`` "auto"/"default" asks
-#: for ordinary processing.
+#: OpenAI chat fields attnserve does not implement and the models do not declare.
+#: ``parallel_tool_calls`` is honoured by forced calls (`attnserve.server.tool_request`);
+#: ``service_tier`` "auto"/"default" asks for ordinary processing.
 _OPENAI_CHAT = _table(
     "OpenAI",
     reasoning_effort=_NONE, audio=_NONE, modalities=(None, ["text"]), prediction=_NONE,
@@ -110,10 +110,11 @@ _OPENAI_CHAT = _table(
 COMPLETION_FIELDS: Mapping[str, KnownField] = {**_EXT_COMMON, **_EXT_COMPLETION}
 CHAT_FIELDS: Mapping[str, KnownField] = {**_EXT_COMMON, **_EXT_CHAT, **_OPENAI_CHAT}
 
-#: Fields of one chat message (OpenAI's assistant/tool message fields; SGLang's
-#: ``reasoning_content`` and message-level ``tools``).
+#: Fields of one chat message (OpenAI's assistant message fields; SGLang's
+#: ``reasoning_content`` and message-level ``tools``). ``tool_calls`` and ``tool_call_id``
+#: are declared on `ChatMessage`.
 MESSAGE_FIELDS: Mapping[str, KnownField] = {
-    **_table("OpenAI", tool_calls=(None, []), tool_call_id=_NONE, function_call=_NONE, refusal=_NONE, audio=_NONE),
+    **_table("OpenAI", function_call=_NONE, refusal=_NONE, audio=_NONE),
     **_table("SGLang/vLLM", reasoning_content=_NONE, tools=_NONE),
 }
 
