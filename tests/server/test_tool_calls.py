@@ -51,7 +51,7 @@ def _check_calls(choice, only=None):
 def test_forced_calls_validate_20_of_20(oai):
     def one(i):
         choice = "required" if i % 2 else {"type": "function", "function": {"name": "get_time"}}
-        r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=48,
+        r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=96,
                                         temperature=1.0, seed=i, extra_body={"parallel_tool_calls": i % 4 != 1})
         return choice, r.choices[0]
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from attnserve.engine.sampler import SamplingBatchInfo, counter_uniform, sample
+from attnserve.engine.sampler import SamplingBatchInfo, counter_uniform, sample, unit_interval
 from attnserve.engine.sampling_params import SamplingParams
 
 
@@ -108,3 +108,18 @@ def test_argmax_last_matches_torch_argmax_including_ties():
     x[5, :] = 0.0  # all equal
     assert torch.equal(argmax_last(x), torch.argmax(x, dim=-1))
     assert argmax_last(x)[2] == 10 and argmax_last(x)[5] == 0
+
+
+def test_uniforms_never_reach_one_so_masked_tokens_stay_masked():
+    h = torch.tensor([0, 1, 2**31 - 129, 2**31 - 128, 2**31 - 1])
+    u = unit_interval(h)
+    assert bool((u > 0).all()) and bool((u < 1).all()), u
+    assert bool(torch.isfinite(-torch.log(-torch.log(u))).all())
+    # a grammar-style mask: only 3 of 49,152 tokens allowed, 256 seeds, temperature 1
+    n, vocab = 256, 49152
+    logits = torch.full((n, vocab), float("-inf"))
+    allowed = torch.tensor([5, 700, 40000])
+    logits[:, allowed] = torch.randn(n, 3)
+    info = SamplingBatchInfo.from_params([SamplingParams(temperature=1.0)] * n, list(range(n)), [0] * n, "cpu")
+    ids = sample(logits, info)
+    assert bool(torch.isin(ids, allowed).all())

@@ -52,7 +52,14 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: in
     vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     h = _mix31((row[:, None] + vocab[None, :] * 0x9E3779B1) & _M31)
     h = _mix31(h ^ row[:, None])
-    return (h.to(torch.float32) + 0.5) * (1.0 / 2**31)
+    return unit_interval(h)
+
+
+def unit_interval(h: torch.Tensor) -> torch.Tensor:
+    """float32 in (0, 1) strictly from 31-bit integers ``h``: the top 23 bits plus one half, exact in float32.
+    (All 31 bits round to 2**31 for the top 128 values: u == 1, a Gumbel of +inf, and
+    ``-inf + inf`` = NaN, which argmax picks, for a token masked to -inf.)"""
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 2**23)
 
 
 @dataclass
