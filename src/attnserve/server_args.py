@@ -60,6 +60,8 @@ class ServerArgs:
     disable_fused_kernels: bool = False  # PyTorch norms / RoPE / gates / KV store / linear on CUDA
     # server
     graceful_shutdown_timeout: float = 30.0  # seconds running requests get after SIGTERM
+    chat_template: Optional[str] = None  # Jinja file or template text (model_loader/chat_template.py)
+    allowed_origins: Optional[List[str]] = None  # CORS origins of the HTTP server; None: no CORS headers
     # tensor parallelism (attnserve.distributed)
     tp_size: int = 1
     nnodes: int = 1
@@ -261,6 +263,10 @@ class ServerArgs:
                "attnserve's fused Triton kernels (to compare or to rule them out)")
         a("--graceful-shutdown-timeout", type=float, default=d.graceful_shutdown_timeout,
           help="on SIGTERM, seconds running requests get to finish before they are ended with an error")
+        a("--chat-template", default=None,
+          help="chat template: a Jinja file, or the template text itself (default: the model's own)")
+        a("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+          help="serve: CORS origins allowed to call the server from a browser ('*' for any); none by default")
         a("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=d.tp_size,
           help="tensor-parallel ranks (one process each; NCCL on CUDA, gloo on CPU)")
         a("--nnodes", type=int, default=d.nnodes, help="machines the tensor-parallel ranks span")

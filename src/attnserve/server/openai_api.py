@@ -66,6 +66,8 @@ class ServingContext:
         model_name: id served under ``/v1/models``; requests naming another model get 404.
         metrics: `ServerMetrics` or None.
         info: static facts for ``/debug/state`` (device, versions, backend).
+        chat_template: the server's chat template overriding the model's, or None.
+        health_generate_timeout_s: how long ``/health_generate`` waits for its token.
     """
 
     loop: EngineLoop
@@ -73,6 +75,10 @@ class ServingContext:
     model_name: str
     metrics: Any = None
     info: Optional[Dict[str, Any]] = None
+    #: ``--chat-template`` (Jinja source, `attnserve.model_loader.chat_template.load_chat_template`) or None
+    chat_template: Optional[str] = None
+    #: ``/health_generate`` waits this long for its one token before answering 503 (seconds)
+    health_generate_timeout_s: float = 20.0
 
 
 # ---- request -> (prompt ids, SamplingParams) ---------------------------------------------------
@@ -142,21 +148,14 @@ def _prompt_ids(ctx: ServingContext, prompt) -> List[int]:
 
 
 def _chat_ids(ctx: ServingContext, body: ChatCompletionRequest) -> List[int]:
-    """Token ids of a conversation in the tokenizer's chat template, with the assistant
-    header appended (runs in a worker thread). A message's ``name`` goes to the template
-    with it (as in HF's message dicts); templates that render names use it."""
-    tok = ctx.engine.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions", "messages", "invalid_value")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                 **({"name": m.name} if m.name is not None else {})} for m in body.messages]
-    try:
-        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except Exception as e:  # jinja2 TemplateError and friends: the conversation does not fit the template
-        raise APIError(400, f"the messages do not fit the chat template: {e}", "messages", "invalid_value") from e
-    if hasattr(out, "keys") and "input_ids" in out:  # transformers >= 5 returns a BatchEncoding
-        out = out["input_ids"]
-    return [int(t) for t in out]
+    """Token ids of a conversation in the server's chat template (``--chat-template``, else
+    the tokenizer's) under the request's ``add_generation_prompt`` (default: the assistant
+    header is appended), ``continue_final_message`` and ``chat_template_kwargs`` (runs in a
+    worker thread; `attnserve.server.chat_template`). A message's ``name`` goes to the
+    template with it (as in HF's message dicts); templates that render names use it."""
+    from attnserve.server.chat_template import request_prompt_ids, template_messages
+
+    return request_prompt_ids(ctx, body, template_messages(body.messages))
 
 
 def _request_limit(ctx: ServingContext) -> int:

@@ -85,12 +85,13 @@ _EXT_COMPLETION = _table(
     add_special_tokens=_TRUE, prompt_embeds=_NONE,
 )
 
-#: Extensions of ``/v1/chat/completions`` only. The chat template is applied with the
-#: generation prompt and without extra special tokens (`openai_api._chat_ids`).
+#: Extensions of ``/v1/chat/completions`` only. The chat template is applied without extra
+#: special tokens; ``add_generation_prompt``, ``continue_final_message`` and
+#: ``chat_template_kwargs`` are declared fields (`attnserve.server.chat_template`).
 _EXT_CHAT = _table(
     "SGLang/vLLM",
-    add_generation_prompt=_TRUE, continue_final_message=_FALSE, add_special_tokens=_FALSE,
-    chat_template=_NONE, chat_template_kwargs=(None, {}), documents=_NONE, mm_processor_kwargs=_NONE,
+    add_special_tokens=_FALSE,
+    chat_template=_NONE, documents=_NONE, mm_processor_kwargs=_NONE,
     media_io_kwargs=_NONE, max_dynamic_patch=_NONE, min_dynamic_patch=_NONE, use_audio_in_video=_FALSE,
     input_ids=_NONE, task=_NONE, reasoning=_NONE, separate_reasoning=_FALSE, stream_reasoning=_TRUE,
     include_reasoning=_TRUE, return_prompt_token_ids=_FALSE, return_meta_info=_FALSE, echo=_FALSE,
