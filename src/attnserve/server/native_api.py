@@ -158,8 +158,14 @@ async def _build_item(ctx, body: GenerateRequest, i: int, prompt, batch: bool, p
         raise APIError(400, f"logprob_start_len={start} is not supported by attnserve; use -1 (output only) or 0 "
                             "(the whole prompt too)", "logprob_start_len", "unsupported_parameter")
     top = per["top_logprobs_num"][i] or 0
-    max_new = _max_new_tokens(ctx, len(ids), kwargs.pop("max_new_tokens", None), DEFAULT_MAX_NEW_TOKENS,
-                              prompt_param)
+    try:
+        max_new = _max_new_tokens(ctx, len(ids), kwargs.pop("max_new_tokens", None), DEFAULT_MAX_NEW_TOKENS,
+                                  prompt_param)
+    except APIError as e:
+        if e.param == "max_tokens":  # the OpenAI routes' name for it
+            e.param, e.message = f"{sp_param}.max_new_tokens", e.message.replace("max_tokens", "max_new_tokens")
+            e.args = (e.message,)
+        raise
     try:
         sp = SamplingParams(max_new_tokens=max_new, **kwargs, logprobs=want_lp, top_logprobs=top if want_lp else 0,
                             prompt_logprobs=want_lp and start == 0)
