@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 PROMPT = "The capital of France is"
-GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+GREEDY = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
 
 
 def _sse(text):
@@ -31,7 +31,7 @@ def completion(server, auth):
     import httpx
 
     r = httpx.post(server.base_url + "/v1/completions", headers=auth, timeout=120, json={
-        "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0})
+        "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 0})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 
@@ -62,8 +62,8 @@ def test_generate_text_matches_completions(client, completion):
     out = _generate(client, text=PROMPT, sampling_params=GREEDY)
     assert out["text"] == completion["text"] and out["text"]
     meta = out["meta_info"]
-    assert meta["finish_reason"] == {"type": "length", "length": 8}
-    assert meta["completion_tokens"] == 8 and meta["prompt_tokens"] > 3 and meta["e2e_latency"] > 0
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert meta["completion_tokens"] == 5 and meta["prompt_tokens"] > 3 and meta["e2e_latency"] > 0
     assert meta["id"].startswith("generate-") and "output_token_logprobs" not in meta
 
 
@@ -104,7 +104,7 @@ def test_generate_return_logprob(server, client, completion):
                     return_text_in_logprobs=True, logprob_start_len=0)
     meta, tok = out["meta_info"], server.engine.tokenizer
     lps, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
-    assert len(lps) == len(tops) == 8 and [e[1] for e in lps] == out["output_ids"]
+    assert len(lps) == len(tops) == 5 and [e[1] for e in lps] == out["output_ids"]
     assert tok.decode(out["output_ids"]) == out["text"] == completion["text"]
     for (lp, tid, text), top in zip(lps, tops):
         assert lp <= 0 and text == tok.decode([tid]) and len(top) == 3
@@ -114,7 +114,7 @@ def test_generate_return_logprob(server, client, completion):
     assert len(inputs) == meta["prompt_tokens"] and inputs[0][0] is None and all(e[0] <= 0 for e in inputs[1:])
     assert [e[1] for e in inputs] == tok.encode(PROMPT)
     plain = _generate(client, text=PROMPT, sampling_params=GREEDY, return_logprob=True)
-    assert plain["meta_info"]["output_top_logprobs"] == [[] for _ in range(8)]
+    assert plain["meta_info"]["output_top_logprobs"] == [[] for _ in range(5)]
     assert plain["meta_info"]["output_token_logprobs"][0][2] is None  # no text unless asked
     streamed = _sse(client.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY, "stream": True,
                                                    "return_logprob": True}).text)
@@ -214,7 +214,7 @@ def _metric_values(text):
 
 def test_sglang_metric_names(server, client):
     before = _metric_values(client.get("/metrics").text)
-    _generate(client, text=PROMPT, sampling_params=dict(GREEDY, max_new_tokens=5))
+    _generate(client, text=PROMPT, sampling_params=dict(GREEDY, max_new_tokens=4))
     server.wait_idle()
     text = client.get("/metrics").text
     after = _metric_values(text)
@@ -227,7 +227,7 @@ def test_sglang_metric_names(server, client):
                          ("attnserve_prompt_tokens_total", "sglang:prompt_tokens_total"),
                          ("attnserve_time_to_first_token_seconds_count", "sglang:time_to_first_token_seconds_count")):
         assert after[theirs] == after[ours] and after[theirs] > before.get(theirs, 0), theirs
-    assert after["sglang:generation_tokens_total"] - before["sglang:generation_tokens_total"] == 5
+    assert after["sglang:generation_tokens_total"] - before["sglang:generation_tokens_total"] == 4
     assert after["sglang:num_running_reqs"] == 0 and after["sglang:token_usage"] == 0
     assert "# TYPE sglang:num_running_reqs gauge" in text
 

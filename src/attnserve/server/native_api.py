@@ -291,7 +291,7 @@ async def generate(ctx, body: GenerateRequest, request) -> Any:
                 e = ev.error
                 yield f"data: {json.dumps(error_body(e.status, e.message, None, e.code, e.type))}\n\n"
                 break
-            if not ev.text and not ev.logprobs and not ev.final:
+            if not ev.text and not ev.logprobs and not ev.prompt_logprobs and not ev.final:
                 continue
             results[i].add(ev)
             yield f"data: {json.dumps(results[i].body(i if batch else None))}\n\n"
