@@ -78,8 +78,8 @@ class GenerateRequest(_Body):
             APIError 400: neither or both of ``text`` / ``input_ids``, an empty batch, an
                 empty prompt, or more than `MAX_BATCH` prompts."""
         if (self.text is None) == (self.input_ids is None):
-            raise APIError(400, "send exactly one of text and input_ids", "text" if self.text is not None else "input_ids",
-                           "invalid_value")
+            param = "text" if self.text is not None else "input_ids"
+            raise APIError(400, "send exactly one of text and input_ids", param, "invalid_value")
         if self.text is not None:
             param, items = "text", ([self.text] if isinstance(self.text, str) else list(self.text))
         else:

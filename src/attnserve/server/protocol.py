@@ -23,7 +23,8 @@ Extensions beyond OpenAI that attnserve honours (SGLang/vLLM names): ``top_k``, 
 ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty`` (> 0), ``min_tokens``; constrained
 decoding: ``response_format`` (also on completions), ``json_schema``, ``regex``, ``ebnf``
 (`attnserve.server.grammar_request`); chat-template control: ``add_generation_prompt``,
-``continue_final_message``, ``chat_template_kwargs`` (`attnserve.server.chat_template`). Accepted as OpenAI accepts them and changing no output:
+``continue_final_message``, ``chat_template_kwargs`` (`attnserve.server.chat_template`).
+Accepted as OpenAI accepts them and changing no output:
 ``user`` (both endpoints); ``store``, ``metadata``, ``safety_identifier`` and
 ``prompt_cache_key`` (chat; see `ChatCompletionRequest`).
 """
