@@ -63,6 +63,8 @@ class ServerArgs:
     graceful_shutdown_timeout: float = 30.0  # seconds running requests get after SIGTERM
     tool_call_parser: Optional[str] = None  # llama3 | qwen25 | hermes | mistral (server/parsers)
     reasoning_parser: Optional[str] = None  # deepseek-r1 | qwen3 (server/parsers/reasoning.py)
+    chat_template: Optional[str] = None  # Jinja file or template text (model_loader/chat_template.py)
+    allowed_origins: Optional[List[str]] = None  # CORS origins of the HTTP server; None: no CORS headers
     # tensor parallelism (attnserve.distributed)
     tp_size: int = 1
     nnodes: int = 1
@@ -301,6 +303,10 @@ class ServerArgs:
           help="read tool calls out of chat outputs: llama3, qwen25, hermes or mistral (server/parsers)")
         a("--reasoning-parser", default=None,
           help="split the thinking (<think>...</think>) into reasoning_content: deepseek-r1 or qwen3")
+        a("--chat-template", default=None,
+          help="chat template: a Jinja file, or the template text itself (default: the model's own)")
+        a("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+          help="serve: CORS origins allowed to call the server from a browser ('*' for any); none by default")
         a("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=d.tp_size,
           help="tensor-parallel ranks (one process each; NCCL on CUDA, gloo on CPU)")
         a("--nnodes", type=int, default=d.nnodes, help="machines the tensor-parallel ranks span")

@@ -24,8 +24,7 @@ DROPPED_BOTH = [
 ]
 # Extensions of /v1/chat/completions only.
 DROPPED_CHAT = [
-    ("continue_final_message", True), ("chat_template_kwargs", {"enable_thinking": False}),
-    ("add_generation_prompt", False), ("separate_reasoning", True), ("chat_template", "{{ messages }}"),
+    ("separate_reasoning", True), ("chat_template", "{{ messages }}"),
     ("documents", [{"title": "t", "text": "x"}]), ("echo", True),
 ]
 CASES = ([(C, f, v) for f, v in DROPPED_BOTH] + [(CHAT, f, v) for f, v in DROPPED_BOTH]

@@ -1,8 +1,9 @@
-"""Offline API: ``attnserve.LLM(model=...).generate(prompts, sampling_params)``."""
+"""Offline API: ``attnserve.LLM(model=...).generate(prompts, sampling_params)`` and
+``LLM.chat(conversations, sampling_params)``."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from attnserve.engine.engine import Engine, GenerateOutput, Prompt
 from attnserve.engine.sampling_params import SamplingParams
@@ -29,7 +30,11 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
+        from attnserve.model_loader.chat_template import load_chat_template
+
         self.server_args = ServerArgs(model=model, **kwargs)
+        #: ``chat_template`` (a Jinja file or text) as Jinja source, or None: the model's own
+        self.chat_template = load_chat_template(self.server_args.chat_template)
         self.engine = Engine(self.server_args)
 
     @property
@@ -63,7 +68,9 @@ class LLM:
             prompts: a string, a list of token ids, or a list of either.
             sampling_params: one `SamplingParams` for all prompts or one per prompt
                 (default: ``SamplingParams()``).
-            chat: wrap each text prompt in the model's chat template.
+            chat: wrap each text prompt, as one user message, in the chat template (the
+                LLM's ``chat_template``, else the model's own). For whole conversations
+                and template options use `chat`.
 
         Raises:
             ValueError: an empty prompt list, an empty or over-long prompt, invalid sampling
@@ -82,7 +89,76 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        token_lists = [self.engine.tokenize(p, chat=chat) for p in prompts]
+        if chat and self.chat_template is not None and any(isinstance(p, str) for p in prompts):
+            token_lists = [self._render([{"role": "user", "content": p}], self.chat_template, None, False, None, None)
+                           if isinstance(p, str) and p else self.engine.tokenize(p) for p in prompts]
+        else:
+            token_lists = [self.engine.tokenize(p, chat=chat) for p in prompts]
+        return self._run(token_lists, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[Sequence[Dict[str, Any]], Sequence[Sequence[Dict[str, Any]]]],
+        sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+        tools: Optional[List[Dict[str, Any]]] = None,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: Optional[bool] = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Optional[Dict[str, Any]] = None,
+        use_tqdm: bool = False,
+    ) -> List[GenerateOutput]:
+        """Generate the next assistant turn of one conversation or of several.
+
+        Args:
+            messages: one conversation (a list of ``{"role", "content", ...}`` dicts) or a
+                list of conversations.
+            sampling_params: one for all conversations or one per conversation.
+            tools: OpenAI-style tool definitions, rendered by the template's tool support.
+            chat_template: a Jinja file or template text for this call (default: the
+                LLM's ``chat_template``, else the model's own).
+            add_generation_prompt: append the assistant header; default True, or False
+                with ``continue_final_message``.
+            continue_final_message: leave the last (assistant) message open so the output
+                continues it: no end-of-turn token, no new header. True together with
+                ``add_generation_prompt=True`` is a ValueError.
+            chat_template_kwargs: extra template variables (e.g. ``enable_thinking``).
+
+        Returns:
+            one `GenerateOutput` per conversation, in order (``prompt_token_ids`` is the
+            rendered conversation).
+
+        Raises:
+            ValueError: an empty list, a conversation the template cannot render (the
+                template's message), conflicting options, or anything `generate` refuses.
+            RuntimeError: the LLM was shut down.
+        """
+        from attnserve.model_loader.chat_template import load_chat_template
+
+        self.engine.check_running()
+        convs = list(messages)
+        if not convs:
+            raise ValueError("messages is empty")
+        if isinstance(convs[0], dict):
+            convs = [convs]
+        template = load_chat_template(chat_template) if chat_template is not None else self.chat_template
+        token_lists = [self._render(list(c), template, add_generation_prompt, continue_final_message,
+                                    chat_template_kwargs, tools) for c in convs]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(convs)
+        if len(params) != len(convs):
+            raise ValueError(f"{len(convs)} conversations but {len(params)} sampling params")
+        return self._run(token_lists, params, use_tqdm)
+
+    def _render(self, conversation, template, add_generation_prompt, continue_final_message, kwargs, tools):
+        from attnserve.model_loader.chat_template import render_chat
+
+        return render_chat(self.engine.tokenizer, conversation, chat_template=template,
+                           add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                           chat_template_kwargs=kwargs, tools=tools).token_ids
+
+    def _run(self, token_lists: List[List[int]], params: List[SamplingParams], use_tqdm: bool) -> List[GenerateOutput]:
+        """Check every prompt, enqueue them all, step until each is finished."""
         for ids, p in zip(token_lists, params):
             self.engine.check_prompt(ids, p)
         reqs = [self.engine.add_request(ids, p) for ids, p in zip(token_lists, params)]

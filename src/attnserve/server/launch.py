@@ -20,7 +20,7 @@ import os
 import platform
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,8 @@ def check_parser_flags(server_args) -> None:
 
 
 def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, loop=None):
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, loop=None, chat_template: Optional[str] = None,
+               allowed_origins: Optional[List[str]] = None):
     """Build the ASGI app serving ``engine``.
 
     Args:
@@ -90,6 +91,13 @@ def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] 
         max_body_bytes: request bodies above this many bytes get 413.
         loop: an `EngineLoop` (or `EngineClient`) to use (default: a new `EngineLoop`);
             started with the app's lifespan and stopped at shutdown.
+        chat_template: ``--chat-template`` (a Jinja file or the template text; default:
+            ``engine.server_args.chat_template``, else the model's own template).
+        allowed_origins: CORS origins (default: ``engine.server_args.allowed_origins``);
+            None or empty adds no CORS middleware (`wrap_app`).
+
+    Raises:
+        ValueError: a chat template that names no readable file or does not compile.
 
     Returns:
         the FastAPI app; ``app.state.ctx`` is its `ServingContext`.
@@ -105,10 +113,14 @@ def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] 
     from attnserve.server.engine_loop import EngineLoop
     from attnserve.server.errors import install_error_handlers
     from attnserve.server.metrics import ServerMetrics
+    from attnserve.model_loader.chat_template import load_chat_template
+    from attnserve.server.native_api import build_native_router
     from attnserve.server.openai_api import ServingContext, build_router
 
-    sargs = getattr(engine, "server_args", None)
-    check_parser_flags(sargs)
+    server_args = getattr(engine, "server_args", None)
+    check_parser_flags(server_args)
+    template = load_chat_template(chat_template or getattr(server_args, "chat_template", None))
+    origins = allowed_origins if allowed_origins is not None else getattr(server_args, "allowed_origins", None)
     name = model_name or engine.server_args.model
     # a loop that brings its own metrics (the data-parallel controller's per-replica ones) keeps them
     metrics = getattr(loop, "metrics", None) or ServerMetrics(name)
@@ -118,9 +130,9 @@ def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] 
         loop.metrics = metrics
     info = getattr(engine, "info", None)  # a `RemoteEngine` brings the engine process's facts
     ctx = ServingContext(loop=loop, engine=engine, model_name=name, metrics=metrics,
-                         info=info if isinstance(info, dict) else describe_engine(engine),
-                         tool_call_parser=getattr(sargs, "tool_call_parser", None),
-                         reasoning_parser=getattr(sargs, "reasoning_parser", None))
+                         info=info if isinstance(info, dict) else describe_engine(engine), chat_template=template,
+                         tool_call_parser=getattr(server_args, "tool_call_parser", None),
+                         reasoning_parser=getattr(server_args, "reasoning_parser", None))
 
     @asynccontextmanager
     async def lifespan(app):
@@ -142,8 +154,10 @@ def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] 
                   max_body_size=max_body_bytes, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     app.state.max_body_bytes = max_body_bytes
+    app.state.allowed_origins = list(origins or [])
     install_error_handlers(app)
     app.include_router(build_router())
+    app.include_router(build_native_router())
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
 
@@ -151,8 +165,10 @@ def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] 
 def wrap_app(app):
     """The ASGI callable to serve: ``app`` (from `create_app`) behind
     `DeclaredBodyLimitMiddleware`, which must sit outside FastAPI's own limiter (whose
-    plain-text 413 would replace the OpenAI error body), `JsonContentTypeMiddleware` (415)
-    and, outermost, `CloseOnServerErrorMiddleware` (``Connection: close`` on any 5xx)."""
+    plain-text 413 would replace the OpenAI error body), `JsonContentTypeMiddleware` (415),
+    `CloseOnServerErrorMiddleware` (``Connection: close`` on any 5xx) and, outermost when
+    ``--allowed-origins`` is set, Starlette's ``CORSMiddleware`` (preflights answered before
+    the API key is asked; every answer, errors included, carries the CORS headers)."""
     from attnserve.server.middleware import (
         CloseOnServerErrorMiddleware,
         DeclaredBodyLimitMiddleware,
@@ -160,7 +176,13 @@ def wrap_app(app):
     )
 
     inner = JsonContentTypeMiddleware(DeclaredBodyLimitMiddleware(app, app.state.max_body_bytes))
-    return CloseOnServerErrorMiddleware(inner)
+    outer = CloseOnServerErrorMiddleware(inner)
+    origins = getattr(app.state, "allowed_origins", None)
+    if origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        outer = CORSMiddleware(outer, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
+    return outer
 
 
 def launch_server(args) -> int:
@@ -189,6 +211,9 @@ def launch_server(args) -> int:
     check_parser_flags(server_args)  # before the model loads
     if not 0 <= int(args.port) <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    from attnserve.model_loader.chat_template import load_chat_template
+
+    load_chat_template(server_args.chat_template)  # a bad --chat-template fails before the model loads
     loop = None
     if server_args.dp_size > 1:  # replicas in engine processes of their own (server/data_parallel.py)
         from attnserve.server.data_parallel import start_data_parallel

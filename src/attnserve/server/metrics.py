@@ -30,10 +30,25 @@ time_to_first_token_seconds            histogram  arrival -> first generated tok
 inter_token_latency_seconds            histogram  gap between consecutive tokens of a request
 e2e_request_latency_seconds            histogram  arrival -> last token
 =====================================  =========  ==============================================
+
+The same facts also go out under SGLang's names (prefix ``sglang:``, label ``model_name``),
+so dashboards built for SGLang work unchanged (`SGLangNames`): gauges
+``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:num_used_tokens``,
+``sglang:token_usage`` (used / total KV slots), ``sglang:gen_throughput`` (generated tokens
+per second over the last second or more), ``sglang:cache_hit_rate``,
+``sglang:spec_accept_length``; counters ``sglang:prompt_tokens_total``,
+``sglang:generation_tokens_total``, ``sglang:cached_tokens_total``,
+``sglang:num_requests_total``, ``sglang:num_aborted_requests_total``; histograms
+``sglang:time_to_first_token_seconds``, ``sglang:inter_token_latency_seconds``,
+``sglang:e2e_request_latency_seconds``. A colon is legal in Prometheus metric names (not in
+label names; rule-recording convention); prometheus-client accepts it in the metric's name
+as given (a ``namespace`` would join with ``_``, so the prefix is part of the name). Source
+(names and meanings, facts only): SGLang's "Production Metrics" documentation.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Dict
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
@@ -92,29 +107,35 @@ class ServerMetrics:
         self.spec_accept_length = gauge("spec_accept_length", "Mean tokens per speculative verify since start.")
         self._seen = {"retractions": 0, "retracted_requests": 0, "cached_prompt_tokens": 0, "spec_verify": 0}
         self.model_name = model_name
+        self.sglang = SGLangNames(self.registry, model_name)
 
     # ---- fed by the engine loop thread ---------------------------------------------------------
     def on_accept(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
+        self.sglang.prompt_tokens.inc(prompt_tokens)
 
     def on_reject(self, status: int) -> None:
         self._rejected.labels(self.model_name, str(status)).inc()
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
+        self.sglang.ttft.observe(ttft_s)
 
     def on_inter_token(self, gap_s: float, num_tokens: int = 1) -> None:
         """``num_tokens`` tokens arrived ``gap_s`` seconds after the previous one: each is
         observed at ``gap_s / num_tokens``."""
         for _ in range(num_tokens):
             self.itl.observe(gap_s / num_tokens)
+            self.sglang.itl.observe(gap_s / num_tokens)
 
     def on_generated(self, num_tokens: int) -> None:
         self.generation_tokens.inc(num_tokens)
+        self.sglang.on_generated(num_tokens)
 
     def on_finish(self, finish_reason: str, e2e_s: float) -> None:
         self._finished.labels(self.model_name, finish_reason).inc()
         self.e2e.observe(e2e_s)
+        self.sglang.on_finish(finish_reason, e2e_s)
 
     def set_state(self, state: Dict[str, Any]) -> None:
         """Update the gauges from an `EngineLoop` state snapshot."""
@@ -138,6 +159,7 @@ class ServerMetrics:
             self.hit_rate.set(state.get("cached_prompt_tokens", 0) / state["admitted_prompt_tokens"])
         self.kv_evictable.set(state.get("kv_slots_cached", 0))
         self.kv_protected.set(state.get("kv_slots_protected", 0))
+        self.sglang.set_state(state)
 
     # ---- read by HTTP handlers -----------------------------------------------------------------
     def render(self) -> bytes:
@@ -151,3 +173,82 @@ class ServerMetrics:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return CONTENT_TYPE_LATEST
+
+
+class SGLangNames:
+    """The metrics under SGLang's ``sglang:`` names, in ``registry`` (fed by `ServerMetrics`).
+
+    Args:
+        registry: the server's ``CollectorRegistry``.
+        model_name: value of the ``model_name`` label.
+        throughput_window_s: ``sglang:gen_throughput`` is refreshed when at least this many
+            seconds passed since its last refresh (tokens generated in between / elapsed).
+    """
+
+    def __init__(self, registry, model_name: str, throughput_window_s: float = 1.0):
+        from prometheus_client import Counter, Gauge, Histogram
+
+        labels = ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(f"sglang:{name}", doc, labels, registry=registry).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(f"sglang:{name}", doc, labels, registry=registry).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"sglang:{name}", doc, labels, buckets=buckets, registry=registry).labels(model_name)
+
+        self.num_running_reqs = gauge("num_running_reqs", "The number of running requests.")
+        self.num_queue_reqs = gauge("num_queue_reqs", "The number of requests in the waiting queue.")
+        self.num_used_tokens = gauge("num_used_tokens", "The number of KV-cache tokens in use.")
+        self.token_usage = gauge("token_usage", "KV-cache tokens in use / KV-cache tokens in the pool.")
+        self.gen_throughput = gauge("gen_throughput", "The generation throughput (tokens/s).")
+        self.cache_hit_rate = gauge("cache_hit_rate", "Prompt tokens served from the prefix cache / admitted.")
+        self.spec_accept_length = gauge("spec_accept_length", "Mean tokens per speculative verify.")
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self.cached_tokens = counter("cached_tokens", "Number of prompt tokens served from the prefix cache.")
+        self.num_requests = counter("num_requests", "Number of finished requests.")
+        self.num_aborted_requests = counter("num_aborted_requests", "Number of aborted requests.")
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             _LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.",
+                             _E2E_BUCKETS)
+        self.window_s = throughput_window_s
+        self._generated = 0
+        self._window_start = (time.monotonic(), 0)
+        self._cached_seen = 0
+
+    def on_generated(self, num_tokens: int) -> None:
+        self._generated += num_tokens
+        self.generation_tokens.inc(num_tokens)
+
+    def on_finish(self, finish_reason: str, e2e_s: float) -> None:
+        self.num_requests.inc()
+        if finish_reason == "abort":
+            self.num_aborted_requests.inc()
+        self.e2e.observe(e2e_s)
+
+    def set_state(self, state: Dict[str, Any]) -> None:
+        """Gauges from an engine-loop state snapshot; the throughput window rolls here."""
+        self.num_running_reqs.set(state["running"])
+        self.num_queue_reqs.set(state["waiting"])
+        self.num_used_tokens.set(state["kv_slots_used"])
+        if state["kv_slots_total"]:
+            self.token_usage.set(state["kv_slots_used"] / state["kv_slots_total"])
+        if state.get("admitted_prompt_tokens"):
+            self.cache_hit_rate.set(state.get("cached_prompt_tokens", 0) / state["admitted_prompt_tokens"])
+        cached = state.get("cached_prompt_tokens", 0)
+        if cached > self._cached_seen:  # the snapshot holds a total; the counter takes increments
+            self.cached_tokens.inc(cached - self._cached_seen)
+            self._cached_seen = cached
+        if "spec_accept_length" in state:
+            self.spec_accept_length.set(state["spec_accept_length"])
+        now = time.monotonic()
+        t0, n0 = self._window_start
+        if now - t0 >= self.window_s:
+            self.gen_throughput.set((self._generated - n0) / (now - t0))
+            self._window_start = (now, self._generated)

@@ -3,8 +3,9 @@ and one that closes the connection after any server error.
 
 `ApiKeyMiddleware` is middleware rather than a FastAPI dependency so that a request with a
 wrong key gets 401 even when its body is also malformed (dependencies run after body
-parsing). ``/health`` and ``/metrics`` stay open for probes and scrapers; every other route
-(``/v1/...``, ``/debug/...``) needs ``Authorization: Bearer <key>`` when a key is set.
+parsing). ``/health``, ``/health_generate`` and ``/metrics`` stay open for probes and
+scrapers (as SGLang leaves its ``/health*`` routes open); every other route (``/v1/...``,
+``/generate``, ``/tokenize``, ``/debug/...``) needs ``Authorization: Bearer <key>`` when a key is set.
 
 `DeclaredBodyLimitMiddleware` answers 413 with an OpenAI error body to a request whose
 ``Content-Length`` is over the limit. Bodies without a declared length are limited by
@@ -16,7 +17,7 @@ from __future__ import annotations
 import secrets
 from typing import Optional
 
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/health_generate", "/metrics")
 
 
 class ApiKeyMiddleware:

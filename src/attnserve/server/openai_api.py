@@ -52,6 +52,7 @@ from attnserve.server.protocol import (
     new_id,
     now_s,
 )
+from attnserve.server.request_fields import check_unicode
 from attnserve.server.tool_request import forced_call_grammar, template_messages, template_tools, tool_request
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class ServingContext:
         model_name: id served under ``/v1/models``; requests naming another model get 404.
         metrics: `ServerMetrics` or None.
         info: static facts for ``/debug/state`` (device, versions, backend).
+        chat_template: the server's chat template overriding the model's, or None.
+        health_generate_timeout_s: how long ``/health_generate`` waits for its token.
     """
 
     loop: EngineLoop
@@ -78,6 +81,10 @@ class ServingContext:
     #: ``--tool-call-parser`` / ``--reasoning-parser`` (`attnserve.server.parsers`), or None.
     tool_call_parser: Optional[str] = None
     reasoning_parser: Optional[str] = None
+    #: ``--chat-template`` (Jinja source, `attnserve.model_loader.chat_template.load_chat_template`) or None
+    chat_template: Optional[str] = None
+    #: ``/health_generate`` waits this long for its one token before answering 503 (seconds)
+    health_generate_timeout_s: float = 20.0
 
 
 # ---- request -> (prompt ids, SamplingParams) ---------------------------------------------------
@@ -89,7 +96,7 @@ def _check_model_and_options(ctx: ServingContext, body) -> None:
         APIError: 400 (``invalid_value`` / ``unsupported_parameter`` /
             ``unrecognized_request_argument``, ``param`` naming the field) or 404 (unknown model).
     """
-    _check_unicode(body)
+    check_unicode(body)
     if body.model is not None and body.model != ctx.model_name:
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves {ctx.model_name!r}",
                        "model", "model_not_found")
@@ -102,42 +109,6 @@ def _check_model_and_options(ctx: ServingContext, body) -> None:
                        "stop", "invalid_value")
 
 
-def _check_unicode(body) -> None:
-    """400 ``invalid_value`` naming the field when any text of the request (prompt,
-    messages, stop strings, model, user ...) is not valid Unicode: a lone UTF-16 surrogate,
-    which JSON's ``\\uD800`` escapes can carry but UTF-8 cannot encode, so it could reach
-    neither the tokenizer nor a response."""
-    for name, value in body:
-        where = _lone_surrogate(value)
-        if where is not None:
-            raise APIError(400, f"{name} is not valid Unicode: a lone surrogate at character {where} of a string",
-                           name, "invalid_value")
-
-
-def _lone_surrogate(value) -> Optional[int]:
-    """Index of the first lone surrogate in the first string inside ``value`` (strings,
-    lists, dicts, pydantic models, nested) that has one; None when all text is valid."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            return e.start
-        return None
-    if isinstance(value, dict):
-        items = [x for kv in value.items() for x in kv]
-    elif isinstance(value, (list, tuple)):
-        items = value
-    elif hasattr(value, "model_fields_set"):  # a nested pydantic model (a chat message, a content part)
-        items = [v for _, v in value]
-    else:
-        return None
-    for item in items:
-        where = _lone_surrogate(item)
-        if where is not None:
-            return where
-    return None
-
-
 def _prompt_ids(ctx: ServingContext, prompt) -> List[int]:
     """Token ids of a completion prompt (runs in a worker thread)."""
     try:
@@ -147,23 +118,17 @@ def _prompt_ids(ctx: ServingContext, prompt) -> List[int]:
 
 
 def _chat_ids(ctx: ServingContext, body: ChatCompletionRequest, tool_req=None) -> List[int]:
-    """Token ids of a conversation in the tokenizer's chat template, with the assistant
-    header appended (runs in a worker thread). A message's ``name`` goes to the template
-    with it (as in HF's message dicts); templates that render names use it. Tools, tool
-    calls and tool results go through the template's own tool support
-    (`attnserve.server.tool_request`)."""
-    tok = ctx.engine.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions", "messages", "invalid_value")
-    messages = template_messages(body, tok.chat_template if isinstance(tok.chat_template, str) else None)
-    try:
-        out = tok.apply_chat_template(messages, tools=template_tools(tool_req), add_generation_prompt=True,
-                                      tokenize=True)
-    except Exception as e:  # jinja2 TemplateError and friends: the conversation does not fit the template
-        raise APIError(400, f"the messages do not fit the chat template: {e}", "messages", "invalid_value") from e
-    if hasattr(out, "keys") and "input_ids" in out:  # transformers >= 5 returns a BatchEncoding
-        out = out["input_ids"]
-    return [int(t) for t in out]
+    """Token ids of a conversation in the server's chat template (``--chat-template``, else
+    the tokenizer's) under the request's ``add_generation_prompt`` (default: the assistant
+    header is appended), ``continue_final_message`` and ``chat_template_kwargs`` (runs in a
+    worker thread; `attnserve.server.chat_template`). A message's ``name`` goes to the
+    template with it; tools, tool calls and tool results go through the template's own tool
+    support (`attnserve.server.tool_request`)."""
+    from attnserve.server.chat_template import request_prompt_ids
+
+    source = ctx.chat_template or getattr(ctx.engine.tokenizer, "chat_template", None)
+    messages = template_messages(body, source if isinstance(source, str) else None)
+    return request_prompt_ids(ctx, body, messages, tools=template_tools(tool_req))
 
 
 def _request_limit(ctx: ServingContext) -> int:

@@ -8,7 +8,7 @@ No field is silently dropped (`attnserve.server.request_fields`): every field is
 or refused with a 400 naming it (``param``). OpenAI fields that attnserve does not
 implement (``suffix``, ``reasoning_effort`` ...) and the SGLang/vLLM extensions
 it does not implement (``guided_json``, ``structural_tag``, ``lora_path``,
-``chat_template_kwargs`` ...) are accepted only at their neutral value, else code
+``documents`` ...) are accepted only at their neutral value, else code
 ``unsupported_parameter``; a field that none of these APIs defines gets
 ``unrecognized_request_argument``. The request models keep undeclared fields aside
 (``extra="allow"``) and `CompletionRequest.refusal` /
@@ -22,7 +22,9 @@ chat ``logprobs`` + ``top_logprobs`` (<= 20), completions ``logprobs`` (<= 5) an
 Extensions beyond OpenAI that attnserve honours (SGLang/vLLM names): ``top_k``, ``min_p``,
 ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty`` (> 0), ``min_tokens``; constrained
 decoding: ``response_format`` (also on completions), ``json_schema``, ``regex``, ``ebnf``
-(`attnserve.server.grammar_request`). Accepted as OpenAI accepts them and changing no output:
+(`attnserve.server.grammar_request`); chat-template control: ``add_generation_prompt``,
+``continue_final_message``, ``chat_template_kwargs`` (`attnserve.server.chat_template`).
+Accepted as OpenAI accepts them and changing no output:
 ``user`` (both endpoints); ``store``, ``metadata``, ``safety_identifier`` and
 ``prompt_cache_key`` (chat; see `ChatCompletionRequest`).
 """
@@ -300,6 +302,11 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: Optional[Dict[_MetadataKey, _MetadataValue]] = Field(default=None, max_length=METADATA_MAX_PAIRS)
     safety_identifier: Optional[StrictStr] = None
     prompt_cache_key: Optional[StrictStr] = None
+    # chat-template control (attnserve.server.chat_template): the assistant header (default
+    # true), an open last message to continue (exclusive with the header), template variables
+    add_generation_prompt: Optional[StrictBool] = True
+    continue_final_message: Optional[StrictBool] = False
+    chat_template_kwargs: Optional[Dict[StrictStr, Any]] = None
 
     known_extras: ClassVar[Mapping[str, KnownField]] = CHAT_FIELDS
 

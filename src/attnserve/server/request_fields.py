@@ -85,12 +85,13 @@ _EXT_COMPLETION = _table(
     add_special_tokens=_TRUE, prompt_embeds=_NONE,
 )
 
-#: Extensions of ``/v1/chat/completions`` only. The chat template is applied with the
-#: generation prompt and without extra special tokens (`openai_api._chat_ids`).
+#: Extensions of ``/v1/chat/completions`` only. The chat template is applied without extra
+#: special tokens; ``add_generation_prompt``, ``continue_final_message`` and
+#: ``chat_template_kwargs`` are declared fields (`attnserve.server.chat_template`).
 _EXT_CHAT = _table(
     "SGLang/vLLM",
-    add_generation_prompt=_TRUE, continue_final_message=_FALSE, add_special_tokens=_FALSE,
-    chat_template=_NONE, chat_template_kwargs=(None, {}), documents=_NONE, mm_processor_kwargs=_NONE,
+    add_special_tokens=_FALSE,
+    chat_template=_NONE, documents=_NONE, mm_processor_kwargs=_NONE,
     media_io_kwargs=_NONE, max_dynamic_patch=_NONE, min_dynamic_patch=_NONE, use_audio_in_video=_FALSE,
     input_ids=_NONE, task=_NONE, reasoning=_NONE, separate_reasoning=_FALSE, stream_reasoning=_TRUE,
     include_reasoning=_TRUE, return_prompt_token_ids=_FALSE, return_meta_info=_FALSE, echo=_FALSE,
@@ -192,4 +193,42 @@ def refuse_extras(extras: Optional[Mapping[str, Any]], known: Mapping[str, Known
         if not is_neutral(value, field.neutral):
             neutral = " or ".join("null" if n is None else _short(n) for n in field.neutral)
             return unsupported(param, value, field.origin, f"leave it out or send {neutral}")
+    return None
+
+
+def check_unicode(body) -> None:
+    """400 ``invalid_value`` naming the field when any text of the request (prompt,
+    messages, stop strings, model, user ...) is not valid Unicode: a lone UTF-16 surrogate,
+    which JSON's ``\\uD800`` escapes can carry but UTF-8 cannot encode, so it could reach
+    neither the tokenizer nor a response."""
+    from attnserve.server.errors import APIError
+
+    for name, value in body:
+        where = lone_surrogate(value)
+        if where is not None:
+            raise APIError(400, f"{name} is not valid Unicode: a lone surrogate at character {where} of a string",
+                           name, "invalid_value")
+
+
+def lone_surrogate(value) -> Optional[int]:
+    """Index of the first lone surrogate in the first string inside ``value`` (strings,
+    lists, dicts, pydantic models, nested) that has one; None when all text is valid."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return e.start
+        return None
+    if isinstance(value, dict):
+        items = [x for kv in value.items() for x in kv]
+    elif isinstance(value, (list, tuple)):
+        items = value
+    elif hasattr(value, "model_fields_set"):  # a nested pydantic model (a chat message, a content part)
+        items = [v for _, v in value]
+    else:
+        return None
+    for item in items:
+        where = lone_surrogate(item)
+        if where is not None:
+            return where
     return None
