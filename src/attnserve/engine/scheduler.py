@@ -50,7 +50,6 @@ from attnserve.engine.constrained.scheduler_hooks import ConstrainedScheduling
 from attnserve.engine.detokenizer import check_stop
 from attnserve.engine.prefix_cache import PrefixCacheManager
 from attnserve.engine.request import FinishReason, Req
-from attnserve.engine.sampler import SamplingBatchInfo, argmax_last, sample
 from attnserve.engine.sampling_extras import SamplingExtras
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.schedule_batch import LaunchedStep, ScheduleBatch, SchedulerStats  # noqa: F401 (re-export)
@@ -62,13 +61,14 @@ from attnserve.engine.schedule_policy import (  # noqa: F401 (AdmissionPolicy re
     order_waiting,
 )
 from attnserve.engine.step_inputs import StepInputPacker, host_step_layout
-from attnserve.engine.tp.step_sync import StepMessage, StepSender, emit_rows, execute_step
+from attnserve.engine.step_sampling import StepSampling
+from attnserve.engine.tp.step_sync import StepMessage, StepSender, execute_step
 from attnserve.forward_batch import ForwardMode
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(ConstrainedScheduling):
+class Scheduler(StepSampling, ConstrainedScheduling):
     """Owns the waiting queue and the running batch of one engine.
 
     Args:
@@ -205,9 +205,7 @@ class Scheduler(ConstrainedScheduling):
         if req in self.running:
             self.running.remove(req)
         self._release(req)
-        self.extras.forget(req)
-        if self.spec is not None:
-            self.spec.forget(req)
+        self._forget_state(req)
         return True
 
     def has_work(self) -> bool:
@@ -443,17 +441,6 @@ class Scheduler(ConstrainedScheduling):
         pending, self._pending = self._pending, None
         return self._process(pending) if pending is not None else []
 
-    def _ids_buffer(self, n: int) -> Optional[torch.Tensor]:
-        if self.device.type != "cuda":
-            return None
-        i = self._ids_next
-        self._ids_next = (i + 1) % len(self._ids_ring)
-        buf = self._ids_ring[i]
-        if buf is None or buf.numel() < n:
-            buf = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
-            self._ids_ring[i] = buf
-        return buf[:n]
-
     def _launch(self, batch: ScheduleBatch) -> LaunchedStep:
         """Enqueue ``batch``'s GPU work; then put its prefill chunks in the prefix cache
         (once the forward that writes their K/V is enqueued)."""
@@ -505,35 +492,7 @@ class Scheduler(ConstrainedScheduling):
             self.tp_sender.send_step(msg)
             self.stats.tp_send_seconds += time.perf_counter() - t_send
         logits, dev = execute_step(self.runner, self.packer, self.token_map, msg)
-        if not emit_reqs:
-            return LaunchedStep(batch, [], None, extras=self.extras.after_sampling(None, None, plan, plan_owners))
-        if len(emit_reqs) != len(reqs):
-            logits = logits[dev.emit_index]
-        logits, pending_extras = self.extras.before_sampling(emit_reqs, logits)
-        if (pending_extras is not None and logits is pending_extras.raw_logits
-                and self.grammar.any_constrained(emit_reqs)):
-            logits = logits.clone()  # the logprobs are of the unmasked logits (after_sampling)
-        self._mask_grammar(logits, emit_reqs)  # constrained rows only (engine/constrained)
-        params = [r.sampling_params for r in emit_reqs]
-        if all(p.is_greedy for p in params):
-            next_ids = argmax_last(logits)
-        else:
-            info = SamplingBatchInfo.from_params(params, [r.seed for r in emit_reqs],
-                                                 [r.num_launched_outputs for r in emit_reqs], self.device)
-            next_ids = sample(logits, info)
-        self.token_map[emit_rows(dev, len(emit_reqs))] = next_ids
-        extras = self.extras.after_sampling(pending_extras, next_ids, plan, plan_owners, emit_reqs)
-        if self.tp_sender is not None:
-            self.tp_sender.send_ids(next_ids)
-        for r in emit_reqs:
-            r.num_inflight += 1
-        host_ids = self._ids_buffer(len(emit_reqs))
-        if host_ids is None:
-            return LaunchedStep(batch, emit_reqs, next_ids, extras=extras)
-        host_ids.copy_(next_ids, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        return LaunchedStep(batch, emit_reqs, host_ids, ev, extras=extras)
+        return self._sample_step(batch, emit_reqs, logits, dev, plan, plan_owners)
 
     def _process(self, launched: LaunchedStep) -> List[Req]:
         """Apply a launched step's sampled ids: append, check stops, free finished KV."""
@@ -599,9 +558,7 @@ class Scheduler(ConstrainedScheduling):
 
     def _finish(self, req: Req) -> None:
         req.finished_at = time.perf_counter()
-        self.extras.forget(req)
-        if self.spec is not None:
-            self.spec.forget(req)
+        self._forget_state(req)
         if req in self.running:
             self.running.remove(req)
         self._release(req)
