@@ -17,7 +17,8 @@ Each `step`:
    (SGLang ``retract_decode``). A request that fits the pool alone is never refused.
 3. **Launch** it: slots from the tensor allocator, every integer input in one packed
    host->device copy (`StepInputPacker`), one batched ``req_to_token`` write, the forward
-   (a CUDA-graph replay for decode), batched sampling (`sampler.sample`). Decode inputs are
+   (a CUDA-graph replay for decode), batched sampling (`StepSampling`; with overlap, a
+   batch with grammar masks samples at the next launch, see there). Decode inputs are
    read on the device from the future-token map ``token_map[req_pool_idx]`` that each
    sampling step scatters its ids into, so a step never needs the previous one's ids on
    the host. The sampled ids go to the host through a non-blocking copy and an event.
@@ -50,7 +51,6 @@ from attnserve.engine.constrained.scheduler_hooks import ConstrainedScheduling
 from attnserve.engine.detokenizer import check_stop
 from attnserve.engine.prefix_cache import PrefixCacheManager
 from attnserve.engine.request import FinishReason, Req
-from attnserve.engine.sampling_extras import SamplingExtras
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.schedule_batch import LaunchedStep, ScheduleBatch, SchedulerStats  # noqa: F401 (re-export)
 from attnserve.speculative_config import SpeculativeConfig
@@ -108,14 +108,11 @@ class Scheduler(StepSampling, ConstrainedScheduling):
             from attnserve.engine.speculative.verify import SpecDecoder
 
             self.spec = SpecDecoder(spec_config, model_runner, self.token_map, self.packer, draft_runner)
-        self._init_grammar(model_runner)  # constrained decoding (engine/constrained)
-        self.extras = SamplingExtras.of(self)  # logit controls and logprobs: free for requests without them
+        self._init_sampling(model_runner)  # grammars, logit controls, logprobs (engine/step_sampling)
         #: tensor parallelism: rank 0 broadcasts each step to the other ranks
         self.tp_sender = None
         if model_runner.tp.size > 1:
             self.tp_sender = StepSender(model_runner.tp, self.req_to_token_pool)
-        self._ids_ring: List[Optional[torch.Tensor]] = [None] * 4
-        self._ids_next = 0
         self._pending: Optional[LaunchedStep] = None
         self._current: List[Req] = []  # requests of the step being launched or processed
         #: after `step` raised: the requests of the step it was working on (the caller
@@ -240,9 +237,8 @@ class Scheduler(StepSampling, ConstrainedScheduling):
         if self.spec is not None:
             self.spec.release()
         self.spec = None
-        self.grammar.shutdown()
-        self.token_map = self.packer = self.extras = None
-        self._ids_ring = [None] * len(self._ids_ring)
+        self._release_sampling()
+        self.token_map = self.packer = None
         self.tree_cache = self.cache = None
         self.allocator = self.req_to_token_pool = None
         self.tp_sender = None
@@ -363,8 +359,7 @@ class Scheduler(StepSampling, ConstrainedScheduling):
             if self.cache.make_room(need):  # evicts cached prefixes (LRU) when short
                 return batch
             if self._pending is not None:  # finished requests of the pending step may free enough
-                pending, self._pending = self._pending, None
-                touched.extend(self._process(pending))
+                touched.extend(self._process(self._take_pending()))
                 continue
             in_batch = set(map(id, batch.reqs))
             victims = [r for r in self.running if id(r) not in in_batch]
@@ -399,6 +394,7 @@ class Scheduler(StepSampling, ConstrainedScheduling):
             self._poll_grammars(touched)
             self._admit()
             batch = self._schedule(touched)
+            self._finish_deferred()  # a step whose grammar masks were being filled samples now
             if batch is not None and batch.spec is not None:  # speculative: verify, then accept at once
                 self._current = batch.reqs
                 touched.extend(self._verify(batch))
@@ -438,7 +434,7 @@ class Scheduler(StepSampling, ConstrainedScheduling):
     def flush(self) -> List[Req]:
         """Process the launched step whose results are still pending (overlap); returns
         the requests it touched."""
-        pending, self._pending = self._pending, None
+        pending = self._take_pending()
         return self._process(pending) if pending is not None else []
 
     def _launch(self, batch: ScheduleBatch) -> LaunchedStep:
@@ -500,11 +496,7 @@ class Scheduler(StepSampling, ConstrainedScheduling):
         self.stats.wait_seconds += self.extras.deliver(launched.extras, launched.emit_reqs)  # logprobs first
         if not launched.emit_reqs:
             return []
-        if launched.event is not None:
-            t = time.perf_counter()
-            launched.event.synchronize()
-            self.stats.wait_seconds += time.perf_counter() - t
-        ids = launched.next_ids_host.tolist()
+        ids = self._pending_ids(launched)
         touched: List[Req] = []
         now = time.perf_counter()
         self.allocator.free_group_begin()

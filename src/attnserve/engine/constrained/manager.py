@@ -12,19 +12,26 @@ The scheduler calls it at these points (see `attnserve.engine.constrained` for t
                               grammar compiled (with their matcher), return those whose grammar
                               failed (finished, to be answered with a 400)
 ``wait(timeout)``             nothing can run: block briefly on the compiles instead of spinning
-``apply(logits, reqs)``       masks the constrained rows of a batch's logits before sampling
-``accept(req, token)``        each new token of a constrained request: advance its matcher;
-                              a terminated matcher finishes the request with ``stop``
+``accept_ahead(req, token)``  overlap: advance the matcher by a token still to be appended
+                              (its outcome is kept for ``accept``)
+``start_masks(reqs, bg)``     fill the constrained rows' masks on the host (``bg``: on the
+                              mask worker thread, while the scheduler thread goes on)
+``finish_masks(job, pos)``    wait for the fill; mark the rows whose grammar can only end
+``apply_masks(logits, job)``  mask those rows of the batch's logits on the device
+``accept(req, token)``        each new token of a constrained request: advance its matcher
+                              (or take ``accept_ahead``'s outcome); a terminated matcher
+                              finishes the request with ``stop``
 ============================  ===================================================================
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import FIRST_COMPLETED, Future
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
-from typing import Any, List, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Deque, List, Optional, Sequence
 
 from attnserve.engine.constrained.spec import GrammarSpec, check_grammar_text, import_xgrammar, spec_of
 from attnserve.engine.detokenizer import finalize_text
@@ -40,23 +47,51 @@ class RequestGrammar:
         compiled: future of the xgrammar ``CompiledGrammar`` (shared by every request with
             the same grammar).
         matcher: the request's own xgrammar ``GrammarMatcher`` once compiled (None before).
+        ahead: outcomes (`ACCEPTED`, `TERMINATED`, `REJECTED`) of tokens the matcher
+            accepted before they were appended (`GrammarManager.accept_ahead`), oldest first.
+        must_end: at the last mask fill the grammar allowed nothing but its stop tokens
+            while ``min_tokens`` was not reached (the grammar wins: ``min_tokens`` yields).
     """
 
     spec: GrammarSpec
     compiled: Future
     matcher: Any = None
+    ahead: Deque[str] = field(default_factory=deque)
+    must_end: bool = False
+
+
+ACCEPTED, TERMINATED, REJECTED = "accepted", "terminated", "rejected"
+
+
+@dataclass
+class MaskJob:
+    """The mask fill of one batch (`GrammarManager.start_masks`).
+
+    Attributes:
+        filled: the host masks (`attnserve.engine.constrained.bitmask.FilledMask`).
+        reqs: the constrained requests of its rows (``filled.rows``), in order.
+        future: the fill on the mask worker thread; None once filled.
+    """
+
+    filled: Any
+    reqs: List[Req]
+    future: Optional[Future] = None
 
 
 @dataclass
 class GrammarStats:
     """``requests``: constrained requests queued; ``failed``: those whose grammar did not
     compile; ``early_syncs``: overlap steps that read the previous step's tokens before
-    sampling (see the package doc); ``terminated``: requests the grammar finished."""
+    filling masks (see the package doc); ``background_fills``: mask fills run on the worker
+    thread (their step's sampling deferred); ``terminated``: requests the grammar
+    finished; ``min_tokens_yielded``: rows where ``min_tokens`` let the grammar end."""
 
     requests: int = 0
     failed: int = 0
     early_syncs: int = 0
+    background_fills: int = 0
     terminated: int = 0
+    min_tokens_yielded: int = 0
 
 
 class GrammarManager:
@@ -85,6 +120,7 @@ class GrammarManager:
         self.bitmask = None  # TokenBitmask, at the first masked batch
         self._compiling: List[Req] = []  # held requests whose grammar is compiling
         self._failed: List[Req] = []  # failed at `enqueue` (a cached failure), reported by `poll`
+        self._filler: Optional[ThreadPoolExecutor] = None  # the mask worker thread, at the first use
 
     # ---- before queueing -------------------------------------------------------------------
     def check(self, params, parse: bool = False) -> None:
@@ -182,36 +218,84 @@ class GrammarManager:
         scheduling): its matcher must accept it before the next mask can be filled."""
         return any(r.grammar is not None and r.num_inflight > 0 and not r.finished for r in reqs)
 
-    def apply(self, logits, reqs: Sequence[Req]) -> None:
-        """Mask, in place, the rows of ``logits`` (float ``[len(reqs), V]``) whose request
-        has a grammar and is not finished; call only once every earlier token of those
-        requests has been accepted (`needs_tokens_first` is False)."""
-        rows, matchers = [], []
+    def start_masks(self, reqs: Sequence[Req], background: bool) -> Optional[MaskJob]:
+        """Start filling the masks of ``reqs``' rows (a batch's sampling rows) whose request
+        has a grammar, is not finished and whose matcher has not terminated; None when no
+        row is. Call once every earlier token of those requests has been accepted.
+
+        Args:
+            background: fill on the mask worker thread (the matchers of the job must then
+                not be touched until `finish_masks`); else fill now.
+        """
+        rows, matchers, owners = [], [], []
         for i, r in enumerate(reqs):
-            if r.grammar is not None and not r.finished:
+            g = r.grammar
+            if g is not None and not r.finished and not g.matcher.is_terminated():
                 rows.append(i)
-                matchers.append(r.grammar.matcher)
+                matchers.append(g.matcher)
+                owners.append(r)
         if not rows:
-            return
+            return None
         if self.bitmask is None:
             from attnserve.engine.constrained.bitmask import TokenBitmask
 
             self.bitmask = TokenBitmask(self.vocab_size, self.device)
-        self.bitmask.apply(logits, rows, matchers)
+        job = MaskJob(self.bitmask.reserve(rows, len(reqs)), owners)
+        if background:
+            if self._filler is None:
+                self._filler = ThreadPoolExecutor(1, thread_name_prefix="attnserve-grammar-mask")
+            job.future = self._filler.submit(self.bitmask.fill, job.filled, matchers)
+            self.stats.background_fills += 1
+        else:
+            self.bitmask.fill(job.filled, matchers)
+        return job
+
+    def finish_masks(self, job: Optional[MaskJob], positions: Sequence[int]) -> None:
+        """Wait for ``job``'s fill (re-raising its error), then set ``must_end`` of its
+        rows: True where ``min_tokens`` still applies (``positions[row]``, the row's output
+        tokens before this step, is below it) and the mask allows only stop tokens."""
+        if job is None:
+            return
+        if job.future is not None:
+            future, job.future = job.future, None
+            future.result()
+        for i, (row, r) in enumerate(zip(job.filled.rows, job.reqs)):
+            g, p = r.grammar, r.sampling_params
+            g.must_end = bool(p.min_tokens > positions[row]
+                              and self.bitmask.only_stop_allowed(job.filled, i, g.matcher.stop_token_ids))
+            self.stats.min_tokens_yielded += g.must_end
+
+    def apply_masks(self, logits, job: Optional[MaskJob]) -> None:
+        """Mask, in place, ``job``'s rows of ``logits`` (float ``[n, V]``, the batch's
+        sampling rows) after `finish_masks`; nothing when ``job`` is None."""
+        if job is not None:
+            self.bitmask.apply_filled(logits, job.filled)
+
+    @staticmethod
+    def _advance(g: RequestGrammar, token: int) -> str:
+        if not g.matcher.accept_token(token):
+            return REJECTED
+        return TERMINATED if g.matcher.is_terminated() else ACCEPTED
+
+    def accept_ahead(self, req: Req, token: int) -> None:
+        """Advance ``req``'s matcher by ``token``, the next token it will append (overlap:
+        the mask of its next step needs it before the host processes the step that sampled
+        it); `accept` then takes this outcome instead of advancing again."""
+        req.grammar.ahead.append(self._advance(req.grammar, token))
 
     def accept(self, req: Req, token: int) -> None:
         """Advance ``req``'s matcher by ``token`` (just appended to its output); no-op for a
         request without a grammar. A matcher that terminates (it accepted a stop token
         after a complete match) finishes the request with ``stop``; a token the grammar
         rejects (a masking bug) fails it alone (``error`` set)."""
-        if req.grammar is None:
+        g = req.grammar
+        if g is None:
             return
-        m = req.grammar.matcher
-        if not m.accept_token(token):
+        outcome = g.ahead.popleft() if g.ahead else self._advance(g, token)
+        if outcome == REJECTED:
             req.finish_reason = FinishReason.ABORT
-            req.error = f"the {req.grammar.spec.kind} grammar rejected the sampled token {token}"
-            return
-        if m.is_terminated():
+            req.error = f"the {g.spec.kind} grammar rejected the sampled token {token}"
+        elif outcome == TERMINATED:
             req.finish_reason = FinishReason.STOP
             req.matched_stop = token
             finalize_text(req, self.tokenizer)
@@ -226,5 +310,7 @@ class GrammarManager:
                 req.error = "the engine was shut down"
         if self.cache is not None:
             self.cache.shutdown()
-        self.cache = self.bitmask = None
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)  # a running fill writes into the mask buffers
+        self.cache = self.bitmask = self._filler = None
         self._compiling, self._failed = [], []
