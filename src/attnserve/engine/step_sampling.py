@@ -26,22 +26,24 @@ leaves the GPU idle. So a batch with constrained rows is launched in two halves:
 
 * **step N+1, forward half** (`_sample_step`): the forward of N+1 is enqueued; the host
   waits for step N's ids (the GPU has finished sampling N, and runs forward N+1 behind
-  it), advances the matchers of N's constrained rows by them (`GrammarManager.
-  accept_ahead`: xgrammar's ``accept_token``, microseconds a row; the outcome is kept
-  for when step N is processed), and starts the fill of N+1's masks on the mask worker
-  thread (`GrammarManager.start_masks`; xgrammar's batch fill, its own C++ threads, with
-  the GIL released). The step's sampling is *deferred* (`LaunchedStep.deferred`), and
-  the scheduler thread goes on at once: it processes step N (tokens, stop checks,
-  detokenization), returns, admits and schedules step N+2 and builds its inputs, all
-  while the GPU runs forward N+1 and the worker fills the masks.
+  it) and hands a `MaskJob` to the mask worker thread (`GrammarManager.start_masks`,
+  `attnserve.engine.constrained.mask_job`): accept N's tokens into the constrained rows'
+  matchers (xgrammar's ``batch_accept_token``, split over a few threads; tens of
+  microseconds a row, more than the fill), then fill N+1's masks (xgrammar's batch fill,
+  its own C++ threads); xgrammar releases the GIL for both. The step's sampling is
+  *deferred* (`LaunchedStep.deferred`), and the scheduler thread goes on at once: it
+  processes step N (tokens, stop checks, detokenization; a constrained row's accept
+  outcome comes from the job, waited for if not ready yet), returns, admits and
+  schedules step N+2 and builds its inputs, all while the GPU runs forward N+1 and the
+  worker accepts and fills.
 * **step N+1, sampling half** (`_finish_deferred`, at the start of step N+2's launch,
   before its forward is enqueued, or whenever the scheduler needs step N+1's results):
   wait for the fill (normally done), then enqueue the mask upload, the masking kernel and
   the sampling of N+1 (1-4 above), then at once the forward of N+2.
 
-So the GPU runs forward N+1 while the host does everything else of the step, and waits
-only for the longer of the fill (plus the ids' round trip) and the host's own work;
-nothing is serialized behind the fill. The forward of N+2 reads its input ids from the
+So the GPU runs forward N+1 while the host does everything else of the step; the GPU idles
+only where the ids' round trip plus the job's accept and fill, or the scheduler thread's
+own work, outlasts forward N+1. The forward of N+2 reads its input ids from the
 future-token map written by N+1's sampling, so it is enqueued after it (one stream); the
 static logits of a CUDA graph are read by the sampling of N+1 before the graph is
 replayed for N+2, in stream order. Without overlap scheduling the masks are filled on
@@ -124,8 +126,8 @@ class StepSampling:
         positions = [r.num_launched_outputs for r in emit_reqs]
         masks = None
         if self.grammar.any_constrained(emit_reqs):
-            self._accept_pending_tokens(emit_reqs)
-            masks = self.grammar.start_masks(emit_reqs, background=self.overlap)
+            ahead_reqs, ahead_tokens = self._pending_grammar_tokens(emit_reqs)
+            masks = self.grammar.start_masks(emit_reqs, self.overlap, ahead_reqs, ahead_tokens)
             if masks is not None and masks.future is not None:
                 for r in emit_reqs:
                     r.num_inflight += 1
@@ -192,18 +194,19 @@ class StepSampling:
             launched.ids = launched.next_ids_host.tolist()
         return launched.ids
 
-    def _accept_pending_tokens(self, emit_reqs: List[Req]) -> None:
-        """Overlap: some constrained row of ``emit_reqs`` has its previous token in the
-        pending step. Read that step's ids and advance its constrained rows' matchers
-        (`GrammarManager.accept_ahead`); the step is processed later as usual."""
+    def _pending_grammar_tokens(self, emit_reqs: List[Req]):
+        """Overlap: when some constrained row of ``emit_reqs`` has its previous token in the
+        pending step, that step's constrained rows and their ids (read on the host now), for
+        the mask job to accept first; else two empty lists. The step is processed later as
+        usual."""
         pending = self._pending
         if pending is None or pending.accepted_ahead or not self.grammar.needs_tokens_first(emit_reqs):
-            return
+            return [], []
         pending.accepted_ahead = True
-        for r, tok in zip(pending.emit_reqs, self._pending_ids(pending)):
-            if r.grammar is not None and not r.finished:
-                self.grammar.accept_ahead(r, tok)
+        pairs = [(r, tok) for r, tok in zip(pending.emit_reqs, self._pending_ids(pending))
+                 if r.grammar is not None and not r.finished]
         self.grammar.stats.early_syncs += 1
+        return [r for r, _ in pairs], [t for _, t in pairs]
 
     def _forget_state(self, req: Req) -> None:
         """``req`` finished or was aborted: drop its logit-control slot and speculative state."""

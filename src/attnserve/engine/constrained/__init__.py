@@ -5,7 +5,8 @@ Schema, regex and EBNF grammars, OpenAI's ``response_format`` and SGLang's ``jso
 Modules: `spec` (what a request asks for, checks without a tokenizer), `compile_cache`
 (compile once per distinct grammar, on worker threads, LRU), `json_schema` (fixes of
 xgrammar's length-bounded strings), `bitmask` (token masks filled on the host, applied on
-the device), `manager` (`GrammarManager`), `scheduler_hooks` (the scheduler's steps).
+the device), `mask_job` (a batch's accepts and fill on a worker thread), `manager`
+(`GrammarManager`), `scheduler_hooks` (the scheduler's steps).
 
 **Lifecycle of a constrained request.** `GrammarManager.check` refuses what the engine
 cannot serve before the request is queued (the server has parsed the grammar already; the
@@ -34,11 +35,11 @@ allows nothing but its stop token while ``min_tokens`` is not reached, the gramm
 **Overlap with the GPU.** The mask of a step N+1 is filled on the host while the GPU runs
 the forward of N+1. Under overlap scheduling (the CUDA default) N+1 is launched before the
 host has step N's tokens, which the mask depends on; so after enqueueing forward N+1 the
-scheduler reads step N's ids, advances the constrained rows' matchers by them
-(`GrammarManager.accept_ahead`) and starts the fill on a worker thread
-(`GrammarManager.start_masks`), then defers the sampling of N+1 to the start of the next
-launch: meanwhile it processes step N and schedules N+2, the GPU runs forward N+1, and the
-worker fills. The design and its ordering are in `attnserve.engine.step_sampling`. What it
+scheduler reads step N's ids and hands a job to a worker thread (`mask_job`:
+accept those ids into the constrained rows' matchers, then fill N+1's masks; xgrammar
+releases the GIL), then defers the sampling of N+1 to the start of the next launch:
+meanwhile it processes step N and schedules N+2, the GPU runs forward N+1, and the worker
+accepts and fills. The design and its ordering are in `attnserve.engine.step_sampling`. What it
 costs against an unconstrained batch: the ids' round trip and the fill, overlapped with
 forward N+1 and the host's other work (64 rows of `benchmarks/grammar_decode.py`'s schema,
 inside strings, SmolLM2's 49,152 tokens: ~0.8 ms on one thread of the 2-core CPU; xgrammar

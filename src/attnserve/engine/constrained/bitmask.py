@@ -131,7 +131,8 @@ class TokenBitmask:
 
     def reserve(self, rows: List[int], n: int) -> FilledMask:
         """Take the next host buffer for the masks of ``rows`` (``k`` ascending row indices
-        of an ``n``-row batch); scheduler thread only."""
+        of an ``n``-row batch; the fill may drop some: ``FilledMask.rows``); scheduler
+        thread only."""
         k = len(rows)
         slot, host, host_rows = self._host_buffers(k if self.compact else n)
         return FilledMask(slot, list(rows), n, host, host_rows)
@@ -151,6 +152,8 @@ class TokenBitmask:
         that row (columns past V too); the other rows are untouched. Scheduler thread."""
         t1 = time.perf_counter()
         rows, n, k, host = filled.rows, filled.n, len(filled.rows), filled.host
+        if not k:
+            return
         if not self.compact:
             self._mask(logits, host[:n], None if k == n else rows, rows)
         else:

@@ -12,14 +12,13 @@ The scheduler calls it at these points (see `attnserve.engine.constrained` for t
                               grammar compiled (with their matcher), return those whose grammar
                               failed (finished, to be answered with a 400)
 ``wait(timeout)``             nothing can run: block briefly on the compiles instead of spinning
-``accept_ahead(req, token)``  overlap: advance the matcher by a token still to be appended
-                              (its outcome is kept for ``accept``)
-``start_masks(reqs, bg)``     fill the constrained rows' masks on the host (``bg``: on the
-                              mask worker thread, while the scheduler thread goes on)
+``start_masks(reqs, bg, ..)`` accept the pending step's tokens (overlap), then fill the
+                              constrained rows' masks on the host (``bg``: on the mask worker
+                              thread, `mask_job`, while the scheduler thread goes on)
 ``finish_masks(job, pos)``    wait for the fill; mark the rows whose grammar can only end
 ``apply_masks(logits, job)``  mask those rows of the batch's logits on the device
 ``accept(req, token)``        each new token of a constrained request: advance its matcher
-                              (or take ``accept_ahead``'s outcome); a terminated matcher
+                              (or take the outcome of the job that accepted it ahead); a terminated matcher
                               finishes the request with ``stop``
 ============================  ===================================================================
 """
@@ -27,12 +26,12 @@ The scheduler calls it at these points (see `attnserve.engine.constrained` for t
 from __future__ import annotations
 
 import time
-from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
-from typing import Any, Deque, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
 
+from attnserve.engine.constrained.mask_job import ACCEPTED, REJECTED, TERMINATED, MaskJob, MaskWorker
 from attnserve.engine.constrained.spec import GrammarSpec, check_grammar_text, import_xgrammar, spec_of
 from attnserve.engine.detokenizer import finalize_text
 from attnserve.engine.request import FinishReason, Req
@@ -47,8 +46,8 @@ class RequestGrammar:
         compiled: future of the xgrammar ``CompiledGrammar`` (shared by every request with
             the same grammar).
         matcher: the request's own xgrammar ``GrammarMatcher`` once compiled (None before).
-        ahead: outcomes (`ACCEPTED`, `TERMINATED`, `REJECTED`) of tokens the matcher
-            accepted before they were appended (`GrammarManager.accept_ahead`), oldest first.
+        ahead_job: the `MaskJob` that accepts the request's next token before it is
+            appended (overlap); `GrammarManager.accept` takes the outcome from it.
         must_end: at the last mask fill the grammar allowed nothing but its stop tokens
             while ``min_tokens`` was not reached (the grammar wins: ``min_tokens`` yields).
     """
@@ -56,26 +55,8 @@ class RequestGrammar:
     spec: GrammarSpec
     compiled: Future
     matcher: Any = None
-    ahead: Deque[str] = field(default_factory=deque)
+    ahead_job: Optional[MaskJob] = None
     must_end: bool = False
-
-
-ACCEPTED, TERMINATED, REJECTED = "accepted", "terminated", "rejected"
-
-
-@dataclass
-class MaskJob:
-    """The mask fill of one batch (`GrammarManager.start_masks`).
-
-    Attributes:
-        filled: the host masks (`attnserve.engine.constrained.bitmask.FilledMask`).
-        reqs: the constrained requests of its rows (``filled.rows``), in order.
-        future: the fill on the mask worker thread; None once filled.
-    """
-
-    filled: Any
-    reqs: List[Req]
-    future: Optional[Future] = None
 
 
 @dataclass
@@ -120,7 +101,7 @@ class GrammarManager:
         self.bitmask = None  # TokenBitmask, at the first masked batch
         self._compiling: List[Req] = []  # held requests whose grammar is compiling
         self._failed: List[Req] = []  # failed at `enqueue` (a cached failure), reported by `poll`
-        self._filler: Optional[ThreadPoolExecutor] = None  # the mask worker thread, at the first use
+        self.worker: Optional[MaskWorker] = None  # the mask worker thread, at the first masked batch
 
     # ---- before queueing -------------------------------------------------------------------
     def check(self, params, parse: bool = False) -> None:
@@ -218,48 +199,45 @@ class GrammarManager:
         scheduling): its matcher must accept it before the next mask can be filled."""
         return any(r.grammar is not None and r.num_inflight > 0 and not r.finished for r in reqs)
 
-    def start_masks(self, reqs: Sequence[Req], background: bool) -> Optional[MaskJob]:
-        """Start filling the masks of ``reqs``' rows (a batch's sampling rows) whose request
-        has a grammar, is not finished and whose matcher has not terminated; None when no
-        row is. Call once every earlier token of those requests has been accepted.
+    def start_masks(self, reqs: Sequence[Req], background: bool, ahead_reqs: Sequence[Req] = (),
+                    ahead_tokens: Sequence[int] = ()) -> Optional[MaskJob]:
+        """Start the grammar work of a batch (``reqs``: its sampling rows, in order): accept
+        ``ahead_tokens`` into the matchers of ``ahead_reqs`` (overlap: the pending step's
+        constrained rows, not yet processed; `accept` takes the outcomes), then fill the
+        masks of the rows whose request has a grammar, is not finished and whose matcher
+        has not terminated. None when there is nothing to do.
 
         Args:
-            background: fill on the mask worker thread (the matchers of the job must then
-                not be touched until `finish_masks`); else fill now.
+            background: run on the mask worker thread (`MaskWorker`); the job's matchers
+                must then not be touched until `finish_masks`. Else run now.
         """
-        rows, matchers, owners = [], [], []
-        for i, r in enumerate(reqs):
-            g = r.grammar
-            if g is not None and not r.finished and not g.matcher.is_terminated():
-                rows.append(i)
-                matchers.append(g.matcher)
-                owners.append(r)
-        if not rows:
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished]
+        if not rows and not ahead_reqs:
             return None
         if self.bitmask is None:
             from attnserve.engine.constrained.bitmask import TokenBitmask
 
             self.bitmask = TokenBitmask(self.vocab_size, self.device)
-        job = MaskJob(self.bitmask.reserve(rows, len(reqs)), owners)
+            self.worker = MaskWorker(self.bitmask)
+        job = MaskJob([reqs[i] for i in rows], rows, self.bitmask.reserve(rows, len(reqs)),
+                      list(ahead_reqs), list(ahead_tokens))
+        for r in job.ahead_reqs:
+            r.grammar.ahead_job = job
         if background:
-            if self._filler is None:
-                self._filler = ThreadPoolExecutor(1, thread_name_prefix="attnserve-grammar-mask")
-            job.future = self._filler.submit(self.bitmask.fill, job.filled, matchers)
+            self.worker.submit(job)
             self.stats.background_fills += 1
         else:
-            self.bitmask.fill(job.filled, matchers)
+            self.worker.run(job)
         return job
 
     def finish_masks(self, job: Optional[MaskJob], positions: Sequence[int]) -> None:
-        """Wait for ``job``'s fill (re-raising its error), then set ``must_end`` of its
+        """Wait for ``job`` (re-raising its error), then set ``must_end`` of its masked
         rows: True where ``min_tokens`` still applies (``positions[row]``, the row's output
         tokens before this step, is below it) and the mask allows only stop tokens."""
         if job is None:
             return
-        if job.future is not None:
-            future, job.future = job.future, None
-            future.result()
-        for i, (row, r) in enumerate(zip(job.filled.rows, job.reqs)):
+        job.result()
+        for i, (row, r) in enumerate(zip(job.rows, job.reqs)):
             g, p = r.grammar, r.sampling_params
             g.must_end = bool(p.min_tokens > positions[row]
                               and self.bitmask.only_stop_allowed(job.filled, i, g.matcher.stop_token_ids))
@@ -271,27 +249,22 @@ class GrammarManager:
         if job is not None:
             self.bitmask.apply_filled(logits, job.filled)
 
-    @staticmethod
-    def _advance(g: RequestGrammar, token: int) -> str:
-        if not g.matcher.accept_token(token):
-            return REJECTED
-        return TERMINATED if g.matcher.is_terminated() else ACCEPTED
-
-    def accept_ahead(self, req: Req, token: int) -> None:
-        """Advance ``req``'s matcher by ``token``, the next token it will append (overlap:
-        the mask of its next step needs it before the host processes the step that sampled
-        it); `accept` then takes this outcome instead of advancing again."""
-        req.grammar.ahead.append(self._advance(req.grammar, token))
-
     def accept(self, req: Req, token: int) -> None:
-        """Advance ``req``'s matcher by ``token`` (just appended to its output); no-op for a
-        request without a grammar. A matcher that terminates (it accepted a stop token
-        after a complete match) finishes the request with ``stop``; a token the grammar
-        rejects (a masking bug) fails it alone (``error`` set)."""
+        """Advance ``req``'s matcher by ``token`` (just appended to its output), or take the
+        outcome of the `MaskJob` that accepted it ahead; no-op for a request without a
+        grammar. A matcher that terminates (it accepted a stop token after a complete
+        match) finishes the request with ``stop``; a token the grammar rejects (a masking
+        bug) fails it alone (``error`` set)."""
         g = req.grammar
         if g is None:
             return
-        outcome = g.ahead.popleft() if g.ahead else self._advance(g, token)
+        if g.ahead_job is not None:
+            job, g.ahead_job = g.ahead_job, None
+            outcome = job.outcome(req)
+        elif not g.matcher.accept_token(token):
+            outcome = REJECTED
+        else:
+            outcome = TERMINATED if g.matcher.is_terminated() else ACCEPTED
         if outcome == REJECTED:
             req.finish_reason = FinishReason.ABORT
             req.error = f"the {g.spec.kind} grammar rejected the sampled token {token}"
@@ -310,7 +283,7 @@ class GrammarManager:
                 req.error = "the engine was shut down"
         if self.cache is not None:
             self.cache.shutdown()
-        if self._filler is not None:
-            self._filler.shutdown(wait=True)  # a running fill writes into the mask buffers
-        self.cache = self.bitmask = self._filler = None
+        if self.worker is not None:
+            self.worker.shutdown()  # a running job writes into the mask buffers
+        self.cache = self.bitmask = self.worker = None
         self._compiling, self._failed = [], []

@@ -7,7 +7,7 @@ Call sites in `Scheduler`: ``_init_grammar`` (constructor), ``grammar.check`` an
 `GrammarManager`, outside ``waiting``, so admission never sees it), ``grammar.compiling``
 (`has_work`), ``_poll_grammars`` and ``_wait_for_grammars`` (`step`), ``grammar.accept``
 (`_append`), ``grammar.shutdown`` (`release`). The masks are `attnserve.engine.step_sampling`'s
-(``accept_ahead``, ``start_masks``, ``finish_masks``, ``apply_masks``).
+(``start_masks``, ``finish_masks``, ``apply_masks``).
 """
 
 from __future__ import annotations
