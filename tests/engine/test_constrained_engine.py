@@ -128,6 +128,24 @@ def test_min_tokens_yields_to_a_finished_grammar(engine, request):
     assert len(last.token_ids) > 6  # EOS (the last token, if any) only from position min_tokens on
 
 
+def test_deferred_sampling_keeps_logprobs_penalties_and_seeds(llm, overlap_llm):
+    """Overlap defers a constrained batch's sampling to the next launch: the logprobs (of
+    the unmasked logits), penalties, ``min_tokens`` and seeded sampling of every row still
+    equal those of the same batch without overlap."""
+    params = [SamplingParams(max_new_tokens=40, temperature=0.8, seed=1, json_schema=SCHEMAS[0], logprobs=True,
+                             top_logprobs=3, frequency_penalty=0.5, min_tokens=3),
+              SamplingParams(max_new_tokens=10, temperature=0.8, seed=2, logprobs=True, top_logprobs=2,
+                             presence_penalty=1.0, min_tokens=4),
+              SamplingParams(max_new_tokens=16, temperature=0.9, seed=3, regex=REGEX, logprobs=True)]
+    plain, overlapped = (e.generate(PROMPTS[:3], params) for e in (llm, overlap_llm))
+    for a, b in zip(plain, overlapped):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert len(b.output_token_logprobs) == len(b.token_ids)
+        assert b.output_token_logprobs == pytest.approx(a.output_token_logprobs, abs=1e-5)
+    assert overlap_llm.engine.scheduler.grammar.stats.background_fills > 0
+    _check_valid([overlapped[0], overlapped[2]], [params[0], params[2]])
+
+
 def test_radix_cache_and_ignore_eos(llm):
     prompt = "the quick brown fox " * 6
     sp = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True, json_schema=SCHEMAS[0])
