@@ -17,21 +17,20 @@ Each `step`:
    (SGLang ``retract_decode``). A request that fits the pool alone is never refused.
 3. **Launch** it: slots from the tensor allocator, every integer input in one packed
    host->device copy (`StepInputPacker`), one batched ``req_to_token`` write, the forward
-   (a CUDA-graph replay for decode), batched sampling (`StepSampling`; with overlap, a
-   batch with grammar masks samples at the next launch, see there). Decode inputs are
+   (a CUDA-graph replay for decode), batched sampling (`StepSampling`). Decode inputs are
    read on the device from the future-token map ``token_map[req_pool_idx]`` that each
    sampling step scatters its ids into, so a step never needs the previous one's ids on
    the host. The sampled ids go to the host through a non-blocking copy and an event.
 4. **Process** a launched step's results: append tokens, check stop conditions, free the
    KV of finished requests in one batched free.
 
-Without overlap (the default on CPU, ``--disable-overlap-schedule``), a step processes its
-own results (3 then 4). With overlap (the default on CUDA) step N+1 is launched *before*
-step N's results are processed, so the host builds the next batch and post-processes the
-previous one while the GPU computes (SGLang's overlap scheduler). A request that finished
-at step N may then get one more token computed at N+1; it is discarded, never emitted,
-and its KV is freed with the rest. Length limits are known on the host, so a request never
-gets a step beyond ``max_new_tokens``.
+Without overlap (the CPU default, ``--disable-overlap-schedule``) a step processes its own
+results (3 then 4). With overlap (the CUDA default) step N+1 is launched *before* step N's
+results are processed, so the host builds the next batch and post-processes the previous
+one while the GPU computes (SGLang's overlap scheduler; a batch with grammar masks samples
+at the next launch: `StepSampling`). A request that finished at step N may then get one
+more token computed at N+1; it is discarded, never emitted, and its KV is freed with the
+rest. Length limits are known on the host, so no request gets a step past ``max_new_tokens``.
 
 Requests that are still decoding keep their place in the running batch while new ones are
 prefilled (continuous batching, Yu et al., "Orca", OSDI 2022).
