@@ -123,25 +123,30 @@ class StepSampling:
             return LaunchedStep(batch, [], None, extras=self.extras.after_sampling(None, None, plan, plan_owners))
         if len(emit_reqs) != len(batch.reqs):
             logits = logits[dev.emit_index]
-        positions = [r.num_launched_outputs for r in emit_reqs]
         masks = None
         if self.grammar.any_constrained(emit_reqs):
             ahead_reqs, ahead_tokens = self._pending_grammar_tokens(emit_reqs)
             masks = self.grammar.start_masks(emit_reqs, self.overlap, ahead_reqs, ahead_tokens)
             if masks is not None and masks.future is not None:
+                positions = [r.num_launched_outputs for r in emit_reqs]
                 for r in emit_reqs:
                     r.num_inflight += 1
                 deferred = DeferredSampling(logits, dev, plan, plan_owners, masks, positions)
                 return LaunchedStep(batch, emit_reqs, None, deferred=deferred)
-        launched = self._enqueue_sampling(batch, emit_reqs, logits, dev, plan, plan_owners, masks, positions)
+        launched = self._enqueue_sampling(batch, emit_reqs, logits, dev, plan, plan_owners, masks)
         for r in emit_reqs:
             r.num_inflight += 1
         return launched
 
     def _enqueue_sampling(self, batch: ScheduleBatch, emit_reqs: List[Req], logits: torch.Tensor, dev, plan,
-                          plan_owners, masks, positions: List[int]) -> LaunchedStep:
-        """Steps 1-4 of the module doc; ``masks``: the batch's `MaskJob` or None."""
-        self.grammar.finish_masks(masks, positions)
+                          plan_owners, masks, positions: Optional[List[int]] = None) -> LaunchedStep:
+        """Steps 1-4 of the module doc; ``masks``: the batch's `MaskJob` or None;
+        ``positions``: the rows' output tokens before this step (default: counted now,
+        before this step's tokens are counted as launched)."""
+        if masks is not None:
+            if positions is None:
+                positions = [r.num_launched_outputs for r in emit_reqs]
+            self.grammar.finish_masks(masks, positions)
         logits, pending_extras = self.extras.before_sampling(emit_reqs, logits, positions)
         if pending_extras is not None and logits is pending_extras.raw_logits and masks is not None:
             logits = logits.clone()  # the logprobs are of the unmasked logits (after_sampling)
@@ -150,6 +155,8 @@ class StepSampling:
         if all(p.is_greedy for p in params):
             next_ids = argmax_last(logits)
         else:
+            if positions is None:
+                positions = [r.num_launched_outputs for r in emit_reqs]
             info = SamplingBatchInfo.from_params(params, [r.seed for r in emit_reqs], positions, self.device)
             next_ids = sample(logits, info)
         self.token_map[emit_rows(dev, len(emit_reqs))] = next_ids
