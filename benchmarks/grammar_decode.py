@@ -30,8 +30,12 @@ A step's time is the wall time of one ``Engine.step`` call (overlap scheduling a
 graphs on: in steady state the period of the GPU pipeline); only decode steps with the
 full batch count (before the first request finishes). Reported: median step ms of each
 run, ``ratio`` = json / free (targets: 1.10 for Llama-3-8B, 1.25 for Qwen3-0.6B), the
-JSON outputs' validity under ``jsonschema``, host ms spent filling masks per step, and the
-steps whose pending step was processed before sampling (``early_syncs``).
+JSON outputs' validity under ``jsonschema`` (an output counts as valid only if its grammar
+ended it, ``finish_reason`` ``stop``, and it validates; the finish reasons are recorded),
+host ms spent filling masks per step (on the mask worker thread under overlap), the steps
+whose pending step's tokens were accepted before the masks were filled (``early_syncs``)
+and the fills run on the worker with the sampling deferred (``background_fills``; see
+`attnserve.engine.step_sampling`).
 """
 
 from __future__ import annotations
@@ -138,13 +142,17 @@ def validate(outs, schema) -> Dict:
     import jsonschema
 
     valid, errors = 0, []
+    reasons: Dict[str, int] = {}
     for text, reason, _ in outs:
+        reasons[reason] = reasons.get(reason, 0) + 1
         try:
             jsonschema.validate(json.loads(text), schema)
             valid += reason == "stop"
+            if reason != "stop":
+                errors.append(f"{reason}: valid JSON, but the grammar did not end it | {text[:160]!r}")
         except Exception as e:  # noqa: BLE001 - reported, not raised
             errors.append(f"{reason}: {type(e).__name__}: {str(e)[:120]} | {text[:160]!r}")
-    return {"valid": valid, "total": len(outs), "errors": errors[:5]}
+    return {"valid": valid, "total": len(outs), "finish_reasons": reasons, "errors": errors[:5]}
 
 
 def host_fill(llm: LLM, n: int) -> Dict:
@@ -195,10 +203,12 @@ def bench_model(shape: str, tokenizer_dir: str, n: int, input_len: int, output_l
     for name, params in (("free", [free] * n), ("json", [constrained] * n),
                          ("mixed", [constrained, free] * (n // 2) + [free] * (n % 2))):
         syncs0, fill0, steps0 = g.stats.early_syncs, g.bitmask.stats.fill_seconds, g.bitmask.stats.steps
+        bg0 = g.stats.background_fills
         host0, dec0 = llm.engine.scheduler.stats.decode_host_seconds, llm.engine.scheduler.stats.num_decode_steps
         run = timed_run(llm, prompts, params)
         masked = g.bitmask.stats.steps - steps0
         run["early_syncs"] = g.stats.early_syncs - syncs0
+        run["background_fills"] = g.stats.background_fills - bg0
         run["fill_ms_per_masked_step"] = 1e3 * (g.bitmask.stats.fill_seconds - fill0) / max(masked, 1)
         sched_stats = llm.engine.scheduler.stats
         run["host_ms_per_decode_step"] = 1e3 * (sched_stats.decode_host_seconds - host0) / max(
@@ -213,7 +223,8 @@ def bench_model(shape: str, tokenizer_dir: str, n: int, input_len: int, output_l
         runs[name] = run
         print(f"{shape:12s} {name:5s} median step {run['median_step_ms']:.3f} ms over {run['full_batch_steps']} "
               f"full-batch steps; fill {run['fill_ms_per_masked_step']:.3f} ms/step; "
-              f"early syncs {run['early_syncs']}; {run.get('validity', '')}", flush=True)
+              f"early syncs {run['early_syncs']}; background fills {run['background_fills']}; "
+              f"{run.get('validity', '')}", flush=True)
     ratio = runs["json"]["median_step_ms"] / runs["free"]["median_step_ms"]
     row = {"model": shape, "requests": n, "input_len": input_len, "output_len_free": output_len,
            "tokenizer_vocab": tok_vocab, "model_vocab": llm.engine.model_config.vocab_size,

@@ -93,7 +93,9 @@ def test_overlap_scheduling_gives_the_same_tokens(llm, overlap_llm):
     overlapped = overlap_llm.generate(prompts, params)
     _check_valid(overlapped, params)
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
-    assert overlap_llm.engine.scheduler.grammar.stats.early_syncs > 0  # the pending step was read before sampling
+    stats = overlap_llm.engine.scheduler.grammar.stats
+    assert stats.early_syncs > 0  # the pending step's tokens were accepted before the masks were filled
+    assert stats.background_fills > 0  # masks filled on the worker thread, the sampling deferred
 
 
 def test_mixed_batch_leaves_unconstrained_rows_alone(overlap_llm):
@@ -104,6 +106,44 @@ def test_mixed_batch_leaves_unconstrained_rows_alone(overlap_llm):
     assert [o.token_ids for o in mixed[:len(PROMPTS)]] == [o.token_ids for o in alone]
     assert any(t >= TOKENIZER_VOCAB for o in alone for t in o.token_ids)  # unmasked rows do reach the padding
     _check_valid(mixed[len(PROMPTS):], params)
+
+
+@pytest.mark.parametrize("engine", ["llm", "overlap_llm"])
+def test_min_tokens_yields_to_a_finished_grammar(engine, request):
+    """Once the grammar allows only its stop token, ``min_tokens`` no longer masks it: the
+    request ends with the grammar (``stop``) below ``min_tokens``. Where the grammar may go
+    on, ``min_tokens`` still holds EOS back."""
+    llm = request.getfixturevalue(engine)
+    yielded0 = llm.engine.scheduler.grammar.stats.min_tokens_yielded
+    short = [SamplingParams(max_new_tokens=16, min_tokens=12, temperature=t, seed=i, regex="(yes|no)")
+             for i, t in enumerate((0.0, 1.0, 1.0))]
+    longer = SamplingParams(max_new_tokens=24, min_tokens=6, temperature=1.0, seed=5, regex="[ab]+")
+    outs = llm.generate(PROMPTS[:3] + PROMPTS[:1], short + [longer])
+    for o in outs[:3]:
+        assert o.finish_reason == "stop" and o.error is None and o.text in ("yes", "no"), (o.text, o.error)
+        assert len(o.token_ids) < 12
+    assert llm.engine.scheduler.grammar.stats.min_tokens_yielded - yielded0 >= 3
+    last = outs[3]
+    assert last.error is None and re.fullmatch("[ab]+", last.text), (last.text, last.error)
+    assert len(last.token_ids) > 6  # EOS (the last token, if any) only from position min_tokens on
+
+
+def test_deferred_sampling_keeps_logprobs_penalties_and_seeds(llm, overlap_llm):
+    """Overlap defers a constrained batch's sampling to the next launch: the logprobs (of
+    the unmasked logits), penalties, ``min_tokens`` and seeded sampling of every row still
+    equal those of the same batch without overlap."""
+    params = [SamplingParams(max_new_tokens=40, temperature=0.8, seed=1, json_schema=SCHEMAS[0], logprobs=True,
+                             top_logprobs=3, frequency_penalty=0.5, min_tokens=3),
+              SamplingParams(max_new_tokens=10, temperature=0.8, seed=2, logprobs=True, top_logprobs=2,
+                             presence_penalty=1.0, min_tokens=4),
+              SamplingParams(max_new_tokens=16, temperature=0.9, seed=3, regex=REGEX, logprobs=True)]
+    plain, overlapped = (e.generate(PROMPTS[:3], params) for e in (llm, overlap_llm))
+    for a, b in zip(plain, overlapped):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert len(b.output_token_logprobs) == len(b.token_ids)
+        assert b.output_token_logprobs == pytest.approx(a.output_token_logprobs, abs=1e-5)
+    assert overlap_llm.engine.scheduler.grammar.stats.background_fills > 0
+    _check_valid([overlapped[0], overlapped[2]], [params[0], params[2]])
 
 
 def test_radix_cache_and_ignore_eos(llm):

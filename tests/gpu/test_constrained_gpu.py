@@ -2,8 +2,9 @@
 300-token byte-level tokenizer of `grammar_fixtures` under its 151,936-wide LM head. With
 the CUDA defaults (decode CUDA graphs, overlap scheduling), 64 concurrent JSON-schema
 requests must all validate (a random model's output is valid only through the mask, and
-no padded id may be sampled), the decode steps replay graphs, the pending step is read
-before the masks are filled, and unconstrained rows of a mixed batch are untouched.
+no padded id may be sampled), the decode steps replay graphs, the pending step's tokens
+are read before the masks are filled on the worker thread, and unconstrained rows of a
+mixed batch are untouched.
 The speed comparison is `benchmarks/grammar_decode.py`."""
 
 import json
@@ -83,23 +84,35 @@ def test_64_json_requests_validate_with_graphs_and_overlap(llm):
     assert len({o.text for o in outs}) > N // 2
     assert replays["n"] > 20  # decode steps ran as graph replays, masked after them
     assert sched.grammar.stats.early_syncs > 0 and sched.grammar.bitmask.stats.rows > N
+    assert sched.grammar.stats.background_fills > 0  # masks filled on the worker, the sampling deferred
+
+
+#: grammars that never have to end (a JSON value may close, leaving only EOS), so that with
+#: ``min_tokens == max_new_tokens`` their rows live exactly as long as the unconstrained
+#: ones (each step's batch is the same in both runs)
+OPEN_GRAMMARS = [{"regex": r"[a-z]+"}, {"ebnf": 'root ::= ("x" | "y" [0-9])+'}, {"regex": r"[0-9a-f]+( [0-9a-f]+)*"}]
+OPEN_LANGUAGES = [re.compile(r"[a-z]+"), re.compile(r"(x|y[0-9])*y?"), re.compile(r"[0-9a-f]+( [0-9a-f]+)* ?")]
 
 
 def test_mixed_batch_leaves_unconstrained_rows_alone(llm):
-    free = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-    cons = [SamplingParams(max_new_tokens=320, temperature=0.0, json_schema=SCHEMA),
-            SamplingParams(max_new_tokens=16, temperature=0.0, regex=r"(yes|no)-[0-9]{2,4}"),
-            SamplingParams(max_new_tokens=16, temperature=0.0, ebnf='root ::= "(" [a-c] [a-c]? [a-c]? ")"')] * 3
+    """Rows of a batch that are masked must not change the others: the same batch runs
+    twice, the rows 8.. under grammars and then unconstrained. Every row lives exactly
+    ``F`` tokens in both runs (``ignore_eos``; the grammars never force an end and
+    ``min_tokens`` keeps them from ending), and the prefix cache is flushed before each
+    run, so every step's batch, CUDA graph and kernels are the same: the unconstrained rows'
+    bf16 tokens must be identical. (Batches of different sizes may differ legitimately.)"""
+    F = 24
+    sched = llm.engine.scheduler
+    free = SamplingParams(max_new_tokens=F, temperature=0.0, ignore_eos=True)
+    cons = [SamplingParams(max_new_tokens=F, min_tokens=F, temperature=0.0, **g) for g in OPEN_GRAMMARS] * 3
     prompts = _prompts(8 + len(cons), 1)
-    alone = llm.generate(prompts[:8], free)
+    assert sched.flush_prefix_cache()
     mixed = llm.generate(prompts, [free] * 8 + cons)
-    assert [o.token_ids for o in mixed[:8]] == [o.token_ids for o in alone]
-    assert any(t >= TOKENIZER_VOCAB for o in alone for t in o.token_ids)  # unmasked rows reach the padding
-    for o, p in zip(mixed[8:], cons):
-        assert o.finish_reason == "stop", (o.text, o.finish_reason)
-        if p.json_schema is not None:
-            jsonschema.validate(json.loads(o.text), SCHEMA)
-        elif p.regex is not None:
-            assert re.fullmatch(p.regex, o.text), o.text
-        else:
-            assert re.fullmatch(r"\([a-c]{1,3}\)", o.text), o.text
+    assert sched.flush_prefix_cache()
+    plain = llm.generate(prompts, [free] * (8 + len(cons)))
+    assert all(len(o.token_ids) == F and o.finish_reason == "length" for o in mixed + plain)
+    assert [o.token_ids for o in mixed[:8]] == [o.token_ids for o in plain[:8]]
+    assert any(t >= TOKENIZER_VOCAB for o in plain[8:] for t in o.token_ids)  # unmasked, these rows reach the padding
+    for o, lang in zip(mixed[8:], OPEN_LANGUAGES * 3):
+        assert all(t < TOKENIZER_VOCAB for t in o.token_ids), o.token_ids
+        assert lang.fullmatch(o.text), o.text

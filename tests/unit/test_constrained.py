@@ -216,3 +216,44 @@ def test_bounded_strings_rewrite_touches_only_string_schemas():
     assert out["default"] == schema["default"]  # data, not a schema
     assert out["$defs"]["d"]["pattern"] == "^[\\s\\S]{0,7}$"
     assert schema["properties"]["enum"] == {"type": "string", "maxLength": 5}  # the input is not modified
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mask_job_accepts_ahead_then_fills_on_the_worker(cache, tok, threads):
+    """A `MaskJob` (overlap): the pending tokens are accepted (split over accept threads),
+    terminated matchers drop out of the fill, the outcomes reach `GrammarManager.accept`,
+    and the masks equal a fill after plain ``accept_token`` calls."""
+    from attnserve.engine.constrained.mask_job import MaskWorker
+
+    mgr = GrammarManager(tok, MODEL_VOCAB, [EOS], "cpu")
+    mgr.bitmask = TokenBitmask(MODEL_VOCAB, "cpu")
+    mgr.worker = MaskWorker(mgr.bitmask, accept_threads=threads)
+    compiled = cache.get(GrammarSpec("regex", r"(yes|no)[0-9]{2}")).result(timeout=30)
+    reqs = [_req(f"r{i}", regex=r"(yes|no)[0-9]{2}") for i in range(20)]
+    refs = []
+    for r in reqs:
+        r.grammar = type("G", (), {})()  # a stand-in RequestGrammar: matcher, spec, ahead_job, must_end
+        r.grammar.matcher, r.grammar.ahead_job, r.grammar.must_end = xgr.GrammarMatcher(compiled), None, False
+        r.grammar.spec = GrammarSpec("regex", r"(yes|no)[0-9]{2}")
+        assert r.grammar.matcher.accept_string("yes4")
+        refs.append(xgr.GrammarMatcher(compiled))
+        assert refs[-1].accept_string("yes4")
+    digit, bad = tok.convert_tokens_to_ids("5"), tok.convert_tokens_to_ids("x")
+    tokens = [digit] * 19 + [bad]  # the last row's token is rejected
+    job = mgr.start_masks(reqs, True, reqs, tokens)
+    mgr.finish_masks(job, [0] * len(reqs))
+    assert job.rows == list(range(20))  # "yes45" may still end (EOS) or not: nothing terminated yet
+    for i, (r, ref) in enumerate(zip(reqs, refs)):
+        assert ref.accept_token(tokens[i]) == (i < 19)
+        want = xgr.allocate_token_bitmask(1, MODEL_VOCAB)
+        ref.fill_next_token_bitmask(want, 0)
+        assert torch.equal(job.filled.host[i], want[0])
+    for r, t in zip(reqs, tokens):
+        r.output_ids.append(t)
+        mgr.accept(r, t)
+    assert all(r.finish_reason is None for r in reqs[:19])
+    assert reqs[19].finish_reason == FinishReason.ABORT and "rejected" in reqs[19].error
+    job2 = mgr.start_masks(reqs[:19], True, reqs[:19], [EOS] * 19)  # EOS ends "yes45": all terminate
+    mgr.finish_masks(job2, [0] * 19)
+    assert job2.rows == [] and all(job2.outcome(r) == "terminated" for r in reqs[:19])
+    mgr.shutdown()

@@ -7,7 +7,11 @@ top-k/top-p/min-p filters of `attnserve.engine.sampler`; vLLM's order):
 1. ``logit_bias`` (OpenAI): ``logit[t] += bias[t]``, values in [-100, 100].
 2. ``min_tokens`` (HF ``MinNewTokensLengthLogitsProcessor``): while fewer than
    ``min_tokens`` tokens were generated, EOS (unless ``ignore_eos``) and ``stop_token_ids``
-   get ``-inf``.
+   get ``-inf``. A grammar's end wins over ``min_tokens``: a constrained row whose mask
+   allows nothing but its stop tokens (``RequestGrammar.must_end``, set on the host when
+   the mask is filled) is not masked, so the request finishes with its grammar, with
+   fewer than ``min_tokens`` tokens (vLLM's rule for structured outputs; otherwise no
+   token of the row could be sampled).
 3. ``repetition_penalty`` (CTRL, Keskar et al., arXiv:1909.05858; HF
    ``RepetitionPenaltyLogitsProcessor``): for every token already in the prompt or the
    output, ``logit / p`` if the logit is positive, else ``logit * p`` (p > 0, 1 = off).
@@ -213,10 +217,15 @@ class LogitControls:
         self.capacity = 0
 
     # ---- one step ------------------------------------------------------------------------
-    def prepare(self, reqs: Sequence) -> Optional[ControlStep]:
+    def prepare(self, reqs: Sequence, positions: Optional[Sequence[int]] = None) -> Optional[ControlStep]:
         """The controlled rows among ``reqs`` (the step's sampling rows, in order), with one
         host->device copy for the integers and one for the floats; None when no row is
-        controlled. A request's first step here takes its slot (`acquire`)."""
+        controlled. A request's first step here takes its slot (`acquire`).
+
+        Args:
+            positions: each row's output tokens before this step (default: the request's
+                ``num_launched_outputs`` now).
+        """
         rows: List[int] = []
         slots: List[int] = []
         below: List[int] = []
@@ -233,7 +242,9 @@ class LogitControls:
             p = r.sampling_params
             rows.append(i)
             slots.append(slot)
-            below.append(int(r.num_launched_outputs < p.min_tokens))
+            pos = r.num_launched_outputs if positions is None else positions[i]
+            grammar = getattr(r, "grammar", None)
+            below.append(int(pos < p.min_tokens and not (grammar is not None and grammar.must_end)))
             pres.append(p.presence_penalty)
             freq.append(p.frequency_penalty)
             rep.append(p.repetition_penalty)

@@ -165,14 +165,14 @@ class SamplingExtras:
                 self._prompt_users.discard(id(r))
         return plan, owners
 
-    def before_sampling(self, reqs: Sequence, logits: torch.Tensor
+    def before_sampling(self, reqs: Sequence, logits: torch.Tensor, positions: Optional[Sequence[int]] = None
                         ) -> Tuple[torch.Tensor, Optional[_PendingSampling]]:
         """Apply the controls of ``reqs`` (the sampling rows, in order) to ``logits``
         (float32 ``[n, V]``); returns the logits to sample from and the state for
-        `after_sampling` (None: nothing to do)."""
+        `after_sampling` (None: nothing to do). ``positions``: see `LogitControls.prepare`."""
         if not self._control_users and not self._logprob_users:
             return logits, None
-        control = self.controls.prepare(reqs) if self._control_users else None
+        control = self.controls.prepare(reqs, positions) if self._control_users else None
         rows: List[int] = []
         k = 0
         if self._logprob_users:

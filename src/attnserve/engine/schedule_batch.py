@@ -66,10 +66,17 @@ class ScheduleBatch:
 class LaunchedStep:
     """A step whose GPU work is enqueued: ``emit_reqs`` get ``next_ids_host`` (valid once
     ``event`` has completed; None on the CPU, where it is valid at once); ``extras``: its
-    logprob results (`attnserve.engine.sampling_extras.LaunchedLogprobs`), or None."""
+    logprob results (`attnserve.engine.sampling_extras.LaunchedLogprobs`), or None.
+    ``deferred``: its forward is enqueued but its sampling waits for grammar masks being
+    filled (`attnserve.engine.step_sampling.DeferredSampling`; ``next_ids_host`` is None
+    until `StepSampling._finish_deferred`). ``ids``: the ids as a list once read on the
+    host; ``accepted_ahead``: its constrained rows' matchers have accepted them."""
 
     batch: ScheduleBatch
     emit_reqs: List[Req]
     next_ids_host: Optional[torch.Tensor]
     event: Optional["torch.cuda.Event"] = None
     extras: Optional[object] = None
+    deferred: Optional[object] = None
+    ids: Optional[List[int]] = None
+    accepted_ahead: bool = False

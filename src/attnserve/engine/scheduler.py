@@ -17,20 +17,20 @@ Each `step`:
    (SGLang ``retract_decode``). A request that fits the pool alone is never refused.
 3. **Launch** it: slots from the tensor allocator, every integer input in one packed
    host->device copy (`StepInputPacker`), one batched ``req_to_token`` write, the forward
-   (a CUDA-graph replay for decode), batched sampling (`sampler.sample`). Decode inputs are
+   (a CUDA-graph replay for decode), batched sampling (`StepSampling`). Decode inputs are
    read on the device from the future-token map ``token_map[req_pool_idx]`` that each
    sampling step scatters its ids into, so a step never needs the previous one's ids on
    the host. The sampled ids go to the host through a non-blocking copy and an event.
 4. **Process** a launched step's results: append tokens, check stop conditions, free the
    KV of finished requests in one batched free.
 
-Without overlap (the default on CPU, ``--disable-overlap-schedule``), a step processes its
-own results (3 then 4). With overlap (the default on CUDA) step N+1 is launched *before*
-step N's results are processed, so the host builds the next batch and post-processes the
-previous one while the GPU computes (SGLang's overlap scheduler). A request that finished
-at step N may then get one more token computed at N+1; it is discarded, never emitted,
-and its KV is freed with the rest. Length limits are known on the host, so a request never
-gets a step beyond ``max_new_tokens``.
+Without overlap (the CPU default, ``--disable-overlap-schedule``) a step processes its own
+results (3 then 4). With overlap (the CUDA default) step N+1 is launched *before* step N's
+results are processed, so the host builds the next batch and post-processes the previous
+one while the GPU computes (SGLang's overlap scheduler; a batch with grammar masks samples
+at the next launch: `StepSampling`). A request that finished at step N may then get one
+more token computed at N+1; it is discarded, never emitted, and its KV is freed with the
+rest. Length limits are known on the host, so no request gets a step past ``max_new_tokens``.
 
 Requests that are still decoding keep their place in the running batch while new ones are
 prefilled (continuous batching, Yu et al., "Orca", OSDI 2022).
@@ -50,8 +50,6 @@ from attnserve.engine.constrained.scheduler_hooks import ConstrainedScheduling
 from attnserve.engine.detokenizer import check_stop
 from attnserve.engine.prefix_cache import PrefixCacheManager
 from attnserve.engine.request import FinishReason, Req
-from attnserve.engine.sampler import SamplingBatchInfo, argmax_last, sample
-from attnserve.engine.sampling_extras import SamplingExtras
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.schedule_batch import LaunchedStep, ScheduleBatch, SchedulerStats  # noqa: F401 (re-export)
 from attnserve.speculative_config import SpeculativeConfig
@@ -62,13 +60,14 @@ from attnserve.engine.schedule_policy import (  # noqa: F401 (AdmissionPolicy re
     order_waiting,
 )
 from attnserve.engine.step_inputs import StepInputPacker, host_step_layout
-from attnserve.engine.tp.step_sync import StepMessage, StepSender, emit_rows, execute_step
+from attnserve.engine.step_sampling import StepSampling
+from attnserve.engine.tp.step_sync import StepMessage, StepSender, execute_step
 from attnserve.forward_batch import ForwardMode
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(ConstrainedScheduling):
+class Scheduler(StepSampling, ConstrainedScheduling):
     """Owns the waiting queue and the running batch of one engine.
 
     Args:
@@ -108,14 +107,11 @@ class Scheduler(ConstrainedScheduling):
             from attnserve.engine.speculative.verify import SpecDecoder
 
             self.spec = SpecDecoder(spec_config, model_runner, self.token_map, self.packer, draft_runner)
-        self._init_grammar(model_runner)  # constrained decoding (engine/constrained)
-        self.extras = SamplingExtras.of(self)  # logit controls and logprobs: free for requests without them
+        self._init_sampling(model_runner)  # grammars, logit controls, logprobs (engine/step_sampling)
         #: tensor parallelism: rank 0 broadcasts each step to the other ranks
         self.tp_sender = None
         if model_runner.tp.size > 1:
             self.tp_sender = StepSender(model_runner.tp, self.req_to_token_pool)
-        self._ids_ring: List[Optional[torch.Tensor]] = [None] * 4
-        self._ids_next = 0
         self._pending: Optional[LaunchedStep] = None
         self._current: List[Req] = []  # requests of the step being launched or processed
         #: after `step` raised: the requests of the step it was working on (the caller
@@ -205,9 +201,7 @@ class Scheduler(ConstrainedScheduling):
         if req in self.running:
             self.running.remove(req)
         self._release(req)
-        self.extras.forget(req)
-        if self.spec is not None:
-            self.spec.forget(req)
+        self._forget_state(req)
         return True
 
     def has_work(self) -> bool:
@@ -242,9 +236,8 @@ class Scheduler(ConstrainedScheduling):
         if self.spec is not None:
             self.spec.release()
         self.spec = None
-        self.grammar.shutdown()
-        self.token_map = self.packer = self.extras = None
-        self._ids_ring = [None] * len(self._ids_ring)
+        self._release_sampling()
+        self.token_map = self.packer = None
         self.tree_cache = self.cache = None
         self.allocator = self.req_to_token_pool = None
         self.tp_sender = None
@@ -365,8 +358,7 @@ class Scheduler(ConstrainedScheduling):
             if self.cache.make_room(need):  # evicts cached prefixes (LRU) when short
                 return batch
             if self._pending is not None:  # finished requests of the pending step may free enough
-                pending, self._pending = self._pending, None
-                touched.extend(self._process(pending))
+                touched.extend(self._process(self._take_pending()))
                 continue
             in_batch = set(map(id, batch.reqs))
             victims = [r for r in self.running if id(r) not in in_batch]
@@ -401,6 +393,7 @@ class Scheduler(ConstrainedScheduling):
             self._poll_grammars(touched)
             self._admit()
             batch = self._schedule(touched)
+            self._finish_deferred()  # a step whose grammar masks were being filled samples now
             if batch is not None and batch.spec is not None:  # speculative: verify, then accept at once
                 self._current = batch.reqs
                 touched.extend(self._verify(batch))
@@ -440,19 +433,8 @@ class Scheduler(ConstrainedScheduling):
     def flush(self) -> List[Req]:
         """Process the launched step whose results are still pending (overlap); returns
         the requests it touched."""
-        pending, self._pending = self._pending, None
+        pending = self._take_pending()
         return self._process(pending) if pending is not None else []
-
-    def _ids_buffer(self, n: int) -> Optional[torch.Tensor]:
-        if self.device.type != "cuda":
-            return None
-        i = self._ids_next
-        self._ids_next = (i + 1) % len(self._ids_ring)
-        buf = self._ids_ring[i]
-        if buf is None or buf.numel() < n:
-            buf = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
-            self._ids_ring[i] = buf
-        return buf[:n]
 
     def _launch(self, batch: ScheduleBatch) -> LaunchedStep:
         """Enqueue ``batch``'s GPU work; then put its prefill chunks in the prefix cache
@@ -505,35 +487,7 @@ class Scheduler(ConstrainedScheduling):
             self.tp_sender.send_step(msg)
             self.stats.tp_send_seconds += time.perf_counter() - t_send
         logits, dev = execute_step(self.runner, self.packer, self.token_map, msg)
-        if not emit_reqs:
-            return LaunchedStep(batch, [], None, extras=self.extras.after_sampling(None, None, plan, plan_owners))
-        if len(emit_reqs) != len(reqs):
-            logits = logits[dev.emit_index]
-        logits, pending_extras = self.extras.before_sampling(emit_reqs, logits)
-        if (pending_extras is not None and logits is pending_extras.raw_logits
-                and self.grammar.any_constrained(emit_reqs)):
-            logits = logits.clone()  # the logprobs are of the unmasked logits (after_sampling)
-        self._mask_grammar(logits, emit_reqs)  # constrained rows only (engine/constrained)
-        params = [r.sampling_params for r in emit_reqs]
-        if all(p.is_greedy for p in params):
-            next_ids = argmax_last(logits)
-        else:
-            info = SamplingBatchInfo.from_params(params, [r.seed for r in emit_reqs],
-                                                 [r.num_launched_outputs for r in emit_reqs], self.device)
-            next_ids = sample(logits, info)
-        self.token_map[emit_rows(dev, len(emit_reqs))] = next_ids
-        extras = self.extras.after_sampling(pending_extras, next_ids, plan, plan_owners, emit_reqs)
-        if self.tp_sender is not None:
-            self.tp_sender.send_ids(next_ids)
-        for r in emit_reqs:
-            r.num_inflight += 1
-        host_ids = self._ids_buffer(len(emit_reqs))
-        if host_ids is None:
-            return LaunchedStep(batch, emit_reqs, next_ids, extras=extras)
-        host_ids.copy_(next_ids, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        return LaunchedStep(batch, emit_reqs, host_ids, ev, extras=extras)
+        return self._sample_step(batch, emit_reqs, logits, dev, plan, plan_owners)
 
     def _process(self, launched: LaunchedStep) -> List[Req]:
         """Apply a launched step's sampled ids: append, check stops, free finished KV."""
@@ -541,11 +495,7 @@ class Scheduler(ConstrainedScheduling):
         self.stats.wait_seconds += self.extras.deliver(launched.extras, launched.emit_reqs)  # logprobs first
         if not launched.emit_reqs:
             return []
-        if launched.event is not None:
-            t = time.perf_counter()
-            launched.event.synchronize()
-            self.stats.wait_seconds += time.perf_counter() - t
-        ids = launched.next_ids_host.tolist()
+        ids = self._pending_ids(launched)
         touched: List[Req] = []
         now = time.perf_counter()
         self.allocator.free_group_begin()
@@ -599,9 +549,7 @@ class Scheduler(ConstrainedScheduling):
 
     def _finish(self, req: Req) -> None:
         req.finished_at = time.perf_counter()
-        self.extras.forget(req)
-        if self.spec is not None:
-            self.spec.forget(req)
+        self._forget_state(req)
         if req in self.running:
             self.running.remove(req)
         self._release(req)

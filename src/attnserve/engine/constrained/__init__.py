@@ -5,7 +5,8 @@ Schema, regex and EBNF grammars, OpenAI's ``response_format`` and SGLang's ``jso
 Modules: `spec` (what a request asks for, checks without a tokenizer), `compile_cache`
 (compile once per distinct grammar, on worker threads, LRU), `json_schema` (fixes of
 xgrammar's length-bounded strings), `bitmask` (token masks filled on the host, applied on
-the device), `manager` (`GrammarManager`), `scheduler_hooks` (the scheduler's steps).
+the device), `mask_job` (a batch's accepts and fill on a worker thread), `manager`
+(`GrammarManager`), `scheduler_hooks` (the scheduler's steps).
 
 **Lifecycle of a constrained request.** `GrammarManager.check` refuses what the engine
 cannot serve before the request is queued (the server has parsed the grammar already; the
@@ -26,26 +27,28 @@ the request finishes with ``stop``. Speculative decoding refuses constrained req
 next-token bitmask (`TokenBitmask`): filled on the host by xgrammar (C++ threads), copied
 to the device and applied to those rows' logits in place (-inf where the grammar forbids
 a token); unconstrained rows are not touched. The mask covers the logits' full width, so
-ids of a padded LM head that the tokenizer lacks are never sampled.
+ids of a padded LM head that the tokenizer lacks are never sampled. Where the grammar
+allows nothing but its stop token while ``min_tokens`` is not reached, the grammar wins:
+``min_tokens`` does not mask that row, and the request ends with ``stop``
+(`attnserve.engine.penalties`).
 
-**Overlap with the GPU.** The forward of a step is enqueued first; the host fills the masks
-while the GPU runs it, then enqueues the mask copy, the masking kernel and the sampling
-behind it. Under overlap scheduling (the CUDA default), step N+1 is launched before the
-host has step N's tokens, but a constrained row's mask for N+1 depends on its token of
-step N. So when a batch holds a constrained request with a token in flight, the scheduler
-processes step N's results (waits for its ids, appends them, advances the matchers:
-`ConstrainedScheduling._mask_grammar`) right after enqueueing step N+1's forward, then
-fills the masks and enqueues the sampling. The forward of N+1 still overlaps the host's
-processing of N and the mask fill, as in SGLang's overlap scheduler, which also defers
-only the sampling of a grammar batch until the masks are ready. What it costs against an
-unconstrained batch: the mask fill on the host (64 rows of
-`benchmarks/grammar_decode.py`'s schema, inside strings, SmolLM2's 49,152 tokens: 0.5 ms
-on one thread of the 2-core CPU; xgrammar spreads it over half the host's cores), one H2D
-copy of ``k * ceil(V/32) * 4`` bytes and one masking kernel on the device, and, only if
-the host's processing of step N plus the fill outlasts the forward of N+1, an idle GPU
-for the difference before sampling. (On the CPU, xgrammar's masking kernel takes ~24 ms
-for 64 rows of 49,152.) Batches without a constrained row run exactly as before (one
-``any()`` over the batch's requests is the whole check).
+**Overlap with the GPU.** The mask of a step N+1 is filled on the host while the GPU runs
+the forward of N+1. Under overlap scheduling (the CUDA default) N+1 is launched before the
+host has step N's tokens, which the mask depends on; so after enqueueing forward N+1 the
+scheduler reads step N's ids and hands a job to a worker thread (`mask_job`:
+accept those ids into the constrained rows' matchers, then fill N+1's masks; xgrammar
+releases the GIL), then defers the sampling of N+1 to the start of the next launch:
+meanwhile it processes step N and schedules N+2, the GPU runs forward N+1, and the worker
+accepts and fills. The design and its ordering are in `attnserve.engine.step_sampling`. What it
+costs against an unconstrained batch: the ids' round trip and the fill, overlapped with
+forward N+1 and the host's other work (64 rows of `benchmarks/grammar_decode.py`'s schema,
+inside strings, SmolLM2's 49,152 tokens: ~0.8 ms on one thread of the 2-core CPU; xgrammar
+spreads it over half the host's cores), one H2D copy of ``k * ceil(V/32) * 4`` bytes and
+one masking kernel on the device, and an idle GPU only where the fill outlasts the forward.
+(On the CPU, xgrammar's masking kernel takes ~24 ms for 64 rows of 49,152.) Without overlap
+the fill runs on the scheduler thread right after the forward is enqueued. Batches without
+a constrained row run exactly as before (one ``any()`` over the batch's requests is the
+whole check).
 """
 
 from attnserve.engine.constrained.manager import GrammarManager, RequestGrammar

@@ -17,7 +17,11 @@ with ``k`` constrained rows among ``n`` sampled rows:
   waited on (it has always completed by then in practice: a step later).
 
 Filling uses xgrammar's ``BatchGrammarMatcher`` (C++ threads, half the host's cores by
-default) for two rows or more. Nothing here runs for a batch without constrained rows.
+default) for two rows or more. A batch goes through `reserve` (scheduler thread: takes a
+host buffer), `fill` (any thread: xgrammar releases the GIL while it fills) and
+`apply_filled` (scheduler thread: copy and kernel), so the fill can overlap the
+scheduler's other work (`attnserve.engine.step_sampling`). Nothing here runs for a batch
+without constrained rows.
 """
 
 from __future__ import annotations
@@ -41,6 +45,25 @@ class BitmaskStats:
     rows: int = 0
     fill_seconds: float = 0.0
     apply_seconds: float = 0.0
+
+
+@dataclass
+class FilledMask:
+    """The host masks of one batch (`TokenBitmask.reserve`, then `fill`).
+
+    Attributes:
+        slot: the host buffer's slot.
+        rows: the ``k`` constrained row indices of the batch, ascending.
+        n: the batch's sampling rows.
+        host: int32 ``[>= k, W]`` (compact) or ``[>= n, W]`` masks (pinned on CUDA).
+        host_rows: int64 ``[>= k]`` staging for the row indices (compact path).
+    """
+
+    slot: int
+    rows: List[int]
+    n: int
+    host: torch.Tensor
+    host_rows: torch.Tensor
 
 
 class TokenBitmask:
@@ -99,16 +122,64 @@ class TokenBitmask:
             self._dev_full = torch.empty((cap, self.words), dtype=torch.int32, device=self.device)
             self._dev_rows = torch.empty(cap, dtype=torch.int64, device=self.device)
 
-    # ---- one batch -------------------------------------------------------------------------
+    # ---- one batch ----------------------------------------------------------------------
     def _fill(self, matchers: Sequence, mask: torch.Tensor, indices: Optional[List[int]]) -> None:
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(mask, indices[0] if indices else 0)
         else:
             self._batch.batch_fill_next_token_bitmask(list(matchers), mask, indices)
 
+    def reserve(self, rows: List[int], n: int) -> FilledMask:
+        """Take the next host buffer for the masks of ``rows`` (``k`` ascending row indices
+        of an ``n``-row batch; the fill may drop some: ``FilledMask.rows``); scheduler
+        thread only."""
+        k = len(rows)
+        slot, host, host_rows = self._host_buffers(k if self.compact else n)
+        return FilledMask(slot, list(rows), n, host, host_rows)
+
+    def fill(self, filled: FilledMask, matchers: Sequence) -> FilledMask:
+        """Fill ``filled``'s host masks from ``matchers`` (one per row, not terminated).
+        Touches only the matchers and that host buffer, so it may run on a worker thread
+        (xgrammar releases the GIL while it fills) while the scheduler thread goes on."""
+        t0 = time.perf_counter()
+        self._fill(matchers, filled.host, None if self.compact else filled.rows)
+        self.stats.fill_seconds += time.perf_counter() - t0
+        return filled
+
+    def apply_filled(self, logits: torch.Tensor, filled: FilledMask) -> None:
+        """Mask ``logits`` (float ``[n, V']`` on `device`, ``V' >= V``) in place with the
+        masks `fill` wrote: every token the row's matcher cannot accept next gets -inf in
+        that row (columns past V too); the other rows are untouched. Scheduler thread."""
+        t1 = time.perf_counter()
+        rows, n, k, host = filled.rows, filled.n, len(filled.rows), filled.host
+        if not k:
+            return
+        if not self.compact:
+            self._mask(logits, host[:n], None if k == n else rows, rows)
+        else:
+            self._device_buffers(n)
+            dev_mask = self._dev_mask[:k]
+            dev_mask.copy_(host[:k], non_blocking=True)
+            if k == n:
+                self._mask(logits, dev_mask, None, rows)
+            else:
+                filled.host_rows[:k].copy_(torch.tensor(rows, dtype=torch.int64))
+                dev_rows = self._dev_rows[:k]
+                dev_rows.copy_(filled.host_rows[:k], non_blocking=True)
+                full = self._dev_full[:n]
+                full.index_copy_(0, dev_rows, dev_mask)
+                self._mask(logits, full, dev_rows, dev_rows)
+            if self.cuda:
+                ev = torch.cuda.Event()
+                ev.record()
+                self._events[filled.slot] = ev
+        st = self.stats
+        st.steps += 1
+        st.rows += k
+        st.apply_seconds += time.perf_counter() - t1
+
     def apply(self, logits: torch.Tensor, rows: List[int], matchers: Sequence) -> None:
-        """Mask ``logits`` in place: every token the matcher of row ``rows[i]`` cannot accept
-        next gets -inf in that row; the other rows are untouched.
+        """`reserve`, `fill` and `apply_filled` at once.
 
         Args:
             logits: float ``[n, V']`` on `device` (``V' >= V``; columns past V are masked
@@ -116,38 +187,17 @@ class TokenBitmask:
             rows: ``k`` distinct row indices of ``logits``, ascending.
             matchers: ``k`` xgrammar ``GrammarMatcher`` (not terminated), one per row.
         """
-        k, n = len(rows), logits.shape[0]
-        t0 = time.perf_counter()
-        slot, host, host_rows = self._host_buffers(k if self.compact else n)
-        if not self.compact:
-            self._fill(matchers, host, rows)
-            t1 = time.perf_counter()
-            self._mask(logits, host[:n], None if k == n else rows, rows)
-        else:
-            self._fill(matchers, host, None)
-            t1 = time.perf_counter()
-            self._device_buffers(n)
-            dev_mask = self._dev_mask[:k]
-            dev_mask.copy_(host[:k], non_blocking=True)
-            if k == n:
-                self._mask(logits, dev_mask, None, rows)
-            else:
-                host_rows[:k].copy_(torch.tensor(rows, dtype=torch.int64))
-                dev_rows = self._dev_rows[:k]
-                dev_rows.copy_(host_rows[:k], non_blocking=True)
-                full = self._dev_full[:n]
-                full.index_copy_(0, dev_rows, dev_mask)
-                self._mask(logits, full, dev_rows, dev_rows)
-            if self.cuda:
-                ev = torch.cuda.Event()
-                ev.record()
-                self._events[slot] = ev
-        t2 = time.perf_counter()
-        st = self.stats
-        st.steps += 1
-        st.rows += k
-        st.fill_seconds += t1 - t0
-        st.apply_seconds += t2 - t1
+        self.apply_filled(logits, self.fill(self.reserve(rows, logits.shape[0]), matchers))
+
+    def only_stop_allowed(self, filled: FilledMask, i: int, stop_token_ids: Sequence[int]) -> bool:
+        """Whether the ``i``-th mask of ``filled`` (after `fill`) allows no token but
+        ``stop_token_ids``: the grammar can only end there."""
+        row = filled.host[i if self.compact else filled.rows[i]].clone()
+        for t in stop_token_ids:
+            word = int(row[t >> 5]) & 0xFFFFFFFF
+            word &= ~(1 << (t & 31))
+            row[t >> 5] = word - (1 << 32) if word >= 1 << 31 else word
+        return not bool(row.any())
 
     def _mask(self, logits: torch.Tensor, mask: torch.Tensor, indices, rows) -> None:
         width = logits.shape[-1]

@@ -12,9 +12,14 @@ The scheduler calls it at these points (see `attnserve.engine.constrained` for t
                               grammar compiled (with their matcher), return those whose grammar
                               failed (finished, to be answered with a 400)
 ``wait(timeout)``             nothing can run: block briefly on the compiles instead of spinning
-``apply(logits, reqs)``       masks the constrained rows of a batch's logits before sampling
-``accept(req, token)``        each new token of a constrained request: advance its matcher;
-                              a terminated matcher finishes the request with ``stop``
+``start_masks(reqs, bg, ..)`` accept the pending step's tokens (overlap), then fill the
+                              constrained rows' masks on the host (``bg``: on the mask worker
+                              thread, `mask_job`, while the scheduler thread goes on)
+``finish_masks(job, pos)``    wait for the fill; mark the rows whose grammar can only end
+``apply_masks(logits, job)``  mask those rows of the batch's logits on the device
+``accept(req, token)``        each new token of a constrained request: advance its matcher
+                              (or take the outcome of the job that accepted it ahead); a terminated matcher
+                              finishes the request with ``stop``
 ============================  ===================================================================
 """
 
@@ -24,8 +29,9 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
+from attnserve.engine.constrained.mask_job import ACCEPTED, REJECTED, TERMINATED, MaskJob, MaskWorker
 from attnserve.engine.constrained.spec import GrammarSpec, check_grammar_text, import_xgrammar, spec_of
 from attnserve.engine.detokenizer import finalize_text
 from attnserve.engine.request import FinishReason, Req
@@ -40,23 +46,33 @@ class RequestGrammar:
         compiled: future of the xgrammar ``CompiledGrammar`` (shared by every request with
             the same grammar).
         matcher: the request's own xgrammar ``GrammarMatcher`` once compiled (None before).
+        ahead_job: the `MaskJob` that accepts the request's next token before it is
+            appended (overlap); `GrammarManager.accept` takes the outcome from it.
+        must_end: at the last mask fill the grammar allowed nothing but its stop tokens
+            while ``min_tokens`` was not reached (the grammar wins: ``min_tokens`` yields).
     """
 
     spec: GrammarSpec
     compiled: Future
     matcher: Any = None
+    ahead_job: Optional[MaskJob] = None
+    must_end: bool = False
 
 
 @dataclass
 class GrammarStats:
     """``requests``: constrained requests queued; ``failed``: those whose grammar did not
     compile; ``early_syncs``: overlap steps that read the previous step's tokens before
-    sampling (see the package doc); ``terminated``: requests the grammar finished."""
+    filling masks (see the package doc); ``background_fills``: mask fills run on the worker
+    thread (their step's sampling deferred); ``terminated``: requests the grammar
+    finished; ``min_tokens_yielded``: rows where ``min_tokens`` let the grammar end."""
 
     requests: int = 0
     failed: int = 0
     early_syncs: int = 0
+    background_fills: int = 0
     terminated: int = 0
+    min_tokens_yielded: int = 0
 
 
 class GrammarManager:
@@ -85,6 +101,7 @@ class GrammarManager:
         self.bitmask = None  # TokenBitmask, at the first masked batch
         self._compiling: List[Req] = []  # held requests whose grammar is compiling
         self._failed: List[Req] = []  # failed at `enqueue` (a cached failure), reported by `poll`
+        self.worker: Optional[MaskWorker] = None  # the mask worker thread, at the first masked batch
 
     # ---- before queueing -------------------------------------------------------------------
     def check(self, params, parse: bool = False) -> None:
@@ -182,36 +199,76 @@ class GrammarManager:
         scheduling): its matcher must accept it before the next mask can be filled."""
         return any(r.grammar is not None and r.num_inflight > 0 and not r.finished for r in reqs)
 
-    def apply(self, logits, reqs: Sequence[Req]) -> None:
-        """Mask, in place, the rows of ``logits`` (float ``[len(reqs), V]``) whose request
-        has a grammar and is not finished; call only once every earlier token of those
-        requests has been accepted (`needs_tokens_first` is False)."""
-        rows, matchers = [], []
-        for i, r in enumerate(reqs):
-            if r.grammar is not None and not r.finished:
-                rows.append(i)
-                matchers.append(r.grammar.matcher)
-        if not rows:
-            return
+    def start_masks(self, reqs: Sequence[Req], background: bool, ahead_reqs: Sequence[Req] = (),
+                    ahead_tokens: Sequence[int] = ()) -> Optional[MaskJob]:
+        """Start the grammar work of a batch (``reqs``: its sampling rows, in order): accept
+        ``ahead_tokens`` into the matchers of ``ahead_reqs`` (overlap: the pending step's
+        constrained rows, not yet processed; `accept` takes the outcomes), then fill the
+        masks of the rows whose request has a grammar, is not finished and whose matcher
+        has not terminated. None when there is nothing to do.
+
+        Args:
+            background: run on the mask worker thread (`MaskWorker`); the job's matchers
+                must then not be touched until `finish_masks`. Else run now.
+        """
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished]
+        if not rows and not ahead_reqs:
+            return None
         if self.bitmask is None:
             from attnserve.engine.constrained.bitmask import TokenBitmask
 
             self.bitmask = TokenBitmask(self.vocab_size, self.device)
-        self.bitmask.apply(logits, rows, matchers)
+            self.worker = MaskWorker(self.bitmask)
+        job = MaskJob([reqs[i] for i in rows], rows, self.bitmask.reserve(rows, len(reqs)),
+                      list(ahead_reqs), list(ahead_tokens))
+        for r in job.ahead_reqs:
+            r.grammar.ahead_job = job
+        if background:
+            self.worker.submit(job)
+            self.stats.background_fills += 1
+        else:
+            self.worker.run(job)
+        return job
+
+    def finish_masks(self, job: Optional[MaskJob], positions: Sequence[int]) -> None:
+        """Wait for ``job`` (re-raising its error), then set ``must_end`` of its masked
+        rows: True where ``min_tokens`` still applies (``positions[row]``, the row's output
+        tokens before this step, is below it) and the mask allows only stop tokens."""
+        if job is None:
+            return
+        job.result()
+        for i, (row, r) in enumerate(zip(job.rows, job.reqs)):
+            g, p = r.grammar, r.sampling_params
+            g.must_end = bool(p.min_tokens > positions[row]
+                              and self.bitmask.only_stop_allowed(job.filled, i, g.matcher.stop_token_ids))
+            self.stats.min_tokens_yielded += g.must_end
+
+    def apply_masks(self, logits, job: Optional[MaskJob]) -> None:
+        """Mask, in place, ``job``'s rows of ``logits`` (float ``[n, V]``, the batch's
+        sampling rows) after `finish_masks`; nothing when ``job`` is None."""
+        if job is not None:
+            self.bitmask.apply_filled(logits, job.filled)
 
     def accept(self, req: Req, token: int) -> None:
-        """Advance ``req``'s matcher by ``token`` (just appended to its output); no-op for a
-        request without a grammar. A matcher that terminates (it accepted a stop token
-        after a complete match) finishes the request with ``stop``; a token the grammar
-        rejects (a masking bug) fails it alone (``error`` set)."""
-        if req.grammar is None:
+        """Advance ``req``'s matcher by ``token`` (just appended to its output), or take the
+        outcome of the `MaskJob` that accepted it ahead; no-op for a request without a
+        grammar. A matcher that terminates (it accepted a stop token after a complete
+        match) finishes the request with ``stop``; a token the grammar rejects (a masking
+        bug) fails it alone (``error`` set)."""
+        g = req.grammar
+        if g is None:
             return
-        m = req.grammar.matcher
-        if not m.accept_token(token):
+        if g.ahead_job is not None:
+            job, g.ahead_job = g.ahead_job, None
+            outcome = job.outcome(req)
+        elif not g.matcher.accept_token(token):
+            outcome = REJECTED
+        else:
+            outcome = TERMINATED if g.matcher.is_terminated() else ACCEPTED
+        if outcome == REJECTED:
             req.finish_reason = FinishReason.ABORT
-            req.error = f"the {req.grammar.spec.kind} grammar rejected the sampled token {token}"
-            return
-        if m.is_terminated():
+            req.error = f"the {g.spec.kind} grammar rejected the sampled token {token}"
+        elif outcome == TERMINATED:
             req.finish_reason = FinishReason.STOP
             req.matched_stop = token
             finalize_text(req, self.tokenizer)
@@ -226,5 +283,7 @@ class GrammarManager:
                 req.error = "the engine was shut down"
         if self.cache is not None:
             self.cache.shutdown()
-        self.cache = self.bitmask = None
+        if self.worker is not None:
+            self.worker.shutdown()  # a running job writes into the mask buffers
+        self.cache = self.bitmask = self.worker = None
         self._compiling, self._failed = [], []
