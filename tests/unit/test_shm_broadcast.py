@@ -160,3 +160,31 @@ def test_step_broadcast_mode(monkeypatch):
     monkeypatch.setenv(STEP_BROADCAST_ENV, "nccl")
     with pytest.raises(ValueError, match="auto, shm, gloo"):
         step_broadcast_mode(one)
+
+
+def test_writer_killed_before_unlink_leaves_no_segment():
+    """A writer SIGKILLed between `create` and `unlink` (a rank dying during start-up): its
+    process's resource tracker removes the segment."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys\n"
+            "from attnserve.distributed.shm_broadcast import ShmMessageQueue\n"
+            "q = ShmMessageQueue.create(1, num_slots=2, slot_bytes=64)\n"
+            "print(q.name, flush=True)\n"
+            "sys.stdin.readline()\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    name = proc.stdout.readline().strip()
+    path = os.path.join("/dev/shm", name)
+    assert name.startswith("attnserve-stepq-") and os.path.exists(path)
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    assert proc.wait(30) == -signal.SIGKILL
+    deadline = time.monotonic() + 20
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(path)

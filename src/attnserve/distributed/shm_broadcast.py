@@ -50,6 +50,7 @@ import struct
 import sys
 import time
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from typing import Any, Callable, List, Optional
 
 _MAGIC = 0x4154534E51000001  # "ATSNQ" + layout version 1
@@ -152,36 +153,36 @@ class ShmMessageQueue:
 
     @classmethod
     def create(cls, num_readers: int, num_slots: int = 8, slot_bytes: int = 1 << 20) -> "ShmMessageQueue":
-        """The writer's end of a new segment (``num_slots * slot_bytes`` of payload).
+        """The writer's end of a new segment (``num_slots * slot_bytes`` of payload), the
+        file /dev/shm/attnserve-stepq-<pid>-<random>.
 
         Raises:
             ValueError: ``num_readers < 1``, ``num_slots < 2`` or ``slot_bytes < 64``.
             OSError: the segment cannot be created or its memory reserved (a full /dev/shm
                 fails here, not later with SIGBUS).
         """
-        from multiprocessing import shared_memory
-
         if num_readers < 1 or num_slots < 2 or slot_bytes < _LINE:
             raise ValueError(f"need num_readers >= 1, num_slots >= 2, slot_bytes >= {_LINE}; got {num_readers}, "
                              f"{num_slots}, {slot_bytes}")
         layout = _Layout(num_readers, num_slots, _round_up(slot_bytes, _LINE))
         name = f"attnserve-stepq-{os.getpid()}-{secrets.token_hex(4)}"
-        shm = shared_memory.SharedMemory(name=name, create=True, size=layout.total_bytes)
+        path = _segment_path(name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            fd = getattr(shm, "_fd", -1)
-            if fd >= 0 and hasattr(os, "posix_fallocate"):
+            # the resource tracker removes the name if this process dies before `unlink`
+            # (as for multiprocessing.shared_memory, whose tracker names carry a "/")
+            resource_tracker.register("/" + name, "shared_memory")
+            try:
                 os.posix_fallocate(fd, 0, layout.total_bytes)  # ENOSPC now rather than SIGBUS on first write
-            struct.pack_into("<4q", shm.buf, 0, _MAGIC, num_readers, num_slots, layout.slot_bytes)
-        except BaseException:
-            shm.close()
-            shm.unlink()
-            raise
-        buf = shm.buf
-
-        def unlink():
-            shm.unlink()
-
-        return cls(buf, shm.close, layout, shm.name, None, unlinker=unlink)
+                mm = mmap.mmap(fd, layout.total_bytes)
+            except BaseException:
+                _remove(name)
+                raise
+        finally:
+            os.close(fd)
+        buf = memoryview(mm)
+        struct.pack_into("<4q", buf, 0, _MAGIC, num_readers, num_slots, layout.slot_bytes)
+        return cls(buf, mm.close, layout, name, None, unlinker=lambda: _remove(name))
 
     @classmethod
     def attach(cls, handle: ShmQueueHandle, reader_rank: int) -> "ShmMessageQueue":
@@ -199,7 +200,7 @@ class ShmMessageQueue:
         if not 0 <= reader_rank < handle.num_readers:
             raise ValueError(f"reader_rank {reader_rank} not in [0, {handle.num_readers})")
         layout = _Layout(handle.num_readers, handle.num_slots, handle.slot_bytes)
-        fd = os.open(os.path.join("/dev/shm", handle.name.lstrip("/")), os.O_RDWR)
+        fd = os.open(_segment_path(handle.name), os.O_RDWR)
         try:
             mm = mmap.mmap(fd, layout.total_bytes)
         finally:
@@ -391,6 +392,18 @@ def _read_frame(frame: bytearray) -> Any:
     parts = [view[off: off + n] for off, n in zip(offsets, lengths)]
     # the out-of-band buffers become numpy arrays viewing ``frame`` (private, writable)
     return pickle.loads(parts[0], buffers=parts[1:])
+
+
+def _segment_path(name: str) -> str:
+    return os.path.join("/dev/shm", name.lstrip("/"))
+
+
+def _remove(name: str) -> None:
+    """Unlink the segment and drop it from the resource tracker."""
+    try:
+        os.unlink(_segment_path(name))
+    finally:
+        resource_tracker.unregister("/" + name, "shared_memory")
 
 
 def shm_available() -> bool:

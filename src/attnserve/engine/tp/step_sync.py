@@ -13,7 +13,6 @@ and overlap scheduling works as on one GPU.
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -65,16 +64,20 @@ class StepMessage:
         self.__dict__.update(state)
 
     # Protocol 5 (the shared-memory step queue, `attnserve.distributed.shm_broadcast`):
-    # each host tensor's bytes travel out of band as a `pickle.PickleBuffer` next to its
-    # dtype and shape, and come back as a tensor over the receiver's copy of the frame
-    # (about half the cost of numpy's own reduction, which pickles a dtype per array).
-    # Protocols < 5 (gloo's ``broadcast_object_list``) keep the numpy state above.
+    # the host tensors travel as one flat out-of-band buffer per dtype (`step_codec`),
+    # copied into shared memory rather than pickled, and come back as views of the
+    # receiver's copy of the frame. Protocols < 5 (gloo's ``broadcast_object_list``) keep
+    # the numpy state above.
     def __reduce_ex__(self, protocol):
         if protocol < 5:
             return super().__reduce_ex__(protocol)
+        from attnserve.engine.tp.step_codec import pack_tensors, packable, tensor_to_raw
+
         state = dict(self.__dict__)
-        state["host"] = {k: _to_raw(v) for k, v in self.host.items()}
-        state["r2t_writes"] = [(row, start, _to_raw(slots)) for row, start, slots in self.r2t_writes]
+        if packable(self.host):
+            state["host"] = pack_tensors(self.host)
+        if self.r2t_writes:
+            state["r2t_writes"] = [(row, start, tensor_to_raw(slots)) for row, start, slots in self.r2t_writes]
         return _restore_step_message, (state,)
 
 
@@ -88,38 +91,13 @@ def _from_numpy(x):
     return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
 
 
-def _to_raw(x):
-    if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.requires_grad:
-        return x
-    x = x.contiguous()
-    return _RawTensor(str(x.dtype).rsplit(".", 1)[-1], tuple(x.shape), pickle.PickleBuffer(x.numpy()))
-
-
-@dataclass
-class _RawTensor:
-    """A host tensor as dtype name, shape and its bytes (a `pickle.PickleBuffer` when sent,
-    any buffer when received)."""
-
-    dtype: str
-    shape: Tuple[int, ...]
-    data: object
-
-
-def _from_raw(x):
-    if not isinstance(x, _RawTensor):
-        return x
-    dtype = getattr(torch, x.dtype)
-    buf = memoryview(x.data)
-    if buf.nbytes == 0:
-        return torch.empty(x.shape, dtype=dtype)
-    if buf.readonly:  # an in-band bytes copy: torch wants a writable buffer
-        buf = memoryview(bytearray(buf))
-    return torch.frombuffer(buf, dtype=dtype).view(x.shape)
-
-
 def _restore_step_message(state: dict) -> "StepMessage":
-    state["host"] = {k: _from_raw(v) for k, v in state["host"].items()}
-    state["r2t_writes"] = [(row, start, _from_raw(slots)) for row, start, slots in state["r2t_writes"]]
+    from attnserve.engine.tp.step_codec import PackedTensors, tensor_from_raw, unpack_tensors
+
+    if isinstance(state["host"], PackedTensors):
+        state["host"] = unpack_tensors(state["host"])
+    if state["r2t_writes"]:
+        state["r2t_writes"] = [(row, start, tensor_from_raw(slots)) for row, start, slots in state["r2t_writes"]]
     msg = StepMessage.__new__(StepMessage)
     msg.__dict__.update(state)
     return msg
