@@ -44,7 +44,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def packable(tensors: dict) -> bool:
     """Every value is a CPU tensor without autograd (what `pack_tensors` accepts)."""
-    return all(isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.requires_grad
+    return all(isinstance(v, torch.Tensor) and v.is_cpu and not v.requires_grad
                for v in tensors.values())
 
 
