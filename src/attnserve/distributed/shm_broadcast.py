@@ -42,6 +42,7 @@ layout).
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import pickle
@@ -169,11 +170,15 @@ class ShmMessageQueue:
         path = _segment_path(name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            # the resource tracker removes the name if this process dies before `unlink`
-            # (as for multiprocessing.shared_memory, whose tracker names carry a "/")
-            resource_tracker.register("/" + name, "shared_memory")
             try:
-                os.posix_fallocate(fd, 0, layout.total_bytes)  # ENOSPC now rather than SIGBUS on first write
+                # the resource tracker removes the name if this process dies before `unlink`
+                # (as for multiprocessing.shared_memory, whose tracker names carry a "/")
+                resource_tracker.register("/" + name, "shared_memory")
+            except BaseException:
+                os.unlink(path)
+                raise
+            try:
+                _reserve(fd, layout.total_bytes)
                 mm = mmap.mmap(fd, layout.total_bytes)
             except BaseException:
                 _remove(name)
@@ -396,6 +401,17 @@ def _read_frame(frame: bytearray) -> Any:
 
 def _segment_path(name: str) -> str:
     return os.path.join("/dev/shm", name.lstrip("/"))
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Size the segment, reserving its memory where the file system can (a full /dev/shm
+    then fails here with ENOSPC rather than later with SIGBUS on a write)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, size)
 
 
 def _remove(name: str) -> None:
