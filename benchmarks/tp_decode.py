@@ -10,6 +10,10 @@
   (wall - prefill-only wall) / decode steps, the engine's own per-step cost as a user sees it.
   Floor: one GPU's share of the weight bytes read at the copy bandwidth measured here.
 * Large model: Llama-3-70B shape at ``--big-tp`` (70B in bf16 needs >= 2 H200s), 1 request.
+* ``--step-broadcast shm gloo``: every tp > 1 decode run once per path of rank 0's step
+  messages (``ATTNSERVE_STEP_BROADCAST``: the shared-memory queue or gloo); each row
+  records its path, ``host_ms_per_step`` (rank 0's host time per decode step) and
+  ``tp_send_ms_per_step`` (the part spent sending the step).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
+import os
 import sys
 import time
 
@@ -59,11 +64,16 @@ def identity(tps, model="llama-3-8b", n_tokens=24):
                                                 if a != b), None) for tp in tps}}
 
 
-def decode_steps(model, tp, requests, input_len=512, output_len=128, **extra):
+def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadcast=None, **extra):
     from attnserve.engine.sampling_params import SamplingParams
     from attnserve.engine.scheduler import SchedulerStats
+    from attnserve.engine.tp.step_channel import STEP_BROADCAST_ENV
 
+    if step_broadcast:
+        os.environ[STEP_BROADCAST_ENV] = step_broadcast
     llm = _llm(model, tp, "bfloat16", input_len + output_len + 16, max(requests), **extra)
+    rt = llm.engine.tp_runtime
+    path = "none" if rt is None else ("shm" if rt.tp.step_queue is not None else "gloo")
     rows = []
     try:
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model_runner.model.parameters())
@@ -84,15 +94,17 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, **extra):
                 times[name] = (time.perf_counter() - t0, llm.engine.scheduler.stats)
             wall, stats = times["full"]
             steps = max(stats.num_decode_steps, 1)
-            row = {"model": model, "tp": tp, "requests": n, "input_len": input_len, "output_len": output_len,
+            row = {"model": model, "tp": tp, "requests": n, "step_broadcast": path, "input_len": input_len,
+                   "output_len": output_len,
                    "wall_s": wall, "prefill_s": times["prefill"][0], "decode_steps": stats.num_decode_steps,
                    "decode_ms_per_step": 1e3 * (wall - times["prefill"][0]) / steps,
                    "output_tokens_per_s": n * output_len / wall, "host_ms_per_step": stats.host_ms_per_decode_step,
                    "tp_send_ms_per_step": stats.tp_send_ms_per_step,
                    "weight_bytes_per_gpu": weight_bytes}
             rows.append(row)
-            print(f"{model} tp {tp} n {n}: {row['decode_ms_per_step']:.2f} ms/step, {row['output_tokens_per_s']:.0f} "
-                  f"tok/s, host {row['host_ms_per_step']:.2f} ms (step broadcast {row['tp_send_ms_per_step']:.2f})", flush=True)
+            print(f"{model} tp {tp} ({path}) n {n}: {row['decode_ms_per_step']:.2f} ms/step, "
+                  f"{row['output_tokens_per_s']:.0f} tok/s, host {row['host_ms_per_step']:.2f} ms "
+                  f"(step broadcast {row['tp_send_ms_per_step']:.2f})", flush=True)
     finally:
         llm.engine.shutdown()
         del llm
@@ -109,6 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--big-tp", type=int, default=0, help="tp size of the Llama-3-70B run (0: skip)")
     ap.add_argument("--skip-identity", action="store_true")
+    ap.add_argument("--step-broadcast", nargs="+", default=["auto"], choices=["auto", "shm", "gloo"],
+                    help="paths of the step messages to run each tp > 1 with")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce")
     args = ap.parse_args(argv)
@@ -122,11 +136,13 @@ def main(argv=None) -> int:
     if not args.skip_identity:
         res["identity"] = identity(args.tp)
         write_result(res, args.out, "tp", "cuda")  # partial results survive a cut-off run
-    runs = [("llama-3-8b", tp, args.requests) for tp in args.tp]
+    runs = [("llama-3-8b", tp, args.requests, sb)
+            for tp in args.tp for sb in (args.step_broadcast if tp > 1 else [None])]
     if args.big_tp:
-        runs.append(("llama-3-70b", args.big_tp, [1]))
-    for model, tp, requests in runs:
-        res["decode"] += decode_steps(model, tp, requests, disable_custom_all_reduce=args.disable_custom_all_reduce)
+        runs += [("llama-3-70b", args.big_tp, [1], sb) for sb in args.step_broadcast]
+    for model, tp, requests, sb in runs:
+        res["decode"] += decode_steps(model, tp, requests, step_broadcast=sb,
+                                      disable_custom_all_reduce=args.disable_custom_all_reduce)
         for row in res["decode"]:
             row["weights_floor_ms"] = row["weight_bytes_per_gpu"] / (copy * 1e9) * 1e3
         write_result(res, args.out, "tp", "cuda")

@@ -23,12 +23,15 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Co
 
 @pytest.fixture
 def no_orphans():
-    """Fails the test if a spawned rank outlives its engine."""
+    """Fails the test if a spawned rank outlives its engine, or if a step queue's
+    shared-memory segment of this process is left in /dev/shm."""
     yield
     deadline = time.monotonic() + 10
     while mp.active_children() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert mp.active_children() == []
+    if os.path.isdir("/dev/shm"):
+        assert [f for f in os.listdir("/dev/shm") if f.startswith(f"attnserve-stepq-{os.getpid()}-")] == []
 
 
 def _tokens(outs):
@@ -79,6 +82,7 @@ def test_random_models_tp2_match_tp1(no_orphans, model, page_size):
     del one
     llm = LLM(tp_size=2, **kw)
     try:
+        assert llm.engine.tp_runtime.tp.step_queue is not None  # steps travel through shared memory
         assert _tokens(llm.generate(prompts, params)) == want
     finally:
         llm.engine.shutdown()

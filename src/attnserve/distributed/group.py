@@ -3,7 +3,9 @@
 Collectives go through ``torch.distributed``: the *device group* (NCCL on CUDA, gloo on
 CPU) carries the activations (all-reduce after row-parallel layers, all-gather of
 vocabulary-parallel logits, the broadcast of sampled ids); the *CPU group* (always gloo)
-carries rank 0's pickled step messages. A group of size 1 runs no collective at all, so
+carries rank 0's pickled step messages, unless the ranks share one node: then the step
+messages go through a shared-memory ring (`step_queue`, see
+`attnserve.distributed.shm_broadcast`). A group of size 1 runs no collective at all, so
 single-device models pay nothing (Megatron-LM's tensor parallelism, Shoeybi et al.,
 arXiv:1909.08053; SGLang keeps the same two groups per TP group). Small all-reduces on
 CUDA take the custom one-shot / two-shot path of `custom_all_reduce` when the group has one.
@@ -27,6 +29,8 @@ class TPGroup:
         cpu_group: gloo group for host objects (None when ``size == 1``).
         custom_all_reduce: `attnserve.distributed.custom_all_reduce.CustomAllReduce` for
             small messages (None: NCCL / gloo carries every all-reduce).
+        step_queue: the `ShmMessageQueue` end (writer on rank 0, a reader elsewhere) that
+            `broadcast_step` uses, or None (gloo).
     """
 
     rank: int = 0
@@ -34,6 +38,7 @@ class TPGroup:
     device_group: Any = None
     cpu_group: Any = None
     custom_all_reduce: Any = None
+    step_queue: Any = None
 
     @classmethod
     def single(cls) -> "TPGroup":
@@ -86,6 +91,23 @@ class TPGroup:
         box = [obj]
         dist.broadcast_object_list(box, src=self._global(0), group=self.cpu_group)
         return box[0]
+
+    def broadcast_step(self, obj: Optional[Any] = None) -> Any:
+        """`broadcast_object` for the per-step messages: through `step_queue` when set
+        (rank 0 returns as soon as the message is in shared memory), else over gloo."""
+        q = self.step_queue
+        if q is None:
+            return self.broadcast_object(obj)
+        if self.rank == 0:
+            q.enqueue(obj)
+            return obj
+        return q.dequeue()
+
+    def close_step_queue(self) -> None:
+        """Unmap the step queue (idempotent); later steps would go over gloo."""
+        q, self.step_queue = self.step_queue, None
+        if q is not None:
+            q.close()
 
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over the ranks (e.g. KV pool sizes)."""

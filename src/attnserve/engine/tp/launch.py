@@ -4,7 +4,8 @@
 tokenizer, server); `TPRuntime` spawns the other local ranks (``spawn`` start method,
 daemonic, SIGINT ignored so that Ctrl-C reaches rank 0 alone, which then stops them),
 joins them in one ``torch.distributed`` world (NCCL on CUDA, gloo on CPU, plus a gloo group
-for rank 0's step messages) and watches them: a rank that exits while the engine runs
+for rank 0's step messages, which on one node travel through shared memory instead:
+`step_channel`) and watches them: a rank that exits while the engine runs
 stops the engine with an error naming it. With ``--nnodes`` > 1 every node runs
 ``ranks = tp_size / nnodes`` of them; nodes other than 0 run `run_worker_node`, which
 follows rank 0 until it shuts down (``--dist-init-addr host:port`` of node 0 is the
@@ -44,6 +45,8 @@ class DistConfig:
         device_type: ``"cuda"`` or ``"cpu"``.
         timeout_s: collective and rendezvous timeout of the device group.
         disable_custom_all_reduce: ``--disable-custom-all-reduce`` (NCCL for every size).
+        step_broadcast: ``"shm"`` or ``"gloo"``: how rank 0's step messages travel
+            (`step_channel.step_broadcast_mode`; rank 0's value decides).
     """
 
     rank: int
@@ -53,6 +56,7 @@ class DistConfig:
     device_type: str
     timeout_s: float = 600.0
     disable_custom_all_reduce: bool = False
+    step_broadcast: str = "gloo"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -85,6 +89,9 @@ def init_rank(cfg: DistConfig) -> TPGroup:
     if cfg.device_type == "cuda":  # create the NCCL communicator before any graph capture
         tp.all_reduce(torch.zeros(1, device="cuda"))
         tp.init_custom_all_reduce(torch.device("cuda", cfg.local_rank), disable=cfg.disable_custom_all_reduce)
+    from attnserve.engine.tp.step_channel import setup_step_queue
+
+    tp.step_queue = setup_step_queue(tp, cfg.step_broadcast, cfg.device_type, cfg.timeout_s)
     return tp
 
 
@@ -125,6 +132,10 @@ class TPRuntime:
         self.procs: List[mp.Process] = []
         self.failure: Optional[str] = None
         self._stopping = False
+        self.tp: Optional[TPGroup] = None
+        from attnserve.engine.tp.step_channel import step_broadcast_mode
+
+        self.step_broadcast = step_broadcast_mode(server_args)
         if server_args.nnodes > 1:
             self.init_method = f"tcp://{server_args.dist_init_addr}"
         else:
@@ -133,7 +144,7 @@ class TPRuntime:
     def config(self, rank: int) -> DistConfig:
         return DistConfig(rank, self.server_args.tp_size, rank - self.first_rank, self.init_method,
                           self.server_args.resolved_device(), self.server_args.dist_timeout,
-                          getattr(self.server_args, "disable_custom_all_reduce", False))
+                          getattr(self.server_args, "disable_custom_all_reduce", False), self.step_broadcast)
 
     def start(self) -> TPGroup:
         """Spawn the other local ranks, join the world as ``first_rank`` and start the
@@ -167,8 +178,11 @@ class TPRuntime:
         if "error" in result:
             self.stop()
             raise result["error"]
+        self.tp = result["tp"]
+        if self.tp.step_queue is not None and self.tp.step_queue.is_writer:
+            self.tp.step_queue.abort_check = lambda: self.failure  # a dead rank ends a wait on a full ring
         threading.Thread(target=self._watch, name="attnserve-tp-watchdog", daemon=True).start()
-        return result["tp"]
+        return self.tp
 
     def _dead(self):
         for i, p in enumerate(self.procs):
@@ -239,6 +253,8 @@ class TPRuntime:
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         self._kill_all()
+        if self.tp is not None:
+            self.tp.close_step_queue()
         _release_process_groups()
 
 

@@ -2,7 +2,8 @@
 step that every rank runs.
 
 Rank 0's scheduler decides a step on the host (requests, token counts, KV slots) and
-broadcasts it as a `StepMessage` over the gloo CPU group. Every rank then runs
+broadcasts it as a `StepMessage` (`TPGroup.broadcast_step`: the shared-memory step queue
+when every rank shares rank 0's node, else the gloo CPU group). Every rank then runs
 `execute_step` on its own pools: the same packed inputs, the same ``req_to_token`` writes
 and the same forward (whose all-reduces and logit all-gather pair up across ranks). Rank 0
 samples; its sampled ids reach the other ranks with one device broadcast, which they
@@ -62,6 +63,23 @@ class StepMessage:
         state["r2t_writes"] = [(row, start, _from_numpy(slots)) for row, start, slots in state["r2t_writes"]]
         self.__dict__.update(state)
 
+    # Protocol 5 (the shared-memory step queue, `attnserve.distributed.shm_broadcast`):
+    # the host tensors travel as one flat out-of-band buffer per dtype (`step_codec`),
+    # copied into shared memory rather than pickled, and come back as views of the
+    # receiver's copy of the frame. Protocols < 5 (gloo's ``broadcast_object_list``) keep
+    # the numpy state above.
+    def __reduce_ex__(self, protocol):
+        if protocol < 5:
+            return super().__reduce_ex__(protocol)
+        from attnserve.engine.tp.step_codec import pack_tensors, packable, tensor_to_raw
+
+        state = dict(self.__dict__)
+        if packable(self.host):
+            state["host"] = pack_tensors(self.host)
+        if self.r2t_writes:
+            state["r2t_writes"] = [(row, start, tensor_to_raw(slots)) for row, start, slots in self.r2t_writes]
+        return _restore_step_message, (state,)
+
 
 def _to_numpy(x):
     return x.numpy() if isinstance(x, torch.Tensor) and x.device.type == "cpu" and not x.requires_grad else x
@@ -71,6 +89,18 @@ def _from_numpy(x):
     import numpy as np
 
     return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+
+
+def _restore_step_message(state: dict) -> "StepMessage":
+    from attnserve.engine.tp.step_codec import PackedTensors, tensor_from_raw, unpack_tensors
+
+    if isinstance(state["host"], PackedTensors):
+        state["host"] = unpack_tensors(state["host"])
+    if state["r2t_writes"]:
+        state["r2t_writes"] = [(row, start, tensor_from_raw(slots)) for row, start, slots in state["r2t_writes"]]
+    msg = StepMessage.__new__(StepMessage)
+    msg.__dict__.update(state)
+    return msg
 
 
 #: the message that stops the other ranks' loops
@@ -136,13 +166,13 @@ class StepSender:
 
     def send_step(self, msg: StepMessage) -> None:
         msg.r2t_writes, self.r2t.write_log = self.r2t.write_log, []
-        self.tp.broadcast_object(msg)
+        self.tp.broadcast_step(msg)
 
     def send_ids(self, next_ids: torch.Tensor) -> None:
         self.tp.broadcast(next_ids.contiguous())
 
     def shutdown(self) -> None:
-        self.tp.broadcast_object(SHUTDOWN)
+        self.tp.broadcast_step(SHUTDOWN)
 
 
 def follow_steps(runner, tp) -> int:
@@ -157,8 +187,8 @@ def follow_steps(runner, tp) -> int:
     token_map = torch.zeros(r2t.size, dtype=torch.int64, device=device)
     steps = 0
     while True:
-        msg = tp.broadcast_object(None)
-        if msg == SHUTDOWN:
+        msg = tp.broadcast_step(None)
+        if isinstance(msg, str) and msg == SHUTDOWN:
             return steps
         for row, start, slots in msg.r2t_writes:
             r2t.write(row, start, slots)

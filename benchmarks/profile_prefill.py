@@ -1,0 +1,85 @@
+"""Where a mixed workload's prefill time goes on a small model (issue 33: the Qwen3-0.6B
+shape's prefill share of the roofline was 0.32 on the H100).
+
+``PYTHONPATH=src python benchmarks/profile_prefill.py [--model qwen3-0.6b] [--num-prompts 256]
+[--random-input-len 1024] [--random-range-ratio 0.098] [--chunked-prefill-size 8192] [--out DIR]``
+
+Builds the engine with default flags (dummy weights, CUDA), prefills the random dataset's
+prompts once (``max_new_tokens=1``) to warm up, then again under ``torch.profiler`` (CPU and
+CUDA activity). Reports the wall time, the sum of GPU kernel time (``busy_s``; wall minus
+busy is time the GPU waited on the host), and the kernels with the most GPU time, as JSON
+``<out>/<device>-profile-prefill-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import time
+from collections import defaultdict
+
+import torch
+
+from attnserve.bench.offline_random import _prompts
+from attnserve.bench.results import write_result
+from attnserve.bench.roofline import random_lengths
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--random-input-len", type=int, default=1024)
+    ap.add_argument("--random-range-ratio", type=float, default=0.098)
+    ap.add_argument("--chunked-prefill-size", type=int, default=None)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    from attnserve.engine.llm import LLM
+    from attnserve.engine.sampling_params import SamplingParams
+
+    flags = {} if args.chunked_prefill_size is None else {"chunked_prefill_size": args.chunked_prefill_size}
+    llm = LLM(args.model, load_format="dummy", device="cuda", **flags)
+    isl, _ = random_lengths(args.num_prompts, args.random_input_len, 1, args.random_range_ratio, 0)
+    vocab = llm.engine.model_runner.model_config.vocab_size
+    sp = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate(_prompts(vocab, isl, 1), sp)  # warm-up: other prompts, same lengths
+    prompts = _prompts(vocab, isl, 0)
+    llm.engine.scheduler.flush_prefix_cache()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    llm.engine.scheduler.flush_prefix_cache()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompts, sp)
+    torch.cuda.synchronize()
+    wall_unprofiled = time.perf_counter() - t0
+    per_kernel = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = per_kernel[ev.name[:120]]
+            k[0] += 1
+            k[1] += ev.device_time_total / 1e6 if hasattr(ev, "device_time_total") else ev.cuda_time_total / 1e6
+    busy = sum(v[1] for v in per_kernel.values())
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[: args.top]
+    result = {"benchmark": "profile-prefill", "date": dt.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "model": args.model, "num_prompts": args.num_prompts,
+              "input_tokens": sum(isl), "chunked_prefill_size": llm.engine.server_args.chunked_prefill_size,
+              "wall_s_profiled": wall, "wall_s": wall_unprofiled, "busy_s": busy,
+              "kernels": [{"name": n, "launches": c, "gpu_s": s} for n, (c, s) in top]}
+    print(f"{args.model}: {sum(isl)} prompt tokens, wall {wall_unprofiled:.3f} s (profiled {wall:.3f}), "
+          f"GPU busy {busy:.3f} s", flush=True)
+    for n, (c, s) in top:
+        print(f"  {s * 1e3:9.2f} ms  x{c:6d}  {n}", flush=True)
+    write_result(result, args.out, "profile-prefill", "cuda")
+    llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
