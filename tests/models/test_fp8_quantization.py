@@ -248,3 +248,55 @@ def test_online_dummy_matches_quantised_bf16_weights():
         row_max = a.abs().amax(dim=1, keepdim=True)
         assert ((d - a).abs() <= row_max * 2.0 ** -4 + 1e-12).all()
     assert fp8.model.lm_head.weight.dtype == torch.float32  # LM head unquantised
+
+
+# ---- W8A16 tiles of the tables, and producers with the quantisation fused (interpreter) ----
+
+@pytest.mark.parametrize("m,n,k,act", [(1, 8, 1100, None), (40, 64, 200, "silu")])
+def test_skinny_fp8_table_tiles_interpreter(m, n, k, act, monkeypatch):
+    """`skinny_linear_fp8` on its default tiles: one row with K > 1024 (`FP8_SKINNY_M1`,
+    twice the 16-bit ``block_k``) and 40 rows (`FP8_SKINNY_WIDE`, a 64-row ``tl.dot``
+    tile, gated), against the float64 product of x and the dequantised weight."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from attnserve.models.layers.quantization.fp8_utils import quantize_per_row
+    from attnserve.models.layers.skinny_gemm import fp8_skinny_config, skinny_gemm_config, skinny_linear_fp8
+
+    cfg = fp8_skinny_config(m, n, k, gated=act is not None)
+    if m == 1:
+        assert cfg.block_k == 2 * skinny_gemm_config(m, n, k, torch.bfloat16, 132).block_k
+    else:
+        assert cfg.use_dot and cfg.block_m(m) == 64
+    g = torch.Generator().manual_seed(m)
+    wq, ws = quantize_per_row(torch.randn(n, k, generator=g) * 0.05)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    y = skinny_linear_fp8(x, wq, ws, None, act).double()
+    full = x.double() @ dequantize(wq, ws).double().t()
+    ref = full if act is None else torch.nn.functional.silu(full[:, :n // 2]) * full[:, n // 2:]
+    # bf16 output (the interpreter truncates: one ulp, 2**-7 relative) and float32 sums
+    assert (y - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+def test_fused_producer_quant_matches_unfused_interpreter(monkeypatch):
+    """Fused add-RMSNorm + quantisation and SiLU-and-mul + quantisation give the unfused
+    kernels' residual, scales and e4m3 values (float32: no 16-bit rounding to differ in)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from attnserve.models.layers.fused_kernels import fused_add_rmsnorm, silu_and_mul
+    from attnserve.models.layers.quantization.fp8_kernels import (
+        fused_add_rmsnorm_quant_fp8,
+        silu_and_mul_quant_fp8,
+    )
+
+    g = torch.Generator().manual_seed(5)
+    x, r, w = torch.randn(3, 200, generator=g), torch.randn(3, 200, generator=g), torch.rand(200, generator=g)
+    r_fused, r_plain = r.clone(), r.clone()
+    q, s = fused_add_rmsnorm_quant_fp8(x, r_fused, w, 1e-5)
+    q_ref, s_ref = quantize_activation(fused_add_rmsnorm(x, r_plain, w, 1e-5))
+    assert torch.equal(r_fused, r_plain)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert (q.float() != q_ref.float()).float().mean() <= 0.01  # a rare tie may round apart
+    gu = torch.randn(2, 600, generator=g) * 3
+    q, s = silu_and_mul_quant_fp8(gu)
+    q_ref, s_ref = quantize_activation(silu_and_mul(gu))
+    assert q.shape == (2, 300) and s.shape == (2, 1)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert (q.float() != q_ref.float()).float().mean() <= 0.01
