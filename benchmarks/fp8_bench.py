@@ -1,13 +1,15 @@
 """FP8 linears (issue 37) against bf16 on one GPU, dummy weights, both in the same run.
 
 ``PYTHONPATH=src python benchmarks/fp8_bench.py [--out FILE.json] [--model llama-3-8b] [--sweep]
-[--parts engine,gemm,producers] [--ms 1,16,64,256,8192]``
+[--parts engine,producers,gemm] [--variants bf16,fp8,...] [--ms 1,16,64,256,8192]``
 
-**Engine rows** (CUDA graphs on), per variant: ``bf16``; ``fp8`` (``--quantization fp8``, the
-defaults); ``fp8-16bit-tiles`` (``ATTNSERVE_FP8_SKINNY_TABLE=0``: the W8A16 decode kernel
-on the bf16 tile sizes, as before 2026-11-26; decode only); ``fp8-w8a16-64``
-(``ATTNSERVE_FP8_W8A16_MAX_M=64``: batches up to 64 rows on the W8A16 kernel instead of
-activation quantisation + ``_scaled_mm``; no prefill):
+**Engine rows** (CUDA graphs on), per ``--variants`` entry (`ENGINE_VARIANTS`): ``bf16``;
+``fp8`` (``--quantization fp8``, the defaults); ``fp8-16bit-tiles``
+(``ATTNSERVE_FP8_SKINNY_TABLE=0``: the W8A16 decode kernel on the bf16 tiles, as before
+2026-11-26; decode only); ``fp8-w8a16-64`` (``ATTNSERVE_FP8_W8A16_MAX_M=64``: batches up to
+64 rows on the W8A16 kernel instead of activation quantisation + ``_scaled_mm``; no
+prefill); ``fp8-fused-producers`` (``ATTNSERVE_FP8_FUSED_PRODUCERS=1``: add-RMSNorm and
+SiLU-and-mul emit FP8 for the W8A8 linears, `fused_inputs`); ``fp8-next`` (both):
 
 * ``decode_step_ms`` / ``decode_step_bs64_ms``: the captured decode graph at batch 1 / 64,
   context 512 (target for FP8 at batch 1 on an H100: <= 3.5 ms);
@@ -57,6 +59,15 @@ import torch.nn.functional as F
 
 SHAPES = {"llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]}
 ROTATE_BYTES = 200 * 2**20
+#: engine variant -> environment it runs under (see the module doc)
+ENGINE_VARIANTS = {
+    "bf16": {},
+    "fp8": {},
+    "fp8-16bit-tiles": {"ATTNSERVE_FP8_SKINNY_TABLE": "0"},
+    "fp8-w8a16-64": {"ATTNSERVE_FP8_W8A16_MAX_M": "64"},
+    "fp8-fused-producers": {"ATTNSERVE_FP8_FUSED_PRODUCERS": "1"},
+    "fp8-next": {"ATTNSERVE_FP8_W8A16_MAX_M": "64", "ATTNSERVE_FP8_FUSED_PRODUCERS": "1"},
+}
 
 
 def _legacy_eager_ms(fn, iters=30):
@@ -242,8 +253,7 @@ def engine_rows(model, variant, emit):
     from attnserve.engine.llm import LLM
     from attnserve.engine.sampling_params import SamplingParams
 
-    env = {"fp8-16bit-tiles": {"ATTNSERVE_FP8_SKINNY_TABLE": "0"},
-           "fp8-w8a16-64": {"ATTNSERVE_FP8_W8A16_MAX_M": "64"}}.get(variant, {})
+    env = ENGINE_VARIANTS[variant]
     os.environ.update(env)
     try:
         t0 = time.time()
@@ -257,7 +267,7 @@ def engine_rows(model, variant, emit):
         row["decode_step_bs64_ms"] = graph_step_ms(runner, 64, 512)
         vocab = llm.engine.model_config.vocab_size
         gen = torch.Generator().manual_seed(0)
-        if variant in ("bf16", "fp8"):
+        if variant not in ("fp8-16bit-tiles", "fp8-w8a16-64"):
             one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
             long = [torch.randint(1, vocab, (8192,), generator=gen).tolist()]
             llm.generate(long, one)
@@ -299,7 +309,8 @@ def main(argv=None):
     ap.add_argument("--model", default="llama-3-8b", choices=sorted(SHAPES))
     ap.add_argument("--out", default="fp8_bench.json")
     ap.add_argument("--parts", default="engine,gemm,producers")
-    ap.add_argument("--variants", default="bf16,fp8,fp8-16bit-tiles,fp8-w8a16-64")
+    ap.add_argument("--variants", default="bf16,fp8,fp8-16bit-tiles,fp8-next",
+                    help=f"comma-separated, of {', '.join(ENGINE_VARIANTS)}")
     ap.add_argument("--ms", default="1,16,64,256,8192")
     ap.add_argument("--sweep", action="store_true", help="W8A16 candidate tiles besides the defaults")
     args = ap.parse_args(argv)

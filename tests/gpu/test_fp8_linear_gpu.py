@@ -200,3 +200,29 @@ def test_dummy_llama_fp8_w8a16_wide_graph_matches_eager(monkeypatch):
         res.append([o.token_ids for o in llm.generate(prompts, sp)])
         llm.shutdown()
     assert res[0] == res[1]
+
+
+def test_fused_producers_match_unfused_mlp(monkeypatch):
+    """A Llama layer's post-attention norm and MLP with the producers marked
+    (`fused_inputs`): 64 rows go through `Fp8Activation` (norm and gate_up emit it) and
+    give the unfused output; 8 rows (W8A16 decode) are left 16-bit."""
+    from attnserve.model_loader.loader import load_model
+    from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, enable_fused_producers
+
+    loaded = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False,
+                        quantization="fp8", dtype=torch.bfloat16, device="cuda")
+    layer = loaded.model.model.layers[0]
+    h = layer.post_attention_layernorm.hidden_size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    inputs = {m: [torch.randn(m, h, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2)]
+              for m in (64, 8)}
+    outs = []
+    for marked in (False, True):
+        if marked:
+            assert enable_fused_producers(loaded.model) > 0
+        for m, (x, r) in inputs.items():
+            normed, _ = layer.post_attention_layernorm.forward(x, r.clone())
+            assert isinstance(normed, Fp8Activation) == (marked and m == 64)
+            outs.append(layer.mlp.forward(normed).float())
+    for plain, fused in zip(outs[:2], outs[2:]):
+        assert (plain - fused).abs().max() <= 2e-2 * plain.abs().max()  # bf16 ulps and rare quantiser ties

@@ -300,3 +300,21 @@ def test_fused_producer_quant_matches_unfused_interpreter(monkeypatch):
     assert q.shape == (2, 300) and s.shape == (2, 1)
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
     assert (q.float() != q_ref.float()).float().mean() <= 0.01
+
+
+def test_fused_producers_marked_and_prequantized_input_path(monkeypatch):
+    """``ATTNSERVE_FP8_FUSED_PRODUCERS=1`` marks both norms and ``gate_up`` of every plain
+    Llama layer; a linear given its input already quantised (`Fp8Activation`) computes what
+    it computes from the 16-bit input (CPU: the reference path)."""
+    from attnserve.models.layers.quantization.fused_inputs import Fp8Activation
+
+    monkeypatch.setenv("ATTNSERVE_FP8_FUSED_PRODUCERS", "1")
+    loaded = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False, quantization="fp8")
+    for layer in loaded.model.model.layers:
+        assert layer.input_layernorm.fp8_output and layer.post_attention_layernorm.fp8_output
+        assert layer.mlp.gate_up_proj.fp8_output
+    assert not loaded.model.model.norm.fp8_output
+    down = loaded.model.model.layers[0].mlp.down_proj
+    x = torch.randn(20, down.in_features, generator=torch.Generator().manual_seed(2))
+    q, s = quantize_activation(x)
+    assert torch.equal(down(Fp8Activation(q, s, x.dtype)), down(x))
