@@ -195,7 +195,7 @@ def gemm_rows(model, ms, sweep, emit):
                     key = f"w8a16[{_label(cfg)}]" + ("" if j else "*")  # * = the default tiles
                     try:
                         t[key] = timed(lambda i, c=cfg: skinny_linear_fp8(x, wq[i], ws[i], None, act, config=c),
-                                          n_f8)
+                                       n_f8)
                     except Exception as e:  # a candidate that does not compile (registers, shared memory)
                         t[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
             t["act_quant"] = timed(lambda i: quantize_activation(x), 1)
@@ -209,9 +209,9 @@ def gemm_rows(model, ms, sweep, emit):
 
             t["w8a8_scaled_mm"] = timed(w8a8, n_f8)
             t["triton_channel"] = timed(lambda i: post(scaled_fp8_gemm(*quantize_activation(x), wq[i], ws[i],
-                                                                          torch.bfloat16)), n_f8)
+                                                                       torch.bfloat16)), n_f8)
             t["triton_block"] = timed(lambda i: post(scaled_fp8_gemm(*quantize_activation(x, 128), bq[i], bs[i],
-                                                                        torch.bfloat16)), n_f8)
+                                                                     torch.bfloat16)), n_f8)
             fp8_best = min((v, kk) for kk, v in t.items() if not kk.startswith("bf16") and isinstance(v, float)
                            and kk not in ("act_quant", "scaled_mm_prequant"))
             bf_best = min(v for kk, v in t.items() if kk.startswith("bf16"))
