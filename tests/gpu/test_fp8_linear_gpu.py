@@ -123,7 +123,7 @@ def test_dummy_llama_fp8_decode_graph_matches_eager():
 # ---- W8A16 tiles of the tables, W8A16 past 16 rows, producers with the quantisation fused ----
 
 @pytest.mark.parametrize("table", ["1", "0"])
-@pytest.mark.parametrize("m", [1, 4, 16, 17, 64, 128])
+@pytest.mark.parametrize("m", [1, 16, 17, 64, 128])
 @pytest.mark.parametrize("n,k,act", [(6144, 4096, None), (4096, 14336, None), (2 * 2048, 4096, "silu")])
 def test_skinny_fp8_tiles_match_float64(table, m, n, k, act, monkeypatch):
     """`skinny_linear_fp8` on its default tiles (``ATTNSERVE_FP8_SKINNY_TABLE`` 1: the
