@@ -1,16 +1,47 @@
 """FP8 linears (issue 37) against bf16 on one GPU, dummy weights, both in the same run.
 
-``PYTHONPATH=src python benchmarks/fp8_bench.py [--out FILE.json] [--model llama-3-8b]``
+``PYTHONPATH=src python benchmarks/fp8_bench.py [--out FILE.json] [--model llama-3-8b] [--sweep]
+[--parts engine,producers,gemm] [--variants bf16,fp8,...] [--ms 1,16,64,256,8192]``
 
-Per weight format (bf16, ``--quantization fp8``), one engine each (CUDA graphs on):
+**Engine rows** (CUDA graphs on), per ``--variants`` entry (`ENGINE_VARIANTS`): ``bf16``;
+``fp8`` (``--quantization fp8``, the defaults); ``fp8-16bit-tiles``
+(``ATTNSERVE_FP8_SKINNY_TABLE=0``: the W8A16 decode kernel on the bf16 tiles, as before
+2026-11-26; decode only); ``fp8-w8a16-64`` (``ATTNSERVE_FP8_W8A16_MAX_M=64``: batches up to
+64 rows on the W8A16 kernel instead of activation quantisation + ``_scaled_mm``; no
+prefill); ``fp8-fused-producers`` (``ATTNSERVE_FP8_FUSED_PRODUCERS=1``: add-RMSNorm and
+SiLU-and-mul emit FP8 for the W8A8 linears, `fused_inputs`); ``fp8-next`` (both):
 
-* ``decode_step_ms``: the captured decode graph at batch 1, context 512 (target for FP8 on
-  an H100: <= 3.5 ms);
+* ``decode_step_ms`` / ``decode_step_bs64_ms``: the captured decode graph at batch 1 / 64,
+  context 512 (target for FP8 at batch 1 on an H100: <= 3.5 ms);
 * ``prefill_8192_s``: one prompt of 8192 tokens, one output token (wall, after a warm-up);
-* ``throughput``: 64 prompts of 512 tokens -> 256 output tokens, output tokens/s.
+* ``throughput_64x512_256_tok_s``: 64 prompts of 512 tokens -> 256 output tokens.
 
-Also per-projection GEMM times (CUDA events, median) at M = 1, 16, 64 and 8192 on the
-model's shapes: bf16 ``F.linear``/skinny vs each FP8 path. Writes JSON.
+**GEMM rows**: per projection of the model (``gate_up`` with its SiLU-and-mul, as the
+engine runs it) and ``M`` in ``--ms``, the GPU time of each path, ms per call:
+
+* ``bf16_cublas`` (``F.linear``), ``bf16_skinny`` (M <= 16, the engine's decode path);
+* ``w8a16[...]``: `skinny_linear_fp8` (M <= 128) with its default tiles
+  (`fp8_skinny_config`, marked ``*``) and, with ``--sweep``, the 16-bit tiles (M <= 16)
+  and ``block_k`` x2 (M = 1, M > 16) and /2 (M > 16), each
+  labelled by its ``block_n x block_k / warps`` (``c`` carried, ``d`` deferred);
+* ``act_quant``: the per-token quantisation alone; ``scaled_mm_prequant``: ``_scaled_mm``
+  on an already quantised input (what a producer-fused quantisation leaves);
+  ``w8a8_scaled_mm``: both (the engine's path for M > 16); ``triton_channel`` /
+  ``triton_block``: `scaled_fp8_gemm` with its quantisation.
+
+Timing (``graph_ms``): each path is captured in a CUDA graph as a run of calls over
+rotating weight copies (>= 200 MB of weights, so no call finds its weight in the 50 MB
+L2), replayed back to back; median replay time / calls. No host launch cost, as in the
+engine's decode graphs. The 2026-11-26 JSON timed one eager call between two events with
+a synchronisation after each (the GPU idle at every start): its small-M numbers were the
+host's launch latency (~0.06-0.15 ms per call), not the kernels; the column
+``legacy_eager_ms`` repeats that method for the bf16 path, for comparison.
+
+**Producer rows** (``--parts producers``): fused add-RMSNorm and SiLU-and-mul followed by
+`quantize_activation` against the fused producer+quantiser kernels
+(`fused_add_rmsnorm_quant_fp8`, `silu_and_mul_quant_fp8`).
+
+Writes JSON after every row (a run cut short keeps what it measured).
 """
 
 from __future__ import annotations
@@ -18,113 +49,304 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
+import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+SHAPES = {"llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]}
+ROTATE_BYTES = 200 * 2**20
+#: engine variant -> environment it runs under (see the module doc)
+ENGINE_VARIANTS = {
+    "bf16": {},
+    "fp8": {},
+    "fp8-16bit-tiles": {"ATTNSERVE_FP8_SKINNY_TABLE": "0"},
+    "fp8-w8a16-64": {"ATTNSERVE_FP8_W8A16_MAX_M": "64"},
+    "fp8-fused-producers": {"ATTNSERVE_FP8_FUSED_PRODUCERS": "1"},
+    "fp8-next": {"ATTNSERVE_FP8_W8A16_MAX_M": "64", "ATTNSERVE_FP8_FUSED_PRODUCERS": "1"},
+}
 
-def _ms(fn, iters=30):
+
+def _legacy_eager_ms(fn, iters=30):
+    """The 2026-11-26 method: one eager call between two events, synchronised each time."""
     for _ in range(3):
-        fn()
+        fn(0)
     torch.cuda.synchronize()
     ts = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        fn(0)
         b.record()
         b.synchronize()
         ts.append(a.elapsed_time(b))
     return statistics.median(ts)
 
 
-def gemm_rows():
+def _graph_ms(fn, copies: int, calls: int = 24, replays: int = 7) -> float:
+    """ms per call of ``fn(i)`` (``i``: weight copy), captured ``max(calls, copies)`` times
+    over the copies in one CUDA graph, median of ``replays`` timed replays."""
+    for i in range(copies):
+        fn(i)  # compile / autotune outside the capture
+    torch.cuda.synchronize()
+    n = max(calls, copies)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            for j in range(n):
+                fn(j % copies)
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / n)
+    del g
+    return statistics.median(ts)
+
+
+def _label(c) -> str:
+    return f"{c.block_n}x{c.block_k}/{c.num_warps}w{'c' if c.carry else ''}{'d' if c.defer else ''}"
+
+
+def w8a16_candidates(m, n, k, gated, sweep):
+    """Default `fp8_skinny_config`, and with ``sweep`` the 16-bit tiles and neighbours."""
+    import dataclasses
+
+    from attnserve.models.layers.skinny_gemm import fp8_skinny_config, skinny_gemm_config
+
+    base = fp8_skinny_config(m, n, k, gated=gated)
+    cands = [base]
+    if sweep:
+        if m <= 16:
+            cands.append(skinny_gemm_config(m, n, k, torch.bfloat16, 132, gated=gated))  # the 16-bit tiles
+        if m == 1 or m > 16:
+            cands.append(dataclasses.replace(base, block_k=base.block_k * 2))
+        if m > 16:
+            cands.append(dataclasses.replace(base, block_k=max(64, base.block_k // 2)))
+    out, seen = [], set()
+    for c in cands:
+        if c not in seen:
+            seen.add(c)
+            out.append(c)
+    return out
+
+
+def gemm_rows(model, ms, sweep, emit):
+    from attnserve.models.layers.activation import act_and_mul
     from attnserve.models.layers.quantization.fp8_kernels import quantize_activation, scaled_fp8_gemm
     from attnserve.models.layers.quantization.fp8_utils import quantize_per_block, quantize_per_row
-    from attnserve.models.layers.skinny_gemm import skinny_linear, skinny_linear_fp8
+    from attnserve.models.layers.skinny_gemm import (
+        MAX_SKINNY_FP8_M,
+        skinny_linear,
+        skinny_linear_fp8,
+        skinny_linear_gated,
+    )
 
-    rows = []
-    for name, n, k in [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]:
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        wq, ws = quantize_per_row(w)
-        bq, bs = quantize_per_block(w)
-        for m in (1, 16, 64, 8192):
+    for name, n, k in SHAPES[model]:
+        gated = name == "gate_up"
+        act = "silu" if gated else None
+        post = (lambda y: act_and_mul(y, "silu", True)) if gated else (lambda y: y)
+        n_bf = max(1, math.ceil(ROTATE_BYTES / (n * k * 2)))
+        n_f8 = max(1, math.ceil(ROTATE_BYTES / (n * k)))
+        w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(n_bf)]
+        wq, ws, bq, bs = [], [], [], []
+        for i in range(n_f8):
+            q, s = quantize_per_row(w[i % n_bf])
+            wq.append(q)
+            ws.append(s)
+            q, s = quantize_per_block(w[i % n_bf])
+            bq.append(q)
+            bs.append(s)
+        for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            r = {"proj": name, "n": n, "k": k, "m": m}
-            r["bf16_ms"] = _ms(lambda: skinny_linear(x, w) if m <= 16 else F.linear(x, w))
+            xq, xs = quantize_activation(x)
+            r = {"proj": name, "n": n, "k": k, "m": m, "gated": gated, "weight_copies": [n_bf, n_f8], "graph_ms": {}}
+            t = r["graph_ms"]
+            calls = 24 if m <= 256 else 4
+
+            def timed(fn, copies, calls=calls):
+                return _graph_ms(fn, copies, calls)
+
+            def bf16_cublas(i):
+                return post(F.linear(x, w[i]))
+
+            t["bf16_cublas"] = timed(bf16_cublas, n_bf)
             if m <= 16:
-                r["fp8_skinny_w8a16_ms"] = _ms(lambda: skinny_linear_fp8(x, wq, ws))
-            r["fp8_act_quant_ms"] = _ms(lambda: quantize_activation(x))
+                def bf16_skinny(i):
+                    return skinny_linear_gated(x, w[i], "silu") if gated else skinny_linear(x, w[i])
 
-            def smm():
+                t["bf16_skinny"] = timed(bf16_skinny, n_bf)
+                r["legacy_eager_ms"] = _legacy_eager_ms(bf16_skinny)
+            else:
+                r["legacy_eager_ms"] = _legacy_eager_ms(bf16_cublas)
+            if m <= MAX_SKINNY_FP8_M:
+                for j, cfg in enumerate(w8a16_candidates(m, n, k, gated, sweep)):
+                    key = f"w8a16[{_label(cfg)}]" + ("" if j else "*")  # * = the default tiles
+                    try:
+                        t[key] = timed(lambda i, c=cfg: skinny_linear_fp8(x, wq[i], ws[i], None, act, config=c),
+                                       n_f8)
+                    except Exception as e:  # a candidate that does not compile (registers, shared memory)
+                        t[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+            t["act_quant"] = timed(lambda i: quantize_activation(x), 1)
+            t["scaled_mm_prequant"] = timed(lambda i: post(torch._scaled_mm(
+                xq, wq[i].t(), scale_a=xs, scale_b=ws[i].view(1, -1), out_dtype=torch.bfloat16)), n_f8)
+
+            def w8a8(i):
                 q, s = quantize_activation(x)
-                return torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16)
+                return post(torch._scaled_mm(q, wq[i].t(), scale_a=s, scale_b=ws[i].view(1, -1),
+                                             out_dtype=torch.bfloat16))
 
-            r["fp8_scaled_mm_ms"] = _ms(smm)
-            r["fp8_triton_channel_ms"] = _ms(lambda: scaled_fp8_gemm(*quantize_activation(x), wq, ws, torch.bfloat16))
-            r["fp8_triton_block_ms"] = _ms(lambda: scaled_fp8_gemm(*quantize_activation(x, 128), bq, bs,
-                                                                   torch.bfloat16))
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+            t["w8a8_scaled_mm"] = timed(w8a8, n_f8)
+            t["triton_channel"] = timed(lambda i: post(scaled_fp8_gemm(*quantize_activation(x), wq[i], ws[i],
+                                                                       torch.bfloat16)), n_f8)
+            t["triton_block"] = timed(lambda i: post(scaled_fp8_gemm(*quantize_activation(x, 128), bq[i], bs[i],
+                                                                     torch.bfloat16)), n_f8)
+            fp8_best = min((v, kk) for kk, v in t.items() if not kk.startswith("bf16") and isinstance(v, float)
+                           and kk not in ("act_quant", "scaled_mm_prequant"))
+            bf_best = min(v for kk, v in t.items() if kk.startswith("bf16"))
+            r["best_fp8"] = fp8_best[1]
+            r["bf16_over_best_fp8"] = bf_best / fp8_best[0]
+            emit(r)
+            del x, xq
         del w, wq, bq
-    return rows
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
-def engine_rows(model, quantization):
-    from attnserve.bench.offline import _timed_generate, graph_step_ms
+def producer_rows(ms, emit):
+    """Fused add-RMSNorm / SiLU-and-mul then `quantize_activation`, against the fused
+    producer+quantiser kernels."""
+    from attnserve.models.layers.fused_kernels import fused_add_rmsnorm, silu_and_mul
+    from attnserve.models.layers.quantization.fp8_kernels import (
+        fused_add_rmsnorm_quant_fp8,
+        quantize_activation,
+        silu_and_mul_quant_fp8,
+    )
+
+    for m in ms:
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        res = torch.randn_like(x)
+        nw = torch.rand(4096, device="cuda", dtype=torch.bfloat16)
+        gu = torch.randn(m, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+        r = {"m": m, "graph_ms": {
+            "add_rmsnorm+act_quant": _graph_ms(lambda i: quantize_activation(fused_add_rmsnorm(x, res, nw, 1e-5)), 1),
+            "add_rmsnorm_quant_fused": _graph_ms(lambda i: fused_add_rmsnorm_quant_fp8(x, res, nw, 1e-5), 1),
+            "silu_mul+act_quant": _graph_ms(lambda i: quantize_activation(silu_and_mul(gu)), 1),
+            "silu_mul_quant_fused": _graph_ms(lambda i: silu_and_mul_quant_fp8(gu), 1),
+        }}
+        emit(r)
+
+
+def engine_rows(model, variant, emit):
+    from attnserve.bench.offline import graph_step_ms, timed_generate
     from attnserve.engine.llm import LLM
     from attnserve.engine.sampling_params import SamplingParams
 
-    t0 = time.time()
-    llm = LLM(model, load_format="dummy", device="cuda", context_length=8192 + 64, max_running_requests=64,
-              quantization=quantization)
-    runner = llm.engine.model_runner
-    row = {"model": model, "quantization": quantization or "bf16", "load_s": time.time() - t0,
-           "weight_bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
-           "peak_gib_after_load": torch.cuda.max_memory_allocated() / 2**30}
-    row["decode_step_ms"] = graph_step_ms(runner, 1, 512)
-    vocab = llm.engine.model_config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-    long = [torch.randint(1, vocab, (8192,), generator=gen).tolist()]
-    llm.generate(long, one)
-    row["prefill_8192_s"] = min(_timed_generate(llm, long, one)[0] for _ in range(2))
-    prompts = [torch.randint(1, vocab, (512,), generator=gen).tolist() for _ in range(64)]
-    sp = SamplingParams(max_new_tokens=256, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
-    wall, _ = _timed_generate(llm, prompts, sp)
-    row["throughput_64x512_256_tok_s"] = 64 * 256 / wall
-    print(json.dumps(row), flush=True)
-    llm.shutdown()
-    del llm, runner
+    env = ENGINE_VARIANTS[variant]
+    os.environ.update(env)
+    try:
+        t0 = time.time()
+        llm = LLM(model, load_format="dummy", device="cuda", context_length=8192 + 64, max_running_requests=64,
+                  quantization=None if variant == "bf16" else "fp8")
+        runner = llm.engine.model_runner
+        row = {"model": model, "variant": variant, "env": env, "load_s": time.time() - t0,
+               "weight_bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+               "peak_gib_after_load": torch.cuda.max_memory_allocated() / 2**30}
+        row["decode_step_ms"] = graph_step_ms(runner, 1, 512)
+        row["decode_step_bs64_ms"] = graph_step_ms(runner, 64, 512)
+        vocab = llm.engine.model_config.vocab_size
+        gen = torch.Generator().manual_seed(0)
+        if variant not in ("fp8-16bit-tiles", "fp8-w8a16-64"):
+            one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+            long = [torch.randint(1, vocab, (8192,), generator=gen).tolist()]
+            llm.generate(long, one)
+            row["prefill_8192_s"] = min(timed_generate(llm, long, one)[0] for _ in range(2))
+        if variant != "fp8-16bit-tiles":
+            prompts = [torch.randint(1, vocab, (512,), generator=gen).tolist() for _ in range(64)]
+            sp = SamplingParams(max_new_tokens=256, temperature=0.0, ignore_eos=True)
+            llm.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+            row["throughput_64x512_256_tok_s"] = 64 * 256 / timed_generate(llm, prompts, sp)[0]
+        emit(row)
+        llm.shutdown()
+        del llm, runner
+    finally:
+        for key in env:
+            os.environ.pop(key, None)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    return row
+
+
+def _ratios(engine):
+    by = {r["variant"]: r for r in engine}
+    bf = by.get("bf16")
+    out = {}
+    for name, r in by.items():
+        if name == "bf16" or bf is None:
+            continue
+        out[name] = {"decode_step": bf["decode_step_ms"] / r["decode_step_ms"],
+                     "decode_step_bs64": bf["decode_step_bs64_ms"] / r["decode_step_bs64_ms"]}
+        if "prefill_8192_s" in r:
+            out[name]["prefill_8192"] = bf["prefill_8192_s"] / r["prefill_8192_s"]
+        if "throughput_64x512_256_tok_s" in r:
+            out[name]["throughput"] = r["throughput_64x512_256_tok_s"] / bf["throughput_64x512_256_tok_s"]
+    return out
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama-3-8b")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-3-8b", choices=sorted(SHAPES))
     ap.add_argument("--out", default="fp8_bench.json")
-    ap.add_argument("--skip-gemm", action="store_true")
+    ap.add_argument("--parts", default="engine,gemm,producers")
+    ap.add_argument("--variants", default="bf16,fp8,fp8-16bit-tiles,fp8-next",
+                    help=f"comma-separated, of {', '.join(ENGINE_VARIANTS)}")
+    ap.add_argument("--ms", default="1,16,64,256,8192")
+    ap.add_argument("--sweep", action="store_true", help="W8A16 candidate tiles besides the defaults")
     args = ap.parse_args(argv)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "engine": []}
-    for q in (None, "fp8"):
-        result["engine"].append(engine_rows(args.model, q))
+    import triton
+
+    t0 = time.perf_counter()
+    parts = args.parts.split(",")
+    ms = [int(v) for v in args.ms.split(",")]
+    result = {"benchmark": "fp8-bench", "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+              "timing": "graph_ms: CUDA-graph replay over rotating weight copies (>= 200 MB), ms per call",
+              "engine": [], "gemm": [], "producers": []}
+
+    def save():
+        result["total_s"] = time.perf_counter() - t0
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    bf, f8 = result["engine"]
-    result["fp8_over_bf16"] = {"decode_step": bf["decode_step_ms"] / f8["decode_step_ms"],
-                               "prefill_8192": bf["prefill_8192_s"] / f8["prefill_8192_s"],
-                               "throughput": f8["throughput_64x512_256_tok_s"] / bf["throughput_64x512_256_tok_s"]}
-    print(json.dumps(result["fp8_over_bf16"]), flush=True)
-    if not args.skip_gemm:
-        result["gemm"] = gemm_rows()
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+
+    def emitter(key):
+        def emit(row):
+            result[key].append(row)
+            print(json.dumps(row), flush=True)
+            save()
+        return emit
+
+    if "engine" in parts:
+        for v in args.variants.split(","):
+            engine_rows(args.model, v, emitter("engine"))
+        result["fp8_over_bf16"] = _ratios(result["engine"])
+        print(json.dumps(result["fp8_over_bf16"]), flush=True)
+        save()
+    if "producers" in parts:
+        producer_rows(ms, emitter("producers"))
+    if "gemm" in parts:
+        gemm_rows(args.model, ms, args.sweep, emitter("gemm"))
+    save()
 
 
 if __name__ == "__main__":

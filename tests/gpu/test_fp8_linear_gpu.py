@@ -118,3 +118,111 @@ def test_dummy_llama_fp8_decode_graph_matches_eager():
         res.append([o.token_ids for o in llm.generate(prompts, sp)])
         llm.shutdown()
     assert res[0] == res[1]
+
+
+# ---- W8A16 tiles of the tables, W8A16 past 16 rows, producers with the quantisation fused ----
+
+@pytest.mark.parametrize("table", ["1", "0"])
+@pytest.mark.parametrize("m", [1, 16, 17, 64, 128])
+@pytest.mark.parametrize("n,k,act", [(6144, 4096, None), (4096, 14336, None), (2 * 2048, 4096, "silu")])
+def test_skinny_fp8_tiles_match_float64(table, m, n, k, act, monkeypatch):
+    """`skinny_linear_fp8` on its default tiles (``ATTNSERVE_FP8_SKINNY_TABLE`` 1: the
+    FP8 tables; 0: the 16-bit tiles, M <= 16 only) against x times the dequantised weight."""
+    from attnserve.models.layers.skinny_gemm import skinny_linear_fp8
+
+    if table == "0" and m > 16:
+        pytest.skip("M > 16 always takes FP8_SKINNY_WIDE")
+    monkeypatch.setenv("ATTNSERVE_FP8_SKINNY_TABLE", table)
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    wq, ws = quantize_per_row(torch.randn(n, k, device="cuda", generator=g) * 0.05)
+    x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    y = skinny_linear_fp8(x, wq, ws, None, act).double()
+    full = x.double() @ dequantize(wq, ws).double().t()
+    ref = full if act is None else torch.nn.functional.silu(full[:, :n // 2]) * full[:, n // 2:]
+    assert (y - ref).abs().max() <= 8e-3 * ref.abs().max()
+
+
+def test_w8a16_max_m_routes_larger_batches(monkeypatch):
+    """``ATTNSERVE_FP8_W8A16_MAX_M=64``: a 64-row batch runs `skinny_linear_fp8` (the same
+    bits as calling it), unset it runs the W8A8 path (different bits)."""
+    from attnserve.models.layers.skinny_gemm import skinny_linear_fp8
+
+    layer = _layer(4096, 4096, CFGS["channel"])
+    load_param(layer.weight, torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.05, "w")
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    direct = skinny_linear_fp8(x, layer.weight, layer.weight_scale)
+    monkeypatch.setenv("ATTNSERVE_FP8_W8A16_MAX_M", "64")
+    assert torch.equal(layer(x), direct)
+    monkeypatch.delenv("ATTNSERVE_FP8_W8A16_MAX_M")
+    assert not torch.equal(layer(x), direct)
+    monkeypatch.setenv("ATTNSERVE_FP8_W8A16_MAX_M", "129")
+    with pytest.raises(ValueError, match="ATTNSERVE_FP8_W8A16_MAX_M"):
+        layer(x)
+
+
+@pytest.mark.parametrize("m", [1, 37, 300])
+def test_fused_producer_quant_matches_unfused(m):
+    from attnserve.models.layers.fused_kernels import fused_add_rmsnorm, silu_and_mul
+    from attnserve.models.layers.quantization.fp8_kernels import (
+        fused_add_rmsnorm_quant_fp8,
+        silu_and_mul_quant_fp8,
+    )
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
+    r = torch.randn(m, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.rand(4096, device="cuda", generator=g, dtype=torch.bfloat16)
+    r_plain = r.clone()
+    q, s = fused_add_rmsnorm_quant_fp8(x, r, w, 1e-5)
+    q_ref, s_ref = quantize_activation(fused_add_rmsnorm(x, r_plain, w, 1e-5))
+    assert torch.equal(r, r_plain)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert (q.float() != q_ref.float()).float().mean() < 1e-3
+    gu = torch.randn(m, 2 * 14336, device="cuda", generator=g, dtype=torch.bfloat16) * 3
+    q, s = silu_and_mul_quant_fp8(gu)
+    q_ref, s_ref = quantize_activation(silu_and_mul(gu))
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert (q.float() != q_ref.float()).float().mean() < 1e-3
+
+
+def test_dummy_llama_fp8_w8a16_wide_graph_matches_eager(monkeypatch):
+    """24 requests decode on the W8A16 kernel (``ATTNSERVE_FP8_W8A16_MAX_M=64``, 32-row
+    tiles) under CUDA graphs and eagerly: the same tokens."""
+    from attnserve.engine.llm import LLM
+    from attnserve.engine.sampling_params import SamplingParams
+
+    monkeypatch.setenv("ATTNSERVE_FP8_W8A16_MAX_M", "64")
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[1 + i, 2, 3 + i, 4] for i in range(24)]
+    res = []
+    for graphs_off in (False, True):
+        llm = LLM("llama-tiny", load_format="dummy", device="cuda", quantization="fp8", disable_cuda_graph=graphs_off)
+        res.append([o.token_ids for o in llm.generate(prompts, sp)])
+        llm.shutdown()
+    assert res[0] == res[1]
+
+
+def test_fused_producers_match_unfused_mlp(monkeypatch):
+    """A Llama layer's post-attention norm and MLP with the producers marked
+    (`fused_inputs`): 64 rows go through `Fp8Activation` (norm and gate_up emit it) and
+    give the unfused output; 8 rows (W8A16 decode) are left 16-bit."""
+    from attnserve.model_loader.loader import load_model
+    from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, enable_fused_producers
+
+    loaded = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False,
+                        quantization="fp8", dtype=torch.bfloat16, device="cuda")
+    layer = loaded.model.model.layers[0]
+    h = layer.post_attention_layernorm.hidden_size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    inputs = {m: [torch.randn(m, h, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2)]
+              for m in (64, 8)}
+    outs = []
+    for marked in (False, True):
+        if marked:
+            assert enable_fused_producers(loaded.model) > 0
+        for m, (x, r) in inputs.items():
+            normed, _ = layer.post_attention_layernorm.forward(x, r.clone())
+            assert isinstance(normed, Fp8Activation) == (marked and m == 64)
+            outs.append(layer.mlp.forward(normed).float())
+    for plain, fused in zip(outs[:2], outs[2:]):
+        assert (plain - fused).abs().max() <= 2e-2 * plain.abs().max()  # bf16 ulps and rare quantiser ties

@@ -116,39 +116,78 @@ def test_block_tp_slice_not_on_a_block_is_refused():
 
 # ---- checkpoints -----------------------------------------------------------------------------
 
+_TINY = dict(hidden_size=192, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=2, head_dim=64, vocab_size=256)
+
+
 @pytest.fixture(scope="module")
 def tiny_hf_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A one-layer HF Llama directory written directly (``config.json`` + random
+    ``model.safetensors`` under HF's names; no transformers model is built). The hidden
+    size 192 is not a multiple of the 128 x 128 blocks (edge blocks along K of qkv and
+    gate|up, along N of o)."""
+    from safetensors.torch import save_file
 
     path = str(tmp_path_factory.mktemp("fp8src"))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=2, head_dim=64, vocab_size=300, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    h, f, d, v = _TINY["hidden_size"], _TINY["intermediate_size"], _TINY["head_dim"], _TINY["vocab_size"]
+    shapes = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,)}
+    for i in range(_TINY["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        shapes.update({pre + "input_layernorm.weight": (h,), pre + "post_attention_layernorm.weight": (h,),
+                       pre + "self_attn.q_proj.weight": (2 * d, h), pre + "self_attn.k_proj.weight": (2 * d, h),
+                       pre + "self_attn.v_proj.weight": (2 * d, h), pre + "self_attn.o_proj.weight": (h, 2 * d),
+                       pre + "mlp.gate_proj.weight": (f, h), pre + "mlp.up_proj.weight": (f, h),
+                       pre + "mlp.down_proj.weight": (h, f)})
+    g = torch.Generator().manual_seed(0)
+    tensors = {name: (1.0 + 0.1 * torch.randn(shape, generator=g)) if len(shape) == 1
+               else torch.randn(shape, generator=g) * 0.05 for name, shape in shapes.items()}
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(dict(_TINY, architectures=["LlamaForCausalLM"], model_type="llama", max_position_embeddings=256,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="float32"), fh)
     return path
 
 
-def _logits(loaded, step_runner, ids):
-    runner = step_runner(loaded.model, loaded.model_config, page_size=4)
+_IDS = torch.randint(0, _TINY["vocab_size"], (12,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def _logits(loaded):
+    """Prefill of 10 tokens, then 2 decode steps (the PyTorch reference of the FP8 methods:
+    the interpreter's kernels are checked by the method tests above)."""
+    from models.conftest import StepRunner
+
+    runner = StepRunner(loaded.model, loaded.model_config, page_size=4)
     row = runner.new_request()
-    return torch.cat([runner.step(ForwardMode.EXTEND, [(row, ids[:14])])]
-                     + [runner.step(ForwardMode.DECODE, [(row, [t])]) for t in ids[12:]])
+    return torch.cat([runner.step(ForwardMode.EXTEND, [(row, _IDS[:10])])]
+                     + [runner.step(ForwardMode.DECODE, [(row, [t])]) for t in _IDS[10:]])
+
+
+@pytest.fixture(scope="module")
+def plain_logits(tiny_hf_dir):
+    return _logits(load_model(tiny_hf_dir, load_tokenizer=False, progress=False))
 
 
 @pytest.mark.parametrize("fmt", ["fp8-block", "fp8-tensor", "compressed-tensors"])
-def test_checkpoint_format_round_trip(fmt, tiny_hf_dir, tmp_path, step_runner):
-    ids = torch.randint(0, 300, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+def test_checkpoint_format_round_trip(fmt, tiny_hf_dir, plain_logits, tmp_path, monkeypatch):
+    """Export to ``fmt``, load from disk: every parameter (weights and scales) and the
+    logits equal those of the source quantised at load with `fp8_format_config`, and the
+    logits differ from the unquantised model's by FP8 error only."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     export_fp8_checkpoint(tiny_hf_dir, str(tmp_path), fmt)
     from_disk = load_model(str(tmp_path), load_tokenizer=False, progress=False)
-    assert from_disk.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
     in_memory = load_model(tiny_hf_dir, load_tokenizer=False, progress=False, quantization=fp8_format_config(fmt))
-    a, b = _logits(from_disk, step_runner, ids), _logits(in_memory, step_runner, ids)
+    assert from_disk.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    disk_params, mem_params = dict(from_disk.model.named_parameters()), dict(in_memory.model.named_parameters())
+    assert disk_params.keys() == mem_params.keys()
+    for name, p in disk_params.items():
+        q = mem_params[name]
+        assert p.dtype == q.dtype and p.shape == q.shape, name
+        assert torch.equal(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p,
+                           q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q), name
+    a, b = _logits(from_disk), _logits(in_memory)
     assert torch.equal(a, b)
-    if fmt == "compressed-tensors":  # FP8 error, not a different model
-        plain = _logits(load_model(tiny_hf_dir, load_tokenizer=False, progress=False), step_runner, ids)
-        assert (a - plain).abs().max() <= 0.2 * plain.abs().max()
-        assert not torch.equal(a, plain)
+    assert (a - plain_logits).abs().max() <= 0.2 * plain_logits.abs().max()
+    assert not torch.equal(a, plain_logits)
 
 
 def _rewrite(src, dst, edit_tensors=None, edit_config=None):
@@ -170,7 +209,7 @@ def _rewrite(src, dst, edit_tensors=None, edit_config=None):
 @pytest.mark.parametrize("fmt,scale", [("compressed-tensors", "weight_scale"), ("fp8-block", "weight_scale_inv")])
 def test_scale_shape_mismatch_names_the_tensor(fmt, scale, tiny_hf_dir, tmp_path):
     export_fp8_checkpoint(tiny_hf_dir, str(tmp_path / "ok"), fmt)
-    name = f"model.layers.1.self_attn.k_proj.{scale}"
+    name = f"model.layers.0.self_attn.k_proj.{scale}"
 
     def grow(t):
         t[name] = torch.cat([t[name], t[name][:1]])
@@ -209,3 +248,73 @@ def test_online_dummy_matches_quantised_bf16_weights():
         row_max = a.abs().amax(dim=1, keepdim=True)
         assert ((d - a).abs() <= row_max * 2.0 ** -4 + 1e-12).all()
     assert fp8.model.lm_head.weight.dtype == torch.float32  # LM head unquantised
+
+
+# ---- W8A16 tiles of the tables, and producers with the quantisation fused (interpreter) ----
+
+@pytest.mark.parametrize("m,n,k,act", [(1, 8, 1100, None), (40, 64, 200, "silu")])
+def test_skinny_fp8_table_tiles_interpreter(m, n, k, act, monkeypatch):
+    """`skinny_linear_fp8` on its default tiles: one row with K > 1024 (`FP8_SKINNY_M1`,
+    twice the 16-bit ``block_k``) and 40 rows (`FP8_SKINNY_WIDE`, a 64-row ``tl.dot``
+    tile, gated), against the float64 product of x and the dequantised weight."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from attnserve.models.layers.quantization.fp8_utils import quantize_per_row
+    from attnserve.models.layers.skinny_gemm import fp8_skinny_config, skinny_gemm_config, skinny_linear_fp8
+
+    cfg = fp8_skinny_config(m, n, k, gated=act is not None)
+    if m == 1:
+        assert cfg.block_k == 2 * skinny_gemm_config(m, n, k, torch.bfloat16, 132).block_k
+    else:
+        assert cfg.use_dot and cfg.block_m(m) == 64
+    g = torch.Generator().manual_seed(m)
+    wq, ws = quantize_per_row(torch.randn(n, k, generator=g) * 0.05)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    y = skinny_linear_fp8(x, wq, ws, None, act).double()
+    full = x.double() @ dequantize(wq, ws).double().t()
+    ref = full if act is None else torch.nn.functional.silu(full[:, :n // 2]) * full[:, n // 2:]
+    # bf16 output (the interpreter truncates: one ulp, 2**-7 relative) and float32 sums
+    assert (y - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+def test_fused_producer_quant_matches_unfused_interpreter(monkeypatch):
+    """Fused add-RMSNorm + quantisation and SiLU-and-mul + quantisation give the unfused
+    kernels' residual, scales and e4m3 values (float32: no 16-bit rounding to differ in)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from attnserve.models.layers.fused_kernels import fused_add_rmsnorm, silu_and_mul
+    from attnserve.models.layers.quantization.fp8_kernels import (
+        fused_add_rmsnorm_quant_fp8,
+        silu_and_mul_quant_fp8,
+    )
+
+    g = torch.Generator().manual_seed(5)
+    x, r, w = torch.randn(3, 200, generator=g), torch.randn(3, 200, generator=g), torch.rand(200, generator=g)
+    r_fused, r_plain = r.clone(), r.clone()
+    q, s = fused_add_rmsnorm_quant_fp8(x, r_fused, w, 1e-5)
+    q_ref, s_ref = quantize_activation(fused_add_rmsnorm(x, r_plain, w, 1e-5))
+    assert torch.equal(r_fused, r_plain)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert (q.float() != q_ref.float()).float().mean() <= 0.01  # a rare tie may round apart
+    gu = torch.randn(2, 600, generator=g) * 3
+    q, s = silu_and_mul_quant_fp8(gu)
+    q_ref, s_ref = quantize_activation(silu_and_mul(gu))
+    assert q.shape == (2, 300) and s.shape == (2, 1)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert (q.float() != q_ref.float()).float().mean() <= 0.01
+
+
+def test_fused_producers_marked_and_prequantized_input_path(monkeypatch):
+    """``ATTNSERVE_FP8_FUSED_PRODUCERS=1`` marks both norms and ``gate_up`` of every plain
+    Llama layer; a linear given its input already quantised (`Fp8Activation`) computes what
+    it computes from the 16-bit input (CPU: the reference path)."""
+    from attnserve.models.layers.quantization.fused_inputs import Fp8Activation
+
+    monkeypatch.setenv("ATTNSERVE_FP8_FUSED_PRODUCERS", "1")
+    loaded = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False, quantization="fp8")
+    for layer in loaded.model.model.layers:
+        assert layer.input_layernorm.fp8_output and layer.post_attention_layernorm.fp8_output
+        assert layer.mlp.gate_up_proj.fp8_output
+    assert not loaded.model.model.norm.fp8_output
+    down = loaded.model.model.layers[0].mlp.down_proj
+    x = torch.randn(20, down.in_features, generator=torch.Generator().manual_seed(2))
+    q, s = quantize_activation(x)
+    assert torch.equal(down(Fp8Activation(q, s, x.dtype)), down(x))

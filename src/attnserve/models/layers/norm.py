@@ -37,6 +37,9 @@ class RMSNorm(nn.Module, FusedKernelUser):
     #: the fused kernels compute ``x_hat * (weight + fused_weight_offset)``; a subclass whose
     #: ``_norm`` is not of that form must set this to None (no fused path)
     fused_weight_offset: Optional[float] = 0.0
+    #: set by `quantization.fused_inputs.enable_fused_producers`: with a residual, large
+    #: CUDA batches return an `Fp8Activation` (the add-RMSNorm output quantised per token)
+    fp8_output: bool = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: Optional[torch.dtype] = None):
         super().__init__()
@@ -72,6 +75,15 @@ class RMSNorm(nn.Module, FusedKernelUser):
         if self.use_fused and x.is_cuda:
             if residual is None:
                 return rmsnorm(x, self.weight, self.variance_epsilon, self.fused_weight_offset)
+            if self.fp8_output and fused_add_rmsnorm_supported(x, residual):
+                from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, emits_fp8
+
+                if emits_fp8(x, self.fused_weight_offset is not None):
+                    from attnserve.models.layers.quantization.fp8_kernels import fused_add_rmsnorm_quant_fp8
+
+                    q, s = fused_add_rmsnorm_quant_fp8(x, residual, self.weight, self.variance_epsilon,
+                                                       self.fused_weight_offset)
+                    return Fp8Activation(q, s, x.dtype), residual
             if fused_add_rmsnorm_supported(x, residual):
                 out = fused_add_rmsnorm(x, residual, self.weight, self.variance_epsilon, self.fused_weight_offset)
                 return out, residual

@@ -30,6 +30,7 @@ interpreter (``TRITON_INTERPRET=1``; the tests use it).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -50,10 +51,14 @@ __all__ = [
     "skinny_linear_fp8",
     "skinny_fp8_supported",
     "skinny_rule",
+    "MAX_SKINNY_FP8_M",
+    "fp8_skinny_config",
 ]
 
 #: largest number of activation rows the skinny kernels take (the ``tl.dot`` tile height)
 MAX_SKINNY_M = 16
+#: largest number of rows `skinny_linear_fp8` takes (W8A16 with a ``next_pow2(M)``-row ``tl.dot`` tile)
+MAX_SKINNY_FP8_M = 128
 
 #: activation name -> the kernels' ``ACT`` code
 SKINNY_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -110,8 +115,8 @@ class SkinnyGemmConfig:
     defer: bool = False
 
     def block_m(self, m: int) -> int:
-        """Rows of the activation tile for ``m`` rows."""
-        return MAX_SKINNY_M if self.use_dot else _next_pow2(m)
+        """Rows of the activation tile for ``m`` rows (``tl.dot``: at least 16)."""
+        return max(MAX_SKINNY_M, _next_pow2(m)) if self.use_dot else _next_pow2(m)
 
     def validate(self) -> None:
         """Raise ValueError when the kernels cannot be compiled with these parameters."""
@@ -131,7 +136,7 @@ class SkinnyGemmConfig:
 
 
 def skinny_gemm_config(
-    M: int, N: int, K: int, dtype: torch.dtype, num_sms: int, *, gated: bool = False
+    M: int, N: int, K: int, dtype: torch.dtype, num_sms: int, *, gated: bool = False, weight_itemsize: int = 0
 ) -> SkinnyGemmConfig:
     """Default launch parameters for ``x [M, K] @ W[N, K]^T`` (the one place tuning lives).
 
@@ -142,6 +147,9 @@ def skinny_gemm_config(
         dtype: storage dtype of ``x`` / ``W``.
         num_sms: streaming multiprocessors of the device (132 on an H100 SXM).
         gated: parameters for `skinny_linear_gated` (a program reads ``2 * block_n`` rows).
+        weight_itemsize: bytes per weight element when it differs from ``dtype``'s (1: an
+            FP8 weight of `skinny_linear_fp8`, whose tiles come from `fp8_skinny_config`
+            unless `fp8_skinny_table_on` is False; ``M > 16`` always does).
 
     Rule v1, tuned on an H100 (``benchmarks/gemv.py``, 2026-11-21: 40-config sweep
     of every projection of SmolLM2-135M, Gemma-3-270M and Llama-3-8B at M = 1, 4, 16):
@@ -177,6 +185,10 @@ def skinny_gemm_config(
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     _ = num_sms  # neither rule needed it on the H100; kept for other GPUs' tuning
+    if weight_itemsize == 1 and itemsize == 2 and skinny_rule() == "v2" and fp8_skinny_table_on():
+        return fp8_skinny_config(M, N, K, gated=gated)
+    if weight_itemsize == 1 and M > MAX_SKINNY_M:
+        return fp8_skinny_config(M, N, K, gated=gated)
     if skinny_rule() == "v1":
         return _rule_v1(M, N, K, itemsize, gated)
     if M == 1 and itemsize <= 2 and K > 1024:
@@ -193,6 +205,72 @@ def skinny_gemm_config(
         return SkinnyGemmConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=1, use_dot=False,
                                 carry=carry, defer=True)
     return _rule_v1(M, N, K, itemsize, gated)
+
+
+def _shape_class(n: int, k: int, gated: bool) -> str:
+    """The rule-v2 class of a weight ``[N, K]`` (see `skinny_gemm_config`)."""
+    if gated:
+        return "gated"
+    if k >= 8192:
+        return "k>=8192"
+    if n <= 4096:
+        return "n<=4096"
+    return "n<=16384" if n <= 16384 else "wide"
+
+
+#: FP8 (1-byte) weights, one activation row (``defer`` form, ``K > 1024``): class ->
+#: (block_n, block_k, num_warps, carry). Rule v2's 16-bit tiles with ``block_k`` doubled,
+#: so a program streams the same bytes per step (a bf16 tile of the same shape moves half
+#: of them); unmeasured starting points -- ``benchmarks/fp8_bench.py --sweep`` times them
+#: against the 16-bit tiles and neighbours.
+FP8_SKINNY_M1 = {
+    "gated": (2, 1024, 4, False),
+    "k>=8192": (2, 4096, 8, False),
+    "n<=4096": (4, 1024, 4, True),
+    "n<=16384": (2, 2048, 4, False),
+    "wide": (4, 2048, 8, True),
+}
+#: FP8 weights, more than 16 rows (``tl.dot`` on ``next_pow2(M)`` rows; W8A16 past the
+#: decode batch sizes of the 16-bit kernel): tile rows -> (block_n, block_k, num_warps,
+#: num_stages); gated: ``block_n`` halved (a program reads gate and up rows). Unmeasured
+#: starting points, as `FP8_SKINNY_M1`.
+FP8_SKINNY_WIDE = {
+    32: (64, 256, 4, 4),
+    64: (64, 256, 8, 3),
+    128: (64, 128, 8, 3),
+}
+
+
+def fp8_skinny_config(M: int, N: int, K: int, *, gated: bool = False) -> SkinnyGemmConfig:
+    """Launch parameters of `skinny_linear_fp8` for ``x [M, K]`` (16-bit) and an FP8
+    ``W [N, K]`` (``gated``: ``N = 2I``; 1 <= M <= MAX_SKINNY_FP8_M):
+
+    * ``M == 1``, ``K > 1024``: `FP8_SKINNY_M1` by shape class;
+    * ``2 <= M <= 16``: the 16-bit rule v1 with ``block_k`` doubled when ``K > 1024``
+      (same bytes per tile);
+    * ``M > 16``: `FP8_SKINNY_WIDE` by ``next_pow2(M)``;
+    * otherwise (``K <= 1024``, one step covers ``K``) the 16-bit rule.
+    """
+    if M <= MAX_SKINNY_M:
+        cfg = _rule_v1(M, N, K, 2, gated)
+        if K <= 1024:
+            return cfg
+        if M == 1:
+            bn, bk, warps, carry = FP8_SKINNY_M1[_shape_class(N // 2 if gated else N, K, gated)]
+            return SkinnyGemmConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=1, use_dot=False,
+                                    carry=carry, defer=True)
+        return dataclasses.replace(cfg, block_k=cfg.block_k * 2) if cfg.use_dot else cfg
+    bn, bk, warps, stages = FP8_SKINNY_WIDE[min(_next_pow2(M), max(FP8_SKINNY_WIDE))]
+    if gated:
+        bn = max(16, bn // 2)
+    bk = max(16, min(bk, _next_pow2(K)))
+    return SkinnyGemmConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, use_dot=True)
+
+
+def fp8_skinny_table_on() -> bool:
+    """False when ``ATTNSERVE_FP8_SKINNY_TABLE=0``: FP8 weights at ``M <= 16`` then take the
+    16-bit tiles (the choice before the tables; kept for A/B). Read at every call."""
+    return os.environ.get("ATTNSERVE_FP8_SKINNY_TABLE", "1").strip() != "0"
 
 
 def skinny_rule() -> str:
@@ -301,7 +379,8 @@ def _launch(
     gated = act is not None
     cols = n // 2 if gated else n
     if config is None:
-        config = skinny_gemm_config(m, n, k, x.dtype, _num_sms(x.device), gated=gated)
+        config = skinny_gemm_config(m, n, k, x.dtype, _num_sms(x.device), gated=gated,
+                                    weight_itemsize=weight.element_size())
     else:
         config.validate()
     if config.defer and m != 1:
@@ -417,7 +496,7 @@ def skinny_fp8_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
                          bias: Optional[torch.Tensor] = None) -> bool:
     """Whether `skinny_linear_fp8` accepts its arguments: as `skinny_gemm_supported` for
     ``x`` (float16/bfloat16) and a contiguous ``float8_e4m3fn`` ``weight [N, K]``, plus a
-    contiguous float32 ``scale [N]`` on the same device."""
+    contiguous float32 ``scale [N]`` on the same device, and ``1 <= M <= MAX_SKINNY_FP8_M``."""
     if weight.dtype != torch.float8_e4m3fn or x.dtype not in (torch.float16, torch.bfloat16):
         return False
     if scale.dtype != torch.float32 or scale.dim() != 1 or scale.shape[0] != weight.shape[0]:
@@ -427,7 +506,7 @@ def skinny_fp8_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     if x.dim() != 2 or weight.dim() != 2 or not _device_ok(x) or weight.device != x.device:
         return False
     m, k = x.shape
-    if not (1 <= m <= MAX_SKINNY_M) or k < 1 or weight.shape[1] != k or not weight.is_contiguous():
+    if not (1 <= m <= MAX_SKINNY_FP8_M) or k < 1 or weight.shape[1] != k or not weight.is_contiguous():
         return False
     if (x.stride(1) != 1 and k > 1) or (bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1)):
         return False
@@ -448,13 +527,15 @@ def skinny_linear_fp8(
     (W8A16: the weight is widened in the kernel, the activations stay 16-bit).
 
     Args:
-        x: ``[M, K]``, ``1 <= M <= MAX_SKINNY_M``, float16/bfloat16 (as `skinny_linear`).
+        x: ``[M, K]``, ``1 <= M <= MAX_SKINNY_FP8_M``, float16/bfloat16 (as `skinny_linear`;
+            ``M > 16`` runs the ``tl.dot`` form on ``next_pow2(M)`` rows).
         weight: contiguous ``float8_e4m3fn`` ``[N, K]``.
         scale: contiguous float32 ``[N]`` (per output row; a per-tensor scale repeated).
         bias: optional unit-stride ``[N]`` of ``x``'s dtype.
         activation: None, or ``"silu"`` / ``"gelu_tanh"`` for a fused ``[gate | up]``
             weight (as `skinny_linear_gated`; the output then has ``N / 2`` columns).
-        config, pdl: as `skinny_linear` (default: the 16-bit rule for this shape).
+        config, pdl: as `skinny_linear` (default: `fp8_skinny_config`; rule v1 selected by
+            ``ATTNSERVE_SKINNY_RULE=v1``: the 16-bit tiles).
 
     Returns:
         new ``[M, N]`` (``[M, N / 2]`` gated) tensor in ``x``'s dtype.
@@ -466,7 +547,7 @@ def skinny_linear_fp8(
     if not skinny_fp8_supported(x, weight, scale, bias):
         raise ValueError(
             f"skinny_linear_fp8: unsupported x {tuple(x.shape)} {x.dtype} {x.device}, weight {tuple(weight.shape)} "
-            f"{weight.dtype}, scale {tuple(scale.shape)} {scale.dtype}: need M <= {MAX_SKINNY_M}, 16-bit x, "
+            f"{weight.dtype}, scale {tuple(scale.shape)} {scale.dtype}: need M <= {MAX_SKINNY_FP8_M}, 16-bit x, "
             "contiguous float8_e4m3fn weight and float32 [N] scale on x's device")
     act = None
     if activation is not None:

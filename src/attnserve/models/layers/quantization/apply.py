@@ -58,3 +58,8 @@ def finish_quantized_model(model: nn.Module) -> None:
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    from attnserve.models.layers.quantization.fused_inputs import enable_fused_producers, fused_producers_requested
+
+    if fused_producers_requested():
+        logger.info("FP8: %d producers quantise their outputs (ATTNSERVE_FP8_FUSED_PRODUCERS=1)",
+                    enable_fused_producers(model))

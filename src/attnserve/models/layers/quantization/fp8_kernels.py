@@ -2,6 +2,8 @@
 
 * `quantize_activation` -- dynamic e4m3 quantisation of ``x [M, K]``, per token or per
   ``1 x group`` run (one launch; no host synchronisation, CUDA-graph capturable);
+* `fused_add_rmsnorm_quant_fp8`, `silu_and_mul_quant_fp8` -- the producers of an FP8
+  linear's input with the per-token quantisation fused (CUDA / interpreter only);
 * `scaled_fp8_gemm` -- ``(A_q * s_a) @ (B_q * s_b)^T`` with per-token or per-group
   activation scales and per-tensor, per-channel or 128 x 128 block weight scales.
 
@@ -172,3 +174,74 @@ def scaled_fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s
         num_warps=cfg.num_warps, num_stages=1 if interpret else cfg.num_stages,
     )
     return c
+
+
+def fused_add_rmsnorm_quant_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                weight_offset: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``residual += x`` in place, then `quantize_activation` of ``rmsnorm(residual)``, in
+    one launch (`fused_kernels.fused_add_rmsnorm` followed by `quantize_activation`, with
+    the same roundings: the sum and the normalised row are rounded to ``residual``'s dtype
+    before they are used).
+
+    Args:
+        x, residual: ``[M, N]`` float16/bfloat16/float32 of one dtype, unit stride along
+            ``N``; ``residual`` is overwritten.
+        weight: ``[N]`` norm weight; ``eps``, ``weight_offset`` as `fused_kernels.rmsnorm`.
+
+    Returns:
+        ``(q [M, N] e4m3, s [M, 1] float32)``.
+
+    Raises:
+        ValueError: shapes, dtypes or strides that do not fit, or a device without Triton
+            (CPU outside the interpreter).
+    """
+    if x.dim() != 2 or x.shape != residual.shape or x.dtype != residual.dtype or weight.shape != (x.shape[1],):
+        raise ValueError(f"fused_add_rmsnorm_quant_fp8: x {tuple(x.shape)} {x.dtype}, residual "
+                         f"{tuple(residual.shape)} {residual.dtype}, weight {tuple(weight.shape)}: need 2-D x and "
+                         "residual of one shape and dtype and a [N] weight")
+    if x.stride(1) != 1 or residual.stride(1) != 1 or not _use_triton(x):
+        raise ValueError("fused_add_rmsnorm_quant_fp8: needs unit stride along N and CUDA (or TRITON_INTERPRET=1)")
+    m, n = x.shape
+    q = torch.empty((m, n), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, s
+    from attnserve.models.layers.quantization import fp8_kernels_triton as kt
+
+    block = _next_pow2(n)
+    kt._add_rmsnorm_quant_kernel[(m,)](x, residual, weight.contiguous(), q, s, n, x.stride(0), residual.stride(0),
+                                       q.stride(0), float(eps), float(weight_offset), BLOCK=block,
+                                       FP8_MAX=FP8_E4M3_MAX, EPS=SCALE_MIN * FP8_E4M3_MAX,
+                                       num_warps=max(1, min(16, block // 512)))  # the unfused norm's warps
+    return q, s
+
+
+def silu_and_mul_quant_fp8(x: torch.Tensor, out_dtype: Optional[torch.dtype] = None
+                           ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activation` of ``silu(gate) * up`` for ``x [M, 2I]`` = ``[gate | up]``, in
+    one launch; the product is rounded to ``out_dtype`` (default ``x``'s) first, as
+    `fused_kernels.silu_and_mul` stores it.
+
+    Returns:
+        ``(q [M, I] e4m3, s [M, 1] float32)``.
+
+    Raises:
+        ValueError: ``x`` not 2-D with an even number of columns and unit column stride,
+            or a device without Triton.
+    """
+    if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1 or not _use_triton(x):
+        raise ValueError(f"silu_and_mul_quant_fp8: x {tuple(x.shape)} strides {x.stride()} on {x.device}: need "
+                         "2-D [M, 2I] with unit column stride on CUDA (or TRITON_INTERPRET=1)")
+    m, i = x.shape[0], x.shape[1] // 2
+    q = torch.empty((m, i), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, s
+    from attnserve.models.layers.quantization import fp8_kernels_triton as kt
+
+    block = min(_next_pow2(i), 4096)
+    out_name = str(out_dtype or x.dtype).rsplit(".", 1)[-1]
+    kt._silu_mul_quant_kernel[(m,)](x, q, s, i, x.stride(0), q.stride(0), OUT_DTYPE=kt.TL_DTYPES[out_name],
+                                    BLOCK=block, FP8_MAX=FP8_E4M3_MAX, EPS=SCALE_MIN * FP8_E4M3_MAX,
+                                    num_warps=8 if block >= 2048 else 4)
+    return q, s

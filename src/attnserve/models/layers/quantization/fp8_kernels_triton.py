@@ -4,6 +4,9 @@
   ``s = max(amax(|x|), eps) / 448``, ``q = clamp(x / s)`` (a division, as the reference) as e4m3. A group is a whole row
   (per-token scales) or a ``1 x GROUP`` run of it (DeepSeek-V3's activation groups); the
   row is walked in ``BLOCK`` chunks twice (amax, then quantise), so any ``K`` works.
+* `_add_rmsnorm_quant_kernel` / `_silu_mul_quant_kernel`: the producers of the FP8 linears'
+  inputs (fused add-RMSNorm; SiLU-and-mul) with the per-token quantisation fused, so the
+  16-bit activation is never written and read back (a launch and ``M x K x 4`` bytes saved).
 * `_scaled_fp8_gemm_kernel`: ``C = (A_q * s_a) @ (B_q * s_b)^T`` for e4m3 ``A [M, K]`` and
   ``B [N, K]`` (``nn.Linear`` layout). The ``K`` loop steps ``BLOCK_K`` (= the scale group
   along ``K``, 128) at a time; each step's ``tl.dot`` (float32 accumulate) is multiplied by
@@ -22,6 +25,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+#: torch dtype name -> Triton dtype (the constexpr ``OUT_DTYPE`` of `_silu_mul_quant_kernel`)
+TL_DTYPES = {"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32}
 
 
 @triton.jit
@@ -103,3 +109,64 @@ def _scaled_fp8_gemm_kernel(
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _add_rmsnorm_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, N, stride_x, stride_r, stride_q, eps, w_offset,
+                              BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr):
+    """Grid ``(M,)``, the whole row in registers (``BLOCK >= N``): ``r += x`` (rounded to
+    ``r``'s dtype, stored), ``y = r / sqrt(mean(r^2) + eps) * (w + w_offset)`` rounded to
+    ``r``'s dtype (as the unfused norm stores it), then ``y``'s per-token e4m3 ``q`` and
+    scale ``s[row]`` as `_act_quant_kernel`."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    h = (x + r).to(r_ptr.dtype.element_ty)
+    tl.store(r_ptr + row * stride_r + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) + w_offset
+    y = (hf * inv * w).to(r_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0), EPS) / FP8_MAX
+    q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _silu_mul(g, u):
+    """``g * sigmoid(g) * u`` with the sigmoid from ``exp(-|g|)`` (the unfused kernel's form)."""
+    e = tl.exp(-tl.abs(g))
+    return g * tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e)) * u
+
+
+@triton.jit
+def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, I, stride_x, stride_q, OUT_DTYPE: tl.constexpr,
+                           BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr):
+    """Grid ``(M,)``: ``y = silu(g) * u`` of ``x [M, 2I]`` = ``[g | u]`` (float32 math,
+    rounded to ``OUT_DTYPE`` as the unfused kernel stores it), then per-token e4m3 ``q
+    [M, I]`` and ``s[row]``. Two passes over the row in ``BLOCK`` chunks (amax, then
+    quantise; the second recomputes ``y`` from the row, which is in cache)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK):
+        cols = k0 + offs
+        mask = cols < I
+        g = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_row + I + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _silu_mul(g, u).to(OUT_DTYPE).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(y))
+    scale = tl.maximum(tl.max(amax, axis=0), EPS) / FP8_MAX
+    for k0 in range(0, I, BLOCK):
+        cols = k0 + offs
+        mask = cols < I
+        g = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_row + I + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _silu_mul(g, u).to(OUT_DTYPE).to(tl.float32)
+        q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)

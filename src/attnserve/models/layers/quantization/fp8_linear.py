@@ -8,8 +8,8 @@ A method is attached to a `Linear` as ``layer.quant_method`` (`apply.quantize_mo
   per-tensor checkpoint's scale is repeated over the rows of its tensor, so fused q|k|v
   parts keep their own scales exactly), and for static activation schemes ``input_scale``
   float32 ``[1]`` (the largest of the fused parts' scales, as the parts share one input).
-  CUDA: decode batches (``M <= 16``, fused kernels on, dynamic scheme) run
-  `skinny_linear_fp8` (W8A16: the weight widened in the kernel); larger batches quantise
+  CUDA: decode batches (``M <= w8a16_max_m()``, default 16; fused kernels on, dynamic
+  scheme) run `skinny_linear_fp8` (W8A16: the weight widened in the kernel); larger batches quantise
   the activations (per token, `quantize_activation`; static: ``x / input_scale``) and run
   ``torch._scaled_mm`` (row-wise scales, sm 90; tensor-wise when the weight has one scale
   and the activation scale is static) or, where it does not apply, `scaled_fp8_gemm`.
@@ -45,9 +45,28 @@ from attnserve.models.layers.quantization.fp8_utils import (
     cdiv,
     dequantize,
 )
+from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, emits_fp8
 from attnserve.triton_env import triton_interpreting
 
 MAX_SKINNY_M = 16
+
+
+def w8a16_max_m() -> int:
+    """Largest batch (rows) that takes the W8A16 `skinny_linear_fp8` instead of activation
+    quantisation + ``_scaled_mm``: 16, or ``ATTNSERVE_FP8_W8A16_MAX_M`` (0..128; for the A/B
+    of ``benchmarks/fp8_bench.py``). Read at every call (CUDA graphs bake it in at capture).
+
+    Raises:
+        ValueError: a value that is not an integer in 0..128.
+    """
+    raw = os.environ.get("ATTNSERVE_FP8_W8A16_MAX_M", "").strip()
+    if not raw:
+        return MAX_SKINNY_M
+    from attnserve.models.layers.skinny_gemm import MAX_SKINNY_FP8_M
+
+    if not raw.isdigit() or int(raw) > MAX_SKINNY_FP8_M:
+        raise ValueError(f"ATTNSERVE_FP8_W8A16_MAX_M must be an integer in 0..{MAX_SKINNY_FP8_M}, got {raw!r}")
+    return int(raw)
 
 
 def _param(t: torch.Tensor, **attrs) -> nn.Parameter:
@@ -130,10 +149,15 @@ class Fp8LinearMethod:
         """``x [..., K]`` -> ``[..., N]`` in ``x``'s dtype (``[..., N / 2]`` with a gate
         ``activation``, for a fused ``[gate | up]`` weight)."""
         n, k = layer.weight.shape
+        if isinstance(x, Fp8Activation):  # quantised by its producer (fused_inputs)
+            return self._apply_prequantized(layer, x, bias, activation)
         shape = x.shape[:-1]
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
-        if (x2.is_cuda and getattr(layer, "use_fused", False) and 1 <= m <= MAX_SKINNY_M
+        if activation == "silu" and getattr(layer, "fp8_output", False) and emits_fp8(x2, getattr(layer, "use_fused", False)):
+            q, sa = self._quantize_input(layer, x2)
+            return self._apply_prequantized(layer, Fp8Activation(q, sa, x2.dtype), bias, activation)
+        if (x2.is_cuda and getattr(layer, "use_fused", False) and 1 <= m <= w8a16_max_m()
                 and layer.input_scale is None):
             from attnserve.models.layers.skinny_gemm import skinny_fp8_supported, skinny_linear_fp8
 
@@ -159,6 +183,28 @@ class Fp8LinearMethod:
             else:
                 y = scaled_fp8_gemm(q, sa, layer.weight, layer.weight_scale, x2.dtype, bias)
         y = y.reshape(*shape, n)
+        if activation is not None:
+            y = act_and_mul(y, activation, getattr(layer, "use_fused", False))
+        return y
+
+    def _apply_prequantized(self, layer: nn.Module, x, bias: Optional[torch.Tensor],
+                            activation: Optional[str]) -> torch.Tensor:
+        """``apply`` for an `Fp8Activation` input (2-D, per-token scales): no quantiser
+        launch. A gated layer marked ``fp8_output`` (`fused_inputs`) returns its SiLU-and-mul
+        quantised, an `Fp8Activation` for ``down_proj``."""
+        n, k = layer.weight.shape
+        if _scaled_mm_ok(x.q, n, k):
+            y = torch._scaled_mm(x.q, layer.weight.t(), scale_a=x.scale, scale_b=layer.weight_scale.view(1, -1),
+                                 out_dtype=torch.bfloat16).to(x.dtype)
+            if bias is not None:
+                y = y + bias
+        else:
+            y = scaled_fp8_gemm(x.q, x.scale, layer.weight, layer.weight_scale, x.dtype, bias)
+        if activation == "silu" and getattr(layer, "fp8_output", False):
+            from attnserve.models.layers.quantization.fp8_kernels import silu_and_mul_quant_fp8
+
+            q, s = silu_and_mul_quant_fp8(y, x.dtype)
+            return Fp8Activation(q, s, x.dtype)
         if activation is not None:
             y = act_and_mul(y, activation, getattr(layer, "use_fused", False))
         return y

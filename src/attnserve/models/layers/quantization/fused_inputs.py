@@ -1,0 +1,92 @@
+"""Producer-fused activation quantisation for W8A8 FP8 linears (opt-in,
+``ATTNSERVE_FP8_FUSED_PRODUCERS=1``; issue 37).
+
+A W8A8 linear (`Fp8LinearMethod` on the ``_scaled_mm`` path, batches of more than
+`fp8_linear.w8a16_max_m` rows) quantises its 16-bit input per token in a launch of its own,
+which reads the activation its producer has just written. Here the producer emits the
+e4m3 values and scales itself, as an `Fp8Activation`, and the linear takes them as they are:
+
+* a Llama decoder layer's ``post_attention_layernorm`` / ``input_layernorm`` (fused
+  add-RMSNorm, with a residual) -> `fp8_kernels.fused_add_rmsnorm_quant_fp8`, for
+  ``gate_up_proj`` / ``qkv_proj``;
+* the ``gate_up_proj`` (its SiLU-and-mul) -> `fp8_kernels.silu_and_mul_quant_fp8`, for
+  ``down_proj``.
+
+`enable_fused_producers` marks the producers whose every consumer qualifies (exact
+`LlamaDecoderLayer` / `LlamaAttention` / `LlamaMLP` classes, dynamic per-token activations,
+per-channel or per-tensor weights). At run time a marked producer emits FP8 only for CUDA
+inputs of more than ``w8a16_max_m()`` rows with fused kernels on; otherwise it returns the
+16-bit tensor as before, so decode batches keep the W8A16 kernel. The results are those of
+the unfused path (same roundings; the quantisers agree up to rare ties).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Fp8Activation:
+    """A linear's input quantised by its producer.
+
+    Attributes:
+        q: e4m3 ``[M, K]``.
+        scale: float32 ``[M, 1]`` (per token), ``x ~= q * scale``.
+        dtype: the 16-bit dtype of the activations (the linear's output dtype).
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def fused_producers_requested() -> bool:
+    """``ATTNSERVE_FP8_FUSED_PRODUCERS=1`` (read when a model is loaded)."""
+    return os.environ.get("ATTNSERVE_FP8_FUSED_PRODUCERS", "0").strip() == "1"
+
+
+def emits_fp8(x: torch.Tensor, enabled: bool) -> bool:
+    """Whether a marked producer (``enabled``) quantises its output for ``x [M, K]``."""
+    if not (enabled and x.is_cuda and x.dim() == 2):
+        return False
+    from attnserve.models.layers.quantization.fp8_linear import w8a16_max_m
+
+    return x.shape[0] > w8a16_max_m()
+
+
+def _w8a8_per_token(linear: nn.Module) -> bool:
+    from attnserve.models.layers.quantization.fp8_linear import Fp8LinearMethod
+
+    method = getattr(linear, "quant_method", None)
+    return (isinstance(method, Fp8LinearMethod) and method.config.activation_scheme == "dynamic"
+            and getattr(linear, "input_scale", None) is None and linear.bias is None)
+
+
+def enable_fused_producers(model: nn.Module) -> int:
+    """Mark the producers of `Fp8Activation` in ``model`` (see the module doc); returns
+    how many were marked (0 for models without plain Llama layers or FP8 linears)."""
+    from attnserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+    count = 0
+    for layer in model.modules():
+        if type(layer) is not LlamaDecoderLayer:
+            continue
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(attn) is LlamaAttention and _w8a8_per_token(attn.qkv_proj):
+            layer.input_layernorm.fp8_output = True
+            count += 1
+        if type(mlp) is LlamaMLP and _w8a8_per_token(mlp.gate_up_proj):
+            layer.post_attention_layernorm.fp8_output = True
+            count += 1
+            if _w8a8_per_token(mlp.down_proj):
+                mlp.gate_up_proj.fp8_output = True
+                count += 1
+    return count
