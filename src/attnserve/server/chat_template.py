@@ -63,11 +63,3 @@ def render_request(ctx, body, messages: Sequence[Dict[str, Any]], tools: Optiona
                            chat_template_kwargs=body.chat_template_kwargs, tools=tools)
     except ChatTemplateError as e:
         raise APIError(400, str(e), e.param, "invalid_value") from e
-
-
-def template_messages(messages) -> List[Dict[str, Any]]:
-    """Chat messages (`attnserve.server.protocol.ChatMessage`) as the template's dicts:
-    ``developer`` becomes ``system``; ``name`` is kept when set (templates that render
-    names use it)."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-             **({"name": m.name} if m.name is not None else {})} for m in messages]

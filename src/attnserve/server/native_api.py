@@ -81,7 +81,8 @@ def tokenize_body(ctx, body: TokenizeRequest) -> Dict[str, Any]:
         APIError 400: neither or both of ``prompt`` / ``messages``, chat options with a
             ``prompt``, no tokenizer, or a chat-template error (`attnserve.server.chat_template`).
     """
-    from attnserve.server.chat_template import render_request, template_messages
+    from attnserve.server.chat_template import render_request
+    from attnserve.server.tool_request import template_messages
 
     tok = ctx.engine.tokenizer
     if tok is None:
@@ -94,7 +95,8 @@ def tokenize_body(ctx, body: TokenizeRequest) -> Dict[str, Any]:
                 raise APIError(400, f"{name} applies to messages, not to a prompt", name, "invalid_value")
         ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     else:
-        rendered = render_request(ctx, body, template_messages(body.messages))
+        source = getattr(ctx, "chat_template", None) or getattr(tok, "chat_template", None)
+        rendered = render_request(ctx, body, template_messages(body, source if isinstance(source, str) else None))
         ids = rendered.token_ids
         if body.add_special_tokens:
             ids = tok.encode(rendered.text, add_special_tokens=True)
