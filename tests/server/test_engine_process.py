@@ -363,7 +363,17 @@ def test_cli_sigterm_drains_and_stops_the_engine_process(tmp_path):
         assert proc.wait(60) in (0, -signal.SIGTERM), log.read_text()[-3000:]
         assert lines[-1] == "data: [DONE]"
         assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "shutting_down", lines[-3:]
+        # a child may still be finishing its own exit (multiprocessing's resource tracker reads
+        # EOF once the server is gone, then cleans up): each must be gone within 15 s
+        deadline = time.monotonic() + 15
         for pid in children:
+            while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+                try:
+                    if "zombie" in open(f"/proc/{pid}/status").read().lower():
+                        break
+                except FileNotFoundError:
+                    break
+                time.sleep(0.1)
             assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
         assert "Traceback" not in log.read_text()
     finally:
