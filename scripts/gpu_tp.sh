@@ -1,15 +1,33 @@
 #!/usr/bin/env bash
-# Tensor parallelism on a 2-GPU machine (nvidia-h100-x2): the clean-shutdown test (graphs
-# released before the NCCL groups), then the tp 1 / 2 benchmark (identity + decode step,
-# now with the rank-0 step-broadcast time per step). Partial JSON survives a cut-off run.
+# Tensor and data parallelism on a machine of 2 or 4 GPUs (nvidia-h100-x2 / -x4): the TP,
+# custom all-reduce and DP GPU tests, the all-reduce latency table (sets the thresholds for
+# this world size), the tp decode benchmark (Llama-3-8B at tp 1 / 2 [/ 4] with batch 1 and 64,
+# shared-memory and gloo step broadcast; Llama-3-70B at tp 4), then bench.offline's random
+# workload at dp 1 and dp = number of GPUs. Partial JSON survives a cut-off run.
+#   bash scripts/gpu_tp.sh          env: TP_LIMIT (s, default 300), DP_PROMPTS (default 1024)
+# The dp test and replicas import the server (fastapi): run with carry [".whl/serving"].
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-serving .whl/serving/*.whl \
+  > "$OUT/pip.log" 2>&1 || echo "no .whl/serving: the dp test will fail to import fastapi"
+export PYTHONPATH=/tmp/site-serving:src:tests PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi -L > "$OUT/gpus.txt" 2>&1
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py > "$OUT/test_tp_gpu.log" 2>&1
-tail -3 "$OUT/test_tp_gpu.log"
-timeout "${TP_LIMIT:-300}" python3 benchmarks/tp_decode.py --tp 1 2 --requests 1 64 --out "$OUT" \
-  > "$OUT/tp_decode.log" 2>&1
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py tests/gpu/test_custom_all_reduce_gpu.py \
+  tests/gpu/test_data_parallel_gpu.py > "$OUT/tests_parallel.log" 2>&1
+tail -3 "$OUT/tests_parallel.log"
+timeout 120 python3 benchmarks/allreduce_bench.py --world-size "$ngpu" --out "$OUT" > "$OUT/allreduce.log" 2>&1
+tail -14 "$OUT/allreduce.log"
+tps="1 2"; big=""
+if [ "$ngpu" -ge 4 ]; then tps="1 2 4"; big="--big-tp 4"; fi
+# shellcheck disable=SC2086
+timeout "${TP_LIMIT:-300}" python3 benchmarks/tp_decode.py --tp $tps --requests 1 64 --step-broadcast shm gloo \
+  $big --out "$OUT" > "$OUT/tp_decode.log" 2>&1
 echo "tp_decode rc=$?"
 grep -v INFO "$OUT/tp_decode.log" | tail -30
+timeout 540 python3 -m attnserve.bench.offline --dataset random --load-format dummy --device cuda \
+  --models llama-3-8b --num-prompts "${DP_PROMPTS:-1024}" --random-input-len 1024 --random-output-len 1024 \
+  --random-range-ratio 0.098 --dp-size 1 "$ngpu" --tag dp --out "$OUT" > "$OUT/offline_dp.log" 2>&1
+echo "offline dp rc=$?"
+grep -v INFO "$OUT/offline_dp.log" | tail -6
