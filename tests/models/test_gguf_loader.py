@@ -118,3 +118,18 @@ def test_gguf_config_and_spec_errors(smollm2_loaded):
     gemma = GGUF_ARCH_SPECS["gemma3_text"]
     assert gguf_to_hf_name("blk.2.ffn_norm.weight", gemma) == "model.layers.2.pre_feedforward_layernorm.weight"
     assert gguf_to_hf_name("blk.2.attn_k_norm.weight", gemma) == "model.layers.2.self_attn.k_norm.weight"
+
+
+def test_tensor_reader_skips_the_metadata_but_maps_the_same_tensors(reader, smollm2_source):
+    """`open_gguf_tensors` (metadata scanned, not parsed) against the library's full reader."""
+    from attnserve.model_loader.gguf import open_gguf_tensors
+
+    fast = open_gguf_tensors(smollm2_source.gguf_path)
+    assert type(fast).__name__ == "_TensorReader"  # not the fallback
+    assert "tokenizer.ggml.tokens" in reader.fields and "tokenizer.ggml.tokens" not in fast.fields
+    assert (fast.alignment, fast.data_offset, len(fast.tensors)) == (reader.alignment, reader.data_offset,
+                                                                     len(reader.tensors))
+    for a, b in zip(fast.tensors, reader.tensors):
+        assert (a.name, a.tensor_type, list(a.shape), a.data_offset) == (b.name, b.tensor_type, list(b.shape),
+                                                                        b.data_offset)
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data))
