@@ -262,7 +262,7 @@ def load_gguf_config(path: str) -> Any:
     For ``qwen3moe`` files ``moe_intermediate_size`` is set from
     ``qwen3moe.expert_feed_forward_length``, which transformers' reader drops; ``phi3``
     and ``gemma2`` get back the settings listed in the module docstring (a Phi-3 file with
-    LongRoPE is parsed once more by ``gguf.GGUFReader`` for its two factor tensors).
+    LongRoPE reads its two factor tensors through `open_gguf_tensors`).
 
     Raises:
         ValueError: for a Mixtral GGUF (llama.cpp arch ``llama`` with experts: transformers
@@ -329,7 +329,7 @@ def _restore_phi3(path: str, meta: Dict[str, Any], config: Any) -> None:
         return
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf_tensors(path)
     factors = {}
     for tensor in reader.tensors:
         if tensor.name in ("rope_factors_long.weight", "rope_factors_short.weight"):
