@@ -47,6 +47,7 @@ Writes JSON after every row (a run cut short keeps what it measured).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -56,6 +57,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from common import bench_graph
 
 SHAPES = {"llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]}
 ROTATE_BYTES = 200 * 2**20
@@ -87,32 +90,10 @@ def _legacy_eager_ms(fn, iters=30):
 
 
 def _graph_ms(fn, copies: int, calls: int = 24, replays: int = 7) -> float:
-    """ms per call of ``fn(i)`` (``i``: weight copy), captured ``max(calls, copies)`` times
-    over the copies in one CUDA graph, median of ``replays`` timed replays."""
-    for i in range(copies):
-        fn(i)  # compile / autotune outside the capture
-    torch.cuda.synchronize()
-    n = max(calls, copies)
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g, stream=s):
-            for j in range(n):
-                fn(j % copies)
-    torch.cuda.current_stream().wait_stream(s)
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / n)
-    del g
-    return statistics.median(ts)
+    """ms per call of ``fn(i)`` (``i``: weight copy) over the copies, at least
+    ``max(calls, copies)`` calls in one CUDA graph (`common.bench_graph`)."""
+    fns = [functools.partial(fn, i) for i in range(copies)]
+    return bench_graph(fns, min_calls=max(calls, copies), replays=replays) / 1e3
 
 
 def _label(c) -> str:

@@ -94,6 +94,13 @@ def api_key():
     return API_KEY
 
 
+@pytest.fixture(scope="module")
+def oai(server, api_key):
+    """The official ``openai`` client on the shared server (skips without the package)."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
 @pytest.fixture(scope="session")
 def auth():
     return dict(AUTH)

@@ -14,11 +14,6 @@ MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def oai(server, api_key):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=api_key, max_retries=0, timeout=120)
-
-
 def _check_top(top, chosen_lp, chosen_token=None):
     lps = [t.logprob for t in top]
     assert lps == sorted(lps, reverse=True)

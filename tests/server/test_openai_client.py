@@ -9,11 +9,6 @@ MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def oai(server, api_key):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=api_key, max_retries=0, timeout=120)
-
-
 def test_models_list(oai, server):
     models = oai.models.list()
     assert [m.id for m in models.data] == [MODEL]

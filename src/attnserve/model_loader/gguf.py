@@ -159,13 +159,6 @@ def split_gguf_path(path: str) -> Tuple[str, str]:
     return os.path.dirname(path), os.path.basename(path)
 
 
-def _read_scalar_metadata(buf: Any) -> Dict[str, Any]:
-    """Scalar and string key/values of a little-endian GGUF v2/v3 header; arrays skipped.
-    (`_scan_metadata` without the offset.)
-"""
-    return _scan_metadata(buf)[0]
-
-
 def _scan_metadata(buf: Any) -> Tuple[Dict[str, Any], int]:
     """``(scalar and string key/values, byte offset of the first tensor info)`` of a
     little-endian GGUF v2/v3 file; arrays are skipped over.
@@ -246,7 +239,7 @@ def read_gguf_scalar_metadata(path: str) -> Dict[str, Any]:
     """
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
-            return _read_scalar_metadata(buf)
+            return _scan_metadata(buf)[0]
         except (ValueError, struct.error):
             pass
     import gguf
