@@ -5,8 +5,12 @@
 # shared-memory and gloo step broadcast; Llama-3-70B at tp 4), then bench.offline's random
 # workload at dp 1 and dp = number of GPUs. Partial JSON survives a cut-off run.
 #   bash scripts/gpu_tp.sh          env: TP_LIMIT (s, default 300), DP_PROMPTS (default 1024)
+#   STAGES="tests allreduce tp dp" (default all) runs a subset: one device call is 10 minutes at
+#   most, so on 4 GPUs run "tests allreduce tp" and "dp" as two calls.
 # The dp test and replicas import the server (fastapi): run with carry [".whl/serving"].
 set -u
+STAGES=${STAGES:-tests allreduce tp dp}
+stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-serving .whl/serving/*.whl \
@@ -14,20 +18,28 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-s
 export PYTHONPATH=/tmp/site-serving:src:tests PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi -L > "$OUT/gpus.txt" 2>&1
+if stage tests; then
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py tests/gpu/test_custom_all_reduce_gpu.py \
   tests/gpu/test_data_parallel_gpu.py > "$OUT/tests_parallel.log" 2>&1
 tail -3 "$OUT/tests_parallel.log"
+fi
+if stage allreduce; then
 timeout 120 python3 benchmarks/allreduce_bench.py --world-size "$ngpu" --out "$OUT" > "$OUT/allreduce.log" 2>&1
 tail -14 "$OUT/allreduce.log"
+fi
 tps="1 2"; big=""
 if [ "$ngpu" -ge 4 ]; then tps="1 2 4"; big="--big-tp 4"; fi
+if stage tp; then
 # shellcheck disable=SC2086
 timeout "${TP_LIMIT:-300}" python3 benchmarks/tp_decode.py --tp $tps --requests 1 64 --step-broadcast shm gloo \
   $big --out "$OUT" > "$OUT/tp_decode.log" 2>&1
 echo "tp_decode rc=$?"
 grep -v INFO "$OUT/tp_decode.log" | tail -30
+fi
+if stage dp; then
 timeout 540 python3 -m attnserve.bench.offline --dataset random --load-format dummy --device cuda \
   --models llama-3-8b --num-prompts "${DP_PROMPTS:-1024}" --random-input-len 1024 --random-output-len 1024 \
   --random-range-ratio 0.098 --dp-size 1 "$ngpu" --tag dp --out "$OUT" > "$OUT/offline_dp.log" 2>&1
 echo "offline dp rc=$?"
 grep -v INFO "$OUT/offline_dp.log" | tail -6
+fi
