@@ -22,7 +22,7 @@ accepted parameter can produce inf or NaN (a temperature of 1e-300 is simply gre
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, Tuple
 
 import torch
 
@@ -92,19 +92,44 @@ class SamplingBatchInfo:
 
         One host->device copy for the floats and one for the integers.
         """
-        greedy = [p.is_greedy for p in params]
-        temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
-        floats = torch.tensor([temps, [float(p.top_p) for p in params], [float(p.min_p) for p in params]],
-                              dtype=torch.float32)
-        ks = [p.top_k if p.top_k > 0 else 0 for p in params]
-        ints = torch.tensor([ks, list(seeds), list(positions), [int(g) for g in greedy]], dtype=torch.int64)
+        return cls.from_host(*host_sampling_tensors(params, seeds, positions), device)
+
+    @classmethod
+    def from_host(cls, floats: torch.Tensor, ints: torch.Tensor, flags: Tuple[bool, bool, bool],
+                  device) -> "SamplingBatchInfo":
+        """Build from `host_sampling_tensors`' output (e.g. as another tensor-parallel rank
+        received it); one host->device copy each for ``floats`` and ``ints``."""
         floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+        all_greedy, need_sort, need_min_p = flags
         return cls(
             temperatures=floats[0], top_ps=floats[1], min_ps=floats[2], top_ks=ints[0], seeds=ints[1],
-            positions=ints[2], greedy=ints[3].bool(), all_greedy=all(greedy),
-            need_sort=any(not g and (p.top_p < 1.0 or p.top_k > 0) for p, g in zip(params, greedy)),
-            need_min_p=any(not g and p.min_p > 0.0 for p, g in zip(params, greedy)),
+            positions=ints[2], greedy=ints[3].bool(), all_greedy=all_greedy, need_sort=need_sort,
+            need_min_p=need_min_p,
         )
+
+
+def host_sampling_tensors(params: Sequence, seeds: Sequence[int], positions: Sequence[int]
+                          ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[bool, bool, bool]]:
+    """The host half of `SamplingBatchInfo.from_params`.
+
+    Args:
+        params: ``n`` `SamplingParams`; seeds / positions: ``n`` ints each.
+
+    Returns:
+        ``(floats, ints, flags)``: float32 ``[3, n]`` (temperature, top_p, min_p), int64
+        ``[4, n]`` (top_k, seed, position, greedy) on the CPU, and the host flags
+        ``(all_greedy, need_sort, need_min_p)``.
+    """
+    greedy = [p.is_greedy for p in params]
+    temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
+    floats = torch.tensor([temps, [float(p.top_p) for p in params], [float(p.min_p) for p in params]],
+                          dtype=torch.float32)
+    ks = [p.top_k if p.top_k > 0 else 0 for p in params]
+    ints = torch.tensor([ks, list(seeds), list(positions), [int(g) for g in greedy]], dtype=torch.int64)
+    flags = (all(greedy),
+             any(not g and (p.top_p < 1.0 or p.top_k > 0) for p, g in zip(params, greedy)),
+             any(not g and p.min_p > 0.0 for p, g in zip(params, greedy)))
+    return floats, ints, flags
 
 
 def argmax_last(x: torch.Tensor) -> torch.Tensor:

@@ -480,14 +480,15 @@ class Scheduler(StepSampling, ConstrainedScheduling):
             out_cache_loc_i32=loc_i32, emit_index=torch.tensor(emit_index, dtype=torch.int64),
         )
         plan, plan_owners = self.extras.plan_prompt(batch.forward_mode, reqs, prefix_lens, extend_lens)
+        local = self._tp_local_sampling(emit_reqs)  # every rank samples itself, or None (engine/step_sampling)
         msg = StepMessage(batch.forward_mode, host, list(prefix_lens), list(extend_lens), has_future,
-                          len(emit_reqs), prompt_plan=plan)
+                          len(emit_reqs), prompt_plan=plan, local_sampling=local)
         if self.tp_sender is not None:
             t_send = time.perf_counter()
             self.tp_sender.send_step(msg)
             self.stats.tp_send_seconds += time.perf_counter() - t_send
         logits, dev = execute_step(self.runner, self.packer, self.token_map, msg)
-        return self._sample_step(batch, emit_reqs, logits, dev, plan, plan_owners)
+        return self._sample_step(batch, emit_reqs, logits, dev, plan, plan_owners, local)
 
     def _process(self, launched: LaunchedStep) -> List[Req]:
         """Apply a launched step's sampled ids: append, check stops, free finished KV."""

@@ -68,7 +68,7 @@ from attnserve.engine.request import Req
 from attnserve.engine.sampler import SamplingBatchInfo, argmax_last, sample
 from attnserve.engine.sampling_extras import SamplingExtras
 from attnserve.engine.schedule_batch import LaunchedStep, ScheduleBatch
-from attnserve.engine.tp.step_sync import emit_rows
+from attnserve.engine.tp.step_sync import LocalSampling, emit_rows
 
 
 @dataclass
@@ -108,8 +108,16 @@ class StepSampling:
         self.extras = None
         self._ids_ring = [None] * len(self._ids_ring)
 
+    def _tp_local_sampling(self, emit_reqs: List[Req]) -> Optional[LocalSampling]:
+        """Tensor parallelism: the `LocalSampling` with which every rank samples a step whose
+        sampling rows are ``emit_reqs``, or None (one GPU, or rank 0 broadcasts the ids:
+        `StepSender.local_sampling`)."""
+        if self.tp_sender is None:
+            return None
+        return self.tp_sender.local_sampling(emit_reqs, [r.num_launched_outputs for r in emit_reqs])
+
     def _sample_step(self, batch: ScheduleBatch, emit_reqs: List[Req], logits: torch.Tensor, dev,
-                     plan, plan_owners) -> LaunchedStep:
+                     plan, plan_owners, local: Optional[LocalSampling] = None) -> LaunchedStep:
         """Enqueue the sampling of ``batch``, or defer it while its grammar masks are filled
         (see the module doc).
 
@@ -118,6 +126,8 @@ class StepSampling:
             logits: float32 ``[len(batch.reqs), V]`` of the forward.
             dev: the step's device tensors (`StepTensors`).
             plan / plan_owners: its prompt-logprob rows (`SamplingExtras.plan_prompt`).
+            local: every tensor-parallel rank samples the step this way (no grammar rows,
+                so never deferred), or None.
         """
         if not emit_reqs:
             return LaunchedStep(batch, [], None, extras=self.extras.after_sampling(None, None, plan, plan_owners))
@@ -133,16 +143,19 @@ class StepSampling:
                     r.num_inflight += 1
                 deferred = DeferredSampling(logits, dev, plan, plan_owners, masks, positions)
                 return LaunchedStep(batch, emit_reqs, None, deferred=deferred)
-        launched = self._enqueue_sampling(batch, emit_reqs, logits, dev, plan, plan_owners, masks)
+        launched = self._enqueue_sampling(batch, emit_reqs, logits, dev, plan, plan_owners, masks, local=local)
         for r in emit_reqs:
             r.num_inflight += 1
         return launched
 
     def _enqueue_sampling(self, batch: ScheduleBatch, emit_reqs: List[Req], logits: torch.Tensor, dev, plan,
-                          plan_owners, masks, positions: Optional[List[int]] = None) -> LaunchedStep:
+                          plan_owners, masks, positions: Optional[List[int]] = None,
+                          local: Optional[LocalSampling] = None) -> LaunchedStep:
         """Steps 1-4 of the module doc; ``masks``: the batch's `MaskJob` or None;
         ``positions``: the rows' output tokens before this step (default: counted now,
-        before this step's tokens are counted as launched)."""
+        before this step's tokens are counted as launched); ``local``: the step's
+        `LocalSampling`, which rank 0 samples with exactly as the other ranks do (and then
+        broadcasts nothing), or None."""
         if masks is not None:
             if positions is None:
                 positions = [r.num_launched_outputs for r in emit_reqs]
@@ -152,7 +165,9 @@ class StepSampling:
             logits = logits.clone()  # the logprobs are of the unmasked logits (after_sampling)
         self.grammar.apply_masks(logits, masks)  # constrained rows only (engine/constrained)
         params = [r.sampling_params for r in emit_reqs]
-        if all(p.is_greedy for p in params):
+        if local is not None:
+            next_ids = local.sample(logits)
+        elif all(p.is_greedy for p in params):
             next_ids = argmax_last(logits)
         else:
             if positions is None:
@@ -161,7 +176,7 @@ class StepSampling:
             next_ids = sample(logits, info)
         self.token_map[emit_rows(dev, len(emit_reqs))] = next_ids
         extras = self.extras.after_sampling(pending_extras, next_ids, plan, plan_owners, emit_reqs)
-        if self.tp_sender is not None:
+        if self.tp_sender is not None and local is None:
             self.tp_sender.send_ids(next_ids)
         host_ids = self._ids_buffer(len(emit_reqs))
         if host_ids is None:

@@ -136,6 +136,9 @@ class TPRuntime:
         from attnserve.engine.tp.step_channel import step_broadcast_mode
 
         self.step_broadcast = step_broadcast_mode(server_args)
+        from attnserve.engine.tp.step_sync import tp_sample_mode
+
+        tp_sample_mode()  # a bad ATTNSERVE_TP_SAMPLE is refused before any rank starts
         if server_args.nnodes > 1:
             self.init_method = f"tcp://{server_args.dist_init_addr}"
         else:
