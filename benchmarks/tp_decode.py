@@ -1,6 +1,6 @@
 """Tensor parallelism on one multi-GPU host, in one run. Writes ``<out>/<device>-tp-<date>.json``.
 
-``PYTHONPATH=src python benchmarks/tp_decode.py --tp 1 2 [--big-tp 2] [--skip-identity]``
+``PYTHONPATH=src python benchmarks/tp_decode.py --tp 1 2 [--big-tp 2] [--skip-identity] [--tp-sample local broadcast]``
 
 * Identity: Llama-3-8B shape, dummy weights, **float32** (bf16 rounding differs between an
   all-reduce of partial sums and one matmul, and random weights give near-tied logits),
@@ -14,6 +14,9 @@
   messages (``ATTNSERVE_STEP_BROADCAST``: the shared-memory queue or gloo); each row
   records its path, ``host_ms_per_step`` (rank 0's host time per decode step) and
   ``tp_send_ms_per_step`` (the part spent sending the step).
+* ``--tp-sample local broadcast``: every tp > 1 decode run once per way the other ranks get
+  the sampled ids (``ATTNSERVE_TP_SAMPLE``: every rank samples itself, or rank 0's ids by a
+  device broadcast each step); each row records ``tp_sample`` and the steps of each kind.
 """
 
 from __future__ import annotations
@@ -64,16 +67,22 @@ def identity(tps, model="llama-3-8b", n_tokens=24):
                                                 if a != b), None) for tp in tps}}
 
 
-def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadcast=None, **extra):
+def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadcast=None, tp_sample=None,
+                 **extra):
     from attnserve.engine.sampling_params import SamplingParams
     from attnserve.engine.scheduler import SchedulerStats
     from attnserve.engine.tp.step_channel import STEP_BROADCAST_ENV
+    from attnserve.engine.tp.step_sync import TP_SAMPLE_ENV
 
     if step_broadcast:
         os.environ[STEP_BROADCAST_ENV] = step_broadcast
+    if tp_sample:
+        os.environ[TP_SAMPLE_ENV] = tp_sample
     llm = _llm(model, tp, "bfloat16", input_len + output_len + 16, max(requests), **extra)
     rt = llm.engine.tp_runtime
     path = "none" if rt is None else ("shm" if rt.tp.step_queue is not None else "gloo")
+    sender = llm.engine.scheduler.tp_sender
+    sample_mode = "none" if sender is None else ("local" if sender.sample_local else "broadcast")
     rows = []
     try:
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model_runner.model.parameters())
@@ -87,14 +96,18 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
             for name, params in (("prefill", sp1), ("full", sp)):
                 llm.engine.scheduler.flush_prefix_cache()
                 llm.engine.scheduler.stats = SchedulerStats()
+                counts0 = (0, 0) if sender is None else (sender.local_steps, sender.ids_broadcasts)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 llm.generate(prompts, params)
                 torch.cuda.synchronize()
                 times[name] = (time.perf_counter() - t0, llm.engine.scheduler.stats)
+            counts = (0, 0) if sender is None else (sender.local_steps - counts0[0],
+                                                    sender.ids_broadcasts - counts0[1])
             wall, stats = times["full"]
             steps = max(stats.num_decode_steps, 1)
-            row = {"model": model, "tp": tp, "requests": n, "step_broadcast": path, "input_len": input_len,
+            row = {"model": model, "tp": tp, "requests": n, "step_broadcast": path, "tp_sample": sample_mode,
+                   "local_sample_steps": counts[0], "ids_broadcast_steps": counts[1], "input_len": input_len,
                    "output_len": output_len,
                    "wall_s": wall, "prefill_s": times["prefill"][0], "decode_steps": stats.num_decode_steps,
                    "decode_ms_per_step": 1e3 * (wall - times["prefill"][0]) / steps,
@@ -102,7 +115,7 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
                    "tp_send_ms_per_step": stats.tp_send_ms_per_step,
                    "weight_bytes_per_gpu": weight_bytes}
             rows.append(row)
-            print(f"{model} tp {tp} ({path}) n {n}: {row['decode_ms_per_step']:.2f} ms/step, "
+            print(f"{model} tp {tp} ({path}, {sample_mode} sampling) n {n}: {row['decode_ms_per_step']:.2f} ms/step, "
                   f"{row['output_tokens_per_s']:.0f} tok/s, host {row['host_ms_per_step']:.2f} ms "
                   f"(step broadcast {row['tp_send_ms_per_step']:.2f})", flush=True)
     finally:
@@ -123,6 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-identity", action="store_true")
     ap.add_argument("--step-broadcast", nargs="+", default=["auto"], choices=["auto", "shm", "gloo"],
                     help="paths of the step messages to run each tp > 1 with")
+    ap.add_argument("--tp-sample", nargs="+", default=["local"], choices=["local", "broadcast"],
+                    help="how the other ranks get each step's sampled ids (ATTNSERVE_TP_SAMPLE), per tp > 1 run")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce")
     args = ap.parse_args(argv)
@@ -136,12 +151,13 @@ def main(argv=None) -> int:
     if not args.skip_identity:
         res["identity"] = identity(args.tp)
         write_result(res, args.out, "tp", "cuda")  # partial results survive a cut-off run
-    runs = [("llama-3-8b", tp, args.requests, sb)
-            for tp in args.tp for sb in (args.step_broadcast if tp > 1 else [None])]
+    runs = [("llama-3-8b", tp, args.requests, sb, ts)
+            for tp in args.tp for sb in (args.step_broadcast if tp > 1 else [None])
+            for ts in (args.tp_sample if tp > 1 else [None])]
     if args.big_tp:
-        runs += [("llama-3-70b", args.big_tp, [1], sb) for sb in args.step_broadcast]
-    for model, tp, requests, sb in runs:
-        res["decode"] += decode_steps(model, tp, requests, step_broadcast=sb,
+        runs += [("llama-3-70b", args.big_tp, [1], sb, ts) for sb in args.step_broadcast for ts in args.tp_sample]
+    for model, tp, requests, sb, ts in runs:
+        res["decode"] += decode_steps(model, tp, requests, step_broadcast=sb, tp_sample=ts,
                                       disable_custom_all_reduce=args.disable_custom_all_reduce)
         for row in res["decode"]:
             row["weights_floor_ms"] = row["weight_bytes_per_gpu"] / (copy * 1e9) * 1e3

@@ -48,3 +48,55 @@ def test_tp2_with_cuda_graphs_exits_cleanly():
     m = re.search(r"SHUTDOWN_S=([0-9.]+)", r.stdout)
     assert m is not None, tail
     assert float(m.group(1)) < 5.0, tail
+
+
+LOCAL_SAMPLING_SCRIPT = """
+import json
+from attnserve import LLM, SamplingParams
+prompts = [[1, 2, 3], list(range(10, 40)), [7] * 9, list(range(100, 117))]
+params = [SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True),
+          SamplingParams(temperature=0.8, seed=1, max_new_tokens=16, ignore_eos=True),
+          SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=2, max_new_tokens=16, ignore_eos=True),
+          SamplingParams(temperature=0.7, min_p=0.05, seed=3, max_new_tokens=16, ignore_eos=True)]
+kw = dict(load_format="dummy", device="cuda", dtype="float32", max_total_tokens=4096, max_running_requests=8)
+ref = LLM("llama-tiny", **kw)
+want = [o.token_ids for o in ref.generate(prompts, params)]
+ref.engine.shutdown()
+del ref
+llm = LLM("llama-tiny", tp_size=2, **kw)
+assert llm.engine.model_runner.cuda_graph_runner is not None, "CUDA graphs were not captured"
+assert llm.engine.scheduler.overlap, "overlap scheduling is off"
+sender = llm.engine.scheduler.tp_sender
+assert sender.sample_local, "ATTNSERVE_TP_SAMPLE is not local by default"
+got = {}
+for mode in ("local", "broadcast"):
+    sender.sample_local = mode == "local"
+    llm.engine.scheduler.flush_prefix_cache()
+    before = (sender.local_steps, sender.ids_broadcasts)
+    got[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+    got[mode + "_steps"] = [sender.local_steps - before[0], sender.ids_broadcasts - before[1]]
+llm.engine.shutdown()
+print("RESULT=" + json.dumps({"tp1": want, **got}), flush=True)
+"""
+
+
+def test_tp2_local_sampling_in_graphs_and_overlap_matches_broadcast_and_tp1():
+    """Every rank samples each step itself (`step_sync.LocalSampling`), with CUDA graphs and
+    overlap scheduling, float32: greedy and seeded temperature / top-k / top-p / min-p
+    tokens equal those of rank 0's id broadcast and of tp 1. A rank whose ids differed
+    would feed other input ids to its next forward and change rank 0's tokens too."""
+    import json
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env.pop("ATTNSERVE_TP_SAMPLE", None)
+    r = subprocess.run([sys.executable, "-c", LOCAL_SAMPLING_SCRIPT], capture_output=True, text=True, timeout=500,
+                       env=env)
+    tail = (r.stdout + r.stderr)[-4000:]
+    assert r.returncode == 0, tail
+    m = re.search(r"RESULT=(.*)", r.stdout)
+    assert m is not None, tail
+    res = json.loads(m.group(1))
+    assert res["local_steps"][0] >= 16 and res["local_steps"][1] == 0, res
+    assert res["broadcast_steps"][0] == 0 and res["broadcast_steps"][1] >= 16, res
+    assert res["local"] == res["broadcast"], res
+    assert res["local"] == res["tp1"], res
