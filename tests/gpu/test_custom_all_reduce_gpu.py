@@ -173,3 +173,34 @@ def test_tp2_greedy_tokens_match_tp1_with_custom_all_reduce():
     assert custom["calls"]["one_shot"] > 0  # prefill (eager) and the captured decode graphs used it
     assert custom["tokens"] == plain["tokens"]  # bit-identical sums: identical tokens
     assert custom["tokens"] == tp1["tokens"]
+
+
+TWO_ENGINES_SCRIPT = """
+import json
+from attnserve import LLM, SamplingParams
+from attnserve.distributed.symm_mem_rendezvous import rendezvous_count
+sp = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+tokens = []
+for _ in range(2):  # the second engine's fresh ranks meet rank 0, which has rendezvoused before
+    llm = LLM("llama-tiny", load_format="dummy", device="cuda", tp_size=2, max_total_tokens=4096,
+              max_running_requests=8, dtype="float32")
+    assert llm.engine.tp_runtime.tp.custom_all_reduce is not None, "custom all-reduce is off"
+    tokens.append([o.token_ids for o in llm.generate([[1, 2, 3], list(range(10, 40))], sp)])
+    llm.engine.shutdown()
+    del llm
+print("RESULT=" + json.dumps({"tokens": tokens, "rendezvous": rendezvous_count()}), flush=True)
+"""
+
+
+def test_second_tp_engine_in_one_process_starts_with_custom_all_reduce():
+    # torch counts symmetric-memory rendezvous per process: without the alignment of
+    # symm_mem_rendezvous the second engine's rendezvous waited forever (four H200s)
+    r = subprocess.run([sys.executable, "-c", TWO_ENGINES_SCRIPT], capture_output=True, text=True, timeout=300,
+                       env=_env())
+    tail = (r.stdout + r.stderr)[-4000:]
+    assert r.returncode == 0, tail
+    m = re.search(r"^RESULT=(.*)$", r.stdout, re.M)
+    assert m is not None, tail
+    res = json.loads(m.group(1))
+    assert res["rendezvous"] == 2
+    assert res["tokens"][0] == res["tokens"][1]

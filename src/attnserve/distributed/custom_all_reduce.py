@@ -79,14 +79,18 @@ def default_config(world_size: int) -> CustomAllReduceConfig:
     (``benchmarks/results/h100-80gb-hbm3-allreduce-2026-11-26.json``): one-shot was the fastest
     up to 1 MB (8.1 µs vs NCCL's 12.8 µs at 1 KB, 16.7 vs 24.4 at 1 MB); two-shot from 2 MB
     to 16 MB (75 vs 94 µs at 16 MB); at 32 MB two-shot led by 7%, inside the run-to-run
-    spread, and at 64 MB NCCL led, so NCCL takes everything over 16 MB. 4 and 8 ranks are not
-    measured yet: one-shot reads ``W`` times the message per rank, so its range and two-shot's
-    are taken smaller there until ``--world-size 4`` / ``8`` runs of the benchmark set them.
+    spread, and at 64 MB NCCL led, so NCCL takes everything over 16 MB.
+
+    4 ranks: four H200s, same software, 2026-11-26 (``h200-allreduce-2026-11-26.json``, world
+    size 4): one-shot fastest up to 512 KB (6.5 µs vs NCCL's 18.6 at 1 KB, 13.3 vs 25.0 at
+    512 KB), two-shot from 1 MB to 16 MB (96.7 vs 110.9 µs at 16 MB; at 32 MB 184.5 vs 192.9,
+    inside the spread). 8 ranks are not measured: one-shot reads ``W`` times the message per
+    rank, so both ranges are taken smaller there until a ``--world-size 8`` run sets them.
     """
     if world_size <= 2:
         return CustomAllReduceConfig(one_shot_max_bytes=1 << 20, two_shot_max_bytes=16 << 20)
     if world_size <= 4:
-        return CustomAllReduceConfig(one_shot_max_bytes=256 << 10, two_shot_max_bytes=8 << 20)
+        return CustomAllReduceConfig(one_shot_max_bytes=512 << 10, two_shot_max_bytes=16 << 20)
     return CustomAllReduceConfig(one_shot_max_bytes=128 << 10, two_shot_max_bytes=4 << 20)
 
 
@@ -264,7 +268,7 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
     custom = None
     if reason is None:
         try:
-            custom = _build(rank, world_size, device_group, device, config or default_config(world_size))
+            custom = _build(rank, world_size, device_group, cpu_group, device, config or default_config(world_size))
         except Exception as e:  # a torch whose symmetric memory cannot start here
             reason = f"symmetric memory failed: {type(e).__name__}: {e}"
         reason = agree(reason, cpu_group, rank)
@@ -279,13 +283,15 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
     return custom
 
 
-def _build(rank: int, world_size: int, device_group: Any, device: torch.device,
+def _build(rank: int, world_size: int, device_group: Any, cpu_group: Any, device: torch.device,
            config: CustomAllReduceConfig) -> CustomAllReduce:
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # no NVLink multicast object at the rendezvous
     import torch.distributed._symmetric_memory as symm_mem
 
+    from attnserve.distributed.symm_mem_rendezvous import aligned_rendezvous
+
     buffer = symm_mem.empty(config.buffer_bytes, dtype=torch.uint8, device=device)
-    symm_mem.rendezvous(buffer, device_group)
+    aligned_rendezvous(buffer, device_group, cpu_group, rank)  # a second engine in this process too
     scratch = torch.empty(_round_up(max(config.one_shot_max_bytes, _ALIGN), _ALIGN), dtype=torch.uint8,
                           device=device)
     custom = CustomAllReduce(rank=rank, world_size=world_size, group_name=device_group.group_name, config=config,
