@@ -43,6 +43,40 @@ def _llm(model, tp, dtype, ctx, max_bs, **extra):
                max_running_requests=max_bs, cuda_graph_max_bs=max_bs, mem_fraction_static=0.85, **extra)
 
 
+def _child(queue, fn, args, kwargs):
+    try:
+        queue.put(("ok", fn(*args, **kwargs)))
+    except BaseException as e:  # reported in the parent
+        queue.put(("error", f"{type(e).__name__}: {e}"))
+        raise
+
+
+def in_fresh_process(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a new process (spawn): torch counts symmetric-memory
+    rendezvous per process, so a second tensor-parallel engine in one process meets fresh
+    ranks and runs without the custom all-reduce (`symm_mem_rendezvous`); one engine per
+    process keeps every row on the path a server gets."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_child, args=(queue, fn, args, kwargs))
+    p.start()
+    status, value = queue.get()
+    p.join()
+    if status != "ok":
+        raise RuntimeError(f"{fn.__name__} failed in its process: {value}")
+    return value
+
+
+def _identity_tokens(model, tp, prompts, sp):
+    llm = _llm(model, tp, "float32", 512, 8)
+    try:
+        return [o.token_ids for o in llm.generate(prompts, sp)]
+    finally:
+        llm.engine.shutdown()
+
+
 def identity(tps, model="llama-3-8b", n_tokens=24):
     from attnserve.engine.sampling_params import SamplingParams
 
@@ -51,14 +85,7 @@ def identity(tps, model="llama-3-8b", n_tokens=24):
     sp = SamplingParams(max_new_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     out = {}
     for tp in tps:
-        llm = _llm(model, tp, "float32", 512, 8)
-        try:
-            out[tp] = [o.token_ids for o in llm.generate(prompts, sp)]
-        finally:
-            llm.engine.shutdown()
-            del llm
-            gc.collect()
-            torch.cuda.empty_cache()
+        out[tp] = in_fresh_process(_identity_tokens, model, tp, prompts, sp)
         print(f"identity tp {tp}: {out[tp][0][:8]} ...", flush=True)
     ref = out[tps[0]]
     return {"model": model, "dtype": "float32", "tokens": n_tokens,
@@ -83,6 +110,7 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
     path = "none" if rt is None else ("shm" if rt.tp.step_queue is not None else "gloo")
     sender = llm.engine.scheduler.tp_sender
     sample_mode = "none" if sender is None else ("local" if sender.sample_local else "broadcast")
+    custom_on = rt is not None and rt.tp.custom_all_reduce is not None
     rows = []
     try:
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model_runner.model.parameters())
@@ -107,6 +135,7 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
             wall, stats = times["full"]
             steps = max(stats.num_decode_steps, 1)
             row = {"model": model, "tp": tp, "requests": n, "step_broadcast": path, "tp_sample": sample_mode,
+                   "custom_all_reduce_on": custom_on,
                    "local_sample_steps": counts[0], "ids_broadcast_steps": counts[1], "input_len": input_len,
                    "output_len": output_len,
                    "wall_s": wall, "prefill_s": times["prefill"][0], "decode_steps": stats.num_decode_steps,
@@ -157,7 +186,7 @@ def main(argv=None) -> int:
     if args.big_tp:
         runs += [("llama-3-70b", args.big_tp, [1], sb, ts) for sb in args.step_broadcast for ts in args.tp_sample]
     for model, tp, requests, sb, ts in runs:
-        res["decode"] += decode_steps(model, tp, requests, step_broadcast=sb, tp_sample=ts,
+        res["decode"] += in_fresh_process(decode_steps, model, tp, requests, step_broadcast=sb, tp_sample=ts,
                                       disable_custom_all_reduce=args.disable_custom_all_reduce)
         for row in res["decode"]:
             row["weights_floor_ms"] = row["weight_bytes_per_gpu"] / (copy * 1e9) * 1e3

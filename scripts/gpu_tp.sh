@@ -31,8 +31,8 @@ tps="1 2"; big=""
 if [ "$ngpu" -ge 4 ]; then tps="1 2 4"; big="--big-tp 4"; fi
 if stage tp; then
 # shellcheck disable=SC2086
-timeout "${TP_LIMIT:-300}" python3 benchmarks/tp_decode.py --tp $tps --requests 1 64 --step-broadcast shm gloo \
-  $big --out "$OUT" > "$OUT/tp_decode.log" 2>&1
+timeout "${TP_LIMIT:-300}" python3 benchmarks/tp_decode.py --tp $tps --requests 1 64 --step-broadcast shm \
+  --tp-sample local broadcast $big --out "$OUT" > "$OUT/tp_decode.log" 2>&1
 echo "tp_decode rc=$?"
 grep -v INFO "$OUT/tp_decode.log" | tail -30
 fi

@@ -269,9 +269,12 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
     if reason is None:
         try:
             custom = _build(rank, world_size, device_group, cpu_group, device, config or default_config(world_size))
-        except Exception as e:  # a torch whose symmetric memory cannot start here
+        except Exception as e:  # a torch whose symmetric memory cannot start here; RendezvousSkew
             reason = f"symmetric memory failed: {type(e).__name__}: {e}"
         reason = agree(reason, cpu_group, rank)
+        if reason is not None and rank == 0:  # available here, yet not for this engine: say so louder
+            logger.warning("custom all-reduce off (%s): NCCL carries every all-reduce", reason)
+            return None
     if reason is not None:
         if rank == 0:
             logger.info("custom all-reduce off (%s): NCCL carries every all-reduce", reason)
@@ -291,7 +294,7 @@ def _build(rank: int, world_size: int, device_group: Any, cpu_group: Any, device
     from attnserve.distributed.symm_mem_rendezvous import aligned_rendezvous
 
     buffer = symm_mem.empty(config.buffer_bytes, dtype=torch.uint8, device=device)
-    aligned_rendezvous(buffer, device_group, cpu_group, rank)  # a second engine in this process too
+    aligned_rendezvous(buffer, device_group, cpu_group)  # RendezvousSkew: NCCL for this engine
     scratch = torch.empty(_round_up(max(config.one_shot_max_bytes, _ALIGN), _ALIGN), dtype=torch.uint8,
                           device=device)
     custom = CustomAllReduce(rank=rank, world_size=world_size, group_name=device_group.group_name, config=config,

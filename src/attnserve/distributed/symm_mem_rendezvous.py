@@ -1,28 +1,33 @@
-"""A symmetric-memory rendezvous that works when the ranks' processes have different histories.
+"""A symmetric-memory rendezvous that refuses, instead of hanging, when the ranks' processes differ.
 
 ``torch.distributed._symmetric_memory.rendezvous`` exchanges each rank's allocation through
 the group's store under keys ``<prefix>/<seq>/<rank>``, where ``seq`` is a counter kept in
 the process (torch 2.11: a static ``StoreExchange`` in ``CUDASymmetricMemory.cu``). The
-ranks of one rendezvous must therefore have done the same number of rendezvous before, in
-any group. An engine breaks that when it is built twice in one process: rank 0 is the
-engine's own process and keeps its counter, while the new engine's other ranks are fresh
-processes that start at 0, so the second rendezvous waits forever (seen on four H200s:
-``tp_decode.py`` hung in its second tensor-parallel engine; the mechanism is
-pytorch/pytorch#196082, where a subgroup's rendezvous skews the counters the same way).
+ranks of one rendezvous must therefore have done the same number of rendezvous before. An
+engine breaks that when it is built twice in one process: rank 0 is the engine's own
+process and keeps its counter, while the new engine's other ranks are fresh processes that
+start at 0, so the second rendezvous waits forever. Seen on four H200s (2026-11-26): the
+first tensor-parallel engine of ``benchmarks/tp_decode.py`` ran, the next one hung in
+``rendezvous`` on every rank; pytorch/pytorch#196082 describes the same skew after a
+subgroup's rendezvous. Running one-rank rendezvous on the ranks that are behind did not
+line the counters up (the next engine still hung), so `aligned_rendezvous` does not try:
+it compares the counts first and raises `RendezvousSkew` on every rank, and the caller
+falls back to NCCL for that engine.
 
-`aligned_rendezvous` first agrees on the largest number of rendezvous any rank has done in
-its process, and the ranks that are behind run that many rendezvous on a group of
-themselves alone, which advances their counters exactly as a real one does (a one-rank
-exchange waits for no one). The count is per process, like torch's: `_ProcessLedger`.
+The count is kept per process, as torch keeps its own: `_ProcessLedger`.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
+
+
+class RendezvousSkew(RuntimeError):
+    """The ranks' processes have done different numbers of symmetric-memory rendezvous."""
 
 
 @dataclass
@@ -42,16 +47,29 @@ def rendezvous_count() -> int:
     return _LEDGER.done
 
 
-def aligned_rendezvous(buffer: torch.Tensor, device_group: Any, cpu_group: Any, rank: int) -> Any:
-    """``symm_mem.rendezvous(buffer, device_group)`` after aligning the ranks' counters.
+def skew_reason(counts: Sequence[int]) -> Optional[str]:
+    """Why ranks whose processes did ``counts[r]`` rendezvous before cannot meet (None: they can).
+
+    A pure function of the gathered counts, so every rank reaches the same verdict.
+    """
+    if len(set(counts)) <= 1:
+        return None
+    return (f"the ranks' processes have done {list(counts)} symmetric-memory rendezvous before (torch "
+            "counts them per process, so a rendezvous now would wait forever; a second tensor-parallel "
+            "engine in one process meets fresh ranks)")
+
+
+def aligned_rendezvous(buffer: torch.Tensor, device_group: Any, cpu_group: Any) -> Any:
+    """``symm_mem.rendezvous(buffer, device_group)`` when every rank can meet.
 
     Args:
         buffer: this rank's ``symm_mem.empty`` allocation (same size on every rank).
         device_group: the NCCL group to rendezvous in.
-        cpu_group: a gloo group of the same ranks (the agreement on the counts).
-        rank: this rank's index in the groups.
+        cpu_group: a gloo group of the same ranks (the counts are compared over it).
     Returns:
         torch's ``_SymmetricMemory`` handle. A collective: every rank of the group calls it.
+    Raises:
+        RendezvousSkew: on every rank, when the counts differ (`skew_reason`).
     """
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
@@ -59,20 +77,9 @@ def aligned_rendezvous(buffer: torch.Tensor, device_group: Any, cpu_group: Any, 
     with _LEDGER.lock:
         counts: list = [None] * dist.get_world_size(cpu_group)
         dist.all_gather_object(counts, _LEDGER.done, group=cpu_group)
-        behind = max(counts) - _LEDGER.done
-        if behind > 0:
-            _catch_up(behind, buffer.device)
+        reason = skew_reason(counts)
+        if reason is not None:
+            raise RendezvousSkew(reason)
         handle = symm_mem.rendezvous(buffer, device_group)
-        _LEDGER.done = max(counts) + 1
+        _LEDGER.done += 1
     return handle
-
-
-def _catch_up(n: int, device: torch.device) -> None:
-    """Run ``n`` one-rank rendezvous in this process (advances torch's exchange counter)."""
-    import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
-
-    solo = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    for _ in range(n):
-        scratch = symm_mem.empty(16, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(scratch, solo)
