@@ -58,12 +58,23 @@ EXTRA_VARIANTS = (("fp8-w8a8/float32", "float32", "fp8", "float32", True),)
 TARGET_TOP1, TARGET_PPL_RATIO = 0.97, 1.02
 
 
-def perplexity(logits: torch.Tensor, ids: List[int]) -> float:
-    """``exp`` of the mean negative log-likelihood of ``ids[1:]`` under ``logits[:-1]``
-    (``logits [len(ids), V]``)."""
+def token_nll(logits: torch.Tensor, ids: List[int]) -> torch.Tensor:
+    """float64 ``[len(ids) - 1]``: negative log-likelihood of each of ``ids[1:]`` under
+    ``logits[:-1]`` (``logits [len(ids), V]``), nats."""
     lp = torch.log_softmax(logits[:-1].double(), -1)
-    nll = -lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean()
-    return float(math.exp(nll))
+    return -lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+
+
+def perplexity(logits: torch.Tensor, ids: List[int]) -> float:
+    """``exp`` of the mean of `token_nll`."""
+    return float(math.exp(token_nll(logits, ids).mean()))
+
+
+def perplexity_ratio_se(base: torch.Tensor, other: torch.Tensor, ids: List[int]) -> float:
+    """Standard error of ``log(perplexity ratio)`` over the text's tokens: ``std(nll_other -
+    nll_base) / sqrt(tokens)`` (the ratio's sampling noise on one text of this length)."""
+    d = token_nll(other, ids) - token_nll(base, ids)
+    return float(d.std() / math.sqrt(d.numel()))
 
 
 @contextlib.contextmanager
@@ -159,11 +170,13 @@ def _scheme_row(model: str, scheme, loaded, lins, forward, base, ids, positions:
         fs.clear_scheme(lins)
     row = {"model": model, "scheme": scheme.name, "weight": scheme.weight, "activation": scheme.activation,
            "gpu_kernel": scheme.kernel, **compare(base[:positions], lg[:positions]),
-           "perplexity_ratio": perplexity(lg, ids) / perplexity(base, ids), **size,
+           "perplexity_ratio": perplexity(lg, ids) / perplexity(base, ids),
+           "log_perplexity_ratio_se": perplexity_ratio_se(base, lg, ids), **size,
            "model_bytes_rel": fs.model_bytes_rel(loaded.model, lins, size["linear_bytes_rel"])}
     row["meets_targets"] = row["top1_agreement"] >= TARGET_TOP1 and row["perplexity_ratio"] <= TARGET_PPL_RATIO
     print(f"{model:14s} {scheme.name:60s} top-1 {row['top1_agreement']:.4f}  ppl ratio "
-          f"{row['perplexity_ratio']:.4f}  mean KL {row['mean_kl']:.5f}  linear bytes {row['linear_bytes_rel']:.3f}"
+          f"{row['perplexity_ratio']:.4f} (log se {row['log_perplexity_ratio_se']:.4f})  mean KL {row['mean_kl']:.5f}"
+          f"  linear bytes {row['linear_bytes_rel']:.3f}"
           f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     return row
 

@@ -153,20 +153,24 @@ def model_bytes_rel(model: nn.Module, lins: Dict[str, nn.Module], linear_bytes_r
 
 
 def base_schemes(num_layers: int) -> Sequence[Scheme]:
-    """The fixed table: uniform schemes, one linear type quantised alone, first/last layers kept."""
+    """The fixed table: uniform schemes, one linear type quantised alone, the first and last
+    layers quantised alone or kept in bf16."""
     every = lambda n: True  # noqa: E731
     last = num_layers - 1
     rows = [
         Scheme("bf16 weights, reference GEMM", "bf16", "none", every, "(baseline's noise floor)"),
         Scheme("w8a8 channel/token (all)", "channel", "token", every, "_scaled_mm row-wise (M > 16)"),
         Scheme("w8a16 channel (all)", "channel", "none", every, "skinny_linear_fp8 (M <= 16)"),
-        Scheme("w8a16 group128 (all)", "group128", "none", every, "none (scaled_fp8_gemm needs 1x128 scales)"),
+        Scheme("w8a16 group128 (all)", "group128", "none", every,
+               "none (scaled_fp8_gemm needs 1x128 scales)"),
         Scheme("w8a16 group32 (all)", "group32", "none", every, "none"),
         Scheme("w8a8 block128/group128 (all)", "block", "group", every, "scaled_fp8_gemm (Triton, block)"),
     ]
     for t in LINEAR_TYPES:
         rows.append(Scheme(f"w8a16 channel, only {t}", "channel", "none", lambda n, t=t: n.endswith(t),
                            "skinny_linear_fp8 + bf16"))
+    rows.append(Scheme("w8a16 channel, only layers 0 and last", "channel", "none",
+                       lambda n: layer_index(n) in (0, last), "skinny_linear_fp8 + bf16"))
     rows.append(Scheme("w8a16 channel, layers 0 and last bf16", "channel", "none",
                        lambda n: layer_index(n) not in (0, last), "skinny_linear_fp8 + bf16"))
     return rows

@@ -1,7 +1,8 @@
 """`benchmarks/fp8_schemes.EmulatedFp8Method` (the scheme table of `fp8_accuracy.py
 --schemes`) computes what the FP8 linear methods' CPU reference computes: the same weight
 quantised per channel (per-token activations) or in 128 x 128 blocks (1 x 128 activation
-groups) gives bit-identical outputs (against the reference, with the Triton interpreter off), gated or not, and ``activation="none"`` is W8A16."""
+groups) gives bit-identical outputs (the reference: Triton interpreter off), gated or not,
+and ``activation="none"`` is W8A16."""
 
 import sys
 from pathlib import Path
