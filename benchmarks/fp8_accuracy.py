@@ -24,6 +24,15 @@ logits predict token ``t + 1``; against the variant's ``baseline``: ``top1_agree
 ``perplexity`` of the text and ``perplexity_ratio`` (variant / baseline). Issue 37's
 targets for FP8 against bf16: agreement >= 0.97, ratio <= 1.02. Writes
 ``<out>/<device>-fp8-accuracy-<date>.json``.
+
+``--schemes`` instead loads each model once unquantised (bf16) and emulates a table of FP8
+schemes on it (`fp8_schemes`: per-channel / per-group / block weights, W8A8 or W8A16, one
+linear type alone, layers kept in bf16), each compared with the bf16 model; a row
+``bf16 weights, reference GEMM`` (the same weights through the emulation's float32 GEMM)
+gives the baseline's own noise floor. With ``--sensitivity`` the model is also loaded in
+float32, each decoder layer quantised alone (W8A16) against float32 ranks the layers, and
+the ``k`` least sensitive are quantised (the rest bf16) for ``k`` in ``--greedy-layers``
+fractions. Writes ``<out>/<device>-fp8-accuracy-schemes-<date>.json``.
 """
 
 from __future__ import annotations
@@ -49,12 +58,23 @@ EXTRA_VARIANTS = (("fp8-w8a8/float32", "float32", "fp8", "float32", True),)
 TARGET_TOP1, TARGET_PPL_RATIO = 0.97, 1.02
 
 
-def perplexity(logits: torch.Tensor, ids: List[int]) -> float:
-    """``exp`` of the mean negative log-likelihood of ``ids[1:]`` under ``logits[:-1]``
-    (``logits [len(ids), V]``)."""
+def token_nll(logits: torch.Tensor, ids: List[int]) -> torch.Tensor:
+    """float64 ``[len(ids) - 1]``: negative log-likelihood of each of ``ids[1:]`` under
+    ``logits[:-1]`` (``logits [len(ids), V]``), nats."""
     lp = torch.log_softmax(logits[:-1].double(), -1)
-    nll = -lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean()
-    return float(math.exp(nll))
+    return -lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+
+
+def perplexity(logits: torch.Tensor, ids: List[int]) -> float:
+    """``exp`` of the mean of `token_nll`."""
+    return float(math.exp(token_nll(logits, ids).mean()))
+
+
+def perplexity_ratio_se(base: torch.Tensor, other: torch.Tensor, ids: List[int]) -> float:
+    """Standard error of ``log(perplexity ratio)`` over the text's tokens: ``std(nll_other -
+    nll_base) / sqrt(tokens)`` (the ratio's sampling noise on one text of this length)."""
+    d = token_nll(other, ids) - token_nll(base, ids)
+    return float(d.std() / math.sqrt(d.numel()))
 
 
 @contextlib.contextmanager
@@ -119,6 +139,85 @@ def run_model(model: str, positions: int, device: str = "cpu", variants=VARIANTS
     return rows
 
 
+def _forward_fn(model: str, dtype: str, positions: int, device: str):
+    """Load ``model`` unquantised; returns ``(loaded, ids, forward)`` where ``forward()`` is
+    the teacher-forced float32 logits ``[positions + 1, V]`` of the model as it stands."""
+    from attnserve.bench.kv_accuracy import TEXT, teacher_forced_logits
+    from attnserve.engine.model_runner import ModelRunner
+    from attnserve.model_loader.loader import load_model
+    from attnserve.server_args import ServerArgs
+
+    args = ServerArgs(model=model, device=device, dtype=dtype, max_total_tokens=max(1024, positions + 64),
+                      max_running_requests=1, disable_cuda_graph=True)
+    args.check()
+    loaded = load_model(model, dtype=args.resolved_dtype(), device=args.resolved_device(), progress=False)
+    ids = loaded.tokenizer(TEXT)["input_ids"][:positions + 1]
+    if len(ids) < positions + 1:
+        raise ValueError(f"the text has only {len(ids)} tokens for {model}; ask for fewer positions")
+    runner = ModelRunner(args, loaded)
+    return loaded, ids, lambda: teacher_forced_logits(runner, ids)
+
+
+def _scheme_row(model: str, scheme, loaded, lins, forward, base, ids, positions: int) -> Dict:
+    import fp8_schemes as fs
+    from attnserve.bench.kv_accuracy import compare
+
+    t0 = time.perf_counter()
+    size = fs.apply_scheme(lins, scheme)
+    try:
+        lg = forward()
+    finally:
+        fs.clear_scheme(lins)
+    row = {"model": model, "scheme": scheme.name, "weight": scheme.weight, "activation": scheme.activation,
+           "gpu_kernel": scheme.kernel, **compare(base[:positions], lg[:positions]),
+           "perplexity_ratio": perplexity(lg, ids) / perplexity(base, ids),
+           "log_perplexity_ratio_se": perplexity_ratio_se(base, lg, ids), **size,
+           "model_bytes_rel": fs.model_bytes_rel(loaded.model, lins, size["linear_bytes_rel"])}
+    row["meets_targets"] = row["top1_agreement"] >= TARGET_TOP1 and row["perplexity_ratio"] <= TARGET_PPL_RATIO
+    print(f"{model:14s} {scheme.name:60s} top-1 {row['top1_agreement']:.4f}  ppl ratio "
+          f"{row['perplexity_ratio']:.4f} (log se {row['log_perplexity_ratio_se']:.4f})  mean KL {row['mean_kl']:.5f}"
+          f"  linear bytes {row['linear_bytes_rel']:.3f}"
+          f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return row
+
+
+def run_schemes(model: str, positions: int, device: str = "cpu", sensitivity: bool = False,
+                greedy_fractions=(0.5, 0.75, 0.9)) -> Dict:
+    """The scheme table of one model (see the module doc): ``{"rows": [...], "layer_kl_f32": {...}}``."""
+    import fp8_schemes as fs
+    from attnserve.bench.kv_accuracy import compare
+
+    out: Dict = {"rows": []}
+    order = None
+    if sensitivity:
+        loaded, ids, forward = _forward_fn(model, "float32", positions, device)
+        lins = fs.linears(loaded.model)
+        base = forward()
+        kl = {}
+        for i, scheme in enumerate(fs.per_layer_schemes(fs.num_decoder_layers(lins))):
+            fs.apply_scheme(lins, scheme)
+            try:
+                kl[i] = compare(base[:positions], forward()[:positions])["mean_kl"]
+            finally:
+                fs.clear_scheme(lins)
+        order = sorted(kl, key=kl.get)
+        out["layer_kl_f32"] = kl
+        print(f"{model}: layers by float32 KL, most sensitive first: {order[::-1]}", flush=True)
+        del loaded, lins, forward
+    loaded, ids, forward = _forward_fn(model, "bfloat16", positions, device)
+    lins = fs.linears(loaded.model)
+    nl = fs.num_decoder_layers(lins)
+    base = forward()
+    schemes = list(fs.base_schemes(nl))
+    if order is not None:
+        counts = sorted({max(1, min(nl - 1, round(f * nl))) for f in greedy_fractions})
+        schemes += list(fs.greedy_schemes(order, nl, counts, "none"))
+        schemes += list(fs.greedy_schemes(order, nl, counts[:1], "token"))
+    for scheme in schemes:
+        out["rows"].append(_scheme_row(model, scheme, loaded, lins, forward, base, ids, positions))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", nargs="+", default=["smollm2-135m", "gemma3-270m"])
@@ -126,6 +225,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--all", action="store_true", help="also W8A8 with float32 activations")
+    ap.add_argument("--schemes", action="store_true", help="the emulated scheme table (fp8_schemes) instead")
+    ap.add_argument("--sensitivity", action="store_true", help="with --schemes: rank layers in float32 and "
+                    "keep the most sensitive in bf16")
+    ap.add_argument("--greedy-layers", type=float, nargs="+", default=[0.5, 0.75, 0.9],
+                    help="with --sensitivity: fractions of the decoder layers quantised")
     args = ap.parse_args(argv)
     from attnserve.triton_env import triton_interpreting
 
@@ -137,6 +241,22 @@ def main(argv=None) -> int:
     from attnserve.bench.results import write_result
 
     t0 = time.perf_counter()
+    meta = {"date": dt.date.today().isoformat(), "device": args.device, "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "command": "benchmarks/fp8_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "text": "attnserve.bench.kv_accuracy.TEXT", "positions": args.positions,
+            "targets": {"top1_agreement_min": TARGET_TOP1, "perplexity_ratio_max": TARGET_PPL_RATIO}}
+    if args.schemes:
+        per_model = {m: run_schemes(m, args.positions, args.device, args.sensitivity, args.greedy_layers)
+                     for m in args.model}
+        result = {"benchmark": "fp8-accuracy-schemes", **meta,
+                  "fp8": "emulated (benchmarks/fp8_schemes.py): weights e4m3 quantised from the bf16 model, "
+                  "float32 scales, float32 GEMM of the dequantised values, bf16 activations; against the bf16 "
+                  "model (F.linear)", "rows": [r for m in per_model.values() for r in m["rows"]],
+                  "layer_kl_f32": {m: v["layer_kl_f32"] for m, v in per_model.items() if "layer_kl_f32" in v},
+                  "total_s": round(time.perf_counter() - t0, 1)}
+        write_result(result, args.out, "fp8-accuracy-schemes", args.device)
+        return 0
     rows = []
     for model in args.model:
         rows.extend(run_model(model, args.positions, args.device, VARIANTS + (EXTRA_VARIANTS if args.all else ())))
