@@ -266,6 +266,8 @@ def load_gguf_config(path: str) -> Any:
     """
     from transformers import AutoConfig
 
+    from attnserve.model_loader.gguf_meta_cache import cached
+
     meta = read_gguf_scalar_metadata(path)
     arch = meta.get("general.architecture")
     if arch == "llama" and int(meta.get("llama.expert_count", 0) or 0) > 0:
@@ -276,7 +278,8 @@ def load_gguf_config(path: str) -> Any:
         )
     directory, name = split_gguf_path(path)
     try:
-        config = AutoConfig.from_pretrained(directory, gguf_file=name)
+        config = cached(path, "config", lambda: AutoConfig.from_pretrained(directory, gguf_file=name),
+                        AutoConfig.from_pretrained)  # parsed once per file (gguf_meta_cache)
     except ValueError as e:
         if "not supported" not in str(e):  # transformers: "GGUF model with architecture X is not supported yet."
             raise

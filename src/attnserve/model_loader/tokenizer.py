@@ -11,12 +11,19 @@ def get_tokenizer(model_path: str, gguf_file: Optional[str] = None) -> Any:
     Args:
         model_path: directory (HF checkpoint, or the directory holding the GGUF).
         gguf_file: file name of the GGUF inside ``model_path`` (its embedded vocabulary
-            and chat template are converted by transformers; needs ``gguf``).
+            and chat template are converted by transformers, needs ``gguf``, once per file:
+            later loads read transformers' saved copy, `gguf_meta_cache`).
     """
     from transformers import AutoTokenizer
 
     if gguf_file is not None:
-        return AutoTokenizer.from_pretrained(model_path, gguf_file=gguf_file)
+        import os
+
+        from attnserve.model_loader.gguf_meta_cache import cached
+
+        return cached(os.path.join(model_path, gguf_file), "tokenizer",
+                      lambda: AutoTokenizer.from_pretrained(model_path, gguf_file=gguf_file),
+                      AutoTokenizer.from_pretrained)
     return AutoTokenizer.from_pretrained(model_path)
 
 
