@@ -44,8 +44,9 @@ def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, block: Optional[Tuple[
 
 
 def fp8_moe_reference(x, q13, s13, q2, s2, block, topk_weights, topk_ids):
-    """``(out, bound)`` of `moe_reference` on the dequantised (float64) experts, on the CPU."""
+    """``(out, bound)`` of `moe_reference` on the dequantised (float64) experts, on ``x``'s
+    device (all tensors must be there)."""
     e = q13.shape[0]
-    d13 = torch.stack([dequantize_expert(q13.cpu(), s13.cpu(), i, block, gated=True) for i in range(e)]).double()
-    d2 = torch.stack([dequantize_expert(q2.cpu(), s2.cpu(), i, block) for i in range(e)]).double()
-    return moe_reference(x.cpu(), d13, d2, topk_weights.cpu(), topk_ids.cpu())
+    d13 = torch.stack([dequantize_expert(q13, s13, i, block, gated=True).double() for i in range(e)])
+    d2 = torch.stack([dequantize_expert(q2, s2, i, block).double() for i in range(e)])
+    return moe_reference(x, d13, d2, topk_weights, topk_ids)
