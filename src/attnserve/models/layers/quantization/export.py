@@ -24,7 +24,8 @@ from attnserve.models.layers.quantization.config import QuantizationConfig
 from attnserve.models.layers.quantization.fp8_utils import quantize_per_block, quantize_per_row, quantize_per_tensor
 
 FORMATS = ("fp8-block", "fp8-tensor", "compressed-tensors")
-_LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
+                  "kv_a_proj_with_mqa")  # MLA (DeepSeek); kv_b_proj stays unquantised (config.ALWAYS_UNQUANTIZED)
 
 
 _EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
