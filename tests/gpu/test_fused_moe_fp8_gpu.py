@@ -129,3 +129,25 @@ def test_layer_quantised_at_load(strategy):
     assert (out.float() - native.float()).abs().max() <= 2**-6 * native.float().abs().max()
     base = fused_experts_triton(x, w13, w2, w, ids).float()
     assert (out.float() - base).norm() / base.norm() <= 0.08
+
+
+@pytest.mark.parametrize("model", ["qwen3-moe-tiny", "deepseek-v2-moe-tiny"])
+def test_engine_fp8_experts_decode_graph_matches_eager(model, monkeypatch):
+    """``--quantization fp8`` on a dummy MoE model: the experts are FP8 (Triton path), and
+    greedy tokens with CUDA graphs equal those of the eager engine (two short prompts: the
+    decode batch stays within the dense linears' W8A16 rows, as in test_fp8_linear_gpu)."""
+    from attnserve.engine.llm import LLM
+    from attnserve.engine.sampling_params import SamplingParams
+    from attnserve.models.layers.moe.layer import FusedMoE
+
+    monkeypatch.delenv("ATTNSERVE_MOE_BACKEND", raising=False)
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    res = []
+    for graphs_off in (False, True):
+        llm = LLM(model, load_format="dummy", device="cuda", quantization="fp8", disable_cuda_graph=graphs_off)
+        moes = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, FusedMoE)]
+        assert moes and all(m.w13_weight.dtype == torch.float8_e4m3fn and m.quant_method is not None for m in moes)
+        res.append([o.token_ids for o in llm.generate(prompts, sp)])
+        llm.shutdown()
+    assert res[0] == res[1]
