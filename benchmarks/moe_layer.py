@@ -1,7 +1,7 @@
 """Speed of the fused MoE layer (`fused_experts_triton`) against the device's own ceilings (issue 34).
 
 ``PYTHONPATH=src:benchmarks python benchmarks/moe_layer.py --output RESULT.json [--shapes ...]
-[--batches 1 2 4 ... 256] [--prefill-tokens 8192] [--budget-s 100]``
+[--batches 1 2 4 ... 256] [--prefill-tokens 8192] [--budget-s 100] [--quantization bf16 fp8 fp8-block]``
 
 Shapes: `moe_tune.SHAPES` (Qwen3-30B-A3B, DeepSeek-V2-Lite, Mixtral-8x7B at tp 1 and 2),
 bfloat16 dummy weights (N(0, 0.02)), uniform random top-k routing, softmax weights. The
@@ -21,6 +21,13 @@ which, per case.
   of 7 replays: the device time, without the host's launch cost, which an eager layer
   stack hides behind the device's work), FLOPs ``2 T top_k (2 I H + I H)`` (the gate-up and down GEMMs),
   ``share`` of the bf16 8192^3 ``torch.matmul`` rate measured in this run (target >= 0.55).
+
+``--quantization`` (default ``bf16``) lists the expert weight formats to time, each a row of
+its own next to the others in one run (``weights`` in the JSON): ``bf16``; ``fp8`` -- e4m3
+experts with per-channel scales, what ``--quantization fp8`` loads (W8A16: the kernel
+widens the FP8 tiles, the activations stay bf16); ``fp8-block`` -- 128 x 128 block scales
+(DeepSeek-V3's checkpoints). The same bf16 draw is quantised, so the routings and
+activations are the same; the floor counts the FP8 bytes (1 per weight plus the scales).
 
 Every case is also checked against `fused_experts_native` (float32 loop over experts):
 ``max_rel_err = max |ours - native| / max |native|`` (bf16 roundings: ~1e-2 at most).
@@ -44,17 +51,48 @@ from moe_tune import DEV, DTYPE, SHAPES, graph_us, random_routing
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
-def _rel_err(out: torch.Tensor, x, w13, w2, w, ids) -> float:
-    """``max |out - native| / max |native|`` (`fused_experts_native`); NaN if that path is unavailable."""
+WEIGHT_FORMATS = ("bf16", "fp8", "fp8-block")
+
+
+def _quantize_experts(w13: torch.Tensor, w2: torch.Tensor, fmt: str):
+    """``(w13, w2, scale kwargs of fused_experts_triton, scale bytes per expert)`` in ``fmt``
+    (per expert, gate and up blocked apart: the loader's layout, `fp8_moe`)."""
+    if fmt == "bf16":
+        return w13, w2, {}, 0
+    from attnserve.models.layers.quantization.fp8_utils import quantize_per_block, quantize_per_row
+
+    block = (128, 128) if fmt == "fp8-block" else None
+    inter = w13.shape[1] // 2
+    q13, q2 = torch.empty_like(w13, dtype=torch.float8_e4m3fn), torch.empty_like(w2, dtype=torch.float8_e4m3fn)
+    s13, s2 = [], []
+    for e in range(w13.shape[0]):
+        if block is None:
+            q13[e], a = quantize_per_row(w13[e])
+            q2[e], b = quantize_per_row(w2[e])
+        else:
+            (qg, sg), (qu, su) = quantize_per_block(w13[e, :inter]), quantize_per_block(w13[e, inter:])
+            q13[e], a = torch.cat([qg, qu]), torch.cat([sg, su])
+            q2[e], b = quantize_per_block(w2[e])
+        s13.append(a)
+        s2.append(b)
+    s13, s2 = torch.stack(s13).contiguous(), torch.stack(s2).contiguous()
+    scale_bytes = (s13[0].numel() + s2[0].numel()) * 4
+    return q13, q2, {"w13_scale": s13, "w2_scale": s2, "block_shape": block}, scale_bytes
+
+
+def _rel_err(out: torch.Tensor, x, w13, w2, w, ids, **scales) -> float:
+    """``max |out - native| / max |native|`` (`fused_experts_native`, which dequantises FP8
+    experts); NaN if that path is unavailable."""
     try:
         from attnserve.models.layers.moe.native import fused_experts_native
     except Exception:  # the reference path belongs to another module; the timing does not need it
         return float("nan")
-    ref = fused_experts_native(x, w13, w2, w, ids).float()
+    ref = fused_experts_native(x, w13, w2, w, ids, **scales).float()
     return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
-def bench_shape(name: str, batches, prefill_tokens: int, rates: dict, deadline: float, seed: int = 1) -> dict:
+def bench_shape(name: str, batches, prefill_tokens: int, rates: dict, deadline: float, seed: int = 1,
+                weights: str = "bf16") -> dict:
     from attnserve.models.layers.moe import align as align_mod
     from attnserve.models.layers.moe.align import moe_align_block_size
     from attnserve.models.layers.moe.fused_moe_triton import fused_experts_triton
@@ -65,17 +103,19 @@ def bench_shape(name: str, batches, prefill_tokens: int, rates: dict, deadline: 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     w13 = (torch.randn(e, 2 * inter, h, device=DEV, generator=gen) * 0.02).to(DTYPE)
     w2 = (torch.randn(e, h, inter, device=DEV, generator=gen) * 0.02).to(DTYPE)
-    expert_bytes = 3 * h * inter * w13.element_size()
+    w13, w2, scales, scale_bytes = _quantize_experts(w13, w2, weights)
+    expert_bytes = 3 * h * inter * w13.element_size() + scale_bytes
     dev = torch.device(DEV)
     tuned = load_tuned_configs(e, inter, h, DTYPE, torch.cuda.get_device_name()) is not None
-    res = {"shape": name, **sh, "expert_bytes": expert_bytes, "tuned_table": tuned, "decode": [], "prefill": None}
+    res = {"shape": name, "weights": weights, **sh, "expert_bytes": expert_bytes, "tuned_table": tuned, "decode": [], "prefill": None}
     for bs in batches:
         if time.time() > deadline:
             print(f"  {name}: budget spent at batch {bs}", flush=True)
             break
         routs = [random_routing(bs, e, k, gen) for _ in range(4)]
         xs = [torch.randn(bs, h, device=DEV, generator=gen).to(DTYPE) for _ in routs]
-        fns = [(lambda x=x, w=w, ids=ids: fused_experts_triton(x, w13, w2, w, ids)) for x, (w, ids) in zip(xs, routs)]
+        fns = [(lambda x=x, w=w, ids=ids: fused_experts_triton(x, w13, w2, w, ids, **scales))
+               for x, (w, ids) in zip(xs, routs)]
         cfg = get_fused_moe_config(bs, e, inter, h, k, DTYPE, dev)
         for f in fns:
             f()
@@ -86,33 +126,33 @@ def bench_shape(name: str, batches, prefill_tokens: int, rates: dict, deadline: 
         align_form = "none" if bs == 1 else ("single" if bs * k <= align_mod.SMALL_ALIGN_MAX_SLOTS else "multi")
         distinct = [torch.unique(ids).numel() for _, ids in routs]
         floor_us = statistics.mean(distinct) * expert_bytes / rates["copy_bytes_per_s"] * 1e6
-        err = max(_rel_err(f(), x, w13, w2, w, ids) for f, x, (w, ids) in zip(fns, xs, routs))
+        err = max(_rel_err(f(), x, w13, w2, w, ids, **scales) for f, x, (w, ids) in zip(fns, xs, routs))
         row = dict(batch=bs, us=round(us, 2), align_us=round(align_us, 2), align_form=align_form,
                    distinct_experts=statistics.mean(distinct),
                    floor_us=round(floor_us, 2), share=round(floor_us / us, 3),
                    weight_tbps=round(statistics.mean(distinct) * expert_bytes / us / 1e6, 3),
                    max_rel_err=float(f"{err:.3g}"), config=cfg.to_dict())
         res["decode"].append(row)
-        print(f"  {name} bs={bs:4d}: {us:8.1f} us (align {align_us:.1f}), {row['distinct_experts']:.1f} experts, "
+        print(f"  {name} [{weights}] bs={bs:4d}: {us:8.1f} us (align {align_us:.1f}), {row['distinct_experts']:.1f} experts, "
               f"floor {floor_us:.1f} us, share {row['share']:.2f}, err {err:.1e}, BM {cfg.block_m}", flush=True)
     if prefill_tokens and time.time() < deadline:
         t = prefill_tokens
         w, ids = random_routing(t, e, k, gen)
         x = torch.randn(t, h, device=DEV, generator=gen).to(DTYPE)
         cfg = get_fused_moe_config(t, e, inter, h, k, DTYPE, dev)
-        fn = lambda: fused_experts_triton(x, w13, w2, w, ids)  # noqa: E731
+        fn = lambda: fused_experts_triton(x, w13, w2, w, ids, **scales)  # noqa: E731
         out = fn()
         torch.cuda.synchronize()
         ms = graph_us([fn], est_us=1000.0, replays=7) / 1e3
         flops = 2.0 * t * k * 3 * inter * h
         tflops = flops / (ms * 1e-3) / 1e12
-        err = _rel_err(out, x, w13, w2, w, ids)
+        err = _rel_err(out, x, w13, w2, w, ids, **scales)
         res["prefill"] = dict(tokens=t, ms=round(ms, 4), tflops=round(tflops, 1),
                               share=round(tflops * 1e12 / rates["matmul_flops_per_s"], 3),
                               max_rel_err=float(f"{err:.3g}"), config=cfg.to_dict())
-        print(f"  {name} prefill {t}: {ms:.3f} ms, {tflops:.0f} TFLOP/s, share {res['prefill']['share']:.2f}, "
+        print(f"  {name} [{weights}] prefill {t}: {ms:.3f} ms, {tflops:.0f} TFLOP/s, share {res['prefill']['share']:.2f}, "
               f"err {err:.1e}, BM {cfg.block_m}", flush=True)
-    del w13, w2
+    del w13, w2, scales
     torch.cuda.empty_cache()
     return res
 
@@ -125,6 +165,8 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=8192)
     p.add_argument("--budget-s", type=float, default=1e9)
     p.add_argument("--seed", type=int, default=1, help="weights and routings")
+    p.add_argument("--quantization", nargs="+", default=["bf16"], choices=list(WEIGHT_FORMATS),
+                   help="expert weight formats, one row each: bf16, fp8 (per-channel scales, W8A16), fp8-block")
     args = p.parse_args()
     import triton
 
@@ -141,14 +183,15 @@ def main() -> None:
            "targets": {"decode_share": 0.70, "prefill_share": 0.55}, "seed": args.seed, "shapes": []}
     deadline = t0 + args.budget_s
     for name in args.shapes:
-        out["shapes"].append(bench_shape(name, args.batches, args.prefill_tokens, rates, deadline, args.seed))
-        with open(args.output, "w") as f:
-            json.dump(out, f, indent=1)
-    print("\nshape                 " + " ".join(f"{b:>6d}" for b in args.batches) + "   prefill")
+        for fmt in args.quantization:
+            out["shapes"].append(bench_shape(name, args.batches, args.prefill_tokens, rates, deadline, args.seed, fmt))
+            with open(args.output, "w") as f:
+                json.dump(out, f, indent=1)
+    print("\nshape [weights]                 " + " ".join(f"{b:>6d}" for b in args.batches) + "   prefill")
     for r in out["shapes"]:
         shares = {d["batch"]: d["share"] for d in r["decode"]}
         pre = r["prefill"]["share"] if r["prefill"] else float("nan")
-        print(f"{r['shape']:<22}" + " ".join(f"{shares.get(b, float('nan')):6.2f}" for b in args.batches)
+        print(f"{r['shape'] + ' [' + r['weights'] + ']':<32}" + " ".join(f"{shares.get(b, float('nan')):6.2f}" for b in args.batches)
               + f"   {pre:.2f}")
 
 

@@ -34,6 +34,16 @@ in bounds, no predicate on the weight stream) and never stored. Offsets are int6
 Accumulation is float32; float32 weights use IEEE dots (no TF32). No host sync, static
 shapes, nothing but allocations and launches: CUDA-graph capturable.
 
+FP8 experts (W8A16, issue 37): ``w13`` / ``w2`` may be float8_e4m3fn with float32 scales
+(``x ~= q * s``). The kernel loads the e4m3 tile, widens it to the activation dtype (exact:
+every e4m3 value is a bfloat16 / float16 value) and multiplies by the scale: per output
+channel (``W_SCALE == 1``, ``[E, rows]``) once in the epilogue, before SiLU-and-mul and the
+routed weight; per ``128 x 128`` block (``W_SCALE == 2``, ``[E, row blocks, K blocks]``;
+DeepSeek-V3's ``weight_scale_inv``) on each K step's partial product, the K tile lying in
+one scale block (``BLOCK_K <= 128``). Activations stay 16-bit: no activation quantisation.
+For the gated GEMM the scale rows of gate and up are separate runs (gate blocks
+``[0, cdiv(I, 128))``, up blocks after), so ``I`` need not be a multiple of 128.
+
 Launch parameters come from `tuned_configs` (tables per shape and device chosen by
 ``benchmarks/moe_tune.py``; a rule of thumb otherwise). On the CPU the kernels run under
 the Triton interpreter (``TRITON_INTERPRET=1``); there ``tl.dot`` gets float32 operands
@@ -42,7 +52,8 @@ the Triton interpreter (``TRITON_INTERPRET=1``); there ``tl.dot`` gets float32 o
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+import dataclasses
+from typing import Mapping, Optional, Tuple
 
 import torch
 import triton
@@ -55,6 +66,9 @@ from attnserve.triton_env import triton_interpreting
 __all__ = ["fused_experts_triton", "fused_moe_kernel", "invoke_fused_moe_kernel"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8 = torch.float8_e4m3fn
+#: weight scale layouts of the kernel (``W_SCALE``)
+W_SCALE_NONE, W_SCALE_CHANNEL, W_SCALE_BLOCK = 0, 1, 2
 
 
 @triton.jit
@@ -72,6 +86,8 @@ def fused_moe_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, SLOT_BLOCKS: tl.constexpr = False,
+    b_scale_ptr=None, stride_bse=0, stride_bsn=0, stride_bsk=0,
+    W_SCALE: tl.constexpr = 0, SCALE_BLOCK: tl.constexpr = 128,
 ):
     """Grouped GEMM over the aligned slots. Grid ``(num_m_blocks * cdiv(N, OUT_N),)``.
 
@@ -87,6 +103,12 @@ def fused_moe_kernel(
     other rows are padding), ``expert_ids`` is the flat ``topk_ids`` and
     ``num_m_blocks = S``; ``sorted_token_ids`` / ``num_tokens_post_padded`` are not read.
     Ids outside ``[0, num_experts)`` write nothing.
+
+    W_SCALE (FP8 ``b``, widened to ``a``'s dtype): 1 -- ``b_scale[e, row]`` (strides
+    ``stride_bse``, ``stride_bsn``) multiplies the accumulator in the epilogue; 2 --
+    ``b_scale[e, row block, k block]`` (``SCALE_BLOCK``-wide blocks, strides ``stride_bse``,
+    ``stride_bsn``, ``stride_bsk``; gated: gate row blocks then ``cdiv(N, SCALE_BLOCK)`` up
+    row blocks) multiplies each K step's product; needs ``SCALE_BLOCK % BLOCK_K == 0``.
     """
     OUT_N: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
     pid = tl.program_id(0)
@@ -123,6 +145,12 @@ def fused_moe_kernel(
     else:
         w_row = (pid_n * BLOCK_N + j) % N
     b_ptrs = b_ptr + expert * stride_be + w_row.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+    if W_SCALE == 2:
+        if GATED:
+            s_row = (col % N) // SCALE_BLOCK + (j // OUT_N) * tl.cdiv(N, SCALE_BLOCK)
+        else:
+            s_row = w_row // SCALE_BLOCK
+        s_ptrs = b_scale_ptr + expert * stride_bse + s_row.to(tl.int64) * stride_bsn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
@@ -133,13 +161,25 @@ def fused_moe_kernel(
             k_mask = offs_k < K - kk * BLOCK_K
             a = tl.load(a_ptrs, mask=token_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-        if DOT_UPCAST:
+        if W_SCALE != 0:
+            b = b.to(a_ptr.dtype.element_ty)  # e4m3 -> 16-bit: exact
+        if W_SCALE == 2:
+            if DOT_UPCAST:
+                part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(a, b, input_precision=DOT_PRECISION)
+            s_blk = tl.load(s_ptrs + ((kk * BLOCK_K) // SCALE_BLOCK) * stride_bsk)
+            acc += part * s_blk[None, :]
+        elif DOT_UPCAST:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
+    if W_SCALE == 1:
+        s_ch = tl.load(b_scale_ptr + expert * stride_bse + w_row.to(tl.int64) * stride_bsn)
+        acc = acc * s_ch[None, :]
     offs_cn = pid_n * OUT_N + tl.arange(0, OUT_N)
     if GATED:
         gu = tl.permute(tl.reshape(acc, (BLOCK_M, 2, OUT_N)), (0, 2, 1))
@@ -168,6 +208,8 @@ def invoke_fused_moe_kernel(
     gemm: MoEGemmConfig,
     gated: bool,
     slot_blocks: bool = False,
+    w_scale: Optional[torch.Tensor] = None,
+    scale_block: Optional[int] = None,
 ) -> None:
     """Launch `fused_moe_kernel` once (no checks; `fused_experts_triton` validates).
 
@@ -186,6 +228,9 @@ def invoke_fused_moe_kernel(
         gated: gate-up with SiLU-and-mul (``N = w.shape[1] / 2``) or plain.
         slot_blocks: no alignment: one block per slot, ``expert_ids`` = the flat int32
             ``topk_ids`` (``sorted_token_ids`` and ``num_tokens_post_padded`` unused).
+        w_scale: float32 scales of an e4m3 ``w``: ``[E, rows]`` per channel, or
+            ``[E, row blocks, K blocks]`` with ``scale_block`` (``gemm.block_k`` must divide it).
+        scale_block: the block edge of block scales (128), None for per-channel scales.
     """
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
@@ -193,6 +238,12 @@ def invoke_fused_moe_kernel(
     num_m_blocks = expert_ids.numel()
     grid = (num_m_blocks * triton.cdiv(n, out_n),)
     interpret = a.device.type == "cpu"
+    if w_scale is None:
+        w_mode, scale_args = W_SCALE_NONE, (None, 0, 0, 0)
+    elif scale_block is None:
+        w_mode, scale_args = W_SCALE_CHANNEL, (w_scale, w_scale.stride(0), w_scale.stride(1), 0)
+    else:
+        w_mode, scale_args = W_SCALE_BLOCK, (w_scale,) + tuple(w_scale.stride())
     fused_moe_kernel[grid](
         a, w, c, topk_weights if topk_weights is not None else c, sorted_token_ids, expert_ids, num_tokens_post_padded,
         n, k, num_m_blocks, num_valid_tokens, top_k, gemm.group_m, w.shape[0],
@@ -200,11 +251,38 @@ def invoke_fused_moe_kernel(
         BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
         GATED=bool(gated), MUL_ROUTED_WEIGHT=topk_weights is not None, EVEN_K=k % gemm.block_k == 0,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", DOT_UPCAST=interpret,
-        SLOT_BLOCKS=bool(slot_blocks), num_warps=gemm.num_warps, num_stages=gemm.num_stages,
+        SLOT_BLOCKS=bool(slot_blocks), b_scale_ptr=scale_args[0], stride_bse=scale_args[1],
+        stride_bsn=scale_args[2], stride_bsk=scale_args[3], W_SCALE=w_mode, SCALE_BLOCK=scale_block or 128,
+        num_warps=gemm.num_warps, num_stages=gemm.num_stages,
     )
 
 
-def _check(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
+def _check_scales(w13, w2, w13_scale, w2_scale, block_shape) -> Optional[str]:
+    """Why the FP8 scales do not fit ``w13`` / ``w2`` (None when they do, or when the
+    weights are not FP8 and no scale is given)."""
+    fp8 = (w13.dtype == _FP8, w2.dtype == _FP8)
+    if not any(fp8) and w13_scale is None and w2_scale is None:
+        return None
+    if not all(fp8) or w13_scale is None or w2_scale is None:
+        return f"FP8 experts need both weights float8_e4m3fn and both scales; got w13 {w13.dtype}, w2 {w2.dtype}, " \
+               f"w13_scale {'set' if w13_scale is not None else 'None'}, w2_scale {'set' if w2_scale is not None else 'None'}"
+    e, two_i, h = w13.shape
+    inter = two_i // 2
+    if block_shape is None:
+        want13, want2 = (e, two_i), (e, h)
+    else:
+        if tuple(block_shape) != (128, 128):
+            return f"block_shape {tuple(block_shape)}: only (128, 128) is supported"
+        b = block_shape[0]
+        want13, want2 = (e, 2 * triton.cdiv(inter, b), triton.cdiv(h, b)), (e, triton.cdiv(h, b), triton.cdiv(inter, b))
+    for what, sc, want in (("w13_scale", w13_scale, want13), ("w2_scale", w2_scale, want2)):
+        if tuple(sc.shape) != want or sc.dtype != torch.float32 or not sc.is_contiguous() or sc.device != w13.device:
+            return f"{what} must be a contiguous float32 {list(want)} on {w13.device}; got {sc.dtype} " \
+                   f"{list(sc.shape)} on {sc.device}"
+    return None
+
+
+def _check(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block_shape=None) -> None:
     """Raise ValueError naming the first way the inputs break the contract."""
     why = None
     dev = hidden_states.device
@@ -219,9 +297,12 @@ def _check(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
         if two_i % 2 or h13 != h or tuple(w2.shape) != (e, h, two_i // 2):
             why = f"shapes hidden_states {tuple(hidden_states.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} " \
                   f"do not match [T, H], [E, 2I, H], [E, H, I]"
-        elif hidden_states.dtype not in _DTYPES or w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
+        elif (why := _check_scales(w13, w2, w13_scale, w2_scale, block_shape)) is not None:
+            pass
+        elif hidden_states.dtype not in _DTYPES or (w13.dtype != _FP8 and (
+                w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype)):
             why = f"dtypes hidden_states {hidden_states.dtype}, w13 {w13.dtype}, w2 {w2.dtype}: need one of " \
-                  f"float16/bfloat16/float32 for all three"
+                  f"float16/bfloat16/float32 for all three (or float8_e4m3fn weights with scales)"
         elif w13.device != dev or w2.device != dev or topk_weights.device != dev or topk_ids.device != dev:
             why = "all tensors must be on one device"
         elif not w13.is_contiguous() or not w2.is_contiguous():
@@ -241,6 +322,9 @@ def fused_experts_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: Optional[Mapping] = None,
+    w13_scale: Optional[torch.Tensor] = None,
+    w2_scale: Optional[torch.Tensor] = None,
+    block_shape: Optional[Tuple[int, int]] = None,
 ) -> torch.Tensor:
     """Routed-expert MLP of a MoE layer: alignment, gate-up, down, top-k sum (no alignment for one token).
 
@@ -254,7 +338,13 @@ def fused_experts_triton(
         topk_ids: ``[T, top_k]`` expert ids in ``[0, E)`` (int32; other integer dtypes are converted).
         config: launch parameters as a `FusedMoEConfig` dict (nested or flat, see
             `tuned_configs`); None: the tuned table for this shape and device, else the
-            default rule.
+            default rule. Block scales clamp ``BLOCK_SIZE_K`` to 128.
+        w13_scale, w2_scale: FP8 experts (W8A16; ``w13`` and ``w2`` float8_e4m3fn, weight
+            ``~= q * scale``): float32 per output channel ``[E, 2I]`` / ``[E, H]``, or with
+            ``block_shape`` ``(128, 128)`` block scales ``[E, 2 cdiv(I, 128), cdiv(H, 128)]``
+            (gate row blocks, then up row blocks) / ``[E, cdiv(H, 128), cdiv(I, 128)]``.
+            The activations are not quantised.
+        block_shape: ``(128, 128)`` for block scales, None for per-channel scales.
 
     Returns:
         new ``[T, H]`` tensor in hidden's dtype: ``sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``,
@@ -264,7 +354,7 @@ def fused_experts_triton(
     Raises:
         ValueError: shapes, dtypes, devices or layouts outside the above, or an invalid config.
     """
-    _check(hidden_states, w13, w2, topk_weights, topk_ids)
+    _check(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
     if hidden_states.stride(1) != 1:
         hidden_states = hidden_states.contiguous()
     t, h = hidden_states.shape
@@ -281,6 +371,10 @@ def fused_experts_triton(
     else:
         cfg = FusedMoEConfig.from_dict(config)
     cfg.validate()
+    scale_block = None if block_shape is None or w13_scale is None else int(block_shape[1])
+    if scale_block is not None and max(cfg.gemm1.block_k, cfg.gemm2.block_k) > scale_block:
+        cfg = FusedMoEConfig(cfg.block_m, dataclasses.replace(cfg.gemm1, block_k=min(cfg.gemm1.block_k, scale_block)),
+                             dataclasses.replace(cfg.gemm2, block_k=min(cfg.gemm2.block_k, scale_block)))
     s = t * top_k
     slot_blocks = t == 1  # one token: its top_k experts are distinct, so no slot shares a weight tile
     if slot_blocks:
@@ -293,10 +387,10 @@ def fused_experts_triton(
         weights = weights.contiguous()
     act = torch.empty((s, inter), dtype=dtype, device=dev)
     invoke_fused_moe_kernel(hidden_states, w13, act, None, sorted_ids, expert_ids, ntpp, top_k, s, cfg.block_m,
-                            cfg.gemm1, gated=True, slot_blocks=slot_blocks)
+                            cfg.gemm1, gated=True, slot_blocks=slot_blocks, w_scale=w13_scale, scale_block=scale_block)
     per_slot = torch.empty((s, h), dtype=dtype, device=dev)
     invoke_fused_moe_kernel(act, w2, per_slot, weights, sorted_ids, expert_ids, ntpp, 1, s, cfg.block_m,
-                            cfg.gemm2, gated=False, slot_blocks=slot_blocks)
+                            cfg.gemm2, gated=False, slot_blocks=slot_blocks, w_scale=w2_scale, scale_block=scale_block)
     if top_k == 1:
         return per_slot
     return per_slot.view(t, top_k, h).sum(dim=1)

@@ -9,6 +9,8 @@ against. Each expert is a SwiGLU MLP (Shazeer, arXiv:2002.05202):
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 import torch.nn.functional as F
 
@@ -28,7 +30,9 @@ def _check_shapes(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
 
 
 def fused_experts_native(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                         topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
+                         w2_scale: Optional[torch.Tensor] = None,
+                         block_shape: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """Routed-expert output of every token, expert by expert.
 
     Args:
@@ -38,6 +42,10 @@ def fused_experts_native(hidden_states: torch.Tensor, w13: torch.Tensor, w2: tor
         w2: ``[E, H, I]`` (HF ``down_proj``/``w2``).
         topk_weights: ``[T, top_k]`` routing weights (float32 from `routing.select_experts`).
         topk_ids: ``[T, top_k]`` integer expert ids in ``[0, E)`` (int32).
+        w13_scale, w2_scale, block_shape: FP8 experts (float8_e4m3fn ``w13`` / ``w2``; the
+            layouts of `fused_moe_triton.fused_experts_triton`): each expert that runs is
+            dequantised to float32 (`fp8_moe.dequantize_expert`); the activations are not
+            quantised (W8A16).
 
     Returns:
         ``[T, H]`` in ``hidden_states``' dtype. Every product and the sum over the top-k
@@ -50,6 +58,10 @@ def fused_experts_native(hidden_states: torch.Tensor, w13: torch.Tensor, w2: tor
         ValueError: inconsistent shapes, or an expert id outside ``[0, E)``.
     """
     _check_shapes(hidden_states, w13, w2, topk_weights, topk_ids)
+    if (w13.dtype == torch.float8_e4m3fn or w2.dtype == torch.float8_e4m3fn) and (w13_scale is None or w2_scale is None):
+        raise ValueError("FP8 expert weights need w13_scale and w2_scale")
+    if w13_scale is not None:
+        from attnserve.models.layers.quantization.fp8_moe import dequantize_expert
     t, h = hidden_states.shape
     e, two_i, _ = w13.shape
     inter = two_i // 2
@@ -73,8 +85,13 @@ def fused_experts_native(hidden_states: torch.Tensor, w13: torch.Tensor, w2: tor
         start += n
         tokens = token_of[slots]
         x = hidden_states[tokens].float()
-        gate_up = x @ w13[expert].float().t()  # [n, 2I]
+        if w13_scale is None:
+            w13e, w2e = w13[expert].float(), w2[expert].float()
+        else:
+            w13e = dequantize_expert(w13, w13_scale, expert, block_shape, gated=True)
+            w2e = dequantize_expert(w2, w2_scale, expert, block_shape)
+        gate_up = x @ w13e.t()  # [n, 2I]
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = act @ w2[expert].float().t()  # [n, H]
+        y = act @ w2e.t()  # [n, H]
         out.index_add_(0, tokens, y * flat_w[slots].unsqueeze(1))
     return out.to(hidden_states.dtype)

@@ -12,7 +12,8 @@ the shared experts'); the routed and shared partial sums are added first and all
 once, so a layer costs one collective, as a dense MLP does.
 
 Checkpoint names: per-expert HF tensors ``...experts.{e}.{gate_proj|up_proj|down_proj}.weight``
-(Mixtral: ``w1|w3|w2``) go to `FusedMoE.load_expert_weight` (`route_expert_tensor`).
+(Mixtral: ``w1|w3|w2``) go to `FusedMoE.load_expert_weight` (`route_expert_tensor`), and so
+do FP8 checkpoints' ``.weight_scale`` / ``.weight_scale_inv`` / ``.input_scale`` of experts.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ _EXPERT_SHARDS: Dict[str, str] = {
     "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2",
 }
 _EXPERT_RE = re.compile(r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
-                        r"\.weight$")
+                        r"\.(?P<kind>weight|weight_scale|weight_scale_inv|input_scale)$")
+#: `FusedMoE` parameter names (weights; FP8 scales)
+_EXPERT_PARAMS = tuple(f".experts.{p}" for p in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale",
+                                                 "w13_weight_scale_inv", "w2_weight_scale_inv"))
 #: `FusedMoE` shard id -> HF projection name, for error messages
 _SHARD_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -133,13 +137,14 @@ def route_expert_tensors(model: nn.Module, weights: Iterable[Tuple[str, torch.Te
         if not isinstance(moe, FusedMoE):
             raise KeyError(f"checkpoint tensor {name!r}: {m['block']} has no routed experts in {type(model).__name__}")
         shard = _EXPERT_SHARDS[m["proj"]]
-        moe.load_expert_weight(shard, int(m["expert"]), tensor, name)
-        loaded.add((path, int(m["expert"]), shard))
+        moe.load_expert_weight(shard, int(m["expert"]), tensor, name, m["kind"])
+        if m["kind"] == "weight":
+            loaded.add((path, int(m["expert"]), shard))
 
 
 def is_expert_param(name: str) -> bool:
     """True for the `FusedMoE` parameters (checked by `check_experts_complete` instead)."""
-    return name.endswith((".experts.w13_weight", ".experts.w2_weight"))
+    return name.endswith(_EXPERT_PARAMS)
 
 
 def check_experts_complete(model: nn.Module, loaded: Set[Tuple[str, int, str]], mixtral_names: bool = False) -> None:
@@ -155,6 +160,9 @@ def check_experts_complete(model: nn.Module, loaded: Set[Tuple[str, int, str]], 
     for path, module in model.named_modules():
         if not isinstance(module, FusedMoE):
             continue
+        for expert, shard in module.missing_expert_scales():
+            kind = module.quant_method.scale_kind
+            missing.append(f"{path}.{expert}.{_SHARD_NAMES[shard]}.{kind}")
         for expert in range(module.num_experts):
             for shard in ("w1", "w3", "w2"):
                 if (path, expert, shard) in loaded:

@@ -3,7 +3,9 @@ it after its weights are loaded.
 
 `quantize_model_linears` walks the model's `Linear` layers by name: skipped ones
 (`QuantizationConfig.is_ignored`) get their ordinary weight in the model dtype, the others
-their linear method's FP8 parameters (`fp8_linear`), all on the load device.
+their linear method's FP8 parameters (`fp8_linear`), all on the load device; the routed
+experts of each `FusedMoE` get FP8 weights and scales (`fp8_moe.Fp8MoEMethod`) unless the
+config ignores them.
 `finish_quantized_model` runs each method's ``process_weights_after_loading``.
 """
 
@@ -16,6 +18,7 @@ from torch import nn
 
 from attnserve.models.layers.quantization.config import QuantizationConfig
 from attnserve.models.layers.quantization.fp8_linear import make_linear_method
+from attnserve.models.layers.quantization.fp8_moe import Fp8MoEMethod
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +27,7 @@ def quantize_model_linears(model: nn.Module, config: QuantizationConfig, device,
     """Give every pending `Linear` of ``model`` its parameters on ``device``.
 
     Returns:
-        the number of quantised linears.
+        the number of quantised linears (FP8 MoE layers are logged, not counted).
     """
     from attnserve.models.layers.linear import Linear
     from attnserve.models.layers.moe.layer import FusedMoE
@@ -47,8 +50,23 @@ def quantize_model_linears(model: nn.Module, config: QuantizationConfig, device,
         method.create_weights(module, device, dtype)
         module.quant_method = method
         count += 1
-    if any(isinstance(m, FusedMoE) for m in model.modules()):
-        logger.info("FP8: MoE experts stay in %s (FP8 experts are not supported yet)", dtype)
+    experts = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, FusedMoE) or not module.quant_pending:
+            continue
+        module.quant_pending = False
+        if config.is_ignored(name, mapping):
+            for attr in ("w13_weight", "w2_weight"):
+                old = getattr(module, attr)
+                new = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=device), requires_grad=False)
+                new.tp_shard = old.tp_shard
+                setattr(module, attr, new)
+            continue
+        Fp8MoEMethod(config).create_weights(module, device, dtype)
+        experts += 1
+    if experts:
+        logger.info("FP8: %d MoE layers with FP8 experts (W8A16, %s scales)", experts,
+                    "128 x 128 block" if config.weight_strategy == "block" else "per-channel")
     return count
 
 

@@ -17,8 +17,10 @@ Accepted sources:
 
 Any other ``quant_method`` or scheme is refused with a ValueError that names it. The LM
 head, the embeddings and the norms are not `Linear` layers here and stay in the model
-dtype; MoE experts, the MoE router (``mlp.gate``) and DeepSeek's ``kv_b_proj`` (read as
-a raw matrix by MLA) stay in the model dtype too.
+dtype; the MoE router (``mlp.gate``) and DeepSeek's ``kv_b_proj`` (read as a raw matrix
+by MLA) stay in the model dtype too. MoE routed experts are FP8 (W8A16, `fp8_moe`): block
+scales for ``"block"``, per-channel scales otherwise; a ``...mlp.experts`` entry in the
+ignored layers keeps them in the model dtype.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Write an unquantised HF checkpoint as an FP8 checkpoint in one of the published formats.
 
-`export_fp8_checkpoint` quantises each linear weight with the reference of `fp8_utils`
+`export_fp8_checkpoint` quantises each linear weight (and each routed expert's
+``gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral ``w1`` / ``w3`` / ``w2``) with the reference of `fp8_utils`
 (the same functions ``--quantization`` uses at load), so loading the result gives the
 same model as quantising the source at load with `fp8_format_config`:
 
@@ -23,12 +24,20 @@ from attnserve.models.layers.quantization.config import QuantizationConfig
 from attnserve.models.layers.quantization.fp8_utils import quantize_per_block, quantize_per_row, quantize_per_tensor
 
 FORMATS = ("fp8-block", "fp8-tensor", "compressed-tensors")
-_LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
+                  "kv_a_proj_with_mqa")  # MLA (DeepSeek); kv_b_proj stays unquantised (config.ALWAYS_UNQUANTIZED)
+
+
+_EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
 def _is_linear(name: str) -> bool:
     parts = name.split(".")
-    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in _LINEAR_LEAVES and ".experts." not in name
+    if len(parts) < 2 or parts[-1] != "weight":
+        return False
+    if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit():
+        return parts[-2] in _EXPERT_LEAVES
+    return parts[-2] in _LINEAR_LEAVES
 
 
 def fp8_format_config(fmt: str) -> QuantizationConfig:
@@ -68,7 +77,7 @@ def export_fp8_checkpoint(src_dir: str, out_dir: str, fmt: str,
             ``model.safetensors``.
         fmt: one of `FORMATS`.
         is_linear: which tensor names are quantised (default: the ``*_proj.weight`` of
-            attention and dense MLPs).
+            attention, dense MLPs and routed experts).
 
     Raises:
         ValueError: an unknown ``fmt``.

@@ -11,14 +11,14 @@
   takes ``weight_scale`` as a scalar (repeated over the tensor's rows), ``[N]`` or
   ``[N, 1]``; `input_scale_loader` keeps the largest of the fused parts' ``input_scale``;
   ``weight_scale_inv`` blocks are cut by `block_shard_spec`.
-* `check_fp8_checkpoint_tensor` refuses what is not supported yet (FP8 MoE experts).
+* `check_fp8_checkpoint_tensor` refuses 8-bit float formats other than e4m3fn (FP8 MoE
+  experts load through `fp8_moe`).
 
 Every shape mismatch raises a ValueError naming the checkpoint tensor.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 import torch
@@ -34,8 +34,7 @@ from attnserve.models.layers.quantization.fp8_utils import (
     quantize_per_tensor,
 )
 
-_EXPERT_RE = re.compile(r"\.experts\.\d+\.")
-_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
+_OTHER_FP8 = tuple(getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
 
 
 def block_shard_spec(spec: ShardSpec, block: int, layer: str = "layer") -> ShardSpec:
@@ -131,14 +130,14 @@ def input_scale_loader(param: torch.Tensor, tensor: torch.Tensor, name: str, par
 
 
 def check_fp8_checkpoint_tensor(name: str, tensor: torch.Tensor) -> None:
-    """Refuse the FP8 tensors not supported yet: routed-expert weights and their scales.
+    """Refuse 8-bit float tensors of another format than float8_e4m3fn (e5m2, the
+    ``fnuz`` variants): no method reads them.
 
     Raises:
-        ValueError: naming the tensor.
+        ValueError: naming the tensor and its dtype.
     """
-    if _EXPERT_RE.search(name) and (tensor.dtype == FP8_DTYPE or name.endswith(_SCALE_SUFFIXES)):
-        raise ValueError(f"checkpoint tensor {name!r}: FP8 MoE experts are not supported yet (dense FP8 linears "
-                         "are); use an unquantised checkpoint with --quantization fp8 (experts then stay bf16)")
+    if tensor.dtype in _OTHER_FP8:
+        raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}; FP8 checkpoints must hold float8_e4m3fn")
 
 
 __all__ = ["BLOCK_SIZE", "block_shard_spec", "online_weight_loader", "per_row_scale_loader", "input_scale_loader",
