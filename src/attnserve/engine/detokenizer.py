@@ -24,12 +24,26 @@ def decode_text(tokenizer, token_ids) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-def _stop_ids(req: Req, eos_token_ids: Iterable[int]) -> Set[int]:
+def stop_ids_of(req: Req, eos_token_ids: Iterable[int]) -> frozenset:
+    """The token ids that end ``req``: its ``stop_token_ids``, plus ``eos_token_ids`` unless
+    ``ignore_eos`` (`Req.stop_ids` keeps them for the request's lifetime)."""
     p = req.sampling_params
     ids: Set[int] = set(p.stop_token_ids or ())
     if not p.ignore_eos:
         ids |= set(eos_token_ids)
-    return ids
+    return frozenset(ids)
+
+
+def may_stop(req: Req, token: int, context_len: int) -> bool:
+    """Whether appending ``token`` to ``req`` could end it: False only when `check_stop`
+    would certainly leave it running (a request without grammar or stop strings whose
+    ``stop_ids`` are known, ``token`` not among them, below every length limit). The
+    scheduler's per-token fast path: such a token is appended without `check_stop`."""
+    if req.grammar is not None or req.stop_ids is None or req.sampling_params.stop_strs or token in req.stop_ids:
+        return True
+    n = len(req.output_ids) + 1
+    total = len(req.prompt_ids) + n
+    return n >= req.sampling_params.max_new_tokens or total >= req.max_total_len or total >= context_len
 
 
 def finalize_text(req: Req, tokenizer) -> None:
@@ -58,7 +72,8 @@ def check_stop(req: Req, tokenizer, eos_token_ids: Iterable[int], context_len: i
     """
     p = req.sampling_params
     last = req.output_ids[-1]
-    if last in _stop_ids(req, eos_token_ids):
+    ids = req.stop_ids if req.stop_ids is not None else stop_ids_of(req, eos_token_ids)
+    if last in ids:
         req.finish_reason = FinishReason.STOP
         req.matched_stop = last
     elif p.stop_strs and tokenizer is not None:

@@ -35,6 +35,10 @@ class Req:
     ``cached_tokens`` counts prompt tokens served from the cache; ``kv_committed`` is False
     when the step computing the request's K/V failed (they are then not cached).
 
+    ``stop_ids``: the token ids that end the request (stop token ids, plus EOS unless
+    ``ignore_eos``), fixed at arrival by the scheduler (`attnserve.engine.detokenizer.stop_ids_of`);
+    None: worked out at each check.
+
     ``spec_verify_ct``: speculative verify steps the request took part in (SGLang's name;
     accept length = output tokens / ``spec_verify_ct``).
 
@@ -69,6 +73,7 @@ class Req:
     logprobs: Optional[Any] = None
     finish_reason: Optional[FinishReason] = None
     matched_stop: Optional[object] = None
+    stop_ids: Optional[frozenset] = None
     text: str = ""
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: Optional[float] = None
@@ -99,6 +104,6 @@ class Req:
     def can_decode_more(self) -> bool:
         """Another decode step may still produce a token this request keeps: its launched
         outputs are below ``max_new_tokens`` and its length below ``max_total_len``."""
-        n = self.num_launched_outputs
-        return (not self.finished and n < self.sampling_params.max_new_tokens
+        n = len(self.output_ids) + self.num_inflight  # num_launched_outputs, inlined (per request per step)
+        return (self.finish_reason is None and n < self.sampling_params.max_new_tokens
                 and len(self.prompt_ids) + n < self.max_total_len)

@@ -47,7 +47,7 @@ from typing import Deque, Dict, List, Optional, Sequence
 import torch
 
 from attnserve.engine.constrained.scheduler_hooks import ConstrainedScheduling
-from attnserve.engine.detokenizer import check_stop
+from attnserve.engine.detokenizer import check_stop, may_stop, stop_ids_of
 from attnserve.engine.prefix_cache import PrefixCacheManager
 from attnserve.engine.request import FinishReason, Req
 from attnserve.engine.sampling_params import SamplingParams
@@ -181,6 +181,7 @@ class Scheduler(StepSampling, ConstrainedScheduling):
             raise ValueError(f"request id {rid!r} is already in use")
         max_total = min(n + sampling_params.max_new_tokens, self.context_len, capacity)
         req = Req(rid=rid, prompt_ids=list(prompt_ids), sampling_params=sampling_params, max_total_len=max_total)
+        req.stop_ids = stop_ids_of(req, self.eos_token_ids)
         if sampling_params.seed is not None:
             req.seed = int(sampling_params.seed)
         else:
@@ -320,12 +321,19 @@ class Scheduler(StepSampling, ConstrainedScheduling):
         )
 
     def _pages_for(self, reqs: List[Req], extend_lens: List[int]) -> int:
+        if self.allocator.page_size == 1:  # a page per token
+            return sum(extend_lens)
         return sum(self.allocator.pages_needed(r.kv_len, r.kv_len + e) for r, e in zip(reqs, extend_lens))
 
     # ---- choosing a step ---------------------------------------------------------------
     def _select(self) -> Optional[ScheduleBatch]:
-        prefilling = [r for r in self.running if r.is_prefilling]
-        decoding = [r for r in self.running if not r.is_prefilling and r.can_decode_more()]
+        prefilling: List[Req] = []
+        decoding: List[Req] = []
+        for r in self.running:  # one pass (runs every step over every running request)
+            if r.kv_len < r.prefill_target:  # Req.is_prefilling
+                prefilling.append(r)
+            elif r.can_decode_more():
+                decoding.append(r)
         if not prefilling:
             if not decoding:
                 return None
@@ -459,6 +467,14 @@ class Scheduler(StepSampling, ConstrainedScheduling):
         # this step, freeing these requests returns exactly the slots they hold.
         loc_i32 = loc.to(torch.int32)
         r2t.write_host(host["token_rows"], host["positions"], loc_i32)
+        if batch.forward_mode == ForwardMode.DECODE:  # every row decodes: what the loop below gives, batched
+            for r, p in zip(reqs, prefix_lens):
+                r.kv_len = p + 1
+            n = len(reqs)
+            batch.emit = [True] * n
+            host.update(input_ids=torch.full((n,), -1, dtype=torch.int64), out_cache_loc=loc,
+                        out_cache_loc_i32=loc_i32, emit_index=torch.arange(n, dtype=torch.int64))
+            return self._launch_host(batch, list(reqs), host, True)
         input_ids: List[int] = []
         emit: List[bool] = []
         has_future = False
@@ -479,6 +495,12 @@ class Scheduler(StepSampling, ConstrainedScheduling):
             input_ids=torch.tensor(input_ids, dtype=torch.int64), out_cache_loc=loc,
             out_cache_loc_i32=loc_i32, emit_index=torch.tensor(emit_index, dtype=torch.int64),
         )
+        return self._launch_host(batch, emit_reqs, host, has_future)
+
+    def _launch_host(self, batch: ScheduleBatch, emit_reqs: List[Req], host: dict, has_future: bool) -> LaunchedStep:
+        """`_launch_forward`'s second half: the step's host tensors are built; broadcast it
+        (tensor parallel), run the forward and enqueue the sampling."""
+        reqs, prefix_lens, extend_lens = batch.reqs, batch.prefix_lens, batch.extend_lens
         plan, plan_owners = self.extras.plan_prompt(batch.forward_mode, reqs, prefix_lens, extend_lens)
         local = self._tp_local_sampling(emit_reqs)  # every rank samples itself, or None (engine/step_sampling)
         msg = StepMessage(batch.forward_mode, host, list(prefix_lens), list(extend_lens), has_future,
@@ -499,14 +521,20 @@ class Scheduler(StepSampling, ConstrainedScheduling):
         ids = self._pending_ids(launched)
         touched: List[Req] = []
         now = time.perf_counter()
+        ctx = self.context_len
         self.allocator.free_group_begin()
         try:
             for r, tok in zip(launched.emit_reqs, ids):
                 r.num_inflight -= 1
-                if r.finished:  # finished or aborted while this step ran: the token is dropped
+                if r.finish_reason is not None:  # finished or aborted while this step ran: the token is dropped
                     self.stats.discarded_tokens += 1
                     continue
-                self._append(r, [tok], now)
+                if may_stop(r, tok, ctx):
+                    self._append(r, [tok], now)
+                else:  # what _append does for a token that cannot end r (no grammar, no stop string)
+                    r.output_ids.append(tok)
+                    if r.first_token_at is None:
+                        r.first_token_at = now
                 touched.append(r)
         finally:
             self.allocator.free_group_end()

@@ -121,7 +121,7 @@ def host_step_layout(req_pool_indices: Sequence[int], prefix_lens: Sequence[int]
     prefix = torch.tensor(prefix_lens, dtype=torch.int64)
     ext = torch.tensor(extend_lens, dtype=torch.int64)
     bs = len(req_pool_indices)
-    if all(e == 1 for e in extend_lens):
+    if bs == 0 or bool((ext == 1).all()):  # decode: a token per request
         positions, token_rows = prefix, rpi
         starts = torch.arange(bs, dtype=torch.int64)
     else:
