@@ -70,6 +70,7 @@ def run_random_workload(llm, input_lens: List[int], output_lens: List[int], seed
     prompts = _prompts(vocab, input_lens, seed)
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
     sched = llm.engine.scheduler
+    runner = llm.engine.model_runner
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
     def timed(sp):
@@ -82,7 +83,9 @@ def run_random_workload(llm, input_lens: List[int], output_lens: List[int], seed
         return time.perf_counter() - t0, res
 
     prefill_wall, _ = timed(SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+    eager0 = runner.eager_decode_steps
     wall, outs = timed(params)
+    eager = runner.eager_decode_steps - eager0
     generated = sum(len(o.token_ids) for o in outs)
     if generated != sum(output_lens):
         raise RuntimeError(f"generated {generated} tokens, expected {sum(output_lens)} (ignore_eos)")
@@ -93,6 +96,7 @@ def run_random_workload(llm, input_lens: List[int], output_lens: List[int], seed
         "decode_steps": stats.num_decode_steps,
         "mean_decode_batch": (generated - len(outs)) / steps,
         "host_ms_per_step": stats.host_ms_per_decode_step, "retractions": stats.num_retractions,
+        "eager_decode_steps": eager, "wait_ms_per_step": 1e3 * stats.wait_seconds / max(stats.num_steps, 1),
     }
 
 
@@ -144,6 +148,7 @@ def format_row(row: dict) -> str:
             f"{row['total_tokens_per_s']:9.0f} total tok/s wall {row['wall_s']:.2f} s floor {floor} s "
             f"share {share} (mrr {row['max_running_requests']}, graphs {row['cuda_graph_max_bs']}, "
             f"batch {row['mean_decode_batch']:.1f}, host {row['host_ms_per_step']:.2f} ms/step, "
+            f"eager decode steps {row.get('eager_decode_steps', 0)}/{row['decode_steps']}, "
             f"retractions {row['retractions']})")
 
 

@@ -91,6 +91,9 @@ class ModelRunner:
         self.attn_backend = create_backends(self.attn_backend_config, self.backend_choice,
                                             server_args.speculative_attention_mode)
         self.cuda_graph_runner = None
+        #: decode forwards that ran eagerly (no captured graph fits, or graphs are off): on the
+        #: GPU each launches every kernel from Python (benchmarks report it per workload)
+        self.eager_decode_steps = 0
         if draft_of is None:
             self._init_cuda_graphs()
 
@@ -343,6 +346,8 @@ class ModelRunner:
             and self.cuda_graph_runner.can_run(fb)
         ):
             return self.cuda_graph_runner.replay(fb)
+        if fb.forward_mode.is_decode():
+            self.eager_decode_steps += 1
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
         if prompt_plan is not None:

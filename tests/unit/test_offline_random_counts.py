@@ -1,0 +1,18 @@
+"""`run_random_workload`'s counters on the CPU, where no decode step has a CUDA graph."""
+
+
+def test_every_cpu_decode_step_is_counted_eager():
+    from attnserve import LLM
+    from attnserve.bench.offline_random import run_random_workload
+    from attnserve.bench.roofline import random_lengths
+
+    isl, osl = random_lengths(4, 24, 12, 0.5, seed=0)
+    llm = LLM("llama-tiny", load_format="dummy", device="cpu", context_length=128)
+    try:
+        res = run_random_workload(llm, isl, osl, seed=0, warmup_output_len=2)
+    finally:
+        llm.shutdown()
+    assert res["output_tokens"] == sum(osl)
+    assert res["decode_steps"] >= max(osl) - 1  # one step per output token of the longest request, at least
+    assert res["eager_decode_steps"] == res["decode_steps"]  # the CPU has no graphs
+    assert res["wait_ms_per_step"] >= 0.0
