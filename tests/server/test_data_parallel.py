@@ -155,3 +155,10 @@ def test_a_killed_replica_fails_only_its_requests(served):
     assert not os.path.exists(f"/proc/{pid}"), "the dead replica's process was not reaped"
     text = httpx.get(served.base_url + "/metrics").text
     assert _metric(text, "attnserve_dp_replica_up", dp_rank="1") == 0
+
+
+def test_replicas_report_the_model_facts_of_the_floor(served):
+    from attnserve.bench.roofline import RooflineModel
+
+    rm = RooflineModel(**served.engine.info["roofline_model"])  # what bench.offline's dp floor reads
+    assert rm.params > 0 and rm.weight_bytes > 0 and rm.num_layers > 0 and rm.kv_bytes_per_token > 0

@@ -11,22 +11,52 @@ the same workload, warm-up and timing (prefix caches flushed before each timed p
 prefill-only pass with one output token, then the whole workload). A dp row reports
 ``output_tokens_per_s``, ``total_tokens_per_s``, the requests each replica took, and
 ``speedup_vs_dp1`` when a dp 1 row of the same model and KV dtype ran in the same run.
-Its roofline fields are null (each replica's floor is its share of the work).
+Its floor is the slowest replica's: the replicas run at once on GPUs of one kind, so
+``roofline_s`` is the largest `attnserve.bench.roofline.workload_roofline` over the request
+subsets the replicas took (from replica 0's model facts and the rates measured in this
+process, on GPU 0); null without rates.
 """
 
 from __future__ import annotations
 
 import time
-from typing import List
+from typing import Dict, List, Optional, Sequence
 
 from attnserve.bench.offline_random import _prompts
-from attnserve.bench.roofline import random_lengths
+from attnserve.bench.roofline import RooflineModel, random_lengths, workload_roofline
+
+
+def replicas_roofline(rm: RooflineModel, input_lens: Sequence[int], output_lens: Sequence[int],
+                      dp_ranks: Sequence[int], dp_size: int, rates: Dict[str, float]) -> Optional[dict]:
+    """The floor of replicas that run at once: each replica's `workload_roofline` of the
+    requests it took (``dp_ranks[i]``: request i's replica), and the largest of them.
+
+    Returns:
+        ``roofline_s`` (the largest), ``roofline_prefill_s`` / ``roofline_decode_s`` (of that
+        replica) and ``replica_roofline_s`` (each), or None without ``rates``.
+    """
+    if not rates:
+        return None
+    floors = []
+    for r in range(dp_size):
+        idx = [i for i, d in enumerate(dp_ranks) if d == r]
+        if not idx:
+            floors.append(None)
+            continue
+        floors.append(workload_roofline(rm, [input_lens[i] for i in idx], [output_lens[i] for i in idx],
+                                        rates["copy_bytes_per_s"], rates["matmul_flops_per_s"]))
+    worst = max((f for f in floors if f is not None), key=lambda f: f.roofline_s)
+    return {"roofline_s": worst.roofline_s, "roofline_prefill_s": worst.prefill_s,
+            "roofline_decode_s": worst.decode_s,
+            "replica_roofline_s": [None if f is None else f.roofline_s for f in floors]}
 
 
 def bench_random_dp(model: str, num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int,
                     dp_size: int, kv_cache_dtype: str = "auto", load_format: str = "dummy", device: str = "cuda",
-                    warmup_output_len: int = 32, **engine_flags) -> dict:
-    """One dp row (see the module doc); ``engine_flags`` are `ServerArgs` fields (None: default).
+                    warmup_output_len: int = 32, rates: Optional[Dict[str, float]] = None,
+                    **engine_flags) -> dict:
+    """One dp row (see the module doc); ``engine_flags`` are `ServerArgs` fields (None: default);
+    ``rates``: `attnserve.bench.offline_random.measure_device_rates` (None: no floor).
 
     Raises:
         RuntimeError: a replica failed, or fewer tokens than asked came back.
@@ -60,7 +90,10 @@ def bench_random_dp(model: str, num_prompts: int, input_len: int, output_len: in
         for o in outs:
             per_replica[o.dp_rank] += 1
         limits = llm.engine.info
-        return {
+        facts = limits.get("roofline_model")
+        floor = None if facts is None else replicas_roofline(
+            RooflineModel(**facts), isl, osl, [o.dp_rank for o in outs], dp_size, rates or {})
+        row = {
             "model": model, "kv_cache_dtype": llm.controller.state().get("kv_cache_dtype", kv_cache_dtype),
             "flags": flags, "dp_size": dp_size,
             "num_prompts": num_prompts, "random_input_len": input_len, "random_output_len": output_len,
@@ -70,6 +103,9 @@ def bench_random_dp(model: str, num_prompts: int, input_len: int, output_len: in
             "output_tokens_per_s": generated / wall, "total_tokens_per_s": (sum(isl) + generated) / wall,
             "roofline_s": None, "roofline_share": None,
         }
+        if floor is not None:
+            row.update(floor, roofline_share=floor["roofline_s"] / wall)
+        return row
 
 
 def add_speedups(rows: List[dict]) -> None:
@@ -88,4 +124,5 @@ def format_dp_row(row: dict) -> str:
             f"in<={row['random_input_len']} out<={row['random_output_len']} R={row['random_range_ratio']} "
             f"flags={row['flags'] or '-'}: {row['output_tokens_per_s']:9.0f} out tok/s{speed} "
             f"{row['total_tokens_per_s']:9.0f} total tok/s wall {row['wall_s']:.2f} s "
-            f"(prefill {row['prefill_wall_s']:.2f} s) requests per replica {row['requests_per_replica']}")
+            f"(prefill {row['prefill_wall_s']:.2f} s) requests per replica {row['requests_per_replica']}, "
+            f"share {'n/a' if row['roofline_share'] is None else format(row['roofline_share'], '.2f')}")

@@ -178,7 +178,7 @@ def main_random(args) -> int:
                               quantization=getattr(args, "quantization", None))
                 if dp > 1:  # replicas in engine processes (bench/offline_dp.py)
                     row = bench_random_dp(m, args.num_prompts, args.random_input_len, args.random_output_len,
-                                          args.random_range_ratio, args.seed, dp, kv_dtype, **common)
+                                          args.random_range_ratio, args.seed, dp, kv_dtype, rates=rates, **common)
                     add_speedups(rows + [row])
                     print(format_dp_row(row), flush=True)
                 else:

@@ -215,8 +215,17 @@ def engine_facts(engine, loop: EngineLoop) -> Dict[str, Any]:
         logger.warning("attnserve engine process: the tokenizer cannot be pickled (%s); text prompts will be "
                        "refused", e)
         tok_bytes = None
+    info = describe_engine(engine)
+    try:  # what a benchmark's floor needs (replicas of bench.offline --dp-size)
+        import dataclasses
+
+        from attnserve.bench.roofline import RooflineModel
+
+        info["roofline_model"] = dataclasses.asdict(RooflineModel.from_runner(engine.model_runner))
+    except Exception as e:  # a model the floor does not describe: no floor, the engine serves
+        logger.info("attnserve engine process: no roofline model (%s: %s)", type(e).__name__, e)
     return {
-        "info": describe_engine(engine),
+        "info": info,
         "context_len": engine.context_len,
         "max_request_tokens": engine.max_request_tokens,
         "max_total_tokens": engine.max_total_tokens,
