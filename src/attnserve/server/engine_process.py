@@ -217,11 +217,9 @@ def engine_facts(engine, loop: EngineLoop) -> Dict[str, Any]:
         tok_bytes = None
     info = describe_engine(engine)
     try:  # what a benchmark's floor needs (replicas of bench.offline --dp-size)
-        import dataclasses
+        from attnserve.engine.model_facts import roofline_facts
 
-        from attnserve.bench.roofline import RooflineModel
-
-        info["roofline_model"] = dataclasses.asdict(RooflineModel.from_runner(engine.model_runner))
+        info["roofline_model"] = roofline_facts(engine.model_runner)
     except Exception as e:  # a model the floor does not describe: no floor, the engine serves
         logger.info("attnserve engine process: no roofline model (%s: %s)", type(e).__name__, e)
     return {
