@@ -266,18 +266,17 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
         reason = peer_access_reason(places, here[1])
     reason = agree(reason, cpu_group, rank)
     custom = None
+    level = logging.INFO
     if reason is None:
         try:
             custom = _build(rank, world_size, device_group, cpu_group, device, config or default_config(world_size))
         except Exception as e:  # a torch whose symmetric memory cannot start here; RendezvousSkew
             reason = f"symmetric memory failed: {type(e).__name__}: {e}"
         reason = agree(reason, cpu_group, rank)
-        if reason is not None and rank == 0:  # available here, yet not for this engine: say so louder
-            logger.warning("custom all-reduce off (%s): NCCL carries every all-reduce", reason)
-            return None
+        level = logging.WARNING  # available here, yet not for this engine: say so louder
     if reason is not None:
         if rank == 0:
-            logger.info("custom all-reduce off (%s): NCCL carries every all-reduce", reason)
+            logger.log(level, "custom all-reduce off (%s): NCCL carries every all-reduce", reason)
         return None
     if rank == 0:
         c = custom.config
