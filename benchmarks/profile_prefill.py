@@ -66,15 +66,22 @@ def main() -> int:
             k[0] += 1
             k[1] += ev.device_time_total / 1e6 if hasattr(ev, "device_time_total") else ev.cuda_time_total / 1e6
     busy = sum(v[1] for v in per_kernel.values())
+    # host side: the ops and runtime calls with the most self CPU time (launch work included)
+    host_ops = sorted(((e.key[:120], e.count, e.self_cpu_time_total / 1e6) for e in prof.key_averages()),
+                      key=lambda r: -r[2])[: args.top]
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[: args.top]
     result = {"benchmark": "profile-prefill", "date": dt.date.today().isoformat(), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "model": args.model, "num_prompts": args.num_prompts,
               "input_tokens": sum(isl), "chunked_prefill_size": llm.engine.server_args.chunked_prefill_size,
               "wall_s_profiled": wall, "wall_s": wall_unprofiled, "busy_s": busy,
-              "kernels": [{"name": n, "launches": c, "gpu_s": s} for n, (c, s) in top]}
+              "kernels": [{"name": n, "launches": c, "gpu_s": s} for n, (c, s) in top],
+              "host_ops": [{"name": n, "calls": c, "self_cpu_s": s} for n, c, s in host_ops]}
     print(f"{args.model}: {sum(isl)} prompt tokens, wall {wall_unprofiled:.3f} s (profiled {wall:.3f}), "
           f"GPU busy {busy:.3f} s", flush=True)
     for n, (c, s) in top:
+        print(f"  {s * 1e3:9.2f} ms  x{c:6d}  {n}", flush=True)
+    print("host ops by self CPU time:", flush=True)
+    for n, c, s in host_ops:
         print(f"  {s * 1e3:9.2f} ms  x{c:6d}  {n}", flush=True)
     write_result(result, args.out, "profile-prefill", "cuda")
     llm.shutdown()
