@@ -29,7 +29,13 @@ from attnserve.models.layers import cpu_gemm
 from attnserve.models.layers.activation import act_and_mul
 from attnserve.models.layers.fused_kernels import FusedKernelUser
 from attnserve.models.layers.quantization.context import deferring_linear_weights
-from attnserve.models.layers.mid_gemm import MAX_MID_M, mid_gemm_config, mid_gemm_supported, mid_linear, mid_linear_gated
+from attnserve.models.layers.mid_gemm import (
+    MAX_MID_M,
+    mid_gemm_config,
+    mid_gemm_supported,
+    mid_linear,
+    mid_linear_gated,
+)
 from attnserve.models.layers.skinny_gemm import (
     MAX_SKINNY_M,
     SKINNY_ACTIVATIONS,
@@ -111,7 +117,8 @@ class Linear(nn.Module, FusedKernelUser):
         Returns:
             ``act(x W_g^T + b_g) * (x W_u^T + b_u)`` ``[..., I]`` in the parameter dtype
             (bias terms only when the layer has a bias). Decode-sized CUDA inputs: one
-            `skinny_linear_gated` launch; otherwise ``F.linear`` then the fused act-and-mul
+            `skinny_linear_gated` launch; 17..256 rows with a tuned-table entry (gated) one
+            `mid_linear_gated` launch; otherwise ``F.linear`` then the fused act-and-mul
             kernel (CUDA, fused kernels on) or the PyTorch formula.
 
         Raises:

@@ -121,7 +121,8 @@ def _mid_gemm_kernel(
     x_ptr, w_ptr, w_desc, b_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_M2: tl.constexpr,
-    HAS_M2: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr, DOT_UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_M2: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N) * SPLIT_K,)``; ``y [M, N]`` (gated: ``w`` ``[2N, K]``).
@@ -159,8 +160,8 @@ def _mid_gemm_kernel(
             if GATED:
                 u2 += _dot_t(wu, x2, DOT_UPCAST)
     if SPLIT_K == 1:
-        _epilogue(acc1, acc2, u1, u2, b_ptr, y_ptr, stride_ym, n0, M, N, BLOCK_N, BLOCK_M1, BLOCK_M2, HAS_M2, HAS_BIAS,
-                  GATED, ACT)
+        _epilogue(acc1, acc2, u1, u2, b_ptr, y_ptr, stride_ym, n0, M, N, BLOCK_N, BLOCK_M1, BLOCK_M2, HAS_M2,
+                  HAS_BIAS, GATED, ACT)
     else:
         # the last of the SPLIT_K programs of this column block to arrive finishes it
         n_end = tl.minimum(n0 + BLOCK_N, N)
@@ -187,5 +188,5 @@ def _mid_gemm_kernel(
                 acc2 = _ws_read(ws_ptr, n0, BLOCK_M1, M, ws_cols, BLOCK_N, BLOCK_M2)
                 if GATED:
                     u2 = _ws_read(ws_ptr, N + n0, BLOCK_M1, M, ws_cols, BLOCK_N, BLOCK_M2)
-            _epilogue(acc1, acc2, u1, u2, b_ptr, y_ptr, stride_ym, n0, M, N, BLOCK_N, BLOCK_M1, BLOCK_M2, HAS_M2, HAS_BIAS,
-                      GATED, ACT)
+            _epilogue(acc1, acc2, u1, u2, b_ptr, y_ptr, stride_ym, n0, M, N, BLOCK_N, BLOCK_M1, BLOCK_M2, HAS_M2,
+                      HAS_BIAS, GATED, ACT)
