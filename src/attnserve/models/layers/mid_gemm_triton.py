@@ -105,7 +105,9 @@ def _ws_add(ws_ptr, acc, col0, m0, M, ws_cols, BLOCK_N: tl.constexpr, BLOCK_M: t
     offs_c = col0 + tl.arange(0, BLOCK_N)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     ptrs = ws_ptr + offs_m[None, :] * ws_cols + offs_c[:, None]
-    tl.atomic_add(ptrs, acc, mask=(offs_m < M)[None, :] & (offs_c < ws_cols)[:, None])
+    # relaxed: ordered before the counter's release by the CTA barrier that follows (the
+    # threadfence-reduction pattern: bar.sync, then one acq_rel atomic)
+    tl.atomic_add(ptrs, acc, mask=(offs_m < M)[None, :] & (offs_c < ws_cols)[:, None], sem="relaxed")
 
 
 @triton.jit
