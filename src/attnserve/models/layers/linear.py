@@ -29,6 +29,13 @@ from attnserve.models.layers import cpu_gemm
 from attnserve.models.layers.activation import act_and_mul
 from attnserve.models.layers.fused_kernels import FusedKernelUser
 from attnserve.models.layers.quantization.context import deferring_linear_weights
+from attnserve.models.layers.mid_gemm import (
+    MAX_MID_M,
+    mid_gemm_config,
+    mid_gemm_supported,
+    mid_linear,
+    mid_linear_gated,
+)
 from attnserve.models.layers.skinny_gemm import (
     MAX_SKINNY_M,
     SKINNY_ACTIVATIONS,
@@ -47,7 +54,10 @@ class Linear(nn.Module, FusedKernelUser):
     `skinny_linear` (one Triton launch, float32 accumulation) when `skinny_gemm_supported`
     accepts them and fused kernels were enabled at construction (``self.use_fused``); every
     other input (CPU, 3-D, prefill-sized) through ``F.linear``, except CPU float32 2-D
-    inputs of two rows or more, which use the oneDNN-packed weight (`cpu_gemm`).
+    inputs of two rows or more, which use the oneDNN-packed weight (`cpu_gemm`). CUDA
+    inputs of ``17..256`` rows go through `mid_linear` (`mid_linear_gated`) only where the
+    device's tuned table (`mid_gemm_config`) says the kernel beats cuBLAS for this shape
+    and row bucket; with no table, ``F.linear``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: Optional[torch.dtype] = None):
@@ -72,6 +82,15 @@ class Linear(nn.Module, FusedKernelUser):
             and skinny_gemm_supported(x, self.weight, self.bias)
         )
 
+    def _mid(self, x: torch.Tensor, gated: bool = False):
+        """The tuned `mid_gemm` config for ``x`` (``16 < M <= 256`` CUDA rows whose
+        ``(N, K, gated, M-bucket)`` entry of the device's table beat cuBLAS), else None."""
+        if not (self.use_fused and x.is_cuda and x.dim() == 2 and MAX_SKINNY_M < x.shape[0] <= MAX_MID_M):
+            return None
+        n, k = self.weight.shape
+        cfg = mid_gemm_config(x.shape[0], n, k, x.dtype, x.device, gated)
+        return cfg if cfg is not None and mid_gemm_supported(x, self.weight, self.bias) else None
+
     def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` by the same path choice as `forward`, with the bias
         given explicitly (None: no bias; `RowParallelLinear` adds its own after the
@@ -80,6 +99,9 @@ class Linear(nn.Module, FusedKernelUser):
             return self.quant_method.apply(self, x, bias)
         if self._skinny(x):
             return skinny_linear(x, self.weight, bias)
+        mid = self._mid(x)
+        if mid is not None:
+            return mid_linear(x, self.weight, bias, config=mid)
         return cpu_gemm.linear(x, self.weight, bias, self.cpu_packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +117,8 @@ class Linear(nn.Module, FusedKernelUser):
         Returns:
             ``act(x W_g^T + b_g) * (x W_u^T + b_u)`` ``[..., I]`` in the parameter dtype
             (bias terms only when the layer has a bias). Decode-sized CUDA inputs: one
-            `skinny_linear_gated` launch; otherwise ``F.linear`` then the fused act-and-mul
+            `skinny_linear_gated` launch; 17..256 rows with a tuned-table entry (gated) one
+            `mid_linear_gated` launch; otherwise ``F.linear`` then the fused act-and-mul
             kernel (CUDA, fused kernels on) or the PyTorch formula.
 
         Raises:
@@ -111,6 +134,9 @@ class Linear(nn.Module, FusedKernelUser):
             return self.quant_method.apply(self, x, self.bias, activation)
         if self._skinny(x):
             return skinny_linear_gated(x, self.weight, activation, bias=self.bias)
+        mid = self._mid(x, gated=True)
+        if mid is not None:
+            return mid_linear_gated(x, self.weight, activation, bias=self.bias, config=mid)
         return act_and_mul(cpu_gemm.linear(x, self.weight, self.bias, self.cpu_packed), activation, self.use_fused)
 
     def extra_repr(self) -> str:

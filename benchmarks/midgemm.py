@@ -1,0 +1,271 @@
+"""Mid-size decode GEMM (16 < M <= 256) vs cuBLAS, candidate sweep and tuned table.
+
+``PYTHONPATH=src python benchmarks/midgemm.py [--out DIR] [--table-out DIR] [--models ...] [--ms ...] [--budget-s 170]``
+
+For the decode projections of Llama-3-8B (qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x
+4096 gated, down 4096 x 14336) and Qwen3-0.6B (qkv 4096 x 1024, o 1024 x 2048, gate_up
+6144 x 1024 gated, down 1024 x 3072), bfloat16, at M in ``--ms`` (default 32 64 96 128 144
+192 256):
+
+* ``cublas``: ``F.linear(x, W)`` (gated: + the act-and-mul kernel, `silu_and_mul`);
+* ``copy``: a device-to-device copy of a buffer of the weight's size (``copy_tbps`` counts
+  bytes read + written, as the roofline's copy rate does);
+* each candidate of `CANDIDATES_LINEAR` / `CANDIDATES_GATED` (`mid_linear` /
+  `mid_linear_gated`) that fits (shared memory <= `SMEM_LIMIT`, float32 accumulator values
+  per thread <= `ACC_LIMIT`), checked against cuBLAS first (``rel_err`` = max |ours - cuBLAS|
+  / max |cuBLAS|; over `ERR_LIMIT` it is excluded).
+
+Per row: µs per call, TB/s of weight bytes, ``floor_us`` = max(weight bytes / copy rate of
+the same bytes, 2 M N K / bf16 matmul rate measured in this run), ``share`` = floor / µs;
+the best candidate per (shape, M) and its speedup over cuBLAS. Timing: CUDA graph of >= 24
+calls over weight copies spanning >= `ROTATE_BYTES` (so L2 never holds the weight; the
+activations stay hot as in a decode step), median of 10 replays.
+
+``--table-out DIR``: writes the tuned table `mid_gemm.table_file_name` there: per (N, K,
+gated, M) the best candidate where cuBLAS takes >= `mid_gemm.MIN_GAIN` x as long, else
+``"cublas"``. Copy it to ``src/attnserve/models/layers/mid_gemm_configs/`` to ship it (or
+point ``ATTNSERVE_MID_GEMM_CONFIG_DIR`` at DIR). The result JSON is rewritten after every
+shape, so a run cut short keeps its rows. ``--budget-s``: after that many seconds the
+remaining cases time cuBLAS and the copy only (marked ``swept: false``). Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+#: model -> [(projection, N, K, gated)]; N x K is the weight (gated: [gate | up] rows)
+MODELS = {
+    "llama-3-8b": [("gate_up", 28672, 4096, True), ("down", 4096, 14336, False), ("qkv", 6144, 4096, False),
+                   ("o", 4096, 4096, False)],
+    "qwen3-0.6b": [("gate_up", 6144, 1024, True), ("down", 1024, 3072, False), ("qkv", 4096, 1024, False),
+                   ("o", 1024, 2048, False)],
+}
+DEFAULT_MS = [32, 64, 96, 128, 144, 192, 256]
+DTYPE = torch.bfloat16
+ROTATE_BYTES = 256 << 20
+MIN_CALLS = 24
+REPLAYS = 10
+ERR_LIMIT = 2e-2  # bf16: a correct kernel differs from cuBLAS by ~4e-3 of max |y|; a wrong one by O(1)
+SMEM_LIMIT = 220 << 10  # H100/H200: 227 KB of dynamic shared memory per block, less Triton's barriers
+ACC_LIMIT = 160  # float32 accumulator values per thread (cuBLAS's 256x144 tile on 8 warps holds 144)
+
+#: name -> (block_n, block_k, num_warps, num_stages, split_k, use_tma); block_n = weight rows a program
+#: multiplies (one 64-row wgmma per warpgroup), the activations are the narrow operand (M pieces)
+CANDIDATES_LINEAR = {
+    "n64k64w4s4": (64, 64, 4, 4, 1, False),
+    "n64k128w4s3": (64, 128, 4, 3, 1, False),
+    "n128k64w8s4": (128, 64, 8, 4, 1, False),
+    "n256k64w8s3": (256, 64, 8, 3, 1, False),
+    "tma-n64k64w4s4": (64, 64, 4, 4, 1, True),
+    "tma-n128k64w8s4": (128, 64, 8, 4, 1, True),
+    "tma-n128k128w8s3": (128, 128, 8, 3, 1, True),
+    "n64k128w4s3-sk2": (64, 128, 4, 3, 2, False),
+    "tma-n128k64w8s4-sk2": (128, 64, 8, 4, 2, True),
+    "tma-n64k64w4s5-sk4": (64, 64, 4, 5, 4, True),
+    "n128k128w8s3-sk4": (128, 128, 8, 3, 4, False),
+}
+#: the same for the gated form (block_n = gate rows; a program reads as many up rows too)
+CANDIDATES_GATED = {
+    "n64k64w8s4": (64, 64, 8, 4, 1, False),
+    "n128k64w8s4": (128, 64, 8, 4, 1, False),
+    "tma-n64k64w4s4": (64, 64, 4, 4, 1, True),
+    "tma-n64k64w8s4": (64, 64, 8, 4, 1, True),
+    "tma-n64k128w8s3": (64, 128, 8, 3, 1, True),
+    "tma-n128k64w8s3": (128, 64, 8, 3, 1, True),
+    "tma-n64k128w8s3-sk2": (64, 128, 8, 3, 2, True),
+    "tma-n128k64w8s4-sk2": (128, 64, 8, 4, 2, True),
+    "tma-n128k64w16s3": (128, 64, 16, 3, 1, True),
+}
+
+
+def _graph_us(fns) -> float:
+    from common import bench_graph
+
+    return bench_graph(fns, min_calls=MIN_CALLS, replays=REPLAYS)
+
+
+def _copies(n: int, k: int, gen: torch.Generator) -> List[torch.Tensor]:
+    nbytes = n * k * 2
+    copies = max(2, math.ceil(ROTATE_BYTES / nbytes))
+    w = torch.randn(copies, n, k, device="cuda", generator=gen, dtype=torch.float32).mul_(1 / math.sqrt(k)).to(DTYPE)
+    return list(w.unbind(0))
+
+
+def _copy_us(nbytes: int) -> float:
+    """µs of a device-to-device copy of ``nbytes`` bytes (rotated over >= ROTATE_BYTES of sources)."""
+    copies = max(2, math.ceil(ROTATE_BYTES / nbytes))
+    src = torch.empty(copies, nbytes // 2, dtype=DTYPE, device="cuda").normal_()
+    dst = torch.empty(nbytes // 2, dtype=DTYPE, device="cuda")
+    us = _graph_us([lambda s=s: dst.copy_(s) for s in src.unbind(0)])
+    del src, dst
+    return us
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
+
+
+def _fits(cand, m: int, gated: bool) -> bool:
+    from attnserve.models.layers.mid_gemm import MidGemmConfig
+
+    cfg = MidGemmConfig(*cand)
+    return cfg.smem_bytes(m, gated) <= SMEM_LIMIT and cfg.acc_per_thread(m, gated) <= ACC_LIMIT
+
+
+def run_case(model: str, proj: str, n: int, k: int, gated: bool, m: int, sweep: bool, rates: dict,
+             gen: torch.Generator) -> dict:
+    from attnserve.models.layers.fused_kernels import silu_and_mul
+    from attnserve.models.layers.mid_gemm import MidGemmConfig, mid_linear, mid_linear_gated
+
+    ws = _copies(n, k, gen)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(DTYPE)
+    nbytes = n * k * 2
+
+    def peer(w):
+        y = F.linear(x, w)
+        return silu_and_mul(y) if gated else y
+
+    def ours(w, cfg):
+        return mid_linear_gated(x, w, "silu", config=cfg) if gated else mid_linear(x, w, config=cfg)
+
+    ref = peer(ws[0])
+    cublas_us = _graph_us([lambda w=w: peer(w) for w in ws])
+    copy_us = _copy_us(nbytes)
+    copy_bps = 2 * nbytes / (copy_us * 1e-6)
+    floor_us = max(nbytes / copy_bps, 2.0 * m * n * k / rates["matmul_flops_per_s"]) * 1e6
+    row = {"model": model, "proj": proj, "N": n, "K": k, "gated": gated, "M": m, "weight_bytes": nbytes,
+           "weight_copies": len(ws), "copy_us": copy_us, "copy_tbps": copy_bps / 1e12, "floor_us": floor_us,
+           "cublas_us": cublas_us, "cublas_tbps": nbytes / cublas_us / 1e6, "cublas_share": floor_us / cublas_us,
+           "swept": sweep, "candidates": []}
+    cands = CANDIDATES_GATED if gated else CANDIDATES_LINEAR
+    for name, cand in (cands.items() if sweep else ()):
+        if not _fits(cand, m, gated):
+            continue
+        cfg = MidGemmConfig(*cand)
+        entry = {"name": name, "config": cfg.to_dict()}
+        try:
+            out = ours(ws[0], cfg)
+            torch.cuda.synchronize()
+            entry["rel_err"] = _rel_err(out, ref)
+            if entry["rel_err"] <= ERR_LIMIT:
+                us = _graph_us([lambda w=w: ours(w, cfg) for w in ws])
+                entry.update(us=us, tbps=nbytes / us / 1e6, share=floor_us / us, speedup=cublas_us / us)
+        except Exception as e:  # a config that fails to compile or run is reported, not fatal
+            entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        row["candidates"].append(entry)
+    timed = [c for c in row["candidates"] if "us" in c]
+    if timed:
+        best = min(timed, key=lambda c: c["us"])
+        row.update(best=best["name"], best_config=best["config"], best_us=best["us"], best_tbps=best["tbps"],
+                   best_share=best["share"], best_speedup=best["speedup"])
+    del ws, x, ref
+    torch.cuda.empty_cache()
+    return row
+
+
+def build_table(rows: List[dict], device_name: str) -> dict:
+    """The tuned table (`mid_gemm` schema) from the swept rows: per shape and M the best
+    candidate where cuBLAS takes >= MIN_GAIN x as long, else ``"cublas"``."""
+    from attnserve.models.layers.mid_gemm import MIN_GAIN, table_key
+
+    entries: Dict[str, Dict[str, object]] = {}
+    for r in rows:
+        if not r["swept"]:
+            continue
+        key = table_key(r["N"], r["K"], r["gated"])
+        if r.get("best_speedup", 0.0) >= MIN_GAIN:
+            entries.setdefault(key, {})[str(r["M"])] = dict(r["best_config"], us=round(r["best_us"], 2),
+                                                            cublas_us=round(r["cublas_us"], 2))
+        else:
+            entries.setdefault(key, {})[str(r["M"])] = "cublas"
+    return {"meta": {"device": device_name, "dtype": "bfloat16", "date": dt.date.today().isoformat(),
+                     "min_gain": MIN_GAIN, "source": "benchmarks/midgemm.py"}, "entries": entries}
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['device']}: copy {result['copy_tbps']:.2f} TB/s, bf16 matmul {result['matmul_tflops']:.0f} "
+          "TFLOP/s; µs per call (CUDA graph), TB/s of weight bytes, share = floor / time")
+    hdr = (f"{'model':<11}{'proj':<8}{'N':>6}{'K':>6}{'M':>4}{'floor':>8}{'cublas':>8}{'TB/s':>6}{'share':>6}"
+           f"{'best':>8}{'TB/s':>6}{'share':>6}{'x':>6}  best candidate")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in result["rows"]:
+        b = r.get("best_us")
+        print(f"{r['model']:<11}{r['proj']:<8}{r['N']:>6}{r['K']:>6}{r['M']:>4}{r['floor_us']:>8.1f}"
+              f"{r['cublas_us']:>8.1f}{r['cublas_tbps']:>6.2f}{r['cublas_share']:>6.2f}"
+              + (f"{b:>8.1f}{r['best_tbps']:>6.2f}{r['best_share']:>6.2f}{r['best_speedup']:>6.2f}  {r['best']}"
+                 if b else f"{'-':>8}{'-':>6}{'-':>6}{'-':>6}  " + ("(not swept)" if not r["swept"] else "(none ran)")))
+    errs = [(r["proj"], r["M"], c["name"], c.get("error") or f"rel_err {c['rel_err']:.1e}")
+            for r in result["rows"] for c in r["candidates"] if "us" not in c]
+    if errs:
+        print(f"\n{len(errs)} candidate runs failed or were wrong (first 12):")
+        for e in errs[:12]:
+            print("  ", *e)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results", help="directory of the result JSON")
+    ap.add_argument("--table-out", default=None, help="directory to write the tuned table into")
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--projs", nargs="+", default=None, help="only these projections (gate_up down qkv o)")
+    ap.add_argument("--ms", type=int, nargs="+", default=DEFAULT_MS, help="activation rows M (17..256)")
+    ap.add_argument("--budget-s", type=float, default=170.0, help="stop sweeping candidates after this many seconds")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/midgemm.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+        return 2
+    if any(not 16 < m <= 256 for m in args.ms):
+        ap.error(f"M values must be in 17..256: {args.ms}")
+    import triton
+
+    from attnserve.bench.offline_random import measure_device_rates
+    from attnserve.bench.results import write_result
+
+    t0 = time.perf_counter()
+    rates = measure_device_rates()
+    dev = torch.cuda.get_device_name()
+    result = {"benchmark": "midgemm", "date": dt.date.today().isoformat(), "device": dev, "torch": torch.__version__,
+              "triton": triton.__version__, "cuda": torch.version.cuda, "dtype": "bfloat16",
+              "copy_tbps": rates["copy_bytes_per_s"] / 1e12, "matmul_tflops": rates["matmul_flops_per_s"] / 1e12,
+              "timing": f"CUDA graph of >= {MIN_CALLS} calls over weight copies spanning >= {ROTATE_BYTES >> 20} MiB; "
+                        f"median of {REPLAYS} replays", "rows": []}
+    print(f"copy {result['copy_tbps']:.2f} TB/s, matmul {result['matmul_tflops']:.0f} TFLOP/s", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for model in args.models:
+        for proj, n, k, gated in MODELS[model]:
+            if args.projs and proj not in args.projs:
+                continue
+            for m in args.ms:
+                sweep = time.perf_counter() - t0 < args.budget_s
+                r = run_case(model, proj, n, k, gated, m, sweep, rates, gen)
+                result["rows"].append(r)
+                print(f"{model:<11}{proj:<8}M={m:<4} floor {r['floor_us']:7.1f}  cublas {r['cublas_us']:7.1f}  "
+                      f"best {r.get('best_us', float('nan')):7.1f} {r.get('best', '-')}  "
+                      f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+            result["total_seconds"] = time.perf_counter() - t0
+            write_result(result, args.out, "midgemm")
+    print_table(result)
+    if args.table_out:
+        os.makedirs(args.table_out, exist_ok=True)
+        from attnserve.models.layers.mid_gemm import table_file_name
+
+        path = os.path.join(args.table_out, table_file_name(dev, DTYPE))
+        with open(path, "w") as f:
+            json.dump(build_table(result["rows"], dev), f, indent=2)
+        print(f"wrote table {path}")
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,194 @@
+"""Triton kernel behind `attnserve.models.layers.mid_gemm` (import that module, not this one).
+
+``y = x @ W^T`` for a decode batch of ``16 < M <= 256`` rows and a row-major weight
+``W [N, K]`` (``nn.Linear`` layout), in the *swapped* form: a program computes the
+transposed tile ``acc [BLOCK_N, M] = W[n0:n0+BLOCK_N, :] @ x^T`` on the tensor cores. The
+weight tile is the wgmma ``M`` operand (64 rows a warpgroup) and the activations are its
+``N`` operand, which may be as narrow as 16; so the tile height ``M`` needs no padding to
+64 or 128 rows (the tensor-core work stays ~2·M·N·K, below the weight stream's time), and
+the one weight tile in shared memory meets every activation row.
+
+The activation rows are covered by one program, as one or two power-of-two pieces
+``BLOCK_M1 (+ BLOCK_M2 when HAS_M2) >= M``: 144 rows are 128 + 16, 96 are 64 +
+32, so padding stays small (Triton tiles are powers of two; a single 256-row tile would
+nearly double the tensor-core work at M = 144, 87 µs of the gate_up projection at 688
+TFLOP/s against a 78 µs weight stream). Each ``K`` step is one weight tile (TMA box or
+pointer loads, constexpr ``USE_TMA``) and one or two ``tl.dot``.
+
+``SPLIT_K > 1``: program ``(n, s)`` covers the ``s``-th of ``SPLIT_K`` equal ranges of ``K``
+steps and adds its float32 tile into a zeroed workspace ``ws [M, N]`` (``[M, 2 * N]``
+gated) with atomics; the last program of a column block to arrive (a per-block counter,
+acquire-release) reads the sums back and runs the epilogue, so there is no second kernel.
+It serves narrow ``N`` with a long ``K`` (``down``: 4096 x 14336 gives only 64 blocks of 64
+rows for 132 SMs).
+
+Gated (constexpr ``GATED``, a fused ``[gate | up]`` weight ``[2N, K]``): the program
+accumulates gate rows ``n`` and up rows ``N + n`` and writes ``act(gate) * up`` (SiLU or
+GELU-tanh, float32 math, one rounding), replacing the act-and-mul kernel and its bytes.
+
+Accumulation is float32; bias (float32 add) and the output conversion happen once. Under
+the interpreter ``DOT_UPCAST`` converts the dot operands to float32 (its ``tl.dot``
+misreads bfloat16). Ideas (not code) from the Triton matmul tutorials and the swap-AB
+GEMMs of TensorRT-LLM / CUTLASS; the code is our own.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from attnserve.models.layers.skinny_gemm_triton import _gate_act
+
+
+@triton.jit
+def _dot_t(w_tile, x_tile, DOT_UPCAST: tl.constexpr):
+    """``w_tile [BN, BK] @ x_tile[BM, BK]^T`` -> float32 ``[BN, BM]``."""
+    if DOT_UPCAST:
+        return tl.dot(w_tile.to(tl.float32), tl.trans(x_tile.to(tl.float32)), input_precision="ieee",
+                      out_dtype=tl.float32)
+    return tl.dot(w_tile, tl.trans(x_tile), out_dtype=tl.float32)
+
+
+@triton.jit
+def _load_x(x_ptr, stride_xm, m0, k0, M, K, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_m = m0 + tl.arange(0, BLOCK)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    return tl.load(ptrs, mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_w(w_ptr, w_desc, row0, k0, rows_end, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            USE_TMA: tl.constexpr):
+    """Weight rows ``row0 .. row0 + BLOCK_N`` (valid below ``rows_end``), columns ``k0 ..``.
+    TMA: the box is zero outside the tensor; rows of the neighbouring half (gate tile past
+    ``N``) may be read but only feed output columns that are never stored."""
+    if USE_TMA:
+        return w_desc.load([row0, k0])
+    rows = row0 + tl.arange(0, BLOCK_N)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :]
+    return tl.load(ptrs, mask=(rows < rows_end)[:, None] & (offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _epilogue(acc1, acc2, u1, u2, b_ptr, y_ptr, stride_ym, n0, M, N, BLOCK_N: tl.constexpr,
+              BLOCK_M1: tl.constexpr, BLOCK_M2: tl.constexpr, HAS_M2: tl.constexpr, HAS_BIAS: tl.constexpr,
+              GATED: tl.constexpr, ACT: tl.constexpr):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    if HAS_BIAS:
+        b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        acc1 += b
+        acc2 += b
+        if GATED:
+            bu = tl.load(b_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+            u1 += bu
+            u2 += bu
+    if GATED:
+        acc1 = _gate_act(acc1, ACT) * u1
+    offs_m = tl.arange(0, BLOCK_M1)
+    ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(ptrs, acc1.to(y_ptr.dtype.element_ty), mask=mask_n[:, None] & (offs_m < M)[None, :])
+    if HAS_M2:
+        if GATED:
+            acc2 = _gate_act(acc2, ACT) * u2
+        offs_m2 = BLOCK_M1 + tl.arange(0, BLOCK_M2)
+        ptrs2 = y_ptr + offs_m2[None, :] * stride_ym + offs_n[:, None]
+        tl.store(ptrs2, acc2.to(y_ptr.dtype.element_ty), mask=mask_n[:, None] & (offs_m2 < M)[None, :])
+
+
+@triton.jit
+def _ws_add(ws_ptr, acc, col0, m0, M, ws_cols, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Atomically add ``acc [BLOCK_N, BLOCK_M]`` into ``ws[m0 + j, col0 + i]`` (masked to ``M``
+    rows; columns past the block's valid range land in the workspace's own padding)."""
+    offs_c = col0 + tl.arange(0, BLOCK_N)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    ptrs = ws_ptr + offs_m[None, :] * ws_cols + offs_c[:, None]
+    # relaxed: ordered before the counter's release by the CTA barrier that follows (the
+    # threadfence-reduction pattern: bar.sync, then one acq_rel atomic)
+    tl.atomic_add(ptrs, acc, mask=(offs_m < M)[None, :] & (offs_c < ws_cols)[:, None], sem="relaxed")
+
+
+@triton.jit
+def _ws_read(ws_ptr, col0, m0, M, ws_cols, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    offs_c = col0 + tl.arange(0, BLOCK_N)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    ptrs = ws_ptr + offs_m[None, :] * ws_cols + offs_c[:, None]
+    return tl.load(ptrs, mask=(offs_m < M)[None, :] & (offs_c < ws_cols)[:, None], other=0.0, volatile=True)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mid_gemm_kernel(
+    x_ptr, w_ptr, w_desc, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_ym,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_M2: tl.constexpr,
+    HAS_M2: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr,
+):
+    """Grid ``(cdiv(N, BLOCK_N) * SPLIT_K,)``; ``y [M, N]`` (gated: ``w`` ``[2N, K]``).
+
+    ``x [M, K]`` rows ``stride_xm`` apart, unit stride along ``K``; ``w`` contiguous
+    ``[N or 2N, K]`` (``w_desc``: its TMA descriptor with ``[BLOCK_N, BLOCK_K]`` boxes when
+    USE_TMA, else unused); ``b`` ``[N or 2N]`` read when HAS_BIAS; ``y`` rows ``stride_ym``
+    apart. Requires ``M <= BLOCK_M1 + BLOCK_M2 * HAS_M2`` (``BLOCK_M2 >= 16`` even when
+    HAS_M2 is False: it then only sizes unused accumulators). SPLIT_K > 1: ``ws`` float32 zeros ``[M,
+    N or 2N]`` and ``cnt`` int32 zeros ``[cdiv(N, BLOCK_N)]``.
+    """
+    pid = tl.program_id(0)
+    pid_n = pid // SPLIT_K
+    pid_k = pid % SPLIT_K
+    n0 = pid_n * BLOCK_N
+    w_rows = 2 * N if GATED else N
+    steps = tl.cdiv(K, BLOCK_K)
+    per = tl.cdiv(steps, SPLIT_K)
+    k_lo = pid_k * per * BLOCK_K
+    k_hi = tl.minimum(K, (pid_k + 1) * per * BLOCK_K)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_M1), dtype=tl.float32)
+    u1 = tl.zeros((BLOCK_N, BLOCK_M1), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_M2), dtype=tl.float32)
+    u2 = tl.zeros((BLOCK_N, BLOCK_M2), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w = _load_w(w_ptr, w_desc, n0, k0, N, K, BLOCK_N, BLOCK_K, USE_TMA)
+        x1 = _load_x(x_ptr, stride_xm, 0, k0, M, K, BLOCK_M1, BLOCK_K)
+        acc1 += _dot_t(w, x1, DOT_UPCAST)
+        if GATED:
+            wu = _load_w(w_ptr, w_desc, N + n0, k0, w_rows, K, BLOCK_N, BLOCK_K, USE_TMA)
+            u1 += _dot_t(wu, x1, DOT_UPCAST)
+        if HAS_M2:
+            x2 = _load_x(x_ptr, stride_xm, BLOCK_M1, k0, M, K, BLOCK_M2, BLOCK_K)
+            acc2 += _dot_t(w, x2, DOT_UPCAST)
+            if GATED:
+                u2 += _dot_t(wu, x2, DOT_UPCAST)
+    if SPLIT_K == 1:
+        _epilogue(acc1, acc2, u1, u2, b_ptr, y_ptr, stride_ym, n0, M, N, BLOCK_N, BLOCK_M1, BLOCK_M2, HAS_M2,
+                  HAS_BIAS, GATED, ACT)
+    else:
+        # the last of the SPLIT_K programs of this column block to arrive finishes it
+        n_end = tl.minimum(n0 + BLOCK_N, N)
+        ws_cols = w_rows
+        lim = n_end - n0  # valid columns of this block: rows past it are masked through col0 + i < ...
+        _ws_add(ws_ptr, tl.where((tl.arange(0, BLOCK_N) < lim)[:, None], acc1, 0.0), n0, 0, M, ws_cols,
+                BLOCK_N, BLOCK_M1)
+        if GATED:
+            _ws_add(ws_ptr, tl.where((tl.arange(0, BLOCK_N) < lim)[:, None], u1, 0.0), N + n0, 0, M, ws_cols,
+                    BLOCK_N, BLOCK_M1)
+        if HAS_M2:
+            _ws_add(ws_ptr, tl.where((tl.arange(0, BLOCK_N) < lim)[:, None], acc2, 0.0), n0, BLOCK_M1, M, ws_cols,
+                    BLOCK_N, BLOCK_M2)
+            if GATED:
+                _ws_add(ws_ptr, tl.where((tl.arange(0, BLOCK_N) < lim)[:, None], u2, 0.0), N + n0, BLOCK_M1, M,
+                        ws_cols, BLOCK_N, BLOCK_M2)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc1 = _ws_read(ws_ptr, n0, 0, M, ws_cols, BLOCK_N, BLOCK_M1)
+            if GATED:
+                u1 = _ws_read(ws_ptr, N + n0, 0, M, ws_cols, BLOCK_N, BLOCK_M1)
+            if HAS_M2:
+                acc2 = _ws_read(ws_ptr, n0, BLOCK_M1, M, ws_cols, BLOCK_N, BLOCK_M2)
+                if GATED:
+                    u2 = _ws_read(ws_ptr, N + n0, BLOCK_M1, M, ws_cols, BLOCK_N, BLOCK_M2)
+            _epilogue(acc1, acc2, u1, u2, b_ptr, y_ptr, stride_ym, n0, M, N, BLOCK_N, BLOCK_M1, BLOCK_M2, HAS_M2,
+                      HAS_BIAS, GATED, ACT)

@@ -1,0 +1,171 @@
+"""Mid-size decode GEMM (`attnserve.models.layers.mid_gemm`) on a GPU at real shapes.
+
+Shapes ``(N, K)``: Llama-3-8B qkv (6144, 4096), o (4096, 4096), gate_up (28672, 4096,
+gated), down (4096, 14336); Qwen3-0.6B o (1024, 2048), down (1024, 3072); M in {17, 96,
+144, 256} (one piece, 64 + 32, 128 + 16, 256). Configs: pointer loads, TMA, split-K 4 (the
+forms of the benchmark's candidates). Reference: float64 product of the same bf16 inputs.
+
+Bound (element-wise): float32 accumulation over K terms in any order, ``gamma_{K+1} (|x|
+@ |W|^T)`` (Higham eq. 3.5, `dot_product_bound` with one implementation), plus the
+rounding of the output to bf16, half an ulp = ``2**-8 |y|`` (round to nearest). Gated:
+``1.2 |u| e_g + |act(g)| e_u`` for the accumulation errors of gate and up (|act'| <= 1.2),
+float32 activation math ``1e-6 |y|``, then the bf16 rounding. A wrong row, column or K
+chunk gives errors of order |y|, far above.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnserve.models.layers.linear import Linear
+from attnserve.models.layers.mid_gemm import (
+    MidGemmConfig,
+    mid_linear,
+    mid_linear_gated,
+    table_file_name,
+    table_key,
+)
+from numeric_bounds import dot_product_bound
+
+pytestmark = pytest.mark.cuda
+DEV = "cuda"
+HALF_ULP = 2.0**-8
+CONFIGS = {
+    "ptr": MidGemmConfig(block_n=64, block_k=64, num_warps=4, num_stages=4),
+    "tma": MidGemmConfig(block_n=64, block_k=64, num_warps=8, num_stages=4, use_tma=True),
+    "tma-sk4": MidGemmConfig(block_n=64, block_k=64, num_warps=4, num_stages=5, split_k=4, use_tma=True),
+    "ptr-sk2-n128": MidGemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=2),
+}
+
+
+def _inputs(m, n, k, seed, bias=False):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=DEV, generator=g) / math.sqrt(k)).to(torch.bfloat16)
+    b = torch.randn(n, device=DEV, generator=g).to(torch.bfloat16) if bias else None
+    return x, w, b
+
+
+def _check_linear(y, x, w, b=None):
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    bound = dot_product_bound(x, w, b, implementations=1) + HALF_ULP * ref.abs() + 1e-30
+    ratio = ((y.double() - ref).abs() / bound).max().item()
+    assert ratio <= 1.0, f"max |delta| / bound = {ratio:.3f}"
+
+
+def _act(g, activation):
+    if activation == "silu":
+        return g / (1.0 + torch.exp(-g))
+    return 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
+
+
+def _check_gated(y, x, w, activation, b=None):
+    full = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    i = w.shape[0] // 2
+    g, u = full[:, :i], full[:, i:]
+    ref = _act(g, activation) * u
+    e = dot_product_bound(x, w, b, implementations=1)
+    bound = 1.2 * u.abs() * e[:, :i] + _act(g, activation).abs() * e[:, i:] + (HALF_ULP + 1e-6) * ref.abs() + 1e-30
+    ratio = ((y.double() - ref).abs() / bound).max().item()
+    assert ratio <= 1.0, f"max |delta| / bound = {ratio:.3f}"
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 14336), (1024, 2048), (1024, 3072)])
+@pytest.mark.parametrize("m", [17, 96, 144, 256])
+def test_mid_linear_real_shapes(m, n, k, cfg):
+    x, w, _ = _inputs(m, n, k, seed=m + n + k)
+    y = mid_linear(x, w, config=CONFIGS[cfg])
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    _check_linear(y, x, w)
+
+
+@pytest.mark.parametrize("cfg", ["ptr", "tma", "ptr-sk2-n128"])
+@pytest.mark.parametrize("m", [17, 144, 256])
+def test_mid_linear_gated_llama_gate_up(m, cfg):
+    x, w, _ = _inputs(m, 28672, 4096, seed=3 * m)
+    y = mid_linear_gated(x, w, "silu", config=CONFIGS[cfg])
+    assert y.shape == (m, 14336)
+    _check_gated(y, x, w, "silu")
+
+
+@pytest.mark.parametrize("cfg", ["ptr", "tma-sk4"])
+def test_mid_linear_bias_and_gelu(cfg):
+    x, w, b = _inputs(100, 6144, 1024, seed=5, bias=True)
+    _check_linear(mid_linear(x, w, b, config=CONFIGS[cfg]), x, w, b)
+    _check_gated(mid_linear_gated(x, w, "gelu_tanh", bias=b, config=CONFIGS[cfg]), x, w, "gelu_tanh", b)
+
+
+@pytest.mark.parametrize("cfg", ["tma", "tma-sk4"])
+def test_cuda_graph_capture_replay(cfg):
+    """Captured at M = 144 (a decode graph's static batch), replayed on new inputs: equal to
+    eager calls bit for bit where there is no split-K, within the bound otherwise."""
+    config = CONFIGS[cfg]
+    x, w, _ = _inputs(144, 4096, 14336, seed=7)
+    _, wg, _ = _inputs(144, 2 * 1536, 14336, seed=8)
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            mid_linear(static_x, w, config=config)
+            mid_linear_gated(static_x, wg, "silu", config=config)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        y = mid_linear(static_x, w, config=config)
+        z = mid_linear_gated(static_x, wg, "silu", config=config)
+    for seed in (21, 22):
+        new_x, _, _ = _inputs(144, 4096, 14336, seed=seed)
+        static_x.copy_(new_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_linear(y, new_x, w)
+        _check_gated(z, new_x, wg, "silu")
+        if config.split_k == 1:
+            torch.testing.assert_close(y, mid_linear(new_x, w, config=config), rtol=0, atol=0)
+
+
+def test_linear_takes_the_path_only_with_a_table_entry(tmp_path, monkeypatch):
+    """No table: cuBLAS (F.linear) for 17..256 rows. A table whose entry for (N, K) at M <= 64
+    holds a config: those rows go through `mid_linear` (and the gated form through its
+    own entry); rows past the entry's buckets and ``ATTNSERVE_MID_GEMM=0`` stay on cuBLAS."""
+    import attnserve.models.layers.linear as linear_mod
+
+    calls = []
+    real, real_g = linear_mod.mid_linear, linear_mod.mid_linear_gated
+    monkeypatch.setattr(linear_mod, "mid_linear", lambda *a, **kw: calls.append("lin") or real(*a, **kw))
+    monkeypatch.setattr(linear_mod, "mid_linear_gated", lambda *a, **kw: calls.append("gated") or real_g(*a, **kw))
+    monkeypatch.setenv("ATTNSERVE_MID_GEMM_CONFIG_DIR", str(tmp_path / "empty"))
+    lin = Linear(1024, 6144, dtype=torch.bfloat16).to(DEV)
+    x, w, _ = _inputs(64, 6144, 1024, seed=9)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    dev_name = torch.cuda.get_device_name()
+    if (linear_mod.mid_gemm_config(64, 6144, 1024, torch.bfloat16, x.device)) is not None:
+        pytest.fail("a packaged table already selects this test shape; pick another shape")
+    lin(x)
+    lin.forward_gated(x, "silu")
+    assert calls == []
+    cfg = CONFIGS["tma"].to_dict()
+    table = {"entries": {table_key(6144, 1024, False): {"32": "cublas", "64": cfg},
+                         table_key(6144, 1024, True): {"64": cfg}}}
+    d = tmp_path / "tables"
+    d.mkdir()
+    (d / table_file_name(dev_name, torch.bfloat16)).write_text(json.dumps(table))
+    monkeypatch.setenv("ATTNSERVE_MID_GEMM_CONFIG_DIR", str(d))
+    _check_linear(lin(x), x, w)
+    _check_gated(lin.forward_gated(x, "silu"), x, w, "silu")
+    assert calls == ["lin", "gated"]
+    lin(x[:32])  # bucket (16, 32] says cublas
+    lin(torch.cat([x, x])[:65])  # past the largest measured M
+    assert calls == ["lin", "gated"]
+    monkeypatch.setenv("ATTNSERVE_MID_GEMM", "0")
+    lin(x)
+    assert calls == ["lin", "gated"]
+    torch.testing.assert_close(lin(x), F.linear(x, w), rtol=0, atol=0)  # cuBLAS itself
