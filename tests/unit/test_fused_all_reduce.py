@@ -178,3 +178,23 @@ def test_custom_all_reduce_takes_only_one_shot_messages(monkeypatch):
     half = torch.zeros(4, 64, dtype=torch.float16)  # one-shot has no float16 kernel
     assert custom.fused_all_reduce_add_rmsnorm(half, half.clone(), w, 1e-6) is None
     assert launched == [(4, 64)] and custom.calls[FUSED] == 1
+
+
+def test_peer_addresses_from_views_or_shifted_bases():
+    from types import SimpleNamespace
+
+    from attnserve.distributed.custom_all_reduce import _peer_addresses
+
+    buf = torch.zeros(64, dtype=torch.uint8)
+    own = buf.data_ptr()
+    views = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
+    views[1] = buf  # rank 1 is us
+    good = SimpleNamespace(get_buffer=lambda r, sizes, dtype, off: views[r], buffer_ptrs=[0, 0])
+    assert _peer_addresses(good, buf, 1, 2) == [views[0].data_ptr(), own]
+
+    def refuse(*args):
+        raise RuntimeError("no get_buffer here")
+
+    # our tensor sits 256 bytes into its allocation: so do the peers'
+    bases = SimpleNamespace(get_buffer=refuse, buffer_ptrs=[1 << 20, own - 256])
+    assert _peer_addresses(bases, buf, 1, 2) == [(1 << 20) + 256, own]

@@ -386,6 +386,22 @@ def _build(rank: int, world_size: int, device_group: Any, cpu_group: Any, device
         raise RuntimeError(f"probe all-reduce gave {probe.tolist()}, expected {want}")
     custom.calls[ONE_SHOT] = 0
     if region is not None:
-        custom.fusion = FusedAllReduce(region, torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device),
+        ptrs = _peer_addresses(handle, buffer, rank, world_size)
+        custom.fusion = FusedAllReduce(region, torch.tensor(ptrs, dtype=torch.int64, device=device),
                                        torch.zeros(2, dtype=torch.int64, device=device))
     return custom
+
+
+def _peer_addresses(handle: Any, buffer: torch.Tensor, rank: int, world_size: int) -> list:
+    """Every rank's ``buffer`` as mapped in this process (rank order): ``get_buffer`` views,
+    or, where those do not start at our own tensor, the allocations' bases shifted by our
+    tensor's offset in its allocation (the same on every rank: same sizes, same order)."""
+    try:
+        ptrs = [handle.get_buffer(r, (buffer.numel(),), torch.uint8, 0).data_ptr() for r in range(world_size)]
+        if ptrs[rank] == buffer.data_ptr():
+            return ptrs
+    except (RuntimeError, TypeError):  # an older binding
+        pass
+    bases = list(handle.buffer_ptrs)
+    shift = buffer.data_ptr() - bases[rank]
+    return [b + shift for b in bases]
