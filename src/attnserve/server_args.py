@@ -72,7 +72,7 @@ class ServerArgs:
     dist_init_addr: Optional[str] = None  # host:port of node 0 (--nnodes > 1)
     dist_timeout: float = 600.0  # seconds a collective or the rendezvous may wait
     disable_custom_all_reduce: bool = False  # NCCL for every all-reduce (distributed/custom_all_reduce.py)
-    disable_allreduce_fusion: bool = False  # all-reduce and the RMSNorm after it apart (models/layers/allreduce_fusion.py)
+    disable_allreduce_fusion: bool = False  # all-reduce and the next RMSNorm apart (layers/allreduce_fusion.py)
     # data parallelism (attnserve.server.data_parallel): replicas of --tp-size GPUs each
     dp_size: int = 1
     load_balance_method: str = "prefix_affinity"  # prefix_affinity | shortest_queue | round_robin

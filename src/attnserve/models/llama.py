@@ -176,7 +176,8 @@ class LlamaDecoderLayer(nn.Module):
             residual = hidden_states
             hidden_states = self.input_layernorm.forward(hidden_states)
         elif self.input_partial:
-            hidden_states, residual = self.input_layernorm.forward_all_reduce(hidden_states, residual, self.fusion_tp)
+            hidden_states, residual = self.input_layernorm.forward_all_reduce(hidden_states, residual,
+                                                                              self.fusion_tp)
         else:
             hidden_states, residual = self.input_layernorm.forward(hidden_states, residual)
         hidden_states = self.self_attn.forward(positions, hidden_states, forward_batch)

@@ -92,7 +92,8 @@ class RMSNorm(nn.Module, FusedKernelUser):
         s = x + residual
         return self._norm(s), s
 
-    def forward_all_reduce(self, x_partial: torch.Tensor, residual: torch.Tensor, tp) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward_all_reduce(self, x_partial: torch.Tensor, residual: torch.Tensor,
+                           tp) -> Tuple[torch.Tensor, torch.Tensor]:
         """``forward(tp.all_reduce(x_partial), residual)``, in one kernel where it can be.
 
         Args:
