@@ -1,6 +1,7 @@
 """Tensor parallelism on one multi-GPU host, in one run. Writes ``<out>/<device>-tp-<date>.json``.
 
-``PYTHONPATH=src python benchmarks/tp_decode.py --tp 1 2 [--big-tp 2] [--skip-identity] [--tp-sample local broadcast]``
+``PYTHONPATH=src python benchmarks/tp_decode.py --tp 1 2 [--big-tp 2] [--skip-identity] [--tp-sample local broadcast]
+[--allreduce-fusion on off] [--profile]``
 
 * Identity: Llama-3-8B shape, dummy weights, **float32** (bf16 rounding differs between an
   all-reduce of partial sums and one matmul, and random weights give near-tied logits),
@@ -17,6 +18,14 @@
 * ``--tp-sample local broadcast``: every tp > 1 decode run once per way the other ranks get
   the sampled ids (``ATTNSERVE_TP_SAMPLE``: every rank samples itself, or rank 0's ids by a
   device broadcast each step); each row records ``tp_sample`` and the steps of each kind.
+* ``--allreduce-fusion on off``: every tp > 1 decode run once with the all-reduce + residual
+  add + RMSNorm kernel (`distributed.fused_all_reduce`) and once with
+  ``--disable-allreduce-fusion``; each row records ``allreduce_fusion`` (asked) and
+  ``allreduce_fusion_on`` (the engine runs the fused kernel).
+* ``--profile``: per decode row, rank 0's kernels under ``torch.profiler`` (CUDA activity):
+  a prefill-only run and a run of ``--profile-steps`` more decode steps, the difference
+  divided by the decode steps: per kernel name, launches and GPU microseconds per step
+  (``profile.kernels``), as ``profile_step.py`` reports them for one GPU.
 """
 
 from __future__ import annotations
@@ -94,8 +103,55 @@ def identity(tps, model="llama-3-8b", n_tokens=24):
                                                 if a != b), None) for tp in tps}}
 
 
+def _kernel_times(prof) -> dict:
+    """name -> [launches, GPU us] of the CUDA kernels in a finished ``torch.profiler`` run."""
+    out: dict = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name if len(ev.name) <= 90 else ev.name[:87] + "..."
+            k = out.setdefault(name, [0, 0.0])
+            k[0] += 1
+            k[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    return out
+
+
+def kernel_profile(llm, prompts, steps: int, top: int = 25) -> dict:
+    """Rank 0's kernels per decode step: (profile of ``steps + 1`` new tokens - profile of
+    1 new token) / the decode steps between them. The other ranks run the same graphs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from attnserve.engine.sampling_params import SamplingParams
+    from attnserve.engine.scheduler import SchedulerStats
+
+    runs = {}
+    for name, new in (("prefill", 1), ("full", steps + 1)):
+        llm.engine.scheduler.flush_prefix_cache()
+        llm.engine.scheduler.stats = SchedulerStats()
+        sp = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, sp)
+            torch.cuda.synchronize()
+        runs[name] = (_kernel_times(prof), llm.engine.scheduler.stats.num_decode_steps)
+    (full, n_full), (pre, n_pre) = runs["full"], runs["prefill"]
+    n = max(n_full - n_pre, 1)
+    kernels = []
+    for name, (count, us) in full.items():
+        c0, us0 = pre.get(name, [0, 0.0])
+        if count - c0 > 0:
+            kernels.append({"name": name, "launches_per_step": (count - c0) / n, "us_per_step": (us - us0) / n})
+    kernels.sort(key=lambda k: -k["us_per_step"])
+    res = {"decode_steps": n, "busy_us_per_step": sum(k["us_per_step"] for k in kernels),
+           "launches_per_step": sum(k["launches_per_step"] for k in kernels), "kernels": kernels}
+    print(f"  profile: {res['launches_per_step']:.0f} launches, {res['busy_us_per_step']:.1f} us of kernels "
+          f"per step ({n} steps)", flush=True)
+    for k in kernels[:top]:
+        print(f"  {k['us_per_step']:8.1f} us  x{k['launches_per_step']:5.1f}  {k['name']}", flush=True)
+    return res
+
+
 def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadcast=None, tp_sample=None,
-                 **extra):
+                 allreduce_fusion=None, profile_steps=0, **extra):
     from attnserve.engine.sampling_params import SamplingParams
     from attnserve.engine.scheduler import SchedulerStats
     from attnserve.engine.tp.step_channel import STEP_BROADCAST_ENV
@@ -105,12 +161,15 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
         os.environ[STEP_BROADCAST_ENV] = step_broadcast
     if tp_sample:
         os.environ[TP_SAMPLE_ENV] = tp_sample
+    if allreduce_fusion is not None:
+        extra["disable_allreduce_fusion"] = allreduce_fusion == "off"
     llm = _llm(model, tp, "bfloat16", input_len + output_len + 16, max(requests), **extra)
     rt = llm.engine.tp_runtime
     path = "none" if rt is None else ("shm" if rt.tp.step_queue is not None else "gloo")
     sender = llm.engine.scheduler.tp_sender
     sample_mode = "none" if sender is None else ("local" if sender.sample_local else "broadcast")
     custom_on = rt is not None and rt.tp.custom_all_reduce is not None
+    fusion_on = custom_on and rt.tp.custom_all_reduce.fusion is not None
     rows = []
     try:
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model_runner.model.parameters())
@@ -135,7 +194,8 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
             wall, stats = times["full"]
             steps = max(stats.num_decode_steps, 1)
             row = {"model": model, "tp": tp, "requests": n, "step_broadcast": path, "tp_sample": sample_mode,
-                   "custom_all_reduce_on": custom_on,
+                   "custom_all_reduce_on": custom_on, "allreduce_fusion": allreduce_fusion or "none",
+                   "allreduce_fusion_on": fusion_on,
                    "local_sample_steps": counts[0], "ids_broadcast_steps": counts[1], "input_len": input_len,
                    "output_len": output_len,
                    "wall_s": wall, "prefill_s": times["prefill"][0], "decode_steps": stats.num_decode_steps,
@@ -144,9 +204,12 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
                    "tp_send_ms_per_step": stats.tp_send_ms_per_step,
                    "weight_bytes_per_gpu": weight_bytes}
             rows.append(row)
-            print(f"{model} tp {tp} ({path}, {sample_mode} sampling) n {n}: {row['decode_ms_per_step']:.2f} ms/step, "
+            print(f"{model} tp {tp} ({path}, {sample_mode} sampling, fusion {'on' if fusion_on else 'off'}) n {n}: "
+                  f"{row['decode_ms_per_step']:.2f} ms/step, "
                   f"{row['output_tokens_per_s']:.0f} tok/s, host {row['host_ms_per_step']:.2f} ms "
                   f"(step broadcast {row['tp_send_ms_per_step']:.2f})", flush=True)
+            if profile_steps:
+                row["profile"] = kernel_profile(llm, prompts, profile_steps)
     finally:
         llm.engine.shutdown()
         del llm
@@ -169,6 +232,11 @@ def main(argv=None) -> int:
                     help="how the other ranks get each step's sampled ids (ATTNSERVE_TP_SAMPLE), per tp > 1 run")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce")
+    ap.add_argument("--allreduce-fusion", nargs="+", default=["on"], choices=["on", "off"],
+                    help="run each tp > 1 decode with the fused all-reduce + add + RMSNorm (on) and/or without (off)")
+    ap.add_argument("--profile", action="store_true",
+                    help="per decode row, rank 0's per-kernel GPU time per step (torch.profiler)")
+    ap.add_argument("--profile-steps", type=int, default=20, help="decode steps profiled (--profile)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     copy = copy_bandwidth_gbs()
@@ -180,14 +248,17 @@ def main(argv=None) -> int:
     if not args.skip_identity:
         res["identity"] = identity(args.tp)
         write_result(res, args.out, "tp", "cuda")  # partial results survive a cut-off run
-    runs = [("llama-3-8b", tp, args.requests, sb, ts)
+    runs = [("llama-3-8b", tp, args.requests, sb, ts, fu)
             for tp in args.tp for sb in (args.step_broadcast if tp > 1 else [None])
-            for ts in (args.tp_sample if tp > 1 else [None])]
+            for ts in (args.tp_sample if tp > 1 else [None])
+            for fu in (args.allreduce_fusion if tp > 1 else [None])]
     if args.big_tp:
-        runs += [("llama-3-70b", args.big_tp, [1], sb, ts) for sb in args.step_broadcast for ts in args.tp_sample]
-    for model, tp, requests, sb, ts in runs:
+        runs += [("llama-3-70b", args.big_tp, [1], sb, ts, fu) for sb in args.step_broadcast for ts in args.tp_sample
+                 for fu in args.allreduce_fusion]
+    for model, tp, requests, sb, ts, fu in runs:
         res["decode"] += in_fresh_process(decode_steps, model, tp, requests, step_broadcast=sb, tp_sample=ts,
-                                      disable_custom_all_reduce=args.disable_custom_all_reduce)
+                                          allreduce_fusion=fu, profile_steps=args.profile_steps if args.profile else 0,
+                                          disable_custom_all_reduce=args.disable_custom_all_reduce)
         for row in res["decode"]:
             row["weights_floor_ms"] = row["weight_bytes_per_gpu"] / (copy * 1e9) * 1e3
         write_result(res, args.out, "tp", "cuda")

@@ -72,6 +72,7 @@ class ServerArgs:
     dist_init_addr: Optional[str] = None  # host:port of node 0 (--nnodes > 1)
     dist_timeout: float = 600.0  # seconds a collective or the rendezvous may wait
     disable_custom_all_reduce: bool = False  # NCCL for every all-reduce (distributed/custom_all_reduce.py)
+    disable_allreduce_fusion: bool = False  # all-reduce and the next RMSNorm apart (layers/allreduce_fusion.py)
     # data parallelism (attnserve.server.data_parallel): replicas of --tp-size GPUs each
     dp_size: int = 1
     load_balance_method: str = "prefix_affinity"  # prefix_affinity | shortest_queue | round_robin
@@ -317,6 +318,10 @@ class ServerArgs:
         a("--disable-custom-all-reduce", action="store_true",
           help="run every tensor-parallel all-reduce through NCCL instead of the one-shot / two-shot kernels over "
                "symmetric memory used for small messages on CUDA")
+        a("--disable-allreduce-fusion", action="store_true",
+          help="tensor parallelism: keep each row-parallel layer's all-reduce apart from the residual add and "
+               "RMSNorm after it (by default one kernel does the three for messages the one-shot custom "
+               "all-reduce takes)")
         a("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=d.dp_size,
           help="data-parallel replicas, each of --tp-size GPUs (replica i on GPUs [i*tp, (i+1)*tp)) in an engine "
                "process of its own, behind one server")

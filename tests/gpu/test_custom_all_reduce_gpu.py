@@ -6,6 +6,13 @@ for bit: float32 and bfloat16, sizes from 1 element to the two-shot limit, views
 offset, 2-D activations, eagerly and replayed from a captured CUDA graph (with an NCCL-sized
 message in the same graph). Then tp 2 greedy tokens with the custom all-reduce on equal
 tp 1's and tp 2's with ``disable_custom_all_reduce``.
+
+The fused all-reduce + residual add + RMSNorm (`distributed.fused_all_reduce`) runs on
+``min(4, GPUs)`` ranks against the unfused path (``all_reduce``, then ``fused_add_rmsnorm``):
+bit-exact, both summing in rank order with one rounding per add, for 1 row up to the
+one-shot limit (and one row over it, where the fallback runs), hidden 4096 and 5120,
+float32 and bfloat16, eagerly and replayed from a CUDA graph among plain all-reduces; then
+tp 2 engines' greedy tokens with the fusion on equal those with it off.
 """
 
 import json
@@ -97,16 +104,18 @@ LLM_SCRIPT = r"""
 import json, sys
 from attnserve import LLM, SamplingParams
 tp, disable = int(sys.argv[1]), sys.argv[2] == "1"
-llm = LLM("llama-tiny", load_format="dummy", device="cuda", dtype="float32", tp_size=tp, max_total_tokens=4096,
+fusion_off, dtype = sys.argv[3] == "1", sys.argv[4]
+llm = LLM("llama-tiny", load_format="dummy", device="cuda", dtype=dtype, tp_size=tp, max_total_tokens=4096,
           max_running_requests=8, cuda_graph_max_bs=8, skip_server_warmup=True,
-          disable_custom_all_reduce=disable)
+          disable_custom_all_reduce=disable, disable_allreduce_fusion=fusion_off)
 assert llm.engine.model_runner.cuda_graph_runner is not None, "CUDA graphs were not captured"
 prompts = [[1, 2, 3], list(range(10, 60)), [7] * 11, [200, 5, 9, 13, 17, 21, 25, 29]]
 sp = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 tokens = [o.token_ids for o in llm.generate(prompts, sp)]
 custom = llm.engine.model_runner.tp.custom_all_reduce
 calls = dict(custom.calls) if custom is not None else None
-print("RESULT=" + json.dumps(dict(tokens=tokens, custom=custom is not None, calls=calls)), flush=True)
+fusion = custom is not None and custom.fusion is not None
+print("RESULT=" + json.dumps(dict(tokens=tokens, custom=custom is not None, calls=calls, fusion=fusion)), flush=True)
 llm.engine.shutdown()
 """
 
@@ -155,9 +164,9 @@ def test_custom_all_reduce_matches_nccl_eager_and_in_graphs(tmp_path):
                     assert c["algo"] != "nccl", c
 
 
-def _llm_run(tp, disable):
-    r = subprocess.run([sys.executable, "-c", LLM_SCRIPT, str(tp), "1" if disable else "0"], capture_output=True,
-                       text=True, timeout=400, env=_env())
+def _llm_run(tp, disable, fusion_off=False, dtype="float32"):
+    r = subprocess.run([sys.executable, "-c", LLM_SCRIPT, str(tp), "1" if disable else "0", "1" if fusion_off else "0",
+                        dtype], capture_output=True, text=True, timeout=400, env=_env())
     tail = (r.stdout + r.stderr)[-4000:]
     assert r.returncode == 0, tail
     m = re.search(r"^RESULT=(.*)$", r.stdout, re.M)
@@ -205,3 +214,133 @@ def test_second_tp_engine_in_one_process_starts_on_nccl():
     assert res["custom"] == [True, False]
     assert res["rendezvous"] == 1
     assert res["tokens"][0] == res["tokens"][1]  # two ranks: one rounding either way
+
+
+FUSED_RANK_SCRIPT = r"""
+import json, sys
+import torch, torch.distributed as dist
+from attnserve.engine.tp.launch import DistConfig, init_rank
+from attnserve.distributed.custom_all_reduce import FUSED
+from attnserve.models.layers.fused_kernels import fused_add_rmsnorm
+
+rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+tp = init_rank(DistConfig(rank, world, rank, f"tcp://127.0.0.1:{port}", "cuda"))
+custom = tp.custom_all_reduce
+assert custom is not None and custom.fusion is not None, "the fused all-reduce + RMSNorm is off (see the log)"
+one = custom.config.one_shot_max_bytes
+gen = torch.Generator(device="cuda").manual_seed(100 + rank)
+shared = torch.Generator(device="cuda").manual_seed(7)  # residual and weight: the same on every rank
+EPS = 1e-5
+
+def rand(shape, dtype, g=None, scale=1.0):
+    return (torch.randn(shape, generator=g or gen, device="cuda", dtype=torch.float32) * scale).to(dtype)
+
+def unfused(x, residual, w, off):
+    x, residual = x.clone(), residual.clone()
+    tp.all_reduce(x)
+    return fused_add_rmsnorm(x, residual, w, EPS, off), residual
+
+def fused(x, residual, w, off):
+    return tp.fused_all_reduce_add_rmsnorm(x.clone(), residual.clone(), w, EPS, off,
+                                           add_rmsnorm=lambda s, r: (fused_add_rmsnorm(s, r, w, EPS, off), r))
+
+eager, graph = [], []
+for dtype in (torch.float32, torch.bfloat16):
+    es = dtype.itemsize
+    for hidden in (4096, 5120):
+        top = one // (hidden * es)  # most rows the one-shot path takes
+        for rows in sorted({1, 2, 3, 5, 8, 17, 33, top - 1, top, top + 1}):
+            if rows < 1:
+                continue
+            off = 1.0 if rows == 3 else 0.0  # Gemma's (1 + w) once
+            x = rand((rows, hidden), dtype, scale=4.0)
+            res = rand((rows, hidden), dtype, g=shared)
+            w = rand((hidden,), dtype, g=shared)
+            want_out, want_res = unfused(x, res, w, off)
+            n0 = custom.calls[FUSED]
+            got_out, got_res = fused(x, res, w, off)
+            eager.append(dict(dtype=str(dtype), hidden=hidden, rows=rows, top=top, fused=custom.calls[FUSED] == n0 + 1,
+                              equal=bool(torch.equal(got_out, want_out) and torch.equal(got_res, want_res))))
+    # one graph: fused launches of several sizes between plain (one-shot) all-reduces
+    top = one // (4096 * es)
+    shapes = [(1, 4096), (7, 4096), (top, 4096), (2, 5120), (1, 4096)]
+    xs = [rand(s, dtype, scale=4.0) for s in shapes]
+    ress = [rand(s, dtype, g=shared) for s in shapes]
+    ws = [rand((s[1],), dtype, g=shared) for s in shapes]
+    plains = [rand((s[1],), dtype) for s in shapes]
+    def body():
+        outs = []
+        for x, r, w, p in zip(xs, ress, ws, plains):
+            o, rr = fused(x, r, w, 0.0)
+            q = p.clone()
+            tp.all_reduce(q)
+            outs.append((o, rr, q))
+        return outs
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = body()
+    for round_ in range(3):
+        for t, scale in [(t, 4.0) for t in xs] + [(t, 1.0) for t in plains]:
+            t.copy_(rand(t.shape, dtype, scale=scale))
+        for t in ress + ws:
+            t.copy_(rand(t.shape, dtype, g=shared))
+        g.replay()
+        torch.cuda.synchronize()
+        for (o, rr, q), x, r, w, p in zip(outs, xs, ress, ws, plains):
+            want_out, want_res = unfused(x, r, w, 0.0)
+            want_q = p.clone()
+            tp.all_reduce(want_q)
+            graph.append(dict(dtype=str(dtype), shape=list(x.shape), round=round_,
+                              equal=bool(torch.equal(o, want_out) and torch.equal(rr, want_res)
+                                         and torch.equal(q, want_q))))
+    del g
+torch.cuda.synchronize()
+json.dump(dict(one=one, world=world, eager=eager, graph=graph, fused_calls=custom.calls[FUSED]), open(out, "w"))
+dist.barrier(group=tp.cpu_group)
+print("RANK_DONE", rank, flush=True)
+import os; os._exit(0)
+"""
+
+
+def test_fused_all_reduce_add_rmsnorm_matches_unfused_eager_and_in_graphs(tmp_path):
+    from attnserve.engine.tp.launch import free_port
+
+    world = min(4, torch.cuda.device_count())
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", FUSED_RANK_SCRIPT, str(r), str(world), str(port),
+                               str(tmp_path / f"rank{r}.json")], env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=400)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    for r in range(world):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        print(f"rank {r} of {world}: {len(res['eager'])} eager cases, {len(res['graph'])} graph cases, "
+              f"{res['fused_calls']} fused launches")
+        bad = [c for c in res["eager"] + res["graph"] if not c["equal"]]
+        assert bad == [], bad[:10]
+        for c in res["eager"]:
+            assert c["fused"] == (c["rows"] <= c["top"]), c  # one-shot sizes fused, larger ones apart
+        assert len(res["graph"]) == 2 * 3 * 5
+
+
+def test_tp2_greedy_tokens_with_allreduce_fusion_equal_without():
+    for dtype in ("float32", "bfloat16"):
+        on = _llm_run(2, False, fusion_off=False, dtype=dtype)
+        off = _llm_run(2, False, fusion_off=True, dtype=dtype)
+        assert on["fusion"] and not off["fusion"]
+        assert on["calls"]["fused_add_rmsnorm"] > 0 and off["calls"]["fused_add_rmsnorm"] == 0
+        print(f"{dtype}: fused launches (Python-level, a captured graph counts once) {on['calls']}")
+        assert on["tokens"] == off["tokens"], dtype  # two ranks: bit-identical sums and norms

@@ -11,8 +11,9 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from attnserve.distributed.custom_all_reduce import (NCCL, ONE_SHOT, TWO_SHOT, CustomAllReduceConfig, default_config,
-                                                     local_unavailable_reason, peer_access_reason, select_algorithm)
+from attnserve.distributed.custom_all_reduce import (FUSED, NCCL, ONE_SHOT, TWO_SHOT, CustomAllReduceConfig,
+                                                     default_config, local_unavailable_reason, peer_access_reason,
+                                                     select_algorithm)
 from attnserve.engine.tp.launch import free_port
 
 CFG = CustomAllReduceConfig(one_shot_max_bytes=4096, two_shot_max_bytes=65536)
@@ -147,4 +148,4 @@ def test_custom_paths_pad_and_write_in_place(monkeypatch):
             assert torch.equal(x, before * 2)
         else:
             assert torch.equal(x, before)
-    assert custom.calls == {ONE_SHOT: 4, TWO_SHOT: 1, NCCL: 1}
+    assert custom.calls == {ONE_SHOT: 4, TWO_SHOT: 1, NCCL: 1, FUSED: 0}

@@ -23,6 +23,10 @@ all-reduces (tensor parallelism does). NVLink multicast (NVLS, ``multimem`` oper
 never used: the machines here forbid it, so ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set
 before the rendezvous. For two ranks ``a + b`` has one rounding whatever the order, so the
 result is bit-identical to NCCL's.
+
+Past PyTorch's region the buffer also holds the region of the fused all-reduce + residual
+add + RMSNorm kernel (`fused_all_reduce`, `CustomAllReduce.fused_all_reduce_add_rmsnorm`)
+unless ``--disable-allreduce-fusion``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ logger = logging.getLogger(__name__)
 ONE_SHOT = "one_shot"
 TWO_SHOT = "two_shot"
 NCCL = "nccl"
+#: `CustomAllReduce.calls` key of the fused all-reduce + add + RMSNorm launches
+FUSED = "fused_add_rmsnorm"
 
 #: dtypes PyTorch's symmetric-memory reduction kernels are built for
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -179,7 +185,10 @@ class CustomAllReduce:
         config: thresholds.
         buffer: this rank's symmetric buffer, ``config.buffer_bytes`` uint8 on the device.
         scratch: local output for padded one-shot messages (``config.one_shot_max_bytes``).
-        calls: Python-level calls per algorithm (a captured graph counts once, at capture).
+        calls: Python-level calls per algorithm (a captured graph counts once, at capture);
+            ``FUSED``: fused all-reduce + add + RMSNorm launches.
+        fusion: the fused kernel's `FusedAllReduce` (None: off, ``--disable-allreduce-fusion``
+            or its start-up probe failed).
     """
 
     rank: int
@@ -188,7 +197,8 @@ class CustomAllReduce:
     config: CustomAllReduceConfig
     buffer: torch.Tensor
     scratch: torch.Tensor
-    calls: Dict[str, int] = field(default_factory=lambda: {ONE_SHOT: 0, TWO_SHOT: 0, NCCL: 0})
+    calls: Dict[str, int] = field(default_factory=lambda: {ONE_SHOT: 0, TWO_SHOT: 0, NCCL: 0, FUSED: 0})
+    fusion: Optional[Any] = None
 
     def select(self, x: torch.Tensor) -> str:
         """`select_algorithm` for ``x``."""
@@ -228,6 +238,23 @@ class CustomAllReduce:
         ops.two_shot_all_reduce_out(sym, "sum", self.group_name, flat)
         return True
 
+    def fused_all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                     eps: float, weight_offset: float = 0.0) -> Optional[torch.Tensor]:
+        """One kernel for ``residual += all_reduce(x); return rmsnorm(residual)`` when the
+        one-shot path would take ``x`` and `fused_all_reduce.fused_unsupported_reason` finds
+        nothing; else None (the caller runs `all_reduce` and the norm). A pure function of
+        shapes and dtypes, so every rank takes the same branch."""
+        f = self.fusion
+        if f is None or self.select(x) != ONE_SHOT:
+            return None
+        from attnserve.distributed.fused_all_reduce import fused_all_reduce_add_rmsnorm, fused_unsupported_reason
+
+        if fused_unsupported_reason(x, residual, weight, f.region) is not None:
+            return None
+        self.calls[FUSED] += 1
+        return fused_all_reduce_add_rmsnorm(x, residual, weight, eps, weight_offset, f.buffer_ptrs, f.counters,
+                                            self.rank, f.region)
+
     def _view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         # always from offset 0: the ops find the rendezvous handle by the data pointer
         return self.buffer.view(dtype)[:numel]
@@ -235,7 +262,8 @@ class CustomAllReduce:
 
 def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_group: Any,
                            device: torch.device, disable: bool = False,
-                           config: Optional[CustomAllReduceConfig] = None) -> Optional[CustomAllReduce]:
+                           config: Optional[CustomAllReduceConfig] = None,
+                           disable_fusion: bool = False) -> Optional[CustomAllReduce]:
     """Build this rank's `CustomAllReduce`, or None where NCCL must carry every all-reduce.
 
     A collective over ``cpu_group`` (every rank calls it with the same ``disable``): the ranks
@@ -249,6 +277,9 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
         device: this rank's CUDA device.
         disable: ``--disable-custom-all-reduce``.
         config: thresholds (default: `default_config`).
+        disable_fusion: ``--disable-allreduce-fusion`` (no `CustomAllReduce.fusion`). Else
+            the fused kernel is compiled and probed on every rank, and turned off on all of
+            them (a warning) when any rank fails.
     """
     import torch.distributed as dist
 
@@ -269,7 +300,8 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
     level = logging.INFO
     if reason is None:
         try:
-            custom = _build(rank, world_size, device_group, cpu_group, device, config or default_config(world_size))
+            custom = _build(rank, world_size, device_group, cpu_group, device, config or default_config(world_size),
+                            fusion=not disable_fusion)
         except Exception as e:  # a torch whose symmetric memory cannot start here; RendezvousSkew
             reason = f"symmetric memory failed: {type(e).__name__}: {e}"
         reason = agree(reason, cpu_group, rank)
@@ -278,22 +310,71 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
         if rank == 0:
             logger.log(level, "custom all-reduce off (%s): NCCL carries every all-reduce", reason)
         return None
+    fusion = "off (--disable-allreduce-fusion)" if disable_fusion else "on"
+    if custom.fusion is not None:
+        why = _start_fusion(custom, cpu_group)
+        if why is not None:
+            custom.fusion = None
+            fusion = f"off ({why})"
+            if rank == 0:
+                logger.warning("fused all-reduce + RMSNorm off (%s): all-reduce and norm run apart", why)
     if rank == 0:
         c = custom.config
         logger.info("custom all-reduce on (%d ranks, symmetric memory): one-shot <= %d KB, two-shot <= %d KB, "
-                    "NCCL above", world_size, c.one_shot_max_bytes // 1024, c.two_shot_max_bytes // 1024)
+                    "NCCL above; fused all-reduce + RMSNorm %s", world_size, c.one_shot_max_bytes // 1024,
+                    c.two_shot_max_bytes // 1024, fusion)
     return custom
 
 
+def _start_fusion(custom: CustomAllReduce, cpu_group: Any) -> Optional[str]:
+    """Compile the fused kernel on every rank, then (all compiled) run it twice on a probe
+    (both halves of the buffer) and check the sums; the ranks' joint verdict (None: on).
+    A collective over ``cpu_group``: a rank that failed to compile never leaves the others
+    waiting inside the kernel."""
+    from attnserve.distributed.fused_all_reduce import compile_fused
+
+    f, dev, w = custom.fusion, custom.buffer.device, custom.world_size
+    x = torch.full((2, 64), float(custom.rank + 1), dtype=torch.float32, device=dev)
+    residual = torch.full_like(x, 0.5)
+    weight = torch.ones(64, dtype=torch.float32, device=dev)
+    why = None
+    try:
+        compile_fused(x, residual, weight, f.buffer_ptrs, f.counters, custom.rank, f.region)
+    except Exception as e:  # a Triton without the atomics' scopes, a driver that refuses int_to_ptr...
+        why = f"compile failed: {type(e).__name__}: {e}"
+    why = agree(why, cpu_group, custom.rank)
+    if why is not None:
+        return why
+    try:
+        from attnserve.distributed.fused_all_reduce import fused_all_reduce_add_rmsnorm
+
+        total = w * (w + 1) / 2
+        for call in (1, 2):
+            out = fused_all_reduce_add_rmsnorm(x, residual, weight, 1e-6, 0.0, f.buffer_ptrs, f.counters,
+                                               custom.rank, f.region)
+            want = call * total + 0.5
+            if not (bool((residual == want).all()) and float((out - 1).abs().max()) < 1e-3):
+                why = f"probe gave residual {residual.flatten()[:2].tolist()}, expected {want}"
+                break
+    except Exception as e:
+        why = f"probe failed: {type(e).__name__}: {e}"
+    return agree(why, cpu_group, custom.rank)
+
+
 def _build(rank: int, world_size: int, device_group: Any, cpu_group: Any, device: torch.device,
-           config: CustomAllReduceConfig) -> CustomAllReduce:
+           config: CustomAllReduceConfig, fusion: bool = False) -> CustomAllReduce:
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # no NVLink multicast object at the rendezvous
     import torch.distributed._symmetric_memory as symm_mem
 
+    from attnserve.distributed.fused_all_reduce import FusedAllReduce, FusedRegion
     from attnserve.distributed.symm_mem_rendezvous import aligned_rendezvous
 
-    buffer = symm_mem.empty(config.buffer_bytes, dtype=torch.uint8, device=device)
-    aligned_rendezvous(buffer, device_group, cpu_group)  # RendezvousSkew: NCCL for this engine
+    region = FusedRegion.after(config.buffer_bytes, config.one_shot_max_bytes, world_size) if fusion else None
+    buffer = symm_mem.empty(region.end if region else config.buffer_bytes, dtype=torch.uint8, device=device)
+    if region is not None:  # flags start at 0 before any peer can learn the address (the rendezvous)
+        buffer[region.flags_offset:region.end].zero_()
+        torch.cuda.synchronize(device)
+    handle = aligned_rendezvous(buffer, device_group, cpu_group)  # RendezvousSkew: NCCL for this engine
     scratch = torch.empty(_round_up(max(config.one_shot_max_bytes, _ALIGN), _ALIGN), dtype=torch.uint8,
                           device=device)
     custom = CustomAllReduce(rank=rank, world_size=world_size, group_name=device_group.group_name, config=config,
@@ -304,4 +385,23 @@ def _build(rank: int, world_size: int, device_group: Any, cpu_group: Any, device
     if not bool((probe == want).all()):
         raise RuntimeError(f"probe all-reduce gave {probe.tolist()}, expected {want}")
     custom.calls[ONE_SHOT] = 0
+    if region is not None:
+        ptrs = _peer_addresses(handle, buffer, rank, world_size)
+        custom.fusion = FusedAllReduce(region, torch.tensor(ptrs, dtype=torch.int64, device=device),
+                                       torch.zeros(2, dtype=torch.int64, device=device))
     return custom
+
+
+def _peer_addresses(handle: Any, buffer: torch.Tensor, rank: int, world_size: int) -> list:
+    """Every rank's ``buffer`` as mapped in this process (rank order): ``get_buffer`` views,
+    or, where those do not start at our own tensor, the allocations' bases shifted by our
+    tensor's offset in its allocation (the same on every rank: same sizes, same order)."""
+    try:
+        ptrs = [handle.get_buffer(r, (buffer.numel(),), torch.uint8, 0).data_ptr() for r in range(world_size)]
+        if ptrs[rank] == buffer.data_ptr():
+            return ptrs
+    except (RuntimeError, TypeError):  # an older binding
+        pass
+    bases = list(handle.buffer_ptrs)
+    shift = buffer.data_ptr() - bases[rank]
+    return [b + shift for b in bases]

@@ -8,13 +8,15 @@ messages go through a shared-memory ring (`step_queue`, see
 `attnserve.distributed.shm_broadcast`). A group of size 1 runs no collective at all, so
 single-device models pay nothing (Megatron-LM's tensor parallelism, Shoeybi et al.,
 arXiv:1909.08053; SGLang keeps the same two groups per TP group). Small all-reduces on
-CUDA take the custom one-shot / two-shot path of `custom_all_reduce` when the group has one.
+CUDA take the custom one-shot / two-shot path of `custom_all_reduce` when the group has one;
+`TPGroup.fused_all_reduce_add_rmsnorm` also folds the residual add and RMSNorm that follow a
+row-parallel layer into that all-reduce (`fused_all_reduce`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -31,6 +33,8 @@ class TPGroup:
             small messages (None: NCCL / gloo carries every all-reduce).
         step_queue: the `ShmMessageQueue` end (writer on rank 0, a reader elsewhere) that
             `broadcast_step` uses, or None (gloo).
+        allreduce_fusion: models leave a row-parallel layer's sum to the norm after it
+            (`models.layers.allreduce_fusion`); off: ``--disable-allreduce-fusion``.
     """
 
     rank: int = 0
@@ -39,6 +43,7 @@ class TPGroup:
     cpu_group: Any = None
     custom_all_reduce: Any = None
     step_queue: Any = None
+    allreduce_fusion: bool = True
 
     @classmethod
     def single(cls) -> "TPGroup":
@@ -60,6 +65,44 @@ class TPGroup:
 
             dist.all_reduce(x, group=self.device_group)
         return x
+
+    def fused_all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                     eps: float, weight_offset: float = 0.0,
+                                     add_rmsnorm: Optional[Callable] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``residual += sum over ranks of x`` and ``rmsnorm(residual)``.
+
+        Args:
+            x: ``[..., N]`` this rank's partial sums (a row-parallel layer's output before its
+                all-reduce); not modified on the fused path, summed in place otherwise.
+            residual: ``[..., N]`` residual stream, same shape and dtype; updated in place on
+                the fused path (the fallback's ``add_rmsnorm`` decides).
+            weight / eps / weight_offset: the norm's ``x_hat * (weight + weight_offset)``.
+            add_rmsnorm: the unfused add + norm, ``(summed x, residual) -> (out, residual)``
+                (`RMSNorm.forward`: its Triton ``fused_add_rmsnorm`` on CUDA); None: the
+                float32 PyTorch formula here.
+        Returns:
+            ``(normalised, new residual)``.
+
+        One kernel (`CustomAllReduce.fused_all_reduce_add_rmsnorm`) where the custom
+        all-reduce has the fused path and its one-shot path takes ``x``; otherwise (NCCL,
+        gloo, larger messages, ``--disable-allreduce-fusion``) `all_reduce` then
+        ``add_rmsnorm``: the numbers of the two separate ops.
+        """
+        custom = self.custom_all_reduce
+        if self.size > 1 and custom is not None:
+            out = custom.fused_all_reduce_add_rmsnorm(x, residual, weight, eps, weight_offset)
+            if out is not None:
+                return out, residual
+        x = self.all_reduce(x)
+        if add_rmsnorm is not None:
+            return add_rmsnorm(x, residual)
+        if tuple(x.shape) != tuple(residual.shape) or x.dtype != residual.dtype:
+            raise ValueError(f"fused_all_reduce_add_rmsnorm: x {tuple(x.shape)} {x.dtype}, residual "
+                             f"{tuple(residual.shape)} {residual.dtype}")
+        residual.add_(x)
+        s = residual.float()
+        s = s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + eps)
+        return (s * (weight.float() + weight_offset)).to(residual.dtype), residual
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., n]`` of every rank -> ``[..., size * n]`` (rank order)."""
@@ -126,7 +169,8 @@ class TPGroup:
         from attnserve.distributed.custom_all_reduce import init_custom_all_reduce
 
         self.custom_all_reduce = init_custom_all_reduce(self.rank, self.size, self.device_group, self.cpu_group,
-                                                        torch.device(device), disable=disable)
+                                                        torch.device(device), disable=disable,
+                                                        disable_fusion=not self.allreduce_fusion)
 
     def _global(self, rank: int) -> int:
         # one TP group spans the whole world here (no data or pipeline parallelism)

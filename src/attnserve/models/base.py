@@ -76,6 +76,10 @@ class DecoderModel(nn.Module):
         self._init_rope(config, dtype)
         self.layers = nn.ModuleList(self._make_layer(config, i, dtype, tp) for i in range(config.num_hidden_layers))
         self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        from attnserve.models.layers.allreduce_fusion import link_allreduce_fusion
+
+        # tp > 1: row-parallel sums move into the norms after them (--disable-allreduce-fusion: none)
+        self.fused_allreduces = link_allreduce_fusion(self.layers, self.norm, tp)
 
     def _init_rope(self, config: Any, dtype: torch.dtype) -> None:
         """Build what the layers share before they are built: here one cos/sin table,
@@ -97,11 +101,15 @@ class DecoderModel(nn.Module):
         the final norm."""
         hidden_states = self.embed(input_ids)
         residual = None
+        layer = None
         for layer in self.layers[:num_layers]:
             # direct ``forward`` calls on the per-layer path: no module hooks are used, and
             # ``nn.Module.__call__`` costs ~7 us a call, ~300 calls a step (~3% of a CPU step)
             hidden_states, residual = layer.forward(positions, hidden_states, forward_batch, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
+        if getattr(layer, "mlp_output_partial", False):  # the last layer left its sum to this norm
+            hidden_states, _ = self.norm.forward_all_reduce(hidden_states, residual, layer.fusion_tp)
+        else:
+            hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 

@@ -67,6 +67,10 @@ class LlamaAttention(nn.Module):
     """
 
     qkv_bias: Optional[bool] = None
+    #: the row-parallel layer whose output ``forward`` returns unchanged (its all-reduce may
+    #: move into the next norm: `allreduce_fusion`); a subclass whose ``forward`` changes
+    #: that output sets None
+    output_projection: Optional[str] = "o_proj"
 
     def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
                  sliding_window_size: int = -1, tp: Optional[TPGroup] = None, scaling: Optional[float] = None,
@@ -110,6 +114,9 @@ class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with fused ``gate_up_proj``
     (this rank's intermediate rows under ``tp``; the output is all-reduced)."""
 
+    #: as `LlamaAttention.output_projection`
+    output_projection: Optional[str] = "down_proj"
+
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
                  tp: Optional[TPGroup] = None):
         super().__init__()
@@ -127,7 +134,17 @@ class LlamaDecoderLayer(nn.Module):
     Variants override `_make_attention` / `_make_mlp` (the norms and ``forward`` stay), or
     build ``self_attn``, ``mlp``, ``input_layernorm`` and ``post_attention_layernorm``
     themselves.
+
+    Under tensor parallelism `allreduce_fusion.link_allreduce_fusion` may set
+    ``attn_output_partial`` (``o_proj`` returns partial sums; ``post_attention_layernorm``
+    sums them), ``mlp_output_partial`` (the returned block output is partial) and
+    ``input_partial`` (the incoming one is: ``input_layernorm`` sums it), with ``fusion_tp``.
     """
+
+    attn_output_partial = False
+    mlp_output_partial = False
+    input_partial = False
+    fusion_tp: Optional[TPGroup] = None
 
     def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
                  tp: Optional[TPGroup] = None):
@@ -158,10 +175,17 @@ class LlamaDecoderLayer(nn.Module):
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm.forward(hidden_states)
+        elif self.input_partial:
+            hidden_states, residual = self.input_layernorm.forward_all_reduce(hidden_states, residual,
+                                                                              self.fusion_tp)
         else:
             hidden_states, residual = self.input_layernorm.forward(hidden_states, residual)
         hidden_states = self.self_attn.forward(positions, hidden_states, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm.forward(hidden_states, residual)
+        if self.attn_output_partial:
+            hidden_states, residual = self.post_attention_layernorm.forward_all_reduce(hidden_states, residual,
+                                                                                       self.fusion_tp)
+        else:
+            hidden_states, residual = self.post_attention_layernorm.forward(hidden_states, residual)
         return self.mlp.forward(hidden_states), residual
 
 

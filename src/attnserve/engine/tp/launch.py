@@ -47,6 +47,7 @@ class DistConfig:
         disable_custom_all_reduce: ``--disable-custom-all-reduce`` (NCCL for every size).
         step_broadcast: ``"shm"`` or ``"gloo"``: how rank 0's step messages travel
             (`step_channel.step_broadcast_mode`; rank 0's value decides).
+        disable_allreduce_fusion: ``--disable-allreduce-fusion`` (`TPGroup.allreduce_fusion`).
     """
 
     rank: int
@@ -57,6 +58,7 @@ class DistConfig:
     timeout_s: float = 600.0
     disable_custom_all_reduce: bool = False
     step_broadcast: str = "gloo"
+    disable_allreduce_fusion: bool = False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -85,7 +87,8 @@ def init_rank(cfg: DistConfig) -> TPGroup:
     world = dist.group.WORLD
     # a second gloo group for the step messages, which may wait as long as the server idles
     cpu_group = dist.new_group(list(range(cfg.world_size)), backend="gloo", timeout=_IDLE_TIMEOUT)
-    tp = TPGroup(rank=cfg.rank, size=cfg.world_size, device_group=world, cpu_group=cpu_group)
+    tp = TPGroup(rank=cfg.rank, size=cfg.world_size, device_group=world, cpu_group=cpu_group,
+                 allreduce_fusion=not cfg.disable_allreduce_fusion)
     if cfg.device_type == "cuda":  # create the NCCL communicator before any graph capture
         tp.all_reduce(torch.zeros(1, device="cuda"))
         tp.init_custom_all_reduce(torch.device("cuda", cfg.local_rank), disable=cfg.disable_custom_all_reduce)
@@ -147,7 +150,8 @@ class TPRuntime:
     def config(self, rank: int) -> DistConfig:
         return DistConfig(rank, self.server_args.tp_size, rank - self.first_rank, self.init_method,
                           self.server_args.resolved_device(), self.server_args.dist_timeout,
-                          getattr(self.server_args, "disable_custom_all_reduce", False), self.step_broadcast)
+                          getattr(self.server_args, "disable_custom_all_reduce", False), self.step_broadcast,
+                          getattr(self.server_args, "disable_allreduce_fusion", False))
 
     def start(self) -> TPGroup:
         """Spawn the other local ranks, join the world as ``first_rank`` and start the

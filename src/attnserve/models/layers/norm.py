@@ -92,6 +92,29 @@ class RMSNorm(nn.Module, FusedKernelUser):
         s = x + residual
         return self._norm(s), s
 
+    def forward_all_reduce(self, x_partial: torch.Tensor, residual: torch.Tensor,
+                           tp) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``forward(tp.all_reduce(x_partial), residual)``, in one kernel where it can be.
+
+        Args:
+            x_partial: ``[..., hidden_size]`` a row-parallel layer's partial sums on this rank
+                (``reduce_results=False``).
+            residual: ``[..., hidden_size]`` the residual stream.
+            tp: the rank's `TPGroup`.
+        Returns:
+            ``(norm(sum + residual), sum + residual)`` as `forward`.
+
+        Where `forward` would take its fused CUDA path (and emit no FP8 activation),
+        `TPGroup.fused_all_reduce_add_rmsnorm` runs (the all-reduce, add and norm in one
+        kernel when the custom all-reduce's one-shot path takes the message; otherwise
+        ``tp.all_reduce`` then `forward`, as everywhere else).
+        """
+        if (self.use_fused and x_partial.is_cuda and not self.fp8_output and self.fused_weight_offset is not None
+                and fused_add_rmsnorm_supported(x_partial, residual)):
+            return tp.fused_all_reduce_add_rmsnorm(x_partial, residual, self.weight, self.variance_epsilon,
+                                                   self.fused_weight_offset, add_rmsnorm=self.forward)
+        return self.forward(tp.all_reduce(x_partial), residual)
+
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"
 

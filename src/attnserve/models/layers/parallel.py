@@ -170,19 +170,29 @@ class RowParallelLinear(Linear):
         parts: the input split as ``(HeadRange, unit_size)`` (one part).
         out_features: output size (full, every rank).
         tp: the rank's `TPGroup`.
+        reduce_results: False: return this rank's partial sums, the caller sums them (e.g.
+            `TPGroup.fused_all_reduce_add_rmsnorm`, `models.layers.allreduce_fusion`; it
+            may also be switched off after construction). Needs ``bias=False`` (the bias is
+            added once, after the sum).
     """
 
     def __init__(self, parts: Sequence[Tuple[HeadRange, int]], out_features: int, tp: TPGroup,
-                 bias: bool = False, dtype: Optional[torch.dtype] = None):
+                 bias: bool = False, dtype: Optional[torch.dtype] = None, reduce_results: bool = True):
         spec = head_shard_spec(1, parts)
         super().__init__(sum(p.length for p in spec.pieces), out_features, bias=bias, dtype=dtype)
         self.tp = tp
+        if not reduce_results and bias:
+            raise ValueError("RowParallelLinear: reduce_results=False needs bias=False (the bias follows the sum)")
+        self.reduce_results = reduce_results
         _attach(self.weight, spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        out = self.tp.all_reduce(self.matmul(x, None))
+        out = self.matmul(x, None)
+        if not self.reduce_results:
+            return out
+        out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
 
