@@ -62,18 +62,19 @@ def dequantized_activation(x: torch.Tensor, block) -> torch.Tensor:
     return dequantize(q, s, block=None if block is None else (1, block[1]), dtype=torch.float64)
 
 
-def fp8_w8a8_moe_reference(x, q13, s13, q2, s2, block, topk_weights, topk_ids):
+def fp8_w8a8_moe_reference(x, q13, s13, q2, s2, block, topk_weights, topk_ids, acc_u: Optional[float] = None):
     """``(out, bound)`` for the W8A8 path: the float64 product of the dequantised experts
     and the quantised-then-dequantised input ``x``; the bound is `moe_reference`'s (storage
     dtype ``x.dtype``) with the intermediate's e4m3 quantisation error added to its error
     (``act_fp8``), so it holds whatever way the kernel's quantiser rounds its (slightly
-    different) intermediate."""
+    different) intermediate. ``acc_u``: `moe_reference`'s accumulation unit (None: float32's)."""
     e = q13.shape[0]
     d13 = torch.stack([dequantize_expert(q13, s13, i, block, gated=True).double() for i in range(e)])
     d2 = torch.stack([dequantize_expert(q2, s2, i, block).double() for i in range(e)])
     xd = dequantized_activation(x, block)
     return moe_reference(xd, d13, d2, topk_weights, topk_ids, storage_dtype=x.dtype,
-                         act_fp8="token" if block is None else "group", group=128 if block is None else block[1])
+                         act_fp8="token" if block is None else "group", group=128 if block is None else block[1],
+                         **({} if acc_u is None else {"acc_u": acc_u}))
 
 
 def fp8_w8a8_moe_simulated(x, q13, s13, q2, s2, block, topk_weights, topk_ids) -> torch.Tensor:

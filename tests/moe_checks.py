@@ -34,8 +34,8 @@ UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat1
 SAFETY = 2.0
 
 
-def _gamma(n: int) -> float:
-    return n * U32 / (1 - n * U32)
+def _gamma(n: int, u: float = U32) -> float:
+    return n * u / (1 - n * u)
 
 
 #: e4m3: half a unit in the last place relative to a normal value (3 mantissa bits), and
@@ -63,7 +63,7 @@ def _act_quant_error(a: torch.Tensor, da: torch.Tensor, group: Optional[int]) ->
 def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, storage_dtype: Optional[torch.dtype] = None,
                   act_fp8: Optional[str] = None, group: int = 128,
-                  x_err: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                  x_err: Optional[torch.Tensor] = None, acc_u: float = U32) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out, bound)``: the exact (float64) routed-expert output ``[T, H]`` of the rounded
     inputs, a loop over the experts, and the element-wise bound of the module docstring
     for the fused layer in ``x``'s dtype (or ``storage_dtype``, when ``x`` holds the values
@@ -74,7 +74,9 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     ``da``. (The gate-up input's quantisation is the caller's: pass the dequantised ``x``,
     or pass ``x`` and ``x_err`` ``[T, H]``, a bound on how far the kernel's input is from
     ``x``: it moves gate and up by ``dg <= x_err @ |W_g|^T`` / ``du``, so ``a`` by
-    ``1.1 dg |u| + |silu(g)| du + 1.1 dg du``.)"""
+    ``1.1 dg |u| + |silu(g)| du + 1.1 dg du``.) ``acc_u``: the accumulation's error per
+    term in units of the sum of magnitudes, for the GEMMs' ``gamma`` (default float32's
+    ``2**-24``; larger for Hopper's FP8 MMA, which keeps fewer bits inside a K step)."""
     us = UNIT_ROUNDOFF[storage_dtype or x.dtype]
     t, h = x.shape
     e_num, two_i, _ = w13.shape
@@ -94,7 +96,7 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         gm, um = xs.abs() @ wg.abs().T, xs.abs() @ wu.abs().T
         sg = g * torch.sigmoid(g)
         a = sg * u
-        da = _gamma(h) * (1.1 * u.abs() * gm + sg.abs() * um) + (us + 4 * U32) * a.abs()
+        da = _gamma(h, acc_u) * (1.1 * u.abs() * gm + sg.abs() * um) + (us + 4 * U32) * a.abs()
         if x_err is not None:
             xe = x_err[tok].double()
             dg, du = xe @ wg.abs().T, xe @ wu.abs().T
@@ -102,7 +104,7 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         if act_fp8 is not None:
             da = da + _act_quant_error(a, da, None if act_fp8 == "token" else group)
         y = a @ w2e.T
-        dy = da @ w2e.abs().T + _gamma(inter) * ((a.abs() + da) @ w2e.abs().T)
+        dy = da @ w2e.abs().T + _gamma(inter, acc_u) * ((a.abs() + da) @ w2e.abs().T)
         w = topk_weights[tok, slot].double()[:, None]
         out.index_add_(0, tok, w * y)
         err.index_add_(0, tok, w.abs() * (dy + us * (y.abs() + dy)) + U32 * (w * y).abs())
