@@ -67,6 +67,15 @@ CANDIDATES = {
     128: [(128, 64, 8, 4, 16), (256, 64, 8, 3, 16), (128, 128, 8, 3, 16), (256, 64, 8, 4, 16), (128, 64, 8, 5, 16),
           (256, 32, 8, 5, 16), (128, 64, 4, 4, 16)],
 }
+#: W8A8 FP8 experts (e4m3 x e4m3 dots; `tuned_configs.default_config_fp8_w8a8`): M tile ->
+#: (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages, GROUP_SIZE_M); BLOCK_SIZE_K 128 (one
+#: scale group a K step), 3 - 4 stages. Swept by ``benchmarks/moe_layer.py --sweep-w8a8``.
+FP8_W8A8_CANDIDATES = {
+    16: [(64, 128, 4, 4, 1), (128, 128, 4, 3, 1)],
+    32: [(128, 128, 4, 4, 8), (64, 128, 4, 4, 8), (128, 128, 8, 3, 8)],
+    64: [(128, 128, 4, 4, 8), (128, 128, 8, 3, 8), (256, 128, 8, 3, 8), (64, 128, 4, 4, 8)],
+    128: [(128, 128, 8, 4, 16), (256, 128, 8, 3, 16), (128, 128, 4, 4, 16), (256, 128, 8, 4, 16)],
+}
 GROUP_RETRY = {16: (), 32: (1, 32), 64: (1, 32), 128: (1, 64)}
 TARGET_MS = 2.0  # graph length per measurement
 REPLAYS = 5

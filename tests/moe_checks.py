@@ -25,7 +25,7 @@ orders of magnitude above the bound.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -34,16 +34,50 @@ UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat1
 SAFETY = 2.0
 
 
-def _gamma(n: int) -> float:
-    return n * U32 / (1 - n * U32)
+def _gamma(n: int, u: float = U32) -> float:
+    return n * u / (1 - n * u)
+
+
+#: e4m3: half a unit in the last place relative to a normal value (3 mantissa bits), and
+#: half the subnormal spacing (2**-9) in units of the scale
+E4M3_REL, E4M3_ABS = 2.0**-4, 2.0**-10
+
+
+def _act_quant_error(a: torch.Tensor, da: torch.Tensor, group: Optional[int]) -> torch.Tensor:
+    """Bound on ``|q s - a'|`` when the kernel's ``a'`` (within ``da`` of ``a``) is quantised
+    to e4m3 with ``s = amax(|a'|) / 448`` per row (``group`` None) or per ``1 x group`` run:
+    ``2**-4 |a'| + 2**-10 s`` (round to nearest: half an ulp of a normal value, or half the
+    subnormal spacing ``2**-9 s``)."""
+    mag = a.abs() + da
+    if group is None:
+        amax = mag.amax(dim=1, keepdim=True).expand_as(mag)
+    else:
+        n, k = mag.shape
+        g = -(-k // group)
+        padded = torch.zeros(n, g * group, dtype=mag.dtype, device=mag.device)
+        padded[:, :k] = mag
+        amax = padded.view(n, g, group).amax(dim=2).repeat_interleave(group, dim=1)[:, :k]
+    return E4M3_REL * mag + E4M3_ABS * amax / 448.0
 
 
 def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                  topk_ids: torch.Tensor, storage_dtype: Optional[torch.dtype] = None,
+                  act_fp8: Optional[str] = None, group: int = 128,
+                  x_err: Optional[torch.Tensor] = None, acc_u: float = U32) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out, bound)``: the exact (float64) routed-expert output ``[T, H]`` of the rounded
     inputs, a loop over the experts, and the element-wise bound of the module docstring
-    for the fused layer in ``x``'s dtype."""
-    us = UNIT_ROUNDOFF[x.dtype]
+    for the fused layer in ``x``'s dtype (or ``storage_dtype``, when ``x`` holds the values
+    the kernel multiplies, e.g. dequantised FP8 activations in float64).
+
+    ``act_fp8`` ``"token"`` / ``"group"`` (W8A8): the down GEMM's input is the intermediate
+    quantised to e4m3 per row / per ``1 x group`` run; its error (`_act_quant_error`) joins
+    ``da``. (The gate-up input's quantisation is the caller's: pass the dequantised ``x``,
+    or pass ``x`` and ``x_err`` ``[T, H]``, a bound on how far the kernel's input is from
+    ``x``: it moves gate and up by ``dg <= x_err @ |W_g|^T`` / ``du``, so ``a`` by
+    ``1.1 dg |u| + |silu(g)| du + 1.1 dg du``.) ``acc_u``: the accumulation's error per
+    term in units of the sum of magnitudes, for the GEMMs' ``gamma`` (default float32's
+    ``2**-24``; larger for Hopper's FP8 MMA, which keeps fewer bits inside a K step)."""
+    us = UNIT_ROUNDOFF[storage_dtype or x.dtype]
     t, h = x.shape
     e_num, two_i, _ = w13.shape
     inter = two_i // 2
@@ -62,9 +96,15 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         gm, um = xs.abs() @ wg.abs().T, xs.abs() @ wu.abs().T
         sg = g * torch.sigmoid(g)
         a = sg * u
-        da = _gamma(h) * (1.1 * u.abs() * gm + sg.abs() * um) + (us + 4 * U32) * a.abs()
+        da = _gamma(h, acc_u) * (1.1 * u.abs() * gm + sg.abs() * um) + (us + 4 * U32) * a.abs()
+        if x_err is not None:
+            xe = x_err[tok].double()
+            dg, du = xe @ wg.abs().T, xe @ wu.abs().T
+            da = da + 1.1 * dg * u.abs() + sg.abs() * du + 1.1 * dg * du
+        if act_fp8 is not None:
+            da = da + _act_quant_error(a, da, None if act_fp8 == "token" else group)
         y = a @ w2e.T
-        dy = da @ w2e.abs().T + _gamma(inter) * ((a.abs() + da) @ w2e.abs().T)
+        dy = da @ w2e.abs().T + _gamma(inter, acc_u) * ((a.abs() + da) @ w2e.abs().T)
         w = topk_weights[tok, slot].double()[:, None]
         out.index_add_(0, tok, w * y)
         err.index_add_(0, tok, w.abs() * (dy + us * (y.abs() + dy)) + U32 * (w * y).abs())

@@ -8,6 +8,12 @@ reference of all 256 would not fit) and its tp-8 slice (I 256). Per-channel and
 128 x 128 block scales; 1 (decode, slot blocks), 37 and 300 tokens (ragged); experts 0
 and 3 get no token. Also CUDA graph capture / replay, the `FusedMoE` layer quantised at
 load (Triton) against its native path, and no 16-bit copy of the experts at run time.
+
+W8A8 (large batches: e4m3 activations, e4m3 x e4m3 dots): the same shapes at 37 and 300
+tokens (forced), against the float64 product of the dequantised experts and quantised
+input (`fp8_moe_checks.fp8_w8a8_moe_reference`) with the accumulation unit of Hopper's FP8
+MMA inside a K step (`W8A8_ACC_U`); the rule choosing W8A8 at Mixtral's 64 tokens, CUDA graph
+replay of the W8A8 path, and the fast-accumulation variant within 2 % (Frobenius).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import pytest
 import torch
 
 from attnserve.models.layers.moe.fused_moe_triton import fused_experts_triton
-from fp8_moe_checks import fp8_moe_reference, quantize_experts
+from fp8_moe_checks import fp8_moe_reference, fp8_w8a8_moe_reference, fp8_w8a8_moe_simulated, quantize_experts
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available() or
                                                    torch.cuda.get_device_capability() < (8, 9), reason="FP8 GPU")]
@@ -151,3 +157,87 @@ def test_engine_fp8_experts_decode_graph_matches_eager(model, monkeypatch):
         res.append([o.token_ids for o in llm.generate(prompts, sp)])
         llm.shutdown()
     assert res[0] == res[1]
+
+
+#: Error per term of an e4m3 x e4m3 ``tl.dot`` over one 128-wide K step, in units of the sum of
+#: |products|: sm 90's FP8 MMA keeps ~13 bits past the leading one of its running sum (DeepSeek-V3
+#: report, section 3.3.2, "around 14 bits"), one truncation per 32-wide instruction step, so a K
+#: step of n terms is off by <= (n / 32) 2**-13 = n 2**-18 of its magnitude sum; 2**-17 is twice that.
+#: The kernel adds each step's product to a float32 accumulator (no fast accumulation).
+W8A8_ACC_U = 2.0**-17
+
+
+def _check_w8a8(out, x, q13, s13, q2, s2, w, ids, block):
+    ref, bound = fp8_w8a8_moe_reference(x, q13, s13, q2, s2, block, w, ids, acc_u=W8A8_ACC_U)
+    diff = (out.double() - ref).abs()
+    assert out.dtype == x.dtype and out.shape == x.shape and torch.isfinite(out).all()
+    ratio = (diff / bound).max().item()
+    assert ratio <= 1.0, f"max |delta| {diff.max().item():.3e}, {ratio:.3f} of the bound"
+    sim = fp8_w8a8_moe_simulated(x, q13, s13, q2, s2, block, w, ids)
+    rel = ((out.double() - sim).norm() / sim.norm()).item()
+    assert rel <= 0.02, f"relative error {rel:.3e} against the simulated W8A8 steps"
+    return rel
+
+
+@pytest.mark.parametrize("scales", list(BLOCKS))
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("t", [37, 300])
+def test_real_shapes_fp8_w8a8(shape, t, scales):
+    block = BLOCKS[scales]
+    case = _case(shape, t, block, seed=t + 1)
+    out = fused_experts_triton(case[0], case[1], case[3], case[5], case[6], w13_scale=case[2], w2_scale=case[4],
+                               block_shape=block, fp8_w8a8=True)
+    rel = _check_w8a8(out, *case, block)
+    print(f"W8A8 {shape} T={t} {scales}: relative error {rel:.2e} vs simulated steps")
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("scales", list(BLOCKS))
+def test_w8a8_rule_and_cuda_graph(scales, monkeypatch):
+    """Mixtral-8x7B shape at 64 tokens (16 slots an expert): W8A8 by the default rule (both
+    inputs quantised), the same at 32 tokens is W8A16; the W8A8 call replays in a CUDA graph."""
+    import attnserve.models.layers.moe.fused_moe_triton as fmt
+    from attnserve.models.layers.moe.fp8_w8a8 import W8A8_MIN_SLOTS_ENV
+
+    monkeypatch.delenv(W8A8_MIN_SLOTS_ENV, raising=False)
+    block = BLOCKS[scales]
+    calls = []
+    real = fmt.quantize_moe_activation
+    monkeypatch.setattr(fmt, "quantize_moe_activation", lambda a, b: calls.append(tuple(a.shape)) or real(a, b))
+    x, q13, s13, q2, s2, w, ids = _case("mixtral-8x7b", 32, block, seed=5, exclude=())
+    _run(x, q13, s13, q2, s2, w, ids, block)
+    assert calls == []
+    x, q13, s13, q2, s2, w, ids = _case("mixtral-8x7b", 64, block, seed=6, exclude=())
+    eager = _run(x, q13, s13, q2, s2, w, ids, block)
+    assert calls == [(64, 4096), (128, 14336)]
+    _check_w8a8(eager, x, q13, s13, q2, s2, w, ids, block)
+    sx, sw, sids = x.clone(), w.clone(), ids.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _run(sx, q13, s13, q2, s2, sw, sids, block)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sout = _run(sx, q13, s13, q2, s2, sw, sids, block)
+    x2, _, _, _, _, w2_, ids2 = _case("mixtral-8x7b", 64, block, seed=7, exclude=())
+    sx.copy_(x2)
+    sw.copy_(w2_)
+    sids.copy_(ids2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(sout, _run(x2, q13, s13, q2, s2, w2_, ids2, block))
+    torch.cuda.empty_cache()
+
+
+def test_w8a8_fast_accum():
+    """``use_fast_accum`` (per-channel: the FP8 MMA accumulates over all of K): within 2 % of
+    the simulated W8A8 steps (Frobenius; no element-wise bound: the reduced-precision sum
+    over 14336 terms has none worth stating)."""
+    x, q13, s13, q2, s2, w, ids = _case("mixtral-8x7b", 300, None, seed=8)
+    out = fused_experts_triton(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2, fp8_w8a8=True, use_fast_accum=True)
+    assert torch.isfinite(out).all()
+    sim = fp8_w8a8_moe_simulated(x, q13, s13, q2, s2, None, w, ids)
+    rel = ((out.double() - sim).norm() / sim.norm()).item()
+    print(f"fast accumulation: relative error {rel:.2e} vs simulated steps")
+    assert rel <= 0.02

@@ -40,9 +40,15 @@ every e4m3 value is a bfloat16 / float16 value) and multiplies by the scale: per
 channel (``W_SCALE == 1``, ``[E, rows]``) once in the epilogue, before SiLU-and-mul and the
 routed weight; per ``128 x 128`` block (``W_SCALE == 2``, ``[E, row blocks, K blocks]``;
 DeepSeek-V3's ``weight_scale_inv``) on each K step's partial product, the K tile lying in
-one scale block (``BLOCK_K <= 128``). Activations stay 16-bit: no activation quantisation.
-For the gated GEMM the scale rows of gate and up are separate runs (gate blocks
+one scale block (``BLOCK_K <= 128``). For the gated GEMM the scale rows of gate and up are separate runs (gate blocks
 ``[0, cdiv(I, 128))``, up blocks after), so ``I`` need not be a multiple of 128.
+
+W8A8 (`fp8_w8a8`: large batches, where the experts are compute bound): both GEMMs' inputs
+are quantised to e4m3 first (per token, or per ``1 x 128`` group with block scales), the
+dots are e4m3 x e4m3 with float32 accumulation (each K step's product added to the float32
+accumulator), and the activation scale joins the weight scale: per token x per channel in
+the epilogue, or ``a_scale[m, kb] * w_scale[n block, kb]`` per 128-wide K step. Smaller
+batches stay W8A16 (the weight stream is the cost there).
 
 Launch parameters come from `tuned_configs` (tables per shape and device chosen by
 ``benchmarks/moe_tune.py``; a rule of thumb otherwise). On the CPU the kernels run under
@@ -60,6 +66,7 @@ import triton
 import triton.language as tl
 
 from attnserve.models.layers.moe.align import moe_align_block_size
+from attnserve.models.layers.moe.fp8_w8a8 import quantize_moe_activation, use_fp8_w8a8
 from attnserve.models.layers.moe.tuned_configs import FusedMoEConfig, MoEGemmConfig, get_fused_moe_config
 from attnserve.triton_env import triton_interpreting
 
@@ -88,6 +95,7 @@ def fused_moe_kernel(
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, SLOT_BLOCKS: tl.constexpr = False,
     b_scale_ptr=None, stride_bse=0, stride_bsn=0, stride_bsk=0,
     W_SCALE: tl.constexpr = 0, SCALE_BLOCK: tl.constexpr = 128,
+    a_scale_ptr=None, stride_asm=0, stride_ask=0, A_SCALE: tl.constexpr = 0, FAST_ACCUM: tl.constexpr = False,
 ):
     """Grouped GEMM over the aligned slots. Grid ``(num_m_blocks * cdiv(N, OUT_N),)``.
 
@@ -109,6 +117,15 @@ def fused_moe_kernel(
     ``b_scale[e, row block, k block]`` (``SCALE_BLOCK``-wide blocks, strides ``stride_bse``,
     ``stride_bsn``, ``stride_bsk``; gated: gate row blocks then ``cdiv(N, SCALE_BLOCK)`` up
     row blocks) multiplies each K step's product; needs ``SCALE_BLOCK % BLOCK_K == 0``.
+
+    A_SCALE (W8A8: ``a`` e4m3 too, ``tl.dot`` of e4m3 x e4m3 with float32 accumulation):
+    1 -- per-row scales ``a_scale[row]`` (``stride_asm``; with ``W_SCALE == 1``), multiplied
+    with the channel scale in the epilogue; each K step's product is added to the float32
+    accumulator (promotion every ``BLOCK_K``), or, FAST_ACCUM, accumulated inside the MMA
+    (Hopper's reduced-precision FP8 accumulation, as cuBLAS's ``fast_accum``); 2 -- per
+    ``1 x SCALE_BLOCK`` group ``a_scale[row, k block]`` (``stride_asm``, ``stride_ask``;
+    with ``W_SCALE == 2``), ``a_scale[m, kb] * b_scale[n block, kb]`` on each K step.
+    ``row`` is the row of ``a`` the slot reads (``slot // top_k`` gated, else ``slot``).
     """
     OUT_N: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
     pid = tl.program_id(0)
@@ -151,6 +168,8 @@ def fused_moe_kernel(
         else:
             s_row = w_row // SCALE_BLOCK
         s_ptrs = b_scale_ptr + expert * stride_bse + s_row.to(tl.int64) * stride_bsn
+    if A_SCALE != 0:
+        as_ptrs = a_scale_ptr + a_rows.to(tl.int64) * stride_asm
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
@@ -161,25 +180,44 @@ def fused_moe_kernel(
             k_mask = offs_k < K - kk * BLOCK_K
             a = tl.load(a_ptrs, mask=token_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-        if W_SCALE != 0:
-            b = b.to(a_ptr.dtype.element_ty)  # e4m3 -> 16-bit: exact
-        if W_SCALE == 2:
+        if A_SCALE != 0:  # W8A8: e4m3 x e4m3
             if DOT_UPCAST:
                 part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            elif FAST_ACCUM:  # the launcher sets it only for A_SCALE == 1 off the interpreter
+                acc = tl.dot(a, b, acc)
             else:
-                part = tl.dot(a, b, input_precision=DOT_PRECISION)
-            s_blk = tl.load(s_ptrs + ((kk * BLOCK_K) // SCALE_BLOCK) * stride_bsk)
-            acc += part * s_blk[None, :]
-        elif DOT_UPCAST:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                part = tl.dot(a, b, out_dtype=tl.float32)
+            if A_SCALE == 2:
+                kb = (kk * BLOCK_K) // SCALE_BLOCK
+                a_s = tl.load(as_ptrs + kb * stride_ask, mask=token_mask, other=0.0)
+                s_blk = tl.load(s_ptrs + kb * stride_bsk)
+                acc += part * a_s[:, None] * s_blk[None, :]
+            elif not FAST_ACCUM:
+                acc += part
+        else:  # 16-bit activations (W8A16 or unquantised)
+            if W_SCALE != 0:
+                b = b.to(a_ptr.dtype.element_ty)  # e4m3 -> 16-bit: exact
+            if W_SCALE == 2:
+                if DOT_UPCAST:
+                    part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(a, b, input_precision=DOT_PRECISION)
+                s_blk = tl.load(s_ptrs + ((kk * BLOCK_K) // SCALE_BLOCK) * stride_bsk)
+                acc += part * s_blk[None, :]
+            elif DOT_UPCAST:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
     if W_SCALE == 1:
         s_ch = tl.load(b_scale_ptr + expert * stride_bse + w_row.to(tl.int64) * stride_bsn)
-        acc = acc * s_ch[None, :]
+        if A_SCALE == 1:
+            a_s = tl.load(as_ptrs, mask=token_mask, other=0.0)
+            acc = acc * a_s[:, None] * s_ch[None, :]
+        else:
+            acc = acc * s_ch[None, :]
     offs_cn = pid_n * OUT_N + tl.arange(0, OUT_N)
     if GATED:
         gu = tl.permute(tl.reshape(acc, (BLOCK_M, 2, OUT_N)), (0, 2, 1))
@@ -210,6 +248,8 @@ def invoke_fused_moe_kernel(
     slot_blocks: bool = False,
     w_scale: Optional[torch.Tensor] = None,
     scale_block: Optional[int] = None,
+    a_scale: Optional[torch.Tensor] = None,
+    fast_accum: bool = False,
 ) -> None:
     """Launch `fused_moe_kernel` once (no checks; `fused_experts_triton` validates).
 
@@ -231,6 +271,12 @@ def invoke_fused_moe_kernel(
         w_scale: float32 scales of an e4m3 ``w``: ``[E, rows]`` per channel, or
             ``[E, row blocks, K blocks]`` with ``scale_block`` (``gemm.block_k`` must divide it).
         scale_block: the block edge of block scales (128), None for per-channel scales.
+        a_scale: W8A8 (``a`` e4m3, with ``w_scale``): float32 ``[rows, 1]`` per row of ``a``
+            (per-channel ``w_scale``) or ``[rows, cdiv(K, scale_block)]`` per 1 x 128 group
+            (block ``w_scale``).
+        fast_accum: W8A8 per-row scales: accumulate inside the FP8 MMA over the whole K
+            (faster on sm 90, reduced precision) instead of adding each K step's product
+            to the float32 accumulator. Ignored otherwise and under the interpreter.
     """
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
@@ -244,6 +290,11 @@ def invoke_fused_moe_kernel(
         w_mode, scale_args = W_SCALE_CHANNEL, (w_scale, w_scale.stride(0), w_scale.stride(1), 0)
     else:
         w_mode, scale_args = W_SCALE_BLOCK, (w_scale,) + tuple(w_scale.stride())
+    if a_scale is None:
+        a_mode, a_args = 0, (None, 0, 0)
+    else:
+        a_mode = 1 if scale_block is None else 2
+        a_args = (a_scale, a_scale.stride(0), a_scale.stride(1) if a_mode == 2 else 0)
     fused_moe_kernel[grid](
         a, w, c, topk_weights if topk_weights is not None else c, sorted_token_ids, expert_ids, num_tokens_post_padded,
         n, k, num_m_blocks, num_valid_tokens, top_k, gemm.group_m, w.shape[0],
@@ -253,6 +304,8 @@ def invoke_fused_moe_kernel(
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", DOT_UPCAST=interpret,
         SLOT_BLOCKS=bool(slot_blocks), b_scale_ptr=scale_args[0], stride_bse=scale_args[1],
         stride_bsn=scale_args[2], stride_bsk=scale_args[3], W_SCALE=w_mode, SCALE_BLOCK=scale_block or 128,
+        a_scale_ptr=a_args[0], stride_asm=a_args[1], stride_ask=a_args[2], A_SCALE=a_mode,
+        FAST_ACCUM=bool(fast_accum) and a_mode == 1 and not interpret,
         num_warps=gemm.num_warps, num_stages=gemm.num_stages,
     )
 
@@ -325,6 +378,8 @@ def fused_experts_triton(
     w13_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
     block_shape: Optional[Tuple[int, int]] = None,
+    fp8_w8a8: Optional[bool] = None,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """Routed-expert MLP of a MoE layer: alignment, gate-up, down, top-k sum (no alignment for one token).
 
@@ -343,8 +398,16 @@ def fused_experts_triton(
             ``~= q * scale``): float32 per output channel ``[E, 2I]`` / ``[E, H]``, or with
             ``block_shape`` ``(128, 128)`` block scales ``[E, 2 cdiv(I, 128), cdiv(H, 128)]``
             (gate row blocks, then up row blocks) / ``[E, cdiv(H, 128), cdiv(I, 128)]``.
-            The activations are not quantised.
+            The activations are not quantised, except on the W8A8 path (``fp8_w8a8``).
         block_shape: ``(128, 128)`` for block scales, None for per-channel scales.
+        fp8_w8a8: FP8 experts only. None: W8A8 -- the inputs of both GEMMs quantised to e4m3
+            (per token; per 1 x 128 group with block scales) and e4m3 x e4m3 dots -- when
+            `fp8_w8a8.use_fp8_w8a8` says so (mean slots per expert >= 16, tunable), else
+            W8A16; True / False force W8A8 / W8A16. The config table and default rule of
+            W8A8 are their own (`tuned_configs.default_config_fp8_w8a8`).
+        use_fast_accum: W8A8 with per-channel scales: accumulate inside the FP8 MMA over
+            all of K (Hopper's reduced-precision accumulation) rather than promoting each
+            K step to float32. Default off (as ``torch._scaled_mm``'s ``use_fast_accum``).
 
     Returns:
         new ``[T, H]`` tensor in hidden's dtype: ``sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``,
@@ -352,9 +415,12 @@ def fused_experts_triton(
         are rounded to the storage dtype once each, the top-k sum accumulates in float32.
 
     Raises:
-        ValueError: shapes, dtypes, devices or layouts outside the above, or an invalid config.
+        ValueError: shapes, dtypes, devices or layouts outside the above, an invalid config,
+            ``fp8_w8a8=True`` without FP8 experts or on a device without FP8 tensor cores.
     """
     _check(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
+    if fp8_w8a8 and w13_scale is None:
+        raise ValueError("fused_experts_triton: fp8_w8a8=True needs FP8 experts (w13_scale / w2_scale)")
     if hidden_states.stride(1) != 1:
         hidden_states = hidden_states.contiguous()
     t, h = hidden_states.shape
@@ -364,14 +430,16 @@ def fused_experts_triton(
     dtype, dev = hidden_states.dtype, hidden_states.device
     if t == 0 or top_k == 0:
         return torch.zeros((t, h), dtype=dtype, device=dev)
+    scale_block = None if block_shape is None or w13_scale is None else int(block_shape[1])
+    w8a8 = w13_scale is not None and use_fp8_w8a8(t, top_k, e, dev, fp8_w8a8)
     if config is None:
-        cfg = get_fused_moe_config(t, e, inter, h, top_k, dtype, dev)
+        cfg = get_fused_moe_config(t, e, inter, h, top_k, dtype, dev, quant="fp8_w8a8" if w8a8 else None,
+                                   block_shape=block_shape if w8a8 and scale_block else None)
     elif isinstance(config, FusedMoEConfig):
         cfg = config
     else:
         cfg = FusedMoEConfig.from_dict(config)
     cfg.validate()
-    scale_block = None if block_shape is None or w13_scale is None else int(block_shape[1])
     if scale_block is not None and max(cfg.gemm1.block_k, cfg.gemm2.block_k) > scale_block:
         cfg = FusedMoEConfig(cfg.block_m, dataclasses.replace(cfg.gemm1, block_k=min(cfg.gemm1.block_k, scale_block)),
                              dataclasses.replace(cfg.gemm2, block_k=min(cfg.gemm2.block_k, scale_block)))
@@ -385,12 +453,20 @@ def fused_experts_triton(
     weights = topk_weights.reshape(-1)
     if not weights.is_contiguous():
         weights = weights.contiguous()
+    a1, a1_scale = hidden_states, None
+    if w8a8:
+        a1, a1_scale = quantize_moe_activation(hidden_states, block_shape if scale_block else None)
     act = torch.empty((s, inter), dtype=dtype, device=dev)
-    invoke_fused_moe_kernel(hidden_states, w13, act, None, sorted_ids, expert_ids, ntpp, top_k, s, cfg.block_m,
-                            cfg.gemm1, gated=True, slot_blocks=slot_blocks, w_scale=w13_scale, scale_block=scale_block)
+    invoke_fused_moe_kernel(a1, w13, act, None, sorted_ids, expert_ids, ntpp, top_k, s, cfg.block_m,
+                            cfg.gemm1, gated=True, slot_blocks=slot_blocks, w_scale=w13_scale, scale_block=scale_block,
+                            a_scale=a1_scale, fast_accum=use_fast_accum)
+    a2, a2_scale = act, None
+    if w8a8:  # the intermediate, rounded to the storage dtype as on the W8A16 path, then quantised
+        a2, a2_scale = quantize_moe_activation(act, block_shape if scale_block else None)
     per_slot = torch.empty((s, h), dtype=dtype, device=dev)
-    invoke_fused_moe_kernel(act, w2, per_slot, weights, sorted_ids, expert_ids, ntpp, 1, s, cfg.block_m,
-                            cfg.gemm2, gated=False, slot_blocks=slot_blocks, w_scale=w2_scale, scale_block=scale_block)
+    invoke_fused_moe_kernel(a2, w2, per_slot, weights, sorted_ids, expert_ids, ntpp, 1, s, cfg.block_m,
+                            cfg.gemm2, gated=False, slot_blocks=slot_blocks, w_scale=w2_scale, scale_block=scale_block,
+                            a_scale=a2_scale, fast_accum=use_fast_accum)
     if top_k == 1:
         return per_slot
     return per_slot.view(t, top_k, h).sum(dim=1)

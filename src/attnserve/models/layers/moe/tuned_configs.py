@@ -46,6 +46,7 @@ __all__ = [
     "MoEGemmConfig",
     "config_file_name",
     "default_config",
+    "default_config_fp8_w8a8",
     "device_name_tag",
     "get_fused_moe_config",
     "load_tuned_configs",
@@ -153,9 +154,16 @@ def device_name_tag(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9.\-]+", "_", name.strip())
 
 
-def config_file_name(E: int, N: int, K: int, dtype: torch.dtype, device_name: str) -> str:
-    """File name of the table for ``E`` experts, intermediate ``N``, hidden ``K``, ``dtype``, device."""
-    return f"E={E},N={N},K={K},device_name={device_name_tag(device_name)},dtype={_DTYPE_NAMES[dtype]}.json"
+def config_file_name(E: int, N: int, K: int, dtype: torch.dtype, device_name: str, quant: Optional[str] = None,
+                     block_shape: Optional[Tuple[int, int]] = None) -> str:
+    """File name of the table for ``E`` experts, intermediate ``N``, hidden ``K``, ``dtype``, device.
+
+    ``quant`` ``"fp8_w8a8"`` (FP8 experts with FP8 activations, `fp8_w8a8`) replaces the
+    dtype, and ``block_shape`` adds ``,block_shape=[128,128]`` (SGLang's naming)."""
+    name = f"E={E},N={N},K={K},device_name={device_name_tag(device_name)},dtype={quant or _DTYPE_NAMES[dtype]}"
+    if quant and block_shape is not None:
+        name += f",block_shape=[{int(block_shape[0])},{int(block_shape[1])}]"
+    return name + ".json"
 
 
 def package_config_dir() -> Path:
@@ -175,8 +183,10 @@ def _read_table(path: str) -> Optional[Tuple[Tuple[int, FusedMoEConfig], ...]]:
     return tuple(sorted((int(k), FusedMoEConfig.from_dict(v)) for k, v in configs.items()))
 
 
-def load_tuned_configs(E: int, N: int, K: int, dtype: torch.dtype, device_name: str) -> Optional[Dict[int, FusedMoEConfig]]:
-    """Tuned table ``{token count: config}`` for this shape and device, or None.
+def load_tuned_configs(E: int, N: int, K: int, dtype: torch.dtype, device_name: str, quant: Optional[str] = None,
+                       block_shape: Optional[Tuple[int, int]] = None) -> Optional[Dict[int, FusedMoEConfig]]:
+    """Tuned table ``{token count: config}`` for this shape and device (and ``quant`` /
+    ``block_shape``, see `config_file_name`), or None.
 
     Searched in ``$ATTNSERVE_MOE_CONFIG_DIR`` (if set) then in `package_config_dir`.
 
@@ -185,7 +195,7 @@ def load_tuned_configs(E: int, N: int, K: int, dtype: torch.dtype, device_name: 
     """
     if dtype not in _DTYPE_NAMES:
         return None
-    name = config_file_name(E, N, K, dtype, device_name)
+    name = config_file_name(E, N, K, dtype, device_name, quant, block_shape)
     dirs = [os.environ.get(CONFIG_DIR_ENV, "").strip(), str(package_config_dir())]
     for d in dirs:
         if d:
@@ -193,6 +203,32 @@ def load_tuned_configs(E: int, N: int, K: int, dtype: torch.dtype, device_name: 
             if table is not None:
                 return dict(table)
     return None
+
+
+def default_config_fp8_w8a8(num_tokens: int, E: int, N: int, K: int, top_k: int) -> FusedMoEConfig:
+    """Rule of thumb for the W8A8 FP8 GEMMs (e4m3 x e4m3 ``tl.dot``; H100, untuned): ``BLOCK_SIZE_K``
+    128 (one activation / weight scale group a K step; an FP8 tile of 128 x 128 is the bytes of
+    a 16-bit 128 x 64 one), M tile by the mean slots per expert ``a = T * top_k / E`` as
+    `default_config`: 16 rows up to 12 (``BLOCK_SIZE_N`` 64, 4 warps, 4 stages), 32 up to 48
+    (128 / 4 warps / 4 stages), 64 up to 160 (128 / 4 warps / 4 stages), 128 above
+    (128 / 8 warps / 4 stages: ``4 x 32`` KiB of shared memory); ``GROUP_SIZE_M`` 8 (16 at 128
+    rows). The candidates ``benchmarks/moe_layer.py --sweep-w8a8`` times are
+    ``moe_tune.FP8_W8A8_CANDIDATES``."""
+    a = num_tokens * top_k / max(E, 1)
+    if a <= 12:
+        bm, g = 16, MoEGemmConfig(64, 128, 1, 4, 4)
+    elif a <= 48:
+        bm, g = 32, MoEGemmConfig(128, 128, 8, 4, 4)
+    elif a <= 160:
+        bm, g = 64, MoEGemmConfig(128, 128, 8, 4, 4)
+    else:
+        bm, g = 128, MoEGemmConfig(128, 128, 16, 8, 4)
+
+    def fit(rows: int, red: int) -> MoEGemmConfig:
+        return MoEGemmConfig(min(g.block_n, max(16, _next_pow2(rows))), min(g.block_k, max(16, _next_pow2(red))),
+                             g.group_m, g.num_warps, g.num_stages)
+
+    return FusedMoEConfig(bm, fit(2 * N, K), fit(K, N))
 
 
 def default_config(num_tokens: int, E: int, N: int, K: int, top_k: int, dtype: torch.dtype,
@@ -237,12 +273,16 @@ def default_config(num_tokens: int, E: int, N: int, K: int, top_k: int, dtype: t
 
 
 def get_fused_moe_config(num_tokens: int, E: int, N: int, K: int, top_k: int, dtype: torch.dtype,
-                         device: torch.device) -> FusedMoEConfig:
+                         device: torch.device, quant: Optional[str] = None,
+                         block_shape: Optional[Tuple[int, int]] = None) -> FusedMoEConfig:
     """The tuned entry nearest to ``num_tokens`` for this shape on ``device`` (CUDA), else
-    `default_config` (always for CPU tensors, which run under the Triton interpreter)."""
+    `default_config` (always for CPU tensors, which run under the Triton interpreter).
+    ``quant`` ``"fp8_w8a8"``: the W8A8 table (`config_file_name`) or `default_config_fp8_w8a8`."""
     if device.type == "cuda":
-        table = load_tuned_configs(E, N, K, dtype, torch.cuda.get_device_name(device))
+        table = load_tuned_configs(E, N, K, dtype, torch.cuda.get_device_name(device), quant, block_shape)
         if table:
             key = min(table, key=lambda k: (abs(k - num_tokens), k))
             return table[key]
+        if quant == "fp8_w8a8":
+            return default_config_fp8_w8a8(num_tokens, E, N, K, top_k)
     return default_config(num_tokens, E, N, K, top_k, dtype, interpret=device.type != "cuda")
