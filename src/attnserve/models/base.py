@@ -194,7 +194,8 @@ class CausalLM(nn.Module):
         if (getattr(self.model.norm, "use_fused", False) and hidden_states.is_cuda and skinny_rule() == "v2"
                 and skinny_gemm_supported(hidden_states, w)):
             local = skinny_linear(hidden_states, w)
-        elif hidden_states.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and hidden_states.dim() == 2:
+        elif (hidden_states.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and hidden_states.dim() == 2
+              and self.tp.size == 1):  # under TP the all-gather would carry twice the bytes
             local = _mm_float32_out(hidden_states, w)
         else:
             local = cpu_gemm.linear(hidden_states, w, None, self.lm_head_packed)
