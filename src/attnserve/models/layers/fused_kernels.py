@@ -50,6 +50,7 @@ __all__ = [
     "rmsnorm",
     "fused_add_rmsnorm",
     "fused_add_rmsnorm_supported",
+    "fused_add_rmsnorm_unchecked",
     "rope_layout_supported",
     "rotary_embedding_inplace",
     "KVStoreTarget",
@@ -225,6 +226,19 @@ def fused_add_rmsnorm(
             f"{residual.dtype} strides {residual.stride()}: shapes and dtypes must match and residual "
             "must be updatable in place"
         )
+    return fused_add_rmsnorm_unchecked(x, residual, weight, eps, weight_offset)
+
+
+def fused_add_rmsnorm_unchecked(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+) -> torch.Tensor:
+    """`fused_add_rmsnorm` for callers that have just seen `fused_add_rmsnorm_supported`
+    return True for ``(x, residual)`` (`RMSNorm.forward`): the same launch without
+    checking it again. Anything else is undefined."""
     shape = x.shape
     n = shape[-1]
     out = torch.empty(shape, dtype=residual.dtype, device=residual.device)
