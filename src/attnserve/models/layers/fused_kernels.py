@@ -8,7 +8,10 @@ these launchers only for CUDA tensors and only while their ``use_fused`` is on
 
 * `rmsnorm` / `fused_add_rmsnorm` -- RMSNorm (Zhang & Sennrich, arXiv:1910.07467), also in
   Gemma's ``x * (1 + w)`` form (``weight_offset=1.0``); the residual form adds, stores the
-  new residual stream in place and normalises in one kernel.
+  new residual stream in place and normalises in one kernel. Rows shorter than 1024
+  (padded) elements -- the per-head q/k norms of Qwen3 and Gemma 3, rows of
+  ``head_dim`` -- are normalised ``4096 // BLOCK`` per program, so those launches move
+  several KB per program and stream at the copy rate; longer rows take one program each.
 * `rotary_embedding_inplace` -- RoPE (Su et al., RoFormer, arXiv:2104.09864) on q and k in
   one launch, NeoX ("rotate half") or GPT-J (interleaved) pairing, partial ``rotary_dim``.
 * `silu_and_mul` / `gelu_tanh_and_mul` -- SwiGLU / GeGLU gates (Shazeer,
@@ -25,8 +28,11 @@ kernel launched before them, so ``weight`` must not be written by that kernel (m
 parameters never are). Algorithms were studied in
 SGLang / vLLM / FlashInfer; the code is our own.
 
-Triton is imported lazily (the kernels live in `fused_kernels_triton`), so this module
-imports on CPU-only installs without Triton. On CPU the kernels run only under the Triton
+Triton is imported lazily (the kernels live in `fused_kernels_triton`; `_kernels` imports
+that module once), so this module imports on CPU-only installs without Triton. The host
+path of each launcher is kept short because eager prefill and decode call them on every
+layer: launch configurations are cached per row width (`_norm_launch`), the device's PDL
+facts per device index (`pdl._pdl_capable`), and nothing is imported per call. On CPU the kernels run only under the Triton
 interpreter (``TRITON_INTERPRET=1``; the tests use it).
 """
 
