@@ -92,6 +92,74 @@ def check_fused_add_rmsnorm(device, dtype, tokens: int, hidden: int, gemma: bool
     close(out, _norm_ref64(ref_sum, norm), dtype)
 
 
+def _short_rows(gen, tokens: int, heads: int, dim: int, layout: str, device, dtype, pad: int):
+    """A ``[..., dim]`` tensor of short rows and the tensor it is a view of (or itself).
+
+    ``strided2d``: ``[tokens, dim]`` column slice of ``[tokens, dim + pad + 5]`` (from column
+    ``pad``); ``heads3d``: ``[tokens, heads, dim]`` view of the first ``heads * dim`` columns of
+    ``[tokens, (heads + 2) * dim + pad]`` (the q part of a fused qkv output); ``padded3d``:
+    ``[tokens, heads, dim]`` cut from ``[tokens, heads, dim + pad]`` (head stride ``dim + pad``);
+    ``contig4d``: contiguous ``[2, tokens, heads, dim]``."""
+    if layout == "strided2d":
+        base = _rand(gen, tokens, dim + pad + 5, device=device, dtype=dtype, scale=2.0)
+        return base[:, pad : pad + dim], base
+    if layout == "heads3d":
+        base = _rand(gen, tokens, (heads + 2) * dim + pad, device=device, dtype=dtype, scale=2.0)
+        return base[:, : heads * dim].view(tokens, heads, dim), base
+    if layout == "padded3d":
+        base = _rand(gen, tokens, heads, dim + pad, device=device, dtype=dtype, scale=2.0)
+        return base[..., :dim], base
+    assert layout == "contig4d"
+    x = _rand(gen, 2, tokens, heads, dim, device=device, dtype=dtype, scale=2.0)
+    return x, x
+
+
+def check_norm_short_rows(device, dtype, tokens: int, heads: int, dim: int, layout: str, gemma: bool,
+                          exact_sum: bool = True, seed: int = 0) -> None:
+    """`rmsnorm` and `fused_add_rmsnorm` on rows short enough that one program normalises
+    ``BLOCK_M > 1`` of them (`fused_kernels._norm_launch`), with a row count that leaves the
+    last program partly masked (the only one when ``rows < BLOCK_M``): outputs against float64 and the PyTorch layer; ``x`` and
+    every element around the views untouched; the residual (laid out unlike ``x``:
+    ``padded3d`` for 3-D ``x``, a column slice for 2-D) updated in place to the
+    storage-dtype sum -- bit for bit, or within one rounding where the Triton interpreter
+    truncates bfloat16 (``exact_sum=False``)."""
+    gen = torch.Generator().manual_seed(seed)
+    _, block_m, _ = fk._norm_launch(dim)
+    norm = _make_norm(dim, gemma, device, dtype, gen)
+    x, x_base = _short_rows(gen, tokens, heads, dim, layout, device, dtype, pad=3)
+    rows = x.numel() // dim
+    assert block_m > 1 and rows % block_m, (rows, block_m)  # multi-row programs, the last one partial
+    x_base_before = x_base.clone()
+    out = torch.full(x.shape, float("nan"), dtype=dtype, device=device)
+    assert fk.rmsnorm(x, norm.weight, norm.variance_epsilon, norm.fused_weight_offset, out=out) is out
+    assert torch.equal(x_base, x_base_before) and not torch.isnan(out).any()
+    close(out, _norm_ref64(x, norm), dtype)
+    close(out, norm(x), dtype)
+
+    r_layout = "padded3d" if layout in ("heads3d", "padded3d") else ("contig4d" if layout == "contig4d" else "strided2d")
+    residual, r_base = _short_rows(gen, tokens, heads, dim, r_layout, device, dtype, pad=5)
+    if layout == "strided2d":
+        assert residual.stride(0) != x.stride(0)
+    ref_sum = x + residual
+    r_base_before = r_base.clone()
+    got = fk.fused_add_rmsnorm(x, residual, norm.weight, norm.variance_epsilon, norm.fused_weight_offset)
+    assert torch.equal(x_base, x_base_before)
+    if exact_sum:
+        assert torch.equal(residual, ref_sum)
+    else:  # one bfloat16 rounding (2**-7 relative: truncation instead of rounding to nearest)
+        torch.testing.assert_close(residual.double(), ref_sum.double(), rtol=2.0**-7, atol=0.0)
+    outside = torch.ones(r_base.shape, dtype=torch.bool, device=device)
+    if r_layout == "padded3d":
+        outside[..., :dim] = False
+    elif r_layout == "strided2d":
+        outside[:, 5 : 5 + dim] = False
+    else:
+        outside[...] = False
+    assert torch.equal(r_base[outside], r_base_before[outside])
+    assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous() and not torch.isnan(got).any()
+    close(got, _norm_ref64(residual, norm), dtype)
+
+
 def _rope_ref64(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, rotary_dim: int, neox: bool):
     """float64 rotation of ``[T, H, D]`` with the module's own (float32) cos/sin table."""
     cs = cache.double()[positions.long()]

@@ -39,6 +39,56 @@ def test_rmsnorm_views_gpu(dtype, layout):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim,tokens,heads", [(64, 1001, 3), (128, 1001, 16), (128, 1, 8), (256, 333, 5),
+                                              (512, 77, 3)])
+@pytest.mark.parametrize("layout", ["strided2d", "heads3d", "padded3d"])
+def test_norm_short_rows_gpu(dtype, dim, tokens, heads, layout):
+    """Several short rows per program (Qwen3's per-head q/k norm: 16 heads of 128 over
+    1001 tokens, and decode's single token), the last program partly masked."""
+    C.check_norm_short_rows(DEV, dtype, tokens, heads, dim, layout, gemma=dim == 256, seed=dim + tokens + heads)
+
+
+def _gpu_ms(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def test_qk_norm_streams_at_copy_rate_gpu():
+    """The per-head q norm of a Qwen3-0.6B prefill chunk (16384 tokens, 16 heads of 128, a
+    view of the bf16 qkv output) against the strided copy of the same bytes and the
+    one-row-per-program launch of the same kernel (the layout before multi-row programs).
+    Prints the times and the achieved GB/s (run with ``-s``)."""
+    from attnserve.models.layers.fused_kernels_triton import _rmsnorm_kernel
+
+    t, hq, hkv, d = 16384, 16, 8, 128
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEV, dtype=torch.bfloat16)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    w = torch.rand(d, device=DEV, dtype=torch.bfloat16) + 0.5
+    out = torch.empty(q.shape, device=DEV, dtype=q.dtype)
+    rows = t * hq
+    new_ms = _gpu_ms(lambda: fk.rmsnorm(q, w, 1e-6, out=out))
+    copy_ms = _gpu_ms(lambda: out.copy_(q))
+    old_ms = _gpu_ms(lambda: _rmsnorm_kernel[(rows,)](q, q.stride(0), q.stride(1), hq, w, out, d, d, 1e-6, 0.0,
+                                                       BLOCK=d, num_warps=1, **fk._pdl_args(q.device)))
+    ref = fk.rmsnorm(q, w, 1e-6)
+    qf = q.float()
+    C.close(ref, qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float(), torch.bfloat16)
+    gbs = 2 * q.numel() * q.element_size() / (new_ms * 1e-3) / 1e9
+    print(f"q norm [{t}, {hq}, {d}] bf16: multi-row {new_ms * 1e3:.1f} us ({gbs:.0f} GB/s), strided copy "
+          f"{copy_ms * 1e3:.1f} us, one row per program {old_ms * 1e3:.1f} us; multi-row / copy "
+          f"{new_ms / copy_ms:.2f}, one-row / multi-row {old_ms / new_ms:.2f}")
+    assert new_ms <= 2.0 * copy_ms, (new_ms, copy_ms)  # one row per program: ~3.5x its bytes at 3 TB/s (H100 profile, 2026-11-27)
+    assert new_ms < old_ms, (new_ms, old_ms)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize(
     "tokens,hq,hk,head_dim,rotary_dim",

@@ -51,6 +51,35 @@ def test_fused_add_rmsnorm_views(dtype, layout):
     C.check_fused_add_rmsnorm(DEVICE, dtype, 3, 80, False, layout, seed=3)
 
 
+def test_norm_launch_tiles_short_rows():
+    """Short rows share a program (a 4096-element tile), long rows keep one each; the
+    choice depends on the row width alone (one compiled variant per width)."""
+    for n, block, block_m in [(64, 64, 64), (80, 128, 32), (128, 128, 32), (256, 256, 16), (512, 512, 8),
+                              (576, 1024, 1), (1024, 1024, 1), (4096, 4096, 1), (5000, 8192, 1)]:
+        got_block, got_m, warps = fk._norm_launch(n)
+        assert (got_block, got_m) == (block, block_m), n
+        assert 1 <= warps <= 16 and got_block * got_m >= 32 * warps  # no idle lane
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("dim,tokens_2d,tokens_3d", [(64, 67, 23), (128, 37, 13), (256, 19, 7)])
+@pytest.mark.parametrize("layout", ["strided2d", "heads3d"])
+def test_norm_short_rows_multi_row_programs(dtype, dim, tokens_2d, tokens_3d, layout):
+    """Several rows per program (per-head q/k norm widths), a partly masked last program,
+    2-D strided and 3-D ``[T, H, D]`` views, against float64 (bf16 sums: the interpreter
+    truncates, so the residual is checked to one rounding)."""
+    tokens = tokens_2d if layout == "strided2d" else tokens_3d
+    assert tokens * (1 if layout == "strided2d" else 3) > fk._norm_launch(dim)[1]  # several programs
+    C.check_norm_short_rows(DEVICE, dtype, tokens, 3, dim, layout, gemma=dim == 128,
+                            exact_sum=dtype != torch.bfloat16 or DEVICE != "cpu", seed=dim + tokens)
+
+
+def test_norm_short_rows_other_layouts():
+    """Head-padded 3-D views and a contiguous 4-D tensor (flattened rows)."""
+    C.check_norm_short_rows(DEVICE, torch.float32, 11, 3, 128, "padded3d", gemma=False, seed=1)
+    C.check_norm_short_rows(DEVICE, torch.float16, 5, 7, 64, "contig4d", gemma=True, seed=2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize(

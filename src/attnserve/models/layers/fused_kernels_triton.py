@@ -25,6 +25,13 @@ from attnserve.models.layers.pdl_triton import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
+def _row_starts(rows, inner, stride_outer, stride_inner):
+    """Element offsets of rows ``rows`` (int64) laid out as ``(r // inner) * stride_outer +
+    (r % inner) * stride_inner`` (2-D rows: ``inner = 1``; 3-D ``[A, B, N]`` views: ``inner = B``)."""
+    return (rows // inner) * stride_outer + (rows % inner) * stride_inner
+
+
+@triton.jit(do_not_specialize=["n_rows"])
 def _rmsnorm_kernel(
     x_ptr,
     x_stride_outer,
@@ -38,31 +45,49 @@ def _rmsnorm_kernel(
     w_offset,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    n_rows=1,
+    BLOCK_M: tl.constexpr = 1,
 ):
-    """One program per row: ``out = x * rsqrt(mean(x^2) + eps) * (w + w_offset)``.
+    """``out = x * rsqrt(mean(x^2) + eps) * (w + w_offset)`` over ``BLOCK_M`` rows per program.
 
-    Input row ``r`` starts at ``(r // inner) * x_stride_outer + (r % inner) * x_stride_inner``
-    (2-D rows: ``inner = 1``; 3-D ``[A, B, N]`` views: ``inner = B``); ``out`` rows are
-    ``out_row_stride`` apart. USE_PDL (programmatic dependent launch): let the next kernel
-    launch, read ``w``, then wait for the previous kernel before reading ``x``.
+    Grid ``(cdiv(n_rows, BLOCK_M),)``. BLOCK_M 1 (long rows): one row per program, ``n_rows``
+    unused. BLOCK_M > 1 (short rows, e.g. the per-head q/k norm): program ``p`` normalises
+    rows ``p * BLOCK_M ..`` as one ``[BLOCK_M, BLOCK]`` tile (rows ``>= n_rows`` masked), so
+    each program moves several KB instead of one 256-byte head. Input row ``r`` starts at
+    `_row_starts`; ``out`` rows are ``out_row_stride`` apart. The float32 sum of squares is
+    taken per row in both forms. USE_PDL (programmatic dependent launch): let the next
+    kernel launch, read ``w``, then wait for the previous kernel before reading ``x``.
     """
     if USE_PDL:
         gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
-    x_off = (row // inner) * x_stride_outer + (row % inner) * x_stride_inner
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + w_offset
-    if USE_PDL:
-        gdc_wait()
-    x = tl.load(x_ptr + x_off + cols, mask=mask, other=0.0).to(tl.float32)
-    mean_sq = tl.sum(x * x, axis=0) / n_cols
-    rstd = 1.0 / tl.sqrt(mean_sq + eps)
-    y = x * rstd * w
-    tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    col_mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + w_offset
+    if BLOCK_M == 1:
+        row = tl.program_id(0).to(tl.int64)
+        x_off = _row_starts(row, inner, x_stride_outer, x_stride_inner)
+        if USE_PDL:
+            gdc_wait()
+        x = tl.load(x_ptr + x_off + cols, mask=col_mask, other=0.0).to(tl.float32)
+        mean_sq = tl.sum(x * x, axis=0) / n_cols
+        rstd = 1.0 / tl.sqrt(mean_sq + eps)
+        y = x * rstd * w
+        tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)
+    else:
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        x_off = _row_starts(rows, inner, x_stride_outer, x_stride_inner)
+        if USE_PDL:
+            gdc_wait()
+        x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean_sq = tl.sum(x * x, axis=1) / n_cols
+        rstd = 1.0 / tl.sqrt(mean_sq + eps)
+        y = x * rstd[:, None] * w[None, :]
+        out_off = rows[:, None] * out_row_stride + cols[None, :]
+        tl.store(out_ptr + out_off, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _fused_add_rmsnorm_kernel(
     x_ptr,
     x_stride_outer,
@@ -79,33 +104,51 @@ def _fused_add_rmsnorm_kernel(
     w_offset,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    n_rows=1,
+    BLOCK_M: tl.constexpr = 1,
 ):
-    """One program per row: ``res = x + res`` (rounded to res's dtype, stored in place), then
-    ``out = res * rsqrt(mean(res^2) + eps) * (w + w_offset)``. Row addressing as in
-    `_rmsnorm_kernel` (x and res share ``inner``); USE_PDL as there (``w`` read before the
-    wait, ``x`` and ``res`` after it)."""
+    """``res = x + res`` (rounded to res's dtype, stored in place), then
+    ``out = res * rsqrt(mean(res^2) + eps) * (w + w_offset)``, over ``BLOCK_M`` rows per
+    program as in `_rmsnorm_kernel` (grid, masking and row addressing; x and res share
+    ``inner``); USE_PDL as there (``w`` read before the wait, ``x`` and ``res`` after it)."""
     if USE_PDL:
         gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
-    outer_i = row // inner
-    inner_i = row % inner
-    x_off = outer_i * x_stride_outer + inner_i * x_stride_inner
-    r_off = outer_i * res_stride_outer + inner_i * res_stride_inner
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + w_offset
-    if USE_PDL:
-        gdc_wait()
-    x = tl.load(x_ptr + x_off + cols, mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(res_ptr + r_off + cols, mask=mask, other=0.0).to(tl.float32)
-    # round the sum to the storage dtype first: the un-fused path adds in that dtype
-    s = (x + r).to(res_ptr.dtype.element_ty)
-    tl.store(res_ptr + r_off + cols, s, mask=mask)
-    s = s.to(tl.float32)
-    mean_sq = tl.sum(s * s, axis=0) / n_cols
-    rstd = 1.0 / tl.sqrt(mean_sq + eps)
-    y = s * rstd * w
-    tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    col_mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + w_offset
+    if BLOCK_M == 1:
+        row = tl.program_id(0).to(tl.int64)
+        x_off = _row_starts(row, inner, x_stride_outer, x_stride_inner)
+        r_off = _row_starts(row, inner, res_stride_outer, res_stride_inner)
+        if USE_PDL:
+            gdc_wait()
+        x = tl.load(x_ptr + x_off + cols, mask=col_mask, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + r_off + cols, mask=col_mask, other=0.0).to(tl.float32)
+        # round the sum to the storage dtype first: the un-fused path adds in that dtype
+        s = (x + r).to(res_ptr.dtype.element_ty)
+        tl.store(res_ptr + r_off + cols, s, mask=col_mask)
+        s = s.to(tl.float32)
+        mean_sq = tl.sum(s * s, axis=0) / n_cols
+        rstd = 1.0 / tl.sqrt(mean_sq + eps)
+        y = s * rstd * w
+        tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)
+    else:
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        x_off = _row_starts(rows, inner, x_stride_outer, x_stride_inner)[:, None] + cols[None, :]
+        r_off = _row_starts(rows, inner, res_stride_outer, res_stride_inner)[:, None] + cols[None, :]
+        if USE_PDL:
+            gdc_wait()
+        x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + r_off, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(res_ptr.dtype.element_ty)  # rounded as in the one-row form
+        tl.store(res_ptr + r_off, s, mask=mask)
+        s = s.to(tl.float32)
+        mean_sq = tl.sum(s * s, axis=1) / n_cols
+        rstd = 1.0 / tl.sqrt(mean_sq + eps)
+        y = s * rstd[:, None] * w[None, :]
+        out_off = rows[:, None] * out_row_stride + cols[None, :]
+        tl.store(out_ptr + out_off, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

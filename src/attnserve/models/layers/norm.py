@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from attnserve.models.layers.fused_kernels import (
-    fused_add_rmsnorm,
     fused_add_rmsnorm_supported,
+    fused_add_rmsnorm_unchecked,
     FusedKernelUser,
     rmsnorm,
 )
@@ -75,17 +75,18 @@ class RMSNorm(nn.Module, FusedKernelUser):
         if self.use_fused and x.is_cuda:
             if residual is None:
                 return rmsnorm(x, self.weight, self.variance_epsilon, self.fused_weight_offset)
-            if self.fp8_output and fused_add_rmsnorm_supported(x, residual):
-                from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, emits_fp8
-
-                if emits_fp8(x, self.fused_weight_offset is not None):
-                    from attnserve.models.layers.quantization.fp8_kernels import fused_add_rmsnorm_quant_fp8
-
-                    q, s = fused_add_rmsnorm_quant_fp8(x, residual, self.weight, self.variance_epsilon,
-                                                       self.fused_weight_offset)
-                    return Fp8Activation(q, s, x.dtype), residual
             if fused_add_rmsnorm_supported(x, residual):
-                out = fused_add_rmsnorm(x, residual, self.weight, self.variance_epsilon, self.fused_weight_offset)
+                if self.fp8_output:
+                    from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, emits_fp8
+
+                    if emits_fp8(x, self.fused_weight_offset is not None):
+                        from attnserve.models.layers.quantization.fp8_kernels import fused_add_rmsnorm_quant_fp8
+
+                        q, s = fused_add_rmsnorm_quant_fp8(x, residual, self.weight, self.variance_epsilon,
+                                                           self.fused_weight_offset)
+                        return Fp8Activation(q, s, x.dtype), residual
+                out = fused_add_rmsnorm_unchecked(x, residual, self.weight, self.variance_epsilon,
+                                                  self.fused_weight_offset)
                 return out, residual
         if residual is None:
             return self._norm(x)

@@ -22,6 +22,7 @@ Triton without the ``gdc_*`` intrinsics (< 3.3).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -34,10 +35,26 @@ _FALSE = ("0", "false", "no", "off")
 
 
 def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can be launched with PDL (see the module doc)."""
-    if device.type != "cuda" or triton_interpreting() or not torch.cuda.is_available():
+    """Whether kernels on ``device`` can be launched with PDL (see the module doc). The
+    device's facts are looked up once per device index (`_pdl_capable`); the interpreter
+    switch is read at every call."""
+    if device.type != "cuda" or triton_interpreting():
         return False
-    if torch.cuda.get_device_capability(device)[0] < 9:
+    index = device.index
+    if index is None:
+        if not torch.cuda.is_available():
+            return False
+        index = torch.cuda.current_device()
+    return _pdl_capable(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    """CUDA device ``index`` exists, is Hopper or newer (compute capability >= 9), and this
+    Triton has the ``gdc_*`` intrinsics (>= 3.3). Cached: none of these change in a process."""
+    if not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(index)[0] < 9:
         return False
     try:
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
