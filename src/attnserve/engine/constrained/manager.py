@@ -218,7 +218,7 @@ class GrammarManager:
             from attnserve.engine.constrained.bitmask import TokenBitmask
 
             self.bitmask = TokenBitmask(self.vocab_size, self.device)
-            self.worker = MaskWorker(self.bitmask)
+            self.worker = MaskWorker(self.bitmask, self.cache.token_table())
         job = MaskJob([reqs[i] for i in rows], rows, self.bitmask.reserve(rows, len(reqs)),
                       list(ahead_reqs), list(ahead_tokens))
         for r in job.ahead_reqs:
