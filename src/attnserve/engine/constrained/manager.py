@@ -261,6 +261,8 @@ class GrammarManager:
         if g.ahead_job is not None:
             job, g.ahead_job = g.ahead_job, None
             outcome = job.outcome(req)
+        elif self.worker is not None and self.worker.tokens is not None:
+            outcome = self.worker.tokens.accept_one(g.matcher, token)  # mask_job: not accept_token
         elif not g.matcher.accept_token(token):
             outcome = REJECTED
         else:

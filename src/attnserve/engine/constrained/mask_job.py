@@ -81,15 +81,23 @@ class TokenTable:
                 rows.append(i)
                 texts.append(self.texts[t])
             elif kind == STOP:
-                m = matchers[i]
-                if m.accept_token(t):
-                    out[i] = TERMINATED if m.is_terminated() else ACCEPTED
+                out[i] = self.accept_one(matchers[i], t)
         if rows:
             ok = batch_accept_string([matchers[i] for i in rows], texts)
             for i, good in zip(rows, ok):
                 if good:
                     out[i] = ACCEPTED
         return out
+
+
+    def accept_one(self, matcher, token: int) -> str:
+        """`accept` of one row (the scheduler thread's path without overlap)."""
+        kind = self.kinds[token] if 0 <= token < len(self.kinds) else SPECIAL
+        if kind == ORDINARY:
+            return ACCEPTED if matcher.accept_string(self.texts[token]) else REJECTED
+        if kind == STOP and matcher.accept_token(token):
+            return TERMINATED if matcher.is_terminated() else ACCEPTED
+        return REJECTED
 
 
 @dataclass
@@ -134,7 +142,8 @@ class MaskJob:
 
     def outcome(self, req) -> str:
         """``req``'s accept outcome, waiting for the accept phase; re-raises its error."""
-        self.accepted.wait()
+        if not self.accepted.is_set():  # the flag alone: no lock once the phase is over
+            self.accepted.wait()
         if self.error is not None:
             raise RuntimeError(f"accepting the grammar's tokens failed: {self.error}") from self.error
         return self.outcomes[id(req)]
