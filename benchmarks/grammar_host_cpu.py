@@ -43,7 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -117,6 +117,34 @@ class CandidateSampler:
         return ids
 
 
+class VirtualGPU:
+    """A one-stream device timeline for ``--gpu-ms``: each forward takes ``forward_s`` and
+    each sampling ``sample_s`` (+ ``mask_s`` when it masks rows), starting when enqueued or
+    when the stream is free; reading a step's ids (`Scheduler._pending_ids`) sleeps until
+    its sampling has completed, as ``event.synchronize()`` does on a GPU. Times are on the
+    host clock minus the stub device work's wall time (`DeviceTimer`), which a GPU would run
+    asynchronously."""
+
+    def __init__(self, dev: DeviceTimer, forward_s: float, sample_s: float, mask_s: float):
+        self.dev, self.forward_s, self.sample_s, self.mask_s = dev, forward_s, sample_s, mask_s
+        self.free_at = 0.0
+        self.ready = {}  # id(ids tensor) -> completion time of its sampling
+
+    def now(self) -> float:
+        return time.perf_counter() - self.dev.wall
+
+    def enqueue(self, seconds: float, at: Optional[float] = None) -> float:
+        """Enqueue ``seconds`` of work at ``at`` (default: now); its completion time."""
+        self.free_at = max(self.now() if at is None else at, self.free_at) + seconds
+        return self.free_at
+
+    def wait_ids(self, ids) -> None:
+        done = self.ready.pop(id(ids), None)
+        left = 0.0 if done is None else done - self.now()
+        if left > 0:
+            time.sleep(left)
+
+
 def timed_run(llm, prompts, params, dev: DeviceTimer) -> Dict:
     """One batch to completion with ``Engine.step``; the full-batch decode steps timed."""
     engine, sched = llm.engine, llm.engine.scheduler
@@ -170,6 +198,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-overlap", action="store_true", help="overlap scheduling off (on by default here)")
     ap.add_argument("--tokenizer", default=DEFAULT_TOKENIZER)
     ap.add_argument("--runs", nargs="+", default=["free", "json", "mixed"])
+    ap.add_argument("--gpu-ms", type=float, default=0.0,
+                    help="simulate a GPU stream whose forward takes this long (e.g. 2.0: Qwen3-0.6B, 64 rows, "
+                         "H200); step_ms is then the pipeline's period (0: off, the host chain alone)")
+    ap.add_argument("--sample-ms", type=float, default=0.06, help="with --gpu-ms: a step's sampling on the GPU")
+    ap.add_argument("--mask-ms", type=float, default=0.06,
+                    help="with --gpu-ms: a masked step's extra GPU time (mask upload + masking kernel)")
     ap.add_argument("--profile", action="store_true", help="cProfile of one extra json run (scheduler thread)")
     ap.add_argument("--label", default="run")
     ap.add_argument("--out", default=None)
@@ -191,10 +225,33 @@ def main(argv=None) -> int:
     sampler = CandidateSampler(n, len(llm.tokenizer), torch.Generator().manual_seed(1))
     logits = torch.empty(n, VOCAB)  # never read: the stub sampler below stands for the device work
     runner = llm.engine.model_runner
-    runner.forward = dev.wrap(lambda fb, *a, **k: logits[: fb.batch_size] if fb.batch_size <= n
-                              else torch.empty(fb.batch_size, VOCAB))
-    step_sampling.argmax_last = dev.wrap(sampler.argmax)
+    gpu = VirtualGPU(dev, args.gpu_ms * 1e-3, args.sample_ms * 1e-3, args.mask_ms * 1e-3) if args.gpu_ms else None
+
+    def forward(fb, *a, **k):
+        if gpu is not None:
+            gpu.enqueue(gpu.forward_s)
+        return logits[: fb.batch_size] if fb.batch_size <= n else torch.empty(fb.batch_size, VOCAB)
+
+    def argmax(x):
+        masked, at = sampler.masked is not None, gpu.now() if gpu is not None else None
+        ids = sampler.argmax(x)  # host work standing for the device's: enqueued at its start
+        if gpu is not None:
+            gpu.ready[id(ids)] = gpu.enqueue(gpu.sample_s + (gpu.mask_s if masked else 0.0), at)
+        return ids
+
+    runner.forward = dev.wrap(forward)
+    step_sampling.argmax_last = dev.wrap(argmax)
     bitmask.TokenBitmask._mask = dev.wrap(sampler.record_mask)
+    if gpu is not None:
+        sched = llm.engine.scheduler
+        real_pending_ids = sched._pending_ids
+
+        def pending_ids(launched):
+            if launched.ids is None:
+                gpu.wait_ids(launched.next_ids_host)
+            return real_pending_ids(launched)
+
+        sched._pending_ids = pending_ids
 
     gen = torch.Generator().manual_seed(0)
     tok_vocab = len(llm.tokenizer)
@@ -243,7 +300,9 @@ def main(argv=None) -> int:
                               "xgrammar": version("xgrammar")})
         data.setdefault("rows", {})[args.label] = {
             "command": "PYTHONPATH=src:benchmarks python benchmarks/grammar_host_cpu.py " + " ".join(argv),
-            "requests": n, "overlap": not args.no_overlap, "vocab": VOCAB, "tokenizer_vocab": tok_vocab, **result}
+            "requests": n, "overlap": not args.no_overlap,
+            "virtual_gpu_ms": {"forward": args.gpu_ms, "sample": args.sample_ms, "mask": args.mask_ms}
+            if args.gpu_ms else None, "vocab": VOCAB, "tokenizer_vocab": tok_vocab, **result}
         with open(args.out, "w") as f:
             json.dump(data, f, indent=1)
     return 0
