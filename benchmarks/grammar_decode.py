@@ -217,9 +217,9 @@ def bench_model(shape: str, tokenizer_dir: str, n: int, input_len: int, output_l
         if w0 is not None:  # the mask worker (engine/constrained/mask_job): accepts, fill, wake-up
             w1 = vars(g.worker.stats)
             jobs = max(w1["jobs"] - w0["jobs"], 1)
-            run["worker"] = {"jobs": w1["jobs"] - w0["jobs"], "accepted_rows": w1["accepted_rows"] - w0["accepted_rows"],
-                             **{k.replace("_seconds", "_ms_per_job"): 1e3 * (w1[k] - w0[k]) / jobs
-                                for k in ("accept_seconds", "fill_seconds", "queue_seconds")}}
+            run["worker"] = {k: w1[k] - w0[k] for k in ("jobs", "accepted_rows")}
+            run["worker"].update({k.replace("_seconds", "_ms_per_job"): 1e3 * (w1[k] - w0[k]) / jobs
+                                  for k in ("accept_seconds", "fill_seconds", "queue_seconds")})
         sched_stats = llm.engine.scheduler.stats
         run["host_ms_per_decode_step"] = 1e3 * (sched_stats.decode_host_seconds - host0) / max(
             sched_stats.num_decode_steps - dec0, 1)

@@ -270,7 +270,8 @@ def main(argv=None) -> int:
         med["errors"] = [e for r in rows if "validity" in r for e in r["validity"]["errors"]][:3]
         med["repeats"] = rows
         result[name] = med
-        print(f"{name:5s} step {med['step_ms']:.3f} ms (min {med['min_step_ms']:.3f}), sched cpu {med['sched_cpu_ms']:.3f} ms, "
+        print(f"{name:5s} step {med['step_ms']:.3f} ms (min {med['min_step_ms']:.3f}), "
+              f"sched cpu {med['sched_cpu_ms']:.3f} ms, "
               + ", ".join(f"{k} {med[k]:.3f}" for k in keys if k not in ("step_ms", "sched_cpu_ms"))
               + (f", valid {med['valid']}/{n}" if med["valid"] else ""), flush=True)
     if "free" in result and "json" in result:
