@@ -192,12 +192,16 @@ class StepSampling:
     def _finish_deferred(self) -> None:
         """Enqueue the sampling half of the pending step if it was deferred (before any
         forward is enqueued, and before its results are read). A failure fails that step's
-        requests (``_current``) and drops the step."""
+        requests (``_current``) and drops the step; called from `Scheduler._launch_host` it
+        also fails the requests of the step being launched, whose host layout holds KV slots
+        already (freeing a failed request returns them)."""
         pending = self._pending
         if pending is None or pending.deferred is None:
             return
         d, self._pending = pending.deferred, None
-        current, self._current = self._current, pending.batch.reqs
+        current = self._current
+        mine = {id(r) for r in pending.batch.reqs}
+        self._current = pending.batch.reqs + [r for r in current if id(r) not in mine]
         launched = self._enqueue_sampling(pending.batch, pending.emit_reqs, d.logits, d.dev, d.plan,
                                           d.plan_owners, d.masks, d.positions)
         self._current = current
