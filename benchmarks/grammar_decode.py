@@ -35,7 +35,10 @@ ended it, ``finish_reason`` ``stop``, and it validates; the finish reasons are r
 host ms spent filling masks per step (on the mask worker thread under overlap), the steps
 whose pending step's tokens were accepted before the masks were filled (``early_syncs``)
 and the fills run on the worker with the sampling deferred (``background_fills``; see
-`attnserve.engine.step_sampling`).
+`attnserve.engine.step_sampling`), and the mask worker's ms per job (``worker``:
+``accept_ms_per_job``, ``fill_ms_per_job``, ``queue_ms_per_job`` from submission to start;
+`attnserve.engine.constrained.mask_job.MaskWorkerStats`). The host side of a step is
+reproduced on the CPU by `benchmarks/grammar_host_cpu.py`.
 """
 
 from __future__ import annotations
@@ -204,12 +207,19 @@ def bench_model(shape: str, tokenizer_dir: str, n: int, input_len: int, output_l
                          ("mixed", [constrained, free] * (n // 2) + [free] * (n % 2))):
         syncs0, fill0, steps0 = g.stats.early_syncs, g.bitmask.stats.fill_seconds, g.bitmask.stats.steps
         bg0 = g.stats.background_fills
+        w0 = vars(g.worker.stats).copy() if g.worker is not None else None
         host0, dec0 = llm.engine.scheduler.stats.decode_host_seconds, llm.engine.scheduler.stats.num_decode_steps
         run = timed_run(llm, prompts, params)
         masked = g.bitmask.stats.steps - steps0
         run["early_syncs"] = g.stats.early_syncs - syncs0
         run["background_fills"] = g.stats.background_fills - bg0
         run["fill_ms_per_masked_step"] = 1e3 * (g.bitmask.stats.fill_seconds - fill0) / max(masked, 1)
+        if w0 is not None:  # the mask worker (engine/constrained/mask_job): accepts, fill, wake-up
+            w1 = vars(g.worker.stats)
+            jobs = max(w1["jobs"] - w0["jobs"], 1)
+            run["worker"] = {k: w1[k] - w0[k] for k in ("jobs", "accepted_rows")}
+            run["worker"].update({k.replace("_seconds", "_ms_per_job"): 1e3 * (w1[k] - w0[k]) / jobs
+                                  for k in ("accept_seconds", "fill_seconds", "queue_seconds")})
         sched_stats = llm.engine.scheduler.stats
         run["host_ms_per_decode_step"] = 1e3 * (sched_stats.decode_host_seconds - host0) / max(
             sched_stats.num_decode_steps - dec0, 1)
@@ -224,6 +234,7 @@ def bench_model(shape: str, tokenizer_dir: str, n: int, input_len: int, output_l
         print(f"{shape:12s} {name:5s} median step {run['median_step_ms']:.3f} ms over {run['full_batch_steps']} "
               f"full-batch steps; fill {run['fill_ms_per_masked_step']:.3f} ms/step; "
               f"early syncs {run['early_syncs']}; background fills {run['background_fills']}; "
+              f"worker {({k: round(v, 3) for k, v in run['worker'].items()} if 'worker' in run else '')}; "
               f"{run.get('validity', '')}", flush=True)
     ratio = runs["json"]["median_step_ms"] / runs["free"]["median_step_ms"]
     row = {"model": shape, "requests": n, "input_len": input_len, "output_len_free": output_len,

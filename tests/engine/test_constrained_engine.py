@@ -108,6 +108,44 @@ def test_mixed_batch_leaves_unconstrained_rows_alone(overlap_llm):
     _check_valid(mixed[len(PROMPTS):], params)
 
 
+def test_failed_deferred_sampling_fails_its_step_and_the_one_being_launched(overlap_llm):
+    """Overlap: the deferred sampling of a constrained step runs once the next step's host
+    layout is built (`Scheduler._launch_host`); when it fails, the requests of both steps
+    fail (the newcomer's prefill chunk holds KV slots), the pool is returned, and the
+    engine serves the next requests."""
+    engine = overlap_llm.engine
+    sched, tok = engine.scheduler, engine.tokenizer
+    assert sched.flush_prefix_cache()
+    free_pages = sched.allocator.num_free_pages()
+    sp = SamplingParams(max_new_tokens=40, temperature=0.0, regex=REGEX)
+    reqs = [engine.add_request(tok.encode(p), sp) for p in PROMPTS[:2]]
+    while min(len(r.output_ids) for r in reqs) < 2:
+        engine.step()
+    assert sched._pending is not None and sched._pending.deferred is not None
+    newcomer = engine.add_request(tok.encode(PROMPTS[3]), SamplingParams(max_new_tokens=4, temperature=0.0))
+    original = sched.grammar.finish_masks
+
+    def broken(job, positions):
+        raise RuntimeError("injected failure")
+
+    sched.grammar.finish_masks = broken
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.step()
+    finally:
+        sched.grammar.finish_masks = original
+    assert set(map(id, sched.failed_reqs)) == set(map(id, reqs + [newcomer]))
+    for r in reqs + [newcomer]:
+        engine.abort_request(r.rid)
+    while engine.has_work():
+        engine.step()
+    assert sched.flush_prefix_cache() and sched.allocator.num_free_pages() == free_pages  # no slot leaked
+    out = overlap_llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=16, temperature=0.0, regex=REGEX))
+    assert out[0].finish_reason == "stop" and re.fullmatch(REGEX, out[0].text)
+    for r in reqs + [newcomer]:
+        sched.forget(r.rid)
+
+
 @pytest.mark.parametrize("engine", ["llm", "overlap_llm"])
 def test_min_tokens_yields_to_a_finished_grammar(engine, request):
     """Once the grammar allows only its stop token, ``min_tokens`` no longer masks it: the

@@ -218,16 +218,18 @@ def test_bounded_strings_rewrite_touches_only_string_schemas():
     assert schema["properties"]["enum"] == {"type": "string", "maxLength": 5}  # the input is not modified
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_mask_job_accepts_ahead_then_fills_on_the_worker(cache, tok, threads):
-    """A `MaskJob` (overlap): the pending tokens are accepted (split over accept threads),
-    terminated matchers drop out of the fill, the outcomes reach `GrammarManager.accept`,
-    and the masks equal a fill after plain ``accept_token`` calls."""
+@pytest.mark.parametrize("table", [True, False], ids=["token-table", "accept-token"])
+def test_mask_job_accepts_ahead_then_fills_on_the_worker(cache, tok, table):
+    """A `MaskJob` (overlap): the pending tokens are accepted (with the `TokenTable`'s
+    ``batch_accept_string``, or xgrammar's ``batch_accept_token``), terminated matchers drop
+    out of the fill, the outcomes reach `GrammarManager.accept`, and the masks and outcomes
+    equal those of plain ``accept_token`` calls, including a rejected byte, a padded id and
+    a special token."""
     from attnserve.engine.constrained.mask_job import MaskWorker
 
     mgr = GrammarManager(tok, MODEL_VOCAB, [EOS], "cpu")
     mgr.bitmask = TokenBitmask(MODEL_VOCAB, "cpu")
-    mgr.worker = MaskWorker(mgr.bitmask, accept_threads=threads)
+    mgr.worker = MaskWorker(mgr.bitmask, cache.token_table() if table else None)
     compiled = cache.get(GrammarSpec("regex", r"(yes|no)[0-9]{2}")).result(timeout=30)
     reqs = [_req(f"r{i}", regex=r"(yes|no)[0-9]{2}") for i in range(20)]
     refs = []
@@ -239,21 +241,24 @@ def test_mask_job_accepts_ahead_then_fills_on_the_worker(cache, tok, threads):
         refs.append(xgr.GrammarMatcher(compiled))
         assert refs[-1].accept_string("yes4")
     digit, bad = tok.convert_tokens_to_ids("5"), tok.convert_tokens_to_ids("x")
-    tokens = [digit] * 19 + [bad]  # the last row's token is rejected
+    tokens = [digit] * 17 + [bad, MODEL_VOCAB - 3, 1]  # rejected: a byte, a padded id, <s>
     job = mgr.start_masks(reqs, True, reqs, tokens)
     mgr.finish_masks(job, [0] * len(reqs))
     assert job.rows == list(range(20))  # "yes45" may still end (EOS) or not: nothing terminated yet
     for i, (r, ref) in enumerate(zip(reqs, refs)):
-        assert ref.accept_token(tokens[i]) == (i < 19)
+        assert ref.accept_token(tokens[i]) == (i < 17)
+        assert job.outcome(r) == ("accepted" if i < 17 else "rejected")
         want = xgr.allocate_token_bitmask(1, MODEL_VOCAB)
         ref.fill_next_token_bitmask(want, 0)
         assert torch.equal(job.filled.host[i], want[0])
     for r, t in zip(reqs, tokens):
         r.output_ids.append(t)
         mgr.accept(r, t)
-    assert all(r.finish_reason is None for r in reqs[:19])
-    assert reqs[19].finish_reason == FinishReason.ABORT and "rejected" in reqs[19].error
-    job2 = mgr.start_masks(reqs[:19], True, reqs[:19], [EOS] * 19)  # EOS ends "yes45": all terminate
-    mgr.finish_masks(job2, [0] * 19)
-    assert job2.rows == [] and all(job2.outcome(r) == "terminated" for r in reqs[:19])
+    assert all(r.finish_reason is None for r in reqs[:17])
+    assert all(r.finish_reason == FinishReason.ABORT and "rejected" in r.error for r in reqs[17:])
+    job2 = mgr.start_masks(reqs[:17], True, reqs[:17], [EOS] * 16 + [digit])  # EOS ends "yes45"
+    mgr.finish_masks(job2, [0] * 17)
+    assert job2.rows == [16] and all(job2.outcome(r) == "terminated" for r in reqs[:16])
+    assert job2.outcome(reqs[16]) == "rejected"  # "yes455": a third digit
+    assert mgr.worker.stats.jobs == 2 and mgr.worker.stats.accepted_rows == 37
     mgr.shutdown()

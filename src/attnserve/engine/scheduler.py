@@ -401,7 +401,8 @@ class Scheduler(StepSampling, ConstrainedScheduling):
             self._poll_grammars(touched)
             self._admit()
             batch = self._schedule(touched)
-            self._finish_deferred()  # a step whose grammar masks were being filled samples now
+            if batch is None or batch.spec is not None:  # else `_launch_host`, after the host layout
+                self._finish_deferred()  # a step whose grammar masks were being filled samples now
             if batch is not None and batch.spec is not None:  # speculative: verify, then accept at once
                 self._current = batch.reqs
                 touched.extend(self._verify(batch))
@@ -501,6 +502,9 @@ class Scheduler(StepSampling, ConstrainedScheduling):
         """`_launch_forward`'s second half: the step's host tensors are built; broadcast it
         (tensor parallel), run the forward and enqueue the sampling."""
         reqs, prefix_lens, extend_lens = batch.reqs, batch.prefix_lens, batch.extend_lens
+        # the pending step's deferred sampling (grammar masks), enqueued before this forward: its
+        # host layout above was built while the masks were filled (engine/step_sampling)
+        self._finish_deferred()
         plan, plan_owners = self.extras.plan_prompt(batch.forward_mode, reqs, prefix_lens, extend_lens)
         local = self._tp_local_sampling(emit_reqs)  # every rank samples itself, or None (engine/step_sampling)
         msg = StepMessage(batch.forward_mode, host, list(prefix_lens), list(extend_lens), has_future,

@@ -28,18 +28,21 @@ leaves the GPU idle. So a batch with constrained rows is launched in two halves:
   waits for step N's ids (the GPU has finished sampling N, and runs forward N+1 behind
   it) and hands a `MaskJob` to the mask worker thread (`GrammarManager.start_masks`,
   `attnserve.engine.constrained.mask_job`): accept N's tokens into the constrained rows'
-  matchers (xgrammar's ``batch_accept_token``, split over a few threads; tens of
-  microseconds a row, more than the fill), then fill N+1's masks (xgrammar's batch fill,
-  its own C++ threads); xgrammar releases the GIL for both. The step's sampling is
-  *deferred* (`LaunchedStep.deferred`), and the scheduler thread goes on at once: it
-  processes step N (tokens, stop checks, detokenization; a constrained row's accept
-  outcome comes from the job, waited for if not ready yet), returns, admits and
-  schedules step N+2 and builds its inputs, all while the GPU runs forward N+1 and the
-  worker accepts and fills.
-* **step N+1, sampling half** (`_finish_deferred`, at the start of step N+2's launch,
-  before its forward is enqueued, or whenever the scheduler needs step N+1's results):
-  wait for the fill (normally done), then enqueue the mask upload, the masking kernel and
-  the sampling of N+1 (1-4 above), then at once the forward of N+2.
+  matchers (one ``batch_accept_string`` of the tokens' bytes, ~1-5 us a row: the module
+  doc of `mask_job` says why not ``accept_token``), then fill N+1's masks (xgrammar's
+  batch fill, its own C++ threads); xgrammar releases the GIL for both. The step's
+  sampling is *deferred* (`LaunchedStep.deferred`), and the scheduler thread goes on at
+  once: it processes step N (tokens, stop checks, detokenization; a constrained row's
+  accept outcome comes from the job, waited for if not ready yet), returns, admits and
+  schedules step N+2 and builds its host inputs (layout, KV slots), all while the GPU runs
+  forward N+1 and the worker accepts and fills. This ids read is the ``early_syncs``
+  counter: one per constrained step, by design (the masks need the tokens), and it does
+  not idle the GPU, which has forward N+1 queued behind the ids.
+* **step N+1, sampling half** (`_finish_deferred`, called by `Scheduler._launch_host` once
+  step N+2's host inputs are built, right before its forward is enqueued, or whenever the
+  scheduler needs step N+1's results): wait for the fill (normally done), then enqueue the
+  mask upload, the masking kernel and the sampling of N+1 (1-4 above), then at once the
+  forward of N+2.
 
 So the GPU runs forward N+1 while the host does everything else of the step; the GPU idles
 only where the ids' round trip plus the job's accept and fill, or the scheduler thread's
@@ -189,12 +192,16 @@ class StepSampling:
     def _finish_deferred(self) -> None:
         """Enqueue the sampling half of the pending step if it was deferred (before any
         forward is enqueued, and before its results are read). A failure fails that step's
-        requests (``_current``) and drops the step."""
+        requests (``_current``) and drops the step; called from `Scheduler._launch_host` it
+        also fails the requests of the step being launched, whose host layout holds KV slots
+        already (freeing a failed request returns them)."""
         pending = self._pending
         if pending is None or pending.deferred is None:
             return
         d, self._pending = pending.deferred, None
-        current, self._current = self._current, pending.batch.reqs
+        current = self._current
+        mine = {id(r) for r in pending.batch.reqs}
+        self._current = pending.batch.reqs + [r for r in current if id(r) not in mine]
         launched = self._enqueue_sampling(pending.batch, pending.emit_reqs, d.logits, d.dev, d.plan,
                                           d.plan_owners, d.masks, d.positions)
         self._current = current

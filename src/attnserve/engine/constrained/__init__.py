@@ -37,13 +37,15 @@ the forward of N+1. Under overlap scheduling (the CUDA default) N+1 is launched 
 host has step N's tokens, which the mask depends on; so after enqueueing forward N+1 the
 scheduler reads step N's ids and hands a job to a worker thread (`mask_job`:
 accept those ids into the constrained rows' matchers, then fill N+1's masks; xgrammar
-releases the GIL), then defers the sampling of N+1 to the start of the next launch:
+releases the GIL), then defers the sampling of N+1 to the next launch (once its host
+inputs are built):
 meanwhile it processes step N and schedules N+2, the GPU runs forward N+1, and the worker
 accepts and fills. The design and its ordering are in `attnserve.engine.step_sampling`. What it
 costs against an unconstrained batch: the ids' round trip and the fill, overlapped with
 forward N+1 and the host's other work (64 rows of `benchmarks/grammar_decode.py`'s schema,
-inside strings, SmolLM2's 49,152 tokens: ~0.8 ms on one thread of the 2-core CPU; xgrammar
-spreads it over half the host's cores), one H2D copy of ``k * ceil(V/32) * 4`` bytes and
+inside strings, SmolLM2's 49,152 tokens: ~0.6 ms on one thread of the 2-core CPU, ~0.3 ms
+over a whole output; xgrammar spreads it over half the host's cores; the accepts, ~0.1-0.4
+ms for 64 rows, `mask_job`), one H2D copy of ``k * ceil(V/32) * 4`` bytes and
 one masking kernel on the device, and an idle GPU only where the fill outlasts the forward.
 (On the CPU, xgrammar's masking kernel takes ~24 ms for 64 rows of 49,152.) Without overlap
 the fill runs on the scheduler thread right after the forward is enqueued. Batches without

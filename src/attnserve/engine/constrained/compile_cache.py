@@ -13,7 +13,9 @@ string properties against SmolLM2's 49,152 tokens on this project's 2-core CPU).
   schemas, the ``n`` choices of one request, and retried requests compile once;
 * the vocabulary's ``TokenizerInfo`` (a pass over the tokenizer's vocabulary, ~0.2 s for
   49k tokens) is built by the first worker task, not at engine start: engines that never
-  see a constrained request pay nothing, and the first one waits for it alone.
+  see a constrained request pay nothing, and the first one waits for it alone; the same
+  task builds the `TokenTable` that the mask worker accepts tokens with
+  (`attnserve.engine.constrained.mask_job`).
 
 Two or more workers, so that one slow compile never holds another request's grammar
 back. xgrammar's own compiler cache is off (this one is the cache, with a bound).
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from attnserve.engine.constrained.json_schema import json_schema_grammar
+from attnserve.engine.constrained.mask_job import TokenTable
 from attnserve.engine.constrained.spec import GrammarSpec, clean_error, import_xgrammar
 
 #: compiled grammars kept (a small schema's compiled grammar is tens of KB; a large one a
@@ -74,13 +77,21 @@ class GrammarCompileCache:
         self.stats = CompileCacheStats()
         self._entries: "OrderedDict[tuple, Future]" = OrderedDict()
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="attnserve-grammar")
+        self._tokens: Optional[TokenTable] = None  # set by the task below, before its result
         self._compiler: Future = self._pool.submit(self._make_compiler, tokenizer, min(8, cores))
 
     def _make_compiler(self, tokenizer, threads: int):
         xgr = self._xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                   stop_token_ids=self.stop_token_ids or None)
+        self._tokens = TokenTable.from_tokenizer_info(info)
         return xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+
+    def token_table(self) -> TokenTable:
+        """The vocabulary's `TokenTable` (waits for the task that builds it; it is done once
+        any grammar has compiled). Raises what that task raised."""
+        self._compiler.result()
+        return self._tokens
 
     def get(self, spec: GrammarSpec) -> Future:
         """The future of ``spec``'s compiled grammar: cached, or compiling from now on.

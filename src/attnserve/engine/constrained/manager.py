@@ -218,7 +218,7 @@ class GrammarManager:
             from attnserve.engine.constrained.bitmask import TokenBitmask
 
             self.bitmask = TokenBitmask(self.vocab_size, self.device)
-            self.worker = MaskWorker(self.bitmask)
+            self.worker = MaskWorker(self.bitmask, self.cache.token_table())
         job = MaskJob([reqs[i] for i in rows], rows, self.bitmask.reserve(rows, len(reqs)),
                       list(ahead_reqs), list(ahead_tokens))
         for r in job.ahead_reqs:
@@ -261,6 +261,8 @@ class GrammarManager:
         if g.ahead_job is not None:
             job, g.ahead_job = g.ahead_job, None
             outcome = job.outcome(req)
+        elif self.worker is not None and self.worker.tokens is not None:
+            outcome = self.worker.tokens.accept_one(g.matcher, token)  # mask_job: not accept_token
         elif not g.matcher.accept_token(token):
             outcome = REJECTED
         else:
