@@ -30,6 +30,18 @@ def test_compute_bound_steps_take_the_flops_term():
     assert r.decode_s == pytest.approx(sum(steps) / F)
 
 
+def test_fp8_parameters_run_at_the_fp8_rate():
+    # 600 of the 1000 parameters in FP8 at F8 = 2F: linear seconds per token 2*(400/F + 600/(2F)) = 1400/F
+    fp8 = RooflineModel(params=1000, weight_bytes=1400, num_layers=2, num_q_heads=4, head_dim=8,
+                        kv_bytes_per_token=64, fp8_params=600)
+    r = workload_roofline(fp8, [10, 4], [3, 1], 1e12, F, fp8_matmul_flops_per_s=2 * F)
+    assert r.prefill_s == pytest.approx((1400 * 10 + 2 * 64 * 100 + 1400 * 4 + 2 * 64 * 16) / F)
+    assert r.decode_s == pytest.approx((1400 * 2 + 4 * 64 * 14 + 1400 + 4 * 64 * 11 + 1400 + 4 * 64 * 12) / F)
+    # without an FP8 rate every FLOP is counted at F, as for bf16
+    same = workload_roofline(fp8, [10, 4], [3, 1], 1e12, F)
+    assert same.roofline_s == pytest.approx(workload_roofline(TOY, [10, 4], [3, 1], 1e12, F).roofline_s)
+
+
 def test_errors():
     with pytest.raises(ValueError):
         workload_roofline(TOY, [1, 2], [1], BW, F)
@@ -62,6 +74,19 @@ def test_from_runner_counts_an_untied_embedding_out(tmp_path):
     assert rm.weight_bytes == rm.params * 4  # float32 on CPU
     mc = llm.engine.model_config
     assert rm.kv_bytes_per_token == mc.num_hidden_layers * mc.num_key_value_heads * 2 * mc.head_dim * 4
+    assert rm.fp8_params == 0
+
+
+def test_from_runner_counts_fp8_parameters():
+    import torch
+
+    from attnserve.engine.llm import LLM
+
+    with LLM("qwen3-tiny", load_format="dummy", device="cpu", context_length=64, quantization="fp8") as llm:
+        model = llm.engine.model_runner.model
+        rm = RooflineModel.from_runner(llm.engine.model_runner)
+    fp8 = sum(p.numel() for p in model.parameters() if p.dtype == torch.float8_e4m3fn)
+    assert 0 < rm.fp8_params == fp8 < rm.params  # the linears; norms and the head stay wide
 
 
 def test_moe_counts_distinct_experts_and_active_params():

@@ -44,7 +44,8 @@ def replicas_roofline(rm: RooflineModel, input_lens: Sequence[int], output_lens:
             floors.append(None)
             continue
         floors.append(workload_roofline(rm, [input_lens[i] for i in idx], [output_lens[i] for i in idx],
-                                        rates["copy_bytes_per_s"], rates["matmul_flops_per_s"]))
+                                        rates["copy_bytes_per_s"], rates["matmul_flops_per_s"],
+                                        rates.get("fp8_matmul_flops_per_s")))
     worst = max((f for f in floors if f is not None), key=lambda f: f.roofline_s)
     return {"roofline_s": worst.roofline_s, "roofline_prefill_s": worst.prefill_s,
             "roofline_decode_s": worst.decode_s,

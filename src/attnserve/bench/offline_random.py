@@ -31,7 +31,8 @@ from attnserve.bench.roofline import RooflineModel, random_lengths, workload_roo
 
 def measure_device_rates() -> Dict[str, float]:
     """``copy_bytes_per_s`` (device-to-device copy of 1 GiB, bytes read + written) and
-    ``matmul_flops_per_s`` (bf16 8192^3 ``torch.matmul``), medians of ``triton.testing.do_bench``."""
+    ``matmul_flops_per_s`` (bf16 8192^3 ``torch.matmul``), and on sm 89+ ``fp8_matmul_flops_per_s``
+    (e4m3 8192^3 ``torch._scaled_mm``, bf16 out), medians of ``triton.testing.do_bench``."""
     import triton.testing
 
     a = torch.randn(1 << 28, device="cuda")
@@ -43,9 +44,17 @@ def measure_device_rates() -> Dict[str, float]:
     x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     mm_ms = triton.testing.do_bench(lambda: torch.matmul(x, y), warmup=25, rep=200, return_mode="median")
+    rates = {"copy_bytes_per_s": copy, "matmul_flops_per_s": 2 * m**3 / (mm_ms * 1e-3)}
+    if torch.cuda.get_device_capability() >= (8, 9):  # e4m3 tensor cores (sm 89+)
+        x8, y8 = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn).t().contiguous().t()
+        one = torch.ones((), device="cuda")
+        mm8_ms = triton.testing.do_bench(lambda: torch._scaled_mm(x8, y8, one, one, out_dtype=torch.bfloat16),
+                                         warmup=25, rep=200, return_mode="median")
+        rates["fp8_matmul_flops_per_s"] = 2 * m**3 / (mm8_ms * 1e-3)
+        del x8, y8
     del x, y
     torch.cuda.empty_cache()
-    return {"copy_bytes_per_s": copy, "matmul_flops_per_s": 2 * m**3 / (mm_ms * 1e-3)}
+    return rates
 
 
 def _prompts(vocab: int, lens: List[int], seed: int) -> List[List[int]]:
@@ -127,7 +136,8 @@ def bench_random(model: str, num_prompts: int, input_len: int, output_len: int, 
         }
         if rates:
             rm = RooflineModel.from_runner(runner)
-            floor = workload_roofline(rm, isl, osl, rates["copy_bytes_per_s"], rates["matmul_flops_per_s"])
+            floor = workload_roofline(rm, isl, osl, rates["copy_bytes_per_s"], rates["matmul_flops_per_s"],
+                                      rates.get("fp8_matmul_flops_per_s"))
             row.update(roofline_s=floor.roofline_s, roofline_prefill_s=floor.prefill_s,
                        roofline_decode_s=floor.decode_s, roofline_share=floor.roofline_s / res["wall_s"],
                        prefill_share=floor.prefill_s / res["prefill_wall_s"],
@@ -162,7 +172,9 @@ def main_random(args) -> int:
     rates = measure_device_rates() if cuda else {}
     if rates:
         print(f"ceilings: copy {rates['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-              f"bf16 matmul {rates['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+              f"bf16 matmul {rates['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
+              + (f", fp8 matmul {rates['fp8_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
+                 if "fp8_matmul_flops_per_s" in rates else ""), flush=True)
     models = args.models if args.load_format == "dummy" else [args.model]
     rows = []
     from attnserve.bench.offline_dp import add_speedups, bench_random_dp, format_dp_row

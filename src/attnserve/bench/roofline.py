@@ -3,7 +3,8 @@
 ``roofline_s`` is the least time any engine could take for a workload of prompts with
 input lengths ``isl_r`` and output lengths ``osl_r`` on a device that copies ``BW``
 bytes/s (device-to-device copy rate, bytes read + written) and multiplies at ``F``
-FLOP/s (bf16 8192^3 matmul), both measured in the same run:
+FLOP/s (bf16 8192^3 matmul), both measured in the same run (FP8 weights: their share of
+the linears' FLOPs at ``F8``, the e4m3 8192^3 ``torch._scaled_mm`` rate of the same run):
 
 * **Prefill**: ``sum_r (2 P isl_r + 2 L Hq D isl_r^2) / F`` (the linears' FLOPs, and causal
   attention's ``QK^T`` and ``PV``: ``2 Hq D isl^2 / 2`` FLOPs each per layer).
@@ -34,7 +35,7 @@ is less uniform, so fewer distinct experts and a lower floor).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -50,6 +51,9 @@ class RooflineModel:
         kv_bytes_per_token: KV cache bytes of one token over all layers.
         moe_layers / num_experts / top_k: ``L_moe``, ``E``, ``top_k`` (0: a dense model).
         expert_params / expert_bytes: ``p_e`` and ``b_e``, one expert of one layer.
+        fp8_params: the part of ``params`` stored as FP8 (``--quantization fp8`` or an FP8
+            checkpoint): their FLOPs run at the FP8 matmul rate where one is given
+            (`workload_roofline`'s ``fp8_matmul_flops_per_s``).
     """
 
     params: int
@@ -63,6 +67,7 @@ class RooflineModel:
     top_k: int = 0
     expert_params: int = 0
     expert_bytes: int = 0
+    fp8_params: int = 0
 
     @property
     def active_params(self) -> int:
@@ -103,7 +108,8 @@ class Roofline:
 
 
 def workload_roofline(model: RooflineModel, input_lens: Sequence[int], output_lens: Sequence[int],
-                      copy_bytes_per_s: float, matmul_flops_per_s: float) -> Roofline:
+                      copy_bytes_per_s: float, matmul_flops_per_s: float,
+                      fp8_matmul_flops_per_s: Optional[float] = None) -> Roofline:
     """The floor of a workload (module docstring).
 
     Args:
@@ -111,6 +117,9 @@ def workload_roofline(model: RooflineModel, input_lens: Sequence[int], output_le
         input_lens / output_lens: per request, prompt and generated tokens (same length).
         copy_bytes_per_s: ``BW``, device-to-device copy rate in bytes/s.
         matmul_flops_per_s: ``F``, bf16 matmul rate in FLOP/s.
+        fp8_matmul_flops_per_s: ``F8``, the FP8 (e4m3) matmul rate in FLOP/s measured in the
+            same run: the ``model.fp8_params`` part of the linear FLOPs is divided by it
+            instead of ``F`` (None: every FLOP at ``F``, which an FP8 model can beat).
 
     Raises:
         ValueError: mismatched lengths or non-positive rates.
@@ -122,7 +131,11 @@ def workload_roofline(model: RooflineModel, input_lens: Sequence[int], output_le
     if copy_bytes_per_s <= 0 or matmul_flops_per_s <= 0:
         raise ValueError("the copy and matmul rates must be > 0")
     attn = model.num_layers * model.num_q_heads * model.head_dim
-    prefill = float(np.sum(2.0 * model.active_params * isl + 2.0 * attn * isl * isl)) / matmul_flops_per_s
+    # seconds per token of the linears: FP8 parameters at F8 where it is known, the rest at F
+    fp8 = model.fp8_params if fp8_matmul_flops_per_s else 0
+    linear_s = 2.0 * ((model.active_params - fp8) / matmul_flops_per_s
+                      + (fp8 / fp8_matmul_flops_per_s if fp8 else 0.0))
+    prefill = float(np.sum(linear_s * isl + 2.0 * attn * isl * isl / matmul_flops_per_s))
     steps = int(osl.max()) if osl.size else 0
     decode = 0.0
     for s in range(steps):
@@ -130,7 +143,7 @@ def workload_roofline(model: RooflineModel, input_lens: Sequence[int], output_le
         n = int(running.sum())
         ctx = float(np.sum(isl[running] + s))
         mem = (model.step_weight_bytes(n) + ctx * model.kv_bytes_per_token) / copy_bytes_per_s
-        flops = (2.0 * model.active_params * n + 4.0 * attn * ctx) / matmul_flops_per_s
+        flops = linear_s * n + 4.0 * attn * ctx / matmul_flops_per_s
         decode += max(mem, flops)
     return Roofline(prefill_s=prefill, decode_s=decode, decode_steps=steps)
 

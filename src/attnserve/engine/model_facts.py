@@ -15,7 +15,8 @@ def roofline_facts(runner) -> Dict[str, Any]:
     ``params`` / ``weight_bytes``: each storage once, the input embedding left out unless it is
     also the LM head, routed experts left out (counted per expert: ``expert_params`` /
     ``expert_bytes`` of one expert of one layer, ``moe_layers``, ``num_experts``, ``top_k``), FP8
-    scales counted as bytes, not parameters; ``num_layers`` / ``num_q_heads`` / ``head_dim``;
+    scales counted as bytes, not parameters (``fp8_params``: the parameters stored in one byte);
+    ``num_layers`` / ``num_q_heads`` / ``head_dim``;
     ``kv_bytes_per_token`` of the KV pool's dtype. Under tensor parallelism: rank 0's shard.
     """
     from attnserve.models.layers.moe.layer import FusedMoE
@@ -38,7 +39,7 @@ def roofline_facts(runner) -> Dict[str, Any]:
         first = moe[0]
         expert_params = (first.w13_weight[0].numel() + first.w2_weight[0].numel())
         expert_bytes = expert_params * first.w13_weight.element_size()
-    seen, params, nbytes = set(), 0, 0
+    seen, params, nbytes, fp8_params = set(), 0, 0, 0
     for p in model.parameters():
         ptr = p.data_ptr()
         if ptr in seen or ptr in skip:
@@ -46,6 +47,8 @@ def roofline_facts(runner) -> Dict[str, Any]:
         seen.add(ptr)
         if not getattr(p, "is_quant_scale", False):  # FP8 scales: bytes, not parameters
             params += p.numel()
+            if p.element_size() == 1 and p.dtype.is_floating_point:
+                fp8_params += p.numel()
         nbytes += p.numel() * p.element_size()
     # under tensor parallelism: rank 0's shard of the weights, heads and KV (every rank
     # works in parallel on its own, so this is the floor of the whole group)
@@ -56,4 +59,4 @@ def roofline_facts(runner) -> Dict[str, Any]:
                 kv_bytes_per_token=mc.kv_cache_bytes_per_token(runner.kv_cache_dtype, kv_heads),
                 moe_layers=len(moe), num_experts=moe[0].num_experts if moe else 0,
                 top_k=blocks[0].routing.top_k if blocks else 0, expert_params=expert_params,
-                expert_bytes=expert_bytes)
+                expert_bytes=expert_bytes, fp8_params=fp8_params)
