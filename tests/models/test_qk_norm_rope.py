@@ -2,9 +2,9 @@
 CPU under the Triton interpreter: the fused launch against the un-fused kernel sequence
 (`rmsnorm` on q and k, then the rotation) bit for bit and against float64 (head_dim 64 and
 128, GQA, NeoX and GPT-J pairing, Llama and Gemma gains, no / 16-bit / FP8 cache); the
-argument checks; the dispatch rules of `Qwen3Attention`; and a tiny Qwen3's greedy tokens
-with the fused launch forced on CPU tensors equal to those of the norm-modules-then-rope
-path. The same kernel checks run at Qwen3-0.6B shapes in ``tests/gpu/test_fused_kernels_gpu.py``."""
+argument checks; the dispatch rules of `Qwen3Attention`; and a tiny Qwen3's and a tiny
+Gemma 3's greedy tokens with the fused launch forced on CPU tensors equal to those of the
+norm-modules-then-rope path. The same kernel checks run at Qwen3-0.6B shapes in ``tests/gpu/test_fused_kernels_gpu.py``."""
 
 import os
 
@@ -82,26 +82,35 @@ def test_rope_module_fusable_only_where_the_kernel_applies():
         full(torch.zeros(2, dtype=torch.int64), q, k, q_norm_weight=torch.ones(16), k_norm_weight=torch.ones(16))
 
 
-# ---- a tiny Qwen3 through the engine's step path -------------------------------------------
+# ---- tiny Qwen3 / Gemma 3 through the engine's step path --------------------------------------
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, vocab_size=500, max_position_embeddings=128, rms_norm_eps=1e-6,
             rope_theta=1000000.0)
+TINY_GEMMA3 = dict(TINY, head_dim=32, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+                   query_pre_attn_scalar=24)
+del TINY_GEMMA3["rope_theta"]
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory):
-    """Our Qwen3 loaded from a random HF Qwen3 (norm gains perturbed away from 1), float32."""
+@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+def tiny_model(request, tmp_path_factory):
+    """Our Qwen3 (or Gemma 3: ``(1 + w)`` q/k norms, two RoPE tables) loaded from a random HF
+    model whose norm gains are perturbed away from their defaults, float32."""
     transformers = pytest.importorskip("transformers")
     from attnserve.model_loader.loader import load_model
 
     torch.manual_seed(0)
-    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY)).eval()
+    if request.param == "qwen3":
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY))
+    else:
+        hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**TINY_GEMMA3))
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.2)
-    path = tmp_path_factory.mktemp("qwen3-qk-norm-rope")
-    hf.save_pretrained(path)
+    path = tmp_path_factory.mktemp(f"{request.param}-qk-norm-rope")
+    hf.eval().save_pretrained(path)
     return load_model(str(path), load_tokenizer=False, progress=False)
 
 
@@ -124,32 +133,35 @@ def _greedy(loaded, step_runner, steps: int):
     return tokens, all_logits
 
 
-def test_qwen3_attention_dispatch(tiny_qwen3, monkeypatch):
-    """The fusion is on by default for Qwen3 blocks, off with the env switch (read when the
-    block is built), and a step on CPU tensors takes the norm modules, not the fused launch."""
+def test_qwen3_attention_dispatch(tiny_model, monkeypatch):
+    """The fusion is on by default for Qwen3 and Gemma 3 blocks (Gemma's with the ``1 + w``
+    offset), off with the env switch (read when the block is built), and a step on CPU
+    tensors takes the norm modules, not the fused launch."""
     from attnserve.models.qwen3 import Qwen3Attention
 
-    attn = tiny_qwen3.model.model.layers[0].self_attn
+    attn = tiny_model.model.model.layers[0].self_attn
     assert isinstance(attn, Qwen3Attention) and attn.qk_norm_rope_fusion
-    q, k = torch.zeros(3, 4 * 64), torch.zeros(3, 2 * 64)
+    d = attn.head_dim
+    assert attn.q_norm.fused_weight_offset == (1.0 if tiny_model.model_config.architecture.startswith("Gemma") else 0.0)
+    q, k = torch.zeros(3, 4 * d), torch.zeros(3, 2 * d)
     assert not attn.qk_norm_in_rope(q, k)
     monkeypatch.setenv("ATTNSERVE_QK_NORM_ROPE_FUSION", "0")
-    off = Qwen3Attention(tiny_qwen3.model.config, 0, attn.rotary_emb, torch.float32)
+    off = Qwen3Attention(tiny_model.model.config, 0, attn.rotary_emb, torch.float32)
     assert not off.qk_norm_rope_fusion
     monkeypatch.setenv("ATTNSERVE_QK_NORM_ROPE_FUSION", "1")
-    on = Qwen3Attention(tiny_qwen3.model.config, 0, attn.rotary_emb, torch.float32)
+    on = Qwen3Attention(tiny_model.model.config, 0, attn.rotary_emb, torch.float32)
     assert on.qk_norm_rope_fusion
     on.k_norm.use_fused = False  # --disable-fused-kernels reaches the norms: no fusion
     monkeypatch.setattr(RotaryEmbedding, "qk_norm_fusable", lambda self, q, k: True)
     assert on.qk_norm_in_rope(q, k) is False
 
 
-def test_tiny_qwen3_greedy_tokens_unchanged(tiny_qwen3, step_runner, monkeypatch):
+def test_tiny_greedy_tokens_unchanged(tiny_model, step_runner, monkeypatch):
     """The fused norm + rope launch (reached on CPU tensors through the interpreter by
     letting `RotaryEmbedding.qk_norm_fusable` ignore the device) gives the greedy tokens of
     the norm-modules-then-rope path, and logits within float32 forward rounding."""
     steps = 6
-    ref_tokens, ref_logits = _greedy(tiny_qwen3, step_runner, steps)
+    ref_tokens, ref_logits = _greedy(tiny_model, step_runner, steps)
 
     calls = []
     launch = rotary.rotary_embedding_inplace
@@ -162,9 +174,9 @@ def test_tiny_qwen3_greedy_tokens_unchanged(tiny_qwen3, step_runner, monkeypatch
                         lambda self, q, k: k is not None and self.rotary_dim == self.head_dim
                         and fk.rope_layout_supported(q, k, self.head_dim))  # the rules but the device
     monkeypatch.setattr(rotary, "rotary_embedding_inplace", spy)
-    tokens, logits = _greedy(tiny_qwen3, step_runner, steps)
+    tokens, logits = _greedy(tiny_model, step_runner, steps)
     assert calls == [True] * (TINY["num_hidden_layers"] * steps)  # every layer, every step: the fused launch
     assert tokens == ref_tokens
-    terms = llama_like_terms(tiny_qwen3.model.config, 19 + steps)
+    terms = llama_like_terms(tiny_model.model.config, 19 + steps)
     for got, ref in zip(logits, ref_logits):
-        assert_within(got, ref, forward_bound(ref, terms), "tiny qwen3 logits, fused norm+rope vs modules")
+        assert_within(got, ref, forward_bound(ref, terms), "tiny model logits, fused norm+rope vs modules")
