@@ -43,7 +43,7 @@ def _norm64(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
 def _rope64_with_partner(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, neox: bool):
     """float64 rotation of ``[T, H, D]`` (all channels rotate) and, per output channel, the
     magnitude of the input pair ``|x_i| + |x_partner(i)|`` it was formed from."""
-    cs = cache.double()[positions.long().cpu()].to(x.device)
+    cs = cache.double()[positions.long().to(cache.device)].to(x.device)
     half = x.shape[-1] // 2
     cos, sin = cs[:, None, :half], cs[:, None, half:]
     if neox:
