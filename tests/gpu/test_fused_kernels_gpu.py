@@ -13,9 +13,11 @@ import pytest
 import torch
 
 import fused_kernel_checks as C
+import qk_norm_rope_checks as Q
 from attnserve.forward_batch import ForwardBatch, ForwardMode
 from attnserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from attnserve.models.layers import fused_kernels as fk
+from attnserve.models.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -303,3 +305,182 @@ def test_llama_fp8_cache_fused_store_matches_unfused():
     print(f"device kernels per decode step: fp8 unfused {counts['ref']}, fp8 fused {counts['fused']}, "
           f"bf16 fused {counts['bf16']}")
     assert counts["fused"] == counts["bf16"] < counts["ref"]
+
+
+# ---- per-head q/k RMSNorm folded into the RoPE (+ KV store) launch -----------------------------
+QWEN3_06B = dict(hq=16, hk=8, head_dim=128)  # Qwen3-0.6B attention: 16 q heads, 8 KV heads of 128
+
+
+@pytest.mark.parametrize("tokens", [1, 144, 8192])
+@pytest.mark.parametrize("buf_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16-cache", "fp8-cache"])
+def test_qk_norm_rope_matches_unfused_qwen3_0_6b_gpu(tokens, buf_dtype):
+    """Fused norm + rope + KV store on Qwen3-0.6B's shapes (decode 1 and 144 rows, an 8192
+    prefill chunk), bf16: q, k and the cache rows ``torch.equal`` to `rmsnorm` on q and k
+    then the rope launch with the store; within the float64 rounding bound."""
+    scales = (0.05, 0.3) if buf_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    mism = Q.check_qk_norm_rope(DEV, torch.bfloat16, tokens, QWEN3_06B["hq"], QWEN3_06B["hk"],
+                                QWEN3_06B["head_dim"], True, False, buf_dtype=buf_dtype, k_scale=scales[0],
+                                v_scale=scales[1], seed=tokens)
+    print(f"qk-norm+rope T={tokens} {buf_dtype}: mismatches vs unfused {mism}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("tokens,hq,hk,head_dim,neox,gemma", [
+    (37, 4, 1, 256, True, True),  # Gemma 3 270M: 4 q heads, 1 KV head of 256, (1 + w) gains
+    (144, 8, 2, 64, True, False),  # head_dim 64: the row tile is widened to 1024 elements
+    (19, 16, 8, 128, False, False),  # GPT-J pairing
+    (5, 32, 4, 128, True, True),
+])
+def test_qk_norm_rope_other_shapes_gpu(dtype, tokens, hq, hk, head_dim, neox, gemma):
+    Q.check_qk_norm_rope(DEV, dtype, tokens, hq, hk, head_dim, neox, gemma, buf_dtype=dtype, seed=tokens + hq)
+
+
+def _qwen3_qk_case(tokens: int, gen: torch.Generator):
+    """Static inputs of one Qwen3-0.6B attention block's norm + rope + store."""
+    hq, hk, d = QWEN3_06B["hq"], QWEN3_06B["hk"], QWEN3_06B["head_dim"]
+    q_norm, k_norm = Q.make_qk_norms(d, False, DEV, torch.bfloat16, gen)
+    rope = RotaryEmbedding(d, d, Q.MAX_POS, 1e6).to(DEV)
+    qkv = torch.empty(tokens, (hq + 2 * hk) * d, device=DEV, dtype=torch.bfloat16)
+    positions = torch.empty(tokens, dtype=torch.int64, device=DEV)
+    slots = 4 * tokens
+    k_buf = torch.zeros(slots, hk, d, device=DEV, dtype=torch.bfloat16)
+    v_buf = torch.zeros_like(k_buf)
+    loc = torch.randperm(slots, generator=gen)[:tokens].to(DEV)
+    return dict(hq=hq, hk=hk, d=d, q_norm=q_norm, k_norm=k_norm, rope=rope, qkv=qkv, positions=positions,
+                k_buf=k_buf, v_buf=v_buf, loc=loc)
+
+
+def _fused_launch(c, qkv, k_buf, v_buf):
+    hq, hk, d = c["hq"], c["hk"], c["d"]
+    fk.rotary_embedding_inplace(
+        c["positions"], qkv[:, : hq * d], qkv[:, hq * d : (hq + hk) * d], c["rope"].cos_sin_cache, d, d, True,
+        kv_store=fk.KVStoreTarget(k_buf, v_buf, c["loc"], qkv[:, (hq + hk) * d :]),
+        q_norm_weight=c["q_norm"].weight, k_norm_weight=c["k_norm"].weight, eps=c["q_norm"].variance_epsilon)
+
+
+def _unfused_launches(c, qkv, k_buf, v_buf, q_out=None, k_out=None):
+    hq, hk, d = c["hq"], c["hk"], c["d"]
+    t = qkv.shape[0]
+    q = fk.rmsnorm(qkv[:, : hq * d].view(t, hq, d), c["q_norm"].weight, c["q_norm"].variance_epsilon, out=q_out)
+    k = fk.rmsnorm(qkv[:, hq * d : (hq + hk) * d].view(t, hk, d), c["k_norm"].weight, c["k_norm"].variance_epsilon,
+                   out=k_out)
+    q, k = q.view(t, -1), k.view(t, -1)
+    fk.rotary_embedding_inplace(c["positions"], q, k, c["rope"].cos_sin_cache, d, d, True,
+                                kv_store=fk.KVStoreTarget(k_buf, v_buf, c["loc"], qkv[:, (hq + hk) * d :]))
+    return q, k
+
+
+def test_qk_norm_rope_in_cuda_graph_gpu():
+    """The fused launch captured in a CUDA graph (144 decode rows) replays, on fresh inputs
+    copied into its static buffers, to exactly the eager un-fused kernels' q, k and cache."""
+    gen = torch.Generator().manual_seed(11)
+    c = _qwen3_qk_case(144, gen)
+    hq, hk, d = c["hq"], c["hk"], c["d"]
+    qkv, k_buf, v_buf = c["qkv"], c["k_buf"], c["v_buf"]
+    qkv.copy_(torch.randn(qkv.shape, generator=gen).to(DEV, torch.bfloat16) * 3)
+    c["positions"].copy_(torch.randint(0, Q.MAX_POS, (144,), generator=gen))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _fused_launch(c, qkv, k_buf, v_buf)  # compile + warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        _fused_launch(c, qkv, k_buf, v_buf)
+    for round_ in range(2):
+        fresh = torch.randn(qkv.shape, generator=gen).to(DEV, torch.bfloat16) * (3 + round_)
+        qkv.copy_(fresh)
+        c["positions"].copy_(torch.randint(0, Q.MAX_POS, (144,), generator=gen))
+        k_buf.zero_()
+        v_buf.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_in = fresh.clone()
+        k_ref, v_ref = torch.zeros_like(k_buf), torch.zeros_like(v_buf)
+        q_ref, k_rot = _unfused_launches(c, ref_in, k_ref, v_ref)
+        assert torch.equal(qkv[:, : hq * d], q_ref), int((qkv[:, : hq * d] != q_ref).sum())
+        assert torch.equal(qkv[:, hq * d : (hq + hk) * d], k_rot)
+        assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
+        assert torch.equal(qkv[:, (hq + hk) * d :], fresh[:, (hq + hk) * d :])
+    print("qk-norm+rope CUDA graph replay == eager unfused kernels: True")
+
+
+def test_qk_norm_rope_saves_launches_and_time_gpu():
+    """GPU time of one Qwen3-0.6B block's fused norm + rope + store against the three
+    launches it replaces (q norm, k norm, rope + store), at 144 decode rows and an 8192-token
+    prefill chunk; prints the times and the projected saving over 28 layers (JSON under
+    ``$OUT`` when set). The fused launch must be faster."""
+    import json
+    import os
+
+    gen = torch.Generator().manual_seed(12)
+    rows = []
+    for tokens in (1, 144, 8192):
+        c = _qwen3_qk_case(tokens, gen)
+        hq, hk, d = c["hq"], c["hk"], c["d"]
+        c["qkv"].copy_(torch.randn(c["qkv"].shape, generator=gen).to(DEV, torch.bfloat16))
+        c["positions"].copy_(torch.randint(0, Q.MAX_POS, (tokens,), generator=gen))
+        q_out = torch.empty(tokens, hq, d, device=DEV, dtype=torch.bfloat16)
+        k_out = torch.empty(tokens, hk, d, device=DEV, dtype=torch.bfloat16)
+        fused_ms = _gpu_ms(lambda: _fused_launch(c, c["qkv"], c["k_buf"], c["v_buf"]), reps=50)
+        unfused_ms = _gpu_ms(lambda: _unfused_launches(c, c["qkv"], c["k_buf"], c["v_buf"], q_out, k_out), reps=50)
+        norms_ms = _gpu_ms(lambda: (fk.rmsnorm(c["qkv"][:, : hq * d].view(tokens, hq, d), c["q_norm"].weight, 1e-6,
+                                               out=q_out),
+                                    fk.rmsnorm(c["qkv"][:, hq * d : (hq + hk) * d].view(tokens, hk, d),
+                                               c["k_norm"].weight, 1e-6, out=k_out)), reps=50)
+        row = dict(tokens=tokens, fused_us=fused_ms * 1e3, unfused_us=unfused_ms * 1e3, qk_norms_us=norms_ms * 1e3,
+                   rope_store_us=(unfused_ms - norms_ms) * 1e3, saved_us_per_layer=(unfused_ms - fused_ms) * 1e3,
+                   saved_us_28_layers=28 * (unfused_ms - fused_ms) * 1e3)
+        rows.append(row)
+        print(f"qk-norm+rope+store T={tokens}: fused {row['fused_us']:.1f} us, unfused {row['unfused_us']:.1f} us "
+              f"(norms {row['qk_norms_us']:.1f} + rope/store {row['rope_store_us']:.1f}), saved "
+              f"{row['saved_us_per_layer']:.1f} us/layer = {row['saved_us_28_layers']:.0f} us per 28-layer forward; "
+              f"fused / rope alone {fused_ms / max(unfused_ms - norms_ms, 1e-9):.2f}")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "qk_norm_rope_timing.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "shape": QWEN3_06B, "rows": rows}, f, indent=1)
+    for row in rows:
+        assert row["fused_us"] < row["unfused_us"], row
+
+
+def test_qwen3_0_6b_engine_greedy_tokens_fusion_on_vs_off(monkeypatch):
+    """The dummy Qwen3-0.6B engine (bf16, CUDA graphs, default flags but a 2048 context):
+    the same 24 greedy requests give the same tokens with the q/k-norm + rope fusion on and
+    with ``ATTNSERVE_QK_NORM_ROPE_FUSION=0`` (read when the model is built); the on-engine's
+    eager prefill takes the fused launch, the off-engine's never does."""
+    from attnserve.engine.llm import LLM
+    from attnserve.engine.sampling_params import SamplingParams
+    from attnserve.models.layers import rotary
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(10, 150000, (int(n),), generator=gen).tolist()
+               for n in torch.randint(20, 700, (24,), generator=gen)]
+    sp = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+    launch = rotary.rotary_embedding_inplace
+    tokens, fused_calls = {}, {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("ATTNSERVE_QK_NORM_ROPE_FUSION", setting)
+        calls = []
+
+        def spy(*args, _calls=calls, **kwargs):
+            _calls.append(kwargs.get("q_norm_weight") is not None)
+            return launch(*args, **kwargs)
+
+        with LLM("qwen3-0.6b", load_format="dummy", device="cuda", dtype="bfloat16", context_length=2048) as llm:
+            attn = llm.engine.model_runner.model.model.layers[0].self_attn
+            assert attn.qk_norm_rope_fusion == (setting == "1") and attn.q_norm.use_fused
+            assert llm.engine.model_runner.cuda_graph_runner is not None
+            monkeypatch.setattr(rotary, "rotary_embedding_inplace", spy)
+            outs = llm.generate(prompts, sp)
+            monkeypatch.setattr(rotary, "rotary_embedding_inplace", launch)
+        tokens[setting] = [o.token_ids for o in outs]
+        fused_calls[setting] = sum(calls)
+    first_diff = next(((i, j) for i, (a, b) in enumerate(zip(tokens["0"], tokens["1"]))
+                       for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    print(f"qwen3-0.6b greedy tokens, fusion on vs off: identical {tokens['0'] == tokens['1']} "
+          f"(first difference (request, token): {first_diff}); fused launches in eager steps: "
+          f"on {fused_calls['1']}, off {fused_calls['0']}")
+    assert fused_calls["0"] == 0 and fused_calls["1"] > 0
+    assert all(len(t) == 48 for t in tokens["1"])
+    assert tokens["0"] == tokens["1"], first_diff

@@ -27,14 +27,23 @@ from attnserve.models.layers.rotary import RotaryEmbedding
 
 
 def rope_then_attention(rotary_emb: RotaryEmbedding, attn: RadixAttention, positions: torch.Tensor,
-                        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+                        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch,
+                        qk_norm: Optional[Tuple[RMSNorm, RMSNorm]] = None) -> torch.Tensor:
     """RoPE on ``q`` ``[T, Hq*D]`` / ``k`` ``[T, Hkv*D]``, then paged attention -> ``[T, Hq*Dv]``.
 
     Where the KV pool allows it (`RadixAttention.kv_store_target`), the rotation kernel also
     writes the new K (rotated) and V into the cache, one launch instead of two, and the
-    backend is told not to store them again (``save_kv_cache=False``).
+    backend is told not to store them again (``save_kv_cache=False``). ``qk_norm``
+    ``(q_norm, k_norm)``: the per-head norms are applied in the same launch (only where
+    ``rotary_emb.qk_norm_fusable(q, k)``; `attnserve.models.qwen3.Qwen3Attention`).
     """
     target = attn.kv_store_target(forward_batch, v)
+    if qk_norm is not None:
+        q_norm, k_norm = qk_norm
+        q, k = rotary_emb.forward(positions, q, k, kv_store=target, q_norm_weight=q_norm.weight,
+                                  k_norm_weight=k_norm.weight, eps=q_norm.variance_epsilon,
+                                  weight_offset=q_norm.fused_weight_offset)
+        return attn.forward(q, k, v, forward_batch, save_kv_cache=target is None)
     q, k = rotary_emb.forward(positions, q, k, kv_store=target)
     return attn.forward(q, k, v, forward_batch, save_kv_cache=target is None)
 

@@ -15,6 +15,7 @@ are `attnserve.models.base`'s.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -43,9 +44,30 @@ def _window(config: Any, layer_id: int) -> int:
     return int(window) - 1 if types[layer_id] == "sliding_attention" else -1
 
 
+def qk_norm_rope_fusion_enabled() -> bool:
+    """``ATTNSERVE_QK_NORM_ROPE_FUSION`` (default on; ``0`` / ``false`` / ``no`` / ``off``
+    turns it off): whether QK-normed attention blocks built from now on fold their per-head
+    q/k RMSNorm into the RoPE launch (read when a block is built)."""
+    return os.environ.get("ATTNSERVE_QK_NORM_ROPE_FUSION", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def qk_norms_fusable(q_norm: nn.Module, k_norm: nn.Module) -> bool:
+    """Whether two per-head norm modules can run inside the RoPE kernel: both `RMSNorm`s of
+    the ``x_hat * (w + offset)`` form (``fused_weight_offset`` not None) with the same offset
+    and epsilon (the kernel takes one of each)."""
+    return (isinstance(q_norm, RMSNorm) and isinstance(k_norm, RMSNorm)
+            and q_norm.fused_weight_offset is not None
+            and q_norm.fused_weight_offset == k_norm.fused_weight_offset
+            and q_norm.variance_epsilon == k_norm.variance_epsilon)
+
+
 class Qwen3Attention(LlamaAttention):
     """Fused QKV projection, per-head q/k norm (``qk_norm_cls``), RoPE, paged attention,
     output projection.
+
+    On the fused CUDA path the q/k norms run inside the RoPE (+ KV store) launch
+    (`qk_norm_in_rope`; bit-identical to norm-then-rope, ``ATTNSERVE_QK_NORM_ROPE_FUSION=0``
+    turns it off); otherwise the norm modules run first, then the rotation.
 
     ``sliding_window_size`` None: Qwen3's per-layer window (`_window`); ``scaling`` and
     ``logit_cap`` as in `LlamaAttention`.
@@ -64,9 +86,20 @@ class Qwen3Attention(LlamaAttention):
                          logit_cap=logit_cap)
         self.q_norm = self.qk_norm_cls(self.head_dim, config.rms_norm_eps, dtype=dtype)
         self.k_norm = self.qk_norm_cls(self.head_dim, config.rms_norm_eps, dtype=dtype)
+        self.qk_norm_rope_fusion = qk_norm_rope_fusion_enabled() and qk_norms_fusable(self.q_norm, self.k_norm)
+
+    def qk_norm_in_rope(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether this step's q/k norms run inside the RoPE launch: the fusion is on
+        (`qk_norm_rope_fusion`), both norms and the rotation take their fused paths, and
+        the rotation kernel takes these views (`RotaryEmbedding.qk_norm_fusable`)."""
+        return (self.qk_norm_rope_fusion and self.q_norm.use_fused and self.k_norm.use_fused
+                and self.rotary_emb.qk_norm_fusable(q, k))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj.forward(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_in_rope(q, k):  # norm + rotate (+ KV store) in one launch, q and k in place
+            return self.o_proj.forward(rope_then_attention(self.rotary_emb, self.attn, positions, q, k, v,
+                                                           forward_batch, qk_norm=(self.q_norm, self.k_norm)))
         q = self.q_norm.forward(q.reshape(-1, self.num_heads, self.head_dim)).reshape(-1, self.q_size)
         k = self.k_norm.forward(k.reshape(-1, self.num_kv_heads, self.head_dim)).reshape(-1, self.kv_size)
         return self.o_proj.forward(rope_then_attention(self.rotary_emb, self.attn, positions, q, k, v, forward_batch))

@@ -13,7 +13,9 @@ these launchers only for CUDA tensors and only while their ``use_fused`` is on
   ``head_dim`` -- are normalised ``4096 // BLOCK`` per program, so those launches move
   several KB per program and stream at the copy rate; longer rows take one program each.
 * `rotary_embedding_inplace` -- RoPE (Su et al., RoFormer, arXiv:2104.09864) on q and k in
-  one launch, NeoX ("rotate half") or GPT-J (interleaved) pairing, partial ``rotary_dim``.
+  one launch, NeoX ("rotate half") or GPT-J (interleaved) pairing, partial ``rotary_dim``;
+  optionally with the KV-cache write and with Qwen3's / Gemma 3's per-head q/k RMSNorm
+  before the rotation (norm + rotate + store in one launch).
 * `silu_and_mul` / `gelu_tanh_and_mul` -- SwiGLU / GeGLU gates (Shazeer,
   arXiv:2002.05202); GELU with the tanh approximation (Hendrycks & Gimpel,
   arXiv:1606.08415).
@@ -293,6 +295,10 @@ def rotary_embedding_inplace(
     rotary_dim: int,
     is_neox: bool,
     kv_store: Optional[KVStoreTarget] = None,
+    q_norm_weight: Optional[torch.Tensor] = None,
+    k_norm_weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
 ) -> None:
     """Rotate ``q`` and ``k`` in place by their tokens' positions (one launch for both).
 
@@ -316,13 +322,24 @@ def rotary_embedding_inplace(
             ``k`` (rounded to its dtype, then converted to the cache dtype; an FP8 cache
             gets ``saturate(x / scale)`` with ``kv_store.k_scale`` / ``v_scale``, the bytes
             `kv_quant.quantize_kv` gives).
+        q_norm_weight / k_norm_weight: ``[head_dim]`` gains (any float dtype) of a per-head
+            RMSNorm applied to every q / k head before the rotation (Qwen3's and Gemma 3's
+            QK-norm), in the same launch; both or neither, with ``k``, and only for
+            ``rotary_dim == head_dim``. Each head becomes ``x * rsqrt(mean(x**2) + eps) *
+            (w + weight_offset)`` (float32, rounded to q's / k's dtype) exactly as
+            `rmsnorm` computes it, and is then rotated and stored as above: the result is
+            `rmsnorm` then this function without the norm, bit for bit where both reduce
+            the sum of squares in the same order (the tile is sized for that).
+        eps / weight_offset: the norm's epsilon and gain offset (0.0, or 1.0 for Gemma's
+            ``(1 + w)``); ignored without norm weights.
 
     Grid ``(T, q head blocks + k head blocks [+ v head blocks])``.
 
     Raises:
         ValueError: unsupported layout (see `rope_layout_supported`), table shape, or a
             ``kv_store`` whose shapes do not match ``k`` (or with one FP8 and one non-FP8
-            cache, or an FP8 scale <= 0 / non-finite).
+            cache, or an FP8 scale <= 0 / non-finite); norm weights given for one of q / k
+            only, without ``k``, with ``rotary_dim < head_dim`` or not of shape ``[head_dim]``.
     """
     q_heads = _rope_heads(q, head_dim)
     k_heads = None if k is None else _rope_heads(k, head_dim)
@@ -347,6 +364,10 @@ def rotary_embedding_inplace(
     half = rotary_dim // 2
     block_r = _next_pow2(half)
     block_h = max(1, min(_next_pow2(max(hq, hk)), 1024 // block_r))
+    norm = {}
+    if q_norm_weight is not None or k_norm_weight is not None:
+        norm = _qk_norm_args(q_norm_weight, k_norm_weight, hk, head_dim, rotary_dim, eps, weight_offset)
+        block_h = max(block_h, _QK_NORM_TILE // norm["BLOCK_D"])
     nq = -(-hq // block_h)
     nk = -(-hk // block_h)
     if kv_store is None:
@@ -378,8 +399,32 @@ def rotary_embedding_inplace(
         positions, q, k, cos_sin_cache, q_st, q_sh, k_st, k_sh, cos_sin_cache.stride(0), hq, hk, nq,
         *store_args, nk, head_dim, dv,
         HALF=half, BLOCK_R=block_r, BLOCK_H=block_h, IS_NEOX=bool(is_neox), STORE_KV=kv_store is not None,
-        BLOCK_PASS=block_pass, BLOCK_DV=block_dv, num_warps=4, **quant, **_pdl_args(q.device),
+        BLOCK_PASS=block_pass, BLOCK_DV=block_dv, num_warps=4, **quant, **norm, **_pdl_args(q.device),
     )
+
+
+#: least elements of the fused QK-norm's ``[BLOCK_H, BLOCK_D]`` row tile: with the rope
+#: kernel's 4 warps that is 8 elements a thread, so a 16-bit row is read in 8-element
+#: vectors and summed in the per-row order of the stand-alone `rmsnorm` tiles (4096
+#: elements over 8 warps: 16 a thread, vectors of 8 as well), which gives bit-identical
+#: norms; fewer elements would shorten the vectors and change that order
+_QK_NORM_TILE = 1024
+
+
+def _qk_norm_args(q_w: Optional[torch.Tensor], k_w: Optional[torch.Tensor], hk: int, head_dim: int,
+                  rotary_dim: int, eps: float, weight_offset: float) -> dict:
+    """The rope kernel's QK-norm arguments, after checking them (see
+    `rotary_embedding_inplace` for the rules and errors)."""
+    if q_w is None or k_w is None or hk == 0:
+        raise ValueError("rotary_embedding_inplace: the fused QK-norm needs q_norm_weight, k_norm_weight and k")
+    if rotary_dim != head_dim:
+        raise ValueError(f"rotary_embedding_inplace: the fused QK-norm needs rotary_dim == head_dim "
+                         f"({rotary_dim} != {head_dim})")
+    if tuple(q_w.shape) != (head_dim,) or tuple(k_w.shape) != (head_dim,):
+        raise ValueError(f"rotary_embedding_inplace: norm weights {tuple(q_w.shape)} / {tuple(k_w.shape)} "
+                         f"must be [{head_dim}]")
+    return dict(q_norm_ptr=q_w.contiguous(), k_norm_ptr=k_w.contiguous(), eps=float(eps),
+                w_offset=float(weight_offset), HAS_QK_NORM=True, BLOCK_D=_next_pow2(head_dim))
 
 
 def _quant_args(k_dtype: torch.dtype, v_dtype: torch.dtype, k_scale: float, v_scale: float) -> dict:

@@ -175,6 +175,11 @@ def _rope_rotate_heads(
     inv_scale=1.0,
     max_val=0.0,
     QUANT: tl.constexpr = False,
+    norm_w_ptr=None,
+    eps=0.0,
+    w_offset=0.0,
+    HAS_NORM: tl.constexpr = False,
+    BLOCK_D: tl.constexpr = 1,
 ):
     """Rotate ``BLOCK_H`` heads (from ``head_start``) of token ``tok`` in place.
 
@@ -184,6 +189,12 @@ def _rope_rotate_heads(
     channels (``BLOCK_PASS`` >= that count), to ``dst_ptr + dst_row + head * dst_stride_h``
     (a KV-cache row), converting to the destination dtype; QUANT (an FP8 cache) stores
     ``clamp(x * inv_scale, -max_val, max_val)`` (`kv_quant.quantize_kv`).
+    HAS_NORM (the per-head q/k RMSNorm of Qwen3 / Gemma 3, ``2 * HALF == head_dim``): first
+    normalise each head as `_rmsnorm_kernel` does -- float32 sum of squares over the whole
+    ``[BLOCK_H, BLOCK_D]`` row tile (``BLOCK_D = next_pow2(head_dim)``; the launcher sizes
+    the tile so that the reduction runs in the same per-row order as the stand-alone
+    kernel's), ``x * rstd * (w + w_offset)`` in float32, rounded to the storage dtype --
+    then rotate those rounded values, so the result is that of rmsnorm-then-rope.
     """
     heads = head_start + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads
@@ -197,6 +208,18 @@ def _rope_rotate_heads(
         off2 = 2 * pairs + 1
     x1 = tl.load(base + off1[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + off2[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        # the whole rows again (L1 hits) for the sum of squares, in the stand-alone norm's
+        # tile shape; then x1 / x2 normalised and rounded exactly as `_rmsnorm_kernel` rounds
+        cols = tl.arange(0, BLOCK_D)
+        row_mask = head_mask[:, None] & (cols < head_dim)[None, :]
+        xr = tl.load(base + cols[None, :], mask=row_mask, other=0.0).to(tl.float32)
+        mean_sq = tl.sum(xr * xr, axis=1) / head_dim
+        rstd = 1.0 / tl.sqrt(mean_sq + eps)
+        w1 = tl.load(norm_w_ptr + off1, mask=pair_mask, other=0.0).to(tl.float32) + w_offset
+        w2 = tl.load(norm_w_ptr + off2, mask=pair_mask, other=0.0).to(tl.float32) + w_offset
+        x1 = (x1 * rstd[:, None] * w1[None, :]).to(ptr.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * rstd[:, None] * w2[None, :]).to(ptr.dtype.element_ty).to(tl.float32)
     c = cos[None, :]
     s = sin[None, :]
     y1 = (x1 * c - x2 * s).to(ptr.dtype.element_ty)
@@ -265,6 +288,12 @@ def _rope_kernel(
     max_val=0.0,
     QUANT: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
+    q_norm_ptr=None,
+    k_norm_ptr=None,
+    eps=0.0,
+    w_offset=0.0,
+    HAS_QK_NORM: tl.constexpr = False,
+    BLOCK_D: tl.constexpr = 1,
 ):
     """Grid ``(T, q head blocks + k head blocks [+ v head blocks])``: rotate one block of q
     or k heads of one token in place, reading ``cos``/``sin`` of its position from
@@ -272,7 +301,10 @@ def _rope_kernel(
     row ``loc[tok]`` of ``kb`` (the K cache) and the v programs copy the token's value
     heads into row ``loc[tok]`` of ``vb`` (the V cache); QUANT (FP8 caches) quantises both
     with their inverse scales and saturates at ``max_val``. USE_PDL (programmatic dependent
-    launch): the program waits for the previous kernel before anything else."""
+    launch): the program waits for the previous kernel before anything else. HAS_QK_NORM:
+    q and k heads are first RMS-normalised with the ``[head_dim]`` gains ``q_norm`` /
+    ``k_norm`` (plus ``w_offset``) and ``eps`` (`_rope_rotate_heads`' HAS_NORM; full
+    rotary_dim only), so the cache gets the normalised, rotated keys."""
     if USE_PDL:
         gdc_wait()
     tok = tl.program_id(0).to(tl.int64)
@@ -299,11 +331,15 @@ def _rope_kernel(
         sin = tl.load(row + HALF + pairs, mask=pair_mask, other=0.0).to(tl.float32)
         if hb < num_q_blocks:
             _rope_rotate_heads(q_ptr, tok, hb * BLOCK_H, num_q_heads, q_stride_t, q_stride_h, cos, sin, pairs,
-                               pair_mask, q_ptr, 0, 0, head_dim, HALF, BLOCK_H, IS_NEOX, False, 0)
+                               pair_mask, q_ptr, 0, 0, head_dim, HALF, BLOCK_H, IS_NEOX, False, 0,
+                               norm_w_ptr=q_norm_ptr, eps=eps, w_offset=w_offset, HAS_NORM=HAS_QK_NORM,
+                               BLOCK_D=BLOCK_D)
         else:
             _rope_rotate_heads(k_ptr, tok, (hb - num_q_blocks) * BLOCK_H, num_k_heads, k_stride_t, k_stride_h,
                                cos, sin, pairs, pair_mask, kb_ptr, slot * kb_stride_s, kb_stride_h, head_dim,
-                               HALF, BLOCK_H, IS_NEOX, STORE_KV, BLOCK_PASS, k_inv_scale, max_val, QUANT)
+                               HALF, BLOCK_H, IS_NEOX, STORE_KV, BLOCK_PASS, k_inv_scale, max_val, QUANT,
+                               norm_w_ptr=k_norm_ptr, eps=eps, w_offset=w_offset, HAS_NORM=HAS_QK_NORM,
+                               BLOCK_D=BLOCK_D)
 
 
 @triton.jit

@@ -341,6 +341,10 @@ class RotaryEmbedding(nn.Module, FusedKernelUser):
         query: torch.Tensor,
         key: Optional[torch.Tensor],
         kv_store: Optional[KVStoreTarget] = None,
+        q_norm_weight: Optional[torch.Tensor] = None,
+        k_norm_weight: Optional[torch.Tensor] = None,
+        eps: float = 1e-6,
+        weight_offset: float = 0.0,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Rotate ``query`` and ``key`` by their tokens' positions.
 
@@ -353,6 +357,12 @@ class RotaryEmbedding(nn.Module, FusedKernelUser):
                 quantised with ``kv_store.k_scale`` / ``v_scale``); needs ``key``. On the
                 fused path this is the same launch as the rotation; otherwise the rows are
                 written after it with ``index_put``.
+            q_norm_weight / k_norm_weight / eps / weight_offset: normalise every q and k
+                head with this per-head RMSNorm (``x * rsqrt(mean(x**2) + eps) * (w +
+                weight_offset)``, Qwen3's / Gemma 3's QK-norm) before rotating it, in the
+                same launch (`fused_kernels.rotary_embedding_inplace`). Fused path only:
+                callers check `qk_norm_fusable` first and otherwise run their norm modules
+                and then this method without these arguments.
 
         Returns:
             ``(query, key)`` rotated, same shapes and dtypes (math in float32): new tensors on
@@ -361,6 +371,15 @@ class RotaryEmbedding(nn.Module, FusedKernelUser):
         """
         if kv_store is not None and key is None:
             raise ValueError("RotaryEmbedding: kv_store needs a key to store")
+        if q_norm_weight is not None or k_norm_weight is not None:
+            if not self.qk_norm_fusable(query, key):
+                raise ValueError("RotaryEmbedding: norm weights need the fused path (see qk_norm_fusable)")
+            rotary_embedding_inplace(
+                positions, query, key, self.cos_sin_cache, self.head_dim, self.rotary_dim, self.is_neox_style,
+                kv_store=kv_store, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps,
+                weight_offset=weight_offset,
+            )
+            return query, key
         if self.use_fused and query.is_cuda and rope_layout_supported(query, key, self.head_dim):
             rotary_embedding_inplace(
                 positions, query, key, self.cos_sin_cache, self.head_dim, self.rotary_dim, self.is_neox_style,
@@ -385,6 +404,15 @@ class RotaryEmbedding(nn.Module, FusedKernelUser):
             k_buf[kv_store.loc] = quantize_kv(k_rows, kv_store.k_scale, k_buf.dtype)
             v_buf[kv_store.loc] = quantize_kv(v_rows, kv_store.v_scale, v_buf.dtype)
         return query, key
+
+    def qk_norm_fusable(self, query: torch.Tensor, key: Optional[torch.Tensor]) -> bool:
+        """Whether `forward` can normalise ``query`` / ``key`` per head in its rotation launch:
+        the fused path is on, the tensors are on CUDA in a layout the kernel rotates in place
+        (`fused_kernels.rope_layout_supported`), there is a key, and every channel rotates
+        (``rotary_dim == head_dim``; a partial rotation would leave normalised pass-through
+        channels to write)."""
+        return (self.use_fused and query.is_cuda and key is not None and self.rotary_dim == self.head_dim
+                and rope_layout_supported(query, key, self.head_dim))
 
     def extra_repr(self) -> str:
         return (
