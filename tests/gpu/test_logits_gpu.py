@@ -35,29 +35,3 @@ def test_float32_logits_from_the_gemm(rows):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, out)
-
-
-@pytest.mark.parametrize("vocab", [128256, 151936])
-def test_two_stage_argmax_on_cuda_equals_torch_argmax(vocab):
-    from attnserve.engine.sampler import argmax_last
-
-    g = torch.Generator(device="cuda").manual_seed(vocab)
-    x = torch.randn(65, vocab, device="cuda", generator=g)
-    x[1, 5000] = x[1, vocab - 9] = 50.0  # tie across chunks: the first wins
-    x[2, 3] = x[2, 9] = 50.0  # tie inside a chunk
-    x[3, :] = float("-inf")
-    x[3, vocab - 1] = 0.0
-    x[4, 777] = float("nan")
-    x[5, :] = 1.0
-    for rows in (1, 65):
-        assert torch.equal(argmax_last(x[:rows]), torch.argmax(x[:rows], dim=-1))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for fn, name in ((lambda: torch.argmax(x[:1], dim=-1), "torch.argmax"), (lambda: argmax_last(x[:1]), "two-stage")):
-        for _ in range(10):
-            fn()
-        start.record()
-        for _ in range(100):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        print(f"vocab {vocab} batch 1 {name}: {start.elapsed_time(end) * 10:.1f} us per call (eager)")

@@ -123,18 +123,3 @@ def test_uniforms_never_reach_one_so_masked_tokens_stay_masked():
     info = SamplingBatchInfo.from_params([SamplingParams(temperature=1.0)] * n, list(range(n)), [0] * n, "cpu")
     ids = sample(logits, info)
     assert bool(torch.isin(ids, allowed).all())
-
-
-def test_two_stage_argmax_equals_torch_argmax_with_ties_and_nan():
-    from attnserve.engine.sampler import argmax_chunk, argmax_two_stage
-
-    assert argmax_chunk(128256) == 334 and argmax_chunk(151936) == 128 and argmax_chunk(4099) == 0
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 128256, generator=g)
-    x[1, 5000] = x[1, 90000] = 50.0  # a tie in two chunks: the first wins
-    x[2, 334 * 7 + 3] = x[2, 334 * 7 + 9] = 50.0  # a tie inside one chunk
-    x[3, :] = float("-inf")  # a fully masked row
-    x[3, 128255] = 0.0
-    x[4, 777] = float("nan")  # NaN wins, as in torch.argmax
-    x[5, :] = 1.0  # all equal: index 0
-    assert torch.equal(argmax_two_stage(x, argmax_chunk(128256)), torch.argmax(x, dim=-1))

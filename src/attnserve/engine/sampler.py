@@ -21,8 +21,6 @@ accepted parameter can produce inf or NaN (a temperature of 1e-300 is simply gre
 
 from __future__ import annotations
 
-import functools
-
 from dataclasses import dataclass
 from typing import Sequence, Tuple
 
@@ -141,37 +139,7 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
     benchmarks/NOTES.md, session 11)."""
     if x.device.type == "cpu":
         return x.max(dim=-1).indices
-    chunk = argmax_chunk(x.shape[-1])
-    if chunk == 0 or not x.is_contiguous():
-        return torch.argmax(x, dim=-1)
-    return argmax_two_stage(x, chunk)
-
-
-def argmax_two_stage(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """`argmax_last` of a contiguous ``[n, V]`` in two reductions, ``V % chunk == 0``.
-
-    PyTorch reduces a lone 128K-wide row in one block (28 µs a step at batch 1 on an H100,
-    benchmarks/results/h100x4-tp-allreduce-fusion-2026-11-27.json); as ``[n, V / chunk, chunk]``
-    the first stage has ``V / chunk`` outputs a row. The first chunk holding the maximum, then
-    the first index in it (``torch.max`` keeps the first of equal values): the index
-    ``torch.argmax`` gives, NaN included (both stages propagate it)."""
-    n, vocab = x.shape
-    part = x.view(n, vocab // chunk, chunk).max(dim=-1)
-    best = part.values.argmax(dim=-1, keepdim=True)
-    return best.squeeze(1) * chunk + part.indices.gather(1, best).squeeze(1)
-
-
-@functools.lru_cache(maxsize=64)
-def argmax_chunk(vocab: int) -> int:
-    """The chunk width of `argmax_last`'s first stage: the divisor of ``vocab`` in [96, 2048]
-    closest to its square root, or 0 (no such divisor, or a row short enough for one pass)."""
-    if vocab < 8192:
-        return 0
-    best = 0
-    for c in range(96, 2049):
-        if vocab % c == 0 and (best == 0 or abs(c * c - vocab) < abs(best * best - vocab)):
-            best = c
-    return best
+    return torch.argmax(x, dim=-1)
 
 
 def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
