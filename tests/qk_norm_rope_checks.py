@@ -82,13 +82,17 @@ def assert_within_rounding(got: torch.Tensor, x: torch.Tensor, norm: RMSNorm, po
 def check_qk_norm_rope(
     device, dtype, tokens: int, hq: int, hk: int, head_dim: int, neox: bool, gemma: bool,
     buf_dtype: Optional[torch.dtype] = None, k_scale: float = 1.0, v_scale: float = 1.0, seed: int = 0,
-    float64_check: bool = True,
+    float64_check: bool = True, exact: bool = True,
 ) -> dict:
     """One fused norm + rope (+ KV store into ``buf_dtype`` caches when given) on q / k views
     of a fused qkv output, against the un-fused kernel sequence (`rmsnorm` on q and k, then
     the rope launch with the same store): q, k and both caches bit for bit; v untouched;
     the cache rows not in ``loc`` keep their poison bytes; q and k within the rounding bound
-    of float64 norm-then-rope (`assert_within_rounding`). Returns mismatch counts (all 0)."""
+    of float64 norm-then-rope (`assert_within_rounding`). Returns mismatch counts (all 0).
+
+    ``exact=False`` (the FP8-store variant on a GPU, which the engine does not use: Triton lays
+    it out differently, so ~0.02% of q / k values round the other way on an H100): at most
+    0.1% of q / k values and of the cache bytes may differ; the float64 bound still holds."""
     gen = torch.Generator().manual_seed(seed)
     q_norm, k_norm = make_qk_norms(head_dim, gemma, device, dtype, gen)
     rope = RotaryEmbedding(head_dim, head_dim, MAX_POS, 1e6, is_neox_style=neox).to(device)
@@ -133,7 +137,12 @@ def check_qk_norm_rope(
             a = getattr(t_fused, name).view(torch.uint8)
             b = getattr(t_ref, name).view(torch.uint8)
             mismatches[name] = int((a != b).sum())
-    assert all(v == 0 for v in mismatches.values()), f"fused norm+rope differs from rmsnorm-then-rope: {mismatches}"
+    if exact:
+        assert all(v == 0 for v in mismatches.values()), f"fused norm+rope differs from rmsnorm-then-rope: {mismatches}"
+    else:
+        sizes = {"q": tokens * hq * head_dim, "k": tokens * hk * head_dim, "k_buffer": slots * hk * head_dim,
+                 "v_buffer": slots * hk * head_dim}
+        assert all(v <= 1e-3 * sizes[n] for n, v in mismatches.items()), f"too many differences: {mismatches}"
     assert torch.equal(fused[:, vs], qkv[:, vs])  # v untouched
     if t_fused is not None:
         untouched = torch.ones(slots, dtype=torch.bool, device=device)

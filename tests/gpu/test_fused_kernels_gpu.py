@@ -316,11 +316,13 @@ QWEN3_06B = dict(hq=16, hk=8, head_dim=128)  # Qwen3-0.6B attention: 16 q heads,
 def test_qk_norm_rope_matches_unfused_qwen3_0_6b_gpu(tokens, buf_dtype):
     """Fused norm + rope + KV store on Qwen3-0.6B's shapes (decode 1 and 144 rows, an 8192
     prefill chunk), bf16: q, k and the cache rows ``torch.equal`` to `rmsnorm` on q and k
-    then the rope launch with the store; within the float64 rounding bound."""
+    then the rope launch with the store; within the float64 rounding bound. The FP8-store
+    variant differed in ~0.02% of values on an H100 (2026-11-27), so the engine keeps the
+    norms apart for FP8 caches (`rope_then_attention`) and this case checks the bound."""
     scales = (0.05, 0.3) if buf_dtype == torch.float8_e4m3fn else (1.0, 1.0)
     mism = Q.check_qk_norm_rope(DEV, torch.bfloat16, tokens, QWEN3_06B["hq"], QWEN3_06B["hk"],
                                 QWEN3_06B["head_dim"], True, False, buf_dtype=buf_dtype, k_scale=scales[0],
-                                v_scale=scales[1], seed=tokens)
+                                v_scale=scales[1], seed=tokens, exact=buf_dtype != torch.float8_e4m3fn)
     print(f"qk-norm+rope T={tokens} {buf_dtype}: mismatches vs unfused {mism}")
 
 

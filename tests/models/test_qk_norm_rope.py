@@ -180,3 +180,42 @@ def test_tiny_greedy_tokens_unchanged(tiny_model, step_runner, monkeypatch):
     terms = llama_like_terms(tiny_model.model.config, 19 + steps)
     for got, ref in zip(logits, ref_logits):
         assert_within(got, ref, forward_bound(ref, terms), "tiny model logits, fused norm+rope vs modules")
+
+
+def test_fp8_cache_keeps_the_norms_apart():
+    """With an FP8 KV store target `rope_then_attention` runs the q/k norm modules and then
+    the plain rotation (the FP8-store fused variant is not bit-identical on an H100); with a
+    16-bit target it hands the norm weights to the rotation."""
+    from types import SimpleNamespace
+
+    from attnserve.models.layers.norm import RMSNorm
+    from attnserve.models.llama import rope_then_attention
+
+    d, t = 8, 3
+    q_norm, k_norm = RMSNorm(d, 1e-6, dtype=torch.float32), RMSNorm(d, 1e-6, dtype=torch.float32)
+    seen = {}
+
+    class Rope:
+        def forward(self, positions, q, k, kv_store=None, **norm):
+            seen["norm_in_rope"] = bool(norm)
+            seen["q"] = q.clone()
+            return q, k
+
+    class Attn:
+        def __init__(self, dtype):
+            self.dtype = dtype
+
+        def kv_store_target(self, fb, v):
+            return SimpleNamespace(k_buffer=torch.zeros(4, 1, d, dtype=self.dtype))
+
+        def forward(self, q, k, v, fb, save_kv_cache=True):
+            return q
+
+    q = torch.randn(t, 2 * d) * 5
+    k, v = torch.randn(t, d), torch.randn(t, d)
+    rope_then_attention(Rope(), Attn(torch.float8_e4m3fn), None, q, k, v, None, qk_norm=(q_norm, k_norm))
+    assert not seen["norm_in_rope"]
+    expected = q_norm.forward(q.reshape(t, 2, d)).reshape(t, -1)
+    assert torch.allclose(seen["q"], expected) and not torch.allclose(seen["q"], q)
+    rope_then_attention(Rope(), Attn(torch.bfloat16), None, q, k, v, None, qk_norm=(q_norm, k_norm))
+    assert seen["norm_in_rope"] and torch.equal(seen["q"], q)
