@@ -125,23 +125,28 @@ def _env():
                 TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
 
 
-def test_custom_all_reduce_matches_nccl_eager_and_in_graphs(tmp_path):
-    from attnserve.engine.tp.launch import free_port
-
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), str(port), str(tmp_path / f"rank{r}.json")],
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
+def _run_ranks(script, args_of_rank, world, timeout):
+    """Start ``world`` rank processes of ``script`` (argv: ``args_of_rank(r)``), wait for
+    all, kill any left on a timeout, and assert each exited 0 (its log's tail otherwise)."""
+    procs = [subprocess.Popen([sys.executable, "-c", script, *args_of_rank(r)], env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
     logs = []
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
+            logs.append(p.communicate(timeout=timeout)[0])
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
+
+
+def test_custom_all_reduce_matches_nccl_eager_and_in_graphs(tmp_path):
+    from attnserve.engine.tp.launch import free_port
+
+    port = free_port()
+    _run_ranks(RANK_SCRIPT, lambda r: [str(r), str(port), str(tmp_path / f"rank{r}.json")], 2, 300)
     for r in range(2):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         one, two = res["config"]
@@ -312,19 +317,8 @@ def test_fused_all_reduce_add_rmsnorm_matches_unfused_eager_and_in_graphs(tmp_pa
 
     world = min(4, torch.cuda.device_count())
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", FUSED_RANK_SCRIPT, str(r), str(world), str(port),
-                               str(tmp_path / f"rank{r}.json")], env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=400)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+    _run_ranks(FUSED_RANK_SCRIPT, lambda r: [str(r), str(world), str(port), str(tmp_path / f"rank{r}.json")],
+               world, 400)
     for r in range(world):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         print(f"rank {r} of {world}: {len(res['eager'])} eager cases, {len(res['graph'])} graph cases, "
