@@ -5,11 +5,14 @@
 # shared-memory and gloo step broadcast; Llama-3-70B at tp 4), then bench.offline's random
 # workload at dp 1 and dp = number of GPUs. Partial JSON survives a cut-off run.
 #   bash scripts/gpu_tp.sh          env: TP_LIMIT (s, default 300), DP_PROMPTS (default 1024)
-#   STAGES="tests allreduce tp dp" (default all) runs a subset: one device call is 10 minutes at
-#   most, so on 4 GPUs run "tests allreduce tp" and "dp" as two calls.
+#   STAGES="tests allreduce tp big dp" (default all) runs a subset: one device call is 10 minutes
+#   at most, so on 4 GPUs run "tests" (~5 min on four H100s), "tp" (~5 min), "allreduce big" and
+#   "dp" as separate calls.
+#   tp: Llama-3-8B tp 1 / 2 / 4, batch 1 and 64, all-reduce fusion on and off, rank 0's kernel
+#   profile; big: the Llama-3-70B shape at tp 4.
 # The dp test and replicas import the server (fastapi): run with carry [".whl/serving"].
 set -u
-STAGES=${STAGES:-tests allreduce tp dp}
+STAGES=${STAGES:-tests allreduce tp big dp}
 stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -19,7 +22,7 @@ export PYTHONPATH=/tmp/site-serving:src:tests PYTHONUNBUFFERED=1 NCCL_NVLS_ENABL
 ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi -L > "$OUT/gpus.txt" 2>&1
 if stage tests; then
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py tests/gpu/test_custom_all_reduce_gpu.py \
+timeout "${TESTS_LIMIT:-360}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py tests/gpu/test_custom_all_reduce_gpu.py \
   tests/gpu/test_data_parallel_gpu.py > "$OUT/tests_parallel.log" 2>&1
 tail -3 "$OUT/tests_parallel.log"
 fi
@@ -32,9 +35,16 @@ if [ "$ngpu" -ge 4 ]; then tps="1 2 4"; big="--big-tp 4"; fi
 if stage tp; then
 # shellcheck disable=SC2086
 timeout "${TP_LIMIT:-300}" python3 benchmarks/tp_decode.py --tp $tps --requests 1 64 --step-broadcast shm \
-  --tp-sample local broadcast $big --out "$OUT" > "$OUT/tp_decode.log" 2>&1
+  --allreduce-fusion on off --profile --skip-identity --out "$OUT" > "$OUT/tp_decode.log" 2>&1
 echo "tp_decode rc=$?"
-grep -v INFO "$OUT/tp_decode.log" | tail -30
+grep -E "ms/step|profile:" "$OUT/tp_decode.log" | tail -30
+fi
+if stage big && [ -n "$big" ]; then
+# the Llama-3-70B shape at tp 4 (one engine in its own process; ~2 minutes on four H100s)
+timeout "${BIG_LIMIT:-240}" python3 benchmarks/tp_decode.py --tp 4 --requests 1 $big --skip-identity \
+  --step-broadcast shm --out "$OUT/big" > "$OUT/tp_big.log" 2>&1
+echo "tp big rc=$?"
+grep -E "ms/step" "$OUT/tp_big.log" | tail -4
 fi
 if stage dp; then
 timeout 540 python3 -m attnserve.bench.offline --dataset random --load-format dummy --device cuda \
