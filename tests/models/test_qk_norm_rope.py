@@ -144,7 +144,7 @@ def test_qwen3_attention_dispatch(tiny_model, monkeypatch):
     d = attn.head_dim
     assert attn.q_norm.fused_weight_offset == (1.0 if tiny_model.model_config.architecture.startswith("Gemma") else 0.0)
     q, k = torch.zeros(3, 4 * d), torch.zeros(3, 2 * d)
-    assert not attn.qk_norm_in_rope(q, k)
+    assert not attn.qk_norm_in_rope(q, k, None)
     monkeypatch.setenv("ATTNSERVE_QK_NORM_ROPE_FUSION", "0")
     off = Qwen3Attention(tiny_model.model.config, 0, attn.rotary_emb, torch.float32)
     assert not off.qk_norm_rope_fusion
@@ -153,7 +153,7 @@ def test_qwen3_attention_dispatch(tiny_model, monkeypatch):
     assert on.qk_norm_rope_fusion
     on.k_norm.use_fused = False  # --disable-fused-kernels reaches the norms: no fusion
     monkeypatch.setattr(RotaryEmbedding, "qk_norm_fusable", lambda self, q, k: True)
-    assert on.qk_norm_in_rope(q, k) is False
+    assert on.qk_norm_in_rope(q, k, None) is False
 
 
 def test_tiny_greedy_tokens_unchanged(tiny_model, step_runner, monkeypatch):
@@ -182,40 +182,26 @@ def test_tiny_greedy_tokens_unchanged(tiny_model, step_runner, monkeypatch):
         assert_within(got, ref, forward_bound(ref, terms), "tiny model logits, fused norm+rope vs modules")
 
 
-def test_fp8_cache_keeps_the_norms_apart():
-    """With an FP8 KV store target `rope_then_attention` runs the q/k norm modules and then
-    the plain rotation (the FP8-store fused variant is not bit-identical on an H100); with a
-    16-bit target it hands the norm weights to the rotation."""
+def test_fp8_cache_keeps_the_norms_apart(tiny_model, monkeypatch):
+    """With an FP8 KV pool `Qwen3Attention` runs its q/k norm modules and then the plain
+    rotation (the FP8-store fused variant is not bit-identical on an H100); with a 16-bit
+    pool, or none, the same fusable step hands the norms to the RoPE launch."""
     from types import SimpleNamespace
 
-    from attnserve.models.layers.norm import RMSNorm
-    from attnserve.models.llama import rope_then_attention
+    from attnserve.models.qwen3 import Qwen3Attention
 
-    d, t = 8, 3
-    q_norm, k_norm = RMSNorm(d, 1e-6, dtype=torch.float32), RMSNorm(d, 1e-6, dtype=torch.float32)
-    seen = {}
+    attn = tiny_model.model.model.layers[0].self_attn
+    assert isinstance(attn, Qwen3Attention) and attn.qk_norm_rope_fusion
+    monkeypatch.setattr(RotaryEmbedding, "qk_norm_fusable", lambda self, q, k: True)
+    for norm in (attn.q_norm, attn.k_norm):
+        monkeypatch.setattr(norm, "use_fused", True)
+    d = attn.head_dim
+    q, k = torch.zeros(3, 4 * d), torch.zeros(3, 2 * d)
 
-    class Rope:
-        def forward(self, positions, q, k, kv_store=None, **norm):
-            seen["norm_in_rope"] = bool(norm)
-            seen["q"] = q.clone()
-            return q, k
+    def batch(dtype):
+        return SimpleNamespace(token_to_kv_pool=SimpleNamespace(dtype=dtype))
 
-    class Attn:
-        def __init__(self, dtype):
-            self.dtype = dtype
-
-        def kv_store_target(self, fb, v):
-            return SimpleNamespace(k_buffer=torch.zeros(4, 1, d, dtype=self.dtype))
-
-        def forward(self, q, k, v, fb, save_kv_cache=True):
-            return q
-
-    q = torch.randn(t, 2 * d) * 5
-    k, v = torch.randn(t, d), torch.randn(t, d)
-    rope_then_attention(Rope(), Attn(torch.float8_e4m3fn), None, q, k, v, None, qk_norm=(q_norm, k_norm))
-    assert not seen["norm_in_rope"]
-    expected = q_norm.forward(q.reshape(t, 2, d)).reshape(t, -1)
-    assert torch.allclose(seen["q"], expected) and not torch.allclose(seen["q"], q)
-    rope_then_attention(Rope(), Attn(torch.bfloat16), None, q, k, v, None, qk_norm=(q_norm, k_norm))
-    assert seen["norm_in_rope"] and torch.equal(seen["q"], q)
+    assert attn.qk_norm_in_rope(q, k, batch(torch.bfloat16)) is True
+    assert attn.qk_norm_in_rope(q, k, None) is True
+    assert attn.qk_norm_in_rope(q, k, batch(torch.float8_e4m3fn)) is False
+    assert attn.qk_norm_in_rope(q, k, batch(torch.float8_e5m2)) is False

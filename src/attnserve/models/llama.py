@@ -38,15 +38,6 @@ def rope_then_attention(rotary_emb: RotaryEmbedding, attn: RadixAttention, posit
     ``rotary_emb.qk_norm_fusable(q, k)``; `attnserve.models.qwen3.Qwen3Attention`).
     """
     target = attn.kv_store_target(forward_batch, v)
-    if qk_norm is not None and target is not None and target.k_buffer.element_size() == 1:
-        # an FP8 cache: the fused variant with the FP8 store differed from norm-then-rope in
-        # ~0.02% of q / k values on an H100 (rounding order; tests/gpu/test_fused_kernels_gpu.py),
-        # so the norms run apart there and the result stays that of the separate kernels
-        q_norm, k_norm = qk_norm
-        t = q.shape[0]
-        q = q_norm.forward(q.reshape(t, -1, q_norm.weight.shape[0])).reshape(t, -1)
-        k = k_norm.forward(k.reshape(t, -1, k_norm.weight.shape[0])).reshape(t, -1)
-        qk_norm = None
     if qk_norm is not None:
         q_norm, k_norm = qk_norm
         q, k = rotary_emb.forward(positions, q, k, kv_store=target, q_norm_weight=q_norm.weight,
