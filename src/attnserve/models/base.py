@@ -36,7 +36,6 @@ def attention_head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-
 def _mm_float32_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` ([N, H] x [V, H] half precision) written as float32 by the GEMM itself
     (``torch.mm(..., out_dtype=)``, CUDA): the product is accumulated in float32 either way,
@@ -49,6 +48,7 @@ def _mm_float32_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.mm(x, w.t(), out_dtype=torch.float32)
     except (TypeError, RuntimeError, NotImplementedError):
         return torch.nn.functional.linear(x, w)
+
 
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm (HF prefix ``model.``).

@@ -46,8 +46,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from attnserve.models.layers.skinny_gemm import MAX_SKINNY_M, SKINNY_ACTIVATIONS
-from attnserve.triton_env import triton_interpreting
+from attnserve.models.layers.skinny_gemm import MAX_SKINNY_M, SKINNY_ACTIVATIONS, gemm_operands_supported
 
 __all__ = [
     "CONFIG_DIR_ENV",
@@ -256,29 +255,10 @@ def select_from_table(table: dict, m: int, n: int, k: int, gated: bool) -> Optio
     return None
 
 
-def _device_ok(t: torch.Tensor) -> bool:
-    return t.is_cuda or (t.device.type == "cpu" and triton_interpreting())
-
-
 def mid_gemm_supported(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
-    """Whether `mid_linear` accepts ``(x, weight, bias)``: ``x`` 2-D float16/bfloat16 on
-    CUDA (or CPU under the interpreter) with ``1 <= M <= MAX_MID_M`` rows and a contiguous
-    last dim; ``weight`` a contiguous ``[N, K]`` of the same dtype and device; ``bias``
-    None or a unit-stride ``[N]`` of that dtype and device."""
-    if x.dim() != 2 or weight.dim() != 2 or not _device_ok(x) or weight.device != x.device:
-        return False
-    m, k = x.shape
-    n = weight.shape[0]
-    if not (1 <= m <= MAX_MID_M) or k < 1 or n < 1 or weight.shape[1] != k:
-        return False
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype or not weight.is_contiguous():
-        return False
-    if x.stride(1) != 1 and k > 1:
-        return False
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.device != x.device
-                             or (bias.stride(0) != 1 and n > 1)):
-        return False
-    return True
+    """Whether `mid_linear` accepts ``(x, weight, bias)``: `skinny_gemm.gemm_operands_supported`
+    with ``1 <= M <= MAX_MID_M`` rows of float16 / bfloat16."""
+    return gemm_operands_supported(x, weight, bias, MAX_MID_M, _DTYPES)
 
 
 _DTYPES = (torch.float16, torch.bfloat16)

@@ -313,23 +313,21 @@ def _device_ok(t: torch.Tensor) -> bool:
     return t.is_cuda or (t.device.type == "cpu" and triton_interpreting())
 
 
-def skinny_gemm_supported(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
-    """Whether `skinny_linear` accepts ``(x, weight, bias)`` (and, for an even number of
-    weight rows, `skinny_linear_gated` too).
-
-    True when: ``x`` is on CUDA (or on CPU under the Triton interpreter); ``x`` is 2-D with
-    ``1 <= M <= MAX_SKINNY_M`` rows and a contiguous last dim; ``weight`` is a contiguous
+def gemm_operands_supported(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], max_m: int,
+                            dtypes: tuple) -> bool:
+    """The operand rules the Triton linears share (`skinny_gemm_supported`,
+    `mid_gemm.mid_gemm_supported`): ``x`` on CUDA (or on CPU under the Triton interpreter),
+    2-D with ``1 <= M <= max_m`` rows and a contiguous last dim; ``weight`` a contiguous
     ``[N, K]`` on the same device with ``N, K >= 1`` and ``K`` = ``x``'s columns; ``x`` and
-    ``weight`` share a dtype among float16 / bfloat16 / float32; ``bias`` (if any) is a
-    ``[N]`` tensor of that dtype on that device with unit stride.
-    """
+    ``weight`` of one dtype among ``dtypes``; ``bias`` (if any) a unit-stride ``[N]`` of that
+    dtype on that device."""
     if x.dim() != 2 or weight.dim() != 2 or not _device_ok(x) or weight.device != x.device:
         return False
     m, k = x.shape
     n = weight.shape[0]
-    if not (1 <= m <= MAX_SKINNY_M) or k < 1 or n < 1 or weight.shape[1] != k:
+    if not (1 <= m <= max_m) or k < 1 or n < 1 or weight.shape[1] != k:
         return False
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype or not weight.is_contiguous():
+    if x.dtype not in dtypes or weight.dtype != x.dtype or not weight.is_contiguous():
         return False
     if x.stride(1) != 1 and k > 1:
         return False
@@ -339,6 +337,14 @@ def skinny_gemm_supported(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     ):
         return False
     return True
+
+
+def skinny_gemm_supported(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
+    """Whether `skinny_linear` accepts ``(x, weight, bias)`` (and, for an even number of
+    weight rows, `skinny_linear_gated` too): `gemm_operands_supported` with
+    ``1 <= M <= MAX_SKINNY_M`` rows of float16 / bfloat16 / float32.
+    """
+    return gemm_operands_supported(x, weight, bias, MAX_SKINNY_M, _DTYPES)
 
 
 def _check(name: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
