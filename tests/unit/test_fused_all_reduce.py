@@ -140,6 +140,7 @@ def test_link_moves_both_sums_of_every_llama_layer_into_the_norms():
 def test_group_fallback_sums_then_norms():
     """No custom all-reduce (one rank): the fallback is ``all_reduce`` then ``add_rmsnorm``."""
     from attnserve.distributed.group import TPGroup
+    from attnserve.models.layers.norm import RMSNorm
 
     gen = torch.Generator().manual_seed(3)
     x, res, w = torch.randn(3, 16, generator=gen), torch.randn(3, 16, generator=gen), torch.randn(16, generator=gen)
@@ -149,10 +150,12 @@ def test_group_fallback_sums_then_norms():
         seen.append(summed)
         return summed * 2, residual
 
-    out, r = TPGroup.single().fused_all_reduce_add_rmsnorm(x, res, w, 1e-6, add_rmsnorm=add_rmsnorm)
+    out, r = TPGroup.single().fused_all_reduce_add_rmsnorm(x, res, w, 1e-6, 0.0, add_rmsnorm=add_rmsnorm)
     assert torch.equal(out, x * 2) and r is res and len(seen) == 1
     want_res = res + x
-    out, r = TPGroup.single().fused_all_reduce_add_rmsnorm(x, res.clone(), w, 1e-6)
+    norm = RMSNorm(16, 1e-6, dtype=torch.float32)
+    norm.weight.data.copy_(w)
+    out, r = TPGroup.single().fused_all_reduce_add_rmsnorm(x, res.clone(), w, 1e-6, 0.0, add_rmsnorm=norm.forward)
     assert torch.equal(r, want_res)
     torch.testing.assert_close(out, want_res * torch.rsqrt(want_res.pow(2).mean(-1, keepdim=True) + 1e-6) * w)
 

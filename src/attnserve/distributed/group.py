@@ -67,8 +67,8 @@ class TPGroup:
         return x
 
     def fused_all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                     eps: float, weight_offset: float = 0.0,
-                                     add_rmsnorm: Optional[Callable] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                                     eps: float, weight_offset: float,
+                                     add_rmsnorm: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
         """``residual += sum over ranks of x`` and ``rmsnorm(residual)``.
 
         Args:
@@ -78,8 +78,7 @@ class TPGroup:
                 the fused path (the fallback's ``add_rmsnorm`` decides).
             weight / eps / weight_offset: the norm's ``x_hat * (weight + weight_offset)``.
             add_rmsnorm: the unfused add + norm, ``(summed x, residual) -> (out, residual)``
-                (`RMSNorm.forward`: its Triton ``fused_add_rmsnorm`` on CUDA); None: the
-                float32 PyTorch formula here.
+                (`RMSNorm.forward`: its Triton ``fused_add_rmsnorm`` on CUDA).
         Returns:
             ``(normalised, new residual)``.
 
@@ -93,16 +92,7 @@ class TPGroup:
             out = custom.fused_all_reduce_add_rmsnorm(x, residual, weight, eps, weight_offset)
             if out is not None:
                 return out, residual
-        x = self.all_reduce(x)
-        if add_rmsnorm is not None:
-            return add_rmsnorm(x, residual)
-        if tuple(x.shape) != tuple(residual.shape) or x.dtype != residual.dtype:
-            raise ValueError(f"fused_all_reduce_add_rmsnorm: x {tuple(x.shape)} {x.dtype}, residual "
-                             f"{tuple(residual.shape)} {residual.dtype}")
-        residual.add_(x)
-        s = residual.float()
-        s = s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + eps)
-        return (s * (weight.float() + weight_offset)).to(residual.dtype), residual
+        return add_rmsnorm(self.all_reduce(x), residual)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., n]`` of every rank -> ``[..., size * n]`` (rank order)."""
