@@ -89,7 +89,6 @@ class TokenTable:
                     out[i] = ACCEPTED
         return out
 
-
     def accept_one(self, matcher, token: int) -> str:
         """`accept` of one row (the scheduler thread's path without overlap)."""
         kind = self.kinds[token] if 0 <= token < len(self.kinds) else SPECIAL

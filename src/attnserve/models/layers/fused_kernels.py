@@ -277,13 +277,21 @@ def _rope_heads(x: torch.Tensor, head_dim: int) -> Optional[Tuple[int, int, int]
     return None
 
 
+def _rope_layouts(query: torch.Tensor, key: Optional[torch.Tensor], head_dim: int):
+    """``(query's, key's or None)`` `_rope_heads`, or None where `rotary_embedding_inplace`
+    cannot rotate the tensors where they lie (`rope_layout_supported`)."""
+    q_heads = _rope_heads(query, head_dim)
+    if q_heads is None or key is None:
+        return None if q_heads is None else (q_heads, None)
+    k_heads = _rope_heads(key, head_dim)
+    return None if k_heads is None or key.shape[0] != query.shape[0] else (q_heads, k_heads)
+
+
 def rope_layout_supported(query: torch.Tensor, key: Optional[torch.Tensor], head_dim: int) -> bool:
     """Whether `rotary_embedding_inplace` can rotate these tensors where they lie: 2-D
     ``[T, H*D]`` or 3-D ``[T, H, D]`` with a contiguous last dimension (any row/head
     stride), and ``key`` (if any) with the same number of tokens."""
-    if _rope_heads(query, head_dim) is None:
-        return False
-    return key is None or (_rope_heads(key, head_dim) is not None and key.shape[0] == query.shape[0])
+    return _rope_layouts(query, key, head_dim) is not None
 
 
 def rotary_embedding_inplace(
@@ -341,9 +349,8 @@ def rotary_embedding_inplace(
             cache, or an FP8 scale <= 0 / non-finite); norm weights given for one of q / k
             only, without ``k``, with ``rotary_dim < head_dim`` or not of shape ``[head_dim]``.
     """
-    q_heads = _rope_heads(q, head_dim)
-    k_heads = None if k is None else _rope_heads(k, head_dim)
-    if q_heads is None or (k is not None and (k_heads is None or k.shape[0] != q.shape[0])):
+    layouts = _rope_layouts(q, k, head_dim)
+    if layouts is None:
         raise ValueError(f"rotary_embedding_inplace: unsupported q {tuple(q.shape)}/{q.stride()} or k layout")
     if rotary_dim % 2 or rotary_dim > head_dim or cos_sin_cache.shape[-1] != rotary_dim:
         raise ValueError(
@@ -355,7 +362,7 @@ def rotary_embedding_inplace(
     t = q.shape[0]
     if t == 0:
         return
-    hq, q_st, q_sh = q_heads
+    (hq, q_st, q_sh), k_heads = layouts
     quant = {}
     if k is not None:
         hk, k_st, k_sh = k_heads
