@@ -4,7 +4,10 @@
 #   decode   benchmarks/decode.py
 #   ragged   benchmarks/decode_ragged.py (ragged batches against SGLang's Triton decode; needs the
 #            sglang wheel carried in .whl/sglang)
-#   bash scripts/gpu_kernel_bench.sh kernels [decode ragged]
+#   batch    benchmarks/decode_batch_sweep.py (stage-1 tiles / residency / split waves at 64-256
+#            requests of ~800 keys, against the copy rate; BATCH_ARGS e.g. --quick)
+#   fp8      benchmarks/fp8_bench.py (FP8 linears against bf16: GEMMs, producers, engine rows; FP8_ARGS)
+#   bash scripts/gpu_kernel_bench.sh kernels [decode ragged batch fp8]
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -15,6 +18,10 @@ for what in "${@:-kernels}"; do
     kernels) timeout 400 python3 benchmarks/kernels.py --out "$OUT" --mla 2>&1 | tee "$OUT/kernels.log" | tail -60 ;;
     decode) timeout 500 python3 benchmarks/decode.py --out "$OUT" 2>&1 | tee "$OUT/decode.log" | tail -40 ;;
     ragged) timeout 400 python3 benchmarks/decode_ragged.py --out "$OUT" 2>&1 | tee "$OUT/ragged.log" | tail -40 ;;
-    *) echo "unknown mode $what (kernels decode ragged)"; exit 2 ;;
+    batch) timeout "${BATCH_TIMEOUT:-400}" python3 benchmarks/decode_batch_sweep.py --out "$OUT" ${BATCH_ARGS:-} 2>&1 \
+      | tee "$OUT/batch.log" | grep -v "^wrote" | tail -20 ;;
+    fp8) timeout "${FP8_TIMEOUT:-500}" python3 benchmarks/fp8_bench.py --out "$OUT/fp8-bench.json" ${FP8_ARGS:-} 2>&1 \
+      | tee "$OUT/fp8.log" | tail -60 ;;
+    *) echo "unknown mode $what (kernels decode ragged batch fp8)"; exit 2 ;;
   esac
 done

@@ -122,21 +122,22 @@ def test_decode_mla_shapes():
 
 
 def test_decode_deterministic_batch_invariance():
-    """The same request gives bitwise-identical output alone and batched with 63 others."""
+    """The same request gives bitwise-identical output alone and batched with 159 others
+    (``batch_invariant``: 160 x 8 programs would otherwise take the batch tiles)."""
     from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_attention_fwd
     from attnserve.attention.triton_ops.kv_indices import compute_kv_indptr, create_kv_indices
 
     g = _gen(5)
     hq, hkv, d, max_splits = 32, 8, 128, 32  # 32 * 256 >= 8192 tokens
-    lens = torch.randint(1, 8193, (64,), generator=g, device=DEV).tolist()
+    lens = torch.randint(1, 8193, (160,), generator=g, device=DEV).tolist()
     lens[17] = 5000
     r2t, rows, slots = _paged(lens, 16, g)
     kb = torch.randn(slots, hkv, d, generator=g, device=DEV).to(DTYPE)
     vb = torch.randn(slots, hkv, d, generator=g, device=DEV).to(DTYPE)
-    q = torch.randn(64, hq, d, generator=g, device=DEV).to(DTYPE)
+    q = torch.randn(160, hq, d, generator=g, device=DEV).to(DTYPE)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
 
-    def run(sel):
+    def run(sel, batch_invariant=True):
         seq = torch.tensor([lens[i] for i in sel], dtype=torch.int32, device=DEV)
         indptr = compute_kv_indptr(seq)
         idx = torch.empty(int(sum(lens[i] for i in sel)), dtype=torch.int32, device=DEV)
@@ -146,14 +147,51 @@ def test_decode_deterministic_batch_invariance():
         o = torch.full((len(sel), hq, d), float("nan"), dtype=DTYPE, device=DEV)
         logits = torch.empty(len(sel), hq, max_splits, d, device=DEV)
         lse = torch.empty(len(sel), hq, max_splits, device=DEV)
-        decode_attention_fwd(q[sel], kb, vb, o, indptr, idx, logits, lse, ns, max_splits, d ** -0.5)
+        decode_attention_fwd(q[sel], kb, vb, o, indptr, idx, logits, lse, ns, max_splits, d ** -0.5,
+                             batch_invariant=batch_invariant)
         return o
 
     alone = run([17])[0]
-    batched = run(list(range(64)))[17]
+    batched = run(list(range(160)))[17]
     assert torch.equal(alone, batched)
     ref = _decode_ref(q[17:18], kb, vb, r2t, rows[17:18], [0], [5000], 0.0)
     assert _rel_err(alone[None], ref) <= REL_TOL
+    # the same batch on the batch tiles (not batch-invariant) is still right
+    free = run(list(range(160)), batch_invariant=False)
+    assert _rel_err(free[17:18], ref) <= REL_TOL
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_decode_batch_tiles_match_reference(kv_dtype):
+    """A batch of >= BATCH_PROGRAMS_PER_SM stage-1 programs per SM (the batch tiles of
+    `decode_config`) against the float64 reference, bf16 and e4m3 caches, ragged lengths."""
+    from attnserve.attention.triton_ops.decode_attention import (BATCH_PROGRAMS_PER_SM, compute_num_kv_splits,
+                                                                 decode_attention_fwd)
+    from attnserve.attention.triton_ops.kv_indices import compute_kv_indptr, create_kv_indices
+
+    g = _gen(21)
+    hq, hkv, d, max_splits = 16, 8, 128, 16
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bs = BATCH_PROGRAMS_PER_SM * num_sms // hkv + 3
+    lens = torch.randint(1, 1500, (bs,), generator=g, device=DEV).tolist()
+    r2t, rows, slots = _paged(lens, 1, g)
+    kb = torch.randn(slots, hkv, d, generator=g, device=DEV).to(DTYPE)
+    vb = torch.randn(slots, hkv, d, generator=g, device=DEV).to(DTYPE)
+    q = torch.randn(bs, hq, d, generator=g, device=DEV).to(DTYPE)
+    if kv_dtype != DTYPE:  # the reference reads the rounded values
+        kb, vb = kb.to(kv_dtype), vb.to(kv_dtype)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    indptr = compute_kv_indptr(seq)
+    idx = torch.empty(int(sum(lens)), dtype=torch.int32, device=DEV)
+    create_kv_indices(r2t, rows, seq, indptr, None, idx)
+    ns = torch.empty(bs, dtype=torch.int32, device=DEV)
+    compute_num_kv_splits(seq, ns, max_splits, num_sms, hkv)
+    o = torch.full((bs, hq, d), float("nan"), dtype=DTYPE, device=DEV)
+    logits = torch.empty(bs, hq, max_splits, d, device=DEV)
+    lse = torch.empty(bs, hq, max_splits, device=DEV)
+    decode_attention_fwd(q, kb, vb, o, indptr, idx, logits, lse, ns, max_splits, d ** -0.5)
+    ref = _decode_ref(q, kb.to(DTYPE), vb.to(DTYPE), r2t, rows, [0] * bs, lens, 0.0)
+    assert _rel_err(o, ref) <= REL_TOL
 
 
 def test_decode_cuda_graph_replay():

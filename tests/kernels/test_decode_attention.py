@@ -202,3 +202,34 @@ def test_decode_small_grids_and_empty_requests(hq, hkv, grid_splits, dtype, gen,
     assert ns.max() > 1 and ns.min() == 1
     _check(out, ref, dtype)
     assert (out[0] == 0).all()
+
+
+@pytest.mark.parametrize("kv_dtype,device_name,tile", [
+    (torch.bfloat16, "NVIDIA H100 80GB HBM3", "BATCH_TILE"),
+    (torch.float8_e4m3fn, "NVIDIA H200", "FP8_HOPPER_BATCH_TILE"),
+    (torch.float8_e4m3fn, "NVIDIA A100-SXM4-80GB", None),
+])
+def test_decode_config_batch_tiles_from_the_program_count(kv_dtype, device_name, tile):
+    """`decode_config` switches to the batch tiles at BATCH_PROGRAMS_PER_SM stage-1 programs
+    per SM (not one below, not when the count is unknown), for 16-bit caches and for fp8
+    caches on an H100 / H200 only; wide heads and small shared memory are unaffected."""
+    from attnserve.attention.triton_ops import decode_attention as da
+
+    smem, sms = 227 * 1024, 132
+    small = da.decode_config(128, 4, kv_dtype, max_shared_mem=smem, device_name=device_name)
+    at = da.BATCH_PROGRAMS_PER_SM * sms
+    below = da.decode_config(128, 4, kv_dtype, max_shared_mem=smem, device_name=device_name,
+                             num_programs=at - 1, num_sms=sms)
+    unknown = da.decode_config(128, 4, kv_dtype, max_shared_mem=smem, device_name=device_name, num_programs=at)
+    big = da.decode_config(128, 4, kv_dtype, max_shared_mem=smem, device_name=device_name, num_programs=at,
+                           num_sms=sms)
+    assert below == small and unknown == small
+    if tile is None:
+        assert big == small
+    else:
+        assert (big.block_n, big.num_stages) == getattr(da, tile) != (small.block_n, small.num_stages)
+        assert big.block_h == small.block_h and big.v_pairs == small.v_pairs
+    for dk, mem in ((576, smem), (128, 100 * 1024)):
+        assert da.decode_config(dk, 4, kv_dtype, max_shared_mem=mem, device_name=device_name, num_programs=at,
+                                num_sms=sms) == da.decode_config(dk, 4, kv_dtype, max_shared_mem=mem,
+                                                                 device_name=device_name)

@@ -323,7 +323,7 @@ class TritonAttnBackend(AttentionBackend):
         decode_attention_fwd(
             q3, k_buffer, pool.get_value_buffer(layer.layer_id), o, kv_indptr,
             kv_indices, md.attn_logits, md.attn_lse, num_kv_splits, self.max_kv_splits, layer.scaling,
-            logit_cap=layer.logit_cap, **kv_scales(layer, k_buffer),
+            logit_cap=layer.logit_cap, batch_invariant=self.deterministic, **kv_scales(layer, k_buffer),
         )
         return o.view(-1, hq * dv)
 

@@ -12,6 +12,9 @@ the CSR index ``kv_indptr`` / ``kv_indices`` (token slots into ``k_buffer`` / ``
 * Stage 2 (`_decode_stage2_kernel`): per (request, query head) the partial outputs are
   merged by their log-sum-exp, as in Flash-Decoding (Dao, Haziza, Massa, Sizov, 2023,
   "Flash-Decoding for long-context inference", PyTorch blog / FlashAttention repo).
+  A request with one split (most of a large batch: `decode_splits`) is finished by stage 1,
+  which writes ``o`` directly (the merge of one split is the identity, so the bits are the
+  same), and its stage-2 programs return at once.
 A fused "last program merges" variant (split-K with arrival counters, as in stream-K
 GEMMs) was measured on an H100 and was not faster than stage 2 (its serial merge tail
 costs more than the saved launch), so there is none here; see benchmarks/NOTES.md.
@@ -74,10 +77,17 @@ FP8_PAIRS_DEVICES = ("H100", "H200")
 
 #: opt-in shared memory per block from which 3-stage 128-key tiles fit (H100/H200: 227 KB)
 _BIG_SMEM = 200 * 1024
+#: stage-1 programs (requests x head programs) per SM from which a batch takes the batch tiles
+BATCH_PROGRAMS_PER_SM = 8
+#: (block_n, num_stages) of stage 1 for a 16-bit cache at >= BATCH_PROGRAMS_PER_SM programs per SM
+BATCH_TILE = (128, 2)
+#: (block_n, num_stages) of stage 1 for an fp8 cache on an H100 / H200 at that many programs (V pairs)
+FP8_HOPPER_BATCH_TILE = (128, 4)
 
 
 def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bool = False,
-                   max_shared_mem: int = 0, device_name: str = "") -> DecodeConfig:
+                   max_shared_mem: int = 0, device_name: str = "", num_programs: int = 0,
+                   num_sms: int = 0) -> DecodeConfig:
     """The one place decode tuning lives.
 
     Args:
@@ -88,6 +98,17 @@ def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bo
         max_shared_mem: the device's opt-in shared memory per block in bytes (0: unknown).
         device_name: ``torch.cuda.get_device_name`` ("" when unknown); fp8 caches on an
             H100 / H200 (`FP8_PAIRS_DEVICES`) get their own tiles (below).
+        num_programs / num_sms: stage-1 programs of the launch at one split a request (``bs
+            * head_programs``) and the device's SMs; 0 (unknown, or a batch-invariant
+            caller) keeps the small-batch tiles. From `BATCH_PROGRAMS_PER_SM` programs per
+            SM the batch tiles apply (below).
+
+    Large batches (`benchmarks/decode_batch_sweep.py`, H100, 2026-11-27, CUDA graphs, Hkv 8,
+    d 128, µs, small-batch tile -> batch tile): 144 requests of 800 keys, Llama-3-8B heads
+    178.9 -> 172.9 (bf16, 0.88 -> 0.91 of the copy rate), 111.7 -> 105.1 (e4m3); Qwen3-0.6B
+    heads 175.9 -> 170.0 (bf16), 108.7 -> 101.6 (e4m3); 256 requests uniform in [200, 1800]
+    keys 374.0 -> 370.3 (bf16), 215.3 -> 209.4 (e4m3); 256 x 800 within 0.2%. At 64 x 800
+    (3.9 programs per SM) no tile beat the small-batch one by more than 0.5%.
 
     Measured on an H100 (benchmarks/decode_sweep.py, 2026-11-21, bf16, d 64 and 128, bs 1/8,
     contexts 512/4096, inside CUDA graphs): 128-key tiles with 3 stages are within 7% of
@@ -99,7 +120,11 @@ def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bo
     if not wide and not is_hip and max_shared_mem >= _BIG_SMEM:
         cap = 64
         block_h = max(16, min(cap, triton.next_power_of_2(group_size)))
-        if dtype in FP8_DTYPES and any(name in device_name for name in FP8_PAIRS_DEVICES):
+        fp8_hopper = dtype in FP8_DTYPES and any(name in device_name for name in FP8_PAIRS_DEVICES)
+        if num_sms > 0 and num_programs >= BATCH_PROGRAMS_PER_SM * num_sms and (fp8_hopper or dtype not in FP8_DTYPES):
+            block_n, stages = FP8_HOPPER_BATCH_TILE if fp8_hopper else BATCH_TILE
+            return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=4, num_stages=stages, v_pairs=fp8_hopper)
+        if fp8_hopper:
             # V as int16 pairs and 256-key tiles (64 KB of K+V per tile, like bf16's 128;
             # benchmarks/fp8_decode_sweep.py --pairs-ab, benchmarks/NOTES.md sessions 11-12),
             # e4m3 against the 128-key / 5-stage byte path below, same runs:
@@ -182,13 +207,14 @@ def _fp8_pairs_to_f16(vp, E5M2: tl.constexpr):
 def _decode_stage1_kernel(
     q_ptr, k_ptr, v_ptr,
     kv_indptr_ptr, kv_indices_ptr, num_kv_splits_ptr,
-    logits_ptr, lse_ptr,
+    logits_ptr, lse_ptr, o_ptr,
     sm_scale, logit_cap, v_scale,
     stride_qb, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
     stride_lb, stride_lh, stride_ls,
     stride_eb, stride_eh,
+    stride_ob, stride_oh,
     grid_splits,
     max_kv_splits,
     GROUP: tl.constexpr,
@@ -335,12 +361,18 @@ def _decode_stage1_kernel(
         part = acc / l_i[:, None]
         if V_SCALED:
             part = part * v_scale
-        tl.store(
-            out_ptrs + split * stride_ls,
-            part,
-            mask=mask_h[:, None] & mask_dv[None, :],
-        )
-        tl.store(lse_ptrs + split, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=mask_h)
+        if n_splits == 1:
+            # the whole request in one split: this is the output (what stage 2 would compute
+            # from one split: weight exp(lse - lse) = 1), and stage 2 skips the request
+            o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + q_head[:, None] * stride_oh + offs_dv[None, :]
+            tl.store(o_ptrs, part.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_dv[None, :])
+        else:
+            tl.store(
+                out_ptrs + split * stride_ls,
+                part,
+                mask=mask_h[:, None] & mask_dv[None, :],
+            )
+            tl.store(lse_ptrs + split, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=mask_h)
 
 
 @triton.jit
@@ -359,6 +391,8 @@ def _decode_stage2_kernel(
     h = tl.program_id(1)
     kv_len = tl.load(kv_indptr_ptr + b + 1) - tl.load(kv_indptr_ptr + b)
     per, n_splits = _split_bounds(kv_len, tl.load(num_kv_splits_ptr + b), max_kv_splits, SPLIT_ALIGN)
+    if n_splits == 1:  # stage 1 wrote this request's output
+        return
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < DV
     part_ptr = logits_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_dv
@@ -391,6 +425,14 @@ def _v_pairs_ok(q: torch.Tensor, v_buffer: torch.Tensor, block_dv: int) -> bool:
     )
 
 
+def _head_blocks(block_h: int, group: int) -> int:
+    """Stage-1 programs per KV head: ``cdiv(group, block_h)`` query-head blocks (block_h
+    below 16 is raised to 16 for ``tl.dot``; 1 for the per-head MHA kernel)."""
+    if block_h == 1:
+        return 1 if group == 1 else group
+    return triton.cdiv(group, max(16, block_h))
+
+
 def _max_shared_mem(device: torch.device) -> int:
     """Opt-in shared memory per block (bytes) of a CUDA device; 0 on CPU or when unknown."""
     if device.type != "cuda":
@@ -421,6 +463,7 @@ def decode_attention_fwd(
     grid_splits: Optional[int] = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Paged decode attention, split-K (Flash-Decoding) with log-sum-exp merge.
 
@@ -438,7 +481,8 @@ def decode_attention_fwd(
             may be views of one MLA buffer, ``Dk != Dv`` is fine).
         o: ``[bs, Hq, Dv]``, written.
         kv_indptr: int32/int64 ``[bs + 1]``; kv_indices: int32/int64 token slots.
-        attn_logits: float32 ``[bs, Hq, max_kv_splits, Dv]`` scratch (partial outputs).
+        attn_logits: float32 ``[bs, Hq, max_kv_splits, Dv]`` scratch (partial outputs;
+            only requests of two or more splits write it and ``attn_lse``).
         attn_lse: float32 ``[bs, Hq, max_kv_splits]`` scratch (natural-log LSE per split).
         num_kv_splits: int32 ``[bs]``, each in ``1..max_kv_splits`` (see
             `compute_num_kv_splits`; values outside are clamped on the device); a request
@@ -453,6 +497,10 @@ def decode_attention_fwd(
             ``k_scale`` is folded into ``sm_scale`` on the host; ``v_scale`` multiplies
             each split's partial output, so ``attn_logits`` holds true-valued partials.
             The defaults (1.0) run exactly the unscaled kernels.
+        batch_invariant: keep the tiles of `decode_config` that do not depend on the batch
+            size (deterministic mode: a request's tiles and split alignment, and so its
+            rounding, must not change with the batch it is in). Otherwise batches of at
+            least `BATCH_PROGRAMS_PER_SM` stage-1 programs per SM take the batch tiles.
 
     Returns:
         ``o``. A request with zero keys gets zeros.
@@ -510,12 +558,19 @@ def decode_attention_fwd(
         return o
 
     group = hq // hkv
-    cfg = config or decode_config(dk, group, k_buffer.dtype, is_hip=torch.version.hip is not None,
-                                   max_shared_mem=_max_shared_mem(q.device), device_name=_device_name(q.device))
+    if config is None:
+        # the batch tiles need the head programs, which depend on block_h alone (the same in both)
+        base = decode_config(dk, group, k_buffer.dtype, is_hip=torch.version.hip is not None,
+                             max_shared_mem=_max_shared_mem(q.device), device_name=_device_name(q.device))
+        programs = bs * hkv * _head_blocks(base.block_h, group)
+        config = base if batch_invariant else decode_config(
+            dk, group, k_buffer.dtype, is_hip=torch.version.hip is not None, max_shared_mem=_max_shared_mem(q.device),
+            device_name=_device_name(q.device), num_programs=programs, num_sms=device_num_sms(q.device))
+    cfg = config
     block_h = cfg.block_h
     if block_h > 1:
         block_h = max(16, block_h)
-    head_blocks = 1 if block_h == 1 and group == 1 else triton.cdiv(group, block_h)
+    head_blocks = _head_blocks(block_h, group)
     if block_h == 1 and group != 1:
         raise ValueError("block_h == 1 (per-head kernel) needs group size 1")
     head_programs = hkv * head_blocks
@@ -537,13 +592,14 @@ def decode_attention_fwd(
     _decode_stage1_kernel[(bs, head_programs, g)](
         q, k_buffer, v_arg,
         kv_indptr, kv_indices, num_kv_splits,
-        attn_logits, attn_lse,
+        attn_logits, attn_lse, o,
         float(sm_scale) * k_scale, float(logit_cap), v_scale,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         stride_vt, stride_vh,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1),
+        o.stride(0), o.stride(1),
         g,
         int(max_kv_splits),
         GROUP=group,

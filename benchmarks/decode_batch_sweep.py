@@ -1,0 +1,166 @@
+"""Large-batch decode attention tuning: stage-1 tiles, residency and split counts.
+
+``PYTHONPATH=src python benchmarks/decode_batch_sweep.py [--out DIR] [--quick]``
+
+`decode_config` was tuned at batch 1 and 8 (``decode_sweep.py``), where a request's few
+programs must each stream fast. In the random workload of ``bench.offline`` the decode
+steps run 64-256 requests of ~800 keys; there one 3-stage 128-key program fills an SM's
+shared memory (~192 KB at d 128), so each program's pipeline fill and drain (7 tiles at 800
+keys) is not hidden by a second resident program. This sweep times stage 1 + 2 inside a
+CUDA graph (launch cost removed, as in a decode step) over those batch shapes for every
+``(block_n, num_stages, num_warps)`` and split-wave budget, and reports each against the
+device-to-device copy rate measured in the same run (the roofline's ``BW``): the kernel
+reads ``sum(lens) * Hkv * D * 2`` bytes of K and V.
+
+Shapes: Llama-3-8B (Hq 32, Hkv 8, D 128) and Qwen3-0.6B (Hq 16, Hkv 8, D 128); KV slots
+are whole requests in a shuffled order (prefill allocates a prompt's slots together).
+Every config's output is checked against the default config's (max |diff| recorded).
+Writes ``<out>/<device>-decode-batch-sweep-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import itertools
+
+import torch
+
+from attnserve.bench.results import write_result
+from common import bench_graph
+
+SHAPES = {"llama-3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}
+#: (shape, batch, context or (lo, hi) uniform lengths, KV dtypes)
+CASES = [
+    ("llama-3-8b", 64, 800, ("bf16",)),
+    ("llama-3-8b", 144, 800, ("bf16", "fp8_e4m3")),
+    ("llama-3-8b", 256, 800, ("bf16",)),
+    ("qwen3-0.6b", 144, 800, ("bf16", "fp8_e4m3")),
+    ("qwen3-0.6b", 256, 800, ("bf16",)),
+    ("llama-3-8b", 256, (200, 1800), ("bf16", "fp8_e4m3")),
+]
+DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def _case(hq, hkv, d, bs, ctx, dtype, gen):
+    from attnserve.attention.triton_ops.kv_indices import compute_kv_indptr
+
+    if isinstance(ctx, tuple):
+        lens = torch.randint(ctx[0], ctx[1] + 1, (bs,), generator=gen, dtype=torch.int32)
+    else:
+        lens = torch.full((bs,), ctx, dtype=torch.int32)
+    total = int(lens.sum())
+    # whole requests in a shuffled order (slot 0 is the pool's padding slot)
+    starts = torch.zeros(bs, dtype=torch.int64)
+    order = torch.randperm(bs, generator=gen)
+    pos = 1
+    for i in order.tolist():
+        starts[i] = pos
+        pos += int(lens[i])
+    indices = torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in zip(starts, lens)]).to("cuda", torch.int32)
+    k = torch.randn(total + 1, hkv, d, generator=gen).to("cuda", torch.bfloat16).to(dtype)
+    v = torch.randn(total + 1, hkv, d, generator=gen).to("cuda", torch.bfloat16).to(dtype)
+    q = torch.randn(bs, hq, d, generator=gen).to("cuda", torch.bfloat16)
+    lens = lens.to("cuda")
+    return q, k, v, lens, compute_kv_indptr(lens), indices, total
+
+
+def _configs(dtype_name: str):
+    if dtype_name == "bf16":
+        return itertools.product((64, 128), (2, 3, 4), (4, 8))
+    return itertools.product((128, 256), (2, 3, 4), (4, 8))
+
+
+def sweep(quick: bool = False, max_kv_splits: int = 16) -> list:
+    from attnserve.attention.triton_ops.decode_attention import (
+        DecodeConfig,
+        compute_num_kv_splits,
+        decode_attention_fwd,
+        decode_config,
+    )
+    from common import measure_ceilings
+
+    ceil = measure_ceilings()
+    copy_bps = ceil["copy_tbps"] * 1e12
+    print(f"copy rate {ceil['copy_tbps']:.3f} TB/s", flush=True)
+    props = torch.cuda.get_device_properties(0)
+    sms, smem, name = props.multi_processor_count, props.shared_memory_per_block_optin, torch.cuda.get_device_name()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    cases = CASES[:2] if quick else CASES
+    for shape, bs, ctx, dtypes in cases:
+        hq, hkv, d = SHAPES[shape]
+        for dname in dtypes:
+            dtype = DTYPES[dname]
+            q, k, v, lens, indptr, indices, total = _case(hq, hkv, d, bs, ctx, dtype, gen)
+            kv_bytes = total * hkv * d * 2 * k.element_size()
+            logits = torch.empty(bs, hq, max_kv_splits, d, device="cuda")
+            lse = torch.empty(bs, hq, max_kv_splits, device="cuda")
+            base = decode_config(d, hq // hkv, dtype, max_shared_mem=smem, device_name=name)
+            ref = None
+            case_rows = []
+            for (block_n, stages, warps), waves in itertools.product(
+                    [(base.block_n, base.num_stages, base.num_warps)] + list(_configs(dname)), (4, 8, 16)):
+                cfg = DecodeConfig(block_n=block_n, block_h=base.block_h, num_warps=warps, num_stages=stages,
+                                   v_pairs=base.v_pairs)
+                splits = torch.empty(bs, dtype=torch.int32, device="cuda")
+                compute_num_kv_splits(lens, splits, max_kv_splits, sms, hkv, waves=waves)
+                o = torch.empty(bs, hq, d, device="cuda", dtype=torch.bfloat16)
+
+                def call():
+                    decode_attention_fwd(q, k, v, o, indptr, indices, logits, lse, splits, max_kv_splits,
+                                         d ** -0.5, config=cfg)
+
+                row = {"shape": shape, "bs": bs, "context": list(ctx) if isinstance(ctx, tuple) else ctx,
+                       "kv_dtype": dname, "block_n": block_n, "num_stages": stages, "num_warps": warps,
+                       "split_waves": waves, "mean_splits": float(splits.float().mean()),
+                       "default": (block_n, stages, warps, waves) == (base.block_n, base.num_stages,
+                                                                      base.num_warps, 4)}
+                if any(r["block_n"] == block_n and r["num_stages"] == stages and r["num_warps"] == warps
+                       and r["split_waves"] == waves for r in case_rows):
+                    continue
+                try:
+                    call()
+                    torch.cuda.synchronize()
+                    if ref is None:
+                        ref = o.float().clone()
+                    row["max_abs_diff_vs_default"] = float((o.float() - ref).abs().max())
+                    us = bench_graph([call])
+                    row["graph_us"] = us
+                    row["kv_gbs"] = kv_bytes / us / 1e3
+                    row["share_of_copy_rate"] = kv_bytes / (us * 1e-6) / copy_bps
+                except Exception as e:  # noqa: BLE001 - a config that does not fit is a result
+                    row["error"] = f"{type(e).__name__}: {e}"[:200]
+                case_rows.append(row)
+            ok = [r for r in case_rows if "graph_us" in r]
+            best = min(ok, key=lambda r: r["graph_us"])
+            dflt = next(r for r in ok if r["default"])
+            print(f"{shape:11s} bs={bs:3d} ctx={ctx} {dname:8s}: default {dflt['graph_us']:7.1f} us "
+                  f"({dflt['share_of_copy_rate']:.3f} of copy); best {best['graph_us']:7.1f} us "
+                  f"({best['share_of_copy_rate']:.3f}) block_n {best['block_n']} stages {best['num_stages']} "
+                  f"warps {best['num_warps']} waves {best['split_waves']}", flush=True)
+            rows.extend(case_rows)
+            del q, k, v, logits, lse
+            torch.cuda.empty_cache()
+    return rows, ceil
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true", help="the first two cases only")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_batch_sweep needs a CUDA GPU")
+    import triton
+
+    rows, ceil = sweep(args.quick)
+    result = {"benchmark": "decode_batch_sweep", "date": dt.date.today().isoformat(),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "cuda": torch.version.cuda, "ceilings": ceil, "rows": rows}
+    write_result(result, args.out, "decode-batch-sweep")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
