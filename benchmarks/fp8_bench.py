@@ -8,7 +8,8 @@
 (``ATTNSERVE_FP8_SKINNY_TABLE=0``: the W8A16 decode kernel on the bf16 tiles, as before
 2026-11-26; decode only); ``fp8-w8a16-64`` (``ATTNSERVE_FP8_W8A16_MAX_M=64``: batches up to
 64 rows on the W8A16 kernel instead of activation quantisation + ``_scaled_mm``; no
-prefill); ``fp8-fused-producers`` (``ATTNSERVE_FP8_FUSED_PRODUCERS=1``: add-RMSNorm and
+prefill); ``fp8-unfused-producers`` (``ATTNSERVE_FP8_FUSED_PRODUCERS=0``; the default since
+2026-11-27 is on: add-RMSNorm and
 SiLU-and-mul emit FP8 for the W8A8 linears, `fused_inputs`); ``fp8-next`` (both):
 
 * ``decode_step_ms`` / ``decode_step_bs64_ms``: the captured decode graph at batch 1 / 64,
@@ -68,7 +69,7 @@ ENGINE_VARIANTS = {
     "fp8": {},
     "fp8-16bit-tiles": {"ATTNSERVE_FP8_SKINNY_TABLE": "0"},
     "fp8-w8a16-64": {"ATTNSERVE_FP8_W8A16_MAX_M": "64"},
-    "fp8-fused-producers": {"ATTNSERVE_FP8_FUSED_PRODUCERS": "1"},
+    "fp8-unfused-producers": {"ATTNSERVE_FP8_FUSED_PRODUCERS": "0"},
     "fp8-next": {"ATTNSERVE_FP8_W8A16_MAX_M": "64", "ATTNSERVE_FP8_FUSED_PRODUCERS": "1"},
 }
 

@@ -254,16 +254,16 @@ def test_online_dummy_matches_quantised_bf16_weights():
 
 @pytest.mark.parametrize("m,n,k,act", [(1, 8, 1100, None), (40, 64, 200, "silu")])
 def test_skinny_fp8_table_tiles_interpreter(m, n, k, act, monkeypatch):
-    """`skinny_linear_fp8` on its default tiles: one row with K > 1024 (`FP8_SKINNY_M1`,
-    twice the 16-bit ``block_k``) and 40 rows (`FP8_SKINNY_WIDE`, a 64-row ``tl.dot``
+    """`skinny_linear_fp8` on its default tiles: one row with K > 1024 (the `FP8_SKINNY_M1`
+    entry of its shape class) and 40 rows (`FP8_SKINNY_WIDE`, a 64-row ``tl.dot``
     tile, gated), against the float64 product of x and the dequantised weight."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from attnserve.models.layers.quantization.fp8_utils import quantize_per_row
-    from attnserve.models.layers.skinny_gemm import fp8_skinny_config, skinny_gemm_config, skinny_linear_fp8
+    from attnserve.models.layers.skinny_gemm import FP8_SKINNY_M1, _shape_class, fp8_skinny_config, skinny_linear_fp8
 
     cfg = fp8_skinny_config(m, n, k, gated=act is not None)
     if m == 1:
-        assert cfg.block_k == 2 * skinny_gemm_config(m, n, k, torch.bfloat16, 132).block_k
+        assert (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.carry) == FP8_SKINNY_M1[_shape_class(n, k, False)]
     else:
         assert cfg.use_dot and cfg.block_m(m) == 64
     g = torch.Generator().manual_seed(m)
@@ -303,12 +303,16 @@ def test_fused_producer_quant_matches_unfused_interpreter(monkeypatch):
 
 
 def test_fused_producers_marked_and_prequantized_input_path(monkeypatch):
-    """``ATTNSERVE_FP8_FUSED_PRODUCERS=1`` marks both norms and ``gate_up`` of every plain
-    Llama layer; a linear given its input already quantised (`Fp8Activation`) computes what
-    it computes from the 16-bit input (CPU: the reference path)."""
+    """By default (and with ``ATTNSERVE_FP8_FUSED_PRODUCERS=1``) both norms and ``gate_up``
+    of every plain Llama layer are marked, with ``=0`` none; a linear given its input
+    already quantised (`Fp8Activation`) computes what it computes from the 16-bit input
+    (CPU: the reference path)."""
     from attnserve.models.layers.quantization.fused_inputs import Fp8Activation
 
-    monkeypatch.setenv("ATTNSERVE_FP8_FUSED_PRODUCERS", "1")
+    monkeypatch.setenv("ATTNSERVE_FP8_FUSED_PRODUCERS", "0")
+    off = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False, quantization="fp8")
+    assert not any(getattr(m, "fp8_output", False) for m in off.model.modules())
+    monkeypatch.delenv("ATTNSERVE_FP8_FUSED_PRODUCERS")
     loaded = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False, quantization="fp8")
     for layer in loaded.model.model.layers:
         assert layer.input_layernorm.fp8_output and layer.post_attention_layernorm.fp8_output

@@ -219,14 +219,16 @@ def _shape_class(n: int, k: int, gated: bool) -> str:
 
 
 #: FP8 (1-byte) weights, one activation row (``defer`` form, ``K > 1024``): class ->
-#: (block_n, block_k, num_warps, carry). Rule v2's 16-bit tiles with ``block_k`` doubled,
-#: so a program streams the same bytes per step (a bf16 tile of the same shape moves half
-#: of them); unmeasured starting points -- ``benchmarks/fp8_bench.py --sweep`` times them
-#: against the 16-bit tiles and neighbours.
+#: (block_n, block_k, num_warps, carry). Started as rule v2's 16-bit tiles with ``block_k``
+#: doubled (the same bytes per step); ``benchmarks/fp8_bench.py --sweep`` on an H100
+#: (2026-11-27, CUDA-graph timing over rotating weights, Llama-3-8B shapes, µs) halved two
+#: of them: ``n<=4096`` (o_proj 4096 x 4096) 4 x 1024 10.23 -> 4 x 512 9.15, ``k>=8192``
+#: (down_proj 4096 x 14336) 2 x 4096 29.13 -> 2 x 2048 26.13; gated (2 x 1024 45.16 vs
+#: 2 x 512 45.05) and qkv (2 x 2048 12.58, the best of three) kept.
 FP8_SKINNY_M1 = {
     "gated": (2, 1024, 4, False),
-    "k>=8192": (2, 4096, 8, False),
-    "n<=4096": (4, 1024, 4, True),
+    "k>=8192": (2, 2048, 8, False),
+    "n<=4096": (4, 512, 4, True),
     "n<=16384": (2, 2048, 4, False),
     "wide": (4, 2048, 8, True),
 }

@@ -79,5 +79,5 @@ def finish_quantized_model(model: nn.Module) -> None:
     from attnserve.models.layers.quantization.fused_inputs import enable_fused_producers, fused_producers_requested
 
     if fused_producers_requested():
-        logger.info("FP8: %d producers quantise their outputs (ATTNSERVE_FP8_FUSED_PRODUCERS=1)",
+        logger.info("FP8: %d producers quantise their outputs (ATTNSERVE_FP8_FUSED_PRODUCERS=0 turns this off)",
                     enable_fused_producers(model))

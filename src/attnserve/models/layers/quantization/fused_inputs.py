@@ -1,5 +1,5 @@
-"""Producer-fused activation quantisation for W8A8 FP8 linears (opt-in,
-``ATTNSERVE_FP8_FUSED_PRODUCERS=1``; issue 37).
+"""Producer-fused activation quantisation for W8A8 FP8 linears (on by default;
+``ATTNSERVE_FP8_FUSED_PRODUCERS=0`` turns it off; issue 37).
 
 A W8A8 linear (`Fp8LinearMethod` on the ``_scaled_mm`` path, batches of more than
 `fp8_linear.w8a16_max_m` rows) quantises its 16-bit input per token in a launch of its own,
@@ -18,6 +18,11 @@ per-channel or per-tensor weights). At run time a marked producer emits FP8 only
 inputs of more than ``w8a16_max_m()`` rows with fused kernels on; otherwise it returns the
 16-bit tensor as before, so decode batches keep the W8A16 kernel. The results are those of
 the unfused path (same roundings; the quantisers agree up to rare ties).
+
+Measured on an H100 (``benchmarks/fp8_bench.py``, 2026-11-27, Llama-3-8B shape, µs per
+call at 8192 rows): add-RMSNorm + quantise 126.9 -> 81.4, SiLU-and-mul + quantise 386.8 ->
+288.0; one 8192-token prefill 160.1 -> 155.9 ms. At 64 rows the two differ by ~1 µs each
+way (norm 3.78 -> 2.75, SiLU 5.48 -> 7.67), so decode steps are unchanged.
 """
 
 from __future__ import annotations
@@ -49,8 +54,8 @@ class Fp8Activation:
 
 
 def fused_producers_requested() -> bool:
-    """``ATTNSERVE_FP8_FUSED_PRODUCERS=1`` (read when a model is loaded)."""
-    return os.environ.get("ATTNSERVE_FP8_FUSED_PRODUCERS", "0").strip() == "1"
+    """True unless ``ATTNSERVE_FP8_FUSED_PRODUCERS=0`` (read when a model is loaded)."""
+    return os.environ.get("ATTNSERVE_FP8_FUSED_PRODUCERS", "1").strip() != "0"
 
 
 def emits_fp8(x: torch.Tensor, enabled: bool) -> bool:
