@@ -50,8 +50,17 @@ MODELS = {
         ("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
         ("lm_head", 128256, 4096),
     ],
+    # one rank's shards under tensor parallelism (column-parallel qkv / gate_up / vocabulary,
+    # row-parallel o / down), as the tp decode step runs them
+    "llama-3-8b-tp2": [("qkv", 3072, 4096), ("o", 4096, 2048), ("gate_up", 14336, 4096), ("down", 4096, 7168),
+                       ("lm_head", 64128, 4096)],
+    "llama-3-8b-tp4": [("qkv", 1536, 4096), ("o", 4096, 1024), ("gate_up", 7168, 4096), ("down", 4096, 3584),
+                       ("lm_head", 32064, 4096)],
+    "llama-3-70b-tp4": [("qkv", 2560, 8192), ("o", 8192, 2048), ("gate_up", 14336, 8192), ("down", 8192, 7168),
+                        ("lm_head", 32064, 8192)],
 }
-ACTIVATION = {"smollm2-135m": "silu", "gemma3-270m": "gelu_tanh", "llama-3-8b": "silu"}
+ACTIVATION = {"smollm2-135m": "silu", "gemma3-270m": "gelu_tanh", "llama-3-8b": "silu", "llama-3-8b-tp2": "silu",
+              "llama-3-8b-tp4": "silu", "llama-3-70b-tp4": "silu"}
 DTYPE = torch.bfloat16
 DEV = "cuda"
 MIN_CALLS = 20
@@ -190,14 +199,15 @@ CANDIDATES_GATED = {
 
 
 def run_candidates(models: List[str], dot_ms: List[int], out_dir: Optional[str] = None) -> Dict[str, object]:
-    """M = 1: the v1 rule's config with and without PDL, the named candidates with PDL (and
+    """M = 1: the v1 rule's config with and without PDL, the default (`skinny_gemm_config`,
+    with PDL), the named candidates with PDL (and
     the first one without, to separate the two effects); M in ``dot_ms``: the default
     ``tl.dot`` config with and without PDL; the cuBLAS peer (``candidate`` "peer") at those M
     and at M = 64 (no lm_head). One row per (shape, M, candidate, pdl); with
     ``out_dir``, the JSON is rewritten after every shape (a run cut short keeps its rows)."""
     from common import copy_bandwidth_gbs
     from attnserve.bench.results import write_result
-    from attnserve.models.layers.skinny_gemm import MAX_SKINNY_M, SkinnyGemmConfig, _rule_v1
+    from attnserve.models.layers.skinny_gemm import MAX_SKINNY_M, SkinnyGemmConfig, _rule_v1, skinny_gemm_config
 
     copy_gbs = copy_bandwidth_gbs()
     torch.cuda.empty_cache()
@@ -224,7 +234,9 @@ def run_candidates(models: List[str], dot_ms: List[int], out_dir: Optional[str] 
                 del case
                 continue
             v1 = _rule_v1(m, n, k, 2, gated)
-            runs = [("v1", v1, False), ("v1", v1, True)]
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            runs = [("v1", v1, False), ("v1", v1, True),
+                    ("default", skinny_gemm_config(m, n, k, DTYPE, sms, gated=gated), True)]
             if m == 1:
                 cands = CANDIDATES_GATED if gated else CANDIDATES_LINEAR
                 for i, (name, (bn, bk, w, carry, defer)) in enumerate(cands.items()):

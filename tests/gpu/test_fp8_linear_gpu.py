@@ -209,6 +209,7 @@ def test_fused_producers_match_unfused_mlp(monkeypatch):
     from attnserve.model_loader.loader import load_model
     from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, enable_fused_producers
 
+    monkeypatch.setenv("ATTNSERVE_FP8_FUSED_PRODUCERS", "0")  # loaded unmarked; marked below
     loaded = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False,
                         quantization="fp8", dtype=torch.bfloat16, device="cuda")
     layer = loaded.model.model.layers[0]
