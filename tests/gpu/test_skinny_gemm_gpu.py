@@ -31,7 +31,8 @@ from attnserve.models.layers.skinny_gemm import (
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+          (1536, 4096), (4096, 1024)]  # the last two: Llama-3-8B qkv and o shards at tp 4
 MS = [1, 2, 8, 16]
 REL = 8e-3
 

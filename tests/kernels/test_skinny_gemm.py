@@ -274,10 +274,13 @@ def test_pdl_request_is_harmless_off_hopper(gen, device):
 
 
 def test_rule_v2_and_v1(monkeypatch):
-    """v2 (default) changes only one 16-bit row with K > 1024; ATTNSERVE_SKINNY_RULE=v1 restores v1."""
+    """v2 (default) changes only one 16-bit row with K > 1024, or K == 1024 with 2048 < N <= 4096
+    (not gated); ATTNSERVE_SKINNY_RULE=v1 restores v1. The tensor-parallel shards measured
+    on the H100 get their tiles (Llama-3-8B tp 4 qkv 1536 x 4096 and o 4096 x 1024)."""
     from attnserve.models.layers.skinny_gemm import _rule_v1
 
-    shapes = [(6144, 4096, False), (4096, 14336, False), (28672, 4096, True), (960, 576, False), (3072, 576, True)]
+    shapes = [(6144, 4096, False), (4096, 14336, False), (28672, 4096, True), (960, 576, False), (3072, 576, True),
+              (1536, 4096, False), (4096, 1024, False), (4096, 1024, True), (1024, 1024, False)]
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         itemsize = torch.empty((), dtype=dtype).element_size()
         for m in (1, 2, 16):
@@ -287,7 +290,12 @@ def test_rule_v2_and_v1(monkeypatch):
                 monkeypatch.setenv("ATTNSERVE_SKINNY_RULE", "v1")
                 v1 = skinny_gemm_config(m, n, k, dtype, 132, gated=gated)
                 assert v1 == _rule_v1(m, n, k, itemsize, gated) and not v1.defer and not v1.carry
-                if m == 1 and itemsize == 2 and k > 1024:
+                if m == 1 and itemsize == 2 and (k > 1024 or (k == 1024 and not gated and 2048 < n <= 4096)):
                     assert v2.defer and not v2.use_dot
                 else:
                     assert v2 == v1
+    monkeypatch.delenv("ATTNSERVE_SKINNY_RULE", raising=False)
+    qkv_tp4 = skinny_gemm_config(1, 1536, 4096, torch.bfloat16, 132)
+    o_tp4 = skinny_gemm_config(1, 4096, 1024, torch.bfloat16, 132)
+    assert (qkv_tp4.block_n, qkv_tp4.block_k, qkv_tp4.num_warps, qkv_tp4.carry) == (2, 2048, 8, False)
+    assert (o_tp4.block_n, o_tp4.block_k, o_tp4.num_warps, o_tp4.carry) == (4, 512, 4, True)

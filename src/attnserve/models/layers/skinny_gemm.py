@@ -182,6 +182,13 @@ def skinny_gemm_config(
 
     Together -270 µs of the Llama-3-8B batch-1 decode step (6.19 -> 5.93 ms with PDL,
     benchmarks/NOTES.md, "Issue 33: the batch-1 decode step").
+
+    One rank's shards under tensor parallelism (``benchmarks/gemv.py --candidates --models
+    llama-3-8b-tp4 llama-3-70b-tp4 llama-3-8b-tp2``, H100, 2026-11-27, µs, before -> after)
+    moved two shapes: few rows with ``K >= 4096`` (``N <= 2048``: Llama-3-8B qkv at tp 4,
+    1536 x 4096) take the ``K >= 8192`` tile, 7.26 -> 5.98; ``K == 1024`` with ``2048 < N <=
+    4096`` (its o_proj at tp 4, 4096 x 1024, before on rule v1) the ``N <= 4096`` tile,
+    4.51 -> 4.09. The other shards were within 5% of the best candidate.
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     _ = num_sms  # neither rule needed it on the H100; kept for other GPUs' tuning
@@ -191,10 +198,11 @@ def skinny_gemm_config(
         return fp8_skinny_config(M, N, K, gated=gated)
     if skinny_rule() == "v1":
         return _rule_v1(M, N, K, itemsize, gated)
-    if M == 1 and itemsize <= 2 and K > 1024:
+    square_k1024 = K == 1024 and not gated and 2048 < N <= 4096  # e.g. Llama-3-8B o_proj at tp 4
+    if M == 1 and itemsize <= 2 and (K > 1024 or square_k1024):
         if gated:
             bn, bk, warps, carry = 2, 512, 4, False
-        elif K >= 8192:
+        elif K >= 8192 or (N <= 2048 and K >= 4096):
             bn, bk, warps, carry = 2, 2048, 8, False
         elif N <= 4096:
             bn, bk, warps, carry = 4, 512, 4, True
