@@ -47,6 +47,9 @@ for what in "${@:-roofline}"; do
       timeout "${PROFILE_TIMEOUT:-300}" python3 benchmarks/profile_host.py --out "$OUT" ${PROFILE_ARGS:-} 2>&1 \
         | grep -v INFO | tail -20 ;;
     serving)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-serving .whl/serving/*.whl \
+        > "$OUT/pip.log" 2>&1 || echo "no .whl/serving (carry it): the server cannot import fastapi"
+      export PYTHONPATH=/tmp/site-serving:src:tests
       for shape in ${SERVING_SHAPES:-qwen3-0.6b llama-3-8b}; do
         timeout "${SERVING_TIMEOUT:-280}" bash scripts/serving_vs_offline.sh "$OUT" "$shape" ${SERVING_MODES:-on}
       done ;;
