@@ -96,9 +96,9 @@ def test_push_matches_pull_and_restores_sentinels_over_calls(monkeypatch):
         for r in range(world):
             assert _same_up_to_zero_sign(outs[r], want_out), (epoch, r)
             assert _same_up_to_zero_sign(ress[r], want_res), (epoch, r)
-            n_words = (rows * hidden * dtype.itemsize + 3) // 4
+            n_vec = (rows * hidden * dtype.itemsize + 15) // 16
             word = -(1 << 31) if dtype == torch.float32 else -(1 << 31) | (1 << 15)
-            assert counters[r].tolist() == [epoch, 0, n_words, lam.slot_offset(dtype, phase, 0), word]
+            assert counters[r].tolist() == [epoch, 0, n_vec, lam.slot_offset(dtype, phase, 0), word]
         if epoch == 2:
             # pull: -0 + -0 + -0 + (-0) = -0; push: +0 throughout (the only difference)
             assert bool((_bits(want_res[0, :4]) == _bits(torch.tensor(-0.0))).all())

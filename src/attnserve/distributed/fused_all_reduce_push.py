@@ -23,7 +23,7 @@ elements, on rank ``r``, one program per row as the pull kernel (rows strided ov
    element equals the sentinel), go to slot ``r`` of phase ``e % 3`` of half ``D`` of every
    rank's buffer (plain 16-byte vector stores, remote over NVLink; no fence, no flag);
 2. *clear*: it writes the sentinel back over the previous call's data in its own buffer
-   (``counters[2:5]``: that call's size in int32 words, phase offset and sentinel word);
+   (``counters[2:5]``: that call's size in 16-byte vectors, phase offset and sentinel word);
 3. *wait and reduce*: for ``src = 0..W-1`` it loads its rows of slot ``src`` of the own
    buffer with volatile loads until no element is the sentinel, and adds them in rank order
    with one rounding to the storage dtype per add; then the residual add and the norm with
@@ -69,7 +69,7 @@ PUSH = "push"
 FUSION_MODES = (PULL, PUSH)
 #: phases of the Lamport region (see the module docstring)
 PHASES = 3
-#: int64 counters of the push kernel: epoch, programs finished, previous call's words, its
+#: int64 counters of the push kernel: epoch, programs finished, previous call's 16-byte vectors, its
 #: phase's byte offset, its sentinel word
 PUSH_COUNTERS = 5
 _ALIGN = 256
@@ -199,8 +199,8 @@ def _launch(x, residual, weight, eps, weight_offset, buffer_ptrs, counters, rank
     warps = far.norm_warps(block)  # fused_add_rmsnorm's: tl.sum adds in the same order
     half, sentinel, word = _SENTINELS[x.dtype]
     bits = x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
-    n_words = (x.numel() * x.element_size() + 3) // 4
-    args = (bits, residual, weight.contiguous(), out, buffer_ptrs, counters, rank, rows, n, n_words, float(eps),
+    n_vec = (x.numel() * x.element_size() + 15) // 16
+    args = (bits, residual, weight.contiguous(), out, buffer_ptrs, counters, rank, rows, n, n_vec, float(eps),
             float(weight_offset), lamport.offset, lamport.slot_bytes)
     meta = dict(W=lamport.world_size, BLOCK=block, CLEAR_BLOCK=128 * warps, DTYPE_INDEX=half, SENTINEL=sentinel,
                 SENTINEL_WORD=word, STAGE=stage, num_warps=warps)

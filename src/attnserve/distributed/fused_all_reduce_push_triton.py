@@ -27,7 +27,7 @@ def _lamport_fused_add_rmsnorm_kernel(
     rank,
     n_rows,
     n_cols,
-    n_words,
+    n_vec,
     eps,
     w_offset,
     region_offset,
@@ -44,9 +44,9 @@ def _lamport_fused_add_rmsnorm_kernel(
 
     ``x_bits_ptr``: the partial sums viewed as int16 (bfloat16) / int32 (float32);
     ``buf_table_ptr``: int64 ``[W]`` byte addresses of every rank's symmetric buffer;
-    ``n_words``: the message's size in int32 words (rounded up);
+    ``n_vec``: the message's size in 16-byte vectors (rounded up);
     ``counter_ptr``: int64 ``[5]`` on this rank (completed calls, programs finished, the
-    previous call's message in int32 words, its phase's byte offset, its sentinel word);
+    previous call's message in 16-byte vectors, its phase's byte offset, its sentinel word);
     ``region_offset`` / ``slot_bytes``: the Lamport region (bytes); ``DTYPE_INDEX``: which
     of its two dtype halves (0 float32, 1 bfloat16); ``SENTINEL``: negative zero's bits in
     the storage dtype (as a signed integer); ``SENTINEL_WORD``: two of them (or one float32)
@@ -75,17 +75,19 @@ def _lamport_fused_add_rmsnorm_kernel(
                 tl.store(dst + off + cols, bits, mask=mask)
     if STAGE != 1:
         # 2. clear the previous call's phase in the own buffer (nobody writes or reads it now)
-        prev_words = tl.load(counter_ptr + 2, volatile=True)
+        prev_vec = tl.load(counter_ptr + 2, volatile=True)
         prev_off = tl.load(counter_ptr + 3, volatile=True)
         prev_word = tl.load(counter_ptr + 4, volatile=True).to(tl.int32)
         cw = tl.arange(0, CLEAR_BLOCK)
         fill = tl.zeros([CLEAR_BLOCK], tl.int32) + prev_word
-        n_chunks = tl.cdiv(prev_words, CLEAR_BLOCK)
+        n_chunks = tl.cdiv(prev_vec * 4, CLEAR_BLOCK).to(tl.int32)  # a slot is < 2 GB
         for s in tl.static_range(W):
             slot = tl.multiple_of((own_base + prev_off + s * slot_bytes).to(tl.pointer_type(tl.int32)), 16)
             for c in range(pid, n_chunks, n_prog):
                 words = c * CLEAR_BLOCK + cw
-                tl.store(slot + words, fill, mask=words < prev_words)
+                # whole 16-byte vectors (one mask per 4 words: vector stores); past the message
+                # they overwrite the sentinel with itself (slots are 256-byte multiples)
+                tl.store(slot + words, fill, mask=(words // 4) < prev_vec)
         # 3. wait for each rank's rows in the own buffer, summing in rank order
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + w_offset
         for row in range(pid, n_rows, n_prog):
@@ -115,7 +117,7 @@ def _lamport_fused_add_rmsnorm_kernel(
         done = tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu")
         if done == n_prog - 1:
             tl.atomic_xchg(counter_ptr + 1, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(counter_ptr + 2, tl.full([], 0, tl.int64) + n_words, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(counter_ptr + 2, tl.full([], 0, tl.int64) + n_vec, sem="relaxed", scope="gpu")
             tl.atomic_xchg(counter_ptr + 3, phase_off.to(tl.int64), sem="relaxed", scope="gpu")
             tl.atomic_xchg(counter_ptr + 4, tl.full([], SENTINEL_WORD, tl.int64), sem="relaxed", scope="gpu")
             tl.atomic_xchg(counter_ptr, epoch, sem="release", scope="gpu")
