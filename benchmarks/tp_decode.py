@@ -22,6 +22,10 @@
   add + RMSNorm kernel (`distributed.fused_all_reduce`) and once with
   ``--disable-allreduce-fusion``; each row records ``allreduce_fusion`` (asked) and
   ``allreduce_fusion_on`` (the engine runs the fused kernel).
+* ``--allreduce-fusion-mode pull push``: every fused run once per kernel
+  (``ATTNSERVE_ALLREDUCE_FUSION_MODE``: the pull kernel, or the push-mode "Lamport" kernel of
+  `distributed.fused_all_reduce_push`); each row records ``allreduce_fusion_mode`` (the
+  kernel the engine runs, ``none`` without fusion). ``--tp`` with no sizes runs only ``--big-tp``.
 * ``--profile``: per decode row, rank 0's kernels under ``torch.profiler`` (CUDA activity):
   a prefill-only run and a run of ``--profile-steps`` more decode steps, the difference
   divided by the decode steps: per kernel name, launches and GPU microseconds per step
@@ -151,16 +155,19 @@ def kernel_profile(llm, prompts, steps: int, top: int = 25) -> dict:
 
 
 def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadcast=None, tp_sample=None,
-                 allreduce_fusion=None, profile_steps=0, **extra):
+                 allreduce_fusion=None, fusion_mode=None, profile_steps=0, **extra):
     from attnserve.engine.sampling_params import SamplingParams
     from attnserve.engine.scheduler import SchedulerStats
     from attnserve.engine.tp.step_channel import STEP_BROADCAST_ENV
+    from attnserve.distributed.fused_all_reduce_push import FUSION_MODE_ENV
     from attnserve.engine.tp.step_sync import TP_SAMPLE_ENV
 
     if step_broadcast:
         os.environ[STEP_BROADCAST_ENV] = step_broadcast
     if tp_sample:
         os.environ[TP_SAMPLE_ENV] = tp_sample
+    if fusion_mode:  # read once by every rank's custom all-reduce at start-up (inherited)
+        os.environ[FUSION_MODE_ENV] = fusion_mode
     if allreduce_fusion is not None:
         extra["disable_allreduce_fusion"] = allreduce_fusion == "off"
     llm = _llm(model, tp, "bfloat16", input_len + output_len + 16, max(requests), **extra)
@@ -170,6 +177,7 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
     sample_mode = "none" if sender is None else ("local" if sender.sample_local else "broadcast")
     custom_on = rt is not None and rt.tp.custom_all_reduce is not None
     fusion_on = custom_on and rt.tp.custom_all_reduce.fusion is not None
+    kernel = rt.tp.custom_all_reduce.fusion.mode if fusion_on else "none"
     rows = []
     try:
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model_runner.model.parameters())
@@ -195,7 +203,7 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
             steps = max(stats.num_decode_steps, 1)
             row = {"model": model, "tp": tp, "requests": n, "step_broadcast": path, "tp_sample": sample_mode,
                    "custom_all_reduce_on": custom_on, "allreduce_fusion": allreduce_fusion or "none",
-                   "allreduce_fusion_on": fusion_on,
+                   "allreduce_fusion_on": fusion_on, "allreduce_fusion_mode": kernel,
                    "local_sample_steps": counts[0], "ids_broadcast_steps": counts[1], "input_len": input_len,
                    "output_len": output_len,
                    "wall_s": wall, "prefill_s": times["prefill"][0], "decode_steps": stats.num_decode_steps,
@@ -204,7 +212,7 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
                    "tp_send_ms_per_step": stats.tp_send_ms_per_step,
                    "weight_bytes_per_gpu": weight_bytes}
             rows.append(row)
-            print(f"{model} tp {tp} ({path}, {sample_mode} sampling, fusion {'on' if fusion_on else 'off'}) n {n}: "
+            print(f"{model} tp {tp} ({path}, {sample_mode} sampling, fusion {kernel if fusion_on else 'off'}) n {n}: "
                   f"{row['decode_ms_per_step']:.2f} ms/step, "
                   f"{row['output_tokens_per_s']:.0f} tok/s, host {row['host_ms_per_step']:.2f} ms "
                   f"(step broadcast {row['tp_send_ms_per_step']:.2f})", flush=True)
@@ -222,7 +230,7 @@ def main(argv=None) -> int:
     import triton
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--tp", type=int, nargs="*", default=[1, 2], help="Llama-3-8B tp sizes (none: only --big-tp)")
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--big-tp", type=int, default=0, help="tp size of the Llama-3-70B run (0: skip)")
     ap.add_argument("--skip-identity", action="store_true")
@@ -234,6 +242,8 @@ def main(argv=None) -> int:
     ap.add_argument("--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce")
     ap.add_argument("--allreduce-fusion", nargs="+", default=["on"], choices=["on", "off"],
                     help="run each tp > 1 decode with the fused all-reduce + add + RMSNorm (on) and/or without (off)")
+    ap.add_argument("--allreduce-fusion-mode", nargs="+", default=["pull"], choices=["pull", "push"],
+                    help="kernel(s) of each fused run (ATTNSERVE_ALLREDUCE_FUSION_MODE): pull and/or push")
     ap.add_argument("--profile", action="store_true",
                     help="per decode row, rank 0's per-kernel GPU time per step (torch.profiler)")
     ap.add_argument("--profile-steps", type=int, default=20, help="decode steps profiled (--profile)")
@@ -245,19 +255,24 @@ def main(argv=None) -> int:
                gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())), decode=[],
                custom_all_reduce=not args.disable_custom_all_reduce)
-    if not args.skip_identity:
+    if not args.skip_identity and args.tp:
         res["identity"] = identity(args.tp)
         write_result(res, args.out, "tp", "cuda")  # partial results survive a cut-off run
-    runs = [("llama-3-8b", tp, args.requests, sb, ts, fu)
+
+    def modes(fu):  # the kernels of a fused run
+        return args.allreduce_fusion_mode if fu == "on" else [None]
+
+    runs = [("llama-3-8b", tp, args.requests, sb, ts, fu, fm)
             for tp in args.tp for sb in (args.step_broadcast if tp > 1 else [None])
             for ts in (args.tp_sample if tp > 1 else [None])
-            for fu in (args.allreduce_fusion if tp > 1 else [None])]
+            for fu in (args.allreduce_fusion if tp > 1 else [None]) for fm in modes(fu)]
     if args.big_tp:
-        runs += [("llama-3-70b", args.big_tp, [1], sb, ts, fu) for sb in args.step_broadcast for ts in args.tp_sample
-                 for fu in args.allreduce_fusion]
-    for model, tp, requests, sb, ts, fu in runs:
+        runs += [("llama-3-70b", args.big_tp, [1], sb, ts, fu, fm) for sb in args.step_broadcast
+                 for ts in args.tp_sample for fu in args.allreduce_fusion for fm in modes(fu)]
+    for model, tp, requests, sb, ts, fu, fm in runs:
         res["decode"] += in_fresh_process(decode_steps, model, tp, requests, step_broadcast=sb, tp_sample=ts,
-                                          allreduce_fusion=fu, profile_steps=args.profile_steps if args.profile else 0,
+                                          allreduce_fusion=fu, fusion_mode=fm,
+                                          profile_steps=args.profile_steps if args.profile else 0,
                                           disable_custom_all_reduce=args.disable_custom_all_reduce)
         for row in res["decode"]:
             row["weights_floor_ms"] = row["weight_bytes_per_gpu"] / (copy * 1e9) * 1e3

@@ -5,14 +5,20 @@
 # shared-memory and gloo step broadcast; Llama-3-70B at tp 4), then bench.offline's random
 # workload at dp 1 and dp = number of GPUs. Partial JSON survives a cut-off run.
 #   bash scripts/gpu_tp.sh          env: TP_LIMIT (s, default 300), DP_PROMPTS (default 1024)
-#   STAGES="tests allreduce tp big dp" (default all) runs a subset: one device call is 10 minutes
-#   at most, so on 4 GPUs run "tests" (~5 min on four H100s), "tp" (~5 min), "allreduce big" and
-#   "dp" as separate calls.
+#   STAGES="tests pushtests allreduce tp big push bigpush dp" (default all) runs a subset: one device call is
+#   10 minutes at most, so on 4 GPUs run "tests" (~5 min on four H100s), "pushtests", "tp" (~5 min),
+#   "allreduce big", "push", "bigpush" and "dp" as separate calls.
+#   pushtests: the push-mode fused all-reduce GPU tests (2 and 4 ranks, tp 2 engine tokens), which
+#   "tests" leaves out (-k "not push").
+#   allreduce: also the fused all-reduce + add + RMSNorm, pull vs push kernel, us per call
+#   (benchmarks/fused_allreduce_bench.py); push: Llama-3-8B at tp = all GPUs, batch 1 and 64, fused
+#   with the pull and the push kernel (ATTNSERVE_ALLREDUCE_FUSION_MODE) in one run; bigpush: the
+#   Llama-3-70B shape at tp 4, pull and push.
 #   tp: Llama-3-8B tp 1 / 2 / 4, batch 1 and 64, all-reduce fusion on and off, rank 0's kernel
 #   profile; big: the Llama-3-70B shape at tp 4.
 # The dp test and replicas import the server (fastapi): run with carry [".whl/serving"].
 set -u
-STAGES=${STAGES:-tests allreduce tp big dp}
+STAGES=${STAGES:-tests pushtests allreduce tp big push bigpush dp}
 stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -23,12 +29,22 @@ ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi -L > "$OUT/gpus.txt" 2>&1
 if stage tests; then
 timeout "${TESTS_LIMIT:-360}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py tests/gpu/test_custom_all_reduce_gpu.py \
-  tests/gpu/test_data_parallel_gpu.py > "$OUT/tests_parallel.log" 2>&1
+  tests/gpu/test_data_parallel_gpu.py -k "not push" > "$OUT/tests_parallel.log" 2>&1
 tail -3 "$OUT/tests_parallel.log"
+fi
+if stage pushtests; then
+timeout "${PUSHTESTS_LIMIT:-540}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_custom_all_reduce_gpu.py \
+  -k push > "$OUT/tests_push.log" 2>&1
+echo "push tests rc=$?"
+grep -E "^PUSH|passed|failed|error" "$OUT/tests_push.log" | tail -14
 fi
 if stage allreduce; then
 timeout 120 python3 benchmarks/allreduce_bench.py --world-size "$ngpu" --out "$OUT" > "$OUT/allreduce.log" 2>&1
 tail -14 "$OUT/allreduce.log"
+timeout "${FUSED_LIMIT:-300}" python3 benchmarks/fused_allreduce_bench.py --world-size "$ngpu" --out "$OUT" \
+  > "$OUT/fused_allreduce.log" 2>&1
+echo "fused_allreduce rc=$?"
+tail -11 "$OUT/fused_allreduce.log"
 fi
 tps="1 2"; big=""
 if [ "$ngpu" -ge 4 ]; then tps="1 2 4"; big="--big-tp 4"; fi
@@ -45,6 +61,21 @@ timeout "${BIG_LIMIT:-240}" python3 benchmarks/tp_decode.py --tp 4 --requests 1 
   --step-broadcast shm --out "$OUT/big" > "$OUT/tp_big.log" 2>&1
 echo "tp big rc=$?"
 grep -E "ms/step" "$OUT/tp_big.log" | tail -4
+fi
+if stage push; then
+# Llama-3-8B at tp = all GPUs: fused with the pull kernel, then with the push kernel
+timeout "${PUSH_LIMIT:-360}" python3 benchmarks/tp_decode.py --tp "$ngpu" --requests 1 64 --step-broadcast shm \
+  --allreduce-fusion on --allreduce-fusion-mode pull push --skip-identity --out "$OUT/push" > "$OUT/tp_push.log" 2>&1
+echo "tp push rc=$?"
+grep -E "ms/step" "$OUT/tp_push.log" | tail -4
+fi
+if stage bigpush && [ -n "$big" ]; then
+# the Llama-3-70B shape at tp 4, pull then push kernel (two engines, ~2 minutes each)
+timeout "${BIGPUSH_LIMIT:-540}" python3 benchmarks/tp_decode.py --tp --requests 1 $big --skip-identity \
+  --step-broadcast shm --allreduce-fusion on --allreduce-fusion-mode pull push --out "$OUT/bigpush" \
+  > "$OUT/tp_bigpush.log" 2>&1
+echo "tp bigpush rc=$?"
+grep -E "ms/step" "$OUT/tp_bigpush.log" | tail -4
 fi
 if stage dp; then
 timeout 540 python3 -m attnserve.bench.offline --dataset random --load-format dummy --device cuda \

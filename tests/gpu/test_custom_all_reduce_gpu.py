@@ -13,6 +13,14 @@ bit-exact, both summing in rank order with one rounding per add, for 1 row up to
 one-shot limit (and one row over it, where the fallback runs), hidden 4096 and 5120,
 float32 and bfloat16, eagerly and replayed from a CUDA graph among plain all-reduces; then
 tp 2 engines' greedy tokens with the fusion on equal those with it off.
+
+The push-mode ("Lamport") kernel (``ATTNSERVE_ALLREDUCE_FUSION_MODE=push``,
+`distributed.fused_all_reduce_push`) runs on 2 and on 4 ranks against the pull kernel and the
+unfused path (one-shot ``all_reduce`` then ``fused_add_rmsnorm``), bit for bit up to the sign
+of a zero (the only documented difference, checked on ``-0.0`` partials): 1, 3, 64 and 200
+rows, hidden 4096 and 8192, float32 and bfloat16, eagerly and from a CUDA graph of mixed
+sizes and dtypes replayed with new inputs (the three phases rotate and every slot is cleared
+and reused); then tp 2 engines' greedy tokens in push mode equal those in pull mode.
 """
 
 import json
@@ -101,7 +109,7 @@ import os; os._exit(0)  # no NCCL teardown at interpreter exit (as engine/tp/wor
 """
 
 LLM_SCRIPT = r"""
-import json, sys
+import json, os, sys
 from attnserve import LLM, SamplingParams
 tp, disable = int(sys.argv[1]), sys.argv[2] == "1"
 fusion_off, dtype = sys.argv[3] == "1", sys.argv[4]
@@ -115,21 +123,24 @@ tokens = [o.token_ids for o in llm.generate(prompts, sp)]
 custom = llm.engine.model_runner.tp.custom_all_reduce
 calls = dict(custom.calls) if custom is not None else None
 fusion = custom is not None and custom.fusion is not None
-print("RESULT=" + json.dumps(dict(tokens=tokens, custom=custom is not None, calls=calls, fusion=fusion)), flush=True)
+mode = custom.fusion.mode if fusion else None
+print("RESULT=" + json.dumps(dict(tokens=tokens, custom=custom is not None, calls=calls, fusion=fusion, mode=mode)),
+      flush=True)
 llm.engine.shutdown()
 """
 
 
-def _env():
+def _env(**extra):
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), NCCL_NVLS_ENABLE="0",
-                TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", **extra)
 
 
-def _run_ranks(script, args_of_rank, world, timeout):
-    """Start ``world`` rank processes of ``script`` (argv: ``args_of_rank(r)``), wait for
-    all, kill any left on a timeout, and assert each exited 0 (its log's tail otherwise)."""
-    procs = [subprocess.Popen([sys.executable, "-c", script, *args_of_rank(r)], env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+def _run_ranks(script, args_of_rank, world, timeout, **env):
+    """Start ``world`` rank processes of ``script`` (argv: ``args_of_rank(r)``; ``env``:
+    more environment), wait for all, kill any left on a timeout, and assert each exited 0
+    (its log's tail otherwise)."""
+    procs = [subprocess.Popen([sys.executable, "-c", script, *args_of_rank(r)], env=_env(**env),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     logs = []
     try:
         for p in procs:
@@ -169,9 +180,9 @@ def test_custom_all_reduce_matches_nccl_eager_and_in_graphs(tmp_path):
                     assert c["algo"] != "nccl", c
 
 
-def _llm_run(tp, disable, fusion_off=False, dtype="float32"):
+def _llm_run(tp, disable, fusion_off=False, dtype="float32", **env):
     r = subprocess.run([sys.executable, "-c", LLM_SCRIPT, str(tp), "1" if disable else "0", "1" if fusion_off else "0",
-                        dtype], capture_output=True, text=True, timeout=400, env=_env())
+                        dtype], capture_output=True, text=True, timeout=400, env=_env(**env))
     tail = (r.stdout + r.stderr)[-4000:]
     assert r.returncode == 0, tail
     m = re.search(r"^RESULT=(.*)$", r.stdout, re.M)
@@ -338,3 +349,171 @@ def test_tp2_greedy_tokens_with_allreduce_fusion_equal_without():
         assert on["calls"]["fused_add_rmsnorm"] > 0 and off["calls"]["fused_add_rmsnorm"] == 0
         print(f"{dtype}: fused launches (Python-level, a captured graph counts once) {on['calls']}")
         assert on["tokens"] == off["tokens"], dtype  # two ranks: bit-identical sums and norms
+
+
+PUSH_RANK_SCRIPT = r"""
+import json, os, sys
+import torch, torch.distributed as dist
+from attnserve.engine.tp.launch import DistConfig, init_rank
+from attnserve.distributed.custom_all_reduce import FUSED, CustomAllReduceConfig, init_custom_all_reduce
+from attnserve.distributed.fused_all_reduce import fused_all_reduce_add_rmsnorm
+from attnserve.models.layers.fused_kernels import fused_add_rmsnorm
+
+rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+assert os.environ.get("ATTNSERVE_ALLREDUCE_FUSION_MODE") == "push"
+tp = init_rank(DistConfig(rank, world, rank, f"tcp://127.0.0.1:{port}", "cuda"))
+engine_custom = tp.custom_all_reduce
+assert engine_custom is not None and engine_custom.fusion is not None, "the fused all-reduce is off (see the log)"
+assert engine_custom.fusion.mode == "push", engine_custom.fusion.mode  # the variable reached the engine's set-up
+# a second buffer whose one-shot (and so fused) range holds 200 float32 rows of 8192
+MAX = 200 * 8192 * 4
+custom = init_custom_all_reduce(rank, world, tp.device_group, tp.cpu_group, torch.device("cuda", rank),
+                                config=CustomAllReduceConfig(MAX, MAX))
+assert custom is not None and custom.fusion is not None and custom.fusion.mode == "push", "push start-up failed"
+f = custom.fusion
+pull_counters = torch.zeros(2, dtype=torch.int64, device="cuda")  # the pull kernel on the same buffers
+gen = torch.Generator(device="cuda").manual_seed(100 + rank)
+shared = torch.Generator(device="cuda").manual_seed(7)  # residual and weight: the same on every rank
+EPS = 1e-5
+
+def rand(shape, dtype, g=None, scale=1.0):
+    return (torch.randn(shape, generator=g or gen, device="cuda", dtype=torch.float32) * scale).to(dtype)
+
+def bits(t):
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+def same(a, b):  # bit for bit, up to the sign of zeros
+    nz = a != 0
+    return bool(torch.equal(a, b) and torch.equal(bits(a)[nz], bits(b)[nz]))
+
+def unfused(x, residual, w, off):
+    x, residual = x.clone(), residual.clone()
+    assert custom.select(x) == "one_shot"
+    custom.all_reduce(x)
+    return fused_add_rmsnorm(x, residual, w, EPS, off), residual
+
+def pull(x, residual, w, off):
+    residual = residual.clone()
+    return fused_all_reduce_add_rmsnorm(x.clone(), residual, w, EPS, off, f.buffer_ptrs, pull_counters, rank,
+                                        f.region), residual
+
+def push(x, residual, w, off):
+    residual, xx = residual.clone(), x.clone()
+    n0 = custom.calls[FUSED]
+    o = custom.fused_all_reduce_add_rmsnorm(xx, residual, w, EPS, off)
+    assert o is not None and custom.calls[FUSED] == n0 + 1, "push kernel not taken"
+    assert torch.equal(bits(xx), bits(x)), "x modified"
+    return o, residual
+
+def case(x, res, w, off, **info):
+    (po, pr), (qo, qr), (uo, ur) = push(x, res, w, off), pull(x, res, w, off), unfused(x, res, w, off)
+    return dict(info, pull_equal=same(po, qo) and same(pr, qr), unfused_equal=same(po, uo) and same(pr, ur),
+                pull_vs_unfused=same(qo, uo) and same(qr, ur))
+
+eager, graph = [], []
+for dtype in (torch.float32, torch.bfloat16):
+    for hidden in (4096, 8192):
+        for rows in (1, 3, 64, 200, 2):  # large then small then large again: the clear's sizes change
+            off = 1.0 if rows == 3 else 0.0
+            x = rand((rows, hidden), dtype, scale=4.0)
+            res = rand((rows, hidden), dtype, g=shared)
+            w = rand((hidden,), dtype, g=shared)
+            eager.append(case(x, res, w, off, dtype=str(dtype), hidden=hidden, rows=rows))
+    # -0.0 partials (pushed as +0.0): row 0 all -0.0 on every rank with a -0.0 residual
+    x = rand((2, 4096), dtype, scale=4.0)
+    x[0] = -0.0
+    x[1, ::7] = -0.0
+    res = rand((2, 4096), dtype, g=shared)
+    res[0, :16] = -0.0
+    w = rand((4096,), dtype, g=shared)
+    c = case(x, res, w, 0.0, dtype=str(dtype), hidden=4096, rows=2, zeros=True)
+    (po, pr), (qo, qr) = push(x, res, w, 0.0), pull(x, res, w, 0.0)
+    c["zero_sign"] = dict(push_neg=int(torch.signbit(pr[0, :16]).sum()), pull_neg=int(torch.signbit(qr[0, :16]).sum()))
+    eager.append(c)
+# one graph: push launches of mixed sizes and dtypes between plain one-shot all-reduces;
+# 6 launches per replay, so the phase of each launch moves on every replay
+specs = [(1, 4096, torch.bfloat16), (3, 8192, torch.float32), (64, 4096, torch.bfloat16), (200, 8192, torch.bfloat16),
+         (1, 8192, torch.float32), (200, 4096, torch.float32)]
+xs = [rand((r, h), d, scale=4.0) for r, h, d in specs]
+srcs = [rand((r, h), d, g=shared) for r, h, d in specs]
+works = [torch.empty_like(t) for t in srcs]
+ws = [rand((h,), d, g=shared) for r, h, d in specs]
+plains = [rand((h,), d) for r, h, d in specs]
+def body():
+    outs = []
+    for x, src, rw, w, p in zip(xs, srcs, works, ws, plains):
+        rw.copy_(src)
+        o = custom.fused_all_reduce_add_rmsnorm(x, rw, w, EPS, 0.0)
+        assert o is not None
+        q = p.clone()
+        custom.all_reduce(q)
+        outs.append((o, q))
+    return outs
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    body()
+torch.cuda.current_stream().wait_stream(side)
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    outs = body()
+for round_ in range(4):
+    for t in xs:
+        t.copy_(rand(t.shape, t.dtype, scale=4.0))
+    for t in plains:
+        t.copy_(rand(t.shape, t.dtype))
+    for t in srcs + ws:
+        t.copy_(rand(t.shape, t.dtype, g=shared))
+    g.replay()
+    torch.cuda.synchronize()
+    for (o, q), x, src, rw, w, p in zip(outs, xs, srcs, works, ws, plains):
+        qo, qr = pull(x, src, w, 0.0)
+        uo, ur = unfused(x, src, w, 0.0)
+        want_q = p.clone()
+        custom.all_reduce(want_q)
+        graph.append(dict(dtype=str(x.dtype), shape=list(x.shape), round=round_,
+                          pull_equal=same(o, qo) and same(rw, qr), unfused_equal=same(o, uo) and same(rw, ur),
+                          plain_equal=bool(torch.equal(q, want_q))))
+del g
+torch.cuda.synchronize()
+json.dump(dict(world=world, eager=eager, graph=graph, fused_calls=custom.calls[FUSED],
+               counters=f.counters.tolist()), open(out, "w"))
+dist.barrier(group=tp.cpu_group)
+print("RANK_DONE", rank, flush=True)
+import os; os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_push_fused_all_reduce_matches_pull_and_unfused(tmp_path, world):
+    from attnserve.engine.tp.launch import free_port
+
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    port = free_port()
+    _run_ranks(PUSH_RANK_SCRIPT, lambda r: [str(r), str(world), str(port), str(tmp_path / f"rank{r}.json")], world,
+               500, ATTNSERVE_ALLREDUCE_FUSION_MODE="push")
+    failures = []
+    for r in range(world):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        cases = res["eager"] + res["graph"]
+        bad = [c for c in cases if not (c["pull_equal"] and c["unfused_equal"] and c.get("plain_equal", True))]
+        zeros = [c["zero_sign"] for c in res["eager"] if c.get("zeros")]
+        print(f"PUSH world {world} rank {r}: {len(res['eager'])} eager + {len(res['graph'])} graph cases, "
+              f"{len(cases) - len(bad)} equal to pull and unfused, {res['fused_calls']} push launches, "
+              f"counters {res['counters']}, -0.0 residuals push/pull {zeros}: {'PASS' if not bad else 'FAIL'}",
+              flush=True)
+        failures += [(r, c) for c in bad]
+        assert len(res["eager"]) == 2 * 2 * 5 + 2 and len(res["graph"]) == 4 * 6
+        for z in zeros:  # pull keeps -0 + -0 = -0 where push sums +0.0: the documented difference
+            assert z["push_neg"] == 0 and z["pull_neg"] == 16, z
+    assert failures == [], failures[:10]
+
+
+def test_tp2_greedy_tokens_push_mode_equal_pull_mode():
+    pull = _llm_run(2, False, dtype="bfloat16", ATTNSERVE_ALLREDUCE_FUSION_MODE="pull")
+    push = _llm_run(2, False, dtype="bfloat16", ATTNSERVE_ALLREDUCE_FUSION_MODE="push")
+    print(f"PUSH tp 2 engine: mode {push['mode']}, calls {push['calls']}; pull mode {pull['mode']}", flush=True)
+    assert pull["mode"] == "pull" and push["mode"] == "push"
+    assert push["calls"]["fused_add_rmsnorm"] > 0
+    assert push["tokens"] == pull["tokens"]

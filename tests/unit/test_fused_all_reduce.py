@@ -169,7 +169,7 @@ def test_custom_all_reduce_takes_only_one_shot_messages(monkeypatch):
     cfg = CustomAllReduceConfig(one_shot_max_bytes=1024, two_shot_max_bytes=4096)
     region = FusedRegion.after(cfg.buffer_bytes, cfg.one_shot_max_bytes, 2)
     launched = []
-    monkeypatch.setattr(far, "fused_all_reduce_add_rmsnorm", lambda x, *a: launched.append(x.shape) or x * 0)
+    monkeypatch.setattr(far, "fused_all_reduce_add_rmsnorm", lambda x, *a, **k: launched.append(x.shape) or x * 0)
     custom = CustomAllReduce(rank=0, world_size=2, group_name="g", config=cfg, buffer=torch.empty(0),
                              scratch=torch.empty(0))
     x, w = torch.zeros(4, 64), torch.ones(64)

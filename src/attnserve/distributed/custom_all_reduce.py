@@ -26,7 +26,8 @@ result is bit-identical to NCCL's.
 
 Past PyTorch's region the buffer also holds the region of the fused all-reduce + residual
 add + RMSNorm kernel (`fused_all_reduce`, `CustomAllReduce.fused_all_reduce_add_rmsnorm`)
-unless ``--disable-allreduce-fusion``.
+unless ``--disable-allreduce-fusion``; with ``ATTNSERVE_ALLREDUCE_FUSION_MODE=push`` also the
+push-mode kernel's Lamport region (`fused_all_reduce_push`), and the fused calls run that kernel.
 """
 
 from __future__ import annotations
@@ -253,7 +254,7 @@ class CustomAllReduce:
             return None
         self.calls[FUSED] += 1
         return fused_all_reduce_add_rmsnorm(x, residual, weight, eps, weight_offset, f.buffer_ptrs, f.counters,
-                                            self.rank, f.region)
+                                            self.rank, f.region, lamport=f.lamport)
 
     def _view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         # always from offset 0: the ops find the rendezvous handle by the data pointer
@@ -279,12 +280,19 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
         config: thresholds (default: `default_config`).
         disable_fusion: ``--disable-allreduce-fusion`` (no `CustomAllReduce.fusion`). Else
             the fused kernel is compiled and probed on every rank, and turned off on all of
-            them (a warning) when any rank fails.
+            them (a warning) when any rank fails; which kernel (pull or push) is read once
+            here from ``ATTNSERVE_ALLREDUCE_FUSION_MODE`` (`fused_all_reduce_push.fusion_mode_from_env`).
+    Raises:
+        ValueError: ``ATTNSERVE_ALLREDUCE_FUSION_MODE`` is neither ``pull`` nor ``push`` (on
+            every rank alike, before any collective: the ranks inherit one environment).
     """
     import torch.distributed as dist
 
+    from attnserve.distributed.fused_all_reduce_push import PULL, fusion_mode_from_env
+
     if world_size < 2:
         return None
+    fusion_mode = PULL if disable_fusion else fusion_mode_from_env()
     if disable:
         logger.info("custom all-reduce off (--disable-custom-all-reduce): NCCL carries every all-reduce")
         return None
@@ -301,7 +309,7 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
     if reason is None:
         try:
             custom = _build(rank, world_size, device_group, cpu_group, device, config or default_config(world_size),
-                            fusion=not disable_fusion)
+                            fusion=not disable_fusion, fusion_mode=fusion_mode)
         except Exception as e:  # a torch whose symmetric memory cannot start here; RendezvousSkew
             reason = f"symmetric memory failed: {type(e).__name__}: {e}"
         reason = agree(reason, cpu_group, rank)
@@ -310,7 +318,7 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
         if rank == 0:
             logger.log(level, "custom all-reduce off (%s): NCCL carries every all-reduce", reason)
         return None
-    fusion = "off (--disable-allreduce-fusion)" if disable_fusion else "on"
+    fusion = "off (--disable-allreduce-fusion)" if disable_fusion else f"on ({fusion_mode})"
     if custom.fusion is not None:
         why = _start_fusion(custom, cpu_group)
         if why is not None:
@@ -328,7 +336,8 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
 
 def _start_fusion(custom: CustomAllReduce, cpu_group: Any) -> Optional[str]:
     """Compile the fused kernel on every rank, then (all compiled) run it twice on a probe
-    (both halves of the buffer) and check the sums; the ranks' joint verdict (None: on).
+    (both halves of the buffer; push mode: four times, every phase and a cleared one again)
+    and check the sums; the ranks' joint verdict (None: on).
     A collective over ``cpu_group``: a rank that failed to compile never leaves the others
     waiting inside the kernel."""
     from attnserve.distributed.fused_all_reduce import compile_fused
@@ -339,7 +348,7 @@ def _start_fusion(custom: CustomAllReduce, cpu_group: Any) -> Optional[str]:
     weight = torch.ones(64, dtype=torch.float32, device=dev)
     why = None
     try:
-        compile_fused(x, residual, weight, f.buffer_ptrs, f.counters, custom.rank, f.region)
+        compile_fused(x, residual, weight, f.buffer_ptrs, f.counters, custom.rank, f.region, lamport=f.lamport)
     except Exception as e:  # a Triton without the atomics' scopes, a driver that refuses int_to_ptr...
         why = f"compile failed: {type(e).__name__}: {e}"
     why = agree(why, cpu_group, custom.rank)
@@ -349,9 +358,9 @@ def _start_fusion(custom: CustomAllReduce, cpu_group: Any) -> Optional[str]:
         from attnserve.distributed.fused_all_reduce import fused_all_reduce_add_rmsnorm
 
         total = w * (w + 1) / 2
-        for call in (1, 2):
+        for call in range(1, 3 if f.lamport is None else 5):
             out = fused_all_reduce_add_rmsnorm(x, residual, weight, 1e-6, 0.0, f.buffer_ptrs, f.counters,
-                                               custom.rank, f.region)
+                                               custom.rank, f.region, lamport=f.lamport)
             want = call * total + 0.5
             if not (bool((residual == want).all()) and float((out - 1).abs().max()) < 1e-3):
                 why = f"probe gave residual {residual.flatten()[:2].tolist()}, expected {want}"
@@ -362,17 +371,24 @@ def _start_fusion(custom: CustomAllReduce, cpu_group: Any) -> Optional[str]:
 
 
 def _build(rank: int, world_size: int, device_group: Any, cpu_group: Any, device: torch.device,
-           config: CustomAllReduceConfig, fusion: bool = False) -> CustomAllReduce:
+           config: CustomAllReduceConfig, fusion: bool = False, fusion_mode: str = "pull") -> CustomAllReduce:
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # no NVLink multicast object at the rendezvous
     import torch.distributed._symmetric_memory as symm_mem
 
     from attnserve.distributed.fused_all_reduce import FusedAllReduce, FusedRegion
+    from attnserve.distributed.fused_all_reduce_push import PUSH, PUSH_COUNTERS, LamportRegion
     from attnserve.distributed.symm_mem_rendezvous import aligned_rendezvous
 
     region = FusedRegion.after(config.buffer_bytes, config.one_shot_max_bytes, world_size) if fusion else None
-    buffer = symm_mem.empty(region.end if region else config.buffer_bytes, dtype=torch.uint8, device=device)
+    lamport = None
+    if region is not None and fusion_mode == PUSH:
+        lamport = LamportRegion.after(region.end, config.one_shot_max_bytes, world_size)
+    end = lamport.end if lamport is not None else region.end if region is not None else config.buffer_bytes
+    buffer = symm_mem.empty(end, dtype=torch.uint8, device=device)
     if region is not None:  # flags start at 0 before any peer can learn the address (the rendezvous)
         buffer[region.flags_offset:region.end].zero_()
+        if lamport is not None:  # and every push slot at the sentinel
+            lamport.fill_sentinels(buffer)
         torch.cuda.synchronize(device)
     handle = aligned_rendezvous(buffer, device_group, cpu_group)  # RendezvousSkew: NCCL for this engine
     scratch = torch.empty(_round_up(max(config.one_shot_max_bytes, _ALIGN), _ALIGN), dtype=torch.uint8,
@@ -387,8 +403,9 @@ def _build(rank: int, world_size: int, device_group: Any, cpu_group: Any, device
     custom.calls[ONE_SHOT] = 0
     if region is not None:
         ptrs = _peer_addresses(handle, buffer, rank, world_size)
-        custom.fusion = FusedAllReduce(region, torch.tensor(ptrs, dtype=torch.int64, device=device),
-                                       torch.zeros(2, dtype=torch.int64, device=device))
+        counters = torch.zeros(2 if lamport is None else PUSH_COUNTERS, dtype=torch.int64, device=device)
+        custom.fusion = FusedAllReduce(region, torch.tensor(ptrs, dtype=torch.int64, device=device), counters,
+                                       lamport=lamport)
     return custom
 
 

@@ -16,12 +16,16 @@ is bit-identical at two ranks only (``a + b`` has one rounding in any order).
 Triton is imported lazily (CPU installs without it import this module); on CPU the kernel
 runs under ``TRITON_INTERPRET=1`` with ordinary tensors' addresses in the pointer table
 (the tests do that).
+
+``ATTNSERVE_ALLREDUCE_FUSION_MODE=push`` selects the push-mode ("Lamport") kernel instead
+(`fused_all_reduce_push`): `FusedAllReduce.lamport` is then set, and the ``lamport``
+argument of `fused_all_reduce_add_rmsnorm` / `compile_fused` routes the call to it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -79,12 +83,21 @@ class FusedAllReduce:
     Attributes:
         region: where data and flags lie in every rank's symmetric buffer.
         buffer_ptrs: int64 ``[W]`` on the device: every rank's buffer address (rank order).
-        counters: int64 ``[2]`` on the device (calls completed, programs finished).
+        counters: int64 ``[2]`` on the device (calls completed, programs finished); in
+            push mode int64 ``[fused_all_reduce_push.PUSH_COUNTERS]``.
+        lamport: the push kernel's `fused_all_reduce_push.LamportRegion` (push mode), or
+            None (the pull kernel of this module).
     """
 
     region: FusedRegion
     buffer_ptrs: torch.Tensor
     counters: torch.Tensor
+    lamport: Optional[Any] = None
+
+    @property
+    def mode(self) -> str:
+        """``"push"`` or ``"pull"`` (`fused_all_reduce_push.fusion_mode_from_env`'s values)."""
+        return "pull" if self.lamport is None else "push"
 
 
 def fused_unsupported_reason(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -118,7 +131,7 @@ def norm_warps(block: int) -> int:
 
 def fused_all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                                  weight_offset: float, buffer_ptrs: torch.Tensor, counters: torch.Tensor, rank: int,
-                                 region: FusedRegion) -> torch.Tensor:
+                                 region: FusedRegion, lamport: Optional[Any] = None) -> torch.Tensor:
     """``residual += sum over ranks of x`` (in place) and return ``rmsnorm(residual)``.
 
     A collective: every rank of the group calls it with the same shapes, in the same order.
@@ -131,18 +144,31 @@ def fused_all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight
         counters: int64 ``[2]`` zeros at start, on ``x``'s device, private to this group.
         rank: this rank.
         region: the fused region of the buffers.
+        lamport: a `fused_all_reduce_push.LamportRegion`: run the push kernel there instead
+            (``counters`` then its ``[PUSH_COUNTERS]``), see `fused_all_reduce_push`.
 
     Returns:
         new ``[..., N]`` tensor in ``x``'s dtype.
     Raises:
         ValueError: `fused_unsupported_reason` gives a reason.
     """
+    if lamport is not None:
+        from attnserve.distributed.fused_all_reduce_push import fused_all_reduce_add_rmsnorm_push
+
+        return fused_all_reduce_add_rmsnorm_push(x, residual, weight, eps, weight_offset, buffer_ptrs, counters, rank,
+                                                 lamport)
     return _launch(x, residual, weight, eps, weight_offset, buffer_ptrs, counters, rank, region, warmup=False)
 
 
 def compile_fused(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, buffer_ptrs: torch.Tensor,
-                  counters: torch.Tensor, rank: int, region: FusedRegion) -> None:
-    """Compile the kernel for these arguments without launching it (Triton's ``warmup``)."""
+                  counters: torch.Tensor, rank: int, region: FusedRegion, lamport: Optional[Any] = None) -> None:
+    """Compile the kernel for these arguments without launching it (Triton's ``warmup``): the
+    push kernel when ``lamport`` is given (as `fused_all_reduce_add_rmsnorm`), else the pull one."""
+    if lamport is not None:
+        from attnserve.distributed.fused_all_reduce_push import compile_fused_push
+
+        compile_fused_push(x, residual, weight, buffer_ptrs, counters, rank, lamport)
+        return
     _launch(x, residual, weight, 1e-6, 0.0, buffer_ptrs, counters, rank, region, warmup=True)
 
 

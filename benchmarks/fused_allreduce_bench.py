@@ -1,0 +1,172 @@
+"""Fused all-reduce + residual add + RMSNorm: pull vs push ("Lamport") kernel, µs per call, on N GPUs.
+
+``PYTHONPATH=src python benchmarks/fused_allreduce_bench.py [--world-size 4 [2 ...]] [--out DIR]``
+
+Spawns one process per GPU (NCCL device group, gloo CPU group, NVLink multicast off) with
+``ATTNSERVE_ALLREDUCE_FUSION_MODE=push``, so `CustomAllReduce` holds both kernels' regions
+(the pull kernel runs on the same buffers with its own counters). For bfloat16 rows of hidden
+4096 (Llama-3-8B) and 8192 (Llama-3-70B) x ``--rows`` (default 1, 8, 64, 128), on rank 0:
+
+* ``pull_us`` / ``push_us``: median µs per call of a captured CUDA graph of ``--calls`` fused
+  launches (`fused_all_reduce` / `fused_all_reduce_push`), over ``--replays`` replays, each
+  queued behind an untimed replay (``allreduce_bench._time_graph``);
+* ``unfused_us``: PyTorch's one-shot all-reduce then ``fused_add_rmsnorm`` (two launches), the
+  path without fusion;
+* ``push_equals_pull``: one eager call of each on the same inputs gave the same bits (up to
+  the sign of zeros), on every rank.
+
+Prints a table per world size and writes ``<out>/<device>-fused-allreduce-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from allreduce_bench import _time_graph  # noqa: E402
+
+HIDDENS = (4096, 8192)
+MODES = ("pull", "push", "unfused")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+    os.environ["ATTNSERVE_ALLREDUCE_FUSION_MODE"] = "push"
+    import torch.distributed as dist
+
+    from attnserve.distributed.custom_all_reduce import CustomAllReduceConfig, init_custom_all_reduce
+    from attnserve.distributed.fused_all_reduce import fused_all_reduce_add_rmsnorm
+    from attnserve.models.layers.fused_kernels import fused_add_rmsnorm
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=world_size, rank=rank,
+                            device_id=device)
+    group = dist.group.WORLD
+    cpu_group = dist.new_group(list(range(world_size)), backend="gloo")
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    biggest = max(args.rows) * max(HIDDENS) * 2
+    custom = init_custom_all_reduce(rank, world_size, group, cpu_group, device,
+                                    config=CustomAllReduceConfig(biggest, biggest))
+    if custom is None or custom.fusion is None or custom.fusion.mode != "push":
+        raise SystemExit("custom all-reduce / push fusion unavailable here (see the log)")
+    f = custom.fusion
+    pull_counters = torch.zeros(2, dtype=torch.int64, device=device)
+    gen = torch.Generator(device=device).manual_seed(1234 + rank)
+    shared = torch.Generator(device=device).manual_seed(99)
+    eps = 1e-5
+    rows_out = []
+    for hidden in HIDDENS:
+        w = torch.randn(hidden, generator=shared, device=device).to(torch.bfloat16)
+        for rows in args.rows:
+            # tiny partial sums: 2 * calls + 1 in-place all-reduces (unfused) stay finite
+            src = (torch.randn(rows, hidden, generator=gen, device=device) * 2.0 ** -100).to(torch.bfloat16)
+            res_src = torch.randn(rows, hidden, generator=shared, device=device).to(torch.bfloat16)
+            x, res = src.clone(), res_src.clone()
+
+            def refill():
+                x.copy_(src)
+                res.copy_(res_src)
+
+            fns = {
+                "pull": lambda: fused_all_reduce_add_rmsnorm(x, res, w, eps, 0.0, f.buffer_ptrs, pull_counters,
+                                                             rank, f.region),
+                "push": lambda: custom.fused_all_reduce_add_rmsnorm(x, res, w, eps, 0.0),
+                "unfused": lambda: (custom.all_reduce(x), fused_add_rmsnorm(x, res, w, eps, 0.0)),
+            }
+            row = {"hidden": hidden, "rows": rows, "bytes": rows * hidden * 2}
+            for mode in MODES:
+                dist.barrier(group=cpu_group)
+                torch.cuda.synchronize()
+                row[f"{mode}_us"] = _time_graph(fns[mode], refill, args.calls, args.replays)
+            # one eager call of each kernel on the same (non-tiny) inputs: the same bits?
+            xe = torch.randn(rows, hidden, generator=gen, device=device).to(torch.bfloat16)
+            r_pull, r_push = res_src.clone(), res_src.clone()
+            o_pull = fused_all_reduce_add_rmsnorm(xe, r_pull, w, eps, 0.0, f.buffer_ptrs, pull_counters, rank,
+                                                  f.region)
+            o_push = custom.fused_all_reduce_add_rmsnorm(xe, r_push, w, eps, 0.0)
+            nz = o_pull != 0
+            ok = bool(torch.equal(o_pull, o_push) and torch.equal(r_pull, r_push)
+                      and torch.equal(_bits(o_pull)[nz], _bits(o_push)[nz]))
+            flags = [None] * world_size
+            dist.all_gather_object(flags, ok, group=cpu_group)
+            row["push_equals_pull"] = all(flags)
+            row["push_speedup"] = row["pull_us"] / row["push_us"]
+            rows_out.append(row)
+            if rank == 0:
+                print(f"W {world_size} hidden {hidden:5d} rows {rows:4d}: pull {row['pull_us']:7.2f} us  push "
+                      f"{row['push_us']:7.2f} us  unfused {row['unfused_us']:7.2f} us  "
+                      f"equal {row['push_equals_pull']}", flush=True)
+    if rank == 0:
+        queue.put(rows_out)
+    dist.barrier(group=cpu_group)
+    dist.destroy_process_group()
+
+
+def _run_world(world_size: int, args) -> list:
+    import torch.multiprocessing as mp
+
+    from attnserve.engine.tp.launch import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, args, queue)) for r in range(world_size)]
+    for pr in procs:
+        pr.start()
+    while queue.empty():
+        if any(pr.exitcode not in (None, 0) for pr in procs):
+            raise SystemExit(f"a rank failed: exit codes {[pr.exitcode for pr in procs]}")
+        time.sleep(0.2)
+    rows = queue.get()
+    for pr in procs:
+        pr.join(60)
+    bad = [pr.exitcode for pr in procs if pr.exitcode != 0]
+    if bad:
+        raise SystemExit(f"a rank failed: exit codes {bad}")
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, nargs="+", default=[torch.cuda.device_count()])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 128])
+    p.add_argument("--calls", type=int, default=48, help="fused launches per timed graph")
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = p.parse_args()
+    for w in args.world_size:
+        if w < 2 or torch.cuda.device_count() < w:
+            raise SystemExit(f"world size {w}: needs 2 <= it <= GPUs ({torch.cuda.device_count()})")
+    t0 = time.perf_counter()
+    from attnserve.bench.results import cuda_run_metadata, write_result
+
+    result = {"dtype": "bfloat16", "calls": args.calls, "replays": args.replays, "worlds": {}}
+    for w in args.world_size:
+        result["worlds"][str(w)] = _run_world(w, args)
+    result.update(cuda_run_metadata("fused-allreduce", t0))
+    result["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    print(f"{'W':>2} {'hidden':>6} {'rows':>5} {'bytes':>8} {'pull us':>8} {'push us':>8} {'unfused':>8} "
+          f"{'pull/push':>9} {'equal':>6}")
+    for w, rows in result["worlds"].items():
+        for r in rows:
+            print(f"{w:>2} {r['hidden']:>6} {r['rows']:>5} {r['bytes']:>8} {r['pull_us']:8.2f} {r['push_us']:8.2f} "
+                  f"{r['unfused_us']:8.2f} {r['push_speedup']:9.2f} {str(r['push_equals_pull']):>6}")
+    write_result(result, args.out, "fused-allreduce")
+    ok = all(r["push_equals_pull"] for rows in result["worlds"].values() for r in rows)
+    print("push == pull (bits, up to zero signs):", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

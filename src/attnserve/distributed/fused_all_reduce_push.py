@@ -1,0 +1,212 @@
+"""Push-mode ("Lamport") fused all-reduce + residual add + RMSNorm: no flags, no remote reads.
+
+The pull kernel (`fused_all_reduce_triton`) copies its rows into its own buffer, raises a
+flag in every peer's buffer, waits for its own flags and then *reads* every peer's rows over
+NVLink: a flag round trip and a remote-read round trip per call. Here each rank *stores* its
+rows straight into every rank's buffer and polls its own buffer until the data is there: the
+data itself is the signal (the one-shot "Lamport" all-reduce of TensorRT-LLM and its fused
+all-reduce + RMSNorm; algorithm studied there, the code is our own). Selected with
+``ATTNSERVE_ALLREDUCE_FUSION_MODE=push`` (`fusion_mode_from_env`, read once when the custom
+all-reduce starts); the default ``pull`` is the pull kernel.
+
+Layout (`LamportRegion`, past the pull kernel's region of every rank's symmetric buffer):
+``[2 dtypes (float32, bfloat16)][3 phases][W source slots][slot_bytes]``. Every element of
+every slot starts as the *sentinel*, negative zero in the slot's dtype (``0x80000000`` /
+``0x8000``), written on the host before the rendezvous (no peer knows the address before).
+The two dtypes get separate halves because a slot cleared for one dtype does not read as
+cleared in the other (float32's ``-0.0`` is bfloat16 ``+0.0`` and ``-0.0``).
+
+Call number ``e`` (``counters[0] + 1``, as the pull kernel's epoch) of dtype ``D`` and ``N``
+elements, on rank ``r``, one program per row as the pull kernel (rows strided over programs):
+
+1. *push*: the program's rows of ``x``, with every ``-0.0`` replaced by ``+0.0`` (so no real
+   element equals the sentinel), go to slot ``r`` of phase ``e % 3`` of half ``D`` of every
+   rank's buffer (plain 16-byte vector stores, remote over NVLink; no fence, no flag);
+2. *clear*: it writes the sentinel back over the previous call's data in its own buffer
+   (``counters[2:5]``: that call's size in 16-byte vectors, phase offset and sentinel word);
+3. *wait and reduce*: for ``src = 0..W-1`` it loads its rows of slot ``src`` of the own
+   buffer with volatile loads until no element is the sentinel, and adds them in rank order
+   with one rounding to the storage dtype per add; then the residual add and the norm with
+   the pull kernel's float32 arithmetic;
+4. the last program to finish records this call in ``counters[2:5]`` and bumps the epoch.
+
+Why three phases, and why the previous call's phase is the one to clear. (a) *A peer is
+never more than one call ahead*: a peer finishes call ``e + 1`` only after it has seen our
+data of call ``e + 1``, which we store only after our call ``e`` has finished (kernels on a
+stream run in order); so while we run call ``e``, a peer is in call ``e - 1`` (past its push:
+we have its data), ``e`` or ``e + 1``. (b) *Writes into our buffer during our call ``e``*
+therefore belong to call ``e`` (phase ``e % 3``) or ``e + 1`` (phase ``(e + 1) % 3``); call
+``e - 1``'s writes have all landed (we saw every element of them). (c) So phase
+``(e - 1) % 3 = (e + 2) % 3`` is quiet: nobody writes it and we finished reading it in call
+``e - 1``. Call ``e`` clears it; the next writes into it come from call ``e + 2``, which no
+peer can start before it has our data of call ``e + 1``, stored after call ``e``'s kernel,
+and so after the clear. Clearing phase ``(e + 1) % 3`` instead would race a fast peer's
+call ``e + 1`` data; clearing our own phase ``e % 3`` would race slow peers' call ``e``
+data. With two phases, a fast peer's call ``e + 1`` would land in the phase we still read.
+The clear covers the previous call's size (recorded by the device), so a call of any size
+always finds all its elements at the sentinel whatever the earlier calls' sizes and dtypes.
+
+Numbers: bit-identical to the pull kernel and to a one-shot ``all_reduce`` followed by
+``fused_add_rmsnorm``, except that a ``-0.0`` partial sum is taken as ``+0.0``: only the sign
+of a zero sum (and of a zero residual after it) can differ. No host state is read per call,
+so the launch is captured in CUDA graphs; every rank must issue the same sequence of calls.
+Like the pull kernel, a program spins until its peers' programs have run, so all programs of
+a launch must be resident at once (``MAX_PROGRAMS`` <= the SMs) on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+
+#: `fusion_mode_from_env`'s variable and its values
+FUSION_MODE_ENV = "ATTNSERVE_ALLREDUCE_FUSION_MODE"
+PULL = "pull"
+PUSH = "push"
+FUSION_MODES = (PULL, PUSH)
+#: phases of the Lamport region (see the module docstring)
+PHASES = 3
+#: int64 counters of the push kernel: epoch, programs finished, previous call's 16-byte vectors, its
+#: phase's byte offset, its sentinel word
+PUSH_COUNTERS = 5
+_ALIGN = 256
+#: dtype -> (half of the region, sentinel element bits, sentinel as an int32 word)
+_SENTINELS = {
+    torch.float32: (0, -(1 << 31), -(1 << 31)),  # 0x80000000
+    torch.bfloat16: (1, -(1 << 15), -(1 << 31) | (1 << 15)),  # 0x8000, word 0x80008000
+}
+
+
+def fusion_mode_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``ATTNSERVE_ALLREDUCE_FUSION_MODE``: ``pull`` (default, unset or empty) or ``push``.
+
+    Raises:
+        ValueError: any other value.
+    """
+    env = os.environ if environ is None else environ
+    mode = (env.get(FUSION_MODE_ENV) or PULL).strip().lower()
+    if mode not in FUSION_MODES:
+        raise ValueError(f"{FUSION_MODE_ENV}={env.get(FUSION_MODE_ENV)!r}: expected one of {FUSION_MODES}")
+    return mode
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+@dataclass(frozen=True)
+class LamportRegion:
+    """Where the push kernel's slots lie in every rank's symmetric buffer (bytes).
+
+    Attributes:
+        offset: start of the region (``[2 dtypes][3 phases][W][slot_bytes]``).
+        slot_bytes: one source rank's message (the largest, ``one_shot_max_bytes``, padded).
+        world_size: ranks (``W``).
+    """
+
+    offset: int
+    slot_bytes: int
+    world_size: int
+
+    @classmethod
+    def after(cls, used_bytes: int, max_message_bytes: int, world_size: int) -> "LamportRegion":
+        """The region placed after the first ``used_bytes`` of the buffer."""
+        return cls(_round_up(used_bytes, _ALIGN), _round_up(max(max_message_bytes, 16), _ALIGN), world_size)
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes of one dtype's half (all phases and slots)."""
+        return PHASES * self.world_size * self.slot_bytes
+
+    @property
+    def end(self) -> int:
+        """Buffer bytes the region needs (its end)."""
+        return self.offset + 2 * self.dtype_bytes
+
+    def slot_offset(self, dtype: torch.dtype, phase: int, src: int) -> int:
+        """Byte offset of source rank ``src``'s slot of ``phase`` for messages of ``dtype``."""
+        half = _SENTINELS[dtype][0]
+        return self.offset + ((half * PHASES + phase) * self.world_size + src) * self.slot_bytes
+
+    def fill_sentinels(self, buffer: torch.Tensor) -> None:
+        """Set every slot of ``buffer`` (this rank's uint8 symmetric buffer) to the sentinel."""
+        for dtype, (half, element, _) in _SENTINELS.items():
+            start = self.offset + half * self.dtype_bytes
+            view = buffer[start:start + self.dtype_bytes].view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+            view.fill_(element)
+
+
+def push_unsupported_reason(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            lamport: LamportRegion) -> Optional[str]:
+    """Why `fused_all_reduce_add_rmsnorm_push` cannot take ``(x, residual, weight)`` (None:
+    it can): the pull kernel's conditions (`fused_all_reduce.fused_unsupported_reason`),
+    with a slot in place of a half."""
+    from attnserve.distributed.fused_all_reduce import FusedRegion, fused_unsupported_reason
+
+    # only the message limit of the region is read: a slot is as large as a half
+    return fused_unsupported_reason(x, residual, weight, FusedRegion(0, lamport.slot_bytes, 0, lamport.world_size))
+
+
+def fused_all_reduce_add_rmsnorm_push(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                      weight_offset: float, buffer_ptrs: torch.Tensor, counters: torch.Tensor,
+                                      rank: int, lamport: LamportRegion) -> torch.Tensor:
+    """``residual += sum over ranks of x`` (in place) and return ``rmsnorm(residual)``, push mode.
+
+    A collective: every rank of the group calls it with the same shapes, in the same order.
+
+    Args:
+        x: ``[..., N]`` this rank's partial sums (float32 / bfloat16, contiguous); not modified.
+        residual: ``[..., N]`` residual stream, same shape and dtype; overwritten.
+        weight / eps / weight_offset: the norm's ``x_hat * (weight + weight_offset)``.
+        buffer_ptrs: int64 ``[W]`` on ``x``'s device: each rank's symmetric buffer address.
+        counters: int64 ``[PUSH_COUNTERS]`` zeros at start, on ``x``'s device, private to this group.
+        rank: this rank.
+        lamport: the region of the buffers, every slot at the sentinel before the first call.
+
+    Returns:
+        new ``[..., N]`` tensor in ``x``'s dtype (the pull kernel's bits, up to the sign of zeros).
+    Raises:
+        ValueError: `push_unsupported_reason` gives a reason.
+    """
+    return _launch(x, residual, weight, eps, weight_offset, buffer_ptrs, counters, rank, lamport, stage=0)
+
+
+def compile_fused_push(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, buffer_ptrs: torch.Tensor,
+                       counters: torch.Tensor, rank: int, lamport: LamportRegion) -> None:
+    """Compile the push kernel for these arguments without launching it (Triton's ``warmup``)."""
+    _launch(x, residual, weight, 1e-6, 0.0, buffer_ptrs, counters, rank, lamport, stage=0, warmup=True)
+
+
+def _launch(x, residual, weight, eps, weight_offset, buffer_ptrs, counters, rank, lamport, stage: int,
+            warmup: bool = False):
+    """The launch; ``stage`` 1 (push only) / 2 (the rest) split it for the CPU tests (see the kernel)."""
+    why = push_unsupported_reason(x, residual, weight, lamport)
+    if why is not None:
+        raise ValueError(f"fused_all_reduce_add_rmsnorm_push: {why}")
+    if counters.dtype != torch.int64 or counters.numel() < PUSH_COUNTERS:
+        raise ValueError(f"fused_all_reduce_add_rmsnorm_push: counters must be int64 [{PUSH_COUNTERS}], got "
+                         f"{counters.dtype} {tuple(counters.shape)}")
+    from attnserve.distributed import fused_all_reduce as far
+    from attnserve.distributed.fused_all_reduce_push_triton import _lamport_fused_add_rmsnorm_kernel
+
+    n = x.shape[-1]
+    rows = x.numel() // n
+    out = torch.empty_like(residual)
+    block = far._next_pow2(n)
+    warps = far.norm_warps(block)  # fused_add_rmsnorm's: tl.sum adds in the same order
+    half, sentinel, word = _SENTINELS[x.dtype]
+    bits = x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
+    n_vec = (x.numel() * x.element_size() + 15) // 16
+    args = (bits, residual, weight.contiguous(), out, buffer_ptrs, counters, rank, rows, n, n_vec, float(eps),
+            float(weight_offset), lamport.offset, lamport.slot_bytes)
+    meta = dict(W=lamport.world_size, BLOCK=block, CLEAR_BLOCK=128 * warps, DTYPE_INDEX=half, SENTINEL=sentinel,
+                SENTINEL_WORD=word, STAGE=stage, num_warps=warps)
+    grid = (min(rows, far.MAX_PROGRAMS),)
+    if warmup:
+        _lamport_fused_add_rmsnorm_kernel.warmup(*args, grid=grid, **meta)
+    else:
+        _lamport_fused_add_rmsnorm_kernel[grid](*args, **meta)
+    return out

@@ -1,0 +1,123 @@
+"""Triton kernel behind `attnserve.distributed.fused_all_reduce_push` (import that module, not this one).
+
+The push-mode ("Lamport") variant of `fused_all_reduce_triton`'s kernel: the same sum, residual
+add and RMSNorm, but every rank *stores* its rows into every peer's buffer and then polls its
+own buffer, so no flag and no remote read is on the critical path. The protocol, the layout
+of the Lamport region and the argument for the three phases are in `fused_all_reduce_push`.
+
+``STAGE`` splits the launch for the CPU tests only (the Triton interpreter runs one simulated
+rank at a time, so a rank cannot spin while a later rank pushes): ``0`` does everything (the
+GPU path), ``1`` only the push, ``2`` the rest (clear, wait, reduce, norm, counters).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _lamport_fused_add_rmsnorm_kernel(
+    x_bits_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    buf_table_ptr,
+    counter_ptr,
+    rank,
+    n_rows,
+    n_cols,
+    n_vec,
+    eps,
+    w_offset,
+    region_offset,
+    slot_bytes,
+    W: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CLEAR_BLOCK: tl.constexpr,
+    DTYPE_INDEX: tl.constexpr,
+    SENTINEL: tl.constexpr,
+    SENTINEL_WORD: tl.constexpr,
+    STAGE: tl.constexpr,
+):
+    """Rows ``pid, pid + G, ...`` (``G`` programs) of contiguous ``[n_rows, n_cols]`` tensors.
+
+    ``x_bits_ptr``: the partial sums viewed as int16 (bfloat16) / int32 (float32);
+    ``buf_table_ptr``: int64 ``[W]`` byte addresses of every rank's symmetric buffer;
+    ``n_vec``: the message's size in 16-byte vectors (rounded up);
+    ``counter_ptr``: int64 ``[5]`` on this rank (completed calls, programs finished, the
+    previous call's message in 16-byte vectors, its phase's byte offset, its sentinel word);
+    ``region_offset`` / ``slot_bytes``: the Lamport region (bytes); ``DTYPE_INDEX``: which
+    of its two dtype halves (0 float32, 1 bfloat16); ``SENTINEL``: negative zero's bits in
+    the storage dtype (as a signed integer); ``SENTINEL_WORD``: two of them (or one float32)
+    as an int32, what the next call's clear writes.
+    """
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    dtype = res_ptr.dtype.element_ty
+    bits_ty = x_bits_ptr.dtype.element_ty
+    epoch = tl.atomic_add(counter_ptr, 0, sem="relaxed", scope="gpu") + 1
+    phase_off = region_offset + ((DTYPE_INDEX * 3 + epoch % 3) * W) * slot_bytes  # slot 0 of this call
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    own_base = tl.load(buf_table_ptr + rank)
+    if STAGE != 2:
+        # 1. push: this rank's rows into slot `rank` of every rank's buffer (its own included)
+        for row in range(pid, n_rows, n_prog):
+            off = row * n_cols  # < slot_bytes elements: int32 is enough
+            bits = tl.load(x_bits_ptr + off + cols, mask=mask, other=0)
+            # -0.0 -> +0.0: no pushed element equals the sentinel
+            bits = tl.where(bits == SENTINEL, tl.zeros_like(bits), bits)
+            for i in tl.static_range(W):
+                q = (rank + 1 + i) % W  # peers first, own buffer last
+                base = tl.load(buf_table_ptr + q)
+                dst = tl.multiple_of((base + phase_off + rank * slot_bytes).to(tl.pointer_type(bits_ty)), 16)
+                tl.store(dst + off + cols, bits, mask=mask)
+    if STAGE != 1:
+        # 2. clear the previous call's phase in the own buffer (nobody writes or reads it now)
+        prev_vec = tl.load(counter_ptr + 2, volatile=True)
+        prev_off = tl.load(counter_ptr + 3, volatile=True)
+        prev_word = tl.load(counter_ptr + 4, volatile=True).to(tl.int32)
+        cw = tl.arange(0, CLEAR_BLOCK)
+        fill = tl.zeros([CLEAR_BLOCK], tl.int32) + prev_word
+        n_chunks = tl.cdiv(prev_vec * 4, CLEAR_BLOCK).to(tl.int32)  # a slot is < 2 GB
+        for s in tl.static_range(W):
+            slot = tl.multiple_of((own_base + prev_off + s * slot_bytes).to(tl.pointer_type(tl.int32)), 16)
+            for c in range(pid, n_chunks, n_prog):
+                words = c * CLEAR_BLOCK + cw
+                # whole 16-byte vectors (one mask per 4 words: vector stores); past the message
+                # they overwrite the sentinel with itself (slots are 256-byte multiples)
+                tl.store(slot + words, fill, mask=(words // 4) < prev_vec)
+        # 3. wait for each rank's rows in the own buffer, summing in rank order
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + w_offset
+        for row in range(pid, n_rows, n_prog):
+            off = row * n_cols
+            acc = tl.zeros([BLOCK], tl.float32)
+            for r in tl.static_range(W):
+                src = tl.multiple_of((own_base + phase_off + r * slot_bytes).to(tl.pointer_type(bits_ty)), 16)
+                bits = tl.load(src + off + cols, mask=mask, other=0, volatile=True)
+                while tl.sum((bits == SENTINEL).to(tl.int32), axis=0) > 0:
+                    bits = tl.load(src + off + cols, mask=mask, other=0, volatile=True)
+                v = bits.to(dtype, bitcast=True).to(tl.float32)
+                if r == 0:
+                    acc = v
+                else:
+                    acc = (acc + v).to(dtype).to(tl.float32)  # one rounding per add, as the pull kernel
+            r_val = tl.load(res_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)
+            # from here on the arithmetic of the pull kernel (= _fused_add_rmsnorm_kernel's)
+            s_val = (acc + r_val).to(dtype)
+            tl.store(res_ptr + off + cols, s_val, mask=mask)
+            s_val = s_val.to(tl.float32)
+            mean_sq = tl.sum(s_val * s_val, axis=0) / n_cols
+            rstd = 1.0 / tl.sqrt(mean_sq + eps)
+            y = s_val * rstd * w
+            tl.store(out_ptr + off + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        # 4. the last program records this call (what the next call clears) and bumps the epoch
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu")
+        if done == n_prog - 1:
+            tl.atomic_xchg(counter_ptr + 1, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(counter_ptr + 2, tl.full([], 0, tl.int64) + n_vec, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(counter_ptr + 3, phase_off.to(tl.int64), sem="relaxed", scope="gpu")
+            tl.atomic_xchg(counter_ptr + 4, tl.full([], SENTINEL_WORD, tl.int64), sem="relaxed", scope="gpu")
+            tl.atomic_xchg(counter_ptr, epoch, sem="release", scope="gpu")
