@@ -63,6 +63,10 @@ def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt, chat: bool = False)
     ids = list(prompt)
     if not ids:
         raise ValueError("the prompt is empty")
+    if set(map(type, ids)) == {int}:  # the usual case, checked at C speed (bools have type bool)
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+        return ids
     if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in ids):
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
     return ids

@@ -34,7 +34,6 @@ import logging
 import os
 import pickle
 import socket
-import struct
 import threading
 import time
 import weakref
@@ -42,6 +41,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from attnserve.server.detokenize import IncrementalDetokenizer
+from attnserve.server.ipc_frames import FrameProtocol as _FrameProtocol
+from attnserve.server.ipc_frames import frame as _frame
 from attnserve.server.engine_loop import EngineError, StreamEvent, SubmitCommand, wait_for_drain
 
 logger = logging.getLogger(__name__)
@@ -57,48 +58,6 @@ def _engine_dead() -> EngineError:
     return EngineError(503, "the engine loop is not running", "server_error", "engine_dead")
 
 
-def _frame(data: bytes) -> bytes:
-    """``data`` with ``multiprocessing.connection``'s length header."""
-    n = len(data)
-    head = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
-    return head + data
-
-
-class _FrameProtocol(asyncio.Protocol):
-    """Splits the byte stream from the engine process into messages (see `_frame`)."""
-
-    def __init__(self, on_message, on_lost):
-        self.on_message = on_message
-        self.on_lost = on_lost
-        self.buf = bytearray()
-        self.transport: Optional[asyncio.Transport] = None
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        buf = self.buf
-        buf += data
-        start = 0
-        while len(buf) - start >= 4:
-            (n,) = struct.unpack_from("!i", buf, start)
-            head = 4
-            if n == -1:
-                if len(buf) - start < 12:
-                    break
-                (n,) = struct.unpack_from("!Q", buf, start + 4)
-                head = 12
-            if len(buf) - start < head + n:
-                break
-            msg = bytes(buf[start + head:start + head + n])
-            start += head + n
-            self.on_message(msg)
-        del buf[:start]
-
-    def connection_lost(self, exc) -> None:
-        self.on_lost(exc)
-
-
 @dataclass
 class _Pending:
     """HTTP-side bookkeeping of one submitted request."""
@@ -111,6 +70,7 @@ class _Pending:
     last_token_at: Optional[float] = None
     logprobs: Optional[list] = None  # output logprob entries not pushed yet
     prompt_logprobs: Optional[list] = None
+    cached: int = 0  # the engine's last cached_tokens (short token entries omit it)
 
 
 class EngineClient:
@@ -141,6 +101,8 @@ class EngineClient:
         self._state: Dict[str, Any] = dict(state or {})
         self._reqs: Dict[str, _Pending] = {}
         self._send_lock = threading.Lock()
+        self._outbox: List[tuple] = []  # submits and aborts of this event-loop iteration (`_send`)
+        self._outbox_scheduled = False
         self._aloop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_thread: Optional[int] = None
         self._transport: Optional[asyncio.Transport] = None
@@ -252,14 +214,14 @@ class EngineClient:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, cmd.sampling_params.stop_strs)
         self._reqs[cmd.rid] = _Pending(cmd, detok)
-        if not self._send([("submit", cmd.rid, list(cmd.prompt_ids), cmd.sampling_params)]):
+        if not self._send([("submit", cmd.rid, list(cmd.prompt_ids), cmd.sampling_params)], batch=True):
             self._reqs.pop(cmd.rid, None)
             self._push(cmd.stream, StreamEvent(error=self._dead_error()))
 
     def abort(self, rid: str) -> None:
         """Abort ``rid`` (unknown or finished ids are ignored)."""
         if rid in self._reqs:
-            self._send([("abort", rid)])
+            self._send([("abort", rid)], batch=True)
 
     def state(self) -> Dict[str, Any]:
         """The engine's last state snapshot (a fresh dict)."""
@@ -285,27 +247,59 @@ class EngineClient:
                            "server_error", "engine_dead")
 
     # ---- plumbing ------------------------------------------------------------------------
-    def _send(self, cmds: List[tuple]) -> bool:
-        """Send one message; False when the engine process cannot be reached."""
-        data = pickle.dumps(cmds, protocol=pickle.HIGHEST_PROTOCOL)
+    def _send(self, cmds: List[tuple], batch: bool = False) -> bool:
+        """Send ``cmds``; False when the engine process cannot be reached.
+
+        With ``batch`` (submits and aborts) the first commands of an event-loop iteration
+        go out at once (an idle engine starts on them) and the later ones of the same
+        iteration join an outbox that goes out as one message once the iteration's other
+        callbacks have run (`_flush_outbox`): a burst of requests parsed in one iteration
+        costs the engine two reads, not one per request. Other commands go out at once,
+        after the outbox (commands keep their order)."""
         try:
             if self._transport is None:  # not started: the plain connection
+                data = pickle.dumps(cmds, protocol=pickle.HIGHEST_PROTOCOL)
                 with self._send_lock:
                     self.conn.send_bytes(data)
                 return True
             if self._transport.is_closing():
                 return False
             if self._loop_running_here():
-                self._transport.write(_frame(data))
+                self._to_outbox(cmds, batch)
             elif self._aloop.is_running():
-                self._aloop.call_soon_threadsafe(self._transport.write, _frame(data))
+                self._aloop.call_soon_threadsafe(self._to_outbox, cmds, batch)
             else:  # the loop is gone (shutting down): write the socket directly
+                cmds, self._outbox = self._outbox + cmds, []
+                data = pickle.dumps(cmds, protocol=pickle.HIGHEST_PROTOCOL)
                 with self._send_lock:
                     self._sock.setblocking(True)
                     self._sock.sendall(_frame(data))
             return True
         except (OSError, EOFError, ValueError, RuntimeError):  # the engine process (or the loop) is gone
             return False
+
+    def _to_outbox(self, cmds: List[tuple], batch: bool) -> None:
+        """On the event loop: send ``cmds`` with the outbox now, or queue them (``batch``,
+        once this iteration already sent some)."""
+        self._outbox.extend(cmds)
+        if batch and self._outbox_scheduled:  # the iteration's message goes out at its end
+            return
+        self._flush_outbox()
+        if batch:
+            self._outbox_scheduled = True
+            self._aloop.call_soon(self._flush_outbox)
+
+    def _flush_outbox(self) -> None:
+        self._outbox_scheduled = False
+        if not self._outbox:
+            return
+        cmds, self._outbox = self._outbox, []
+        if self._transport.is_closing():  # the engine is gone: `_on_lost` ends the requests
+            return
+        try:
+            self._transport.write(_frame(pickle.dumps(cmds, protocol=pickle.HIGHEST_PROTOCOL)))
+        except (OSError, RuntimeError):
+            logger.warning("attnserve: could not send %d command(s) to %s", len(cmds), self._who())
 
     def _push(self, stream, event: StreamEvent) -> None:
         if threading.get_ident() == self._loop_thread:
@@ -375,11 +369,16 @@ class EngineClient:
             del self._reqs[rid]
         p.cmd.stream.put(ev)
 
-    def _on_tokens(self, now: float, rid: str, new_ids: List[int], n: int, reason: Optional[str],
-                   final_text: Optional[str], cached: int, logprobs: Optional[tuple] = None) -> None:
+    def _on_tokens(self, now: float, rid: str, new_ids: List[int], n: int, reason: Optional[str] = None,
+                   final_text: Optional[str] = None, cached: Optional[int] = None,
+                   logprobs: Optional[tuple] = None) -> None:
         p = self._reqs.get(rid)
         if p is None:
             return
+        if cached is None:  # a short entry: unchanged
+            cached = p.cached
+        else:
+            p.cached = cached
         if logprobs is not None:  # held until an event goes out (text may be held back)
             if logprobs[0]:
                 p.logprobs = (p.logprobs or []) + logprobs[0]

@@ -157,6 +157,7 @@ class _Live:
     last_token_at: Optional[float] = None
     tokens: int = 0
     logprobs: Any = None  # a StreamCursor once the request's logprobs are streamed
+    cached_sent: int = -1  # cached_tokens last sent to the HTTP process (engine process only)
 
 
 _STOP = object()

@@ -142,7 +142,10 @@ async def _build_item(ctx, body: GenerateRequest, i: int, prompt, batch: bool, p
     sfx = f".{i}" if batch else ""
     prompt_param = ("text" if isinstance(prompt, str) else "input_ids") + sfx
     sp_param = "sampling_params" + (f".{i}" if isinstance(body.sampling_params, list) else "")
-    ids = await run_in_threadpool(_prompt_ids, ctx, prompt, prompt_param)
+    if isinstance(prompt, str):  # tokenizing may take a while: off the event loop
+        ids = await run_in_threadpool(_prompt_ids, ctx, prompt, prompt_param)
+    else:  # token ids are only checked (tens of us)
+        ids = _prompt_ids(ctx, prompt, prompt_param)
     kwargs = sampling_kwargs(per["sampling_params"][i], sp_param)
     view = grammar_view(kwargs)
     if has_grammar_fields(view):

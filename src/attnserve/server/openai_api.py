@@ -464,7 +464,10 @@ def build_router():
         ctx: ServingContext = request.app.state.ctx
         arrival = time.perf_counter()
         _check_model_and_options(ctx, body)
-        prompt_ids = await run_in_threadpool(_prompt_ids, ctx, body.prompt)
+        if isinstance(body.prompt, str):  # the tokenizer may take a while: off the event loop
+            prompt_ids = await run_in_threadpool(_prompt_ids, ctx, body.prompt)
+        else:  # token ids: only checked (tens of us); a worker-thread hop would queue the burst behind it
+            prompt_ids = _prompt_ids(ctx, body.prompt)
         grammar = await run_in_threadpool(request_grammar, body) if has_grammar_fields(body) else None
         sp = _sampling_params(ctx, body, len(prompt_ids), body.requested_max_tokens(), "prompt",
                               DEFAULT_COMPLETION_MAX_TOKENS, grammar)
