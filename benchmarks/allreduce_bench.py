@@ -78,19 +78,12 @@ def _time_eager(fn, refill, calls: int, replays: int) -> float:
 
 
 def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
-    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
     import torch.distributed as dist
 
+    from common import init_rank
     from attnserve.distributed.custom_all_reduce import CustomAllReduceConfig, init_custom_all_reduce
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=world_size, rank=rank,
-                            device_id=device)
-    group = dist.group.WORLD
-    cpu_group = dist.new_group(list(range(world_size)), backend="gloo")
-    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    device, group, cpu_group = init_rank(rank, world_size, port)
     biggest = max(SIZES)
     custom = init_custom_all_reduce(rank, world_size, group, cpu_group, device,
                                     config=CustomAllReduceConfig(biggest, biggest))

@@ -132,3 +132,24 @@ def fill_requests(runner, bs: int, ctx: int, extra: int = 0):
     r2t.write_host(token_rows, cols, loc.to(torch.int32))
     r2t.write_device(token_rows, cols, loc.to(torch.int32))
     return rows, loc.view(bs, n)
+
+
+def init_rank(rank: int, world_size: int, port: int):
+    """One spawned rank of a multi-GPU benchmark: NVLink multicast off (NCCL and symmetric
+    memory; the lent machines forbid it), this rank's GPU, the NCCL world group (warmed
+    with one all-reduce) and a gloo group of the same ranks. Returns ``(device, group,
+    cpu_group)``."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=world_size, rank=rank,
+                            device_id=device)
+    group = dist.group.WORLD
+    cpu_group = dist.new_group(list(range(world_size)), backend="gloo")
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    return device, group, cpu_group

@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from attnserve.distributed.fused_all_reduce_triton import add_rmsnorm_row
+
 
 @triton.jit
 def _lamport_fused_add_rmsnorm_kernel(
@@ -103,15 +105,7 @@ def _lamport_fused_add_rmsnorm_kernel(
                     acc = v
                 else:
                     acc = (acc + v).to(dtype).to(tl.float32)  # one rounding per add, as the pull kernel
-            r_val = tl.load(res_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)
-            # from here on the arithmetic of the pull kernel (= _fused_add_rmsnorm_kernel's)
-            s_val = (acc + r_val).to(dtype)
-            tl.store(res_ptr + off + cols, s_val, mask=mask)
-            s_val = s_val.to(tl.float32)
-            mean_sq = tl.sum(s_val * s_val, axis=0) / n_cols
-            rstd = 1.0 / tl.sqrt(mean_sq + eps)
-            y = s_val * rstd * w
-            tl.store(out_ptr + off + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+            add_rmsnorm_row(acc, res_ptr, out_ptr, w, off, cols, mask, n_cols, eps)  # the pull kernel's epilogue
         # 4. the last program records this call (what the next call clears) and bumps the epoch
         tl.debug_barrier()
         done = tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu")

@@ -30,6 +30,24 @@ import triton.language as tl
 
 
 @triton.jit
+def add_rmsnorm_row(acc, res_ptr, out_ptr, w, off, cols, mask, n_cols, eps):
+    """One row's epilogue, shared by the pull and push kernels: ``residual[row] += acc``
+    (rounded to the residual's dtype, stored in place) and ``out[row] = rmsnorm(residual[row])
+    * w`` with the float32 arithmetic of ``_fused_add_rmsnorm_kernel`` (fused_kernels_triton.py),
+    so both kernels are bit-identical to all-reduce followed by ``fused_add_rmsnorm``.
+    ``acc``: the row's float32 all-reduced sum; ``w``: float32 weight (offset included)."""
+    dtype = res_ptr.dtype.element_ty
+    r_val = tl.load(res_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (acc + r_val).to(dtype)
+    tl.store(res_ptr + off + cols, s, mask=mask)
+    s = s.to(tl.float32)
+    mean_sq = tl.sum(s * s, axis=0) / n_cols
+    rstd = 1.0 / tl.sqrt(mean_sq + eps)
+    y = s * rstd * w
+    tl.store(out_ptr + off + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _fused_all_reduce_add_rmsnorm_kernel(
     x_ptr,
     res_ptr,
@@ -92,15 +110,7 @@ def _fused_all_reduce_add_rmsnorm_kernel(
                 acc = v
             else:
                 acc = (acc + v).to(dtype).to(tl.float32)  # one rounding per add, as the one-shot kernel
-        r_val = tl.load(res_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)
-        # from here on the arithmetic of _fused_add_rmsnorm_kernel (fused_kernels_triton.py)
-        s = (acc + r_val).to(dtype)
-        tl.store(res_ptr + off + cols, s, mask=mask)
-        s = s.to(tl.float32)
-        mean_sq = tl.sum(s * s, axis=0) / n_cols
-        rstd = 1.0 / tl.sqrt(mean_sq + eps)
-        y = s * rstd * w
-        tl.store(out_ptr + off + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        add_rmsnorm_row(acc, res_ptr, out_ptr, w, off, cols, mask, n_cols, eps)
     tl.debug_barrier()
     done = tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu")
     if done == n_prog - 1:
