@@ -227,3 +227,96 @@ def test_fused_producers_match_unfused_mlp(monkeypatch):
             outs.append(layer.mlp.forward(normed).float())
     for plain, fused in zip(outs[:2], outs[2:]):
         assert (plain - fused).abs().max() <= 2e-2 * plain.abs().max()  # bf16 ulps and rare quantiser ties
+
+
+# ---- opt-in W8A16 one-row variants (`fp8_gemv`, ATTNSERVE_FP8_GEMV) ----
+
+LLAMA_M1 = [(6144, 4096, None), (4096, 4096, None), (2 * 14336, 4096, "silu"), (4096, 14336, None),
+            (4096, 4200, None), (2 * 1024, 4200, "silu"), (1000, 1000, None)]  # K = 4200, 1000: partial K steps
+
+
+def _gemv_case(n, k, act, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    wq, ws = quantize_per_row(torch.randn(n, k, device="cuda", generator=g) * 0.05)
+    x = torch.randn(1, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    full = x.double() @ dequantize(wq, ws).double().t()
+    ref = full if act is None else torch.nn.functional.silu(full[:, :n // 2]) * full[:, n // 2:]
+    return x, wq, ws, ref
+
+
+def _assert_gemv_close(y, ref, bound, what):
+    err = (y.double() - ref).abs()
+    worst = float((err / bound).max())
+    # elementwise: bf16 output rounding + the variant's arithmetic (`fp8_gemv_error_bound`,
+    # the f16x2 bound derived in `fp8_gemv_triton`); and overall within the default's 8e-3
+    assert worst <= 1.0, f"{what}: error / bound = {worst:.3f}"
+    assert err.max() <= 8e-3 * ref.abs().max(), f"{what}: max error {float(err.max()):.3g}"
+
+
+@pytest.mark.parametrize("variant", ["f32", "f16x2", "dot16"])
+@pytest.mark.parametrize("n,k,act", LLAMA_M1)
+def test_fp8_gemv_variants_match_float64(variant, n, k, act):
+    """Each variant on its default tile: the four Llama-3-8B decode projections (gate_up
+    gated with SiLU), K = 4200 (not a multiple of any tile, nor of 16: unvectorised
+    loads) plain and gated, and a small square matrix."""
+    from attnserve.models.layers.fp8_gemv import fp8_gemv, fp8_gemv_error_bound
+
+    x, wq, ws, ref = _gemv_case(n, k, act, n + k)
+    y = fp8_gemv(x, wq, ws, None, act, variant=variant)
+    assert y.shape == ref.shape and y.dtype == torch.bfloat16
+    _assert_gemv_close(y, ref, fp8_gemv_error_bound(x, wq, ws, variant, act), f"{variant} {n}x{k}")
+
+
+@pytest.mark.parametrize("variant", ["f32", "f16x2", "dot16"])
+@pytest.mark.parametrize("n,k,act", [(6144, 4096, None), (2 * 14336, 4096, "silu"), (4096, 14336, None)])
+def test_fp8_gemv_bench_candidates_match_float64(variant, n, k, act):
+    """Every tile `benchmarks/fp8_bench.py --sweep` times (`fp8_gemv_candidates`)."""
+    from attnserve.models.layers.fp8_gemv import fp8_gemv, fp8_gemv_candidates, fp8_gemv_error_bound
+
+    x, wq, ws, ref = _gemv_case(n, k, act, 7 * n + k)
+    bound = fp8_gemv_error_bound(x, wq, ws, variant, act)
+    for cfg in fp8_gemv_candidates(variant, n // 2 if act else n, k, gated=act is not None):
+        _assert_gemv_close(fp8_gemv(x, wq, ws, None, act, variant=variant, config=cfg), ref, bound, cfg.label())
+
+
+@pytest.mark.parametrize("variant", ["f32", "f16x2", "dot16"])
+def test_fp8_gemv_bias_large_x_and_cuda_graph(variant):
+    """With a bias and an x of large entries (f16 range of f16x2), eagerly and replayed
+    from a CUDA graph (new x copied in): the same bits; and the routing of
+    ``ATTNSERVE_FP8_GEMV`` through `Linear` gives them too."""
+    from attnserve.models.layers.fp8_gemv import fp8_gemv, fp8_gemv_error_bound
+
+    n, k = 4096, 4096
+    x, wq, ws, ref = _gemv_case(n, k, None, 5)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    x_big = (x.float() * 3000).to(torch.bfloat16)
+    y = fp8_gemv(x_big, wq, ws, b, variant=variant)
+    ref_big = x_big.double() @ dequantize(wq, ws).double().t() + b.double()
+    bound = fp8_gemv_error_bound(x_big, wq, ws, variant) + 2.0 ** -8 * b.double().abs()
+    _assert_gemv_close(y, ref_big, bound, f"{variant} bias, |x| ~ 3000")
+    static_x = x.clone()
+    fp8_gemv(static_x, wq, ws, b, variant=variant)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemv(static_x, wq, ws, b, variant=variant)
+    static_x.copy_(x_big)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, y)
+
+
+def test_fp8_gemv_env_routes_linear(monkeypatch):
+    """``ATTNSERVE_FP8_GEMV=f16x2``: a one-row `Linear` forward (channel FP8) gives the bits
+    of `fp8_gemv`; two rows keep the default kernel (the bits of an explicit config)."""
+    from attnserve.models.layers.fp8_gemv import fp8_gemv
+    from attnserve.models.layers.skinny_gemm import fp8_skinny_config, skinny_linear_fp8
+
+    layer = _layer(4096, 6144, CFGS["channel"])
+    load_param(layer.weight, torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) * 0.05, "w")
+    x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setenv("ATTNSERVE_FP8_GEMV", "f16x2")
+    direct = fp8_gemv(x[:1], layer.weight, layer.weight_scale, variant="f16x2")
+    assert torch.equal(layer(x[:1]), direct)
+    two = skinny_linear_fp8(x, layer.weight, layer.weight_scale, config=fp8_skinny_config(2, 6144, 4096))
+    assert torch.equal(layer(x), two)

@@ -555,7 +555,8 @@ def skinny_linear_fp8(
         activation: None, or ``"silu"`` / ``"gelu_tanh"`` for a fused ``[gate | up]``
             weight (as `skinny_linear_gated`; the output then has ``N / 2`` columns).
         config, pdl: as `skinny_linear` (default: `fp8_skinny_config`; rule v1 selected by
-            ``ATTNSERVE_SKINNY_RULE=v1``: the 16-bit tiles).
+            ``ATTNSERVE_SKINNY_RULE=v1``: the 16-bit tiles; one row without ``config``
+            takes the `fp8_gemv` variant ``ATTNSERVE_FP8_GEMV`` names, when set).
 
     Returns:
         new ``[M, N]`` (``[M, N / 2]`` gated) tensor in ``x``'s dtype.
@@ -577,4 +578,10 @@ def skinny_linear_fp8(
         if weight.shape[0] % 2:
             raise ValueError(f"skinny_linear_fp8: weight {tuple(weight.shape)} must have an even number of rows")
         act = SKINNY_ACTIVATIONS[activation]
+    if config is None and x.shape[0] == 1:  # opt-in W8A16 variants (ATTNSERVE_FP8_GEMV, `fp8_gemv`)
+        from attnserve.models.layers import fp8_gemv as fg
+
+        variant = fg.fp8_gemv_variant()
+        if variant is not None and fg.fp8_gemv_supported(x, weight, scale, bias, variant):
+            return fg.fp8_gemv(x, weight, scale, bias, activation, variant=variant, pdl=pdl)
     return _launch(x, weight, bias, act, config, pdl, scale=scale)
