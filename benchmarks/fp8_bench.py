@@ -25,6 +25,12 @@ engine runs it) and ``M`` in ``--ms``, the GPU time of each path, ms per call:
   (`fp8_skinny_config`, marked ``*``) and, with ``--sweep``, the 16-bit tiles (M <= 16)
   and ``block_k`` x2 (M = 1, M > 16) and /2 (M > 16), each
   labelled by its ``block_n x block_k / warps`` (``c`` carried, ``d`` deferred);
+* ``w8a16v[variant:tile]`` (M = 1 only): the opt-in one-row variants of
+  `attnserve.models.layers.fp8_gemv` (``ATTNSERVE_FP8_GEMV``; ``f32``, ``f16x2``,
+  ``dot16``), each on its default tile and, with ``--sweep``, its
+  `fp8_gemv_candidates`; the row's ``w8a16v`` entry gives per variant its default tile,
+  its best tile, that time, its weight-stream rate (TB/s) and the default W8A16 kernel's
+  time over it (> 1: the variant is faster);
 * ``act_quant``: the per-token quantisation alone; ``scaled_mm_prequant``: ``_scaled_mm``
   on an already quantised input (what a producer-fused quantisation leaves);
   ``w8a8_scaled_mm``: both (the engine's path for M > 16); ``triton_channel`` /
@@ -71,7 +77,13 @@ ENGINE_VARIANTS = {
     "fp8-w8a16-64": {"ATTNSERVE_FP8_W8A16_MAX_M": "64"},
     "fp8-unfused-producers": {"ATTNSERVE_FP8_FUSED_PRODUCERS": "0"},
     "fp8-next": {"ATTNSERVE_FP8_W8A16_MAX_M": "64", "ATTNSERVE_FP8_FUSED_PRODUCERS": "1"},
+    # the opt-in one-row W8A16 variants (`fp8_gemv`); decode rows only
+    "fp8-gemv-f32": {"ATTNSERVE_FP8_GEMV": "f32"},
+    "fp8-gemv-f16x2": {"ATTNSERVE_FP8_GEMV": "f16x2"},
+    "fp8-gemv-dot16": {"ATTNSERVE_FP8_GEMV": "dot16"},
 }
+#: engine variants timed at decode only (no prefill, no throughput run)
+DECODE_ONLY = ("fp8-16bit-tiles", "fp8-gemv-f32", "fp8-gemv-f16x2", "fp8-gemv-dot16")
 
 
 def _legacy_eager_ms(fn, iters=30):
@@ -122,6 +134,49 @@ def w8a16_candidates(m, n, k, gated, sweep):
             seen.add(c)
             out.append(c)
     return out
+
+
+def gemv_variant_rows(x, wq, ws, n, k, gated, act, sweep, t, timed, copies):
+    """Time the `fp8_gemv` variants (M = 1) into ``t`` as ``w8a16v[<variant>:<tile>]``;
+    returns ``{variant: {default, best, best_ms, tb_s, default_over_best}}``."""
+    from attnserve.models.layers.fp8_gemv import (
+        FP8_GEMV_VARIANTS,
+        fp8_gemv,
+        fp8_gemv_candidates,
+        fp8_gemv_supported,
+    )
+
+    cols = n // 2 if gated else n
+    default_ms = next((v for kk, v in t.items() if kk.startswith("w8a16[") and kk.endswith("*")), None)
+    stream_bytes = n * k + 2 * k + 2 * cols + 4 * n  # weight, x, y, scales
+    summary = {}
+    for variant in FP8_GEMV_VARIANTS:
+        if not fp8_gemv_supported(x, wq[0], ws[0], None, variant):
+            summary[variant] = "unsupported"
+            continue
+        cands = fp8_gemv_candidates(variant, cols, k, gated=gated)
+        if not sweep:
+            cands = cands[:1]
+        for cfg in cands:
+            key = f"w8a16v[{cfg.label()}]"
+            try:
+                t[key] = timed(lambda i, c=cfg, v=variant: fp8_gemv(x, wq[i], ws[i], None, act, variant=v, config=c),
+                               copies)
+            except Exception as e:  # a tile that does not compile (registers, shared memory)
+                t[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+        done = [(t[f"w8a16v[{c.label()}]"], c.label()) for c in cands
+                if isinstance(t[f"w8a16v[{c.label()}]"], float)]
+        if not done:
+            summary[variant] = "failed"
+            continue
+        best_ms, best = min(done)
+        summary[variant] = {"default": cands[0].label(), "best": best, "best_ms": best_ms,
+                            "tb_s": stream_bytes / (best_ms * 1e-3) / 1e12,
+                            "default_over_best": default_ms / best_ms if isinstance(default_ms, float) else None}
+    print(f"  {n}x{k}{' gated' if gated else ''} M=1: default w8a16 {default_ms} ms; "
+          + "; ".join(f"{v}: {d['best']} {d['best_ms'] * 1e3:.2f} us {d['tb_s']:.2f} TB/s"
+                      if isinstance(d, dict) else f"{v}: {d}" for v, d in summary.items()), flush=True)
+    return summary
 
 
 def gemm_rows(model, ms, sweep, emit):
@@ -180,6 +235,8 @@ def gemm_rows(model, ms, sweep, emit):
                                        n_f8)
                     except Exception as e:  # a candidate that does not compile (registers, shared memory)
                         t[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+            if m == 1:
+                r["w8a16v"] = gemv_variant_rows(x, wq, ws, n, k, gated, act, sweep, t, timed, n_f8)
             t["act_quant"] = timed(lambda i: quantize_activation(x), 1)
             t["scaled_mm_prequant"] = timed(lambda i: post(torch._scaled_mm(
                 xq, wq[i].t(), scale_a=xs, scale_b=ws[i].view(1, -1), out_dtype=torch.bfloat16)), n_f8)
@@ -249,12 +306,12 @@ def engine_rows(model, variant, emit):
         row["decode_step_bs64_ms"] = graph_step_ms(runner, 64, 512)
         vocab = llm.engine.model_config.vocab_size
         gen = torch.Generator().manual_seed(0)
-        if variant not in ("fp8-16bit-tiles", "fp8-w8a16-64"):
+        if variant not in DECODE_ONLY + ("fp8-w8a16-64",):
             one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
             long = [torch.randint(1, vocab, (8192,), generator=gen).tolist()]
             llm.generate(long, one)
             row["prefill_8192_s"] = min(timed_generate(llm, long, one)[0] for _ in range(2))
-        if variant != "fp8-16bit-tiles":
+        if variant not in DECODE_ONLY:
             prompts = [torch.randint(1, vocab, (512,), generator=gen).tolist() for _ in range(64)]
             sp = SamplingParams(max_new_tokens=256, temperature=0.0, ignore_eos=True)
             llm.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
