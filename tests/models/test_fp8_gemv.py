@@ -13,10 +13,10 @@ from attnserve.models.layers.quantization.fp8_utils import dequantize, quantize_
 TINY = {"f32": (4, 64, 1, 1), "f16x2": (4, 64, 1, 1), "dot16": (16, 32, 1, 1)}
 
 
-def _cfg(variant):
+def _cfg(variant, carry=False):
     from attnserve.models.layers.fp8_gemv import Fp8GemvConfig
 
-    return Fp8GemvConfig(variant, *TINY[variant])
+    return Fp8GemvConfig(variant, *TINY[variant], carry=carry)
 
 
 def _ref(x, wq, ws, act):
@@ -27,10 +27,10 @@ def _ref(x, wq, ws, act):
     return torch.nn.functional.silu(full[:, :i]) * full[:, i:]
 
 
-def _check(variant, x, wq, ws, act):
+def _check(variant, x, wq, ws, act, carry=False):
     from attnserve.models.layers.fp8_gemv import fp8_gemv, fp8_gemv_error_bound
 
-    y = fp8_gemv(x, wq, ws, None, act, variant=variant, config=_cfg(variant)).double()
+    y = fp8_gemv(x, wq, ws, None, act, variant=variant, config=_cfg(variant, carry)).double()
     ref = _ref(x, wq, ws, act)
     # the interpreter truncates the 16-bit output: 2**-7 relative
     bound = fp8_gemv_error_bound(x, wq, ws, variant, act, out_rel=2.0 ** -7)
@@ -41,12 +41,15 @@ def _check(variant, x, wq, ws, act):
 
 @pytest.mark.parametrize("variant", ["f32", "f16x2", "dot16"])
 def test_variants_match_float64_interpreter(variant, monkeypatch):
-    """Plain (N = 24: a partial row block; K = 200: a partial K step) and gated (SiLU)."""
+    """Plain (N = 24: a partial row block; K = 200: a partial K step) and gated (SiLU); the
+    f32 form also with carried tiles (f16x2's interpreter form has one loop for both)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     g = torch.Generator().manual_seed(7)
     for n, k, act in ((24, 200, None), (32, 136, "silu")):
         wq, ws = quantize_per_row(torch.randn(n, k, generator=g) * 0.05)
         x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+        if variant == "f32":
+            _check(variant, x, wq, ws, act, carry=True)
         y, ref = _check(variant, x, wq, ws, act)
         assert (y - ref).abs().max() <= 1e-2 * ref.abs().max()  # and the bound is not vacuous here
 
@@ -86,7 +89,8 @@ def test_env_routes_one_row_and_rejects_unknown(monkeypatch):
     assert torch.equal(skinny_linear_fp8(x, wq, ws), fp8_gemv(x, wq, ws, variant="f16x2"))
     xh = x.to(torch.float16)
     assert not fp8_gemv_supported(xh, wq, ws, None, "f16x2")
-    assert torch.equal(skinny_linear_fp8(xh, wq, ws), skinny_linear_fp8(xh, wq, ws, config=fp8_skinny_config(1, 16, 96)))
+    plain = skinny_linear_fp8(xh, wq, ws, config=fp8_skinny_config(1, 16, 96))
+    assert torch.equal(skinny_linear_fp8(xh, wq, ws), plain)
     with pytest.raises(ValueError, match="unsupported"):
         fp8_gemv(xh, wq, ws, variant="f16x2")
     monkeypatch.setenv("ATTNSERVE_FP8_GEMV", "default")

@@ -51,6 +51,8 @@ class Fp8GemvConfig:
         block_k: ``K`` values per loop step; power of two, ``>= 32`` (``>= 16`` for ``dot16``).
         num_warps: warps per program (power of two, 1..16).
         num_stages: software-pipelining depth (``dot16``; 1 for the others).
+        carry: (f32 / f16x2) load each weight tile one ``K`` step ahead, and the first one
+            before the wait of programmatic dependent launch.
     """
 
     variant: str
@@ -58,36 +60,40 @@ class Fp8GemvConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 1
+    carry: bool = False
 
     def validate(self) -> None:
         """Raise ValueError when the kernel cannot be compiled with these parameters."""
         p2 = all(v >= 1 and v & (v - 1) == 0 for v in (self.block_n, self.block_k, self.num_warps))
         dot = self.variant == "dot16"
         if (self.variant not in FP8_GEMV_VARIANTS or not p2 or self.num_warps > 16 or self.num_stages < 1
-                or self.block_k < (16 if dot else 32) or (dot and self.block_n < 16)):
+                or self.block_k < (16 if dot else 32) or (dot and (self.block_n < 16 or self.carry))):
             raise ValueError(f"invalid {self}: need a variant of {sorted(FP8_GEMV_VARIANTS)}, powers of two, "
-                             "block_k >= 32 (dot16: block_n, block_k >= 16), 1..16 warps, num_stages >= 1")
+                             "block_k >= 32 (dot16: block_n, block_k >= 16, no carry), 1..16 warps, num_stages >= 1")
 
     def label(self) -> str:
-        """``variant:block_n x block_k/warps[sstages]``, e.g. ``f16x2:2x2048/4w``."""
+        """``variant:block_n x block_k/warps[c][sstages]``, e.g. ``f16x2:8x2048/4w``, ``c``:
+        carried tiles."""
         st = f"s{self.num_stages}" if self.variant == "dot16" else ""
-        return f"{self.variant}:{self.block_n}x{self.block_k}/{self.num_warps}w{st}"
+        return f"{self.variant}:{self.block_n}x{self.block_k}/{self.num_warps}w{'c' if self.carry else ''}{st}"
 
 
 #: (variant, shape class of `skinny_gemm._shape_class`) -> (block_n, block_k, num_warps,
-#: num_stages). Unmeasured starting points (2026-11-27), chosen from the sm_90 SASS of
+#: num_stages, carry); carried tiles where `skinny_gemm.FP8_SKINNY_M1` carries them. Unmeasured starting points (2026-11-27), chosen from the sm_90 SASS of
 #: each form (Triton 3.9, compiled here for sm_90): ``block_k`` at least a full layout row
 #: (8 K values per thread and load: ``256 * num_warps``), so no lane holds a copy; more rows
 #: per program share x's conversion (f16x2 at ``block_n`` 8: ~2.9 loop instructions per
 #: weight byte, 4: ~3.1; f32 at 4: ~3.3; the default kernel ~6) within ~120 registers;
-#: dot16 keeps >= 256 programs on Llama-3-8B's 4096-row o_proj.
+#: dot16: ``block_n >= 8 * num_warps`` (an mma n-tile per warp; fewer rows duplicate warps'
+#: work: ~8 loop instructions per weight byte at 16 rows / 4 warps, ~4 at 32 / 4), 256
+#: programs on Llama-3-8B's 4096-row o_proj.
 _TILES = {
-    "f32": {"gated": (2, 1024, 4, 1), "k>=8192": (4, 2048, 8, 1), "n<=4096": (4, 1024, 4, 1),
-            "n<=16384": (4, 2048, 4, 1), "wide": (4, 2048, 8, 1)},
-    "f16x2": {"gated": (4, 1024, 4, 1), "k>=8192": (8, 2048, 8, 1), "n<=4096": (8, 1024, 4, 1),
-              "n<=16384": (8, 2048, 4, 1), "wide": (8, 2048, 8, 1)},
-    "dot16": {"gated": (32, 256, 4, 4), "k>=8192": (16, 512, 4, 3), "n<=4096": (16, 256, 4, 4),
-              "n<=16384": (16, 256, 4, 4), "wide": (32, 256, 4, 4)},
+    "f32": {"gated": (2, 1024, 4, 1, False), "k>=8192": (4, 2048, 8, 1, False), "n<=4096": (4, 1024, 4, 1, True),
+            "n<=16384": (4, 2048, 4, 1, False), "wide": (4, 2048, 8, 1, True)},
+    "f16x2": {"gated": (4, 1024, 4, 1, False), "k>=8192": (8, 2048, 8, 1, False), "n<=4096": (8, 1024, 4, 1, True),
+              "n<=16384": (8, 2048, 4, 1, False), "wide": (8, 2048, 8, 1, True)},
+    "dot16": {"gated": (32, 256, 4, 4, False), "k>=8192": (16, 512, 2, 3, False), "n<=4096": (16, 256, 2, 4, False),
+              "n<=16384": (32, 256, 4, 4, False), "wide": (32, 256, 4, 4, False)},
 }
 
 
@@ -114,29 +120,30 @@ def fp8_gemv_config(variant: str, n: int, k: int, *, gated: bool = False) -> Fp8
 
     if variant not in FP8_GEMV_VARIANTS:
         raise ValueError(f"fp8_gemv: unknown variant {variant!r}; expected one of {', '.join(FP8_GEMV_VARIANTS)}")
-    bn, bk, warps, stages = _TILES[variant][_shape_class(n, k, gated)]
+    bn, bk, warps, stages, carry = _TILES[variant][_shape_class(n, k, gated)]
     floor = 16 if variant == "dot16" else 32
     bk = max(floor, min(bk, 1 << max(k - 1, 0).bit_length()))
-    return Fp8GemvConfig(variant, bn, bk, warps, stages)
+    return Fp8GemvConfig(variant, bn, bk, warps, stages, carry)
 
 
 def fp8_gemv_candidates(variant: str, n: int, k: int, *, gated: bool = False) -> list:
-    """The default tile of ``variant`` and up to three neighbours, for
-    ``benchmarks/fp8_bench.py --sweep``: f32 / f16x2: ``block_k`` x2, ``block_n`` x2 and /2
-    (kept while the float32 accumulator, one value per K value for f32 and per 4 for f16x2,
-    stays within 64 a thread); dot16: ``block_n`` x2, ``block_k`` x2 at one stage fewer,
-    and 8 warps."""
+    """The default tile of ``variant`` and up to four neighbours, for
+    ``benchmarks/fp8_bench.py --sweep``: f32 / f16x2: carried, ``block_k`` x2, ``block_n`` x2
+    and /2 (kept while the float32 accumulator, one value per K value for f32 and per 4 for
+    f16x2, stays within 64 a thread); dot16: ``block_n`` x2 (warps x2 up to 8), ``block_k`` x2 at
+    one stage fewer, half the warps (at least 1)."""
     import dataclasses
 
     base = fp8_gemv_config(variant, n, k, gated=gated)
     rep = dataclasses.replace
     if variant == "dot16":
-        more = [rep(base, block_n=base.block_n * 2), rep(base, block_k=base.block_k * 2,
-                                                          num_stages=max(2, base.num_stages - 1)),
-                rep(base, num_warps=8)]
+        more = [rep(base, block_n=base.block_n * 2, num_warps=min(8, base.num_warps * 2)),
+                rep(base, block_k=base.block_k * 2, num_stages=max(2, base.num_stages - 1)),
+                rep(base, num_warps=max(1, base.num_warps // 2))]
     else:
         per_value = 4 if variant == "f16x2" else 1
-        more = [c for c in (rep(base, block_k=base.block_k * 2), rep(base, block_n=base.block_n * 2),
+        more = [c for c in (rep(base, carry=not base.carry), rep(base, block_k=base.block_k * 2),
+                            rep(base, block_n=base.block_n * 2),
                             rep(base, block_n=max(1, base.block_n // 2)))
                 if c.block_n * c.block_k * (2 if gated else 1) // per_value <= 64 * 32 * c.num_warps]
     out = [base]
@@ -221,7 +228,7 @@ def fp8_gemv(
         x, weight, bias if bias is not None else scale, scale, out, cols, k,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, MODE=FP8_GEMV_VARIANTS[variant],
         INTERP=x.device.type == "cpu" or triton_interpreting(), HAS_BIAS=bias is not None, GATED=gated,
-        ACT=_ACTS[activation] if gated else 0, USE_PDL=use_pdl, num_warps=config.num_warps,
+        ACT=_ACTS[activation] if gated else 0, USE_PDL=use_pdl, CARRY=bool(config.carry), num_warps=config.num_warps,
         num_stages=config.num_stages, **extra)
     return out
 

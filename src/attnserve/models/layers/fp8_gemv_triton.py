@@ -119,24 +119,66 @@ def _lanes_f16_interp(x_ptr, w_rows, mask_n, kbase, k0, K):
 
 
 @triton.jit
+def _w_tiles(w_ptrs, off, up_off, wm, OTHER: tl.constexpr, GATED: tl.constexpr):
+    """The weight tile at element offset ``off`` (and, GATED, the up tile ``up_off`` further);
+    masked lanes read ``OTHER`` (zero of the element type) and move no bytes."""
+    w_t = tl.load(w_ptrs + off, mask=wm, other=OTHER)
+    u_t = w_t
+    if GATED:
+        u_t = tl.load(w_ptrs + up_off + off, mask=wm, other=OTHER)
+    return w_t, u_t
+
+
+@triton.jit
+def _step(acc, acc_u, w_t, u_t, xa, xb, F16X2: tl.constexpr, GATED: tl.constexpr):
+    """One ``K`` step into the deferred accumulators: F16X2, `_fp8x8_dot_f16x2` of int32
+    words against x's f16x2 pairs; else float32 products of the fp8 tile and x (``xa``)."""
+    if F16X2:
+        acc += _fp8x8_dot_f16x2(w_t, xa, xb)
+        if GATED:
+            acc_u += _fp8x8_dot_f16x2(u_t, xa, xb)
+    else:
+        acc += w_t.to(tl.float32) * xa
+        if GATED:
+            acc_u += u_t.to(tl.float32) * xa
+    return acc, acc_u
+
+
+@triton.jit
+def _x_step(x_ptrs, k0, km, F16X2: tl.constexpr):
+    """x of one step: F16X2, the f16x2 pairs of the int64 words; else the row in float32."""
+    if F16X2:
+        xa, xb = _x_to_f16x2(tl.load(x_ptrs + k0, mask=km[None, :], other=0))
+    else:
+        xa = tl.load(x_ptrs + k0, mask=km[None, :], other=0.0).to(tl.float32)
+        xb = xa
+    return xa, xb
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr, INTERP: tl.constexpr,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, USE_PDL: tl.constexpr,
+    CARRY: tl.constexpr = False,
 ):
     """Grid ``(cdiv(N, BLOCK_N),)``; ``y`` ``[1, N]``, ``x`` ``[1, K]`` contiguous, ``w``
     contiguous e4m3 ``[N, K]`` (GATED: ``[2N, K]``, gate rows then up rows), ``s`` float32
-    ``[N]`` (``[2N]``), ``b`` (HAS_BIAS) ``[N]`` (``[2N]``). MODE 1 on the GPU needs ``K % 8
+    ``[N]`` (``[2N]``), ``b`` (HAS_BIAS) ``[N]`` (``[2N]``). MODE 1 on the GPU needs ``K % 4
     == 0`` and an 8-byte aligned ``x``; MODE 2 ``BLOCK_N, BLOCK_K >= 16`` (host checks).
-    INTERP: the plain-``tl`` forms (no inline asm; float32 ``tl.dot`` operands)."""
+    INTERP: the plain-``tl`` forms (no inline asm; float32 ``tl.dot`` operands). CARRY
+    (MODE 0 and 1): step ``i + 1``'s weight tile is loaded before step ``i``'s products, and
+    with USE_PDL the first tile before the wait for the previous kernel (as
+    `skinny_gemm_triton`'s carried loop)."""
     if USE_PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     rows = offs_n.to(tl.int64)
-    if USE_PDL:
-        gdc_wait()
+    if MODE == 2 or (MODE == 1 and INTERP):
+        if USE_PDL:
+            gdc_wait()
     if MODE == 2:
         offs_m = tl.arange(0, 16)
         offs_k = tl.arange(0, BLOCK_K)
@@ -162,25 +204,7 @@ def _fp8_gemv_kernel(
                     acc_u += tl.dot(xt, tl.trans(ut.to(tl.float16)), out_dtype=tl.float32)
         out = tl.sum(acc, axis=0)  # rows 1..15 are zero
         out_u = tl.sum(acc_u, axis=0)
-    elif MODE == 1 and not INTERP:
-        WORDS: tl.constexpr = BLOCK_K // 4
-        j = tl.arange(0, WORDS)
-        jw = (j // 2) * 2 + j % 2  # contiguity 2: 8-byte weight loads, the int64 x row's layout
-        kw = K // 4
-        w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * kw + jw[None, :]
-        x_ptrs = x_ptr.to(tl.pointer_type(tl.int64)) + j[None, :]
-        acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-        for k0 in range(0, kw, WORDS):
-            km = (j + k0) < kw
-            xa, xb = _x_to_f16x2(tl.load(x_ptrs + k0, mask=km[None, :], other=0))
-            wm = mask_n[:, None] & km[None, :]
-            acc += _fp8x8_dot_f16x2(tl.load(w_ptrs + k0, mask=wm, other=0), xa, xb)
-            if GATED:
-                acc_u += _fp8x8_dot_f16x2(tl.load(w_ptrs + N * kw + k0, mask=wm, other=0), xa, xb)
-        out = tl.sum(acc, axis=1) * 2048.0  # undo w's 2**-11 (exact)
-        out_u = tl.sum(acc_u, axis=1) * 2048.0  # undo w's 2**-11 (exact)
-    elif MODE == 1:
+    elif MODE == 1 and INTERP:
         c = tl.arange(0, BLOCK_K // 4)
         kbase = 8 * (c // 2) + c % 2
         acc = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
@@ -192,21 +216,48 @@ def _fp8_gemv_kernel(
         out = tl.sum(acc, axis=1) * 2048.0  # undo w's 2**-11 (exact)
         out_u = tl.sum(acc_u, axis=1) * 2048.0  # undo w's 2**-11 (exact)
     else:
-        offs_k = tl.arange(0, BLOCK_K)
-        kw8 = (offs_k // 8) * 8 + offs_k % 8  # contiguity 8: 8-byte weight loads, the bf16 x row's layout
-        w_ptrs = w_ptr + rows[:, None] * K + kw8[None, :]
-        x_ptrs = x_ptr + offs_k[None, :]
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            km = (offs_k + k0) < K
-            xf = tl.load(x_ptrs + k0, mask=km[None, :], other=0.0).to(tl.float32)
-            wm = mask_n[:, None] & km[None, :]
-            acc += tl.load(w_ptrs + k0, mask=wm, other=0.0).to(tl.float32) * xf
-            if GATED:
-                acc_u += tl.load(w_ptrs + N * K + k0, mask=wm, other=0.0).to(tl.float32) * xf
+        # MODE 0 (bytes, 8 per thread and load, as x's bf16 row) or MODE 1 (int32 words,
+        # 2 per thread and load, as x's int64 words): weight offsets of contiguity 8 / 2
+        F16X2: tl.constexpr = MODE == 1
+        PER: tl.constexpr = 4 if F16X2 else 1  # K values per loaded element
+        STEP: tl.constexpr = BLOCK_K // PER
+        VEC: tl.constexpr = 2 if F16X2 else 8
+        OTHER: tl.constexpr = 0 if F16X2 else 0.0
+        kk = K // PER
+        wp = w_ptr.to(tl.pointer_type(tl.int32 if F16X2 else w_ptr.dtype.element_ty))
+        xp = x_ptr.to(tl.pointer_type(tl.int64 if F16X2 else x_ptr.dtype.element_ty))
+        j = tl.arange(0, STEP)
+        w_ptrs = wp + rows[:, None] * kk + ((j // VEC) * VEC + j % VEC)[None, :]
+        x_ptrs = xp + j[None, :]
+        up = N * kk
+        acc = tl.zeros((BLOCK_N, STEP), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, STEP), dtype=tl.float32)
+        if CARRY:
+            w_t, u_t = _w_tiles(w_ptrs, 0, up, mask_n[:, None] & (j < kk)[None, :], OTHER, GATED)
+            if USE_PDL:
+                gdc_wait()
+            for k0 in range(0, kk, STEP):
+                km = (j + k0) < kk
+                xa, xb = _x_step(x_ptrs, k0, km, F16X2)
+                # the next step's tiles (all lanes masked past K: no bytes) before these products
+                nm = mask_n[:, None] & ((j + k0 + STEP) < kk)[None, :]
+                w_n, u_n = _w_tiles(w_ptrs, k0 + STEP, up, nm, OTHER, GATED)
+                acc, acc_u = _step(acc, acc_u, w_t, u_t, xa, xb, F16X2, GATED)
+                w_t = w_n
+                u_t = u_n
+        else:
+            if USE_PDL:
+                gdc_wait()
+            for k0 in range(0, kk, STEP):
+                km = (j + k0) < kk
+                xa, xb = _x_step(x_ptrs, k0, km, F16X2)
+                w_t, u_t = _w_tiles(w_ptrs, k0, up, mask_n[:, None] & km[None, :], OTHER, GATED)
+                acc, acc_u = _step(acc, acc_u, w_t, u_t, xa, xb, F16X2, GATED)
         out = tl.sum(acc, axis=1)
         out_u = tl.sum(acc_u, axis=1)
+        if F16X2:
+            out *= 2048.0  # undo w's 2**-11 (exact)
+            out_u *= 2048.0
     out *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
