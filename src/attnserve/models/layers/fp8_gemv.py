@@ -79,21 +79,25 @@ class Fp8GemvConfig:
 
 
 #: (variant, shape class of `skinny_gemm._shape_class`) -> (block_n, block_k, num_warps,
-#: num_stages, carry); carried tiles where `skinny_gemm.FP8_SKINNY_M1` carries them. Unmeasured starting points (2026-11-27), chosen from the sm_90 SASS of
-#: each form (Triton 3.9, compiled here for sm_90): ``block_k`` at least a full layout row
+#: num_stages, carry); f16x2 carries tiles where `skinny_gemm.FP8_SKINNY_M1` does (f32's
+#: carried loop has ~2 more instructions per weight byte, 5.9 against 3.8: only its sweep
+#: candidate carries).
+#: Unmeasured starting points (2026-11-27), chosen from each form's SASS (Triton 3.9,
+#: compiled ahead of time for sm_90 on a CPU host): ``block_k`` at least a full layout row
 #: (8 K values per thread and load: ``256 * num_warps``), so no lane holds a copy; more rows
-#: per program share x's conversion (f16x2 at ``block_n`` 8: ~2.9 loop instructions per
-#: weight byte, 4: ~3.1; f32 at 4: ~3.3; the default kernel ~6) within ~120 registers;
-#: dot16: ``block_n >= 8 * num_warps`` (an mma n-tile per warp; fewer rows duplicate warps'
-#: work: ~8 loop instructions per weight byte at 16 rows / 4 warps, ~4 at 32 / 4), 256
-#: programs on Llama-3-8B's 4096-row o_proj.
+#: per program share x's conversion, within ~120 registers. ``benchmarks/fp8_gemv_sass.py``
+#: (loop instructions per weight byte, Llama-3-8B qkv / o / gate_up / down): default kernel
+#: 5.6 / 7.5 / 4.6 / 6.0 (x through shared memory: 2-4 ``BAR.SYNC`` a step), f32 3.6 / 3.8 /
+#: 3.8 / 3.8, f16x2 2.9 / 3.1 / 3.3 / 2.8, dot16 3.9 / 4.8 / 2.8 / 4.2. dot16: ``block_n >=
+#: 8 * num_warps`` (an mma n-tile per warp; fewer rows duplicate warps' work), 256 programs
+#: on Llama-3-8B's 4096-row o_proj.
 _TILES = {
-    "f32": {"gated": (2, 1024, 4, 1, False), "k>=8192": (4, 2048, 8, 1, False), "n<=4096": (4, 1024, 4, 1, True),
-            "n<=16384": (4, 2048, 4, 1, False), "wide": (4, 2048, 8, 1, True)},
-    "f16x2": {"gated": (4, 1024, 4, 1, False), "k>=8192": (8, 2048, 8, 1, False), "n<=4096": (8, 1024, 4, 1, True),
-              "n<=16384": (8, 2048, 4, 1, False), "wide": (8, 2048, 8, 1, True)},
-    "dot16": {"gated": (32, 256, 4, 4, False), "k>=8192": (16, 512, 2, 3, False), "n<=4096": (16, 256, 2, 4, False),
-              "n<=16384": (32, 256, 4, 4, False), "wide": (32, 256, 4, 4, False)},
+    "f32": {"gated": (2, 1024, 4, 1, False), "k>=8192": (4, 2048, 8, 1, False),
+            "n<=4096": (4, 1024, 4, 1, False), "n<=16384": (4, 2048, 4, 1, False), "wide": (4, 2048, 8, 1, False)},
+    "f16x2": {"gated": (4, 1024, 4, 1, False), "k>=8192": (8, 2048, 8, 1, False),
+              "n<=4096": (8, 1024, 4, 1, True), "n<=16384": (8, 2048, 4, 1, False), "wide": (8, 2048, 8, 1, True)},
+    "dot16": {"gated": (32, 256, 4, 4, False), "k>=8192": (16, 512, 2, 3, False),
+              "n<=4096": (16, 256, 2, 4, False), "n<=16384": (32, 256, 4, 4, False), "wide": (32, 256, 4, 4, False)},
 }
 
 
