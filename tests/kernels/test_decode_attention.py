@@ -215,14 +215,15 @@ def test_decode_config_batch_tiles_from_the_program_count(kv_dtype, device_name,
     caches on an H100 / H200 only; wide heads and small shared memory are unaffected."""
     from attnserve.attention.triton_ops import decode_attention as da
 
-    smem, sms = 227 * 1024, 132
+    smem, sms, hkv = 227 * 1024, 132, 8
     small = da.decode_config(128, 4, kv_dtype, max_shared_mem=smem, device_name=device_name)
-    at = da.BATCH_PROGRAMS_PER_SM * sms
+    at = da.BATCH_PROGRAMS_PER_SM * sms // hkv  # requests (group 4: one head block per KV head)
     below = da.decode_config(128, 4, kv_dtype, max_shared_mem=smem, device_name=device_name,
-                             num_programs=at - 1, num_sms=sms)
-    unknown = da.decode_config(128, 4, kv_dtype, max_shared_mem=smem, device_name=device_name, num_programs=at)
-    big = da.decode_config(128, 4, kv_dtype, max_shared_mem=smem, device_name=device_name, num_programs=at,
-                           num_sms=sms)
+                             batch_size=at - 1, num_kv_heads=hkv, num_sms=sms)
+    unknown = da.decode_config(128, 4, kv_dtype, max_shared_mem=smem, device_name=device_name, batch_size=at,
+                               num_kv_heads=hkv)
+    big = da.decode_config(128, 4, kv_dtype, max_shared_mem=smem, device_name=device_name, batch_size=at,
+                           num_kv_heads=hkv, num_sms=sms)
     assert below == small and unknown == small
     if tile is None:
         assert big == small
@@ -230,6 +231,6 @@ def test_decode_config_batch_tiles_from_the_program_count(kv_dtype, device_name,
         assert (big.block_n, big.num_stages) == getattr(da, tile) != (small.block_n, small.num_stages)
         assert big.block_h == small.block_h and big.v_pairs == small.v_pairs
     for dk, mem in ((576, smem), (128, 100 * 1024)):
-        assert da.decode_config(dk, 4, kv_dtype, max_shared_mem=mem, device_name=device_name, num_programs=at,
-                                num_sms=sms) == da.decode_config(dk, 4, kv_dtype, max_shared_mem=mem,
-                                                                 device_name=device_name)
+        assert da.decode_config(dk, 4, kv_dtype, max_shared_mem=mem, device_name=device_name, batch_size=at,
+                                num_kv_heads=hkv, num_sms=sms) == da.decode_config(dk, 4, kv_dtype, max_shared_mem=mem,
+                                                                                   device_name=device_name)

@@ -86,8 +86,8 @@ FP8_HOPPER_BATCH_TILE = (128, 4)
 
 
 def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bool = False,
-                   max_shared_mem: int = 0, device_name: str = "", num_programs: int = 0,
-                   num_sms: int = 0) -> DecodeConfig:
+                   max_shared_mem: int = 0, device_name: str = "", batch_size: int = 0,
+                   num_kv_heads: int = 0, num_sms: int = 0) -> DecodeConfig:
     """The one place decode tuning lives.
 
     Args:
@@ -98,10 +98,10 @@ def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bo
         max_shared_mem: the device's opt-in shared memory per block in bytes (0: unknown).
         device_name: ``torch.cuda.get_device_name`` ("" when unknown); fp8 caches on an
             H100 / H200 (`FP8_PAIRS_DEVICES`) get their own tiles (below).
-        num_programs / num_sms: stage-1 programs of the launch at one split a request (``bs
-            * head_programs``) and the device's SMs; 0 (unknown, or a batch-invariant
-            caller) keeps the small-batch tiles. From `BATCH_PROGRAMS_PER_SM` programs per
-            SM the batch tiles apply (below).
+        batch_size / num_kv_heads / num_sms: the launch's requests and KV heads and the
+            device's SMs; any 0 (unknown, or a batch-invariant caller) keeps the small-batch
+            tiles. From `BATCH_PROGRAMS_PER_SM` stage-1 programs per SM at one split a
+            request (``batch_size * num_kv_heads * head blocks``) the batch tiles apply (below).
 
     Large batches (`benchmarks/decode_batch_sweep.py`, H100, 2026-11-27, CUDA graphs, Hkv 8,
     d 128, µs, small-batch tile -> batch tile): 144 requests of 800 keys, Llama-3-8B heads
@@ -121,7 +121,8 @@ def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bo
         cap = 64
         block_h = max(16, min(cap, triton.next_power_of_2(group_size)))
         fp8_hopper = dtype in FP8_DTYPES and any(name in device_name for name in FP8_PAIRS_DEVICES)
-        if num_sms > 0 and num_programs >= BATCH_PROGRAMS_PER_SM * num_sms and (fp8_hopper or dtype not in FP8_DTYPES):
+        programs = batch_size * num_kv_heads * _head_blocks(block_h, group_size)
+        if num_sms > 0 and programs >= BATCH_PROGRAMS_PER_SM * num_sms and (fp8_hopper or dtype not in FP8_DTYPES):
             block_n, stages = FP8_HOPPER_BATCH_TILE if fp8_hopper else BATCH_TILE
             return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=4, num_stages=stages, v_pairs=fp8_hopper)
         if fp8_hopper:
@@ -558,15 +559,10 @@ def decode_attention_fwd(
         return o
 
     group = hq // hkv
-    if config is None:
-        # the batch tiles need the head programs, which depend on block_h alone (the same in both)
-        base = decode_config(dk, group, k_buffer.dtype, is_hip=torch.version.hip is not None,
-                             max_shared_mem=_max_shared_mem(q.device), device_name=_device_name(q.device))
-        programs = bs * hkv * _head_blocks(base.block_h, group)
-        config = base if batch_invariant else decode_config(
-            dk, group, k_buffer.dtype, is_hip=torch.version.hip is not None, max_shared_mem=_max_shared_mem(q.device),
-            device_name=_device_name(q.device), num_programs=programs, num_sms=device_num_sms(q.device))
-    cfg = config
+    cfg = config or decode_config(dk, group, k_buffer.dtype, is_hip=torch.version.hip is not None,
+                                   max_shared_mem=_max_shared_mem(q.device), device_name=_device_name(q.device),
+                                   batch_size=0 if batch_invariant else bs, num_kv_heads=hkv,
+                                   num_sms=device_num_sms(q.device))
     block_h = cfg.block_h
     if block_h > 1:
         block_h = max(16, block_h)
