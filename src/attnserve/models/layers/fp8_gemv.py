@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from attnserve.models.layers.pdl import pdl_enabled, pdl_supported
+from attnserve.models.layers.skinny_gemm import SKINNY_ACTIVATIONS, _shape_class, skinny_fp8_supported
 from attnserve.triton_env import triton_interpreting
 
 __all__ = ["FP8_GEMV_VARIANTS", "FP8_GEMV_ENV", "Fp8GemvConfig", "fp8_gemv", "fp8_gemv_config",
@@ -37,7 +38,6 @@ __all__ = ["FP8_GEMV_VARIANTS", "FP8_GEMV_ENV", "Fp8GemvConfig", "fp8_gemv", "fp
 #: variant name -> the kernel's ``MODE``
 FP8_GEMV_VARIANTS = {"f32": 0, "f16x2": 1, "dot16": 2}
 FP8_GEMV_ENV = "ATTNSERVE_FP8_GEMV"
-_ACTS = {"silu": 0, "gelu_tanh": 1}
 
 
 @dataclass(frozen=True)
@@ -120,8 +120,6 @@ def fp8_gemv_config(variant: str, n: int, k: int, *, gated: bool = False) -> Fp8
     """Default tile of ``variant`` for a weight of ``n`` output columns (gated: ``n`` gate
     columns, the weight has ``2n`` rows) and ``K = k`` (`_TILES` by shape class; ``block_k``
     capped at ``next_pow2(k)``, floors 32 / 16)."""
-    from attnserve.models.layers.skinny_gemm import _shape_class
-
     if variant not in FP8_GEMV_VARIANTS:
         raise ValueError(f"fp8_gemv: unknown variant {variant!r}; expected one of {', '.join(FP8_GEMV_VARIANTS)}")
     bn, bk, warps, stages, carry = _TILES[variant][_shape_class(n, k, gated)]
@@ -162,8 +160,6 @@ def fp8_gemv_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     """Whether `fp8_gemv` takes these operands with ``variant``: what `skinny_fp8_supported`
     accepts, with one row; for ``f16x2`` on the GPU also bfloat16 ``x``, ``K % 4 == 0``, an
     8-byte aligned ``x`` and a 4-byte aligned weight (int64 / int32 word loads)."""
-    from attnserve.models.layers.skinny_gemm import skinny_fp8_supported
-
     if variant not in FP8_GEMV_VARIANTS or not skinny_fp8_supported(x, weight, scale, bias) or x.shape[0] != 1:
         return False
     if variant == "f16x2":
@@ -212,8 +208,8 @@ def fp8_gemv(
             f"{tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)} {scale.dtype}: need one 16-bit row "
             "(f16x2: bfloat16, K % 4 == 0, 8-byte aligned x), contiguous float8_e4m3fn weight, float32 [N] scale")
     gated = activation is not None
-    if gated and (activation not in _ACTS or weight.shape[0] % 2):
-        raise ValueError(f"fp8_gemv: activation must be one of {', '.join(map(repr, _ACTS))} with an even number "
+    if gated and (activation not in SKINNY_ACTIVATIONS or weight.shape[0] % 2):
+        raise ValueError(f"fp8_gemv: activation must be one of {', '.join(map(repr, SKINNY_ACTIVATIONS))} with an even number "
                          f"of weight rows; got {activation!r}, weight {tuple(weight.shape)}")
     k = x.shape[1]
     cols = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -232,7 +228,7 @@ def fp8_gemv(
         x, weight, bias if bias is not None else scale, scale, out, cols, k,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, MODE=FP8_GEMV_VARIANTS[variant],
         INTERP=x.device.type == "cpu" or triton_interpreting(), HAS_BIAS=bias is not None, GATED=gated,
-        ACT=_ACTS[activation] if gated else 0, USE_PDL=use_pdl, CARRY=bool(config.carry), num_warps=config.num_warps,
+        ACT=SKINNY_ACTIVATIONS[activation] if gated else 0, USE_PDL=use_pdl, CARRY=bool(config.carry), num_warps=config.num_warps,
         num_stages=config.num_stages, **extra)
     return out
 
