@@ -62,6 +62,8 @@ from typing import Mapping, Optional
 
 import torch
 
+from attnserve.distributed import fused_all_reduce as far
+
 #: `fusion_mode_from_env`'s variable and its values
 FUSION_MODE_ENV = "ATTNSERVE_ALLREDUCE_FUSION_MODE"
 PULL = "pull"
@@ -73,10 +75,11 @@ PHASES = 3
 #: phase's byte offset, its sentinel word
 PUSH_COUNTERS = 5
 _ALIGN = 256
-#: dtype -> (half of the region, sentinel element bits, sentinel as an int32 word)
+#: dtype -> (half of the region, sentinel element bits, sentinel as an int32 word, the integer
+#: dtype whose elements carry the bits)
 _SENTINELS = {
-    torch.float32: (0, -(1 << 31), -(1 << 31)),  # 0x80000000
-    torch.bfloat16: (1, -(1 << 15), -(1 << 31) | (1 << 15)),  # 0x8000, word 0x80008000
+    torch.float32: (0, -(1 << 31), -(1 << 31), torch.int32),  # 0x80000000
+    torch.bfloat16: (1, -(1 << 15), -(1 << 31) | (1 << 15), torch.int16),  # 0x8000, word 0x80008000
 }
 
 
@@ -91,10 +94,6 @@ def fusion_mode_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
     if mode not in FUSION_MODES:
         raise ValueError(f"{FUSION_MODE_ENV}={env.get(FUSION_MODE_ENV)!r}: expected one of {FUSION_MODES}")
     return mode
-
-
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,7 @@ class LamportRegion:
     @classmethod
     def after(cls, used_bytes: int, max_message_bytes: int, world_size: int) -> "LamportRegion":
         """The region placed after the first ``used_bytes`` of the buffer."""
-        return cls(_round_up(used_bytes, _ALIGN), _round_up(max(max_message_bytes, 16), _ALIGN), world_size)
+        return cls(far._round_up(used_bytes, _ALIGN), far._round_up(max(max_message_bytes, 16), _ALIGN), world_size)
 
     @property
     def dtype_bytes(self) -> int:
@@ -133,10 +132,9 @@ class LamportRegion:
 
     def fill_sentinels(self, buffer: torch.Tensor) -> None:
         """Set every slot of ``buffer`` (this rank's uint8 symmetric buffer) to the sentinel."""
-        for dtype, (half, element, _) in _SENTINELS.items():
+        for half, element, _, bits_dtype in _SENTINELS.values():
             start = self.offset + half * self.dtype_bytes
-            view = buffer[start:start + self.dtype_bytes].view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
-            view.fill_(element)
+            buffer[start:start + self.dtype_bytes].view(bits_dtype).fill_(element)
 
 
 def push_unsupported_reason(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -144,10 +142,9 @@ def push_unsupported_reason(x: torch.Tensor, residual: torch.Tensor, weight: tor
     """Why `fused_all_reduce_add_rmsnorm_push` cannot take ``(x, residual, weight)`` (None:
     it can): the pull kernel's conditions (`fused_all_reduce.fused_unsupported_reason`),
     with a slot in place of a half."""
-    from attnserve.distributed.fused_all_reduce import FusedRegion, fused_unsupported_reason
-
     # only the message limit of the region is read: a slot is as large as a half
-    return fused_unsupported_reason(x, residual, weight, FusedRegion(0, lamport.slot_bytes, 0, lamport.world_size))
+    return far.fused_unsupported_reason(x, residual, weight, far.FusedRegion(0, lamport.slot_bytes, 0,
+                                                                             lamport.world_size))
 
 
 def fused_all_reduce_add_rmsnorm_push(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -189,7 +186,6 @@ def _launch(x, residual, weight, eps, weight_offset, buffer_ptrs, counters, rank
     if counters.dtype != torch.int64 or counters.numel() < PUSH_COUNTERS:
         raise ValueError(f"fused_all_reduce_add_rmsnorm_push: counters must be int64 [{PUSH_COUNTERS}], got "
                          f"{counters.dtype} {tuple(counters.shape)}")
-    from attnserve.distributed import fused_all_reduce as far
     from attnserve.distributed.fused_all_reduce_push_triton import _lamport_fused_add_rmsnorm_kernel
 
     n = x.shape[-1]
@@ -197,8 +193,8 @@ def _launch(x, residual, weight, eps, weight_offset, buffer_ptrs, counters, rank
     out = torch.empty_like(residual)
     block = far._next_pow2(n)
     warps = far.norm_warps(block)  # fused_add_rmsnorm's: tl.sum adds in the same order
-    half, sentinel, word = _SENTINELS[x.dtype]
-    bits = x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
+    half, sentinel, word, bits_dtype = _SENTINELS[x.dtype]
+    bits = x.view(bits_dtype)
     n_vec = (x.numel() * x.element_size() + 15) // 16
     args = (bits, residual, weight.contiguous(), out, buffer_ptrs, counters, rank, rows, n, n_vec, float(eps),
             float(weight_offset), lamport.offset, lamport.slot_bytes)
