@@ -1,0 +1,125 @@
+"""Launch tuning of the paged decode kernels (`decode_attention`): the one place it lives.
+
+`decode_config` picks stage 1's tile (keys per tile, query-head block, warps, software
+pipelining stages, fp8 V pairs) from the head size, GQA group, KV dtype, the device and, for
+large batches, the number of stage-1 programs per SM. Every number here was measured; the
+sources are cited next to the constants and in `decode_config`'s docstring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from attnserve.mem_cache.kv_quant import FP8_DTYPES
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of stage 1 (see `decode_config`).
+
+    block_n: keys per tile (also the split alignment); block_h: query heads per program
+    (1 = per-head kernel without ``tl.dot``, else >= 16 rows for ``tl.dot``); num_warps /
+    num_stages: Triton launch options; stage2_warps: warps of the merge kernel; v_pairs: an
+    fp8 V buffer is read as int16 pairs of adjacent columns and converted in registers
+    (``V_PAIRS`` of stage 1; CUDA, 16-bit queries and ``Dv`` a power of two >= 32 only,
+    else ignored).
+    """
+
+    block_n: int
+    block_h: int
+    num_warps: int
+    num_stages: int
+    stage2_warps: int = 2
+    v_pairs: bool = False
+
+
+#: (block_n, num_stages, num_warps) of stage 1 for an fp8 cache on an H100 / H200 (`decode_config`)
+FP8_HOPPER_TILE = (256, 3, 4)
+#: device names (``torch.cuda.get_device_name`` substrings) that take `FP8_HOPPER_TILE` with V pairs
+FP8_PAIRS_DEVICES = ("H100", "H200")
+
+#: opt-in shared memory per block from which 3-stage 128-key tiles fit (H100/H200: 227 KB)
+_BIG_SMEM = 200 * 1024
+#: stage-1 programs (requests x head programs) per SM from which a batch takes the batch tiles
+BATCH_PROGRAMS_PER_SM = 8
+#: (block_n, num_stages) of stage 1 for a 16-bit cache at >= BATCH_PROGRAMS_PER_SM programs per SM
+BATCH_TILE = (128, 2)
+#: (block_n, num_stages) of stage 1 for an fp8 cache on an H100 / H200 at that many programs (V pairs)
+FP8_HOPPER_BATCH_TILE = (128, 4)
+
+
+def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bool = False,
+                   max_shared_mem: int = 0, device_name: str = "", batch_size: int = 0,
+                   num_kv_heads: int = 0, num_sms: int = 0) -> DecodeConfig:
+    """The one place decode tuning lives.
+
+    Args:
+        head_dim: K head size (``Dk``; 576 for MLA).
+        group_size: query heads per KV head (1 = MHA).
+        dtype: KV dtype.
+        is_hip: AMD GPUs (no software pipelining with gathers; wave64).
+        max_shared_mem: the device's opt-in shared memory per block in bytes (0: unknown).
+        device_name: ``torch.cuda.get_device_name`` ("" when unknown); fp8 caches on an
+            H100 / H200 (`FP8_PAIRS_DEVICES`) get their own tiles (below).
+        batch_size / num_kv_heads / num_sms: the launch's requests and KV heads and the
+            device's SMs; any 0 (unknown, or a batch-invariant caller) keeps the small-batch
+            tiles. From `BATCH_PROGRAMS_PER_SM` stage-1 programs per SM at one split a
+            request (``batch_size * num_kv_heads * head blocks``) the batch tiles apply (below).
+
+    Large batches (`benchmarks/decode_batch_sweep.py`, H100, 2026-11-27, CUDA graphs, Hkv 8,
+    d 128, µs, small-batch tile -> batch tile): 144 requests of 800 keys, Llama-3-8B heads
+    178.9 -> 172.9 (bf16, 0.88 -> 0.91 of the copy rate), 111.7 -> 105.1 (e4m3); Qwen3-0.6B
+    heads 175.9 -> 170.0 (bf16), 108.7 -> 101.6 (e4m3); 256 requests uniform in [200, 1800]
+    keys 374.0 -> 370.3 (bf16), 215.3 -> 209.4 (e4m3); 256 x 800 within 0.2%. At 64 x 800
+    (3.9 programs per SM) no tile beat the small-batch one by more than 0.5%.
+
+    Measured on an H100 (benchmarks/decode_sweep.py, 2026-11-21, bf16, d 64 and 128, bs 1/8,
+    contexts 512/4096, inside CUDA graphs): 128-key tiles with 3 stages are within 7% of
+    the best of 72 configurations in every case, and 16-26% faster than 64-key tiles with
+    2 stages at batch 1 (SmolLM2 bs 1 ctx 512: 5.4 vs 6.3 µs; Llama-3-8B: 7.1 vs 8.4 µs).
+    They need ~192 KB of shared memory at d 128, hence the ``max_shared_mem`` guard.
+    """
+    wide = head_dim > 128 or dtype == torch.float32
+    if not wide and not is_hip and max_shared_mem >= _BIG_SMEM:
+        cap = 64
+        block_h = max(16, min(cap, triton.next_power_of_2(group_size)))
+        fp8_hopper = dtype in FP8_DTYPES and any(name in device_name for name in FP8_PAIRS_DEVICES)
+        programs = batch_size * num_kv_heads * _head_blocks(block_h, group_size)
+        if num_sms > 0 and programs >= BATCH_PROGRAMS_PER_SM * num_sms and (fp8_hopper or dtype not in FP8_DTYPES):
+            block_n, stages = FP8_HOPPER_BATCH_TILE if fp8_hopper else BATCH_TILE
+            return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=4, num_stages=stages, v_pairs=fp8_hopper)
+        if fp8_hopper:
+            # V as int16 pairs and 256-key tiles (64 KB of K+V per tile, like bf16's 128;
+            # benchmarks/fp8_decode_sweep.py --pairs-ab, benchmarks/NOTES.md sessions 11-12),
+            # e4m3 against the 128-key / 5-stage byte path below, same runs:
+            # H200 bs 64 x 8K 325.6 -> 281.6 us, 8 x 32K 171.4 -> 145.2 us;
+            # H100 bs 64 x 8K 403.0 -> 391.5 us, 8 x 32K 204.0 -> 201.1 us, 1 x 8K 14.6 -> 13.4 us.
+            return DecodeConfig(block_n=FP8_HOPPER_TILE[0], block_h=block_h, num_warps=FP8_HOPPER_TILE[2],
+                                num_stages=FP8_HOPPER_TILE[1], v_pairs=True)
+        # other GPUs with the shared memory: fp8 tiles are half the bytes, 5 stages keep as much
+        # in flight (H100 before session 12, e4m3, d 128, benchmarks/fp8_decode_sweep.py: bs 64
+        # x 8K 430 -> 408 us, 8 x 32K 261 -> 244 us; 256-key byte tiles were slower)
+        return DecodeConfig(block_n=128, block_h=block_h, num_warps=4, num_stages=5 if dtype in FP8_DTYPES else 3)
+    block_n = 32 if (wide or is_hip) else 64
+    if head_dim > 256:
+        block_n = 16
+    # Even MHA (group 1) goes through tl.dot with 16 padded rows: the tensor-core work is
+    # far below the memory time, and the dot path keeps ~105 registers and cp.async
+    # pipelining on sm90, where the per-head reduction path (block_h=1) needs ~250
+    # registers and is not pipelined.
+    cap = 64 if head_dim <= 128 else (32 if head_dim <= 256 else 16)
+    block_h = max(16, min(cap, triton.next_power_of_2(group_size)))
+    num_warps = 4 if head_dim <= 256 else 8
+    num_stages = 1 if is_hip else 2
+    return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=num_warps, num_stages=num_stages)
+
+
+def _head_blocks(block_h: int, group: int) -> int:
+    """Stage-1 programs per KV head: ``cdiv(group, block_h)`` query-head blocks (block_h
+    below 16 is raised to 16 for ``tl.dot``; 1 for the per-head MHA kernel)."""
+    if block_h == 1:
+        return 1 if group == 1 else group
+    return triton.cdiv(group, max(16, block_h))
