@@ -27,7 +27,8 @@
   `distributed.fused_all_reduce_push`); each row records ``allreduce_fusion_mode`` (the
   kernel the engine runs, ``none`` without fusion). ``--tp`` with no sizes runs only ``--big-tp``.
 * ``--profile``: per decode row, rank 0's kernels under ``torch.profiler`` (CUDA activity):
-  a prefill-only run and a run of ``--profile-steps`` more decode steps, the difference
+  a prefill-only run (its kernels are reported too, in total: ``profile.prefill_kernels``)
+  and a run of ``--profile-steps`` more decode steps, the difference
   divided by the decode steps: per kernel name, launches and GPU microseconds per step
   (``profile.kernels``), as ``profile_step.py`` reports them for one GPU.
 """
@@ -147,6 +148,14 @@ def kernel_profile(llm, prompts, steps: int, top: int = 25) -> dict:
     kernels.sort(key=lambda k: -k["us_per_step"])
     res = {"decode_steps": n, "busy_us_per_step": sum(k["us_per_step"] for k in kernels),
            "launches_per_step": sum(k["launches_per_step"] for k in kernels), "kernels": kernels}
+    # the prefill-only run (prefill of every prompt + one sampled token): its kernels in total
+    pre_kernels = sorted(({"name": name, "launches": c, "us": us} for name, (c, us) in pre.items()),
+                         key=lambda k: -k["us"])
+    res["prefill_busy_us"] = sum(k["us"] for k in pre_kernels)
+    res["prefill_kernels"] = pre_kernels[:top]
+    print(f"  prefill profile: {res['prefill_busy_us'] / 1e3:.1f} ms of kernels", flush=True)
+    for k in pre_kernels[:12]:
+        print(f"  {k['us'] / 1e3:8.2f} ms  x{k['launches']:5d}  {k['name']}", flush=True)
     print(f"  profile: {res['launches_per_step']:.0f} launches, {res['busy_us_per_step']:.1f} us of kernels "
           f"per step ({n} steps)", flush=True)
     for k in kernels[:top]:

@@ -13,7 +13,8 @@
 #   allreduce: also the fused all-reduce + add + RMSNorm, pull vs push kernel, us per call
 #   (benchmarks/fused_allreduce_bench.py); push: Llama-3-8B at tp = all GPUs, batch 1 and 64, fused
 #   with the pull and the push kernel (ATTNSERVE_ALLREDUCE_FUSION_MODE) in one run; bigpush: the
-#   Llama-3-70B shape at tp 4, pull and push.
+#   Llama-3-70B shape at tp 4, pull and push. PUSH_TP (tp sizes, default all GPUs), PUSH_MODES /
+#   BIGPUSH_MODES (default "pull push") and PUSH_ARGS (e.g. --profile) narrow or widen those two.
 #   tp: Llama-3-8B tp 1 / 2 / 4, batch 1 and 64, all-reduce fusion on and off, rank 0's kernel
 #   profile; big: the Llama-3-70B shape at tp 4.
 # The dp test and replicas import the server (fastapi): run with carry [".whl/serving"].
@@ -64,15 +65,18 @@ grep -E "ms/step" "$OUT/tp_big.log" | tail -4
 fi
 if stage push; then
 # Llama-3-8B at tp = all GPUs: fused with the pull kernel, then with the push kernel
-timeout "${PUSH_LIMIT:-360}" python3 benchmarks/tp_decode.py --tp "$ngpu" --requests 1 64 --step-broadcast shm \
-  --allreduce-fusion on --allreduce-fusion-mode pull push --skip-identity --out "$OUT/push" > "$OUT/tp_push.log" 2>&1
+# shellcheck disable=SC2086
+timeout "${PUSH_LIMIT:-360}" python3 benchmarks/tp_decode.py --tp ${PUSH_TP:-$ngpu} --requests 1 64 --step-broadcast shm \
+  --allreduce-fusion on --allreduce-fusion-mode ${PUSH_MODES:-pull push} ${PUSH_ARGS:-} --skip-identity --out "$OUT/push" \
+  > "$OUT/tp_push.log" 2>&1
 echo "tp push rc=$?"
 grep -E "ms/step" "$OUT/tp_push.log" | tail -4
 fi
 if stage bigpush && [ -n "$big" ]; then
 # the Llama-3-70B shape at tp 4, pull then push kernel (two engines, ~2 minutes each)
+# shellcheck disable=SC2086
 timeout "${BIGPUSH_LIMIT:-540}" python3 benchmarks/tp_decode.py --tp --requests 1 $big --skip-identity \
-  --step-broadcast shm --allreduce-fusion on --allreduce-fusion-mode pull push --out "$OUT/bigpush" \
+  --step-broadcast shm --allreduce-fusion on --allreduce-fusion-mode ${BIGPUSH_MODES:-pull push} --out "$OUT/bigpush" \
   > "$OUT/tp_bigpush.log" 2>&1
 echo "tp bigpush rc=$?"
 grep -E "ms/step" "$OUT/tp_bigpush.log" | tail -4

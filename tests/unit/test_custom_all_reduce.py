@@ -11,9 +11,9 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from attnserve.distributed.custom_all_reduce import (FUSED, NCCL, ONE_SHOT, TWO_SHOT, CustomAllReduceConfig,
-                                                     default_config, local_unavailable_reason, peer_access_reason,
-                                                     select_algorithm)
+from attnserve.distributed.custom_all_reduce import (FUSED, NCCL, ONE_SHOT, TWO_SHOT, TWO_SHOT_MAX_ENV,
+                                                     CustomAllReduceConfig, config_from_env, default_config,
+                                                     local_unavailable_reason, peer_access_reason, select_algorithm)
 from attnserve.engine.tp.launch import free_port
 
 CFG = CustomAllReduceConfig(one_shot_max_bytes=4096, two_shot_max_bytes=65536)
@@ -47,6 +47,21 @@ def test_config_checks_and_buffer_size():
         c = default_config(world)
         assert 0 < c.one_shot_max_bytes <= c.two_shot_max_bytes <= c.buffer_bytes
     assert default_config(8).one_shot_max_bytes <= default_config(2).one_shot_max_bytes
+
+
+def test_two_shot_ceiling_from_env(monkeypatch):
+    monkeypatch.delenv(TWO_SHOT_MAX_ENV, raising=False)
+    assert config_from_env(4) == default_config(4)
+    monkeypatch.setenv(TWO_SHOT_MAX_ENV, "64")
+    c = config_from_env(4)
+    assert (c.one_shot_max_bytes, c.two_shot_max_bytes) == (default_config(4).one_shot_max_bytes, 64 << 20)
+    assert c.buffer_bytes == 64 << 20  # the symmetric buffer grows with the ceiling
+    monkeypatch.setenv(TWO_SHOT_MAX_ENV, "0.001")  # rounded down to the kernels' 16-byte vectors
+    assert config_from_env(2).two_shot_max_bytes == 1040
+    for bad in ("0", "-3", "lots"):
+        monkeypatch.setenv(TWO_SHOT_MAX_ENV, bad)
+        with pytest.raises(ValueError, match=TWO_SHOT_MAX_ENV):
+            config_from_env(2)
 
 
 def test_local_reasons():

@@ -101,6 +101,32 @@ def default_config(world_size: int) -> CustomAllReduceConfig:
     return CustomAllReduceConfig(one_shot_max_bytes=128 << 10, two_shot_max_bytes=4 << 20)
 
 
+#: environment override of `default_config`'s two-shot ceiling, in MiB (for measuring a
+#: larger symmetric buffer against NCCL inside an engine; unset: the measured default)
+TWO_SHOT_MAX_ENV = "ATTNSERVE_TWO_SHOT_MAX_MB"
+
+
+def config_from_env(world_size: int) -> CustomAllReduceConfig:
+    """`default_config`, with ``ATTNSERVE_TWO_SHOT_MAX_MB`` (a positive number of MiB) as the
+    two-shot ceiling when set.
+
+    Raises:
+        ValueError: the variable is set but not a positive number.
+    """
+    config = default_config(world_size)
+    raw = os.environ.get(TWO_SHOT_MAX_ENV, "").strip()
+    if not raw:
+        return config
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not mb > 0:
+        raise ValueError(f"{TWO_SHOT_MAX_ENV}={raw!r}: expected a positive number of MiB")
+    return CustomAllReduceConfig(one_shot_max_bytes=config.one_shot_max_bytes,
+                                 two_shot_max_bytes=int(mb * (1 << 20)) // _ALIGN * _ALIGN)
+
+
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
@@ -277,7 +303,8 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
         cpu_group: a gloo group of the same ranks (the agreement).
         device: this rank's CUDA device.
         disable: ``--disable-custom-all-reduce``.
-        config: thresholds (default: `default_config`).
+        config: thresholds (default: `config_from_env`, i.e. `default_config` unless
+            ``ATTNSERVE_TWO_SHOT_MAX_MB`` is set).
         disable_fusion: ``--disable-allreduce-fusion`` (no `CustomAllReduce.fusion`). Else
             the fused kernel is compiled and probed on every rank, and turned off on all of
             them (a warning) when any rank fails; which kernel (pull or push) is read once
@@ -308,7 +335,7 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
     level = logging.INFO
     if reason is None:
         try:
-            custom = _build(rank, world_size, device_group, cpu_group, device, config or default_config(world_size),
+            custom = _build(rank, world_size, device_group, cpu_group, device, config or config_from_env(world_size),
                             fusion=not disable_fusion, fusion_mode=fusion_mode)
         except Exception as e:  # a torch whose symmetric memory cannot start here; RendezvousSkew
             reason = f"symmetric memory failed: {type(e).__name__}: {e}"
