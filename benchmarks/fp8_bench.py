@@ -25,7 +25,7 @@ engine runs it) and ``M`` in ``--ms``, the GPU time of each path, ms per call:
   (`fp8_skinny_config`, marked ``*``) and, with ``--sweep``, the 16-bit tiles (M <= 16)
   and ``block_k`` x2 (M = 1, M > 16) and /2 (M > 16), each
   labelled by its ``block_n x block_k / warps`` (``c`` carried, ``d`` deferred);
-* ``w8a16v[variant:tile]`` (M = 1 only): the opt-in one-row variants of
+* ``w8a16v[variant:tile]`` (M = 1 only): the one-row variants of
   `attnserve.models.layers.fp8_gemv` (``ATTNSERVE_FP8_GEMV``; ``f32``, ``f16x2``,
   ``dot16``), each on its default tile and, with ``--sweep``, its
   `fp8_gemv_candidates`; the row's ``w8a16v`` entry gives per variant its default tile,
@@ -73,17 +73,18 @@ ROTATE_BYTES = 200 * 2**20
 ENGINE_VARIANTS = {
     "bf16": {},
     "fp8": {},
-    "fp8-16bit-tiles": {"ATTNSERVE_FP8_SKINNY_TABLE": "0"},
+    "fp8-16bit-tiles": {"ATTNSERVE_FP8_SKINNY_TABLE": "0", "ATTNSERVE_FP8_GEMV": "skinny"},
     "fp8-w8a16-64": {"ATTNSERVE_FP8_W8A16_MAX_M": "64"},
     "fp8-unfused-producers": {"ATTNSERVE_FP8_FUSED_PRODUCERS": "0"},
     "fp8-next": {"ATTNSERVE_FP8_W8A16_MAX_M": "64", "ATTNSERVE_FP8_FUSED_PRODUCERS": "1"},
-    # the opt-in one-row W8A16 variants (`fp8_gemv`); decode rows only
+    # the one-row W8A16 variants (`fp8_gemv`; f16x2 is the default); decode rows only
+    "fp8-gemv-skinny": {"ATTNSERVE_FP8_GEMV": "skinny"},
     "fp8-gemv-f32": {"ATTNSERVE_FP8_GEMV": "f32"},
     "fp8-gemv-f16x2": {"ATTNSERVE_FP8_GEMV": "f16x2"},
     "fp8-gemv-dot16": {"ATTNSERVE_FP8_GEMV": "dot16"},
 }
 #: engine variants timed at decode only (no prefill, no throughput run)
-DECODE_ONLY = ("fp8-16bit-tiles", "fp8-gemv-f32", "fp8-gemv-f16x2", "fp8-gemv-dot16")
+DECODE_ONLY = ("fp8-16bit-tiles", "fp8-gemv-skinny", "fp8-gemv-f32", "fp8-gemv-f16x2", "fp8-gemv-dot16")
 
 
 def _legacy_eager_ms(fn, iters=30):

@@ -75,8 +75,9 @@ def test_f16x2_range_edges_interpreter(monkeypatch):
 
 def test_env_routes_one_row_and_rejects_unknown(monkeypatch):
     """``ATTNSERVE_FP8_GEMV=<variant>``: one row through `skinny_linear_fp8` gives the bits
-    of `fp8_gemv` (same kernel and default tile); unsupported operands (f16x2 with float16
-    x) take the default kernel; an unknown name raises; two rows ignore the variable."""
+    of `fp8_gemv` (same kernel and default tile); unset / ``default`` is f16x2, ``skinny`` /
+    ``0`` the skinny kernel; unsupported operands (f16x2 with float16 x) take the skinny
+    kernel; an unknown name raises; two rows ignore the variable."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from attnserve.models.layers.fp8_gemv import fp8_gemv, fp8_gemv_supported
     from attnserve.models.layers.skinny_gemm import fp8_skinny_config, skinny_linear_fp8
@@ -93,7 +94,14 @@ def test_env_routes_one_row_and_rejects_unknown(monkeypatch):
     assert torch.equal(skinny_linear_fp8(xh, wq, ws), plain)
     with pytest.raises(ValueError, match="unsupported"):
         fp8_gemv(xh, wq, ws, variant="f16x2")
-    monkeypatch.setenv("ATTNSERVE_FP8_GEMV", "default")
+    monkeypatch.setenv("ATTNSERVE_FP8_GEMV", "skinny")
+    assert torch.equal(skinny_linear_fp8(x, wq, ws), default)
+    for unset in ("default", ""):  # f16x2 by default
+        monkeypatch.setenv("ATTNSERVE_FP8_GEMV", unset)
+        assert torch.equal(skinny_linear_fp8(x, wq, ws), fp8_gemv(x, wq, ws, variant="f16x2"))
+    monkeypatch.delenv("ATTNSERVE_FP8_GEMV")
+    assert torch.equal(skinny_linear_fp8(x, wq, ws), fp8_gemv(x, wq, ws, variant="f16x2"))
+    monkeypatch.setenv("ATTNSERVE_FP8_GEMV", "0")
     assert torch.equal(skinny_linear_fp8(x, wq, ws), default)
     monkeypatch.setenv("ATTNSERVE_FP8_GEMV", "f8x4")
     with pytest.raises(ValueError, match="ATTNSERVE_FP8_GEMV"):

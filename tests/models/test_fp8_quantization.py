@@ -256,8 +256,10 @@ def test_online_dummy_matches_quantised_bf16_weights():
 def test_skinny_fp8_table_tiles_interpreter(m, n, k, act, monkeypatch):
     """`skinny_linear_fp8` on its default tiles: one row with K > 1024 (the `FP8_SKINNY_M1`
     entry of its shape class) and 40 rows (`FP8_SKINNY_WIDE`, a 64-row ``tl.dot``
-    tile, gated), against the float64 product of x and the dequantised weight."""
+    tile, gated), against the float64 product of x and the dequantised weight. (One row
+    takes `fp8_gemv`'s f16x2 unless ``ATTNSERVE_FP8_GEMV=skinny``.)"""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("ATTNSERVE_FP8_GEMV", "skinny")
     from attnserve.models.layers.quantization.fp8_utils import quantize_per_row
     from attnserve.models.layers.skinny_gemm import FP8_SKINNY_M1, _shape_class, fp8_skinny_config, skinny_linear_fp8
 

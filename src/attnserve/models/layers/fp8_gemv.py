@@ -1,10 +1,13 @@
-"""Opt-in W8A16 GEMV variants for one activation row and an FP8 weight (issue 37, decode at batch 1).
+"""W8A16 GEMV variants for one activation row and an FP8 weight (issue 37, decode at batch 1).
 
-`skinny_linear_fp8` (the default, GPU-verified) runs one row through the 16-bit skinny
-kernel's ``defer`` form with the weight widened to float32. The variants here
+`skinny_linear_fp8` used to run one row through the 16-bit skinny kernel's ``defer`` form
+with the weight widened to float32 (the "skinny" kernel). The variants here
 (`FP8_GEMV_VARIANTS`, kernels in `fp8_gemv_triton`, whose module doc gives the arithmetic
-and the error bound) are selected by ``ATTNSERVE_FP8_GEMV`` (read at every call; unset,
-empty, ``0`` or ``default``: the default kernel):
+and the error bound) are selected by ``ATTNSERVE_FP8_GEMV`` (read at every call). Unset or
+``default``: ``f16x2``, the fastest on an H100 (Llama-3-8B FP8 decode step at batch 1
+3.77 -> 3.40 ms; qkv / o / gate_up / down 12.6 -> 10.7, 9.1 -> 7.5, 44.8 -> 40.6,
+26.3 -> 21.2 µs, ``benchmarks/results/h100-80gb-hbm3-fp8-bench-*-gemv-*-2026-11-27.json``);
+``skinny`` or ``0``: the skinny kernel:
 
 * ``f32`` -- the default kernel's arithmetic (exact fp8 -> float32, float32 FMA) with the
   weight and x tiles in one register layout (the default moves its x tile through shared
@@ -15,7 +18,7 @@ empty, ``0`` or ``default``: the default kernel):
   weight tiles pipelined through shared memory.
 
 A call the chosen variant cannot take (more than one row, ``f16x2`` with float16 ``x``,
-``K % 4 != 0`` or an unaligned operand) runs the default kernel. `fp8_gemv` is
+``K % 4 != 0`` or an unaligned operand) runs the skinny kernel. `fp8_gemv` is
 CUDA-graph capturable (allocates only its output, reads nothing back) and runs on the CPU
 under the Triton interpreter (each variant's plain-``tl`` form).
 """
@@ -32,12 +35,14 @@ from attnserve.models.layers.pdl import pdl_enabled, pdl_supported
 from attnserve.models.layers.skinny_gemm import SKINNY_ACTIVATIONS, _shape_class, skinny_fp8_supported
 from attnserve.triton_env import triton_interpreting
 
-__all__ = ["FP8_GEMV_VARIANTS", "FP8_GEMV_ENV", "Fp8GemvConfig", "fp8_gemv", "fp8_gemv_config",
+__all__ = ["DEFAULT_FP8_GEMV", "FP8_GEMV_VARIANTS", "FP8_GEMV_ENV", "Fp8GemvConfig", "fp8_gemv", "fp8_gemv_config",
            "fp8_gemv_supported", "fp8_gemv_variant", "fp8_gemv_candidates", "fp8_gemv_error_bound"]
 
 #: variant name -> the kernel's ``MODE``
 FP8_GEMV_VARIANTS = {"f32": 0, "f16x2": 1, "dot16": 2}
 FP8_GEMV_ENV = "ATTNSERVE_FP8_GEMV"
+#: the variant one row takes when ``ATTNSERVE_FP8_GEMV`` is unset (measured, see the module doc)
+DEFAULT_FP8_GEMV = "f16x2"
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,9 @@ class Fp8GemvConfig:
 #: num_stages, carry); f16x2 carries tiles where `skinny_gemm.FP8_SKINNY_M1` does (f32's
 #: carried loop has ~2 more instructions per weight byte, 5.9 against 3.8: only its sweep
 #: candidate carries).
-#: Unmeasured starting points (2026-11-27), chosen from each form's SASS (Triton 3.9,
+#: f16x2's gated / k>=8192 / n<=4096 / n<=16384 tiles are the best of ``fp8_bench.py --parts
+#: gemm --ms 1 --sweep`` on an H100 (2026-11-27; 2-7% over the starting points below). The
+#: others are the unmeasured starting points (2026-11-27), chosen from each form's SASS (Triton 3.9,
 #: compiled ahead of time for sm_90 on a CPU host): ``block_k`` at least a full layout row
 #: (8 K values per thread and load: ``256 * num_warps``), so no lane holds a copy; more rows
 #: per program share x's conversion, within ~120 registers. ``benchmarks/fp8_gemv_sass.py``
@@ -94,25 +101,27 @@ class Fp8GemvConfig:
 _TILES = {
     "f32": {"gated": (2, 1024, 4, 1, False), "k>=8192": (4, 2048, 8, 1, False),
             "n<=4096": (4, 1024, 4, 1, False), "n<=16384": (4, 2048, 4, 1, False), "wide": (4, 2048, 8, 1, False)},
-    "f16x2": {"gated": (4, 1024, 4, 1, False), "k>=8192": (8, 2048, 8, 1, False),
-              "n<=4096": (8, 1024, 4, 1, True), "n<=16384": (8, 2048, 4, 1, False), "wide": (8, 2048, 8, 1, True)},
+    "f16x2": {"gated": (4, 2048, 4, 1, False), "k>=8192": (8, 2048, 8, 1, True),
+              "n<=4096": (8, 2048, 4, 1, True), "n<=16384": (4, 2048, 4, 1, False), "wide": (8, 2048, 8, 1, True)},
     "dot16": {"gated": (32, 256, 4, 4, False), "k>=8192": (16, 512, 2, 3, False),
               "n<=4096": (16, 256, 2, 4, False), "n<=16384": (32, 256, 4, 4, False), "wide": (32, 256, 4, 4, False)},
 }
 
 
 def fp8_gemv_variant() -> Optional[str]:
-    """The variant ``ATTNSERVE_FP8_GEMV`` names, or None for the default kernel (unset,
-    empty, ``0``, ``default``). Read at every call.
+    """The variant ``ATTNSERVE_FP8_GEMV`` names: ``f16x2`` when unset, empty or ``default``;
+    None (the skinny kernel) for ``skinny`` or ``0``. Read at every call.
 
     Raises:
         ValueError: an unknown name (the message lists the choices).
     """
     v = os.environ.get(FP8_GEMV_ENV, "").strip().lower()
-    if v in ("", "0", "default"):
+    if v in ("", "default"):
+        return DEFAULT_FP8_GEMV
+    if v in ("0", "skinny"):
         return None
     if v not in FP8_GEMV_VARIANTS:
-        raise ValueError(f"{FP8_GEMV_ENV}={v!r}: expected one of default, {', '.join(FP8_GEMV_VARIANTS)}")
+        raise ValueError(f"{FP8_GEMV_ENV}={v!r}: expected one of default, skinny, {', '.join(FP8_GEMV_VARIANTS)}")
     return v
 
 

@@ -578,7 +578,7 @@ def skinny_linear_fp8(
         if weight.shape[0] % 2:
             raise ValueError(f"skinny_linear_fp8: weight {tuple(weight.shape)} must have an even number of rows")
         act = SKINNY_ACTIVATIONS[activation]
-    if config is None and x.shape[0] == 1:  # opt-in W8A16 variants (ATTNSERVE_FP8_GEMV, `fp8_gemv`)
+    if config is None and x.shape[0] == 1:  # W8A16 one-row variants (ATTNSERVE_FP8_GEMV, `fp8_gemv`)
         from attnserve.models.layers import fp8_gemv as fg
 
         variant = fg.fp8_gemv_variant()
