@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
@@ -63,13 +63,13 @@ M_BUCKETS = (32, 64, 128, 256)
 #: the rest left to the epilogue's layout conversion)
 SMEM_BUDGET = 160 * 1024
 
-#: shape class -> M bucket -> (block_n, block_k, num_warps, num_stages, split_k). Unmeasured
+#: shape class -> M bucket -> (block_n, block_k, num_warps, num_stages, split_k[, use_tma]). Unmeasured
 #: starting points (2026-11-28), chosen so that a projection launches >= 2 CTAs per H100 SM:
 #: o (4096 x 4096): 64 column blocks x 4; qkv (6144 x 4096): 96 x 3; down (4096 x 14336):
 #: 64 x 8; gate_up (2 x 14336 x 4096, a program reads gate and up tiles): 224 x 2. From 128
 #: rows on, 128-row weight tiles halve the activation re-reads (each column block reads all
 #: of x over its K range) and 8 warps hold the wider accumulators.
-FP8_MID_TABLE: Dict[str, Dict[int, Tuple[int, int, int, int, int]]] = {
+FP8_MID_TABLE: Dict[str, Dict[int, tuple]] = {
     "n<=4096": {32: (64, 128, 4, 4, 4), 64: (64, 128, 4, 4, 4), 128: (128, 128, 8, 3, 2), 256: (128, 64, 8, 3, 4)},
     "n<=16384": {32: (64, 128, 4, 4, 3), 64: (64, 128, 4, 4, 3), 128: (128, 128, 8, 3, 2), 256: (128, 64, 8, 3, 2)},
     "k>=8192": {32: (64, 128, 4, 4, 8), 64: (64, 128, 4, 4, 8), 128: (128, 128, 8, 3, 4), 256: (128, 64, 8, 3, 4)},
@@ -77,7 +77,7 @@ FP8_MID_TABLE: Dict[str, Dict[int, Tuple[int, int, int, int, int]]] = {
     "wide": {32: (64, 128, 4, 4, 1), 64: (64, 128, 4, 4, 1), 128: (128, 128, 8, 3, 1), 256: (128, 64, 8, 3, 1)},
 }
 #: per mode, entries replacing `FP8_MID_TABLE`'s (filled from ``--sweep`` results)
-FP8_MID_MODE_OVERRIDES: Dict[str, Dict[str, Dict[int, Tuple[int, int, int, int, int]]]] = {"w8a16": {}, "w8a8": {}}
+FP8_MID_MODE_OVERRIDES: Dict[str, Dict[str, Dict[int, tuple]]] = {"w8a16": {}, "w8a8": {}}
 
 
 def fp8_mid_gemm_mode() -> Optional[str]:
@@ -131,9 +131,10 @@ def fp8_mid_config(m: int, n: int, k: int, mode: str, gated: bool = False) -> Mi
         raise ValueError(f"fp8_mid_config: m={m} (1..{MAX_MID_M}), mode={mode!r} ({FP8_MID_MODES})")
     cls = fp8_mid_shape_class(n, k, gated)
     row = {**FP8_MID_TABLE[cls], **FP8_MID_MODE_OVERRIDES[mode].get(cls, {})}
-    bn, bk, warps, stages, split = row[_bucket(m)]
+    bn, bk, warps, stages, split, *tma = row[_bucket(m)]
     bk = max(32, min(bk, 1 << max(k - 1, 0).bit_length()))
-    cfg = MidGemmConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split)
+    cfg = MidGemmConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split,
+                        use_tma=bool(tma and tma[0]))
     return _fit_stages(cfg, m, gated, 1 if mode == "w8a8" else 2)
 
 
