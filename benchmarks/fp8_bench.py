@@ -8,7 +8,8 @@
 (``ATTNSERVE_FP8_SKINNY_TABLE=0``: the W8A16 decode kernel on the bf16 tiles, as before
 2026-11-26; decode only); ``fp8-w8a16-64`` (``ATTNSERVE_FP8_W8A16_MAX_M=64``: batches up to
 64 rows on the W8A16 kernel instead of activation quantisation + ``_scaled_mm``; no
-prefill); ``fp8-unfused-producers`` (``ATTNSERVE_FP8_FUSED_PRODUCERS=0``; the default since
+prefill); ``fp8-mid-w8a16`` / ``fp8-mid-w8a8`` (``ATTNSERVE_FP8_MID_GEMM``: 17..256 rows
+on the FP8-weight mid GEMM, `fp8_mid_gemm`; no prefill); ``fp8-unfused-producers`` (``ATTNSERVE_FP8_FUSED_PRODUCERS=0``; the default since
 2026-11-27 is on: add-RMSNorm and
 SiLU-and-mul emit FP8 for the W8A8 linears, `fused_inputs`); ``fp8-next`` (both):
 
@@ -31,6 +32,15 @@ engine runs it) and ``M`` in ``--ms``, the GPU time of each path, ms per call:
   `fp8_gemv_candidates`; the row's ``w8a16v`` entry gives per variant its default tile,
   its best tile, that time, its weight-stream rate (TB/s) and the default W8A16 kernel's
   time over it (> 1: the variant is faster);
+* ``fp8_mid_w8a16[tile]`` / ``fp8_mid_w8a8[tile]`` / ``fp8_mid_w8a8_prequant[tile]``
+  (16 < M <= 256): the opt-in FP8-weight mid GEMM (`fp8_mid_gemm`; gate fused for
+  ``gate_up``) on 16-bit rows, with its activation quantisation, and on producer-quantised
+  rows; the table's tile marked ``*``, with ``--sweep`` all `fp8_mid_candidates`. The
+  row's ``fp8_mid`` gives per mode the default and best tile, times and the fraction of the
+  copy rate (weight bytes / time / ``copy_rate_tb_s``, a 1 GiB device copy); its
+  ``copy_fraction`` the same for ``bf16_cublas`` (2-byte weights), ``w8a8_scaled_mm`` and
+  ``scaled_mm_prequant``; ``fp8_mid_table_suggestion`` collects the best tiles in the
+  form of `fp8_mid_gemm.FP8_MID_MODE_OVERRIDES`;
 * ``act_quant``: the per-token quantisation alone; ``scaled_mm_prequant``: ``_scaled_mm``
   on an already quantised input (what a producer-fused quantisation leaves);
   ``w8a8_scaled_mm``: both (the engine's path for M > 16); ``triton_channel`` /
@@ -82,9 +92,14 @@ ENGINE_VARIANTS = {
     "fp8-gemv-f32": {"ATTNSERVE_FP8_GEMV": "f32"},
     "fp8-gemv-f16x2": {"ATTNSERVE_FP8_GEMV": "f16x2"},
     "fp8-gemv-dot16": {"ATTNSERVE_FP8_GEMV": "dot16"},
+    # the opt-in FP8-weight mid-size GEMM (`fp8_mid_gemm`) for 17..256 rows; no prefill row
+    "fp8-mid-w8a16": {"ATTNSERVE_FP8_MID_GEMM": "w8a16"},
+    "fp8-mid-w8a8": {"ATTNSERVE_FP8_MID_GEMM": "w8a8"},
 }
 #: engine variants timed at decode only (no prefill, no throughput run)
 DECODE_ONLY = ("fp8-16bit-tiles", "fp8-gemv-skinny", "fp8-gemv-f32", "fp8-gemv-f16x2", "fp8-gemv-dot16")
+#: engine variants without the 8192-token prefill row (their change is decode-only)
+NO_PREFILL = ("fp8-w8a16-64", "fp8-mid-w8a16", "fp8-mid-w8a8")
 
 
 def _legacy_eager_ms(fn, iters=30):
@@ -180,10 +195,90 @@ def gemv_variant_rows(x, wq, ws, n, k, gated, act, sweep, t, timed, copies):
     return summary
 
 
-def gemm_rows(model, ms, sweep, emit):
+def copy_rate_tb_s(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy rate (bytes read + written per second, TB/s) of a 1 GiB copy,
+    CUDA-graph timed: the ceiling a weight stream is compared with."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = _graph_ms(lambda i: b.copy_(a), 1, calls=4)
+    del a, b
+    return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+def fp8_mid_rows(m, x, xq, xs, wq, ws, n, k, gated, act, sweep, t, timed, copies, copy_tb_s, emit_table):
+    """Time `fp8_mid_linear` (16 < M <= 256) in both modes into ``t``: ``fp8_mid_w8a16[tile]``
+    (16-bit x), ``fp8_mid_w8a8[tile]`` (with its `quantize_activation`) and
+    ``fp8_mid_w8a8_prequant[tile]`` (producer-quantised x), the table's tile marked ``*``;
+    with ``sweep`` every `fp8_mid_candidates` tile. Returns per mode the default and best
+    tile, their times and their fraction of the copy rate (weight bytes / time / copy rate),
+    and ``emit_table`` gets ``(mode, best tile)`` for the table suggestion."""
+    from attnserve.models.layers.quantization.fp8_kernels import quantize_activation
+    from attnserve.models.layers.quantization.fp8_mid_gemm import fp8_mid_candidates, fp8_mid_linear
+
+    wbytes = n * k
+    summary = {}
+    for mode in ("w8a16", "w8a8_prequant", "w8a8"):
+        base_mode = "w8a16" if mode == "w8a16" else "w8a8"
+        cands = fp8_mid_candidates(m, n, k, base_mode, gated)
+        if not sweep:
+            cands = cands[:1]
+        elif mode == "w8a8":  # the same kernels as w8a8_prequant: its default and best tile only
+            pre = summary.get("w8a8_prequant")
+            best_pre = pre.get("best_cfg") if isinstance(pre, dict) else None
+            cands = cands[:1] + ([best_pre] if best_pre is not None and best_pre != cands[0] else [])
+        done = []
+        for j, cfg in enumerate(cands):
+            key = f"fp8_mid_{mode}[{_mid_label(cfg)}]" + ("" if j else "*")
+            if mode == "w8a16":
+                def fn(i, c=cfg):
+                    return fp8_mid_linear(x, wq[i], ws[i], None, act, config=c)
+            elif mode == "w8a8_prequant":
+                def fn(i, c=cfg):
+                    return fp8_mid_linear(xq, wq[i], ws[i], None, act, x_scale=xs, out_dtype=torch.bfloat16, config=c)
+            else:
+                def fn(i, c=cfg):
+                    q, s = quantize_activation(x)
+                    return fp8_mid_linear(q, wq[i], ws[i], None, act, x_scale=s, out_dtype=torch.bfloat16, config=c)
+            try:
+                t[key] = timed(fn, copies)
+                done.append((t[key], cfg))
+            except Exception as e:  # a tile that does not compile (registers, shared memory)
+                t[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+        if not done:
+            summary[mode] = "failed"
+            continue
+        best_ms, best = min(done, key=lambda d: d[0])
+        default_ms = done[0][0] if done[0][1] == cands[0] else None
+        summary[mode] = {"default": _mid_label(cands[0]), "default_ms": default_ms, "best": _mid_label(best),
+                         "best_cfg": best,
+                         "best_ms": best_ms, "best_tb_s": wbytes / (best_ms * 1e-3) / 1e12,
+                         "best_copy_fraction": wbytes / (best_ms * 1e-3) / 1e12 / copy_tb_s,
+                         "default_copy_fraction": (wbytes / (default_ms * 1e-3) / 1e12 / copy_tb_s
+                                                   if default_ms else None)}
+        if mode != "w8a8":
+            emit_table(base_mode, best)
+    for d in summary.values():
+        if isinstance(d, dict):
+            d.pop("best_cfg")  # JSON: the label is enough
+    print(f"  {n}x{k}{' gated' if gated else ''} M={m}: " + "; ".join(
+        f"{md}: {d['best']} {d['best_ms'] * 1e3:.2f} us ({d['best_copy_fraction']:.2f} of copy)"
+        if isinstance(d, dict) else f"{md}: {d}" for md, d in summary.items()), flush=True)
+    return summary
+
+
+def _mid_label(c) -> str:
+    return (f"{c.block_n}x{c.block_k}/{c.num_warps}w{c.num_stages}s/sk{c.split_k}"
+            f"{'/tma' if c.use_tma else ''}")
+
+
+def gemm_rows(model, ms, sweep, emit, copy_tb_s=None, table=None):
     from attnserve.models.layers.activation import act_and_mul
     from attnserve.models.layers.quantization.fp8_kernels import quantize_activation, scaled_fp8_gemm
+    from attnserve.models.layers.quantization.fp8_mid_gemm import M_BUCKETS, fp8_mid_shape_class
     from attnserve.models.layers.quantization.fp8_utils import quantize_per_block, quantize_per_row
+
+    def _fp8_mid_bucket(m):
+        return next(b for b in M_BUCKETS if m <= b)
     from attnserve.models.layers.skinny_gemm import (
         MAX_SKINNY_FP8_M,
         skinny_linear,
@@ -252,8 +347,18 @@ def gemm_rows(model, ms, sweep, emit):
                                                                        torch.bfloat16)), n_f8)
             t["triton_block"] = timed(lambda i: post(scaled_fp8_gemm(*quantize_activation(x, 128), bq[i], bs[i],
                                                                      torch.bfloat16)), n_f8)
+            if 16 < m <= 256 and copy_tb_s:
+                def emit_table(mode, cfg, cls=fp8_mid_shape_class(n, k, gated), bucket=_fp8_mid_bucket(m)):
+                    if table is not None:
+                        table.setdefault(mode, {}).setdefault(cls, {})[bucket] = [
+                            cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.split_k, cfg.use_tma]
+
+                r["fp8_mid"] = fp8_mid_rows(m, x, xq, xs, wq, ws, n, k, gated, act, sweep, t, timed, n_f8,
+                                            copy_tb_s, emit_table)
+                r["copy_fraction"] = {kk: (n * k * (2 if kk.startswith("bf16") else 1)) / (t[kk] * 1e-3) / 1e12
+                                      / copy_tb_s for kk in ("bf16_cublas", "w8a8_scaled_mm", "scaled_mm_prequant")}
             fp8_best = min((v, kk) for kk, v in t.items() if not kk.startswith("bf16") and isinstance(v, float)
-                           and kk not in ("act_quant", "scaled_mm_prequant"))
+                           and kk not in ("act_quant", "scaled_mm_prequant") and "prequant" not in kk)
             bf_best = min(v for kk, v in t.items() if kk.startswith("bf16"))
             r["best_fp8"] = fp8_best[1]
             r["bf16_over_best_fp8"] = bf_best / fp8_best[0]
@@ -307,7 +412,7 @@ def engine_rows(model, variant, emit):
         row["decode_step_bs64_ms"] = graph_step_ms(runner, 64, 512)
         vocab = llm.engine.model_config.vocab_size
         gen = torch.Generator().manual_seed(0)
-        if variant not in DECODE_ONLY + ("fp8-w8a16-64",):
+        if variant not in DECODE_ONLY + NO_PREFILL:
             one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
             long = [torch.randint(1, vocab, (8192,), generator=gen).tolist()]
             llm.generate(long, one)
@@ -385,7 +490,14 @@ def main(argv=None):
     if "producers" in parts:
         producer_rows(ms, emitter("producers"))
     if "gemm" in parts:
-        gemm_rows(args.model, ms, args.sweep, emitter("gemm"))
+        result["copy_rate_tb_s"] = copy_rate_tb_s()
+        print(f"copy rate {result['copy_rate_tb_s']:.3f} TB/s", flush=True)
+        table = {}
+        gemm_rows(args.model, ms, args.sweep, emitter("gemm"), result["copy_rate_tb_s"], table)
+        # the best fp8_mid tiles in `fp8_mid_gemm.FP8_MID_MODE_OVERRIDES` form
+        # (mode -> class -> M bucket -> [block_n, block_k, warps, stages, split_k, use_tma])
+        result["fp8_mid_table_suggestion"] = table
+        print("fp8_mid_table_suggestion " + json.dumps(table), flush=True)
     save()
 
 

@@ -22,7 +22,8 @@ A method is attached to a `Linear` as ``layer.quant_method`` (`apply.quantize_mo
 
 No method reads device values on the host in its forward, so every path is CUDA-graph
 capturable. ``ATTNSERVE_FP8_GEMM=triton`` routes the ``_scaled_mm`` cases to
-`scaled_fp8_gemm` (for A/B timing).
+`scaled_fp8_gemm` (for A/B timing); ``ATTNSERVE_FP8_MID_GEMM=w8a16|w8a8`` routes
+``16 < M <= 256`` rows to the opt-in `fp8_mid_gemm` kernel.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from attnserve.models.layers.activation import act_and_mul
 from attnserve.models.layers.quantization import loading
 from attnserve.models.layers.quantization.config import QuantizationConfig
 from attnserve.models.layers.quantization.fp8_kernels import quantize_activation, scaled_fp8_gemm
+from attnserve.models.layers.quantization.fp8_mid_gemm import fp8_mid_apply
 from attnserve.models.layers.quantization.fp8_utils import (
     BLOCK_SIZE,
     FP8_DTYPE,
@@ -164,6 +166,9 @@ class Fp8LinearMethod:
             if skinny_fp8_supported(x2, layer.weight, layer.weight_scale, bias):
                 y = skinny_linear_fp8(x2, layer.weight, layer.weight_scale, bias, activation)
                 return y.reshape(*shape, y.shape[-1])
+        y = fp8_mid_apply(layer, x2, bias, activation)  # None unless ATTNSERVE_FP8_MID_GEMM (opt-in)
+        if y is not None:
+            return y.reshape(*shape, y.shape[-1])
         if not _on_gpu_path(x2):
             y = self._reference(layer, x2, bias)
         elif m == 0:
@@ -193,12 +198,13 @@ class Fp8LinearMethod:
         launch. A gated layer marked ``fp8_output`` (`fused_inputs`) returns its SiLU-and-mul
         quantised, an `Fp8Activation` for ``down_proj``."""
         n, k = layer.weight.shape
-        if _scaled_mm_ok(x.q, n, k):
+        y = fp8_mid_apply(layer, x.q, bias, x_scale=x.scale, out_dtype=x.dtype)  # opt-in, else None
+        if y is None and _scaled_mm_ok(x.q, n, k):
             y = torch._scaled_mm(x.q, layer.weight.t(), scale_a=x.scale, scale_b=layer.weight_scale.view(1, -1),
                                  out_dtype=torch.bfloat16).to(x.dtype)
             if bias is not None:
                 y = y + bias
-        else:
+        elif y is None:
             y = scaled_fp8_gemm(x.q, x.scale, layer.weight, layer.weight_scale, x.dtype, bias)
         if activation == "silu" and getattr(layer, "fp8_output", False):
             from attnserve.models.layers.quantization.fp8_kernels import silu_and_mul_quant_fp8

@@ -63,7 +63,10 @@ def emits_fp8(x: torch.Tensor, enabled: bool) -> bool:
     if not (enabled and x.is_cuda and x.dim() == 2):
         return False
     from attnserve.models.layers.quantization.fp8_linear import w8a16_max_m
+    from attnserve.models.layers.quantization.fp8_mid_gemm import MAX_MID_M, fp8_mid_gemm_mode
 
+    if x.shape[0] <= MAX_MID_M and fp8_mid_gemm_mode() == "w8a16":  # the mid kernel takes 16-bit rows
+        return False
     return x.shape[0] > w8a16_max_m()
 
 

@@ -1,0 +1,306 @@
+"""FP8-weight mid-size GEMM for ``16 < M <= 256`` rows (decode batches; issue 37), opt-in.
+
+At 64 rows ``torch._scaled_mm`` streams an FP8 weight at only 0.35-0.46 of an H100's 3.0
+TB/s copy rate (o_proj 4096 x 4096: 16.2 µs for 16.8 MB): cuBLAS launches too few CTAs at
+these shapes. `fp8_mid_linear` runs the swapped-operand tile of `mid_gemm` (every weight
+byte read once, the rows as the narrow tensor-core operand) on the e4m3 weight, with split-K
+so that a projection covers the 132 SMs several times (`fp8_mid_gemm_triton` has the
+kernel). Two operand modes:
+
+* ``"w8a16"``: 16-bit activations, the weight widened in registers (no quantiser launch);
+* ``"w8a8"``: e4m3 activations with a per-token float32 scale (from `quantize_activation`,
+  or fused into the producer: `fused_inputs`), e4m3 x e4m3 ``tl.dot``.
+
+Weight scales: one per output row (``[N]``, a per-tensor checkpoint's scale repeated, as
+`Fp8LinearMethod` stores them) or one scalar; applied in the epilogue with the token scale,
+then the optional bias and gate (``[gate | up]`` weight, SiLU / GELU-tanh), output 16-bit.
+
+**Routing** (`fp8_mid_apply`, called from `Fp8LinearMethod`): only with
+``ATTNSERVE_FP8_MID_GEMM=w8a16`` or ``w8a8`` (default off: behaviour unchanged), for
+``16 < M <= 256`` rows, dynamic activation scales, fused kernels on. ``w8a16`` also keeps
+the fused producers from quantising those batches (`fused_inputs.emits_fp8`).
+
+**Configs**: `FP8_MID_TABLE`, by weight shape class (`fp8_mid_shape_class`) and ``M``
+bucket (smallest of 32 / 64 / 128 / 256 at least ``M``), with `FP8_MID_MODE_OVERRIDES`
+per mode; ``benchmarks/fp8_bench.py --parts gemm --sweep`` times `fp8_mid_candidates`
+and prints the best per shape, M and mode in this table's form. The launcher allocates
+its output and, with split-K, one zeroed float32 buffer (workspace and counters: one
+memset); it never reads device values on the host and is CUDA-graph capturable. Triton is
+imported lazily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+from attnserve.models.layers.mid_gemm import MAX_MID_M, MIN_MID_M, MidGemmConfig, m_pieces
+from attnserve.models.layers.skinny_gemm import SKINNY_ACTIVATIONS
+from attnserve.triton_env import triton_interpreting
+
+__all__ = [
+    "FP8_MID_ENV",
+    "FP8_MID_MODES",
+    "FP8_MID_TABLE",
+    "fp8_mid_apply",
+    "fp8_mid_candidates",
+    "fp8_mid_config",
+    "fp8_mid_gemm_mode",
+    "fp8_mid_linear",
+    "fp8_mid_shape_class",
+    "fp8_mid_supported",
+]
+
+#: environment switch: ``w8a16`` / ``w8a8`` route ``16 < M <= 256`` rows here; unset / ``0`` / ``off``: not
+FP8_MID_ENV = "ATTNSERVE_FP8_MID_GEMM"
+FP8_MID_MODES = ("w8a16", "w8a8")
+#: M buckets of the table (an entry at ``b`` serves ``previous bucket < M <= b``)
+M_BUCKETS = (32, 64, 128, 256)
+#: shared-memory budget of the pipelined K loop (bytes; H100/H200 allow 227 KB per block,
+#: the rest left to the epilogue's layout conversion)
+SMEM_BUDGET = 160 * 1024
+
+#: shape class -> M bucket -> (block_n, block_k, num_warps, num_stages, split_k[, use_tma]). Unmeasured
+#: starting points (2026-11-28), chosen so that a projection launches >= 2 CTAs per H100 SM:
+#: o (4096 x 4096): 64 column blocks x 4; qkv (6144 x 4096): 96 x 3; down (4096 x 14336):
+#: 64 x 8; gate_up (2 x 14336 x 4096, a program reads gate and up tiles): 224 x 2. From 128
+#: rows on, 128-row weight tiles halve the activation re-reads (each column block reads all
+#: of x over its K range) and 8 warps hold the wider accumulators.
+FP8_MID_TABLE: Dict[str, Dict[int, tuple]] = {
+    "n<=4096": {32: (64, 128, 4, 4, 4), 64: (64, 128, 4, 4, 4), 128: (128, 128, 8, 3, 2), 256: (128, 64, 8, 3, 4)},
+    "n<=16384": {32: (64, 128, 4, 4, 3), 64: (64, 128, 4, 4, 3), 128: (128, 128, 8, 3, 2), 256: (128, 64, 8, 3, 2)},
+    "k>=8192": {32: (64, 128, 4, 4, 8), 64: (64, 128, 4, 4, 8), 128: (128, 128, 8, 3, 4), 256: (128, 64, 8, 3, 4)},
+    "gated": {32: (64, 128, 4, 4, 2), 64: (64, 128, 4, 4, 2), 128: (64, 128, 8, 3, 2), 256: (64, 64, 8, 3, 2)},
+    "wide": {32: (64, 128, 4, 4, 1), 64: (64, 128, 4, 4, 1), 128: (128, 128, 8, 3, 1), 256: (128, 64, 8, 3, 1)},
+}
+#: per mode, entries replacing `FP8_MID_TABLE`'s (filled from ``--sweep`` results)
+FP8_MID_MODE_OVERRIDES: Dict[str, Dict[str, Dict[int, tuple]]] = {"w8a16": {}, "w8a8": {}}
+
+
+def fp8_mid_gemm_mode() -> Optional[str]:
+    """``"w8a16"``, ``"w8a8"`` or None (off), from ``ATTNSERVE_FP8_MID_GEMM`` (read at every
+    call; CUDA graphs bake the choice in at capture).
+
+    Raises:
+        ValueError: any other value.
+    """
+    raw = os.environ.get(FP8_MID_ENV, "").strip().lower()
+    if raw in ("", "0", "off", "none"):
+        return None
+    if raw not in FP8_MID_MODES:
+        raise ValueError(f"{FP8_MID_ENV} must be one of {', '.join(FP8_MID_MODES)} (or unset / 0), got {raw!r}")
+    return raw
+
+
+def fp8_mid_shape_class(n: int, k: int, gated: bool) -> str:
+    """Class of an e4m3 weight ``[N, K]`` (``gated``: ``N = 2I``): ``gated``, ``k>=8192``,
+    ``n<=4096``, ``n<=16384`` or ``wide`` (as the skinny kernels' classes)."""
+    if gated:
+        return "gated"
+    if k >= 8192:
+        return "k>=8192"
+    if n <= 4096:
+        return "n<=4096"
+    return "n<=16384" if n <= 16384 else "wide"
+
+
+def _bucket(m: int) -> int:
+    return next(b for b in M_BUCKETS if m <= b)
+
+
+def _fit_stages(cfg: MidGemmConfig, m: int, gated: bool, x_itemsize: int) -> MidGemmConfig:
+    """``cfg`` with ``num_stages`` lowered until the K loop's buffers fit `SMEM_BUDGET`."""
+    m1, m2 = m_pieces(m)
+    per_stage = ((2 if gated else 1) * cfg.block_n + (m1 + m2) * x_itemsize) * cfg.block_k
+    stages = max(1, min(cfg.num_stages, SMEM_BUDGET // per_stage))
+    return dataclasses.replace(cfg, num_stages=stages)
+
+
+def fp8_mid_config(m: int, n: int, k: int, mode: str, gated: bool = False) -> MidGemmConfig:
+    """The table's launch parameters for ``m`` rows (``MIN_MID_M < m <= MAX_MID_M``) of a
+    weight ``[n, k]`` in ``mode``, ``block_k`` capped at ``next_pow2(k)`` and stages fitted
+    to shared memory.
+
+    Raises:
+        ValueError: ``m`` out of range or an unknown mode.
+    """
+    if not 1 <= m <= MAX_MID_M or mode not in FP8_MID_MODES:
+        raise ValueError(f"fp8_mid_config: m={m} (1..{MAX_MID_M}), mode={mode!r} ({FP8_MID_MODES})")
+    cls = fp8_mid_shape_class(n, k, gated)
+    row = {**FP8_MID_TABLE[cls], **FP8_MID_MODE_OVERRIDES[mode].get(cls, {})}
+    bn, bk, warps, stages, split, *tma = row[_bucket(m)]
+    bk = max(32, min(bk, 1 << max(k - 1, 0).bit_length()))
+    cfg = MidGemmConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split,
+                        use_tma=bool(tma and tma[0]))
+    return _fit_stages(cfg, m, gated, 1 if mode == "w8a8" else 2)
+
+
+def fp8_mid_candidates(m: int, n: int, k: int, mode: str, gated: bool = False) -> List[MidGemmConfig]:
+    """The benchmark's sweep: the table's config first, then its neighbours (split-K x2 / /2,
+    the other ``block_n`` of 64 / 128, ``block_k`` x2 / /2, the other warp count, TMA loads),
+    stages fitted to shared memory, duplicates removed."""
+    base = fp8_mid_config(m, n, k, mode, gated)
+    rep = dataclasses.replace
+    cands = [base, rep(base, split_k=base.split_k * 2), rep(base, split_k=max(1, base.split_k // 2)),
+             rep(base, block_n=192 - base.block_n), rep(base, block_k=base.block_k * 2),
+             rep(base, block_k=max(32, base.block_k // 2)), rep(base, num_warps=12 - base.num_warps),
+             rep(base, use_tma=True), rep(base, use_tma=True, split_k=base.split_k * 2)]
+    out: List[MidGemmConfig] = []
+    for c in cands:
+        c = _fit_stages(c, m, gated, 1 if mode == "w8a8" else 2)
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def fp8_mid_supported(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: Optional[torch.Tensor] = None, x_scale: Optional[torch.Tensor] = None,
+                      out_dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether `fp8_mid_linear` accepts its arguments: ``x`` 2-D ``[M, K]`` with ``1 <= M <=
+    MAX_MID_M`` and unit stride along ``K``, on CUDA (or CPU under the Triton interpreter),
+    either float16/bfloat16 (W8A16; ``x_scale`` None) or e4m3 with a float32 ``x_scale
+    [M, 1]`` / ``[M]`` and a 16-bit ``out_dtype`` (W8A8); a contiguous e4m3 ``weight [N, K]``
+    on ``x``'s device; a contiguous float32 ``weight_scale`` ``[N]`` or of one element; an
+    optional unit-stride ``bias [N]`` of the output dtype."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.device != x.device:
+        return False
+    if not (x.is_cuda or (x.device.type == "cpu" and triton_interpreting())):
+        return False
+    m, k = x.shape
+    n = weight.shape[0]
+    if not (1 <= m <= MAX_MID_M) or k < 1 or n < 1 or weight.shape[1] != k or (x.stride(1) != 1 and k > 1):
+        return False
+    if weight.dtype != torch.float8_e4m3fn or not weight.is_contiguous():
+        return False
+    if x.dtype == torch.float8_e4m3fn:
+        if x_scale is None or out_dtype not in (torch.float16, torch.bfloat16):
+            return False
+        if x_scale.dtype != torch.float32 or x_scale.device != x.device or x_scale.shape[0] != m or x_scale.numel() != m:
+            return False
+        dtype = out_dtype
+    elif x.dtype in (torch.float16, torch.bfloat16) and x_scale is None:
+        dtype = out_dtype or x.dtype
+        if dtype != x.dtype:
+            return False
+    else:
+        return False
+    ws = weight_scale
+    if ws.dtype != torch.float32 or ws.device != x.device or not ws.is_contiguous() or ws.numel() not in (1, n):
+        return False
+    if bias is not None and (bias.shape != (n,) or bias.dtype != dtype or bias.device != x.device
+                             or (bias.stride(0) != 1 and n > 1)):
+        return False
+    return True
+
+
+def fp8_mid_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None, activation: Optional[str] = None, *,
+                   x_scale: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+                   config: Optional[MidGemmConfig] = None) -> torch.Tensor:
+    """``(x * s_x) @ (W_q * s_w)^T (+ b)`` in one launch (float32 accumulation, one rounding).
+
+    Args:
+        x: ``[M, K]``, ``1 <= M <= MAX_MID_M`` (meant for ``M > 16``): float16/bfloat16
+            (W8A16) or ``float8_e4m3fn`` (W8A8, with ``x_scale``).
+        weight: contiguous ``float8_e4m3fn`` ``[N, K]`` (``[2I, K]`` = ``[gate | up]`` with
+            an ``activation``).
+        weight_scale: float32 ``[N]`` (per output row) or one element (per tensor).
+        bias: optional ``[N]`` of the output dtype.
+        activation: None, ``"silu"`` or ``"gelu_tanh"``: return ``act(gate) * up``.
+        x_scale: W8A8 only: float32 ``[M, 1]`` (or ``[M]``) per-token scales, ``x ~= q * s``.
+        out_dtype: W8A8 only (required): float16/bfloat16 output; W8A16: ``x``'s dtype.
+        config: launch parameters (default `fp8_mid_config`).
+
+    Returns:
+        new contiguous ``[M, N]`` (``[M, N / 2]`` gated) in the output dtype.
+
+    Raises:
+        ValueError: arguments `fp8_mid_supported` rejects, an unknown activation, an odd
+            number of weight rows for a gated call, or an invalid ``config``.
+    """
+    if not fp8_mid_supported(x, weight, weight_scale, bias, x_scale, out_dtype):
+        raise ValueError(
+            f"fp8_mid_linear: unsupported x {tuple(x.shape)} {x.dtype} {x.device}, weight {tuple(weight.shape)} "
+            f"{weight.dtype}, weight_scale {tuple(weight_scale.shape)} {weight_scale.dtype}, x_scale "
+            f"{None if x_scale is None else (tuple(x_scale.shape), x_scale.dtype)}, out_dtype {out_dtype}: need "
+            f"1..{MAX_MID_M} rows of 16-bit x (or e4m3 x with float32 [M, 1] scales and a 16-bit out_dtype), a "
+            "contiguous float8_e4m3fn [N, K] weight, a float32 [N] or 1-element weight scale, a [N] bias, on "
+            "CUDA (or CPU under TRITON_INTERPRET=1)")
+    gated = activation is not None
+    if gated:
+        if activation not in SKINNY_ACTIVATIONS:
+            raise ValueError(f"fp8_mid_linear: activation must be one of "
+                             f"{', '.join(map(repr, SKINNY_ACTIVATIONS))}, got {activation!r}")
+        if weight.shape[0] % 2:
+            raise ValueError(f"fp8_mid_linear: weight {tuple(weight.shape)} must have an even number of rows")
+    w8a8 = x.dtype == torch.float8_e4m3fn
+    m, k = x.shape
+    rows = weight.shape[0]
+    n = rows // 2 if gated else rows
+    if config is None:
+        config = fp8_mid_config(m, rows, k, "w8a8" if w8a8 else "w8a16", gated)
+    config.validate()
+    dtype = out_dtype if w8a8 else x.dtype
+    m1, m2 = m_pieces(m)
+    out = torch.empty((m, n), dtype=dtype, device=x.device)
+    interpret = x.device.type == "cpu"
+    use_tma = bool(config.use_tma) and not interpret
+    blocks = -(-n // config.block_n)
+    if config.split_k > 1:  # one memset: float32 workspace [M, rows] then int32 counters
+        buf = torch.zeros(m * rows + blocks, dtype=torch.float32, device=x.device)
+        wk, cnt = buf[: m * rows], buf[m * rows:].view(torch.int32)
+    else:
+        wk, cnt = out, out  # never read
+    desc = weight
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        desc = TensorDescriptor(weight, [rows, k], [k, 1], [config.block_n, config.block_k])
+    from attnserve.models.layers.quantization import fp8_mid_gemm_triton as kt
+
+    xs = x_scale if w8a8 else weight_scale
+    kt._fp8_mid_gemm_kernel[(blocks * config.split_k,)](
+        x, xs, weight, desc, weight_scale, bias if bias is not None else weight_scale, out, wk, cnt,
+        m, n, k, x.stride(0), xs.stride(0) if w8a8 else 0, out.stride(0),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M1=m1, BLOCK_M2=max(m2, 16), HAS_M2=m2 > 0,
+        SPLIT_K=config.split_k, USE_TMA=use_tma, UPCAST=interpret, W8A8=w8a8,
+        WS_PER_TENSOR=weight_scale.numel() == 1 and rows > 1, HAS_BIAS=bias is not None, GATED=gated,
+        ACT=SKINNY_ACTIVATIONS[activation] if gated else 0,
+        num_warps=config.num_warps, num_stages=1 if interpret else config.num_stages,
+    )
+    return out
+
+
+def fp8_mid_apply(layer, x: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str] = None, *,
+                  x_scale: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None
+                  ) -> Optional[torch.Tensor]:
+    """`Fp8LinearMethod`'s opt-in route: ``fp8_mid_linear`` of ``x [M, K]`` (16-bit, or e4m3
+    with ``x_scale`` / ``out_dtype`` when its producer quantised it) with ``layer.weight`` /
+    ``layer.weight_scale``, or None when it does not apply: ``ATTNSERVE_FP8_MID_GEMM`` unset,
+    ``M`` outside ``MIN_MID_M < M <= MAX_MID_M``, a static activation scale, fused kernels
+    off, an e4m3 input in ``w8a16`` mode, or operands `fp8_mid_supported` rejects. In
+    ``w8a8`` mode a 16-bit ``x`` is quantised per token first (`quantize_activation`)."""
+    mode = fp8_mid_gemm_mode()
+    if mode is None or x.dim() != 2 or not MIN_MID_M < x.shape[0] <= MAX_MID_M:
+        return None
+    if getattr(layer, "input_scale", None) is not None or not getattr(layer, "use_fused", False):
+        return None
+    prequantized = x.dtype == torch.float8_e4m3fn
+    if prequantized and mode != "w8a8":
+        return None
+    if mode == "w8a8" and not prequantized:
+        if not fp8_mid_supported(x, layer.weight, layer.weight_scale, bias):
+            return None
+        from attnserve.models.layers.quantization.fp8_kernels import quantize_activation
+
+        out_dtype = x.dtype
+        x, x_scale = quantize_activation(x)
+    if not fp8_mid_supported(x, layer.weight, layer.weight_scale, bias, x_scale, out_dtype):
+        return None
+    if activation is not None and (activation not in SKINNY_ACTIVATIONS or layer.weight.shape[0] % 2):
+        return None
+    return fp8_mid_linear(x, layer.weight, layer.weight_scale, bias, activation, x_scale=x_scale,
+                          out_dtype=out_dtype)

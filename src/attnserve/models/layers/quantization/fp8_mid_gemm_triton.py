@@ -1,0 +1,154 @@
+"""Triton kernel behind `fp8_mid_gemm` (import that module, not this one).
+
+``y = (x * s_x) @ (W_q * s_w)^T (+ b)`` for ``16 < M <= 256`` rows and an e4m3 weight
+``W_q [N, K]`` (``nn.Linear`` layout), in the swapped form of `mid_gemm_triton` (whose
+loads, split-K workspace helpers and epilogue it reuses): a program computes the transposed
+tile ``acc [BLOCK_N, M] = W_q[n0:n0+BLOCK_N, :] @ x^T`` with the weight tile as the
+tensor-core ``M`` operand and the activation rows (one or two power-of-two pieces
+``BLOCK_M1 (+ BLOCK_M2)``) as its ``N`` operand, so every weight byte is read once per
+call and 16..256 rows need no padding to 64.
+
+Two operand modes (constexpr ``W8A8``):
+
+* **W8A16** (``W8A8`` False): ``x`` is 16-bit; the e4m3 weight tile is widened to ``x``'s
+  dtype in registers (exact: e4m3 values are bf16/fp16 values) and multiplied by a 16-bit
+  ``tl.dot``; no activation quantisation.
+* **W8A8**: ``x`` is e4m3 with a float32 per-token scale ``s_x [M]``; e4m3 x e4m3
+  ``tl.dot``. On sm_90 Triton accumulates FP8 products with the tensor core's reduced
+  precision by default (``max_num_imprecise_acc`` 2**30); here each ``K`` step's partial
+  sum is promoted into the float32 accumulator (``max_num_imprecise_acc = BLOCK_K``), the
+  scheme of DeepSeek-V3's report (arXiv:2412.19437, section 3.3.2), so the error stays that
+  of ``BLOCK_K / 32`` imprecise tensor-core steps per ``K`` step.
+
+The products are summed unscaled; the epilogue multiplies by the weight scale (per output
+row: ``WS_PER_TENSOR`` False, or one scalar) and, W8A8, the per-token scale, then adds the
+bias, applies the gate (``GATED``: ``act(gate) * up``) and rounds once to the output dtype.
+``SPLIT_K > 1`` splits the ``K`` steps of a column block over that many programs, which add
+their float32 tiles into a zeroed workspace with atomics; the last to arrive (a per-block
+counter) scales and stores (no second kernel). Under the interpreter ``UPCAST`` converts
+the dot operands to float32 (it has no FP8 or reliable bf16 ``tl.dot``; the products are
+exact in float32 either way). Ideas (not code) from the Triton matmul tutorials, swap-AB
+GEMMs (TensorRT-LLM, CUTLASS) and split-K reductions; the code is our own.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from attnserve.models.layers.mid_gemm_triton import _epilogue, _load_w, _load_x, _ws_add, _ws_read
+
+
+@triton.jit
+def _dot_acc(w_tile, x_tile, acc, W8A8: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + w_tile [BN, BK] @ x_tile[BM, BK]^T`` (float32)."""
+    if UPCAST:
+        return tl.dot(w_tile.to(tl.float32), tl.trans(x_tile.to(tl.float32)), acc, input_precision="ieee",
+                      out_dtype=tl.float32)
+    if W8A8:
+        return tl.dot(w_tile, tl.trans(x_tile), acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
+    return tl.dot(w_tile.to(x_tile.dtype), tl.trans(x_tile), acc, out_dtype=tl.float32)
+
+
+@triton.jit
+def _scaled(acc, ws_ptr, xs_ptr, stride_xs, row0, rows_end, m0, M, W8A8: tl.constexpr,
+            WS_PER_TENSOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_M]`` times the weight scale of rows ``row0 ..`` (and, W8A8, the
+    token scales of rows ``m0 ..``)."""
+    if WS_PER_TENSOR:
+        acc = acc * tl.load(ws_ptr)
+    else:
+        rows = row0 + tl.arange(0, BLOCK_N)
+        acc = acc * tl.load(ws_ptr + rows, mask=rows < rows_end, other=0.0)[:, None]
+    if W8A8:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        acc = acc * tl.load(xs_ptr + offs_m * stride_xs, mask=offs_m < M, other=0.0)[None, :]
+    return acc
+
+
+@triton.jit
+def _finish(acc1, acc2, u1, u2, ws_ptr, xs_ptr, b_ptr, y_ptr, stride_xs, stride_ym, n0, M, N,
+            BLOCK_N: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_M2: tl.constexpr, HAS_M2: tl.constexpr,
+            W8A8: tl.constexpr, WS_PER_TENSOR: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+            ACT: tl.constexpr):
+    acc1 = _scaled(acc1, ws_ptr, xs_ptr, stride_xs, n0, N, 0, M, W8A8, WS_PER_TENSOR, BLOCK_N, BLOCK_M1)
+    if GATED:
+        u1 = _scaled(u1, ws_ptr, xs_ptr, stride_xs, N + n0, 2 * N, 0, M, W8A8, WS_PER_TENSOR, BLOCK_N, BLOCK_M1)
+    if HAS_M2:
+        acc2 = _scaled(acc2, ws_ptr, xs_ptr, stride_xs, n0, N, BLOCK_M1, M, W8A8, WS_PER_TENSOR, BLOCK_N, BLOCK_M2)
+        if GATED:
+            u2 = _scaled(u2, ws_ptr, xs_ptr, stride_xs, N + n0, 2 * N, BLOCK_M1, M, W8A8, WS_PER_TENSOR, BLOCK_N,
+                         BLOCK_M2)
+    _epilogue(acc1, acc2, u1, u2, b_ptr, y_ptr, stride_ym, n0, M, N, BLOCK_N, BLOCK_M1, BLOCK_M2, HAS_M2,
+              HAS_BIAS, GATED, ACT)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_mid_gemm_kernel(
+    x_ptr, xs_ptr, w_ptr, w_desc, ws_ptr, b_ptr, y_ptr, wk_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_xs, stride_ym,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_M2: tl.constexpr,
+    HAS_M2: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+    W8A8: tl.constexpr, WS_PER_TENSOR: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+    ACT: tl.constexpr,
+):
+    """Grid ``(cdiv(N, BLOCK_N) * SPLIT_K,)``; ``y [M, N]`` (gated: ``w`` ``[2N, K]``).
+
+    ``x [M, K]`` (16-bit, or e4m3 when W8A8) rows ``stride_xm`` apart, unit stride along
+    ``K``; ``xs`` float32 token scales ``stride_xs`` apart (read when W8A8); ``w`` contiguous
+    e4m3 ``[N or 2N, K]`` (``w_desc``: its TMA descriptor with ``[BLOCK_N, BLOCK_K]`` boxes
+    when USE_TMA); ``ws`` float32 weight scales, one per weight row or (WS_PER_TENSOR) one;
+    ``b`` ``[N or 2N]`` read when HAS_BIAS; ``y`` rows ``stride_ym`` apart. Requires ``M <=
+    BLOCK_M1 + BLOCK_M2 * HAS_M2`` (``BLOCK_M2 >= 16`` even without HAS_M2). SPLIT_K > 1:
+    ``wk`` float32 zeros ``[M, N or 2N]`` and ``cnt`` int32 zeros ``[cdiv(N, BLOCK_N)]``.
+    """
+    pid = tl.program_id(0)
+    pid_n = pid // SPLIT_K
+    pid_k = pid % SPLIT_K
+    n0 = pid_n * BLOCK_N
+    w_rows = 2 * N if GATED else N
+    steps = tl.cdiv(K, BLOCK_K)
+    per = tl.cdiv(steps, SPLIT_K)
+    k_lo = pid_k * per * BLOCK_K
+    k_hi = tl.minimum(K, (pid_k + 1) * per * BLOCK_K)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_M1), dtype=tl.float32)
+    u1 = tl.zeros((BLOCK_N, BLOCK_M1), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_M2), dtype=tl.float32)
+    u2 = tl.zeros((BLOCK_N, BLOCK_M2), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w = _load_w(w_ptr, w_desc, n0, k0, N, K, BLOCK_N, BLOCK_K, USE_TMA)
+        x1 = _load_x(x_ptr, stride_xm, 0, k0, M, K, BLOCK_M1, BLOCK_K)
+        acc1 = _dot_acc(w, x1, acc1, W8A8, BLOCK_K, UPCAST)
+        if GATED:
+            wu = _load_w(w_ptr, w_desc, N + n0, k0, w_rows, K, BLOCK_N, BLOCK_K, USE_TMA)
+            u1 = _dot_acc(wu, x1, u1, W8A8, BLOCK_K, UPCAST)
+        if HAS_M2:
+            x2 = _load_x(x_ptr, stride_xm, BLOCK_M1, k0, M, K, BLOCK_M2, BLOCK_K)
+            acc2 = _dot_acc(w, x2, acc2, W8A8, BLOCK_K, UPCAST)
+            if GATED:
+                u2 = _dot_acc(wu, x2, u2, W8A8, BLOCK_K, UPCAST)
+    if SPLIT_K == 1:
+        _finish(acc1, acc2, u1, u2, ws_ptr, xs_ptr, b_ptr, y_ptr, stride_xs, stride_ym, n0, M, N, BLOCK_N,
+                BLOCK_M1, BLOCK_M2, HAS_M2, W8A8, WS_PER_TENSOR, HAS_BIAS, GATED, ACT)
+    else:
+        # the last of the SPLIT_K programs of this column block to arrive finishes it
+        valid = (tl.arange(0, BLOCK_N) < tl.minimum(n0 + BLOCK_N, N) - n0)[:, None]
+        _ws_add(wk_ptr, tl.where(valid, acc1, 0.0), n0, 0, M, w_rows, BLOCK_N, BLOCK_M1)
+        if GATED:
+            _ws_add(wk_ptr, tl.where(valid, u1, 0.0), N + n0, 0, M, w_rows, BLOCK_N, BLOCK_M1)
+        if HAS_M2:
+            _ws_add(wk_ptr, tl.where(valid, acc2, 0.0), n0, BLOCK_M1, M, w_rows, BLOCK_N, BLOCK_M2)
+            if GATED:
+                _ws_add(wk_ptr, tl.where(valid, u2, 0.0), N + n0, BLOCK_M1, M, w_rows, BLOCK_N, BLOCK_M2)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc1 = _ws_read(wk_ptr, n0, 0, M, w_rows, BLOCK_N, BLOCK_M1)
+            if GATED:
+                u1 = _ws_read(wk_ptr, N + n0, 0, M, w_rows, BLOCK_N, BLOCK_M1)
+            if HAS_M2:
+                acc2 = _ws_read(wk_ptr, n0, BLOCK_M1, M, w_rows, BLOCK_N, BLOCK_M2)
+                if GATED:
+                    u2 = _ws_read(wk_ptr, N + n0, BLOCK_M1, M, w_rows, BLOCK_N, BLOCK_M2)
+            _finish(acc1, acc2, u1, u2, ws_ptr, xs_ptr, b_ptr, y_ptr, stride_xs, stride_ym, n0, M, N, BLOCK_N,
+                    BLOCK_M1, BLOCK_M2, HAS_M2, W8A8, WS_PER_TENSOR, HAS_BIAS, GATED, ACT)
