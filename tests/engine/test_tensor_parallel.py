@@ -91,6 +91,29 @@ def test_random_models_tp2_match_tp1(no_orphans, model, page_size):
         llm.engine.shutdown()
 
 
+def test_prefill_overlap_tp2_matches_tp1(no_orphans, monkeypatch):
+    """``ATTNSERVE_TP_OVERLAP_MIN_HALF_MB=0`` (inherited by the spawned rank): every forward of
+    two or more tokens sends its all-reduces in two token halves, overlapped with the other
+    half's MLP (`tp_prefill_overlap`); greedy tokens stay tp 1's."""
+    from attnserve.models.layers import tp_prefill_overlap as tpo
+
+    kw = dict(model="llama-tiny", load_format="dummy", max_total_tokens=2048, max_running_requests=8)
+    prompts = [[1, 5, 9, 13, 17, 21, 25], list(range(10, 60)), [7] * 11]
+    one = LLM(**kw)
+    want = _tokens(one.generate(prompts, GREEDY))
+    del one
+    monkeypatch.setenv(tpo.TP_OVERLAP_MIN_HALF_ENV, "0")
+    calls = []
+    real = tpo.overlapped_layer_forward
+    monkeypatch.setattr(tpo, "overlapped_layer_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    llm = LLM(tp_size=2, **kw)
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY)) == want
+        assert len(calls) >= 2 * len(llm.engine.model_runner.model.model.layers)  # rank 0 took the overlap
+    finally:
+        llm.engine.shutdown()
+
+
 def test_two_nodes_on_loopback(no_orphans):
     """``--nnodes 2``: node 1 (one rank) runs the CLI in its own process and follows node 0."""
     port = free_port()

@@ -102,7 +102,18 @@ class DecoderModel(nn.Module):
         hidden_states = self.embed(input_ids)
         residual = None
         layer = None
-        for layer in self.layers[:num_layers]:
+        layers = self.layers[:num_layers]
+        tp = getattr(layers[0], "fusion_tp", None) if len(layers) else None
+        if tp is not None:
+            from attnserve.models.layers.tp_prefill_overlap import overlapped_layer_forward, tp_overlap_applies
+
+            if tp_overlap_applies(layers, hidden_states, tp):  # a large prefill chunk under tp
+                for i, layer in enumerate(layers):
+                    hidden_states, residual = overlapped_layer_forward(layer, positions, hidden_states, forward_batch,
+                                                                       residual, input_summed=i > 0)
+                hidden_states, _ = self.norm(hidden_states, residual)
+                return hidden_states
+        for layer in layers:
             # direct ``forward`` calls on the per-layer path: no module hooks are used, and
             # ``nn.Module.__call__`` costs ~7 us a call, ~300 calls a step (~3% of a CPU step)
             hidden_states, residual = layer.forward(positions, hidden_states, forward_batch, residual)
