@@ -100,3 +100,52 @@ def test_tp2_local_sampling_in_graphs_and_overlap_matches_broadcast_and_tp1():
     assert res["broadcast_steps"][0] == 0 and res["broadcast_steps"][1] >= 16, res
     assert res["local"] == res["broadcast"], res
     assert res["local"] == res["tp1"], res
+
+
+OVERLAP_SCRIPT = """
+import json, os
+from attnserve import LLM, SamplingParams
+from attnserve.models.layers import tp_prefill_overlap as tpo
+calls = []
+real = tpo.overlapped_layer_forward
+tpo.overlapped_layer_forward = lambda *a, **k: calls.append(1) or real(*a, **k)
+prompts = [list(range(10, 90)), [7] * 41, list(range(300, 333))]
+sp = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+kw = dict(load_format="dummy", device="cuda", dtype="float32", max_total_tokens=4096, max_running_requests=8)
+ref = LLM("llama-tiny", **kw)
+want = [o.token_ids for o in ref.generate(prompts, sp)]
+ref.engine.shutdown()
+del ref
+# halves of >= 16 rows of llama-tiny's 64 float32 values: every prefill here, no decode step
+os.environ[tpo.TP_OVERLAP_MIN_HALF_ENV] = str(16 * 64 * 4 / 2**20)
+out = {}
+for tp in sorted({2, int(os.environ["WORLD"])}):
+    calls.clear()
+    llm = LLM("llama-tiny", tp_size=tp, **kw)
+    out[str(tp)] = [[o.token_ids for o in llm.generate(prompts, sp)], len(calls)]
+    llm.engine.shutdown()
+    del llm
+print("RESULT=" + json.dumps({"tp1": want, **out}), flush=True)
+"""
+
+
+def test_tp_prefill_overlap_matches_tp1():
+    """`tp_prefill_overlap` forced on for every prefill (a 16-row threshold), float32, at
+    tp 2 and tp = all GPUs (4 where lent): greedy tokens equal tp 1's, with CUDA graphs
+    captured for decode (which keeps one all-reduce: small batches), and rank 0 took the
+    token-halves path (a layer call per prefill layer at least)."""
+    import json
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+               WORLD=str(min(torch.cuda.device_count(), 4)))
+    r = subprocess.run([sys.executable, "-c", OVERLAP_SCRIPT], capture_output=True, text=True, timeout=500, env=env)
+    tail = (r.stdout + r.stderr)[-4000:]
+    assert r.returncode == 0, tail
+    m = re.search(r"RESULT=(.*)", r.stdout)
+    assert m is not None, tail
+    res = json.loads(m.group(1))
+    for tp, (tokens, calls) in ((k, v) for k, v in res.items() if k != "tp1"):
+        assert tokens == res["tp1"], (tp, res)
+        assert calls >= 2, (tp, calls)
+    print(f"OVERLAP tp sizes {sorted(k for k in res if k != 'tp1')}: tokens equal tp 1, calls "
+          f"{[v[1] for k, v in res.items() if k != 'tp1']}")

@@ -66,13 +66,16 @@ def overlap_min_half_bytes() -> int:
 
 def tp_overlap_applies(layers: Sequence[Any], hidden_states: torch.Tensor, tp: Any) -> bool:
     """Whether `DecoderModel.forward` runs ``layers`` through `overlapped_layer_forward`:
-    not switched off, a group of more than one rank with a device group, every layer's
+    not switched off, not inside a CUDA-graph capture, a group of more than one rank with a
+    device group, every layer's
     attention and MLP outputs left partial (`allreduce_fusion`), at least 2 tokens, and each
     half's ``[T / 2, hidden]`` message at least `overlap_min_half_bytes`."""
     if os.environ.get(TP_OVERLAP_ENV, "1").strip().lower() in _OFF:
         return False
     if tp is None or tp.size <= 1 or tp.device_group is None or not layers:
         return False
+    if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False  # a captured decode step: its all-reduces stay on the captured stream
     if not all(getattr(layer, "attn_output_partial", False) and getattr(layer, "mlp_output_partial", False)
                for layer in layers):
         return False
