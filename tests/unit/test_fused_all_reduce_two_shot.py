@@ -130,3 +130,36 @@ def test_two_shot_refuses_what_the_pull_kernel_refuses():
     with pytest.raises(ValueError, match="fused_all_reduce_add_rmsnorm_two_shot"):
         ts.fused_all_reduce_add_rmsnorm_two_shot(x.half(), x.half(), w, 1e-6, 0.0, ptrs,
                                                  torch.zeros(2, dtype=torch.int64), 0, region)
+
+
+def test_custom_all_reduce_routes_large_messages_to_two_shot_in_twoshot_mode(monkeypatch):
+    """`CustomAllReduce.fused_all_reduce_add_rmsnorm` in twoshot mode: messages of at least
+    ``min_bytes`` (within the one-shot range) go to the two-shot kernel with its counters
+    ``[2:4]``, smaller ones to the pull kernel with the whole counters; larger than one-shot: None."""
+    from attnserve.distributed import fused_all_reduce_push as fp
+    from attnserve.distributed.custom_all_reduce import FUSED, CustomAllReduce, CustomAllReduceConfig
+    from attnserve.distributed.fused_all_reduce import FusedAllReduce
+
+    assert fp.fusion_mode_from_env({fp.FUSION_MODE_ENV: "TwoShot"}) == "twoshot"
+    cfg = CustomAllReduceConfig(one_shot_max_bytes=2048, two_shot_max_bytes=8192)
+    region = FusedRegion.after(cfg.buffer_bytes, cfg.one_shot_max_bytes, 4)
+    two = TwoShotRegion.after(region.end, cfg.one_shot_max_bytes, 4, min_bytes=1024)
+    seen = []
+    monkeypatch.setattr(ts, "fused_all_reduce_add_rmsnorm_two_shot",
+                        lambda x, res, w, eps, off, ptrs, counters, rank, reg: seen.append(
+                            ("twoshot", tuple(x.shape), counters.data_ptr(), reg)) or x * 0)
+    monkeypatch.setattr(far, "fused_all_reduce_add_rmsnorm", lambda x, res, w, eps, off, ptrs, counters, rank, reg,
+                        lamport=None: seen.append(("pull", tuple(x.shape), counters.data_ptr(), lamport)) or x * 0)
+    custom = CustomAllReduce(rank=2, world_size=4, group_name="g", config=cfg, buffer=torch.empty(0),
+                             scratch=torch.empty(0))
+    counters = torch.zeros(4, dtype=torch.int64)
+    custom.fusion = FusedAllReduce(region, torch.zeros(4, dtype=torch.int64), counters, two_shot=two)
+    assert custom.fusion.mode == "twoshot"
+    w = torch.ones(64)
+    for rows in (2, 4, 8, 9):  # 512, 1024 (the threshold), 2048 (the one-shot limit), 2304 bytes
+        x = torch.zeros(rows, 64)
+        assert (custom.fused_all_reduce_add_rmsnorm(x, x.clone(), w, 1e-6) is None) == (rows == 9)
+    pull, two_shot = counters.data_ptr(), counters[2:].data_ptr()
+    assert seen == [("pull", (2, 64), pull, None), ("twoshot", (4, 64), two_shot, two),
+                    ("twoshot", (8, 64), two_shot, two)]
+    assert custom.calls[FUSED] == 3
