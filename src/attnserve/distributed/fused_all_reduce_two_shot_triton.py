@@ -27,12 +27,13 @@ def _arrive(counter_ptr, buf_table_ptr, flags_offset, rank, n_prog, value, epoch
     writes ``value`` into slot ``rank`` of every rank's flags (release, system scope)."""
     tl.debug_barrier()  # every thread's stores are issued before the arrival
     # system scope: the fence waits for this program's stores into the peers' memory
-    old = tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="sys")
-    if old == n_prog - 1:
+    last = tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="sys") == n_prog - 1
+    if last:
         tl.atomic_xchg(counter_ptr + 1, 0, sem="relaxed", scope="gpu")
         if BUMP:
             tl.atomic_xchg(counter_ptr, epoch, sem="relaxed", scope="gpu")
-        tl.debug_barrier()  # the threads holding the flag lanes come after the reset (and acquire)
+    tl.debug_barrier()  # the threads holding the flag lanes come after the reset (and the acquire)
+    if last:
         lanes = tl.arange(0, W_P2)
         live = lanes < W
         bases = tl.load(buf_table_ptr + lanes, mask=live, other=0)
