@@ -74,14 +74,15 @@ def two_shot_min_bytes(world_size: int, environ: Optional[Mapping[str, str]] = N
 
     ``ATTNSERVE_TWO_SHOT_FUSED_MIN_KB`` (a number >= 0 of KiB) when set, for any world size.
     Else `NEVER` at two ranks (two-shot sends as many bytes as one-shot there, over one more
-    barrier) and 256 KiB from three: on four H200s PyTorch's two-shot all-reduce cost 3.5 µs
+    barrier) and 256 KiB from three: on four H200s PyTorch's two-shot all-reduce cost 3.8 µs
     more than its one-shot at 1 KB (10.4 vs 6.6 µs, its second barrier round,
     ``benchmarks/results/h200x4-allreduce-2026-11-27.json``), and the pull kernel's time grew
     by 6.8 µs from 1 to 64 rows of 4096 (8 KB -> 512 KB, ``h200x4-fused-allreduce-push-2026-11-27.json``),
-    about 13 µs per MB, half of which two-shot saves at ``W = 4``: even at 256 KB the saving
-    (~1.7 µs) only pays for a barrier cheaper than PyTorch's; 64 decode rows of Llama-3-8B
-    (512 KB) take it. `benchmarks/fused_allreduce_bench.py` times both kernels at 1 to 256
-    rows to set it; the override measures other thresholds inside an engine.
+    about 13 µs per MB, half of which two-shot saves at ``W = 4``: ~1.7 µs at 256 KB, ~3.4 µs
+    at 512 KB, so below 256 KB it cannot pay for a second barrier round unless that costs well
+    under PyTorch's; 64 decode rows of Llama-3-8B (512 KB) take it. An estimate, not a
+    measurement: `benchmarks/fused_allreduce_bench.py` times both kernels at 1 to 256 rows to
+    set it; the override measures other thresholds inside an engine.
 
     Raises:
         ValueError: the variable is set but not a number >= 0.
