@@ -22,10 +22,12 @@
   add + RMSNorm kernel (`distributed.fused_all_reduce`) and once with
   ``--disable-allreduce-fusion``; each row records ``allreduce_fusion`` (asked) and
   ``allreduce_fusion_on`` (the engine runs the fused kernel).
-* ``--allreduce-fusion-mode pull push``: every fused run once per kernel
-  (``ATTNSERVE_ALLREDUCE_FUSION_MODE``: the pull kernel, or the push-mode "Lamport" kernel of
-  `distributed.fused_all_reduce_push`); each row records ``allreduce_fusion_mode`` (the
-  kernel the engine runs, ``none`` without fusion). ``--tp`` with no sizes runs only ``--big-tp``.
+* ``--allreduce-fusion-mode pull push twoshot``: every fused run once per kernel
+  (``ATTNSERVE_ALLREDUCE_FUSION_MODE``: the pull kernel, the push-mode "Lamport" kernel of
+  `distributed.fused_all_reduce_push`, or the two-shot kernel of `distributed.fused_all_reduce_two_shot`
+  from ``ATTNSERVE_TWO_SHOT_FUSED_MIN_KB`` up, pull below); each row records ``allreduce_fusion_mode``
+  (the kernel the engine runs, ``none`` without fusion) and ``two_shot_min_bytes`` (twoshot
+  mode). ``--tp`` with no sizes runs only ``--big-tp``.
 * ``--profile``: per decode row, rank 0's kernels under ``torch.profiler`` (CUDA activity):
   a prefill-only run (its kernels are reported too, in total: ``profile.prefill_kernels``)
   and a run of ``--profile-steps`` more decode steps, the difference
@@ -187,6 +189,7 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
     custom_on = rt is not None and rt.tp.custom_all_reduce is not None
     fusion_on = custom_on and rt.tp.custom_all_reduce.fusion is not None
     kernel = rt.tp.custom_all_reduce.fusion.mode if fusion_on else "none"
+    two_shot_min = rt.tp.custom_all_reduce.fusion.two_shot.min_bytes if kernel == "twoshot" else None
     rows = []
     try:
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model_runner.model.parameters())
@@ -213,6 +216,7 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
             row = {"model": model, "tp": tp, "requests": n, "step_broadcast": path, "tp_sample": sample_mode,
                    "custom_all_reduce_on": custom_on, "allreduce_fusion": allreduce_fusion or "none",
                    "allreduce_fusion_on": fusion_on, "allreduce_fusion_mode": kernel,
+                   "two_shot_min_bytes": two_shot_min,
                    "local_sample_steps": counts[0], "ids_broadcast_steps": counts[1], "input_len": input_len,
                    "output_len": output_len,
                    "wall_s": wall, "prefill_s": times["prefill"][0], "decode_steps": stats.num_decode_steps,
@@ -251,8 +255,8 @@ def main(argv=None) -> int:
     ap.add_argument("--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce")
     ap.add_argument("--allreduce-fusion", nargs="+", default=["on"], choices=["on", "off"],
                     help="run each tp > 1 decode with the fused all-reduce + add + RMSNorm (on) and/or without (off)")
-    ap.add_argument("--allreduce-fusion-mode", nargs="+", default=["pull"], choices=["pull", "push"],
-                    help="kernel(s) of each fused run (ATTNSERVE_ALLREDUCE_FUSION_MODE): pull and/or push")
+    ap.add_argument("--allreduce-fusion-mode", nargs="+", default=["pull"], choices=["pull", "push", "twoshot"],
+                    help="kernel(s) of each fused run (ATTNSERVE_ALLREDUCE_FUSION_MODE): pull, push and/or twoshot")
     ap.add_argument("--profile", action="store_true",
                     help="per decode row, rank 0's per-kernel GPU time per step (torch.profiler)")
     ap.add_argument("--profile-steps", type=int, default=20, help="decode steps profiled (--profile)")

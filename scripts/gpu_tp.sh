@@ -5,21 +5,24 @@
 # shared-memory and gloo step broadcast; Llama-3-70B at tp 4), then bench.offline's random
 # workload at dp 1 and dp = number of GPUs. Partial JSON survives a cut-off run.
 #   bash scripts/gpu_tp.sh          env: TP_LIMIT (s, default 300), DP_PROMPTS (default 1024)
-#   STAGES="tests pushtests allreduce tp big push bigpush dp" (default all) runs a subset: one device call is
-#   10 minutes at most, so on 4 GPUs run "tests" (~5 min on four H100s), "pushtests", "tp" (~5 min),
-#   "allreduce big", "push", "bigpush" and "dp" as separate calls.
+#   STAGES="tests pushtests twoshottests allreduce tp big push bigpush dp" (default all) runs a subset: one
+#   device call is 10 minutes at most, so on 4 GPUs run "tests" (~5 min on four H100s), "pushtests",
+#   "twoshottests", "tp" (~5 min), "allreduce big", "push", "bigpush" and "dp" as separate calls.
 #   pushtests: the push-mode fused all-reduce GPU tests (2 and 4 ranks, tp 2 engine tokens), which
-#   "tests" leaves out (-k "not push").
-#   allreduce: also the fused all-reduce + add + RMSNorm, pull vs push kernel, us per call
+#   "tests" leaves out (-k "not push"). twoshottests: the two-shot fused all-reduce GPU tests
+#   (tests/gpu/test_fused_all_reduce_two_shot_gpu.py, 2 and 4 ranks, tp 2 engine tokens).
+#   allreduce: also the fused all-reduce + add + RMSNorm, pull vs push vs two-shot kernel, us per call
 #   (benchmarks/fused_allreduce_bench.py); push: Llama-3-8B at tp = all GPUs, batch 1 and 64, fused
 #   with the pull and the push kernel (ATTNSERVE_ALLREDUCE_FUSION_MODE) in one run; bigpush: the
 #   Llama-3-70B shape at tp 4, pull and push. PUSH_TP (tp sizes, default all GPUs), PUSH_MODES /
-#   BIGPUSH_MODES (default "pull push") and PUSH_ARGS (e.g. --profile) narrow or widen those two.
+#   BIGPUSH_MODES (default "pull push"; "pull twoshot" for the two-shot kernel, which takes the fused
+#   messages of at least ATTNSERVE_TWO_SHOT_FUSED_MIN_KB, default 256, from 3 GPUs) and PUSH_ARGS
+#   (e.g. --profile) narrow or widen those two.
 #   tp: Llama-3-8B tp 1 / 2 / 4, batch 1 and 64, all-reduce fusion on and off, rank 0's kernel
 #   profile; big: the Llama-3-70B shape at tp 4.
 # The dp test and replicas import the server (fastapi): run with carry [".whl/serving"].
 set -u
-STAGES=${STAGES:-tests pushtests allreduce tp big push bigpush dp}
+STAGES=${STAGES:-tests pushtests twoshottests allreduce tp big push bigpush dp}
 stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -39,13 +42,19 @@ timeout "${PUSHTESTS_LIMIT:-540}" python3 -m pytest -q -s -p no:cacheprovider te
 echo "push tests rc=$?"
 grep -E "^PUSH|passed|failed|error" "$OUT/tests_push.log" | tail -14
 fi
+if stage twoshottests; then
+timeout "${TWOSHOTTESTS_LIMIT:-540}" python3 -m pytest -q -s -p no:cacheprovider \
+  tests/gpu/test_fused_all_reduce_two_shot_gpu.py -k twoshot > "$OUT/tests_twoshot.log" 2>&1
+echo "twoshot tests rc=$?"
+grep -E "^TWOSHOT|passed|failed|error" "$OUT/tests_twoshot.log" | tail -14
+fi
 if stage allreduce; then
 timeout 120 python3 benchmarks/allreduce_bench.py --world-size "$ngpu" --out "$OUT" > "$OUT/allreduce.log" 2>&1
 tail -14 "$OUT/allreduce.log"
 timeout "${FUSED_LIMIT:-300}" python3 benchmarks/fused_allreduce_bench.py --world-size "$ngpu" --out "$OUT" \
   > "$OUT/fused_allreduce.log" 2>&1
 echo "fused_allreduce rc=$?"
-tail -11 "$OUT/fused_allreduce.log"
+tail -14 "$OUT/fused_allreduce.log"
 fi
 tps="1 2"; big=""
 if [ "$ngpu" -ge 4 ]; then tps="1 2 4"; big="--big-tp 4"; fi

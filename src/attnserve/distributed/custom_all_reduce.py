@@ -27,7 +27,9 @@ result is bit-identical to NCCL's.
 Past PyTorch's region the buffer also holds the region of the fused all-reduce + residual
 add + RMSNorm kernel (`fused_all_reduce`, `CustomAllReduce.fused_all_reduce_add_rmsnorm`)
 unless ``--disable-allreduce-fusion``; with ``ATTNSERVE_ALLREDUCE_FUSION_MODE=push`` also the
-push-mode kernel's Lamport region (`fused_all_reduce_push`), and the fused calls run that kernel.
+push-mode kernel's Lamport region (`fused_all_reduce_push`), and the fused calls run that kernel;
+with ``twoshot`` the two-shot kernel's region (`fused_all_reduce_two_shot`), and the fused calls
+of at least ``two_shot_min_bytes`` run that kernel (smaller ones the pull kernel).
 """
 
 from __future__ import annotations
@@ -279,6 +281,11 @@ class CustomAllReduce:
         if fused_unsupported_reason(x, residual, weight, f.region) is not None:
             return None
         self.calls[FUSED] += 1
+        if f.two_shot is not None and f.two_shot.takes(x):  # twoshot mode, a message large enough
+            from attnserve.distributed.fused_all_reduce_two_shot import fused_all_reduce_add_rmsnorm_two_shot
+
+            return fused_all_reduce_add_rmsnorm_two_shot(x, residual, weight, eps, weight_offset, f.buffer_ptrs,
+                                                         f.counters[2:], self.rank, f.two_shot)
         return fused_all_reduce_add_rmsnorm(x, residual, weight, eps, weight_offset, f.buffer_ptrs, f.counters,
                                             self.rank, f.region, lamport=f.lamport)
 
@@ -307,19 +314,23 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
             ``ATTNSERVE_TWO_SHOT_MAX_MB`` is set).
         disable_fusion: ``--disable-allreduce-fusion`` (no `CustomAllReduce.fusion`). Else
             the fused kernel is compiled and probed on every rank, and turned off on all of
-            them (a warning) when any rank fails; which kernel (pull or push) is read once
-            here from ``ATTNSERVE_ALLREDUCE_FUSION_MODE`` (`fused_all_reduce_push.fusion_mode_from_env`).
+            them (a warning) when any rank fails; which kernel (pull, push or twoshot) is read
+            once here from ``ATTNSERVE_ALLREDUCE_FUSION_MODE`` (`fused_all_reduce_push.fusion_mode_from_env`),
+            and in twoshot mode its threshold (`fused_all_reduce_two_shot.two_shot_min_bytes`).
     Raises:
-        ValueError: ``ATTNSERVE_ALLREDUCE_FUSION_MODE`` is neither ``pull`` nor ``push`` (on
-            every rank alike, before any collective: the ranks inherit one environment).
+        ValueError: ``ATTNSERVE_ALLREDUCE_FUSION_MODE`` is not ``pull``, ``push`` or ``twoshot``,
+            or ``ATTNSERVE_TWO_SHOT_FUSED_MIN_KB`` is bad (on every rank alike, before any
+            collective: the ranks inherit one environment).
     """
     import torch.distributed as dist
 
-    from attnserve.distributed.fused_all_reduce_push import PULL, fusion_mode_from_env
+    from attnserve.distributed.fused_all_reduce_push import PULL, TWOSHOT, fusion_mode_from_env
+    from attnserve.distributed.fused_all_reduce_two_shot import two_shot_min_bytes
 
     if world_size < 2:
         return None
     fusion_mode = PULL if disable_fusion else fusion_mode_from_env()
+    two_shot_min = two_shot_min_bytes(world_size) if fusion_mode == TWOSHOT else None
     if disable:
         logger.info("custom all-reduce off (--disable-custom-all-reduce): NCCL carries every all-reduce")
         return None
@@ -336,7 +347,7 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
     if reason is None:
         try:
             custom = _build(rank, world_size, device_group, cpu_group, device, config or config_from_env(world_size),
-                            fusion=not disable_fusion, fusion_mode=fusion_mode)
+                            fusion=not disable_fusion, fusion_mode=fusion_mode, two_shot_min=two_shot_min)
         except Exception as e:  # a torch whose symmetric memory cannot start here; RendezvousSkew
             reason = f"symmetric memory failed: {type(e).__name__}: {e}"
         reason = agree(reason, cpu_group, rank)
@@ -346,6 +357,8 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
             logger.log(level, "custom all-reduce off (%s): NCCL carries every all-reduce", reason)
         return None
     fusion = "off (--disable-allreduce-fusion)" if disable_fusion else f"on ({fusion_mode})"
+    if two_shot_min is not None:
+        fusion = f"on (twoshot from {two_shot_min // 1024} KB, pull below)"
     if custom.fusion is not None:
         why = _start_fusion(custom, cpu_group)
         if why is not None:
@@ -376,6 +389,10 @@ def _start_fusion(custom: CustomAllReduce, cpu_group: Any) -> Optional[str]:
     why = None
     try:
         compile_fused(x, residual, weight, f.buffer_ptrs, f.counters, custom.rank, f.region, lamport=f.lamport)
+        if f.two_shot is not None:
+            from attnserve.distributed.fused_all_reduce_two_shot import compile_two_shot
+
+            compile_two_shot(x, residual, weight, f.buffer_ptrs, f.counters[2:], custom.rank, f.two_shot)
     except Exception as e:  # a Triton without the atomics' scopes, a driver that refuses int_to_ptr...
         why = f"compile failed: {type(e).__name__}: {e}"
     why = agree(why, cpu_group, custom.rank)
@@ -392,30 +409,43 @@ def _start_fusion(custom: CustomAllReduce, cpu_group: Any) -> Optional[str]:
             if not (bool((residual == want).all()) and float((out - 1).abs().max()) < 1e-3):
                 why = f"probe gave residual {residual.flatten()[:2].tolist()}, expected {want}"
                 break
+        if why is None and f.two_shot is not None:
+            from attnserve.distributed.fused_all_reduce_two_shot import probe_two_shot
+
+            why = probe_two_shot(f.buffer_ptrs, f.counters[2:], custom.rank, f.two_shot, dev)
     except Exception as e:
         why = f"probe failed: {type(e).__name__}: {e}"
     return agree(why, cpu_group, custom.rank)
 
 
 def _build(rank: int, world_size: int, device_group: Any, cpu_group: Any, device: torch.device,
-           config: CustomAllReduceConfig, fusion: bool = False, fusion_mode: str = "pull") -> CustomAllReduce:
+           config: CustomAllReduceConfig, fusion: bool = False, fusion_mode: str = "pull",
+           two_shot_min: Optional[int] = None) -> CustomAllReduce:
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # no NVLink multicast object at the rendezvous
     import torch.distributed._symmetric_memory as symm_mem
 
     from attnserve.distributed.fused_all_reduce import FusedAllReduce, FusedRegion
-    from attnserve.distributed.fused_all_reduce_push import PUSH, PUSH_COUNTERS, LamportRegion
+    from attnserve.distributed.fused_all_reduce_push import PUSH, PUSH_COUNTERS, TWOSHOT, LamportRegion
+    from attnserve.distributed.fused_all_reduce_two_shot import TwoShotRegion, two_shot_min_bytes
     from attnserve.distributed.symm_mem_rendezvous import aligned_rendezvous
 
     region = FusedRegion.after(config.buffer_bytes, config.one_shot_max_bytes, world_size) if fusion else None
     lamport = None
     if region is not None and fusion_mode == PUSH:
         lamport = LamportRegion.after(region.end, config.one_shot_max_bytes, world_size)
+    two_shot = None
+    if region is not None and fusion_mode == TWOSHOT:
+        two_shot = TwoShotRegion.after(region.end, config.one_shot_max_bytes, world_size,
+                                       two_shot_min_bytes(world_size) if two_shot_min is None else two_shot_min)
     end = lamport.end if lamport is not None else region.end if region is not None else config.buffer_bytes
+    end = two_shot.end if two_shot is not None else end
     buffer = symm_mem.empty(end, dtype=torch.uint8, device=device)
     if region is not None:  # flags start at 0 before any peer can learn the address (the rendezvous)
         buffer[region.flags_offset:region.end].zero_()
         if lamport is not None:  # and every push slot at the sentinel
             lamport.fill_sentinels(buffer)
+        if two_shot is not None:  # and the two-shot kernel's flags
+            buffer[two_shot.flags_offset:two_shot.end].zero_()
         torch.cuda.synchronize(device)
     handle = aligned_rendezvous(buffer, device_group, cpu_group)  # RendezvousSkew: NCCL for this engine
     scratch = torch.empty(_round_up(max(config.one_shot_max_bytes, _ALIGN), _ALIGN), dtype=torch.uint8,
@@ -430,9 +460,10 @@ def _build(rank: int, world_size: int, device_group: Any, cpu_group: Any, device
     custom.calls[ONE_SHOT] = 0
     if region is not None:
         ptrs = _peer_addresses(handle, buffer, rank, world_size)
-        counters = torch.zeros(2 if lamport is None else PUSH_COUNTERS, dtype=torch.int64, device=device)
+        n_counters = PUSH_COUNTERS if lamport is not None else 4 if two_shot is not None else 2
+        counters = torch.zeros(n_counters, dtype=torch.int64, device=device)
         custom.fusion = FusedAllReduce(region, torch.tensor(ptrs, dtype=torch.int64, device=device), counters,
-                                       lamport=lamport)
+                                       lamport=lamport, two_shot=two_shot)
     return custom
 
 

@@ -20,6 +20,8 @@ runs under ``TRITON_INTERPRET=1`` with ordinary tensors' addresses in the pointe
 ``ATTNSERVE_ALLREDUCE_FUSION_MODE=push`` selects the push-mode ("Lamport") kernel instead
 (`fused_all_reduce_push`): `FusedAllReduce.lamport` is then set, and the ``lamport``
 argument of `fused_all_reduce_add_rmsnorm` / `compile_fused` routes the call to it.
+``ATTNSERVE_ALLREDUCE_FUSION_MODE=twoshot`` adds the two-shot kernel for the larger messages
+(`fused_all_reduce_two_shot`, `FusedAllReduce.two_shot`; `CustomAllReduce` routes the calls).
 """
 
 from __future__ import annotations
@@ -84,20 +86,26 @@ class FusedAllReduce:
         region: where data and flags lie in every rank's symmetric buffer.
         buffer_ptrs: int64 ``[W]`` on the device: every rank's buffer address (rank order).
         counters: int64 ``[2]`` on the device (calls completed, programs finished); in
-            push mode int64 ``[fused_all_reduce_push.PUSH_COUNTERS]``.
+            push mode int64 ``[fused_all_reduce_push.PUSH_COUNTERS]``; in twoshot mode int64
+            ``[4]``: the pull kernel's, then the two-shot kernel's ``[2:4]``.
         lamport: the push kernel's `fused_all_reduce_push.LamportRegion` (push mode), or
             None (the pull kernel of this module).
+        two_shot: the two-shot kernel's `fused_all_reduce_two_shot.TwoShotRegion` (twoshot
+            mode: messages of at least its ``min_bytes`` run that kernel), or None.
     """
 
     region: FusedRegion
     buffer_ptrs: torch.Tensor
     counters: torch.Tensor
     lamport: Optional[Any] = None
+    two_shot: Optional[Any] = None
 
     @property
     def mode(self) -> str:
-        """``"push"`` or ``"pull"`` (`fused_all_reduce_push.fusion_mode_from_env`'s values)."""
-        return "pull" if self.lamport is None else "push"
+        """``"push"``, ``"twoshot"`` or ``"pull"`` (`fused_all_reduce_push.fusion_mode_from_env`'s values)."""
+        if self.lamport is not None:
+            return "push"
+        return "pull" if self.two_shot is None else "twoshot"
 
 
 def fused_unsupported_reason(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -68,7 +68,9 @@ from attnserve.distributed import fused_all_reduce as far
 FUSION_MODE_ENV = "ATTNSERVE_ALLREDUCE_FUSION_MODE"
 PULL = "pull"
 PUSH = "push"
-FUSION_MODES = (PULL, PUSH)
+#: the pull kernel below `fused_all_reduce_two_shot.two_shot_min_bytes`, the two-shot kernel from it
+TWOSHOT = "twoshot"
+FUSION_MODES = (PULL, PUSH, TWOSHOT)
 #: phases of the Lamport region (see the module docstring)
 PHASES = 3
 #: int64 counters of the push kernel: epoch, programs finished, previous call's 16-byte vectors, its
@@ -84,7 +86,8 @@ _SENTINELS = {
 
 
 def fusion_mode_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
-    """``ATTNSERVE_ALLREDUCE_FUSION_MODE``: ``pull`` (default, unset or empty) or ``push``.
+    """``ATTNSERVE_ALLREDUCE_FUSION_MODE``: ``pull`` (default, unset or empty), ``push`` or
+    ``twoshot`` (`fused_all_reduce_two_shot`).
 
     Raises:
         ValueError: any other value.
