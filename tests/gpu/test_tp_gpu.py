@@ -109,7 +109,7 @@ from attnserve.models.layers import tp_prefill_overlap as tpo
 calls = []
 real = tpo.overlapped_layer_forward
 tpo.overlapped_layer_forward = lambda *a, **k: calls.append(1) or real(*a, **k)
-prompts = [list(range(10, 90)), [7] * 41, list(range(300, 333))]
+prompts = [list(range(10, 90)), [7] * 41, list(range(150, 183))]
 sp = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
 kw = dict(load_format="dummy", device="cuda", dtype="float32", max_total_tokens=4096, max_running_requests=8)
 ref = LLM("llama-tiny", **kw)
