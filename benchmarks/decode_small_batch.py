@@ -18,7 +18,8 @@ Variants (``--variants``; `VARIANTS`): ``current`` = the launch before the rule
 counts); ``merge`` = + stage 2 merging 32 splits per step; ``merge_pdl`` = + PDL on both
 stages; ``new`` = the default rule (`decode_config` with the rule on, one-tile splits of
 `SMALL_SPLIT_TOKENS`); ``new_nopdl``; ``split256`` / ``split512`` = the rule with 2- and
-4-tile splits (fewer, longer splits); ``one_split`` = every request in one split (stage 1
+4-tile splits (fewer, longer splits); ``bn64`` = the rule with 64-key tiles and 64-key
+splits (smaller tiles at tiny lengths; decode_config's stages); ``one_split`` = every request in one split (stage 1
 writes ``o``, stage 2 launches and returns: what skipping stage 2 could reach, at the cost
 of the long contexts). Every variant's output is checked against float64 (max |err|).
 
@@ -47,16 +48,17 @@ CONTEXTS = (128, 576, 2048, 8192)
 MAX_KV_SPLITS = 32  # the engine's default (backend_config.DEFAULT_NUM_KV_SPLITS)
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 #: name -> (merge_block or None for decode_config's, pdl or None for decode_config's,
-#: small_split_tokens, force one split)
+#: small_split_tokens, force one split, block_n or None for decode_config's)
 VARIANTS = {
-    "current": (1, False, 0, False),
-    "merge": (32, False, 0, False),
-    "merge_pdl": (32, True, 0, False),
-    "new": (None, None, 128, False),
-    "new_nopdl": (None, False, 128, False),
-    "split256": (None, None, 256, False),
-    "split512": (None, None, 512, False),
-    "one_split": (None, None, 0, True),
+    "current": (1, False, 0, False, None),
+    "merge": (32, False, 0, False, None),
+    "merge_pdl": (32, True, 0, False, None),
+    "new": (None, None, 128, False, None),
+    "new_nopdl": (None, False, 128, False, None),
+    "split256": (None, None, 256, False, None),
+    "split512": (None, None, 512, False, None),
+    "bn64": (None, None, 64, False, 64),
+    "one_split": (None, None, 0, True, None),
 }
 _L2_BYTES = 96 << 20  # K/V bytes the layer rotation covers (> an H100's / H200's 50 / 60 MB L2)
 
@@ -127,9 +129,9 @@ def run_case(shape, bs, ctx, dname, variants, gen):
     lse = torch.empty(bs, hq, MAX_KV_SPLITS, device=DEV)
     rows = []
     for name in variants:
-        merge_block, pdl, small_tokens, one = VARIANTS[name]
+        merge_block, pdl, small_tokens, one, block_n = VARIANTS[name]
         cfg = replace(rule, merge_block=rule.merge_block if merge_block is None else merge_block,
-                      pdl=rule.pdl if pdl is None else pdl)
+                      pdl=rule.pdl if pdl is None else pdl, block_n=block_n or rule.block_n)
         splits = torch.empty(bs, dtype=torch.int32, device=DEV)
 
         def meta():

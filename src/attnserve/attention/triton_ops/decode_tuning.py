@@ -67,7 +67,8 @@ def small_batch_rule_enabled() -> bool:
     batches of at most one stage-1 program per SM at one split a request launch both stages
     with PDL (`decode_config`), and the triton backend passes
     `decode_splits.SMALL_SPLIT_TOKENS` to `compute_num_kv_splits` (one-tile splits while they
-    fit in one wave). Off, decode runs exactly as before the rule."""
+    fit in one wave). Off, decode launches as before the rule (the same stage-2 operations
+    in the same order; stage 1 issues its q and metadata loads together either way)."""
     return os.environ.get(SMALL_BATCH_ENV, "1").strip().lower() not in _FALSE
 
 
@@ -80,6 +81,14 @@ def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bo
     in one wave (``batch_size * num_kv_heads * head blocks <= num_sms``, all three known)
     sets ``pdl``; off, ``merge_block`` is 1 and ``pdl`` False (the kernels as before).
     Arguments as in `_tile_config`.
+
+    Why (H100, torch.profiler over CUDA-graph replays, no PDL, 2026-11-27): at batch 1 with
+    ~576 keys stage 1 took ~7 us and stage 2 ~2 us per layer for Llama-3-8B heads at tp 1
+    and at tp 4, for 2.4 / 0.6 MB of KV (~1 / 0.2 us at the copy rate): a chain of
+    dependent loads and two launches, not bandwidth. Predicted, not yet measured
+    (`benchmarks/decode_small_batch.py` decides): the one-round-trip merge -0.3 to -1 us
+    at 3-32 splits, PDL -1 to -2 us (stage 2's launch hidden, its one-split programs only
+    wait), one-tile splits -0.5 to -1 us where the whole-wave rule left two tiles a program.
     """
     cfg = _tile_config(head_dim, group_size, dtype, is_hip, max_shared_mem, device_name, batch_size,
                        num_kv_heads, num_sms)
