@@ -69,6 +69,7 @@ def test_merge_split_block():
     assert merge_split_block(32, 32) == 32 and merge_split_block(32, 5) == 8 and merge_split_block(1, 32) == 1
     assert merge_split_block(64, 128) == MAX_SPLIT_BLOCK and merge_split_block(3, 32) == 4
     assert merge_split_block(0, 0) == 1
+    assert merge_split_block(32, 32, block_dv=512) == 16 and merge_split_block(32, 32, block_dv=256) == 32
 
 
 def _reference(q, kb, vb, slots_per_req, sm_scale):

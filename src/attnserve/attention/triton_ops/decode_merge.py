@@ -37,6 +37,8 @@ from attnserve.models.layers.pdl_triton import gdc_launch_dependents, gdc_wait
 MAX_SPLIT_BLOCK = 32
 #: elements of a ``[SPLIT_BLOCK, BLOCK_DV]`` tile above which the merge runs 4 warps
 _WIDE_TILE = 4096
+#: most elements of that tile (64 float32 registers a thread at 4 warps; Dv 512 merges 16)
+_MAX_TILE = 8192
 
 
 @triton.jit
@@ -86,11 +88,11 @@ def _decode_stage2_kernel(
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_dv, out.to(o_ptr.dtype.element_ty), mask=mask_dv)
 
 
-def merge_split_block(merge_block: int, max_kv_splits: int) -> int:
+def merge_split_block(merge_block: int, max_kv_splits: int, block_dv: int = 128) -> int:
     """``SPLIT_BLOCK`` of stage 2: ``merge_block`` (a `DecodeConfig` field; 1 = one split a
-    step) capped by `MAX_SPLIT_BLOCK` and by the next power of two of ``max_kv_splits``,
-    always a power of two >= 1."""
-    cap = min(MAX_SPLIT_BLOCK, triton.next_power_of_2(max(1, max_kv_splits)))
+    step) capped by `MAX_SPLIT_BLOCK`, by the next power of two of ``max_kv_splits`` and by
+    ``_MAX_TILE // block_dv``, always a power of two >= 1."""
+    cap = min(MAX_SPLIT_BLOCK, triton.next_power_of_2(max(1, max_kv_splits)), max(1, _MAX_TILE // block_dv))
     return max(1, min(cap, triton.next_power_of_2(max(1, merge_block))))
 
 
@@ -103,7 +105,7 @@ def decode_stage2(attn_logits: torch.Tensor, attn_lse: torch.Tensor, o: torch.Te
     `attnserve.models.layers.pdl.pdl_enabled`). Host ints in; nothing is synchronised."""
     bs, hq, dv = o.shape
     block_dv = max(16, triton.next_power_of_2(dv))
-    split_block = merge_split_block(merge_block, max_kv_splits)
+    split_block = merge_split_block(merge_block, max_kv_splits, block_dv)
     warps = max(num_warps, 4) if split_block * block_dv > _WIDE_TILE else num_warps
     extra = {"launch_pdl": True} if use_pdl else {}
     _decode_stage2_kernel[(bs, hq)](
