@@ -11,7 +11,8 @@ tells how much of a step is kernel work and how much is gaps between kernels (wi
 programmatic dependent launch, kernels overlap, so ``busy_us`` can exceed ``step_us``).
 
 ``--variants`` (A/B in one process): the graphs are re-captured under each variant's
-environment (see `VARIANTS`: ``ATTNSERVE_PDL``, ``ATTNSERVE_SKINNY_RULE``, read at every
+environment (see `VARIANTS`: ``ATTNSERVE_PDL``, ``ATTNSERVE_SKINNY_RULE``,
+``ATTNSERVE_DECODE_SMALL_BATCH`` (``attn-small-off`` / ``-on``), read at every
 launch), each variant timed and profiled on the same runner and KV cache; ``--batch`` may
 list several batch sizes (one graph each). ``tuned`` uses, for each skinny GEMM shape at
 M = 1, the fastest PDL candidate of a ``gemv.py --candidates`` JSON (``--tune-from``);
@@ -45,6 +46,9 @@ VARIANTS = {
     "tuned": ({"ATTNSERVE_PDL": "1", "ATTNSERVE_SKINNY_RULE": "v2"}, True, False),
     "tuned+lmhead": ({"ATTNSERVE_PDL": "1", "ATTNSERVE_SKINNY_RULE": "v2"}, True, True),
     "v2+pdl+lmhead": ({"ATTNSERVE_PDL": "1", "ATTNSERVE_SKINNY_RULE": "v2"}, False, True),
+    # decode attention before / with the small-batch rule (`decode_tuning.small_batch_rule_enabled`)
+    "attn-small-off": ({"ATTNSERVE_PDL": "1", "ATTNSERVE_DECODE_SMALL_BATCH": "0"}, False, False),
+    "attn-small-on": ({"ATTNSERVE_PDL": "1", "ATTNSERVE_DECODE_SMALL_BATCH": "1"}, False, False),
 }
 
 
@@ -153,7 +157,7 @@ def profile_model(model: str, batches: List[int], ctx: int, steps: int, variants
                   kv_cache_dtype: str = "auto") -> List[dict]:
     runner = make_runner(model, max(batches), ctx, batches, kv_cache_dtype)
     gr = runner.cuda_graph_runner
-    saved = {k: os.environ.get(k) for k in ("ATTNSERVE_PDL", "ATTNSERVE_SKINNY_RULE")}
+    saved = {k: os.environ.get(k) for k in ("ATTNSERVE_PDL", "ATTNSERVE_SKINNY_RULE", "ATTNSERVE_DECODE_SMALL_BATCH")}
     order = list(variants) + ([variants[0]] if repeat_first and len(variants) > 1 else [])
     rows = []
     for variant in order:

@@ -178,10 +178,13 @@ class TritonAttnBackend(AttentionBackend):
 
     # ---- metadata ----------------------------------------------------------------------
     def _num_kv_splits(self, seq_lens: torch.Tensor, out: torch.Tensor) -> None:
-        from attnserve.attention.triton_ops.decode_splits import compute_num_kv_splits
+        from attnserve.attention.triton_ops.decode_splits import SMALL_SPLIT_TOKENS, compute_num_kv_splits
+        from attnserve.attention.triton_ops.decode_tuning import small_batch_rule_enabled
 
+        small = SMALL_SPLIT_TOKENS if small_batch_rule_enabled() and not self.deterministic else 0
         compute_num_kv_splits(seq_lens, out, self.max_kv_splits, self.num_sms, self.num_kv_heads,
-                              deterministic=self.deterministic, split_tile_size=self.split_tile_size)
+                              deterministic=self.deterministic, split_tile_size=self.split_tile_size,
+                              small_split_tokens=small)
 
     def _build_indices(self, req_pool_indices, lens, start=None, indptr_out=None, indices_out=None, total=None):
         from attnserve.attention.triton_ops.kv_indices import create_kv_indices

@@ -9,15 +9,22 @@ the CSR index ``kv_indptr`` / ``kv_indices`` (token slots into ``k_buffer`` / ``
   FlashAttention-2 (Dao, arXiv:2307.08691). All query heads that share a KV head (GQA/MQA)
   are processed together: each K/V tile is loaded once and multiplied with ``tl.dot``
   (the head block is padded to >= 16 rows).
-* Stage 2 (`_decode_stage2_kernel`): per (request, query head) the partial outputs are
-  merged by their log-sum-exp, as in Flash-Decoding (Dao, Haziza, Massa, Sizov, 2023,
-  "Flash-Decoding for long-context inference", PyTorch blog / FlashAttention repo).
+* Stage 2 (`decode_merge`): per (request, query head) the partial outputs are merged by
+  their log-sum-exp, as in Flash-Decoding (Dao, Haziza, Massa, Sizov, 2023,
+  "Flash-Decoding for long-context inference", PyTorch blog / FlashAttention repo), up to
+  32 splits per step (one L2 round trip at small batches; `DecodeConfig.merge_block`).
   A request with one split (most of a large batch: `decode_splits`) is finished by stage 1,
   which writes ``o`` directly (the merge of one split is the identity, so the bits are the
   same), and its stage-2 programs return at once.
 A fused "last program merges" variant (split-K with arrival counters, as in stream-K
 GEMMs) was measured on an H100 and was not faster than stage 2 (its serial merge tail
 costs more than the saved launch), so there is none here; see benchmarks/NOTES.md.
+Nor is stage 2's launch skipped when every request has one split: a CUDA graph is captured
+per batch size and replayed at every length, while the split counts are computed on the
+device each step, so the host cannot know it. Small batches instead launch both stages
+with programmatic dependent launch (`DecodeConfig.pdl`, `decode_tuning.decode_config`), so
+stage 2's launch overlaps stage 1 and its programs for one-split requests only wait and
+return.
 
 FP8 KV cache: ``k_buffer`` / ``v_buffer`` may hold float8 (e4m3fn / e5m2) entries with
 per-tensor scales (true value = stored * scale). Tiles are converted to q's dtype after
@@ -51,10 +58,14 @@ from attnserve.attention.triton_ops.decode_tuning import (  # noqa: F401  (re-ex
     decode_config,
 )
 from attnserve.attention.triton_ops.decode_splits import (  # noqa: F401  (re-exported: callers import them here)
+    _split_bounds,
     compute_num_kv_splits,
     decode_grid_splits,
     device_num_sms,
 )
+from attnserve.attention.triton_ops.decode_merge import decode_stage2
+from attnserve.models.layers.pdl import pdl_enabled
+from attnserve.models.layers.pdl_triton import gdc_launch_dependents, gdc_wait
 from attnserve.mem_cache.kv_quant import FP8_DTYPES, check_scale
 from attnserve.triton_env import triton_interpreting
 from attnserve.triton_jit import tanh
@@ -69,17 +80,6 @@ def _split_dims(d: int):
         return 16, 0
     pe = 0 if rest == 0 else max(16, triton.next_power_of_2(rest))
     return main, pe
-
-
-@triton.jit
-def _split_bounds(kv_len, num_splits, max_splits, ALIGN: tl.constexpr):
-    """Split length (a multiple of ALIGN) and number of non-empty splits; both kernels use
-    this so that they agree on the split boundaries. ``num_splits`` is clamped to
-    ``1..max_splits`` so a bad value can never write past the scratch buffers."""
-    num_splits = tl.minimum(tl.maximum(num_splits, 1), max_splits)
-    per = tl.cdiv(kv_len, num_splits)
-    per = tl.maximum(tl.cdiv(per, ALIGN) * ALIGN, ALIGN)
-    return per, tl.cdiv(kv_len, per)
 
 
 @triton.jit
@@ -142,6 +142,7 @@ def _decode_stage1_kernel(
     F16_DOT: tl.constexpr,
     V_PAIRS: tl.constexpr = False,
     E5M2: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     # V_PAIRS (fp8 cache, 16-bit dots, see `_v_pairs_ok`): ``v_ptr`` / ``stride_vt`` /
     # ``stride_vh`` address the V buffer viewed as int16 (two fp8 values of adjacent columns
@@ -156,6 +157,12 @@ def _decode_stage1_kernel(
     # (``v_scale``, applied only when V_SCALED) multiplies each split's output. K/V tiles
     # of another dtype than q (fp8 caches) are converted to q's dtype before ``tl.dot``
     # (``.to`` is a no-op when the dtypes agree).
+    # USE_PDL: nothing is read before the wait (q and this layer's new K/V come from the
+    # kernels just before, the indices from the step's metadata kernels further back), and
+    # stage 2 may launch once every program has passed its wait (`decode_merge`).
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -164,24 +171,28 @@ def _decode_stage1_kernel(
     mask_h = h_in_group < GROUP
     q_head = kv_head * GROUP + h_in_group
 
-    kv_start = tl.load(kv_indptr_ptr + b)
-    kv_len = tl.load(kv_indptr_ptr + b + 1) - kv_start
-    per, n_splits = _split_bounds(kv_len, tl.load(num_kv_splits_ptr + b), max_kv_splits, BLOCK_N)
-
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_d = offs_d < DK
     mask_dv = offs_dv < DV
+    # All first loads go out before anything waits on one: q (and its rope part), the
+    # request's bounds and its split count (their addresses depend on the program id alone).
     q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh
     q = tl.load(q_ptrs + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    if BLOCK_DPE > 0:
+        offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+        mask_dpe = offs_dpe < DK
+        q_pe = tl.load(q_ptrs + offs_dpe[None, :], mask=mask_h[:, None] & mask_dpe[None, :], other=0.0)
+    kv_start = tl.load(kv_indptr_ptr + b)
+    kv_end = tl.load(kv_indptr_ptr + b + 1)
+    splits_b = tl.load(num_kv_splits_ptr + b)
+    kv_len = kv_end - kv_start
+    per, n_splits = _split_bounds(kv_len, splits_b, max_kv_splits, BLOCK_N)
     if COMPUTE_FP32 or BLOCK_H == 1:
         q = q.to(tl.float32)
     elif F16_DOT:
         q = _saturate_to_f16(q)
     if BLOCK_DPE > 0:
-        offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
-        mask_dpe = offs_dpe < DK
-        q_pe = tl.load(q_ptrs + offs_dpe[None, :], mask=mask_h[:, None] & mask_dpe[None, :], other=0.0)
         if COMPUTE_FP32 or BLOCK_H == 1:
             q_pe = q_pe.to(tl.float32)
         elif F16_DOT:
@@ -284,45 +295,6 @@ def _decode_stage1_kernel(
             tl.store(lse_ptrs + split, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=mask_h)
 
 
-@triton.jit
-def _decode_stage2_kernel(
-    logits_ptr, lse_ptr, o_ptr,
-    kv_indptr_ptr, num_kv_splits_ptr,
-    stride_lb, stride_lh, stride_ls,
-    stride_eb, stride_eh,
-    stride_ob, stride_oh,
-    max_kv_splits,
-    DV: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    SPLIT_ALIGN: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    kv_len = tl.load(kv_indptr_ptr + b + 1) - tl.load(kv_indptr_ptr + b)
-    per, n_splits = _split_bounds(kv_len, tl.load(num_kv_splits_ptr + b), max_kv_splits, SPLIT_ALIGN)
-    if n_splits == 1:  # stage 1 wrote this request's output
-        return
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < DV
-    part_ptr = logits_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_dv
-    lse_row = lse_ptr + b.to(tl.int64) * stride_eb + h * stride_eh
-    m = float("-inf")
-    l = 0.0
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for s in range(0, n_splits):
-        lse_s = tl.load(lse_row + s)
-        part = tl.load(part_ptr + s * stride_ls, mask=mask_dv, other=0.0)
-        m_new = tl.maximum(m, lse_s)
-        alpha = tl.exp(m - m_new)
-        w = tl.exp(lse_s - m_new)
-        acc = acc * alpha + w * part
-        l = l * alpha + w
-        m = m_new
-    # A request with no keys (a padded CUDA-graph row) outputs zeros.
-    out = tl.where(l > 0, acc / tl.maximum(l, 1e-30), 0.0)
-    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_dv, out.to(o_ptr.dtype.element_ty), mask=mask_dv)
-
-
 def _v_pairs_ok(q: torch.Tensor, v_buffer: torch.Tensor, block_dv: int) -> bool:
     """Whether stage 1 may read an fp8 V buffer as int16 pairs of adjacent columns
     (``V_PAIRS``; CUDA only, 16-bit queries, ``Dv`` a power of two >= 32, every stride and
@@ -401,7 +373,10 @@ def decode_attention_fwd(
         batch_invariant: keep the tiles of `decode_config` that do not depend on the batch
             size (deterministic mode: a request's tiles and split alignment, and so its
             rounding, must not change with the batch it is in). Otherwise batches of at
-            least `BATCH_PROGRAMS_PER_SM` stage-1 programs per SM take the batch tiles.
+            least `BATCH_PROGRAMS_PER_SM` stage-1 programs per SM take the batch tiles,
+            and batches of at most one stage-1 program per SM at one split a request are
+            launched with PDL (`decode_config`; never in batch-invariant mode, although PDL
+            does not change any bit).
 
     Returns:
         ``o``. A request with zero keys gets zeros.
@@ -485,6 +460,7 @@ def decode_attention_fwd(
         except RuntimeError:  # a view torch cannot reinterpret: the byte path
             v_pairs, v_arg = False, v_buffer
 
+    use_pdl = cfg.pdl and pdl_enabled(q.device)
     _decode_stage1_kernel[(bs, head_programs, g)](
         q, k_buffer, v_arg,
         kv_indptr, kv_indices, num_kv_splits,
@@ -514,19 +490,11 @@ def decode_attention_fwd(
         F16_DOT=k_buffer.dtype in FP8_DTYPES and q.dtype == torch.bfloat16 and not compute_fp32,
         V_PAIRS=v_pairs,
         E5M2=v_pairs and v_buffer.dtype == torch.float8_e5m2,
+        USE_PDL=use_pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
-    _decode_stage2_kernel[(bs, hq)](
-        attn_logits, attn_lse, o,
-        kv_indptr, num_kv_splits,
-        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
-        attn_lse.stride(0), attn_lse.stride(1),
-        o.stride(0), o.stride(1),
-        int(max_kv_splits),
-        DV=dv,
-        BLOCK_DV=block_dv,
-        SPLIT_ALIGN=cfg.block_n,
-        num_warps=cfg.stage2_warps,
-    )
+    decode_stage2(attn_logits, attn_lse, o, kv_indptr, num_kv_splits, max_kv_splits, split_align=cfg.block_n,
+                  merge_block=cfg.merge_block, num_warps=cfg.stage2_warps, use_pdl=use_pdl)
     return o

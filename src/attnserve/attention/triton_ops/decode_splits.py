@@ -41,6 +41,22 @@ _RAGGED_FACTOR = 0.5  # ragged batches: one split per this fraction of the mean 
 # treats lengths within 0.8x of the longest as equal, `get_num_kv_splits_triton`).
 _RAGGED_NUM = tl.constexpr(5)
 _RAGGED_DEN = tl.constexpr(4)
+#: small batches (`compute_num_kv_splits`'s ``small_split_tokens``): keys per split when every
+#: request's one-tile splits fit in one wave of stage-1 programs (the 16-bit tile of
+#: `decode_tuning.decode_config` on an H100 / H200; fp8 tiles round splits up to theirs)
+SMALL_SPLIT_TOKENS = 128
+
+
+@triton.jit
+def _split_bounds(kv_len, num_splits, max_splits, ALIGN: tl.constexpr):
+    """Split length (a multiple of ALIGN) and number of non-empty splits; stage 1 and stage
+    2 of `decode_attention` both use this so that they agree on the split boundaries.
+    ``num_splits`` is clamped to ``1..max_splits`` so a bad value can never write past the
+    scratch buffers."""
+    num_splits = tl.minimum(tl.maximum(num_splits, 1), max_splits)
+    per = tl.cdiv(kv_len, num_splits)
+    per = tl.maximum(tl.cdiv(per, ALIGN) * ALIGN, ALIGN)
+    return per, tl.cdiv(kv_len, per)
 
 
 def device_num_sms(device: torch.device) -> int:
@@ -71,6 +87,8 @@ def _num_kv_splits_kernel(
     min_split_tokens,
     split_tile_size,
     ragged_factor,
+    small_split_tokens,
+    small_units,
     DETERMINISTIC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -84,13 +102,19 @@ def _num_kv_splits_kernel(
     else:
         total = tl.zeros([BLOCK], dtype=tl.int64)
         longest = tl.zeros([BLOCK], dtype=tl.int32)
+        tiles = tl.zeros([BLOCK], dtype=tl.int64)
+        small_tok = tl.maximum(small_split_tokens, 1)
         for base in range(0, bs, BLOCK):
             m = base + offs < bs
             n = tl.load(seq_lens_ptr + base + offs, mask=m, other=0).to(tl.int32)
             total += n.to(tl.int64)
             longest = tl.maximum(longest, n)
+            tiles += tl.maximum(tl.cdiv(n, small_tok), 1).to(tl.int64) * m.to(tl.int64)
         tokens = tl.sum(total, 0)
         n_max = tl.max(longest, 0)
+        # Small batch: every request cut into `small_split_tokens` splits still fits in
+        # `small_units` (request, split) programs (one wave), so each program takes one tile.
+        small = (small_split_tokens > 0) & (tl.sum(tiles, 0) <= small_units)
         # Whole waves: about `tokens / target_units` tokens a split, rounded down so that an
         # equal-length batch stays within `target_units` splits (a rounded-up count adds up
         # to one split per request, i.e. a partial extra wave).
@@ -104,6 +128,7 @@ def _num_kv_splits_kernel(
             n = tl.load(seq_lens_ptr + base + offs, mask=m, other=0).to(tl.int32)
             s = n // per
             s = tl.where(ragged, tl.maximum(s, (2 * n + rag_len) // (2 * rag_len)), s)
+            s = tl.where(small, tl.cdiv(n, small_tok), s)
             s = tl.minimum(tl.maximum(s, 1), split_cap)
             tl.store(out_ptr + base + offs, s, mask=m)
 
@@ -121,6 +146,7 @@ def compute_num_kv_splits(
     min_split_tokens: int = _MIN_SPLIT_TOKENS,
     ragged_factor: float = _RAGGED_FACTOR,
     grid_waves: int = _GRID_WAVES,
+    small_split_tokens: int = 0,
 ) -> torch.Tensor:
     """Per-request split counts for `decode_attention_fwd`, computed on the device.
 
@@ -144,6 +170,16 @@ def compute_num_kv_splits(
       every split is its own program and ``sum(num_kv_splits) <= bs * G``, the grid's
       whole rows (``>= grid_waves`` waves). Equal-length batches get exactly ``f`` (``G >=
       U / bs`` when ``grid_waves >= waves``) and so the whole-wave grid of stage 1.
+    * small batches (``small_split_tokens = t_s > 0``, off by default; the triton backend
+      passes `SMALL_SPLIT_TOKENS` unless ``ATTNSERVE_DECODE_SMALL_BATCH=0``): when
+      ``sum(max(cdiv(seq_lens[i], t_s), 1)) <= num_sms // num_kv_heads``, i.e. one-tile
+      splits for every request fit in one wave of stage-1 programs, ``num_kv_splits[i] =
+      clamp(cdiv(seq_lens[i], t_s), 1, min(G, max_kv_splits))`` instead. At batch 1 the
+      rules above give 576 keys 4 splits, which stage 1's tile alignment (`_split_bounds`,
+      128-key tiles) turns into 3 splits of 256, 256 and 64 keys, two tiles in a row for
+      most programs of a kernel that leaves 100+ SMs idle; one tile a program halves the
+      bytes each SM must stream at the cost of a wider merge (`decode_merge`). The
+      decision is made on the device every step, so it is CUDA-graph safe.
 
     The counts grow with the length (``f`` and ``r`` both do), are >= 1 and <=
     ``max_kv_splits``; the result depends on the whole batch.
@@ -169,6 +205,8 @@ def compute_num_kv_splits(
             (``ragged_factor <= 0`` turns the ragged term off; ``grid_waves`` must match the
             ``waves`` of the `decode_grid_splits` that sizes the launch, else only speed
             changes).
+        small_split_tokens: keys per split of the small-batch rule (0: off; ignored in
+            deterministic mode, whose counts must not depend on the batch).
 
     Returns:
         ``num_kv_splits``.
@@ -183,6 +221,8 @@ def compute_num_kv_splits(
         raise ValueError(f"num_kv_splits must be int32 [>= {bs}], got {tuple(num_kv_splits.shape)} {num_kv_splits.dtype}")
     if max_kv_splits < 1 or num_sms < 1 or num_kv_heads < 1 or split_tile_size < 1 or grid_waves < 1:
         raise ValueError("max_kv_splits, num_sms, num_kv_heads, split_tile_size and grid_waves must be >= 1")
+    if small_split_tokens < 0:
+        raise ValueError(f"small_split_tokens must be >= 0 (0: off), got {small_split_tokens}")
     if bs == 0:
         return num_kv_splits
     target_units = max(1, (num_sms * waves) // num_kv_heads)
@@ -199,6 +239,8 @@ def compute_num_kv_splits(
         int(min_split_tokens),
         int(split_tile_size),
         float(ragged_factor),
+        int(small_split_tokens),
+        max(1, num_sms // num_kv_heads),
         DETERMINISTIC=bool(deterministic),
         BLOCK=min(1024, max(16, triton.next_power_of_2(bs))),
     )

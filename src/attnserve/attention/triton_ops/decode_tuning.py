@@ -8,7 +8,8 @@ sources are cited next to the constants and in `decode_config`'s docstring.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -25,7 +26,10 @@ class DecodeConfig:
     num_stages: Triton launch options; stage2_warps: warps of the merge kernel; v_pairs: an
     fp8 V buffer is read as int16 pairs of adjacent columns and converted in registers
     (``V_PAIRS`` of stage 1; CUDA, 16-bit queries and ``Dv`` a power of two >= 32 only,
-    else ignored).
+    else ignored); merge_block: splits stage 2 merges per step (`decode_merge`; 1 = one at
+    a time, the loop before the small-batch rule); pdl: launch both stages with
+    programmatic dependent launch where `attnserve.models.layers.pdl.pdl_enabled` holds
+    (ignored elsewhere).
     """
 
     block_n: int
@@ -34,6 +38,8 @@ class DecodeConfig:
     num_stages: int
     stage2_warps: int = 2
     v_pairs: bool = False
+    merge_block: int = 32
+    pdl: bool = False
 
 
 #: (block_n, num_stages, num_warps) of stage 1 for an fp8 cache on an H100 / H200 (`decode_config`)
@@ -49,12 +55,52 @@ BATCH_PROGRAMS_PER_SM = 8
 BATCH_TILE = (128, 2)
 #: (block_n, num_stages) of stage 1 for an fp8 cache on an H100 / H200 at that many programs (V pairs)
 FP8_HOPPER_BATCH_TILE = (128, 4)
+#: environment switch of the small-batch rule (`small_batch_rule_enabled`)
+SMALL_BATCH_ENV = "ATTNSERVE_DECODE_SMALL_BATCH"
+_FALSE = ("0", "false", "no", "off")
+
+
+def small_batch_rule_enabled() -> bool:
+    """Whether the small-batch decode rule is on (default; ``ATTNSERVE_DECODE_SMALL_BATCH=0``,
+    ``false``, ``no`` or ``off`` turns it off, read at every call so one process can time
+    both): stage 2 merges `decode_merge.MAX_SPLIT_BLOCK` splits per step instead of one,
+    batches of at most one stage-1 program per SM at one split a request launch both stages
+    with PDL (`decode_config`), and the triton backend passes
+    `decode_splits.SMALL_SPLIT_TOKENS` to `compute_num_kv_splits` (one-tile splits while they
+    fit in one wave). Off, decode launches as before the rule (the same stage-2 operations
+    in the same order; stage 1 issues its q and metadata loads together either way)."""
+    return os.environ.get(SMALL_BATCH_ENV, "1").strip().lower() not in _FALSE
 
 
 def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bool = False,
                    max_shared_mem: int = 0, device_name: str = "", batch_size: int = 0,
                    num_kv_heads: int = 0, num_sms: int = 0) -> DecodeConfig:
-    """The one place decode tuning lives.
+    """The one place decode tuning lives: the tiles of `_tile_config` plus the small-batch
+    rule (`small_batch_rule_enabled`). With the rule on, stage 2 merges up to 32 splits a
+    step (``merge_block``), and a batch whose stage-1 programs at one split a request fit
+    in one wave (``batch_size * num_kv_heads * head blocks <= num_sms``, all three known)
+    sets ``pdl``; off, ``merge_block`` is 1 and ``pdl`` False (the kernels as before).
+    Arguments as in `_tile_config`.
+
+    Why (H100, torch.profiler over CUDA-graph replays, no PDL, 2026-11-27): at batch 1 with
+    ~576 keys stage 1 took ~7 us and stage 2 ~2 us per layer for Llama-3-8B heads at tp 1
+    and at tp 4, for 2.4 / 0.6 MB of KV (~1 / 0.2 us at the copy rate): a chain of
+    dependent loads and two launches, not bandwidth. Predicted, not yet measured
+    (`benchmarks/decode_small_batch.py` decides): the one-round-trip merge -0.3 to -1 us
+    at 3-32 splits, PDL -1 to -2 us (stage 2's launch hidden, its one-split programs only
+    wait), one-tile splits -0.5 to -1 us where the whole-wave rule left two tiles a program.
+    """
+    cfg = _tile_config(head_dim, group_size, dtype, is_hip, max_shared_mem, device_name, batch_size,
+                       num_kv_heads, num_sms)
+    if not small_batch_rule_enabled():
+        return replace(cfg, merge_block=1, pdl=False)
+    programs = batch_size * num_kv_heads * _head_blocks(cfg.block_h, group_size)
+    return replace(cfg, pdl=num_sms > 0 and 0 < programs <= num_sms)
+
+
+def _tile_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bool, max_shared_mem: int,
+                 device_name: str, batch_size: int, num_kv_heads: int, num_sms: int) -> DecodeConfig:
+    """Stage-1 tiles of `decode_config`.
 
     Args:
         head_dim: K head size (``Dk``; 576 for MLA).

@@ -1,0 +1,125 @@
+"""Stage 2 of `decode_attention`: merge each request's split-K partial outputs by their
+log-sum-exp (Flash-Decoding; Dao, Haziza, Massa, Sizov, 2023, "Flash-Decoding for
+long-context inference", PyTorch blog / FlashAttention repo).
+
+One program per (request, query head) reads the request's split count from
+``num_kv_splits`` and its length from ``kv_indptr`` (the same `_split_bounds` as stage 1,
+so both agree on the number of non-empty splits). A request with one split was finished by
+stage 1, which wrote ``o`` itself, and its programs return at once.
+
+The partials are read ``SPLIT_BLOCK`` splits at a time as one ``[SPLIT_BLOCK, Dv]`` tile
+(and their LSEs as one vector): with ``SPLIT_BLOCK >= n_splits`` the merge is one round
+trip to L2 instead of one per split, which is what a batch-1 step waits for (the kernel
+moves a few KB). ``SPLIT_BLOCK = 1`` is the one-split-at-a-time loop this kernel had before
+(same operations in the same order, so the same bits). Either way a request's result
+depends only on its own splits, so deterministic mode stays batch-invariant.
+
+``USE_PDL`` (programmatic dependent launch, `attnserve.models.layers.pdl`): the program
+reads ``kv_indptr`` / ``num_kv_splits`` before ``gdc_wait``. That is safe because stage 1,
+the kernel before it, either was launched without PDL or waits for its own predecessor
+before it lets this kernel launch (`decode_attention._decode_stage1_kernel`), so every
+kernel before stage 1 (the step's metadata kernels among them) has completed; stage 1
+writes none of them. Every program waits, including those that return, so that this
+grid's completion implies stage 1's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnserve.attention.triton_ops.decode_splits import _split_bounds
+from attnserve.models.layers.pdl_triton import gdc_launch_dependents, gdc_wait
+
+#: largest ``SPLIT_BLOCK`` (splits merged per step); 32 x 128 float32 partials are 64
+#: registers a thread at 2 warps
+MAX_SPLIT_BLOCK = 32
+#: elements of a ``[SPLIT_BLOCK, BLOCK_DV]`` tile above which the merge runs 4 warps
+_WIDE_TILE = 4096
+#: most elements of that tile (64 float32 registers a thread at 4 warps; Dv 512 merges 16)
+_MAX_TILE = 8192
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    logits_ptr, lse_ptr, o_ptr,
+    kv_indptr_ptr, num_kv_splits_ptr,
+    stride_lb, stride_lh, stride_ls,
+    stride_eb, stride_eh,
+    stride_ob, stride_oh,
+    max_kv_splits,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kv_len = tl.load(kv_indptr_ptr + b + 1) - tl.load(kv_indptr_ptr + b)
+    per, n_splits = _split_bounds(kv_len, tl.load(num_kv_splits_ptr + b), max_kv_splits, SPLIT_ALIGN)
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    if n_splits == 1:  # stage 1 wrote this request's output
+        return
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < DV
+    offs_s = tl.arange(0, SPLIT_BLOCK)
+    part_ptr = logits_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_dv[None, :]
+    lse_row = lse_ptr + b.to(tl.int64) * stride_eb + h * stride_eh
+    m = float("-inf")
+    l = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s0 in range(0, n_splits, SPLIT_BLOCK):
+        s = s0 + offs_s
+        mask_s = s < n_splits
+        lse_s = tl.load(lse_row + s, mask=mask_s, other=float("-inf"))
+        part = tl.load(part_ptr + s[:, None] * stride_ls, mask=mask_s[:, None] & mask_dv[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse_s, 0))
+        alpha = tl.exp(m - m_new)
+        w = tl.exp(lse_s - m_new)  # 0 for the masked splits
+        acc = acc * alpha + tl.sum(w[:, None] * part, 0)
+        l = l * alpha + tl.sum(w, 0)
+        m = m_new
+    # A request with no keys (a padded CUDA-graph row) outputs zeros.
+    out = tl.where(l > 0, acc / tl.maximum(l, 1e-30), 0.0)
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_dv, out.to(o_ptr.dtype.element_ty), mask=mask_dv)
+
+
+def merge_split_block(merge_block: int, max_kv_splits: int, block_dv: int = 128) -> int:
+    """``SPLIT_BLOCK`` of stage 2: ``merge_block`` (a `DecodeConfig` field; 1 = one split a
+    step) capped by `MAX_SPLIT_BLOCK`, by the next power of two of ``max_kv_splits`` and by
+    ``_MAX_TILE // block_dv``, always a power of two >= 1."""
+    cap = min(MAX_SPLIT_BLOCK, triton.next_power_of_2(max(1, max_kv_splits)), max(1, _MAX_TILE // block_dv))
+    return max(1, min(cap, triton.next_power_of_2(max(1, merge_block))))
+
+
+def decode_stage2(attn_logits: torch.Tensor, attn_lse: torch.Tensor, o: torch.Tensor, kv_indptr: torch.Tensor,
+                  num_kv_splits: torch.Tensor, max_kv_splits: int, *, split_align: int, merge_block: int,
+                  num_warps: int, use_pdl: bool = False) -> None:
+    """Launch stage 2 on the grid ``(bs, Hq)`` with ``bs, Hq = o.shape[:2]`` (arguments as
+    in `decode_attention.decode_attention_fwd`, already checked there; ``split_align`` is
+    stage 1's ``block_n``). ``use_pdl`` launches with PDL (the caller checks
+    `attnserve.models.layers.pdl.pdl_enabled`). Host ints in; nothing is synchronised."""
+    bs, hq, dv = o.shape
+    block_dv = max(16, triton.next_power_of_2(dv))
+    split_block = merge_split_block(merge_block, max_kv_splits, block_dv)
+    warps = max(num_warps, 4) if split_block * block_dv > _WIDE_TILE else num_warps
+    extra = {"launch_pdl": True} if use_pdl else {}
+    _decode_stage2_kernel[(bs, hq)](
+        attn_logits, attn_lse, o,
+        kv_indptr, num_kv_splits,
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        attn_lse.stride(0), attn_lse.stride(1),
+        o.stride(0), o.stride(1),
+        int(max_kv_splits),
+        DV=dv,
+        BLOCK_DV=block_dv,
+        SPLIT_ALIGN=split_align,
+        SPLIT_BLOCK=split_block,
+        USE_PDL=bool(use_pdl),
+        num_warps=warps,
+        **extra,
+    )
