@@ -118,6 +118,53 @@ def _ws_read(ws_ptr, col0, m0, M, ws_cols, BLOCK_N: tl.constexpr, BLOCK_M: tl.co
     return tl.load(ptrs, mask=(offs_m < M)[None, :] & (offs_c < ws_cols)[:, None], other=0.0, volatile=True)
 
 
+@triton.jit
+def _split_k_range(pid, K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``(column block, k_lo, k_hi)`` of program ``pid`` of a ``(column blocks * SPLIT_K,)``
+    grid: its share of whole ``BLOCK_K`` steps of ``K``."""
+    pid_n = pid // SPLIT_K
+    pid_k = pid % SPLIT_K
+    per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_lo = pid_k * per * BLOCK_K
+    k_hi = tl.minimum(K, (pid_k + 1) * per * BLOCK_K)
+    return pid_n, k_lo, k_hi
+
+
+@triton.jit
+def _split_k_publish(ws_ptr, cnt_ptr, pid_n, acc1, acc2, u1, u2, n0, M, N, ws_cols, BLOCK_N: tl.constexpr,
+                     BLOCK_M1: tl.constexpr, BLOCK_M2: tl.constexpr, HAS_M2: tl.constexpr, GATED: tl.constexpr,
+                     SPLIT_K: tl.constexpr):
+    """Add this program's partial sums of column block ``pid_n`` (columns ``n0..``, gate and,
+    GATED, up halves ``N`` apart) into the workspace, then count it in; True for the last of
+    the block's ``SPLIT_K`` programs, which finishes the block (`_split_k_read`)."""
+    valid = (tl.arange(0, BLOCK_N) < tl.minimum(n0 + BLOCK_N, N) - n0)[:, None]
+    _ws_add(ws_ptr, tl.where(valid, acc1, 0.0), n0, 0, M, ws_cols, BLOCK_N, BLOCK_M1)
+    if GATED:
+        _ws_add(ws_ptr, tl.where(valid, u1, 0.0), N + n0, 0, M, ws_cols, BLOCK_N, BLOCK_M1)
+    if HAS_M2:
+        _ws_add(ws_ptr, tl.where(valid, acc2, 0.0), n0, BLOCK_M1, M, ws_cols, BLOCK_N, BLOCK_M2)
+        if GATED:
+            _ws_add(ws_ptr, tl.where(valid, u2, 0.0), N + n0, BLOCK_M1, M, ws_cols, BLOCK_N, BLOCK_M2)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+    return arrived == SPLIT_K - 1
+
+
+@triton.jit
+def _split_k_read(ws_ptr, acc1, acc2, u1, u2, n0, M, N, ws_cols, BLOCK_N: tl.constexpr, BLOCK_M1: tl.constexpr,
+                  BLOCK_M2: tl.constexpr, HAS_M2: tl.constexpr, GATED: tl.constexpr):
+    """The block's summed ``(acc1, acc2, u1, u2)`` from the workspace (the tiles a shape does
+    not use are returned as given)."""
+    acc1 = _ws_read(ws_ptr, n0, 0, M, ws_cols, BLOCK_N, BLOCK_M1)
+    if GATED:
+        u1 = _ws_read(ws_ptr, N + n0, 0, M, ws_cols, BLOCK_N, BLOCK_M1)
+    if HAS_M2:
+        acc2 = _ws_read(ws_ptr, n0, BLOCK_M1, M, ws_cols, BLOCK_N, BLOCK_M2)
+        if GATED:
+            u2 = _ws_read(ws_ptr, N + n0, BLOCK_M1, M, ws_cols, BLOCK_N, BLOCK_M2)
+    return acc1, acc2, u1, u2
+
+
 @triton.jit(do_not_specialize=["M"])
 def _mid_gemm_kernel(
     x_ptr, w_ptr, w_desc, b_ptr, y_ptr, ws_ptr, cnt_ptr,
@@ -136,15 +183,9 @@ def _mid_gemm_kernel(
     HAS_M2 is False: it then only sizes unused accumulators). SPLIT_K > 1: ``ws`` float32 zeros ``[M,
     N or 2N]`` and ``cnt`` int32 zeros ``[cdiv(N, BLOCK_N)]``.
     """
-    pid = tl.program_id(0)
-    pid_n = pid // SPLIT_K
-    pid_k = pid % SPLIT_K
+    pid_n, k_lo, k_hi = _split_k_range(tl.program_id(0), K, SPLIT_K, BLOCK_K)
     n0 = pid_n * BLOCK_N
     w_rows = 2 * N if GATED else N
-    steps = tl.cdiv(K, BLOCK_K)
-    per = tl.cdiv(steps, SPLIT_K)
-    k_lo = pid_k * per * BLOCK_K
-    k_hi = tl.minimum(K, (pid_k + 1) * per * BLOCK_K)
     acc1 = tl.zeros((BLOCK_N, BLOCK_M1), dtype=tl.float32)
     u1 = tl.zeros((BLOCK_N, BLOCK_M1), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_M2), dtype=tl.float32)
@@ -166,29 +207,9 @@ def _mid_gemm_kernel(
                   HAS_BIAS, GATED, ACT)
     else:
         # the last of the SPLIT_K programs of this column block to arrive finishes it
-        n_end = tl.minimum(n0 + BLOCK_N, N)
-        ws_cols = w_rows
-        lim = n_end - n0  # valid columns of this block: rows past it are masked through col0 + i < ...
-        _ws_add(ws_ptr, tl.where((tl.arange(0, BLOCK_N) < lim)[:, None], acc1, 0.0), n0, 0, M, ws_cols,
-                BLOCK_N, BLOCK_M1)
-        if GATED:
-            _ws_add(ws_ptr, tl.where((tl.arange(0, BLOCK_N) < lim)[:, None], u1, 0.0), N + n0, 0, M, ws_cols,
-                    BLOCK_N, BLOCK_M1)
-        if HAS_M2:
-            _ws_add(ws_ptr, tl.where((tl.arange(0, BLOCK_N) < lim)[:, None], acc2, 0.0), n0, BLOCK_M1, M, ws_cols,
-                    BLOCK_N, BLOCK_M2)
-            if GATED:
-                _ws_add(ws_ptr, tl.where((tl.arange(0, BLOCK_N) < lim)[:, None], u2, 0.0), N + n0, BLOCK_M1, M,
-                        ws_cols, BLOCK_N, BLOCK_M2)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            acc1 = _ws_read(ws_ptr, n0, 0, M, ws_cols, BLOCK_N, BLOCK_M1)
-            if GATED:
-                u1 = _ws_read(ws_ptr, N + n0, 0, M, ws_cols, BLOCK_N, BLOCK_M1)
-            if HAS_M2:
-                acc2 = _ws_read(ws_ptr, n0, BLOCK_M1, M, ws_cols, BLOCK_N, BLOCK_M2)
-                if GATED:
-                    u2 = _ws_read(ws_ptr, N + n0, BLOCK_M1, M, ws_cols, BLOCK_N, BLOCK_M2)
+        if _split_k_publish(ws_ptr, cnt_ptr, pid_n, acc1, acc2, u1, u2, n0, M, N, w_rows, BLOCK_N, BLOCK_M1,
+                            BLOCK_M2, HAS_M2, GATED, SPLIT_K):
+            acc1, acc2, u1, u2 = _split_k_read(ws_ptr, acc1, acc2, u1, u2, n0, M, N, w_rows, BLOCK_N, BLOCK_M1,
+                                               BLOCK_M2, HAS_M2, GATED)
             _epilogue(acc1, acc2, u1, u2, b_ptr, y_ptr, stride_ym, n0, M, N, BLOCK_N, BLOCK_M1, BLOCK_M2, HAS_M2,
                       HAS_BIAS, GATED, ACT)

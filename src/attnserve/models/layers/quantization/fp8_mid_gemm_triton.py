@@ -36,7 +36,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attnserve.models.layers.mid_gemm_triton import _epilogue, _load_w, _load_x, _ws_add, _ws_read
+from attnserve.models.layers.mid_gemm_triton import (_epilogue, _load_w, _load_x, _split_k_publish,
+                                                     _split_k_range, _split_k_read)
 
 
 @triton.jit
@@ -102,15 +103,9 @@ def _fp8_mid_gemm_kernel(
     BLOCK_M1 + BLOCK_M2 * HAS_M2`` (``BLOCK_M2 >= 16`` even without HAS_M2). SPLIT_K > 1:
     ``wk`` float32 zeros ``[M, N or 2N]`` and ``cnt`` int32 zeros ``[cdiv(N, BLOCK_N)]``.
     """
-    pid = tl.program_id(0)
-    pid_n = pid // SPLIT_K
-    pid_k = pid % SPLIT_K
+    pid_n, k_lo, k_hi = _split_k_range(tl.program_id(0), K, SPLIT_K, BLOCK_K)
     n0 = pid_n * BLOCK_N
     w_rows = 2 * N if GATED else N
-    steps = tl.cdiv(K, BLOCK_K)
-    per = tl.cdiv(steps, SPLIT_K)
-    k_lo = pid_k * per * BLOCK_K
-    k_hi = tl.minimum(K, (pid_k + 1) * per * BLOCK_K)
     acc1 = tl.zeros((BLOCK_N, BLOCK_M1), dtype=tl.float32)
     u1 = tl.zeros((BLOCK_N, BLOCK_M1), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_M2), dtype=tl.float32)
@@ -132,23 +127,9 @@ def _fp8_mid_gemm_kernel(
                 BLOCK_M1, BLOCK_M2, HAS_M2, W8A8, WS_PER_TENSOR, HAS_BIAS, GATED, ACT)
     else:
         # the last of the SPLIT_K programs of this column block to arrive finishes it
-        valid = (tl.arange(0, BLOCK_N) < tl.minimum(n0 + BLOCK_N, N) - n0)[:, None]
-        _ws_add(wk_ptr, tl.where(valid, acc1, 0.0), n0, 0, M, w_rows, BLOCK_N, BLOCK_M1)
-        if GATED:
-            _ws_add(wk_ptr, tl.where(valid, u1, 0.0), N + n0, 0, M, w_rows, BLOCK_N, BLOCK_M1)
-        if HAS_M2:
-            _ws_add(wk_ptr, tl.where(valid, acc2, 0.0), n0, BLOCK_M1, M, w_rows, BLOCK_N, BLOCK_M2)
-            if GATED:
-                _ws_add(wk_ptr, tl.where(valid, u2, 0.0), N + n0, BLOCK_M1, M, w_rows, BLOCK_N, BLOCK_M2)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            acc1 = _ws_read(wk_ptr, n0, 0, M, w_rows, BLOCK_N, BLOCK_M1)
-            if GATED:
-                u1 = _ws_read(wk_ptr, N + n0, 0, M, w_rows, BLOCK_N, BLOCK_M1)
-            if HAS_M2:
-                acc2 = _ws_read(wk_ptr, n0, BLOCK_M1, M, w_rows, BLOCK_N, BLOCK_M2)
-                if GATED:
-                    u2 = _ws_read(wk_ptr, N + n0, BLOCK_M1, M, w_rows, BLOCK_N, BLOCK_M2)
+        if _split_k_publish(wk_ptr, cnt_ptr, pid_n, acc1, acc2, u1, u2, n0, M, N, w_rows, BLOCK_N, BLOCK_M1,
+                            BLOCK_M2, HAS_M2, GATED, SPLIT_K):
+            acc1, acc2, u1, u2 = _split_k_read(wk_ptr, acc1, acc2, u1, u2, n0, M, N, w_rows, BLOCK_N, BLOCK_M1,
+                                               BLOCK_M2, HAS_M2, GATED)
             _finish(acc1, acc2, u1, u2, ws_ptr, xs_ptr, b_ptr, y_ptr, stride_xs, stride_ym, n0, M, N, BLOCK_N,
                     BLOCK_M1, BLOCK_M2, HAS_M2, W8A8, WS_PER_TENSOR, HAS_BIAS, GATED, ACT)
