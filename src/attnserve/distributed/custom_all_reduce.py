@@ -115,18 +115,14 @@ def config_from_env(world_size: int) -> CustomAllReduceConfig:
     Raises:
         ValueError: the variable is set but not a positive number.
     """
+    from attnserve.env_sizes import env_bytes
+
     config = default_config(world_size)
-    raw = os.environ.get(TWO_SHOT_MAX_ENV, "").strip()
-    if not raw:
+    size = env_bytes(TWO_SHOT_MAX_ENV, 1 << 20, positive=True)
+    if size is None:
         return config
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = -1.0
-    if not mb > 0:
-        raise ValueError(f"{TWO_SHOT_MAX_ENV}={raw!r}: expected a positive number of MiB")
     return CustomAllReduceConfig(one_shot_max_bytes=config.one_shot_max_bytes,
-                                 two_shot_max_bytes=int(mb * (1 << 20)) // _ALIGN * _ALIGN)
+                                 two_shot_max_bytes=size // _ALIGN * _ALIGN)
 
 
 def _round_up(n: int, m: int) -> int:

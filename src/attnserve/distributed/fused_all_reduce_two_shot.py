@@ -50,7 +50,6 @@ gives `CustomAllReduce.fusion` a `TwoShotRegion`; its fused calls whose message 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -87,16 +86,11 @@ def two_shot_min_bytes(world_size: int, environ: Optional[Mapping[str, str]] = N
     Raises:
         ValueError: the variable is set but not a number >= 0.
     """
-    env = os.environ if environ is None else environ
-    raw = (env.get(TWO_SHOT_MIN_ENV) or "").strip()
-    if raw:
-        try:
-            kb = float(raw)
-        except ValueError:
-            kb = -1.0
-        if not kb >= 0:
-            raise ValueError(f"{TWO_SHOT_MIN_ENV}={raw!r}: expected a number >= 0 of KiB")
-        return int(kb * 1024)
+    from attnserve.env_sizes import env_bytes
+
+    size = env_bytes(TWO_SHOT_MIN_ENV, 1 << 10, environ=environ)
+    if size is not None:
+        return size
     return NEVER if world_size <= 2 else DEFAULT_MIN_BYTES
 
 

@@ -52,16 +52,10 @@ def overlap_min_half_bytes() -> int:
     Raises:
         ValueError: the variable is set but not a number >= 0.
     """
-    raw = os.environ.get(TP_OVERLAP_MIN_HALF_ENV, "").strip()
-    if not raw:
-        return int(_DEFAULT_MIN_HALF_MB * (1 << 20))
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0:
-        raise ValueError(f"{TP_OVERLAP_MIN_HALF_ENV}={raw!r}: expected a number of MiB >= 0")
-    return int(mb * (1 << 20))
+    from attnserve.env_sizes import env_bytes
+
+    size = env_bytes(TP_OVERLAP_MIN_HALF_ENV, 1 << 20)
+    return int(_DEFAULT_MIN_HALF_MB * (1 << 20)) if size is None else size
 
 
 def tp_overlap_applies(layers: Sequence[Any], hidden_states: torch.Tensor, tp: Any) -> bool:

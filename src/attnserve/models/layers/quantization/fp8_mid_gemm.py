@@ -97,14 +97,10 @@ def fp8_mid_gemm_mode() -> Optional[str]:
 
 def fp8_mid_shape_class(n: int, k: int, gated: bool) -> str:
     """Class of an e4m3 weight ``[N, K]`` (``gated``: ``N = 2I``): ``gated``, ``k>=8192``,
-    ``n<=4096``, ``n<=16384`` or ``wide`` (as the skinny kernels' classes)."""
-    if gated:
-        return "gated"
-    if k >= 8192:
-        return "k>=8192"
-    if n <= 4096:
-        return "n<=4096"
-    return "n<=16384" if n <= 16384 else "wide"
+    ``n<=4096``, ``n<=16384`` or ``wide``, the skinny kernels' classes (`skinny_gemm._shape_class`)."""
+    from attnserve.models.layers.skinny_gemm import _shape_class
+
+    return _shape_class(n, k, gated)
 
 
 def _bucket(m: int) -> int:

@@ -1,0 +1,32 @@
+"""Byte sizes read from environment variables (thresholds that benchmarks override)."""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+__all__ = ["env_bytes"]
+
+
+def env_bytes(name: str, unit: int, *, positive: bool = False,
+              environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The size that variable ``name`` gives as a number of ``unit`` bytes (e.g. ``1 << 20``
+    for MiB; fractions allowed), truncated to whole bytes; None when it is unset or empty.
+
+    Raises:
+        ValueError: set but not a number ``>= 0`` (``> 0`` with ``positive``), naming the
+            variable and the unit.
+    """
+    env = os.environ if environ is None else environ
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 if positive else value >= 0):
+        what = "> 0" if positive else ">= 0"
+        units = {1 << 10: "KiB", 1 << 20: "MiB"}.get(unit, f"{unit}-byte units")
+        raise ValueError(f"{name}={raw!r}: expected a number {what} of {units}")
+    return int(value * unit)
