@@ -203,7 +203,7 @@ def main(argv=None) -> int:
 
     import triton
 
-    from attnserve.models.layers.pdl import pdl_enabled
+    from attnserve.pdl import pdl_enabled
 
     variants = ["current"] + [v for v in args.variants if v != "current"]
     t0 = time.perf_counter()

@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_step needs a CUDA GPU")
-    from attnserve.models.layers.pdl import pdl_supported
+    from attnserve.pdl import pdl_supported
 
     print(f"PDL supported here: {pdl_supported(torch.device('cuda'))}", flush=True)
     table = tuned_table(args.tune_from) if args.tune_from else None

@@ -137,7 +137,7 @@ def test_small_batch_pdl_graph_replay(monkeypatch):
     stages at bs 4). Metadata (indptr, indices, split counts) is rebuilt in the graph from
     fresh lengths every replay. Each replay is checked against float64 attention over the
     same q (an eager GEMV) and the updated buffers."""
-    from attnserve.models.layers.pdl import pdl_enabled
+    from attnserve.pdl import pdl_enabled
     from attnserve.models.layers.skinny_gemm import skinny_linear
 
     monkeypatch.setenv(SMALL_BATCH_ENV, "1")

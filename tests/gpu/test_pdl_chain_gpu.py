@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (`attnserve.models.layers.pdl`) on a GPU: a chain of the
+"""Programmatic dependent launch (`attnserve.pdl`) on a GPU: a chain of the
 kernels that opt in, each reading the previous one's output, captured in a CUDA graph.
 
 Two Llama-3-8B-shaped decoder layers at batch 1 without attention (fused add + RMSNorm ->
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from attnserve.models.layers import fused_kernels as fk
-from attnserve.models.layers.pdl import pdl_enabled
+from attnserve.pdl import pdl_enabled
 from attnserve.models.layers.skinny_gemm import skinny_linear, skinny_linear_gated
 
 pytestmark = pytest.mark.cuda

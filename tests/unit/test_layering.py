@@ -13,6 +13,9 @@ SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "attnserve"
 LEVEL = {
     "triton_env": 0,
     "triton_jit": 0,
+    "env_sizes": 0,
+    "pdl": 0,
+    "pdl_triton": 0,
     "mem_cache": 1,
     "forward_batch": 2,
     "attention": 3,

@@ -1,9 +1,9 @@
-"""`attnserve.models.layers.pdl`: when kernels are launched with programmatic dependent launch."""
+"""`attnserve.pdl`: when kernels are launched with programmatic dependent launch."""
 
 import pytest
 import torch
 
-from attnserve.models.layers import pdl
+from attnserve import pdl
 
 
 def test_never_on_cpu(monkeypatch):

@@ -64,8 +64,8 @@ from attnserve.attention.triton_ops.decode_splits import (  # noqa: F401  (re-ex
     device_num_sms,
 )
 from attnserve.attention.triton_ops.decode_merge import decode_stage2
-from attnserve.models.layers.pdl import pdl_enabled
-from attnserve.models.layers.pdl_triton import gdc_launch_dependents, gdc_wait
+from attnserve.pdl import pdl_enabled
+from attnserve.pdl_triton import gdc_launch_dependents, gdc_wait
 from attnserve.mem_cache.kv_quant import FP8_DTYPES, check_scale
 from attnserve.triton_env import triton_interpreting
 from attnserve.triton_jit import tanh

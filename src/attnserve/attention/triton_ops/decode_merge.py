@@ -14,7 +14,7 @@ moves a few KB). ``SPLIT_BLOCK = 1`` is the one-split-at-a-time loop this kernel
 (same operations in the same order, so the same bits). Either way a request's result
 depends only on its own splits, so deterministic mode stays batch-invariant.
 
-``USE_PDL`` (programmatic dependent launch, `attnserve.models.layers.pdl`): the program
+``USE_PDL`` (programmatic dependent launch, `attnserve.pdl`): the program
 reads ``kv_indptr`` / ``num_kv_splits`` before ``gdc_wait``. That is safe because stage 1,
 the kernel before it, either was launched without PDL or waits for its own predecessor
 before it lets this kernel launch (`decode_attention._decode_stage1_kernel`), so every
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from attnserve.attention.triton_ops.decode_splits import _split_bounds
-from attnserve.models.layers.pdl_triton import gdc_launch_dependents, gdc_wait
+from attnserve.pdl_triton import gdc_launch_dependents, gdc_wait
 
 #: largest ``SPLIT_BLOCK`` (splits merged per step); 32 x 128 float32 partials are 64
 #: registers a thread at 2 warps
@@ -102,7 +102,7 @@ def decode_stage2(attn_logits: torch.Tensor, attn_lse: torch.Tensor, o: torch.Te
     """Launch stage 2 on the grid ``(bs, Hq)`` with ``bs, Hq = o.shape[:2]`` (arguments as
     in `decode_attention.decode_attention_fwd`, already checked there; ``split_align`` is
     stage 1's ``block_n``). ``use_pdl`` launches with PDL (the caller checks
-    `attnserve.models.layers.pdl.pdl_enabled`). Host ints in; nothing is synchronised."""
+    `attnserve.pdl.pdl_enabled`). Host ints in; nothing is synchronised."""
     bs, hq, dv = o.shape
     block_dv = max(16, triton.next_power_of_2(dv))
     split_block = merge_split_block(merge_block, max_kv_splits, block_dv)

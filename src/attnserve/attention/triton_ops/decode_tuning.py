@@ -28,7 +28,7 @@ class DecodeConfig:
     (``V_PAIRS`` of stage 1; CUDA, 16-bit queries and ``Dv`` a power of two >= 32 only,
     else ignored); merge_block: splits stage 2 merges per step (`decode_merge`; 1 = one at
     a time, the loop before the small-batch rule); pdl: launch both stages with
-    programmatic dependent launch where `attnserve.models.layers.pdl.pdl_enabled` holds
+    programmatic dependent launch where `attnserve.pdl.pdl_enabled` holds
     (ignored elsewhere).
     """
 

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from attnserve.models.layers.pdl import pdl_enabled, pdl_supported
+from attnserve.pdl import pdl_enabled, pdl_supported
 from attnserve.models.layers.skinny_gemm import SKINNY_ACTIVATIONS, _shape_class, skinny_fp8_supported
 from attnserve.triton_env import triton_interpreting
 

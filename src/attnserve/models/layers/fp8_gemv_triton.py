@@ -66,7 +66,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attnserve.models.layers.pdl_triton import gdc_launch_dependents, gdc_wait
+from attnserve.pdl_triton import gdc_launch_dependents, gdc_wait
 from attnserve.models.layers.skinny_gemm_triton import _gate_act
 
 @triton.jit

@@ -24,7 +24,7 @@ these launchers only for CUDA tensors and only while their ``use_fused`` is on
 All math is float32 inside the kernels; inputs may be float16, bfloat16 or float32;
 outputs are in the input's dtype. The launchers allocate nothing but their outputs, never
 read device values on the host, and are CUDA-graph capturable. On Hopper the RMSNorm and
-RoPE kernels launch with programmatic dependent launch (`attnserve.models.layers.pdl`;
+RoPE kernels launch with programmatic dependent launch (`attnserve.pdl`;
 ``ATTNSERVE_PDL=0`` turns it off): the norms read their ``weight`` before waiting for the
 kernel launched before them, so ``weight`` must not be written by that kernel (module
 parameters never are). Algorithms were studied in
@@ -49,7 +49,7 @@ import torch.nn as nn
 
 from attnserve.mem_cache.kv_quant import check_scale, fp8_max, is_fp8
 from attnserve.mem_cache.store_kv import FusedKernelUser, KVStoreTarget, fused_kernels_available, store_kv
-from attnserve.models.layers.pdl import pdl_enabled
+from attnserve.pdl import pdl_enabled
 
 __all__ = [
     "FusedKernelUser",
@@ -116,7 +116,7 @@ def _norm_launch(n: int) -> Tuple[int, int, int]:
 
 def _pdl_args(device: torch.device) -> dict:
     """Launch arguments of a kernel that opts into programmatic dependent launch
-    (`attnserve.models.layers.pdl`): its ``USE_PDL`` constexpr and Triton's ``launch_pdl``."""
+    (`attnserve.pdl`): its ``USE_PDL`` constexpr and Triton's ``launch_pdl``."""
     return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"USE_PDL": False}
 
 

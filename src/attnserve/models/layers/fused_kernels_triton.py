@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from attnserve.mem_cache.store_kv_triton import copy_heads_to_slot, quant_heads_to_slot
-from attnserve.models.layers.pdl_triton import gdc_launch_dependents, gdc_wait
+from attnserve.pdl_triton import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit

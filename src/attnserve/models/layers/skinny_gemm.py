@@ -18,7 +18,7 @@ matrices (bandwidth alone needs < 1 µs), 1.6 TB/s of 3.0 TB/s copy bandwidth on
 
 Both launchers allocate only their output, never read device values on the host and are
 CUDA-graph capturable. On Hopper they launch with programmatic dependent launch
-(`attnserve.models.layers.pdl`; ``ATTNSERVE_PDL=0`` turns it off): the weight stream of
+(`attnserve.pdl`; ``ATTNSERVE_PDL=0`` turns it off): the weight stream of
 one projection starts while the kernel before it finishes. `Linear` (``attnserve.models.layers.linear``) calls them for CUDA
 tensors with ``M <= MAX_SKINNY_M`` while its ``use_fused`` is on (``--disable-fused-kernels`` turns it
 off).
@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from attnserve.models.layers.pdl import pdl_enabled, pdl_supported
+from attnserve.pdl import pdl_enabled, pdl_supported
 from attnserve.triton_env import triton_interpreting
 
 __all__ = [
@@ -452,7 +452,7 @@ def skinny_linear(
         weight: contiguous ``[N, K]`` (``nn.Linear`` layout) of ``x``'s dtype and device.
         bias: optional unit-stride ``[N]`` of ``x``'s dtype.
         config: launch parameters; default `skinny_gemm_config` for this shape and device.
-        pdl: launch with programmatic dependent launch (`attnserve.models.layers.pdl`);
+        pdl: launch with programmatic dependent launch (`attnserve.pdl`);
             None: `pdl_enabled` decides (on for Hopper unless ``ATTNSERVE_PDL=0``). Ignored
             (plain launch) for the ``tl.dot`` form and where `pdl_supported` is False (CPU,
             interpreter, pre-Hopper).

@@ -34,7 +34,7 @@ keeping one in flight all the time. A decode GEMV is a stream over the weight wh
 is bytes in flight / latency (Little's law), so this matters where the grid alone keeps
 too few bytes in flight (``N * BLOCK_K * 2`` bytes for a bf16 matrix of ``N`` rows when
 every program is resident). With ``USE_PDL`` (programmatic dependent launch,
-`attnserve.models.layers.pdl`) a program lets the next kernel launch at once, loads its
+`attnserve.pdl`) a program lets the next kernel launch at once, loads its
 first weight tile (carried form) and only then waits for the previous kernel to finish
 before reading ``x``.
 
@@ -52,7 +52,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attnserve.models.layers.pdl_triton import gdc_launch_dependents, gdc_wait
+from attnserve.pdl_triton import gdc_launch_dependents, gdc_wait
 from attnserve.triton_jit import tanh
 
 
@@ -171,7 +171,7 @@ def _skinny_gemm_kernel(
     CARRY: the weight tile of step ``i + 1`` is loaded before step ``i``'s product (held in
     registers across the loop), so every program keeps a tile in flight while it
     multiplies. DEFER: see the module doc. USE_PDL (programmatic dependent launch,
-    `attnserve.models.layers.pdl`): the program first lets the next kernel launch, then
+    `attnserve.pdl`): the program first lets the next kernel launch, then
     (CARRY) loads its first weight tile, then waits for the previous kernel before it reads
     ``x``; nothing activation-dependent is read and nothing is written before the wait.
     """

@@ -1,4 +1,4 @@
-"""Device side of `attnserve.models.layers.pdl`: the grid-dependency intrinsics.
+"""Device side of `attnserve.pdl`: the grid-dependency intrinsics.
 
 ``gdc_wait`` / ``gdc_launch_dependents`` are Triton's (``triton.language.extra.cuda``,
 Triton >= 3.3; PTX ``griddepcontrol.wait`` / ``.launch_dependents``). With an older Triton
