@@ -1,7 +1,7 @@
 """Tensor parallelism on one multi-GPU host, in one run. Writes ``<out>/<device>-tp-<date>.json``.
 
 ``PYTHONPATH=src python benchmarks/tp_decode.py --tp 1 2 [--big-tp 2] [--skip-identity] [--tp-sample local broadcast]
-[--allreduce-fusion on off] [--profile]``
+[--allreduce-fusion on off] [--profile] [--repeats 3] [--output-len 128]``
 
 * Identity: Llama-3-8B shape, dummy weights, **float32** (bf16 rounding differs between an
   all-reduce of partial sums and one matmul, and random weights give near-tied logits),
@@ -9,6 +9,9 @@
 * Decode step: Llama-3-8B shape, dummy bf16 weights, CUDA graphs (the all-reduces captured),
   overlap on; 1 and 64 requests x 512 prompt tokens -> 128 new; ``decode_ms_per_step`` =
   (wall - prefill-only wall) / decode steps, the engine's own per-step cost as a user sees it.
+  ``--repeats N`` times both runs N times and takes each one's median (the same pull
+  configuration gave 2.24 / 2.46 / 2.66 ms at tp 4 batch 1 in three single runs on four
+  H100s, 2026-11-27); ``--output-len`` sets the new tokens.
   Floor: one GPU's share of the weight bytes read at the copy bandwidth measured here.
 * Large model: Llama-3-70B shape at ``--big-tp`` (70B in bf16 needs >= 2 H200s), 1 request.
 * ``--step-broadcast shm gloo``: every tp > 1 decode run once per path of rank 0's step
@@ -166,7 +169,7 @@ def kernel_profile(llm, prompts, steps: int, top: int = 25) -> dict:
 
 
 def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadcast=None, tp_sample=None,
-                 allreduce_fusion=None, fusion_mode=None, profile_steps=0, **extra):
+                 allreduce_fusion=None, fusion_mode=None, profile_steps=0, repeats=1, **extra):
     from attnserve.engine.sampling_params import SamplingParams
     from attnserve.engine.scheduler import SchedulerStats
     from attnserve.engine.tp.step_channel import STEP_BROADCAST_ENV
@@ -199,16 +202,19 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
             sp = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
             sp1 = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
             llm.generate(prompts, sp)  # warm-up
-            times = {}
-            for name, params in (("prefill", sp1), ("full", sp)):
-                llm.engine.scheduler.flush_prefix_cache()
-                llm.engine.scheduler.stats = SchedulerStats()
-                counts0 = (0, 0) if sender is None else (sender.local_steps, sender.ids_broadcasts)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                llm.generate(prompts, params)
-                torch.cuda.synchronize()
-                times[name] = (time.perf_counter() - t0, llm.engine.scheduler.stats)
+            runs = {"prefill": [], "full": []}
+            for _ in range(max(repeats, 1)):  # prefill-only and full runs alternate; medians below
+                for name, params in (("prefill", sp1), ("full", sp)):
+                    llm.engine.scheduler.flush_prefix_cache()
+                    llm.engine.scheduler.stats = SchedulerStats()
+                    counts0 = (0, 0) if sender is None else (sender.local_steps, sender.ids_broadcasts)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    llm.generate(prompts, params)
+                    torch.cuda.synchronize()
+                    runs[name].append((time.perf_counter() - t0, llm.engine.scheduler.stats))
+            # the median run of each (the full run's stats and counts are its last run's)
+            times = {name: sorted(r, key=lambda t: t[0])[len(r) // 2] for name, r in runs.items()}
             counts = (0, 0) if sender is None else (sender.local_steps - counts0[0],
                                                     sender.ids_broadcasts - counts0[1])
             wall, stats = times["full"]
@@ -219,6 +225,8 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
                    "two_shot_min_bytes": two_shot_min,
                    "local_sample_steps": counts[0], "ids_broadcast_steps": counts[1], "input_len": input_len,
                    "output_len": output_len,
+                   "repeats": max(repeats, 1), "wall_runs_s": [t for t, _ in runs["full"]],
+                   "prefill_runs_s": [t for t, _ in runs["prefill"]],
                    "wall_s": wall, "prefill_s": times["prefill"][0], "decode_steps": stats.num_decode_steps,
                    "decode_ms_per_step": 1e3 * (wall - times["prefill"][0]) / steps,
                    "output_tokens_per_s": n * output_len / wall, "host_ms_per_step": stats.host_ms_per_decode_step,
@@ -260,6 +268,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="per decode row, rank 0's per-kernel GPU time per step (torch.profiler)")
     ap.add_argument("--profile-steps", type=int, default=20, help="decode steps profiled (--profile)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed prefill-only / full runs per row; the row reports each one's median run")
+    ap.add_argument("--output-len", type=int, default=128, help="decode tokens per request (input: 512)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     copy = copy_bandwidth_gbs()
@@ -286,6 +297,7 @@ def main(argv=None) -> int:
         res["decode"] += in_fresh_process(decode_steps, model, tp, requests, step_broadcast=sb, tp_sample=ts,
                                           allreduce_fusion=fu, fusion_mode=fm,
                                           profile_steps=args.profile_steps if args.profile else 0,
+                                          repeats=args.repeats, output_len=args.output_len,
                                           disable_custom_all_reduce=args.disable_custom_all_reduce)
         for row in res["decode"]:
             row["weights_floor_ms"] = row["weight_bytes_per_gpu"] / (copy * 1e9) * 1e3
