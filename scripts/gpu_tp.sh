@@ -5,7 +5,7 @@
 # shared-memory and gloo step broadcast; Llama-3-70B at tp 4), then bench.offline's random
 # workload at dp 1 and dp = number of GPUs. Partial JSON survives a cut-off run.
 #   bash scripts/gpu_tp.sh          env: TP_LIMIT (s, default 300), DP_PROMPTS (default 1024)
-#   STAGES="tests pushtests twoshottests allreduce tp big push bigpush dp" (default all) runs a subset: one
+#   STAGES="tests pushtests twoshottests allreduce tp big push bigpush overlap dp" (default all) runs a subset: one
 #   device call is 10 minutes at most, so on 4 GPUs run "tests" (~5 min on four H100s), "pushtests",
 #   "twoshottests", "tp" (~5 min), "allreduce big", "push", "bigpush" and "dp" as separate calls.
 #   pushtests: the push-mode fused all-reduce GPU tests (2 and 4 ranks, tp 2 engine tokens), which
@@ -18,11 +18,13 @@
 #   BIGPUSH_MODES (default "pull push"; "pull twoshot" for the two-shot kernel, which takes the fused
 #   messages of at least ATTNSERVE_TWO_SHOT_FUSED_MIN_KB, default 256, from 3 GPUs) and PUSH_ARGS
 #   (e.g. --profile) narrow or widen those two.
+#   overlap: the tp prefill all-reduce overlap on / off / off with a 64 MiB two-shot ceiling (medians of 3),
+#   then its float32 GPU token test (~4 min on four GPUs).
 #   tp: Llama-3-8B tp 1 / 2 / 4, batch 1 and 64, all-reduce fusion on and off, rank 0's kernel
 #   profile; big: the Llama-3-70B shape at tp 4.
 # The dp test and replicas import the server (fastapi): run with carry [".whl/serving"].
 set -u
-STAGES=${STAGES:-tests pushtests twoshottests allreduce tp big push bigpush dp}
+STAGES=${STAGES:-tests pushtests twoshottests allreduce tp big push bigpush overlap dp}
 stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -89,6 +91,23 @@ timeout "${BIGPUSH_LIMIT:-540}" python3 benchmarks/tp_decode.py --tp --requests 
   > "$OUT/tp_bigpush.log" 2>&1
 echo "tp bigpush rc=$?"
 grep -E "ms/step" "$OUT/tp_bigpush.log" | tail -4
+fi
+if stage overlap; then
+# the prefill all-reduces of Llama-3-8B at tp = all GPUs, 64 x 512: overlapped token halves (default), one NCCL
+# all-reduce per message (ATTNSERVE_TP_PREFILL_OVERLAP=0), and the symmetric-memory two-shot up to 64 MiB instead
+# of NCCL (8,192-token chunks on 80 GB cards); then the float32 token check of the overlap
+for cfg in "on:1:" "off:0:" "twoshot64:0:64"; do
+  IFS=: read -r tag ov ts <<< "$cfg"
+  ATTNSERVE_TP_PREFILL_OVERLAP=$ov ATTNSERVE_TWO_SHOT_MAX_MB=$ts timeout "${OVERLAP_LIMIT:-150}" python3 \
+    benchmarks/tp_decode.py --tp "$ngpu" --requests 64 --repeats 3 --step-broadcast shm --skip-identity \
+    --out "$OUT/overlap-$tag" > "$OUT/tp_overlap_$tag.log" 2>&1
+  echo "overlap $tag rc=$? $(grep -E "ms/step" "$OUT/tp_overlap_$tag.log" | tail -1)"
+  python3 -c "import glob, json; r = json.load(open(glob.glob('$OUT/overlap-$tag/*.json')[0]))['decode'][0]; \
+print('  prefill_s', round(r['prefill_s'], 4), r['prefill_runs_s'])" 2>/dev/null
+done
+timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_tp_gpu.py -k prefill_overlap \
+  > "$OUT/tests_overlap.log" 2>&1
+echo "overlap test rc=$?"; grep -E "^OVERLAP|passed|failed" "$OUT/tests_overlap.log" | tail -3
 fi
 if stage dp; then
 timeout 540 python3 -m attnserve.bench.offline --dataset random --load-format dummy --device cuda \
