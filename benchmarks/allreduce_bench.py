@@ -153,24 +153,10 @@ def main() -> None:
     if args.world_size < 2 or torch.cuda.device_count() < args.world_size:
         raise SystemExit(f"needs {max(2, args.world_size)} GPUs, found {torch.cuda.device_count()}")
     t0 = time.perf_counter()
-    import torch.multiprocessing as mp
-
+    from common import run_ranks
     from attnserve.bench.results import cuda_run_metadata, write_result
-    from attnserve.engine.tp.launch import free_port
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, args.world_size, port, args, queue))
-             for r in range(args.world_size)]
-    for pr in procs:
-        pr.start()
-    rows = queue.get()
-    for pr in procs:
-        pr.join(60)
-    bad = [pr.exitcode for pr in procs if pr.exitcode != 0]
-    if bad:
-        raise SystemExit(f"a rank failed: exit codes {bad}")
+    rows = run_ranks(_rank_main, args.world_size, args)
     result = cuda_run_metadata("allreduce", t0)
     result.update({"world_size": args.world_size, "dtype": "bfloat16", "calls": args.calls, "replays": args.replays,
                    "nccl": ".".join(map(str, torch.cuda.nccl.version())), "date": dt.date.today().isoformat(),

@@ -153,3 +153,37 @@ def init_rank(rank: int, world_size: int, port: int):
     cpu_group = dist.new_group(list(range(world_size)), backend="gloo")
     dist.all_reduce(torch.zeros(1, device=device), group=group)
     return device, group, cpu_group
+
+
+def run_ranks(rank_main: Callable, world_size: int, args) -> object:
+    """Spawn ``world_size`` processes running ``rank_main(rank, world_size, port, args,
+    queue)`` (each calls `init_rank` with the port), and return the one object a rank puts
+    on the queue (rank 0's results).
+
+    Raises:
+        SystemExit: a rank exited with an error (seen while waiting, so a dead rank does not
+            leave the others' result pending forever), or after the result.
+    """
+    import time
+
+    import torch.multiprocessing as mp
+
+    from attnserve.engine.tp.launch import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, world_size, port, args, queue)) for r in range(world_size)]
+    for pr in procs:
+        pr.start()
+    while queue.empty():
+        if any(pr.exitcode not in (None, 0) for pr in procs):
+            raise SystemExit(f"a rank failed: exit codes {[pr.exitcode for pr in procs]}")
+        time.sleep(0.2)
+    result = queue.get()
+    for pr in procs:
+        pr.join(60)
+    bad = [pr.exitcode for pr in procs if pr.exitcode != 0]
+    if bad:
+        raise SystemExit(f"a rank failed: exit codes {bad}")
+    return result

@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from allreduce_bench import _time_graph  # noqa: E402
+from common import run_ranks  # noqa: E402
 
 HIDDENS = (4096, 8192)
 MODES = ("pull", "push", "twoshot", "unfused")
@@ -127,27 +128,7 @@ def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
 
 
 def _run_world(world_size: int, args) -> list:
-    import torch.multiprocessing as mp
-
-    from attnserve.engine.tp.launch import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, args, queue)) for r in range(world_size)]
-    for pr in procs:
-        pr.start()
-    while queue.empty():
-        if any(pr.exitcode not in (None, 0) for pr in procs):
-            raise SystemExit(f"a rank failed: exit codes {[pr.exitcode for pr in procs]}")
-        time.sleep(0.2)
-    rows = queue.get()
-    for pr in procs:
-        pr.join(60)
-    bad = [pr.exitcode for pr in procs if pr.exitcode != 0]
-    if bad:
-        raise SystemExit(f"a rank failed: exit codes {bad}")
-    return rows
+    return run_ranks(_rank_main, world_size, args)
 
 
 def main() -> int:

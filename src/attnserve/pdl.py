@@ -23,15 +23,14 @@ Triton without the ``gdc_*`` intrinsics (< 3.3).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from attnserve.env_options import env_flag
 from attnserve.triton_env import triton_interpreting
 
 __all__ = ["pdl_enabled", "pdl_supported"]
 
-_FALSE = ("0", "false", "no", "off")
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -66,6 +65,6 @@ def _pdl_capable(index: int) -> bool:
 def pdl_enabled(device: torch.device) -> bool:
     """`pdl_supported` and not switched off by ``ATTNSERVE_PDL`` (read at every call, so a
     benchmark can capture graphs with and without it in one process)."""
-    if os.environ.get("ATTNSERVE_PDL", "1").strip().lower() in _FALSE:
+    if not env_flag("ATTNSERVE_PDL"):
         return False
     return pdl_supported(device)

@@ -13,7 +13,7 @@ SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "attnserve"
 LEVEL = {
     "triton_env": 0,
     "triton_jit": 0,
-    "env_sizes": 0,
+    "env_options": 0,
     "pdl": 0,
     "pdl_triton": 0,
     "mem_cache": 1,

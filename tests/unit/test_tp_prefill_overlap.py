@@ -17,7 +17,9 @@ LINKED = SimpleNamespace(attn_output_partial=True, mlp_output_partial=True)
 def test_threshold_switch_and_links(monkeypatch):
     monkeypatch.delenv(TP_OVERLAP_ENV, raising=False)
     monkeypatch.delenv(TP_OVERLAP_MIN_HALF_ENV, raising=False)
-    assert overlap_min_half_bytes() == 16 << 20
+    assert overlap_min_half_bytes(TP) == 16 << 20  # the custom all-reduce's two-shot ceiling at 2 ranks
+    custom = SimpleNamespace(config=SimpleNamespace(two_shot_max_bytes=64 << 20))
+    assert overlap_min_half_bytes(SimpleNamespace(size=4, custom_all_reduce=custom)) == 64 << 20
     big = torch.empty(8192, 4096, dtype=torch.bfloat16, device="meta")  # halves of 32 MiB
     small = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")  # halves of 16 MiB: at the line
     tiny = torch.empty(4000, 4096, dtype=torch.bfloat16, device="meta")
@@ -37,4 +39,4 @@ def test_threshold_switch_and_links(monkeypatch):
     for bad in ("-1", "big"):
         monkeypatch.setenv(TP_OVERLAP_MIN_HALF_ENV, bad)
         with pytest.raises(ValueError, match=TP_OVERLAP_MIN_HALF_ENV):
-            overlap_min_half_bytes()
+            overlap_min_half_bytes(TP)

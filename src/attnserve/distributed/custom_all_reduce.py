@@ -115,7 +115,7 @@ def config_from_env(world_size: int) -> CustomAllReduceConfig:
     Raises:
         ValueError: the variable is set but not a positive number.
     """
-    from attnserve.env_sizes import env_bytes
+    from attnserve.env_options import env_bytes
 
     config = default_config(world_size)
     size = env_bytes(TWO_SHOT_MAX_ENV, 1 << 20, positive=True)

@@ -86,7 +86,7 @@ def two_shot_min_bytes(world_size: int, environ: Optional[Mapping[str, str]] = N
     Raises:
         ValueError: the variable is set but not a number >= 0.
     """
-    from attnserve.env_sizes import env_bytes
+    from attnserve.env_options import env_bytes
 
     size = env_bytes(TWO_SHOT_MIN_ENV, 1 << 10, environ=environ)
     if size is not None:

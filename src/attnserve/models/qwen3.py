@@ -15,13 +15,13 @@ are `attnserve.models.base`'s.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from attnserve.distributed.group import TPGroup
+from attnserve.env_options import env_flag
 from attnserve.forward_batch import ForwardBatch
 from attnserve.models.layers.norm import RMSNorm
 from attnserve.models.layers.rotary import RotaryEmbedding
@@ -48,7 +48,7 @@ def qk_norm_rope_fusion_enabled() -> bool:
     """``ATTNSERVE_QK_NORM_ROPE_FUSION`` (default on; ``0`` / ``false`` / ``no`` / ``off``
     turns it off): whether QK-normed attention blocks built from now on fold their per-head
     q/k RMSNorm into the RoPE launch (read when a block is built)."""
-    return os.environ.get("ATTNSERVE_QK_NORM_ROPE_FUSION", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_flag("ATTNSERVE_QK_NORM_ROPE_FUSION")
 
 
 def qk_norms_fusable(q_norm: nn.Module, k_norm: nn.Module) -> bool:

@@ -8,12 +8,12 @@ sources are cited next to the constants and in `decode_config`'s docstring.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 
+from attnserve.env_options import env_flag
 from attnserve.mem_cache.kv_quant import FP8_DTYPES
 
 
@@ -57,7 +57,6 @@ BATCH_TILE = (128, 2)
 FP8_HOPPER_BATCH_TILE = (128, 4)
 #: environment switch of the small-batch rule (`small_batch_rule_enabled`)
 SMALL_BATCH_ENV = "ATTNSERVE_DECODE_SMALL_BATCH"
-_FALSE = ("0", "false", "no", "off")
 
 
 def small_batch_rule_enabled() -> bool:
@@ -69,7 +68,7 @@ def small_batch_rule_enabled() -> bool:
     `decode_splits.SMALL_SPLIT_TOKENS` to `compute_num_kv_splits` (one-tile splits while they
     fit in one wave). Off, decode launches as before the rule (the same stage-2 operations
     in the same order; stage 1 issues its q and metadata loads together either way)."""
-    return os.environ.get(SMALL_BATCH_ENV, "1").strip().lower() not in _FALSE
+    return env_flag(SMALL_BATCH_ENV)
 
 
 def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bool = False,

@@ -20,51 +20,56 @@ all-reduce runs on NCCL's stream while the compute stream works on the second ha
 (the pattern of SGLang's and Megatron-LM's compute/communication overlap, on token halves
 as in "two-batch overlap"; no code of theirs is used). It applies to a model whose layers
 are all linked by `allreduce_fusion` (both outputs partial), when each half's message is
-at least ``ATTNSERVE_TP_OVERLAP_MIN_HALF_MB`` MiB (default 16, the custom all-reduce's
-two-shot ceiling: smaller messages run the custom kernels on the compute stream, which
-cannot overlap). ``ATTNSERVE_TP_PREFILL_OVERLAP=0`` turns it off. NCCL sums each half on
-its own, so the bits may differ from one all-reduce of the whole message (the ring's order
-per element depends on the chunking); at two ranks a sum of two terms is the same either way.
+at least the custom all-reduce's two-shot ceiling (16 MiB at 2 and 4 ranks: smaller messages
+run the custom kernels on the compute stream, which cannot overlap), or at least
+``ATTNSERVE_TP_OVERLAP_MIN_HALF_MB`` MiB where that is set. ``ATTNSERVE_TP_PREFILL_OVERLAP=0``
+turns it off. NCCL sums each half on its own, so the bits may differ from one all-reduce of
+the whole message (the ring's order per element depends on the chunking); at two ranks a sum
+of two terms is the same either way.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
+
+from attnserve.env_options import env_bytes, env_flag
 
 __all__ = ["TP_OVERLAP_ENV", "TP_OVERLAP_MIN_HALF_ENV", "overlap_min_half_bytes", "tp_overlap_applies",
            "overlapped_layer_forward"]
 
 TP_OVERLAP_ENV = "ATTNSERVE_TP_PREFILL_OVERLAP"
 TP_OVERLAP_MIN_HALF_ENV = "ATTNSERVE_TP_OVERLAP_MIN_HALF_MB"
-#: default least bytes of one half's message (the custom all-reduce's two-shot ceiling at
-#: 2 and 4 ranks, `custom_all_reduce.default_config`)
-_DEFAULT_MIN_HALF_MB = 16.0
-_OFF = ("0", "false", "no", "off")
 
 
-def overlap_min_half_bytes() -> int:
-    """Least bytes of a half's message for the overlap (``ATTNSERVE_TP_OVERLAP_MIN_HALF_MB``,
-    default 16 MiB).
+def overlap_min_half_bytes(tp: Any) -> int:
+    """Least bytes of a half's message for the overlap: ``ATTNSERVE_TP_OVERLAP_MIN_HALF_MB``
+    where set, else the two-shot ceiling of ``tp``'s custom all-reduce (of
+    `custom_all_reduce.default_config` for its size when it has none), above which the
+    all-reduce is NCCL's anyway.
 
     Raises:
         ValueError: the variable is set but not a number >= 0.
     """
-    from attnserve.env_sizes import env_bytes
-
     size = env_bytes(TP_OVERLAP_MIN_HALF_ENV, 1 << 20)
-    return int(_DEFAULT_MIN_HALF_MB * (1 << 20)) if size is None else size
+    if size is not None:
+        return size
+    custom = getattr(tp, "custom_all_reduce", None)
+    if custom is not None:
+        return custom.config.two_shot_max_bytes
+    from attnserve.distributed.custom_all_reduce import default_config
+
+    return default_config(tp.size).two_shot_max_bytes
 
 
 def tp_overlap_applies(layers: Sequence[Any], hidden_states: torch.Tensor, tp: Any) -> bool:
     """Whether `DecoderModel.forward` runs ``layers`` through `overlapped_layer_forward`:
     not switched off, not inside a CUDA-graph capture, a group of more than one rank with a
-    device group, every layer's
-    attention and MLP outputs left partial (`allreduce_fusion`), at least 2 tokens, and each
-    half's ``[T / 2, hidden]`` message at least `overlap_min_half_bytes`."""
-    if os.environ.get(TP_OVERLAP_ENV, "1").strip().lower() in _OFF:
+    device group, every layer's attention and MLP outputs left partial (`allreduce_fusion`),
+    at least 2 tokens, and each half's ``[T / 2, hidden]`` message at least
+    `overlap_min_half_bytes`."""
+    if not env_flag(TP_OVERLAP_ENV):
         return False
     if tp is None or tp.size <= 1 or tp.device_group is None or not layers:
         return False
@@ -75,7 +80,7 @@ def tp_overlap_applies(layers: Sequence[Any], hidden_states: torch.Tensor, tp: A
         return False
     t = hidden_states.shape[0]
     half_bytes = (t // 2) * hidden_states[0].numel() * hidden_states.element_size()
-    return t >= 2 and half_bytes >= overlap_min_half_bytes()
+    return t >= 2 and half_bytes >= overlap_min_half_bytes(tp)
 
 
 def _all_reduce_async(x: torch.Tensor, tp: Any):

@@ -1,11 +1,21 @@
-"""Byte sizes read from environment variables (thresholds that benchmarks override)."""
+"""Settings read from environment variables: on/off switches of optional paths and byte
+sizes (thresholds that benchmarks override)."""
 
 from __future__ import annotations
 
 import os
 from typing import Mapping, Optional
 
-__all__ = ["env_bytes"]
+__all__ = ["env_bytes", "env_flag"]
+
+#: values that turn a switch off (any case, surrounding spaces ignored)
+OFF_VALUES = ("0", "false", "no", "off")
+
+
+def env_flag(name: str) -> bool:
+    """Switch ``name``, on unless set to one of `OFF_VALUES` (read at every call, so one
+    process can time both settings)."""
+    return os.environ.get(name, "1").strip().lower() not in OFF_VALUES
 
 
 def env_bytes(name: str, unit: int, *, positive: bool = False,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from attnserve.env_sizes import env_bytes
+from attnserve.env_options import env_bytes
 
 
 def test_env_bytes_units_and_errors():
