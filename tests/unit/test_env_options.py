@@ -1,4 +1,5 @@
-"""`env_bytes`: sizes from environment variables in units, and the errors of bad values."""
+"""`env_bytes` (sizes from environment variables in units, and the errors of bad values) and
+`env_flag` (on/off switches)."""
 
 import pytest
 
@@ -15,3 +16,16 @@ def test_env_bytes_units_and_errors():
     for bad in ("-1", "nan", "lots"):
         with pytest.raises(ValueError, match="X=.*>= 0 of KiB"):
             env_bytes("X", 1 << 10, environ={"X": bad})
+
+
+def test_env_flag(monkeypatch):
+    from attnserve.env_options import env_flag
+
+    monkeypatch.delenv("X_SWITCH", raising=False)
+    assert env_flag("X_SWITCH")
+    for off in ("0", "false", " OFF ", "No"):
+        monkeypatch.setenv("X_SWITCH", off)
+        assert not env_flag("X_SWITCH"), off
+    for on in ("1", "yes", "on", ""):
+        monkeypatch.setenv("X_SWITCH", on)
+        assert env_flag("X_SWITCH"), on
