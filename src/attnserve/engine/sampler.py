@@ -26,6 +26,7 @@ from typing import Sequence, Tuple
 
 import torch
 
+from attnserve.engine.row_argmax import row_argmax, row_argmax_supported
 
 _M31 = 0x7FFFFFFF
 
@@ -140,8 +141,6 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
     one-block-per-row reduction takes 28 µs for one Llama-3 row on an H100)."""
     if x.device.type == "cpu":
         return x.max(dim=-1).indices
-    from attnserve.engine.row_argmax import row_argmax, row_argmax_supported
-
     if row_argmax_supported(x):
         return row_argmax(x)
     return torch.argmax(x, dim=-1)
