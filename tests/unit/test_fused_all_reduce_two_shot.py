@@ -18,29 +18,19 @@ import torch
 
 from attnserve.distributed import fused_all_reduce as far
 from attnserve.distributed import fused_all_reduce_two_shot as ts
-from attnserve.distributed.fused_all_reduce import FusedRegion, fused_all_reduce_add_rmsnorm
+from attnserve.distributed.fused_all_reduce import FusedRegion
 from attnserve.distributed.fused_all_reduce_two_shot import TwoShotRegion
+from test_fused_all_reduce_push import EPS as PUSH_EPS, _pull as push_pull
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
-EPS = 1e-5
+EPS = PUSH_EPS  # the epsilon the shared pull reference uses
 HIDDEN = 24  # BLOCK 32: the norm's masked tail is exercised
 MAX_ROWS = 13
 
 
 def _pull(world, xs, residual, w, offset):
-    """The pull kernel's (out, residual) for these partial sums, run as rank 0 with the peers'
-    halves and flags staged (as tests/unit/test_fused_all_reduce.py does)."""
-    region = FusedRegion.after(0, MAX_ROWS * HIDDEN * 4, world)
-    bufs = [torch.zeros(region.end, dtype=torch.uint8) for _ in range(world)]
-    for q, b in enumerate(bufs):
-        start = region.data_offset + region.half_bytes  # epoch 1 -> half 1
-        b[start:start + xs[q].numel() * xs[q].element_size()].view(xs[q].dtype).copy_(xs[q].view(-1))
-        b[region.flags_offset:region.end].view(torch.int64).fill_(1)
-    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
-    res = residual.clone()
-    out = fused_all_reduce_add_rmsnorm(xs[0].clone(), res, w, EPS, offset, ptrs, torch.zeros(2, dtype=torch.int64),
-                                       0, region)
-    return out, res
+    """The pull kernel's (out, residual) for these partial sums (`test_fused_all_reduce_push._pull`)."""
+    return push_pull(world, xs, residual, w, offset, MAX_ROWS * HIDDEN * 4)
 
 
 def _float64(xs, residual, w, offset):
