@@ -186,13 +186,12 @@ def test_fused_producer_quant_matches_unfused(m):
     assert (q.float() != q_ref.float()).float().mean() < 1e-3
 
 
-def test_dummy_llama_fp8_w8a16_wide_graph_matches_eager(monkeypatch):
-    """24 requests decode on the W8A16 kernel (``ATTNSERVE_FP8_W8A16_MAX_M=64``, 32-row
-    tiles) under CUDA graphs and eagerly: the same tokens."""
+def fp8_llama_graph_and_eager_tokens() -> list:
+    """Greedy tokens of 24 requests x 8 of a tiny FP8 Llama (dummy weights) decoding with CUDA
+    graphs, then eagerly: ``[graph tokens, eager tokens]``."""
     from attnserve.engine.llm import LLM
     from attnserve.engine.sampling_params import SamplingParams
 
-    monkeypatch.setenv("ATTNSERVE_FP8_W8A16_MAX_M", "64")
     sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [[1 + i, 2, 3 + i, 4] for i in range(24)]
     res = []
@@ -200,6 +199,14 @@ def test_dummy_llama_fp8_w8a16_wide_graph_matches_eager(monkeypatch):
         llm = LLM("llama-tiny", load_format="dummy", device="cuda", quantization="fp8", disable_cuda_graph=graphs_off)
         res.append([o.token_ids for o in llm.generate(prompts, sp)])
         llm.shutdown()
+    return res
+
+
+def test_dummy_llama_fp8_w8a16_wide_graph_matches_eager(monkeypatch):
+    """24 requests decode on the W8A16 kernel (``ATTNSERVE_FP8_W8A16_MAX_M=64``, 32-row
+    tiles) under CUDA graphs and eagerly: the same tokens."""
+    monkeypatch.setenv("ATTNSERVE_FP8_W8A16_MAX_M", "64")
+    res = fp8_llama_graph_and_eager_tokens()
     assert res[0] == res[1]
 
 

@@ -177,17 +177,10 @@ def test_fp8_mid_dummy_llama_graph_decode(mode, monkeypatch):
     eagerly. Split-K adds partial sums with atomics in no fixed order, so the two runs may
     round differently and a near-tie of the greedy argmax may flip: at least 90% of the
     tokens agree (a broken graph path gives unrelated tokens)."""
-    from attnserve.engine.llm import LLM
-    from attnserve.engine.sampling_params import SamplingParams
+    from test_fp8_linear_gpu import fp8_llama_graph_and_eager_tokens
 
     monkeypatch.setenv("ATTNSERVE_FP8_MID_GEMM", mode)
-    sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-    prompts = [[1 + i, 2, 3 + i, 4] for i in range(24)]
-    res = []
-    for graphs_off in (False, True):
-        llm = LLM("llama-tiny", load_format="dummy", device="cuda", quantization="fp8", disable_cuda_graph=graphs_off)
-        res.append([o.token_ids for o in llm.generate(prompts, sp)])
-        llm.shutdown()
+    res = fp8_llama_graph_and_eager_tokens()
     assert all(len(t) == 8 for t in res[0])
     same = sum(a == b for ta, tb in zip(*res) for a, b in zip(ta, tb))
     assert same >= 0.9 * 24 * 8, f"{same} of {24 * 8} tokens agree"
