@@ -2,7 +2,8 @@
 shape's prefill share of the roofline was 0.32 on the H100).
 
 ``PYTHONPATH=src python benchmarks/profile_prefill.py [--model qwen3-0.6b] [--num-prompts 256]
-[--random-input-len 1024] [--random-range-ratio 0.098] [--chunked-prefill-size 8192] [--out DIR]``
+[--random-input-len 1024] [--random-range-ratio 0.098] [--chunked-prefill-size 8192] [--quantization fp8]
+[--out DIR]``
 
 Builds the engine with default flags (dummy weights, CUDA), prefills the random dataset's
 prompts once (``max_new_tokens=1``) to warm up, then again under ``torch.profiler`` (CPU and
@@ -32,6 +33,7 @@ def main() -> int:
     ap.add_argument("--random-input-len", type=int, default=1024)
     ap.add_argument("--random-range-ratio", type=float, default=0.098)
     ap.add_argument("--chunked-prefill-size", type=int, default=None)
+    ap.add_argument("--quantization", default=None, choices=[None, "fp8"], help="weight quantization (issue 37)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
@@ -39,6 +41,8 @@ def main() -> int:
     from attnserve.engine.sampling_params import SamplingParams
 
     flags = {} if args.chunked_prefill_size is None else {"chunked_prefill_size": args.chunked_prefill_size}
+    if args.quantization:
+        flags["quantization"] = args.quantization
     llm = LLM(args.model, load_format="dummy", device="cuda", **flags)
     isl, _ = random_lengths(args.num_prompts, args.random_input_len, 1, args.random_range_ratio, 0)
     vocab = llm.engine.model_runner.model_config.vocab_size
@@ -71,7 +75,7 @@ def main() -> int:
                       key=lambda r: -r[2])[: args.top]
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[: args.top]
     result = {"benchmark": "profile-prefill", "date": dt.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "model": args.model, "num_prompts": args.num_prompts,
+              "torch": torch.__version__, "model": args.model, "quantization": args.quantization, "num_prompts": args.num_prompts,
               "input_tokens": sum(isl), "chunked_prefill_size": llm.engine.server_args.chunked_prefill_size,
               "wall_s_profiled": wall, "wall_s": wall_unprofiled, "busy_s": busy,
               "kernels": [{"name": n, "launches": c, "gpu_s": s} for n, (c, s) in top],

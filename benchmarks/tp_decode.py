@@ -235,7 +235,7 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
             rows.append(row)
             print(f"{model} tp {tp} ({path}, {sample_mode} sampling, fusion {kernel if fusion_on else 'off'}) n {n}: "
                   f"{row['decode_ms_per_step']:.2f} ms/step, "
-                  f"{row['output_tokens_per_s']:.0f} tok/s, host {row['host_ms_per_step']:.2f} ms "
+                  f"{row['output_tokens_per_s']:.0f} tok/s, prefill {row['prefill_s']:.4f} s, host {row['host_ms_per_step']:.2f} ms "
                   f"(step broadcast {row['tp_send_ms_per_step']:.2f})", flush=True)
             if profile_steps:
                 row["profile"] = kernel_profile(llm, prompts, profile_steps)

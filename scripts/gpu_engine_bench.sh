@@ -7,6 +7,10 @@
 #   spec      benchmarks/speculative_gpu.py
 #   fp8       benchmarks/fp8_kv.py
 #   profile   benchmarks/profile_host.py (cProfile of the host at 256 running requests, Qwen3-0.6B shape)
+#   step      benchmarks/profile_step.py: kernels of one decode step at a mixed workload's mean batch
+#             (STEP_MODELS, STEP_BATCH 144, STEP_CONTEXT 800, STEP_ARGS e.g. --kv-cache-dtype fp8_e4m3)
+#   prefill   benchmarks/profile_prefill.py: kernels of a prefill pass (PREFILL_ARGS, e.g. --model
+#             llama-3-8b --num-prompts 8 --quantization fp8)
 #   moe       bench.offline --dataset random, the mixed 256-request workload on the MoE shapes
 #             (deepseek-v2-lite, qwen3-30b-a3b; MOE_MODELS, MOE_ARGS e.g. --tp-size 2 for mixtral-8x7b)
 #   serving   scripts/serving_vs_offline.sh: the server path against the offline engine, both shapes
@@ -46,6 +50,12 @@ for what in "${@:-roofline}"; do
     profile)
       timeout "${PROFILE_TIMEOUT:-300}" python3 benchmarks/profile_host.py --out "$OUT" ${PROFILE_ARGS:-} 2>&1 \
         | grep -v INFO | tail -20 ;;
+    step)
+      timeout "${STEP_TIMEOUT:-240}" python3 benchmarks/profile_step.py --out "$OUT" --models ${STEP_MODELS:-llama-3-8b qwen3-0.6b} \
+        --batch ${STEP_BATCH:-144} --context ${STEP_CONTEXT:-800} ${STEP_ARGS:-} 2>&1 | grep -v INFO | tee -a "$OUT/step.log" | tail -60 ;;
+    prefill)
+      timeout "${PREFILL_TIMEOUT:-240}" python3 benchmarks/profile_prefill.py --out "$OUT" ${PREFILL_ARGS:-} 2>&1 \
+        | grep -v INFO | tee -a "$OUT/prefill.log" | tail -45 ;;
     serving)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-serving .whl/serving/*.whl \
         > "$OUT/pip.log" 2>&1 || echo "no .whl/serving (carry it): the server cannot import fastapi"
@@ -56,6 +66,6 @@ for what in "${@:-roofline}"; do
     sampling)
       timeout "${SAMPLING_TIMEOUT:-500}" python3 benchmarks/sampling_extras_gpu.py --out "$OUT" ${SAMPLING_ARGS:-} 2>&1 \
         | grep -v INFO | tee "$OUT/sampling.log" | tail -20 ;;
-    *) echo "unknown mode $what (roofline moe loop spec fp8 profile serving sampling)"; exit 2 ;;
+    *) echo "unknown mode $what (roofline step prefill moe loop spec fp8 profile serving sampling)"; exit 2 ;;
   esac
 done

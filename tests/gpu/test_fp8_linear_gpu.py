@@ -161,9 +161,13 @@ def test_w8a16_max_m_routes_larger_batches(monkeypatch):
         layer(x)
 
 
+@pytest.mark.parametrize("one_pass_max", [16384, 0])  # I = 14,336: the one-pass kernel, then two passes
 @pytest.mark.parametrize("m", [1, 37, 300])
-def test_fused_producer_quant_matches_unfused(m):
+def test_fused_producer_quant_matches_unfused(m, one_pass_max, monkeypatch):
     from attnserve.models.layers.fused_kernels import fused_add_rmsnorm, silu_and_mul
+    from attnserve.models.layers.quantization import fp8_kernels
+
+    monkeypatch.setattr(fp8_kernels, "SILU_QUANT_ONE_PASS_MAX", one_pass_max)
     from attnserve.models.layers.quantization.fp8_kernels import (
         fused_add_rmsnorm_quant_fp8,
         silu_and_mul_quant_fp8,

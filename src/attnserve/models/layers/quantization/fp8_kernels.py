@@ -30,6 +30,10 @@ from attnserve.models.layers.quantization.fp8_utils import (
 )
 from attnserve.triton_env import triton_interpreting
 
+#: widest ``I`` (columns of ``silu(gate) * up``) that `silu_and_mul_quant_fp8` quantises in one
+#: pass with the row in registers (Llama-3-8B's 14,336 fits; Llama-3-70B's 28,672 takes two)
+SILU_QUANT_ONE_PASS_MAX = 16384
+
 
 def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or (t.device.type == "cpu" and triton_interpreting())
@@ -239,9 +243,12 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, out_dtype: Optional[torch.dtype] = N
         return q, s
     from attnserve.models.layers.quantization import fp8_kernels_triton as kt
 
-    block = min(_next_pow2(i), 4096)
+    # Rows up to SILU_QUANT_ONE_PASS_MAX wide stay in registers (one read of x; 16 warps hold
+    # 16,384 float32 values as 32 a thread); wider rows take two passes in 4,096 chunks.
+    one_pass = i <= SILU_QUANT_ONE_PASS_MAX
+    block = _next_pow2(i) if one_pass else 4096
     out_name = str(out_dtype or x.dtype).rsplit(".", 1)[-1]
     kt._silu_mul_quant_kernel[(m,)](x, q, s, i, x.stride(0), q.stride(0), OUT_DTYPE=kt.TL_DTYPES[out_name],
                                     BLOCK=block, FP8_MAX=FP8_E4M3_MAX, EPS=SCALE_MIN * FP8_E4M3_MAX,
-                                    num_warps=8 if block >= 2048 else 4)
+                                    ONE_PASS=one_pass, num_warps=max(4, min(16, block // 512)) if one_pass else 8)
     return q, s

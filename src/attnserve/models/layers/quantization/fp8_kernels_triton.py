@@ -144,14 +144,29 @@ def _silu_mul(g, u):
 
 @triton.jit
 def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, I, stride_x, stride_q, OUT_DTYPE: tl.constexpr,
-                           BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr):
+                           BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr,
+                           ONE_PASS: tl.constexpr = False):
     """Grid ``(M,)``: ``y = silu(g) * u`` of ``x [M, 2I]`` = ``[g | u]`` (float32 math,
     rounded to ``OUT_DTYPE`` as the unfused kernel stores it), then per-token e4m3 ``q
-    [M, I]`` and ``s[row]``. Two passes over the row in ``BLOCK`` chunks (amax, then
-    quantise; the second recomputes ``y`` from the row, which is in cache)."""
+    [M, I]`` and ``s[row]``.
+
+    ONE_PASS (requires ``BLOCK >= I``): the whole row's ``y`` stays in registers between
+    its amax and its quantisation, so ``x`` is read once and ``y`` computed once. Otherwise
+    two passes over the row in ``BLOCK`` chunks (amax, then quantise; the second re-reads
+    the row, which is in cache, and recomputes ``y``)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_x
+    if ONE_PASS:
+        mask = offs < I
+        g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_row + I + offs, mask=mask, other=0.0).to(tl.float32)
+        y = _silu_mul(g, u).to(OUT_DTYPE).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0), EPS) / FP8_MAX
+        q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row, scale)
+        return
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, I, BLOCK):
         cols = k0 + offs
