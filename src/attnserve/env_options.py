@@ -12,10 +12,13 @@ __all__ = ["env_bytes", "env_flag"]
 OFF_VALUES = ("0", "false", "no", "off")
 
 
-def env_flag(name: str) -> bool:
-    """Switch ``name``, on unless set to one of `OFF_VALUES` (read at every call, so one
-    process can time both settings)."""
-    return os.environ.get(name, "1").strip().lower() not in OFF_VALUES
+def env_flag(name: str, default: bool = True) -> bool:
+    """Switch ``name`` (read at every call, so one process can time both settings): unset or
+    empty gives ``default``; set, it is on unless one of `OFF_VALUES`."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    return raw not in OFF_VALUES
 
 
 def env_bytes(name: str, unit: int, *, positive: bool = False,

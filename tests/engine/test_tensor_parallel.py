@@ -103,6 +103,7 @@ def test_prefill_overlap_tp2_matches_tp1(no_orphans, monkeypatch):
     want = _tokens(one.generate(prompts, GREEDY))
     del one
     monkeypatch.setenv(tpo.TP_OVERLAP_MIN_HALF_ENV, "0")
+    monkeypatch.setenv(tpo.TP_OVERLAP_ENV, "1")
     calls = []
     real = tpo.overlapped_layer_forward
     monkeypatch.setattr(tpo, "overlapped_layer_forward", lambda *a, **k: calls.append(1) or real(*a, **k))

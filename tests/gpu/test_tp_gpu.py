@@ -118,6 +118,7 @@ ref.engine.shutdown()
 del ref
 # halves of >= 16 rows of llama-tiny's 64 float32 values: every prefill here, no decode step
 os.environ[tpo.TP_OVERLAP_MIN_HALF_ENV] = str(16 * 64 * 4 / 2**20)
+os.environ[tpo.TP_OVERLAP_ENV] = "1"
 out = {}
 for tp in sorted({2, int(os.environ["WORLD"])}):
     calls.clear()

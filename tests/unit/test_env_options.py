@@ -29,3 +29,14 @@ def test_env_flag(monkeypatch):
     for on in ("1", "yes", "on", ""):
         monkeypatch.setenv("X_SWITCH", on)
         assert env_flag("X_SWITCH"), on
+    # an opt-in switch: off while unset or empty, on when set to anything but an off value
+    for unset in (None, "", "  "):
+        if unset is None:
+            monkeypatch.delenv("X_SWITCH", raising=False)
+        else:
+            monkeypatch.setenv("X_SWITCH", unset)
+        assert not env_flag("X_SWITCH", default=False), unset
+    monkeypatch.setenv("X_SWITCH", "1")
+    assert env_flag("X_SWITCH", default=False)
+    monkeypatch.setenv("X_SWITCH", "off")
+    assert not env_flag("X_SWITCH", default=False)

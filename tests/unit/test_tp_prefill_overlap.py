@@ -17,10 +17,12 @@ LINKED = SimpleNamespace(attn_output_partial=True, mlp_output_partial=True)
 def test_threshold_switch_and_links(monkeypatch):
     monkeypatch.delenv(TP_OVERLAP_ENV, raising=False)
     monkeypatch.delenv(TP_OVERLAP_MIN_HALF_ENV, raising=False)
+    big = torch.empty(8192, 4096, dtype=torch.bfloat16, device="meta")  # halves of 32 MiB
+    assert not tp_overlap_applies([LINKED] * 3, big, TP)  # opt-in: off while unset
+    monkeypatch.setenv(TP_OVERLAP_ENV, "1")
     assert overlap_min_half_bytes(TP) == 16 << 20  # the custom all-reduce's two-shot ceiling at 2 ranks
     custom = SimpleNamespace(config=SimpleNamespace(two_shot_max_bytes=64 << 20))
     assert overlap_min_half_bytes(SimpleNamespace(size=4, custom_all_reduce=custom)) == 64 << 20
-    big = torch.empty(8192, 4096, dtype=torch.bfloat16, device="meta")  # halves of 32 MiB
     small = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")  # halves of 16 MiB: at the line
     tiny = torch.empty(4000, 4096, dtype=torch.bfloat16, device="meta")
     assert tp_overlap_applies([LINKED] * 3, big, TP)

@@ -22,8 +22,10 @@ as in "two-batch overlap"; no code of theirs is used). It applies to a model who
 are all linked by `allreduce_fusion` (both outputs partial), when each half's message is
 at least the custom all-reduce's two-shot ceiling (16 MiB at 2 and 4 ranks: smaller messages
 run the custom kernels on the compute stream, which cannot overlap), or at least
-``ATTNSERVE_TP_OVERLAP_MIN_HALF_MB`` MiB where that is set. ``ATTNSERVE_TP_PREFILL_OVERLAP=0``
-turns it off. NCCL sums each half on its own, so the bits may differ from one all-reduce of
+``ATTNSERVE_TP_OVERLAP_MIN_HALF_MB`` MiB where that is set. It is opt-in
+(``ATTNSERVE_TP_PREFILL_OVERLAP=1``): on four H200s it took a 64 x 512 prefill from 0.361 to
+0.337 s, but on four H100s it made it slower (0.577-0.611 s off, 0.674-0.695 s on, two runs
+each; ``benchmarks/NOTES.md``, 2026-11-27). NCCL sums each half on its own, so the bits may differ from one all-reduce of
 the whole message (the ring's order per element depends on the chunking); at two ranks a sum
 of two terms is the same either way.
 """
@@ -69,7 +71,7 @@ def tp_overlap_applies(layers: Sequence[Any], hidden_states: torch.Tensor, tp: A
     device group, every layer's attention and MLP outputs left partial (`allreduce_fusion`),
     at least 2 tokens, and each half's ``[T / 2, hidden]`` message at least
     `overlap_min_half_bytes`."""
-    if not env_flag(TP_OVERLAP_ENV):
+    if not env_flag(TP_OVERLAP_ENV, default=False):
         return False
     if tp is None or tp.size <= 1 or tp.device_group is None or not layers:
         return False
