@@ -4,7 +4,9 @@ Runs on CPU under the Triton interpreter (tests/kernels/conftest.py) and on a GP
 Shapes are tiny and ragged: N = 40 / 72 / 2 x 20 (not multiples of ``block_n``), K = 72 /
 100 (tails of 8 and 36 past ``block_k``), M = 17 (one 32-row piece), 33 (32 + 16 pieces) and
 64; split-K with 2 and 3 programs per column block (one of them with an empty or short
-range), TMA off (the interpreter path).
+range), TMA off (the interpreter path). The PDL form (`MidGemmConfig.pdl`: first K step
+peeled off the loop; under the interpreter without its griddepcontrol / prefetch
+instructions) must equal the plain kernel bit for bit.
 
 Bound (element-wise), the reference being float64 from the *same* bf16 inputs:
 
