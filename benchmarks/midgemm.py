@@ -10,28 +10,52 @@ For the decode projections of Llama-3-8B (qkv 6144 x 4096, o 4096 x 4096, gate_u
 * ``cublas``: ``F.linear(x, W)`` (gated: + the act-and-mul kernel, `silu_and_mul`);
 * ``copy``: a device-to-device copy of a buffer of the weight's size (``copy_tbps`` counts
   bytes read + written, as the roofline's copy rate does);
-* each candidate of `CANDIDATES_LINEAR` / `CANDIDATES_GATED` (`mid_linear` /
-  `mid_linear_gated`) that fits (shared memory <= `SMEM_LIMIT`, float32 accumulator values
-  per thread <= `ACC_LIMIT`), checked against cuBLAS first (``rel_err`` = max |ours - cuBLAS|
-  / max |cuBLAS|; over `ERR_LIMIT` it is excluded).
+* each candidate of `candidates` (`CANDIDATES_LINEAR` / `CANDIDATES_GATED`, plus for each
+  ``split_k == 1`` one a ``-pdl`` twin, launched with programmatic dependent launch, and
+  for those in `PREFETCH_TWINS` a ``-pdl-pf<P>`` twin that also prefetches ``P`` K steps
+  into L2 before its wait; `mid_linear` / `mid_linear_gated`) that fits (shared memory <=
+  `SMEM_LIMIT`, float32 accumulator values per thread <= `ACC_LIMIT`; a PDL twin that does
+  not fit at some M, its peeled step taking a stage more, runs there with one loop stage
+  less, named ``...-s<stages>``), checked against
+  cuBLAS first (``rel_err`` = max |ours - cuBLAS| / max |cuBLAS|; over `ERR_LIMIT` it is
+  excluded).
 
-Per row: µs per call, TB/s of weight bytes, ``floor_us`` = max(weight bytes / copy rate of
-the same bytes, 2 M N K / bf16 matmul rate measured in this run), ``share`` = floor / µs;
-the best candidate per (shape, M) and its speedup over cuBLAS. Timing: CUDA graph of >= 24
-calls over weight copies spanning >= `ROTATE_BYTES` (so L2 never holds the weight; the
-activations stay hot as in a decode step), median of 10 replays.
+Timing, as a decode step runs a projection: every graph step is a *producer* that writes
+the GEMM's input, then the GEMM. The producer is the model's own: `RMSNorm` with a
+residual (the fused add + RMSNorm kernel, launched as the decoder layers launch it, with
+PDL where `attnserve.pdl.pdl_enabled`), on ``[M, K]``. A GEMM µs is (producer + GEMM) -
+(producer alone), both timed the same way, for cuBLAS and every candidate alike; so a PDL
+kernel overlaps its producer as in the model, and never a copy of itself (back-to-back
+calls of one GEMM would let it). Each timing: a CUDA graph of >= 24 steps over weight
+copies spanning >= `ROTATE_BYTES` (so L2 never holds the weight; the activations stay hot
+as in a decode step), median of 10 replays.
+
+Per row: GEMM µs, TB/s of weight bytes, ``floor_us`` = max(weight bytes / copy rate of the
+same bytes, 2 M N K / bf16 matmul rate measured in this run), ``share`` = floor / µs; the
+best candidate per (shape, M) and its speedup over cuBLAS; ``producer_us`` and each
+``pair_us`` as measured.
+
+Defaults trimmed for time (issue 33): the candidates that were never within 2 % of the best
+in the 2026-11-27 H100 sweep (h100-80gb-hbm3-midgemm-2026-11-27.json) are gone: linear
+n128k64w8s4, n256k64w8s3, tma-n128k64w8s4, tma-n128k128w8s3; gated tma-n64k64w8s4,
+tma-n128k64w8s3, tma-n64k128w8s3-sk2, tma-n128k64w8s4-sk2.
 
 ``--table-out DIR``: writes the tuned table `mid_gemm.table_file_name` there: per (N, K,
 gated, M) the best candidate where cuBLAS takes >= `mid_gemm.MIN_GAIN` x as long, else
-``"cublas"``. Copy it to ``src/attnserve/models/layers/mid_gemm_configs/`` to ship it (or
+``"cublas"`` (a ``-pdl`` winner is written with ``"pdl": true``). Copy it to ``src/attnserve/models/layers/mid_gemm_configs/`` to ship it (or
 point ``ATTNSERVE_MID_GEMM_CONFIG_DIR`` at DIR). The result JSON is rewritten after every
 shape, so a run cut short keeps its rows. ``--budget-s``: after that many seconds the
-remaining cases time cuBLAS and the copy only (marked ``swept: false``). Needs CUDA.
+remaining cases time cuBLAS and the copy only (marked ``swept: false``). A full run of both
+models at the default M values is expected to take about 2 minutes on an H100, within 240 s
+(the 2026-11-27 sweep of 20 configs took 75 s; this one has 26, a few one-stage-shorter PDL
+twins, and times every case with its producer); ``--budget-s`` caps the sweeping part.
+Needs CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -63,11 +87,7 @@ ACC_LIMIT = 160  # float32 accumulator values per thread (cuBLAS's 256x144 tile 
 CANDIDATES_LINEAR = {
     "n64k64w4s4": (64, 64, 4, 4, 1, False),
     "n64k128w4s3": (64, 128, 4, 3, 1, False),
-    "n128k64w8s4": (128, 64, 8, 4, 1, False),
-    "n256k64w8s3": (256, 64, 8, 3, 1, False),
     "tma-n64k64w4s4": (64, 64, 4, 4, 1, True),
-    "tma-n128k64w8s4": (128, 64, 8, 4, 1, True),
-    "tma-n128k128w8s3": (128, 128, 8, 3, 1, True),
     "n64k128w4s3-sk2": (64, 128, 4, 3, 2, False),
     "tma-n128k64w8s4-sk2": (128, 64, 8, 4, 2, True),
     "tma-n64k64w4s5-sk4": (64, 64, 4, 5, 4, True),
@@ -78,13 +98,29 @@ CANDIDATES_GATED = {
     "n64k64w8s4": (64, 64, 8, 4, 1, False),
     "n128k64w8s4": (128, 64, 8, 4, 1, False),
     "tma-n64k64w4s4": (64, 64, 4, 4, 1, True),
-    "tma-n64k64w8s4": (64, 64, 8, 4, 1, True),
     "tma-n64k128w8s3": (64, 128, 8, 3, 1, True),
-    "tma-n128k64w8s3": (128, 64, 8, 3, 1, True),
-    "tma-n64k128w8s3-sk2": (64, 128, 8, 3, 2, True),
-    "tma-n128k64w8s4-sk2": (128, 64, 8, 4, 2, True),
     "tma-n128k64w16s3": (128, 64, 16, 3, 1, True),
 }
+#: (gated, name) of the split_k == 1 candidates that also get a ``-pdl-pf<P>`` twin (P = its
+#: num_stages: the steps the pipelined loop's prologue loads right after the wait)
+PREFETCH_TWINS = {(False, "n64k64w4s4"), (False, "n64k128w4s3"), (False, "tma-n64k64w4s4"),
+                  (True, "n64k64w8s4"), (True, "tma-n64k64w4s4"), (True, "tma-n64k128w8s3")}
+
+
+def candidates(gated: bool) -> dict:
+    """name -> `MidGemmConfig`: the table's candidates, then for each ``split_k == 1`` one a
+    ``-pdl`` twin and, where `PREFETCH_TWINS` names it, a ``-pdl-pf<P>`` twin."""
+    from attnserve.models.layers.mid_gemm import MidGemmConfig
+
+    out = {}
+    for name, cand in (CANDIDATES_GATED if gated else CANDIDATES_LINEAR).items():
+        cfg = MidGemmConfig(*cand)
+        out[name] = cfg
+        if cfg.split_k == 1:
+            out[f"{name}-pdl"] = dataclasses.replace(cfg, pdl=True)
+            if (gated, name) in PREFETCH_TWINS:
+                out[f"{name}-pdl-pf{cfg.num_stages}"] = dataclasses.replace(cfg, pdl=True, prefetch=cfg.num_stages)
+    return out
 
 
 def _graph_us(fns) -> float:
@@ -114,51 +150,77 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
 
 
-def _fits(cand, m: int, gated: bool) -> bool:
-    from attnserve.models.layers.mid_gemm import MidGemmConfig
-
-    cfg = MidGemmConfig(*cand)
+def _fits(cfg, m: int, gated: bool) -> bool:
     return cfg.smem_bytes(m, gated) <= SMEM_LIMIT and cfg.acc_per_thread(m, gated) <= ACC_LIMIT
+
+
+class Producer:
+    """The kernel that writes a projection's input in a decode step: the decoder layer's
+    add + RMSNorm (`RMSNorm.forward` with a residual; the fused kernel, PDL as the model
+    launches it) over ``[m, k]`` bf16. ``__call__`` returns the normalised ``[m, k]``."""
+
+    def __init__(self, m: int, k: int, gen: torch.Generator):
+        from attnserve.models.layers.norm import RMSNorm
+
+        self.norm = RMSNorm(k, eps=1e-5, dtype=DTYPE).to("cuda")
+        self.delta = torch.randn(m, k, device="cuda", generator=gen).mul_(1e-3).to(DTYPE)
+        self.residual = torch.randn(m, k, device="cuda", generator=gen).to(DTYPE)
+
+    def __call__(self) -> torch.Tensor:
+        return self.norm(self.delta, self.residual)[0]
+
+
+def _gemm_us(producer: Producer, fns, producer_us: float) -> tuple:
+    """``(GEMM µs, producer + GEMM µs)``: each graph step runs the producer, then ``fn(x)``
+    on its output (``fns`` cycle over the weight copies)."""
+    pair = _graph_us([lambda f=f: f(producer()) for f in fns])
+    return pair - producer_us, pair
 
 
 def run_case(model: str, proj: str, n: int, k: int, gated: bool, m: int, sweep: bool, rates: dict,
              gen: torch.Generator) -> dict:
     from attnserve.models.layers.fused_kernels import silu_and_mul
-    from attnserve.models.layers.mid_gemm import MidGemmConfig, mid_linear, mid_linear_gated
+    from attnserve.models.layers.mid_gemm import mid_linear, mid_linear_gated
 
     ws = _copies(n, k, gen)
-    x = torch.randn(m, k, device="cuda", generator=gen).to(DTYPE)
+    producer = Producer(m, k, gen)
+    x = producer().clone()  # the reference input (the residual moves on at every call)
     nbytes = n * k * 2
 
-    def peer(w):
-        y = F.linear(x, w)
+    def peer(w, xin):
+        y = F.linear(xin, w)
         return silu_and_mul(y) if gated else y
 
-    def ours(w, cfg):
-        return mid_linear_gated(x, w, "silu", config=cfg) if gated else mid_linear(x, w, config=cfg)
+    def ours(w, cfg, xin):
+        return mid_linear_gated(xin, w, "silu", config=cfg) if gated else mid_linear(xin, w, config=cfg)
 
-    ref = peer(ws[0])
-    cublas_us = _graph_us([lambda w=w: peer(w) for w in ws])
+    ref = peer(ws[0], x)
+    producer_us = _graph_us([producer] * len(ws))
+    cublas_us, cublas_pair_us = _gemm_us(producer, [lambda xin, w=w: peer(w, xin) for w in ws], producer_us)
     copy_us = _copy_us(nbytes)
     copy_bps = 2 * nbytes / (copy_us * 1e-6)
     floor_us = max(nbytes / copy_bps, 2.0 * m * n * k / rates["matmul_flops_per_s"]) * 1e6
     row = {"model": model, "proj": proj, "N": n, "K": k, "gated": gated, "M": m, "weight_bytes": nbytes,
            "weight_copies": len(ws), "copy_us": copy_us, "copy_tbps": copy_bps / 1e12, "floor_us": floor_us,
-           "cublas_us": cublas_us, "cublas_tbps": nbytes / cublas_us / 1e6, "cublas_share": floor_us / cublas_us,
-           "swept": sweep, "candidates": []}
-    cands = CANDIDATES_GATED if gated else CANDIDATES_LINEAR
-    for name, cand in (cands.items() if sweep else ()):
-        if not _fits(cand, m, gated):
+           "producer_us": producer_us, "producer_fused": bool(producer.norm.use_fused),
+           "cublas_us": cublas_us, "cublas_pair_us": cublas_pair_us, "cublas_tbps": nbytes / cublas_us / 1e6,
+           "cublas_share": floor_us / cublas_us, "swept": sweep, "candidates": []}
+    for name, cfg in (candidates(gated).items() if sweep else ()):
+        if cfg.pdl and not _fits(cfg, m, gated) and cfg.num_stages > 2:
+            # the peeled first step takes a stage of shared memory: give it the loop's one
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+            name = f"{name}-s{cfg.num_stages}"
+        if not _fits(cfg, m, gated):
             continue
-        cfg = MidGemmConfig(*cand)
         entry = {"name": name, "config": cfg.to_dict()}
         try:
-            out = ours(ws[0], cfg)
+            out = ours(ws[0], cfg, x)
             torch.cuda.synchronize()
             entry["rel_err"] = _rel_err(out, ref)
             if entry["rel_err"] <= ERR_LIMIT:
-                us = _graph_us([lambda w=w: ours(w, cfg) for w in ws])
-                entry.update(us=us, tbps=nbytes / us / 1e6, share=floor_us / us, speedup=cublas_us / us)
+                us, pair = _gemm_us(producer, [lambda xin, w=w: ours(w, cfg, xin) for w in ws], producer_us)
+                entry.update(us=us, pair_us=pair, tbps=nbytes / us / 1e6, share=floor_us / us,
+                             speedup=cublas_us / us)
         except Exception as e:  # a config that fails to compile or run is reported, not fatal
             entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         row["candidates"].append(entry)
@@ -167,7 +229,11 @@ def run_case(model: str, proj: str, n: int, k: int, gated: bool, m: int, sweep: 
         best = min(timed, key=lambda c: c["us"])
         row.update(best=best["name"], best_config=best["config"], best_us=best["us"], best_tbps=best["tbps"],
                    best_share=best["share"], best_speedup=best["speedup"])
-    del ws, x, ref
+        plain = [c for c in timed if not c["config"]["pdl"]]
+        if plain:  # what PDL adds: the best PDL form against the best plain one
+            bp = min(plain, key=lambda c: c["us"])
+            row.update(best_plain=bp["name"], best_plain_us=bp["us"])
+    del ws, x, ref, producer
     torch.cuda.empty_cache()
     return row
 
@@ -193,15 +259,18 @@ def build_table(rows: List[dict], device_name: str) -> dict:
 
 def print_table(result: dict) -> None:
     print(f"\n{result['device']}: copy {result['copy_tbps']:.2f} TB/s, bf16 matmul {result['matmul_tflops']:.0f} "
-          "TFLOP/s; µs per call (CUDA graph), TB/s of weight bytes, share = floor / time")
-    hdr = (f"{'model':<11}{'proj':<8}{'N':>6}{'K':>6}{'M':>4}{'floor':>8}{'cublas':>8}{'TB/s':>6}{'share':>6}"
-           f"{'best':>8}{'TB/s':>6}{'share':>6}{'x':>6}  best candidate")
+          "TFLOP/s; GEMM µs = (producer + GEMM) - producer (CUDA graph), TB/s of weight bytes, share = floor / "
+          "time; prod: the add + RMSNorm producer alone; plain: the best candidate without PDL")
+    hdr = (f"{'model':<11}{'proj':<8}{'N':>6}{'K':>6}{'M':>4}{'prod':>6}{'floor':>8}{'cublas':>8}{'TB/s':>6}"
+           f"{'share':>6}{'plain':>8}{'best':>8}{'TB/s':>6}{'share':>6}{'x':>6}  best candidate")
     print(hdr)
     print("-" * len(hdr))
     for r in result["rows"]:
         b = r.get("best_us")
-        print(f"{r['model']:<11}{r['proj']:<8}{r['N']:>6}{r['K']:>6}{r['M']:>4}{r['floor_us']:>8.1f}"
+        print(f"{r['model']:<11}{r['proj']:<8}{r['N']:>6}{r['K']:>6}{r['M']:>4}{r['producer_us']:>6.1f}"
+              f"{r['floor_us']:>8.1f}"
               f"{r['cublas_us']:>8.1f}{r['cublas_tbps']:>6.2f}{r['cublas_share']:>6.2f}"
+              + f"{r.get('best_plain_us', float('nan')):>8.1f}"
               + (f"{b:>8.1f}{r['best_tbps']:>6.2f}{r['best_share']:>6.2f}{r['best_speedup']:>6.2f}  {r['best']}"
                  if b else f"{'-':>8}{'-':>6}{'-':>6}{'-':>6}  " + ("(not swept)" if not r["swept"] else "(none ran)")))
     errs = [(r["proj"], r["M"], c["name"], c.get("error") or f"rel_err {c['rel_err']:.1e}")
@@ -230,6 +299,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from attnserve.bench.offline_random import measure_device_rates
     from attnserve.bench.results import write_result
+    from attnserve.pdl import pdl_enabled
 
     t0 = time.perf_counter()
     rates = measure_device_rates()
@@ -237,9 +307,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = {"benchmark": "midgemm", "date": dt.date.today().isoformat(), "device": dev, "torch": torch.__version__,
               "triton": triton.__version__, "cuda": torch.version.cuda, "dtype": "bfloat16",
               "copy_tbps": rates["copy_bytes_per_s"] / 1e12, "matmul_tflops": rates["matmul_flops_per_s"] / 1e12,
-              "timing": f"CUDA graph of >= {MIN_CALLS} calls over weight copies spanning >= {ROTATE_BYTES >> 20} MiB; "
-                        f"median of {REPLAYS} replays", "rows": []}
-    print(f"copy {result['copy_tbps']:.2f} TB/s, matmul {result['matmul_tflops']:.0f} TFLOP/s", flush=True)
+              "timing": f"CUDA graph of >= {MIN_CALLS} steps (producer = fused add + RMSNorm, then the GEMM) over "
+                        f"weight copies spanning >= {ROTATE_BYTES >> 20} MiB; median of {REPLAYS} replays; GEMM µs = "
+                        "step µs - producer-alone µs", "pdl_enabled": pdl_enabled(torch.device("cuda")),
+              "rows": []}
+    print(f"copy {result['copy_tbps']:.2f} TB/s, matmul {result['matmul_tflops']:.0f} TFLOP/s, "
+          f"PDL {'on' if result['pdl_enabled'] else 'OFF (the -pdl candidates run plainly)'}", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for model in args.models:
         for proj, n, k, gated in MODELS[model]:
@@ -249,7 +322,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 sweep = time.perf_counter() - t0 < args.budget_s
                 r = run_case(model, proj, n, k, gated, m, sweep, rates, gen)
                 result["rows"].append(r)
-                print(f"{model:<11}{proj:<8}M={m:<4} floor {r['floor_us']:7.1f}  cublas {r['cublas_us']:7.1f}  "
+                print(f"{model:<11}{proj:<8}M={m:<4} prod {r['producer_us']:5.1f}  floor {r['floor_us']:7.1f}  "
+                      f"cublas {r['cublas_us']:7.1f}  plain {r.get('best_plain_us', float('nan')):7.1f}  "
                       f"best {r.get('best_us', float('nan')):7.1f} {r.get('best', '-')}  "
                       f"[{time.perf_counter() - t0:.0f} s]", flush=True)
             result["total_seconds"] = time.perf_counter() - t0

@@ -4,7 +4,9 @@ Runs on CPU under the Triton interpreter (tests/kernels/conftest.py) and on a GP
 Shapes are tiny and ragged: N = 40 / 72 / 2 x 20 (not multiples of ``block_n``), K = 72 /
 100 (tails of 8 and 36 past ``block_k``), M = 17 (one 32-row piece), 33 (32 + 16 pieces) and
 64; split-K with 2 and 3 programs per column block (one of them with an empty or short
-range), TMA off (the interpreter path).
+range), TMA off (the interpreter path). The PDL form (`MidGemmConfig.pdl`: first K step
+peeled off the loop; under the interpreter without its griddepcontrol / prefetch
+instructions) must equal the plain kernel bit for bit.
 
 Bound (element-wise), the reference being float64 from the *same* bf16 inputs:
 
@@ -140,3 +142,74 @@ def test_table_buckets(tmp_path, monkeypatch):
     (tmp_path / table_file_name("Bad GPU", torch.bfloat16)).write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="powers of two"):
         load_mid_gemm_table("Bad GPU", torch.bfloat16)
+
+
+class _LaunchSpy:
+    """Stands in for ``mid_gemm_triton._mid_gemm_kernel``: records each launch's keyword
+    arguments (constexprs, ``launch_pdl``) and runs the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.mark.parametrize("m,n,k,gated,bias", [(17, 40, 100, False, True), (33, 40, 72, True, False)],
+                         ids=["m17-bias-ktail", "m33-gated"])
+def test_pdl_form_equals_plain_kernel(gen, device, monkeypatch, m, n, k, gated, bias):
+    """The PDL form (first K step peeled off the loop, its weight loaded before the grid
+    wait; under the interpreter without the griddepcontrol / prefetch instructions) adds
+    the same products in the same order as the plain kernel: equal bit for bit, ragged M
+    (one 32-row piece; 32 + 16 pieces), ragged N and K tails included."""
+    from attnserve.models.layers import mid_gemm_triton as kt
+    from attnserve.pdl import pdl_enabled
+
+    spy = _LaunchSpy(kt._mid_gemm_kernel)
+    monkeypatch.setattr(kt, "_mid_gemm_kernel", spy)
+    x, w, b = _inputs(gen, m, n, k, device, bias)
+    plain = MidGemmConfig(block_n=16, block_k=32, num_stages=2)
+    peeled = MidGemmConfig(block_n=16, block_k=32, num_stages=2, pdl=True, prefetch=2)
+    if gated:
+        y0 = mid_linear_gated(x, w, "silu", bias=b, config=plain)
+        y1 = mid_linear_gated(x, w, "silu", bias=b, config=peeled)
+    else:
+        y0 = mid_linear(x, w, b, config=plain)
+        y1 = mid_linear(x, w, b, config=peeled)
+    on = device.type == "cpu" or pdl_enabled(device)  # the interpreter always runs the peeled form
+    assert [kw["USE_PDL"] for kw in spy.launches] == [False, on]
+    assert [kw.get("launch_pdl", False) for kw in spy.launches] == [False, on and device.type == "cuda"]
+    assert spy.launches[1]["PREFETCH_LINES"] == (1 if on else 0)  # 2 steps of 32 = one 128-byte line
+    assert torch.equal(y0, y1)
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    if not gated:  # and right, not only equal (the gated form's accuracy: the tests above)
+        bound = dot_product_bound(x, w, b, implementations=1) + BF16_ULP * ref.abs()
+        assert_within(y1.cpu(), ref.cpu(), bound.cpu() + 1e-30, "mid_linear pdl form")
+
+
+def test_config_pdl_round_trip_and_rules():
+    """``pdl`` / ``prefetch`` survive to_dict -> from_dict; a table entry written before they
+    existed loads as False / 0; PDL with split-K and prefetch without PDL are refused; the
+    PDL form's shared-memory estimate counts its peeled step's stage."""
+    cfg = MidGemmConfig(block_n=64, block_k=128, num_warps=8, num_stages=3, use_tma=True, pdl=True, prefetch=3)
+    assert MidGemmConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.to_dict()["pdl"] is True and cfg.to_dict()["prefetch"] == 3
+    old = {"block_n": 64, "block_k": 128, "num_warps": 8, "num_stages": 3, "split_k": 1, "use_tma": True,
+           "us": 80.0, "cublas_us": 90.0}
+    loaded = MidGemmConfig.from_dict(old)
+    assert loaded.pdl is False and loaded.prefetch == 0
+    assert MidGemmConfig.from_dict(loaded.to_dict()) == loaded
+    with pytest.raises(ValueError, match="pdl needs split_k == 1"):
+        MidGemmConfig.from_dict(dict(old, split_k=2, pdl=True))
+    with pytest.raises(ValueError, match="prefetch"):
+        MidGemmConfig(block_n=64, block_k=64, prefetch=2).validate()
+    with pytest.raises(ValueError, match="prefetch"):
+        MidGemmConfig(block_n=64, block_k=64, pdl=True, prefetch=-1).validate()
+    plain = MidGemmConfig(block_n=64, block_k=64, num_stages=4)
+    pdl = MidGemmConfig(block_n=64, block_k=64, num_stages=4, pdl=True)
+    assert plain.smem_bytes(144, True) == 4 * (128 + 144) * 64 * 2
+    assert pdl.smem_bytes(144, True) == 5 * (128 + 144) * 64 * 2

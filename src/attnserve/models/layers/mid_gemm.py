@@ -24,11 +24,17 @@ MoE tables are (`attnserve.models.layers.moe.tuned_configs`). Schema::
     {"meta": {...},
      "entries": {"N=28672,K=4096,gated=1": {"144": {"block_n": 64, "block_k": 64, "num_warps": 4,
                                                      "num_stages": 4, "split_k": 1, "use_tma": false,
+                                                     "pdl": true, "prefetch": 0,
                                                      "us": 80.1, "cublas_us": 92.0}, ...}, ...}}
 
 An entry measured at ``M`` serves every ``M'`` of its bucket: ``prev < M' <= M`` for the
 next measured value ``prev`` below it (the smallest bucket starts at `MIN_MID_M`). Entries
 may hold ``"cublas"`` instead of a config (measured, not faster); those select cuBLAS.
+
+A config with ``pdl`` launches with programmatic dependent launch (`attnserve.pdl`; off with
+``ATTNSERVE_PDL=0`` and where PDL is unsupported, then the plain kernel runs): chosen per
+shape and ``M`` by the sweep, which times every candidate behind the kernel that produces
+its input, as in a decode step.
 
 Launchers allocate only their output (and, with split-K, a zeroed float32 workspace and
 counters: two memsets), never read device values on the host and are CUDA-graph
@@ -47,6 +53,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from attnserve.models.layers.skinny_gemm import MAX_SKINNY_M, SKINNY_ACTIVATIONS, gemm_operands_supported
+from attnserve.pdl import pdl_enabled
 
 __all__ = [
     "CONFIG_DIR_ENV",
@@ -123,6 +130,15 @@ class MidGemmConfig:
             atomics into a workspace, finished by the last program to arrive.
         use_tma: load the weight with TMA (host tensor descriptor; sm_90+, not the
             interpreter), else pointer loads.
+        pdl: launch with programmatic dependent launch (`attnserve.pdl`): the first ``K``
+            step's weight tile is loaded while the kernel before (which writes ``x``) still
+            runs. Only with ``split_k == 1`` (the split-K workspace and counters are written by
+            memsets launched right before the kernel). Used only where `pdl.pdl_enabled`
+            (Hopper+, ``ATTNSERVE_PDL`` not 0); elsewhere the plain kernel runs. A per-shape
+            choice: PDL is not a gain everywhere (the skinny ``tl.dot`` form lost with it).
+        prefetch: with ``pdl``, also hint the L2 to fetch the weight of this many further
+            ``K`` steps before the wait (rounded up to a power of two of 128-byte lines per
+            weight row); 0: none.
     """
 
     block_n: int
@@ -131,6 +147,8 @@ class MidGemmConfig:
     num_stages: int = 4
     split_k: int = 1
     use_tma: bool = False
+    pdl: bool = False
+    prefetch: int = 0
 
     def validate(self) -> None:
         """Raise ValueError when the kernel cannot be compiled with these parameters."""
@@ -141,6 +159,10 @@ class MidGemmConfig:
             problems.append("num_warps must be a power of two in 1..16")
         if self.num_stages < 1 or self.split_k < 1:
             problems.append("num_stages and split_k must be >= 1")
+        if self.pdl and self.split_k != 1:
+            problems.append("pdl needs split_k == 1 (split-K writes a workspace zeroed just before the kernel)")
+        if self.prefetch < 0 or (self.prefetch and not self.pdl):
+            problems.append("prefetch must be >= 0 and needs pdl")
         if problems:
             raise ValueError(f"invalid {self}: " + "; ".join(problems))
 
@@ -149,7 +171,8 @@ class MidGemmConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MidGemmConfig":
-        """Table entry -> validated config (extra keys such as ``us`` are ignored).
+        """Table entry -> validated config (extra keys such as ``us`` are ignored; tables
+        written before ``pdl`` / ``prefetch`` existed load with False / 0).
 
         Raises:
             ValueError: missing or invalid keys.
@@ -157,7 +180,8 @@ class MidGemmConfig:
         try:
             cfg = cls(block_n=int(d["block_n"]), block_k=int(d["block_k"]), num_warps=int(d.get("num_warps", 4)),
                       num_stages=int(d.get("num_stages", 4)), split_k=int(d.get("split_k", 1)),
-                      use_tma=bool(d.get("use_tma", False)))
+                      use_tma=bool(d.get("use_tma", False)), pdl=bool(d.get("pdl", False)),
+                      prefetch=int(d.get("prefetch", 0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"mid GEMM config {d!r}: missing or bad key ({e})") from e
         cfg.validate()
@@ -165,9 +189,11 @@ class MidGemmConfig:
 
     def smem_bytes(self, m: int, gated: bool, itemsize: int = 2) -> int:
         """Shared memory of the pipelined ``K`` loop for ``m`` rows: ``num_stages`` x (weight
-        tile(s) + activation pieces) x ``itemsize``."""
+        tile(s) + activation pieces) x ``itemsize``; with ``pdl`` one stage more (the peeled
+        first step's operands: Triton 3.9 sm_90 compiles allocate them apart from the loop's)."""
         m1, m2 = m_pieces(m)
-        return self.num_stages * ((2 if gated else 1) * self.block_n + m1 + m2) * self.block_k * itemsize
+        stages = self.num_stages + int(self.pdl)
+        return stages * ((2 if gated else 1) * self.block_n + m1 + m2) * self.block_k * itemsize
 
     def acc_per_thread(self, m: int, gated: bool) -> int:
         """float32 accumulator values per thread for ``m`` rows."""
@@ -276,6 +302,11 @@ def _launch(x, weight, bias, act: Optional[int], config: MidGemmConfig) -> torch
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     interpret = x.device.type == "cpu"
     use_tma = bool(config.use_tma) and not interpret
+    # the interpreter runs the PDL form's peeled first step without the griddepcontrol /
+    # prefetch instructions (and launches plainly); a GPU uses it only where PDL is on
+    use_pdl = bool(config.pdl) and (interpret or pdl_enabled(x.device))
+    pdl_args = {"launch_pdl": True} if use_pdl and not interpret else {}
+    prefetch_lines = _next_pow2(-(-config.prefetch * config.block_k // 64)) if use_pdl and config.prefetch else 0
     blocks = -(-n // config.block_n)
     if config.split_k > 1:
         ws = torch.zeros((m, rows), dtype=torch.float32, device=x.device)
@@ -293,7 +324,8 @@ def _launch(x, weight, bias, act: Optional[int], config: MidGemmConfig) -> torch
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M1=m1, BLOCK_M2=max(m2, 16), HAS_M2=m2 > 0,
         SPLIT_K=config.split_k, USE_TMA=use_tma, DOT_UPCAST=interpret and x.dtype == torch.bfloat16,
         HAS_BIAS=bias is not None, GATED=gated, ACT=act if gated else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        USE_PDL=use_pdl, PREFETCH_LINES=prefetch_lines, INTERPRET=interpret,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args,
     )
     return out
 

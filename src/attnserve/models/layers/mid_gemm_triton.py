@@ -22,6 +22,14 @@ acquire-release) reads the sums back and runs the epilogue, so there is no secon
 It serves narrow ``N`` with a long ``K`` (``down``: 4096 x 14336 gives only 64 blocks of 64
 rows for 132 SMs).
 
+``USE_PDL`` (programmatic dependent launch, `attnserve.pdl`; ``SPLIT_K == 1`` only, so
+nothing but ``y`` is written, after the wait): the first ``K`` step is peeled off the loop.
+A program signals ``gdc_launch_dependents`` at once, loads its first weight tile(s) (and,
+``PREFETCH_LINES > 0``, hints the L2 to fetch the next lines of its weight rows with
+``prefetch.global.L2``), then ``gdc_wait``s for the kernel before it (which writes ``x``)
+and finishes the first step; the remaining steps run the unchanged, pipelined loop. The
+accumulation order is the plain kernel's, so the result is bit-identical to it.
+
 Gated (constexpr ``GATED``, a fused ``[gate | up]`` weight ``[2N, K]``): the program
 accumulates gate rows ``n`` and up rows ``N + n`` and writes ``act(gate) * up`` (SiLU or
 GELU-tanh, float32 math, one rounding), replacing the act-and-mul kernel and its bytes.
@@ -38,6 +46,7 @@ import triton
 import triton.language as tl
 
 from attnserve.models.layers.skinny_gemm_triton import _gate_act
+from attnserve.pdl_triton import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -55,6 +64,37 @@ def _load_x(x_ptr, stride_xm, m0, k0, M, K, BLOCK: tl.constexpr, BLOCK_K: tl.con
     offs_k = k0 + tl.arange(0, BLOCK_K)
     ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     return tl.load(ptrs, mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _k_step(acc1, acc2, u1, u2, w, wu, x_ptr, stride_xm, k0, M, K, BLOCK_K: tl.constexpr, BLOCK_M1: tl.constexpr,
+            BLOCK_M2: tl.constexpr, HAS_M2: tl.constexpr, DOT_UPCAST: tl.constexpr, GATED: tl.constexpr):
+    """One ``K`` step from column ``k0`` with preloaded weight tiles (the PDL form's first
+    step): ``w`` (and, GATED, the up tile ``wu``) times the activation pieces, added into
+    the float32 accumulators in the main loop's order."""
+    x1 = _load_x(x_ptr, stride_xm, 0, k0, M, K, BLOCK_M1, BLOCK_K)
+    acc1 += _dot_t(w, x1, DOT_UPCAST)
+    if GATED:
+        u1 += _dot_t(wu, x1, DOT_UPCAST)
+    if HAS_M2:
+        x2 = _load_x(x_ptr, stride_xm, BLOCK_M1, k0, M, K, BLOCK_M2, BLOCK_K)
+        acc2 += _dot_t(w, x2, DOT_UPCAST)
+        if GATED:
+            u2 += _dot_t(wu, x2, DOT_UPCAST)
+    return acc1, acc2, u1, u2
+
+
+@triton.jit
+def _prefetch_w_l2(w_ptr, row0, k0, rows_end, K, BLOCK_N: tl.constexpr, LINES: tl.constexpr):
+    """Hint the L2 to fetch weight rows ``row0 .. row0 + BLOCK_N`` from column ``k0`` on, one
+    ``prefetch.global.L2`` per 128-byte line (64 16-bit elements), ``LINES`` lines a row.
+    Row and column indices are clamped into the tensor (``rows_end`` rows, ``K`` columns),
+    so every address is valid; repeats are harmless. Changes no value."""
+    rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), rows_end - 1)
+    cols = tl.minimum(k0 + tl.arange(0, LINES) * 64, K - 1)
+    ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -173,6 +213,7 @@ def _mid_gemm_kernel(
     HAS_M2: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr, DOT_UPCAST: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr,
+    USE_PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, INTERPRET: tl.constexpr = False,
 ):
     """Grid ``(cdiv(N, BLOCK_N) * SPLIT_K,)``; ``y [M, N]`` (gated: ``w`` ``[2N, K]``).
 
@@ -182,7 +223,18 @@ def _mid_gemm_kernel(
     apart. Requires ``M <= BLOCK_M1 + BLOCK_M2 * HAS_M2`` (``BLOCK_M2 >= 16`` even when
     HAS_M2 is False: it then only sizes unused accumulators). SPLIT_K > 1: ``ws`` float32 zeros ``[M,
     N or 2N]`` and ``cnt`` int32 zeros ``[cdiv(N, BLOCK_N)]``.
+
+    USE_PDL (programmatic dependent launch, `attnserve.pdl`; requires SPLIT_K == 1): the
+    program lets the next kernel launch, loads its first ``K`` step's weight tile(s),
+    issues L2 prefetches of the next ``PREFETCH_LINES`` 128-byte lines of each of its weight
+    rows (0: none), then waits for the previous kernel before it reads ``x``; it writes
+    nothing before the wait. INTERPRET (the Triton interpreter, which lacks the
+    ``griddepcontrol`` and inline-PTX instructions): the same steps without the wait,
+    the launch signal and the prefetches, which do not change any value.
     """
+    if USE_PDL:
+        if not INTERPRET:
+            gdc_launch_dependents()
     pid_n, k_lo, k_hi = _split_k_range(tl.program_id(0), K, SPLIT_K, BLOCK_K)
     n0 = pid_n * BLOCK_N
     w_rows = 2 * N if GATED else N
@@ -190,7 +242,27 @@ def _mid_gemm_kernel(
     u1 = tl.zeros((BLOCK_N, BLOCK_M1), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_M2), dtype=tl.float32)
     u2 = tl.zeros((BLOCK_N, BLOCK_M2), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_start = k_lo
+    if USE_PDL:
+        # SPLIT_K == 1 (`MidGemmConfig.validate`): k_lo == 0 < K, so the first step exists.
+        # Before the wait only the weight (the first step's tile(s), the L2 prefetches);
+        # x, which the kernel before this one writes, is read after it. The loop below
+        # (the remaining steps) is the plain one, pipelined as usual.
+        w = _load_w(w_ptr, w_desc, n0, k_lo, N, K, BLOCK_N, BLOCK_K, USE_TMA)
+        wu = w
+        if GATED:
+            wu = _load_w(w_ptr, w_desc, N + n0, k_lo, w_rows, K, BLOCK_N, BLOCK_K, USE_TMA)
+        if not INTERPRET:
+            if PREFETCH_LINES > 0:
+                _prefetch_w_l2(w_ptr, n0, k_lo + BLOCK_K, N, K, BLOCK_N, PREFETCH_LINES)
+                if GATED:
+                    _prefetch_w_l2(w_ptr, N + n0, k_lo + BLOCK_K, w_rows, K, BLOCK_N, PREFETCH_LINES)
+            gdc_wait()
+        acc1, acc2, u1, u2 = _k_step(acc1, acc2, u1, u2, w, wu, x_ptr, stride_xm, k_lo, M, K, BLOCK_K, BLOCK_M1,
+                                     BLOCK_M2, HAS_M2, DOT_UPCAST, GATED)
+        k_start = k_lo + BLOCK_K
+    # (the plain kernel's loop, as it was before the PDL form: the order of its loads is kept)
+    for k0 in range(k_start, k_hi, BLOCK_K):
         w = _load_w(w_ptr, w_desc, n0, k0, N, K, BLOCK_N, BLOCK_K, USE_TMA)
         x1 = _load_x(x_ptr, stride_xm, 0, k0, M, K, BLOCK_M1, BLOCK_K)
         acc1 += _dot_t(w, x1, DOT_UPCAST)
