@@ -13,7 +13,7 @@ on the FP8-weight mid GEMM, `fp8_mid_gemm`; no prefill); ``fp8-unfused-producers
 2026-11-27 is on: add-RMSNorm and
 SiLU-and-mul emit FP8 for the W8A8 linears, `fused_inputs`); ``fp8-next`` (both):
 
-* ``decode_step_ms`` / ``decode_step_bs64_ms``: the captured decode graph at batch 1 / 64,
+* ``decode_step_ms`` / ``decode_step_bs64_ms`` / ``decode_step_bs144_ms``: the captured decode graph at batch 1 / 64 / 144,
   context 512 (target for FP8 at batch 1 on an H100: <= 3.5 ms);
 * ``prefill_8192_s``: one prompt of 8192 tokens, one output token (wall, after a warm-up);
 * ``throughput_64x512_256_tok_s``: 64 prompts of 512 tokens -> 256 output tokens.
@@ -95,9 +95,11 @@ ENGINE_VARIANTS = {
     # the opt-in FP8-weight mid-size GEMM (`fp8_mid_gemm`) for 17..256 rows; no prefill row
     "fp8-mid-w8a16": {"ATTNSERVE_FP8_MID_GEMM": "w8a16"},
     "fp8-mid-w8a8": {"ATTNSERVE_FP8_MID_GEMM": "w8a8"},
+    # `_scaled_mm` without its row padding (`fp8_linear.scaled_mm_padded_rows`); decode rows only
+    "fp8-nopad": {"ATTNSERVE_FP8_SCALED_MM_PAD": "0"},
 }
 #: engine variants timed at decode only (no prefill, no throughput run)
-DECODE_ONLY = ("fp8-16bit-tiles", "fp8-gemv-skinny", "fp8-gemv-f32", "fp8-gemv-f16x2", "fp8-gemv-dot16")
+DECODE_ONLY = ("fp8-16bit-tiles", "fp8-gemv-skinny", "fp8-gemv-f32", "fp8-gemv-f16x2", "fp8-gemv-dot16", "fp8-nopad")
 #: engine variants without the 8192-token prefill row (their change is decode-only)
 NO_PREFILL = ("fp8-w8a16-64", "fp8-mid-w8a16", "fp8-mid-w8a8")
 
@@ -402,7 +404,7 @@ def engine_rows(model, variant, emit):
     os.environ.update(env)
     try:
         t0 = time.time()
-        llm = LLM(model, load_format="dummy", device="cuda", context_length=8192 + 64, max_running_requests=64,
+        llm = LLM(model, load_format="dummy", device="cuda", context_length=8192 + 64, max_running_requests=160,
                   quantization=None if variant == "bf16" else "fp8")
         runner = llm.engine.model_runner
         row = {"model": model, "variant": variant, "env": env, "load_s": time.time() - t0,
@@ -410,6 +412,7 @@ def engine_rows(model, variant, emit):
                "peak_gib_after_load": torch.cuda.max_memory_allocated() / 2**30}
         row["decode_step_ms"] = graph_step_ms(runner, 1, 512)
         row["decode_step_bs64_ms"] = graph_step_ms(runner, 64, 512)
+        row["decode_step_bs144_ms"] = graph_step_ms(runner, 144, 512)  # a mixed workload's mean batch
         vocab = llm.engine.model_config.vocab_size
         gen = torch.Generator().manual_seed(0)
         if variant not in DECODE_ONLY + NO_PREFILL:
@@ -441,7 +444,8 @@ def _ratios(engine):
         if name == "bf16" or bf is None:
             continue
         out[name] = {"decode_step": bf["decode_step_ms"] / r["decode_step_ms"],
-                     "decode_step_bs64": bf["decode_step_bs64_ms"] / r["decode_step_bs64_ms"]}
+                     "decode_step_bs64": bf["decode_step_bs64_ms"] / r["decode_step_bs64_ms"],
+                     "decode_step_bs144": bf["decode_step_bs144_ms"] / r["decode_step_bs144_ms"]}
         if "prefill_8192_s" in r:
             out[name]["prefill_8192"] = bf["prefill_8192_s"] / r["prefill_8192_s"]
         if "throughput_64x512_256_tok_s" in r:

@@ -332,3 +332,29 @@ def test_fp8_gemv_env_routes_linear(monkeypatch):
     assert torch.equal(layer(x[:1]), direct)
     two = skinny_linear_fp8(x, layer.weight, layer.weight_scale, config=fp8_skinny_config(2, 6144, 4096))
     assert torch.equal(layer(x), two)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="row-wise torch._scaled_mm needs sm 90")
+@pytest.mark.parametrize("m", [64, 65, 100, 144, 255])
+def test_scaled_mm_rowwise_padded_rows_match_float64(m, monkeypatch):
+    """`scaled_mm_rowwise` pads 64 < M < 256 rows to a multiple of 128: each row equals the
+    float64 product of its dequantised operands (one bf16 rounding), padded or not, and the
+    result is a contiguous [M, N] tensor."""
+    from attnserve.models.layers.quantization.fp8_linear import (SCALED_MM_PAD_ENV, scaled_mm_padded_rows,
+                                                                 scaled_mm_rowwise)
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    n, k = 1024, 2048
+    x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    q, sa = quantize_activation(x)
+    wq, ws = quantize_per_row(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05)
+    ref = (q.double() * sa.double()) @ (wq.double() * ws.double().view(-1, 1)).t()
+    for pad in ("1", "0"):
+        monkeypatch.setenv(SCALED_MM_PAD_ENV, pad)
+        y = scaled_mm_rowwise(q, sa, wq, ws, torch.bfloat16)
+        assert y.shape == (m, n) and y.is_contiguous() and y.dtype == torch.bfloat16
+        # bf16 output: one rounding, |err| <= 2^-8 of the value, plus float32 accumulation slack
+        torch.testing.assert_close(y.double(), ref, rtol=2 ** -8, atol=1e-3 * ref.abs().max().item())
+    monkeypatch.delenv(SCALED_MM_PAD_ENV)
+    assert (scaled_mm_padded_rows(m) != m) == (64 < m < 256 and m % 128 != 0)

@@ -11,8 +11,9 @@ A method is attached to a `Linear` as ``layer.quant_method`` (`apply.quantize_mo
   CUDA: decode batches (``M <= w8a16_max_m()``, default 16; fused kernels on, dynamic
   scheme) run `skinny_linear_fp8` (W8A16: the weight widened in the kernel); larger batches quantise
   the activations (per token, `quantize_activation`; static: ``x / input_scale``) and run
-  ``torch._scaled_mm`` (row-wise scales, sm 90; tensor-wise when the weight has one scale
-  and the activation scale is static) or, where it does not apply, `scaled_fp8_gemm`.
+  ``torch._scaled_mm`` (row-wise scales, sm 90, rows padded past cuBLASLt's slow sizes:
+  `scaled_mm_padded_rows`; tensor-wise when the weight has one scale and the activation
+  scale is static) or, where it does not apply, `scaled_fp8_gemm`.
 * `BlockFp8LinearMethod` (DeepSeek-V3 style): ``weight`` e4m3 ``[N, K]`` and
   ``weight_scale_inv`` float32 ``[cdiv(N, 128), cdiv(K, 128)]``; activations quantised in
   ``1 x 128`` groups; `scaled_fp8_gemm` (Triton) on CUDA.
@@ -35,6 +36,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from attnserve.env_options import env_flag
 from attnserve.models.layers.activation import act_and_mul
 from attnserve.models.layers.quantization import loading
 from attnserve.models.layers.quantization.config import QuantizationConfig
@@ -88,6 +90,44 @@ def _scaled_mm_ok(x: torch.Tensor, n: int, k: int) -> bool:
     if not x.is_cuda or k % 16 or n % 16 or os.environ.get("ATTNSERVE_FP8_GEMM", "").lower() == "triton":
         return False
     return torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+#: ``ATTNSERVE_FP8_SCALED_MM_PAD=0`` keeps `scaled_mm_rowwise` from padding the rows
+SCALED_MM_PAD_ENV = "ATTNSERVE_FP8_SCALED_MM_PAD"
+
+
+def scaled_mm_padded_rows(m: int) -> int:
+    """Rows `scaled_mm_rowwise` hands ``torch._scaled_mm`` for ``m`` rows: ``m`` rounded up
+    to a multiple of 128 when ``64 < m < 256``, else ``m``.
+
+    Why (one H100, CUDA graphs, Llama-3-8B projections, per-token x per-channel scales;
+    ``benchmarks/NOTES.md`` 2026-11-27): cuBLASLt's row-wise FP8 kernels are as fast at 128
+    rows as at 64 and fast at 256, but at 144 rows they are 1.2-1.6x slower than at 256
+    (µs at 128 / 144 / 256: qkv 14.7 / 21.0 / 15.2, gate_up 53.8 / 87.4 / 72.0, down 37.1 /
+    50.0 / 37.2). Padding costs one copy of ``x`` (``m x K`` bytes)."""
+    if 64 < m < 256 and m % 128 and env_flag(SCALED_MM_PAD_ENV):
+        return -(-m // 128) * 128
+    return m
+
+
+def scaled_mm_rowwise(q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch._scaled_mm(q, weight^T)`` with row-wise scales, ``[M, N]`` in ``out_dtype``.
+
+    ``q`` e4m3 ``[M, K]``, ``scale_a`` float32 ``[M, 1]``, ``weight`` e4m3 ``[N, K]``,
+    ``weight_scale`` float32 ``[N]``. Rows are padded to `scaled_mm_padded_rows` (the pad
+    rows' values are never read back: a GEMM's output row depends on its own input row only)
+    and the result is the first ``M`` rows, a contiguous view."""
+    m, k = q.shape
+    mp = scaled_mm_padded_rows(m)
+    if mp != m:
+        qp = q.new_empty((mp, k))
+        qp[:m].copy_(q)
+        sp = scale_a.new_ones((mp, 1))
+        sp[:m].copy_(scale_a.reshape(m, 1))
+        q, scale_a = qp, sp
+    y = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
+    return (y[:m] if mp != m else y).to(out_dtype)
 
 
 class Fp8LinearMethod:
@@ -180,8 +220,7 @@ class Fp8LinearMethod:
                     y = torch._scaled_mm(q, layer.weight.t(), scale_a=layer.input_scale.reshape(()),
                                          scale_b=layer.fp8_tensor_scale, out_dtype=torch.bfloat16)
                 else:
-                    y = torch._scaled_mm(q, layer.weight.t(), scale_a=sa, scale_b=layer.weight_scale.view(1, -1),
-                                         out_dtype=torch.bfloat16)
+                    y = scaled_mm_rowwise(q, sa, layer.weight, layer.weight_scale, torch.bfloat16)
                 y = y.to(x2.dtype)
                 if bias is not None:
                     y = y + bias
@@ -200,8 +239,7 @@ class Fp8LinearMethod:
         n, k = layer.weight.shape
         y = fp8_mid_apply(layer, x.q, bias, x_scale=x.scale, out_dtype=x.dtype)  # opt-in, else None
         if y is None and _scaled_mm_ok(x.q, n, k):
-            y = torch._scaled_mm(x.q, layer.weight.t(), scale_a=x.scale, scale_b=layer.weight_scale.view(1, -1),
-                                 out_dtype=torch.bfloat16).to(x.dtype)
+            y = scaled_mm_rowwise(x.q, x.scale, layer.weight, layer.weight_scale, x.dtype)
             if bias is not None:
                 y = y + bias
         elif y is None:
