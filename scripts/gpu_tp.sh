@@ -93,8 +93,8 @@ echo "tp bigpush rc=$?"
 grep -E "ms/step" "$OUT/tp_bigpush.log" | tail -4
 fi
 if stage overlap; then
-# the prefill all-reduces of Llama-3-8B at tp = all GPUs, 64 x 512: overlapped token halves (default), one NCCL
-# all-reduce per message (ATTNSERVE_TP_PREFILL_OVERLAP=0), and the symmetric-memory two-shot up to 64 MiB instead
+# the prefill all-reduces of Llama-3-8B at tp = all GPUs, 64 x 512: overlapped token halves (opt-in,
+# ATTNSERVE_TP_PREFILL_OVERLAP=1), one NCCL all-reduce per message (the default), and the symmetric-memory two-shot up to 64 MiB instead
 # of NCCL (8,192-token chunks on 80 GB cards); then the float32 token check of the overlap
 for cfg in "on:1:" "off:0:" "twoshot64:0:64"; do
   IFS=: read -r tag ov ts <<< "$cfg"
