@@ -30,6 +30,9 @@ import torch
 
 SIZES = [1024 << i for i in range(17)]  # 1 KB .. 64 MB
 ALGOS = ("nccl", "one_shot", "two_shot")
+#: environment variables recorded with the result (NCCL's transport and algorithm choices)
+ENV_KEYS = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_P2P_LEVEL", "NCCL_CUMEM_ENABLE",
+            "NCCL_PROTO", "NCCL_ALGO", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_MIN_NCHANNELS")
 
 
 def _time_graph(fn, refill, calls: int, replays: int) -> float:
@@ -92,7 +95,7 @@ def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
     configs = {"one_shot": CustomAllReduceConfig(biggest, biggest), "two_shot": CustomAllReduceConfig(0, biggest)}
     gen = torch.Generator(device=device).manual_seed(1234 + rank)
     rows = []
-    for nbytes in SIZES:
+    for nbytes in [b for b in SIZES if b >= args.min_bytes]:
         n = nbytes // 2
         # tiny values: 2 * calls + 1 in-place doublings per timing stay finite (and normal)
         src = (torch.randn(n, generator=gen, device=device, dtype=torch.float32) * 2.0 ** -100).to(torch.bfloat16)
@@ -148,6 +151,8 @@ def main() -> None:
     p.add_argument("--world-size", type=int, default=min(2, torch.cuda.device_count()))
     p.add_argument("--calls", type=int, default=48, help="all-reduces per timed graph / eager loop")
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--min-bytes", type=int, default=0, help="time only the sizes from this many bytes up")
+    p.add_argument("--tag", default="", help="appended to the JSON's name (e.g. an NCCL environment variant)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args()
     if args.world_size < 2 or torch.cuda.device_count() < args.world_size:
@@ -160,7 +165,7 @@ def main() -> None:
     result = cuda_run_metadata("allreduce", t0)
     result.update({"world_size": args.world_size, "dtype": "bfloat16", "calls": args.calls, "replays": args.replays,
                    "nccl": ".".join(map(str, torch.cuda.nccl.version())), "date": dt.date.today().isoformat(),
-                   "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
+                   "env": {k: os.environ.get(k) for k in ENV_KEYS},
                    "rows": rows, "suggested": suggest(rows)})
     print(f"{'bytes':>10}  " + "  ".join(f"{a + ' graph':>15}" for a in ALGOS) + "  " +
           "  ".join(f"{a + ' eager':>15}" for a in ALGOS))
@@ -168,7 +173,7 @@ def main() -> None:
         print(f"{r['bytes']:>10}  " + "  ".join(f"{r[f'{a}_graph_us']:15.2f}" for a in ALGOS) + "  " +
               "  ".join(f"{r[f'{a}_eager_us']:15.2f}" for a in ALGOS))
     print("suggested:", result["suggested"])
-    write_result(result, args.out, "allreduce")
+    write_result(result, args.out, "allreduce" + (f"-{args.tag}" if args.tag else ""))
 
 
 if __name__ == "__main__":
