@@ -26,6 +26,28 @@ from attnserve.bench.results import write_result
 from attnserve.bench.roofline import random_lengths
 
 
+def idle_gaps(events, top: int = 20, min_us: float = 5.0) -> dict:
+    """Where the GPU waited: the CUDA kernel events' intervals (µs, the profiler's device
+    timeline) merged; ``span_s`` from the first kernel's start to the last one's end,
+    ``idle_s`` the time inside it no kernel ran, ``longest`` the ``top`` gaps of at least
+    ``min_us`` (``us``, ``at_ms`` after the first kernel, the kernels on either side)."""
+    ks = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in events
+                if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not ks:
+        return {"span_s": 0.0, "idle_s": 0.0, "longest": []}
+    t0, end, prev = ks[0][0], ks[0][1], ks[0][2]
+    idle, found = 0.0, []
+    for start, stop, name in ks[1:]:
+        if start > end:
+            idle += start - end
+            if start - end >= min_us:
+                found.append({"us": start - end, "at_ms": (end - t0) / 1e3, "after": prev, "before": name})
+        if stop >= end:
+            end, prev = stop, name
+    found.sort(key=lambda g: -g["us"])
+    return {"span_s": (end - t0) / 1e6, "idle_s": idle / 1e6, "longest": found[:top]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-0.6b")
@@ -70,6 +92,7 @@ def main() -> int:
             k[0] += 1
             k[1] += ev.device_time_total / 1e6 if hasattr(ev, "device_time_total") else ev.cuda_time_total / 1e6
     busy = sum(v[1] for v in per_kernel.values())
+    gaps = idle_gaps(prof.events())
     # host side: the ops and runtime calls with the most self CPU time (launch work included)
     host_ops = sorted(((e.key[:120], e.count, e.self_cpu_time_total / 1e6) for e in prof.key_averages()),
                       key=lambda r: -r[2])[: args.top]
@@ -78,12 +101,15 @@ def main() -> int:
               "torch": torch.__version__, "model": args.model, "quantization": args.quantization, "num_prompts": args.num_prompts,
               "input_tokens": sum(isl), "chunked_prefill_size": llm.engine.server_args.chunked_prefill_size,
               "wall_s_profiled": wall, "wall_s": wall_unprofiled, "busy_s": busy,
-              "kernels": [{"name": n, "launches": c, "gpu_s": s} for n, (c, s) in top],
+              "kernels": [{"name": n, "launches": c, "gpu_s": s} for n, (c, s) in top], "gaps": gaps,
               "host_ops": [{"name": n, "calls": c, "self_cpu_s": s} for n, c, s in host_ops]}
     print(f"{args.model}: {sum(isl)} prompt tokens, wall {wall_unprofiled:.3f} s (profiled {wall:.3f}), "
           f"GPU busy {busy:.3f} s", flush=True)
     for n, (c, s) in top:
         print(f"  {s * 1e3:9.2f} ms  x{c:6d}  {n}", flush=True)
+    print(f"GPU span {gaps['span_s'] * 1e3:.2f} ms, idle inside it {gaps['idle_s'] * 1e3:.2f} ms; longest gaps:", flush=True)
+    for g in gaps["longest"][:10]:
+        print(f"  {g['us']:9.1f} us at {g['at_ms']:8.2f} ms  after {g['after']}  before {g['before']}", flush=True)
     print("host ops by self CPU time:", flush=True)
     for n, c, s in host_ops:
         print(f"  {s * 1e3:9.2f} ms  x{c:6d}  {n}", flush=True)

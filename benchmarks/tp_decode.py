@@ -1,7 +1,8 @@
 """Tensor parallelism on one multi-GPU host, in one run. Writes ``<out>/<device>-tp-<date>.json``.
 
 ``PYTHONPATH=src python benchmarks/tp_decode.py --tp 1 2 [--big-tp 2] [--skip-identity] [--tp-sample local broadcast]
-[--allreduce-fusion on off] [--profile] [--repeats 3] [--output-len 128]``
+[--allreduce-fusion on off] [--profile] [--repeats 3] [--output-len 128]
+[--env-variants NAME=V[,NAME=V] ...]``
 
 * Identity: Llama-3-8B shape, dummy weights, **float32** (bf16 rounding differs between an
   all-reduce of partial sums and one matmul, and random weights give near-tied logits),
@@ -31,6 +32,9 @@
   from ``ATTNSERVE_TWO_SHOT_FUSED_MIN_KB`` up, pull below); each row records ``allreduce_fusion_mode``
   (the kernel the engine runs, ``none`` without fusion) and ``two_shot_min_bytes`` (twoshot
   mode). ``--tp`` with no sizes runs only ``--big-tp``.
+* ``--env-variants``: every decode configuration once per variant, the variant's environment
+  variables set in its fresh process (e.g. ``ATTNSERVE_GEMV_L2_PREFETCH_MB=0`` against ``=16``);
+  rows record them as ``env``.
 * ``--profile``: per decode row, rank 0's kernels under ``torch.profiler`` (CUDA activity):
   a prefill-only run (its kernels are reported too, in total: ``profile.prefill_kernels``)
   and a run of ``--profile-steps`` more decode steps, the difference
@@ -68,6 +72,21 @@ def _child(queue, fn, args, kwargs):
     except BaseException as e:  # reported in the parent
         queue.put(("error", f"{type(e).__name__}: {e}"))
         raise
+
+
+def parse_env_variant(text: str) -> dict:
+    """``"A=1,B=x"`` -> ``{"A": "1", "B": "x"}`` (``--env-variants``); an empty string: no change.
+
+    Raises:
+        ValueError: an item without ``=``.
+    """
+    env = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--env-variants item {item!r}: expected NAME=VALUE")
+        env[name] = value
+    return env
 
 
 def in_fresh_process(fn, *args, **kwargs):
@@ -169,13 +188,14 @@ def kernel_profile(llm, prompts, steps: int, top: int = 25) -> dict:
 
 
 def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadcast=None, tp_sample=None,
-                 allreduce_fusion=None, fusion_mode=None, profile_steps=0, repeats=1, **extra):
+                 allreduce_fusion=None, fusion_mode=None, profile_steps=0, repeats=1, env=None, **extra):
     from attnserve.engine.sampling_params import SamplingParams
     from attnserve.engine.scheduler import SchedulerStats
     from attnserve.engine.tp.step_channel import STEP_BROADCAST_ENV
     from attnserve.distributed.fused_all_reduce_push import FUSION_MODE_ENV
     from attnserve.engine.tp.step_sync import TP_SAMPLE_ENV
 
+    os.environ.update(env or {})  # this process only (in_fresh_process); ranks inherit it
     if step_broadcast:
         os.environ[STEP_BROADCAST_ENV] = step_broadcast
     if tp_sample:
@@ -233,7 +253,8 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
                    "tp_send_ms_per_step": stats.tp_send_ms_per_step,
                    "weight_bytes_per_gpu": weight_bytes}
             rows.append(row)
-            print(f"{model} tp {tp} ({path}, {sample_mode} sampling, fusion {kernel if fusion_on else 'off'}) n {n}: "
+            print(f"{model} tp {tp} ({path}, {sample_mode} sampling, fusion {kernel if fusion_on else 'off'}) n {n} "
+                  f"env {env or '-'}: "
                   f"{row['decode_ms_per_step']:.2f} ms/step, "
                   f"{row['output_tokens_per_s']:.0f} tok/s, prefill {row['prefill_s']:.4f} s, host {row['host_ms_per_step']:.2f} ms "
                   f"(step broadcast {row['tp_send_ms_per_step']:.2f})", flush=True)
@@ -268,6 +289,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="per decode row, rank 0's per-kernel GPU time per step (torch.profiler)")
     ap.add_argument("--profile-steps", type=int, default=20, help="decode steps profiled (--profile)")
+    ap.add_argument("--env-variants", nargs="+", default=[], metavar="NAME=V[,NAME=V]",
+                    help="run every decode configuration once per variant, with these environment "
+                         "variables set in its process (rows record them as 'env')")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed prefill-only / full runs per row; the row reports each one's median run")
     ap.add_argument("--output-len", type=int, default=128, help="decode tokens per request (input: 512)")
@@ -293,12 +317,17 @@ def main(argv=None) -> int:
     if args.big_tp:
         runs += [("llama-3-70b", args.big_tp, [1], sb, ts, fu, fm) for sb in args.step_broadcast
                  for ts in args.tp_sample for fu in args.allreduce_fusion for fm in modes(fu)]
+    variants = [parse_env_variant(v) for v in args.env_variants] or [{}]
     for model, tp, requests, sb, ts, fu, fm in runs:
-        res["decode"] += in_fresh_process(decode_steps, model, tp, requests, step_broadcast=sb, tp_sample=ts,
-                                          allreduce_fusion=fu, fusion_mode=fm,
-                                          profile_steps=args.profile_steps if args.profile else 0,
-                                          repeats=args.repeats, output_len=args.output_len,
-                                          disable_custom_all_reduce=args.disable_custom_all_reduce)
+        for env in variants:
+            rows = in_fresh_process(decode_steps, model, tp, requests, step_broadcast=sb, tp_sample=ts,
+                                    allreduce_fusion=fu, fusion_mode=fm,
+                                    profile_steps=args.profile_steps if args.profile else 0,
+                                    repeats=args.repeats, output_len=args.output_len, env=env,
+                                    disable_custom_all_reduce=args.disable_custom_all_reduce)
+            for row in rows:
+                row["env"] = env
+            res["decode"] += rows
         for row in res["decode"]:
             row["weights_floor_ms"] = row["weight_bytes_per_gpu"] / (copy * 1e9) * 1e3
         write_result(res, args.out, "tp", "cuda")

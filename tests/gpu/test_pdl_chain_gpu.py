@@ -55,9 +55,13 @@ def _rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
+@pytest.mark.parametrize("prefetch_mb", ["0", "16", "64"])
 @pytest.mark.parametrize("rule", ["v1", "v2"])
-def test_pdl_chain_graph_matches_plain_eager(monkeypatch, rule):
+def test_pdl_chain_graph_matches_plain_eager(monkeypatch, rule, prefetch_mb):
+    """``prefetch_mb``: the GEMVs' L2 hint budget (`attnserve.models.layers.l2_prefetch`) at
+    capture; the plain eager reference runs without PDL, so without hints."""
     monkeypatch.setenv("ATTNSERVE_SKINNY_RULE", rule)
+    monkeypatch.setenv("ATTNSERVE_GEMV_L2_PREFETCH_MB", prefetch_mb)
     g = torch.Generator(device=DEV).manual_seed(3)
     layers = [_layer_weights(g) for _ in range(2)]
     final_w = torch.ones(H, device=DEV, dtype=torch.bfloat16)

@@ -197,3 +197,32 @@ def test_compute_logits_routing(monkeypatch, rule, rows, skinny):
     assert logits.dtype == torch.float32 and logits.shape == (rows, model.config.vocab_size)
     assert bool(calls) == skinny
     assert _rel(logits, _ref(h, model.lm_head_weight)) <= REL
+
+
+@pytest.mark.parametrize("form", ["default", "defer", "carry"])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("n,k", [(1536, 4096), (4096, 1024), (7168, 4096), (1000, 4104)])
+def test_l2_prefetch_hint_changes_no_bit(monkeypatch, n, k, gated, form):
+    """The L2 hint before the PDL wait (`attnserve.models.layers.l2_prefetch`) at budgets that
+    cover a few lines, most of a row and whole rows gives the bits of the launch without it
+    (same kernel otherwise); shapes: Llama-3-8B tp-4 shards (qkv, o, gate_up) and a ragged K."""
+    from attnserve.models.layers.l2_prefetch import l2_prefetch_lines
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL (and so the hint) needs sm_90+")
+    x, w, _ = _inputs(1, n, k, seed=n + 3 * k)
+    cfg = None if form == "default" else NEW_FORMS[form]
+
+    def run():
+        if gated:
+            return skinny_linear_gated(x, w, "silu", config=cfg, pdl=True)
+        return skinny_linear(x, w, config=cfg, pdl=True)
+
+    monkeypatch.setenv("ATTNSERVE_GEMV_L2_PREFETCH_MB", "0")
+    want = run()
+    lines = []
+    for mb in ("0.25", "4", "64"):
+        monkeypatch.setenv("ATTNSERVE_GEMV_L2_PREFETCH_MB", mb)
+        lines.append(l2_prefetch_lines(n, k, 2, 512))
+        assert torch.equal(run(), want), f"budget {mb} MiB changed the output"
+    assert lines[-1] > 0  # the largest budget does hint

@@ -180,6 +180,15 @@ def compile_fused(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     _launch(x, residual, weight, 1e-6, 0.0, buffer_ptrs, counters, rank, region, warmup=True)
 
 
+def fused_pdl_enabled(device: torch.device) -> bool:
+    """Whether the pull kernel launches with programmatic dependent launch: `attnserve.pdl.pdl_enabled`
+    and ``ATTNSERVE_ALLREDUCE_PDL`` not off (read at every call; see the kernel module's doc)."""
+    from attnserve.env_options import env_flag
+    from attnserve.pdl import pdl_enabled
+
+    return env_flag("ATTNSERVE_ALLREDUCE_PDL") and pdl_enabled(device)
+
+
 def _launch(x, residual, weight, eps, weight_offset, buffer_ptrs, counters, rank, region, warmup: bool):
     why = fused_unsupported_reason(x, residual, weight, region)
     if why is not None:
@@ -194,7 +203,10 @@ def _launch(x, residual, weight, eps, weight_offset, buffer_ptrs, counters, rank
     args = (x, residual, weight.contiguous(), out, buffer_ptrs, counters, rank, rows, n, float(eps),
             float(weight_offset), region.data_offset, region.half_bytes, region.flags_offset)
     # num_warps as fused_add_rmsnorm's: the same layout, so tl.sum adds in the same order
-    meta = dict(W=world, W_P2=_next_pow2(world), BLOCK=block, num_warps=norm_warps(block))
+    use_pdl = fused_pdl_enabled(x.device)
+    meta = dict(W=world, W_P2=_next_pow2(world), BLOCK=block, num_warps=norm_warps(block), USE_PDL=use_pdl)
+    if use_pdl:
+        meta["launch_pdl"] = True  # a compile option too: the warm-up compiles the launched variant
     grid = (min(rows, MAX_PROGRAMS),)
     if warmup:
         _fused_all_reduce_add_rmsnorm_kernel.warmup(*args, grid=grid, **meta)

@@ -17,8 +17,14 @@ kernels use, two halves for the message and one int64 flag per (program, source 
 
 No barrier closes the kernel: a rank writes a half again two calls later, and by then
 every peer has started the call in between, so it has finished reading that half (kernels
-on a stream run one after the other; this one is not launched with programmatic
-dependent launch). Flags only grow (int64), so a fast peer's later flag also releases a
+on a stream run one after the other). With ``USE_PDL`` the kernel is launched with
+programmatic dependent launch (`attnserve.pdl`): a program first waits for the kernel before
+it (``gdc_wait``, before it reads the counter, ``x`` or a buffer), then lets the next kernel
+launch (``gdc_launch_dependents``), so the next GEMV's programs start and hint their weight
+into the L2 while this one exchanges its rows (`attnserve.models.layers.l2_prefetch`). The
+order argument above still holds: every PDL kernel of a step waits for the one before it
+before it completes, so call ``k + 1``'s work after its wait follows call ``k``'s completion
+on this rank. Flags only grow (int64), so a fast peer's later flag also releases a
 slow rank. Algorithm studied in PyTorch's ``CUDASymmetricMemoryOps.cu`` (one-shot kernel,
 ``sync_remote_blocks``) and TensorRT-LLM's fused all-reduce + RMSNorm; the code is our own.
 """
@@ -27,6 +33,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from attnserve.pdl_triton import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -66,6 +74,7 @@ def _fused_all_reduce_add_rmsnorm_kernel(
     W: tl.constexpr,
     W_P2: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Rows ``pid, pid + G, ...`` (``G`` programs) of contiguous ``[n_rows, n_cols]`` tensors.
 
@@ -73,6 +82,9 @@ def _fused_all_reduce_add_rmsnorm_kernel(
     ``counter_ptr``: int64 ``[2]`` on this rank (completed calls, programs finished);
     ``data_offset`` / ``half_bytes`` / ``flags_offset``: the fused region, bytes.
     """
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     dtype = res_ptr.dtype.element_ty

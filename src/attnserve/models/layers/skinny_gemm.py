@@ -428,6 +428,11 @@ def _launch(
     )
     if use_pdl:
         common["launch_pdl"] = True
+        from attnserve.models.layers.l2_prefetch import L2_LINE_BYTES, l2_prefetch_lines
+
+        itemsize = weight.element_size()
+        common["PREFETCH_LINES"] = l2_prefetch_lines(n, k, itemsize, config.block_k)
+        common["LINE_ELEMS"] = L2_LINE_BYTES // itemsize
     b = bias if bias is not None else weight  # never read when HAS_BIAS is False
     grid = (_cdiv(cols, config.block_n),)
     s = scale if scale is not None else weight  # never read when HAS_SCALE is False

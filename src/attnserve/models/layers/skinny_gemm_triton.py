@@ -115,6 +115,29 @@ def _load_w(w_ptrs, u_ptrs, mask_n, offs_k, k0, K, GATED: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_rows_l2(w_ptr, row0, k0, rows_end, K, BLOCK_N: tl.constexpr, LINES: tl.constexpr,
+                      LINE_ELEMS: tl.constexpr):
+    """Hint the L2 to fetch ``LINES`` 128-byte lines (``LINE_ELEMS`` elements each) of weight
+    rows ``row0 .. row0 + BLOCK_N`` from column ``k0`` on (`attnserve.models.layers.l2_prefetch`).
+    Rows and columns are clamped into the ``[rows_end, K]`` tensor, so every address is valid
+    and repeats are harmless. Reads no activation, writes nothing, changes no value."""
+    rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), rows_end - 1)
+    cols = tl.minimum(k0 + tl.arange(0, LINES) * LINE_ELEMS, K - 1)
+    ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_slice_l2(w_ptr, row0, k0, N, K, BLOCK_N: tl.constexpr, LINES: tl.constexpr,
+                       LINE_ELEMS: tl.constexpr, GATED: tl.constexpr):
+    """`_prefetch_rows_l2` of a program's rows, and (GATED) of its up rows ``N + row0 ..``."""
+    _prefetch_rows_l2(w_ptr, row0, k0, N, K, BLOCK_N, LINES, LINE_ELEMS)
+    if GATED:
+        _prefetch_rows_l2(w_ptr, N + row0, k0, 2 * N, K, BLOCK_N, LINES, LINE_ELEMS)
+
+
+@triton.jit
 def _step(acc, acc_u, x_tile, w_tile, u_tile, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
           DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, GATED: tl.constexpr, DEFER: tl.constexpr):
     """One ``K`` step into the accumulators: DEFER, elementwise float32 products into
@@ -156,6 +179,8 @@ def _skinny_gemm_kernel(
     DEFER: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
     HAS_SCALE: tl.constexpr = False,
+    PREFETCH_LINES: tl.constexpr = 0,
+    LINE_ELEMS: tl.constexpr = 64,
 ):
     """Grid ``(cdiv(N, BLOCK_N),)``; ``y`` is ``[M, N]``.
 
@@ -174,6 +199,9 @@ def _skinny_gemm_kernel(
     `attnserve.pdl`): the program first lets the next kernel launch, then
     (CARRY) loads its first weight tile, then waits for the previous kernel before it reads
     ``x``; nothing activation-dependent is read and nothing is written before the wait.
+    PREFETCH_LINES (> 0 only with USE_PDL): before the wait the program also hints the L2 to
+    fetch that many lines (``LINE_ELEMS`` elements each) of each of its weight rows, from the
+    column after its first tile (`attnserve.models.layers.l2_prefetch`); no value changes.
     """
     if USE_PDL:
         gdc_launch_dependents()
@@ -204,6 +232,8 @@ def _skinny_gemm_kernel(
     if CARRY:
         w_tile, u_tile = _load_w(w_ptrs, u_ptrs, mask_n, offs_k, 0, K, GATED)
         if USE_PDL:
+            if PREFETCH_LINES > 0:
+                _prefetch_slice_l2(w_ptr, pid * BLOCK_N, BLOCK_K, N, K, BLOCK_N, PREFETCH_LINES, LINE_ELEMS, GATED)
             gdc_wait()
         for k0 in range(0, K, BLOCK_K):
             k_mask = (offs_k + k0) < K
@@ -216,6 +246,8 @@ def _skinny_gemm_kernel(
             u_tile = u_next
     else:
         if USE_PDL:
+            if PREFETCH_LINES > 0:
+                _prefetch_slice_l2(w_ptr, pid * BLOCK_N, 0, N, K, BLOCK_N, PREFETCH_LINES, LINE_ELEMS, GATED)
             gdc_wait()
         for k0 in range(0, K, BLOCK_K):
             k_mask = (offs_k + k0) < K
