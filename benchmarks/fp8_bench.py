@@ -9,11 +9,16 @@
 2026-11-26; decode only); ``fp8-w8a16-64`` (``ATTNSERVE_FP8_W8A16_MAX_M=64``: batches up to
 64 rows on the W8A16 kernel instead of activation quantisation + ``_scaled_mm``; no
 prefill); ``fp8-mid-w8a16`` / ``fp8-mid-w8a8`` (``ATTNSERVE_FP8_MID_GEMM``: 17..256 rows
-on the FP8-weight mid GEMM, `fp8_mid_gemm`; no prefill); ``fp8-unfused-producers`` (``ATTNSERVE_FP8_FUSED_PRODUCERS=0``; the default since
+on the FP8-weight mid GEMM, `fp8_mid_gemm`; no prefill); ``fp8-mid-off``
+(``ATTNSERVE_FP8_MID_GEMM=off``: ``_scaled_mm`` at 33..64 rows too, as before the mid GEMM's
+default route for the measured shapes, W8A8 at 33..64 rows on an H100; no prefill: the
+route takes decode rows only, so compare its 64-request step and 64 x 512 -> 256 throughput
+with ``fp8``'s); ``fp8-unfused-producers`` (``ATTNSERVE_FP8_FUSED_PRODUCERS=0``; the default since
 2026-11-27 is on: add-RMSNorm and
 SiLU-and-mul emit FP8 for the W8A8 linears, `fused_inputs`); ``fp8-next`` (both):
 
-* ``decode_step_ms`` / ``decode_step_bs64_ms`` / ``decode_step_bs144_ms``: the captured decode graph at batch 1 / 64 / 144,
+* ``decode_step_ms`` / ``decode_step_bs64_ms`` / ``decode_step_bs48_ms`` / ``decode_step_bs144_ms``: the captured
+  decode graph at batch 1 / 64 / 48 / 144,
   context 512 (target for FP8 at batch 1 on an H100: <= 3.5 ms);
 * ``prefill_8192_s``: one prompt of 8192 tokens, one output token (wall, after a warm-up);
 * ``throughput_64x512_256_tok_s``: 64 prompts of 512 tokens -> 256 output tokens.
@@ -95,13 +100,15 @@ ENGINE_VARIANTS = {
     # the opt-in FP8-weight mid-size GEMM (`fp8_mid_gemm`) for 17..256 rows; no prefill row
     "fp8-mid-w8a16": {"ATTNSERVE_FP8_MID_GEMM": "w8a16"},
     "fp8-mid-w8a8": {"ATTNSERVE_FP8_MID_GEMM": "w8a8"},
+    # the mid GEMM's default route (33..64 rows, measured shapes) off: `_scaled_mm` as before
+    "fp8-mid-off": {"ATTNSERVE_FP8_MID_GEMM": "off"},
     # `_scaled_mm` without its row padding (`fp8_linear.scaled_mm_padded_rows`); decode rows only
     "fp8-nopad": {"ATTNSERVE_FP8_SCALED_MM_PAD": "0"},
 }
 #: engine variants timed at decode only (no prefill, no throughput run)
 DECODE_ONLY = ("fp8-16bit-tiles", "fp8-gemv-skinny", "fp8-gemv-f32", "fp8-gemv-f16x2", "fp8-gemv-dot16", "fp8-nopad")
 #: engine variants without the 8192-token prefill row (their change is decode-only)
-NO_PREFILL = ("fp8-w8a16-64", "fp8-mid-w8a16", "fp8-mid-w8a8")
+NO_PREFILL = ("fp8-w8a16-64", "fp8-mid-w8a16", "fp8-mid-w8a8", "fp8-mid-off")
 
 
 def _legacy_eager_ms(fn, iters=30):
@@ -412,6 +419,7 @@ def engine_rows(model, variant, emit):
                "peak_gib_after_load": torch.cuda.max_memory_allocated() / 2**30}
         row["decode_step_ms"] = graph_step_ms(runner, 1, 512)
         row["decode_step_bs64_ms"] = graph_step_ms(runner, 64, 512)
+        row["decode_step_bs48_ms"] = graph_step_ms(runner, 48, 512)  # 32 + 16 row pieces in the mid GEMM
         row["decode_step_bs144_ms"] = graph_step_ms(runner, 144, 512)  # a mixed workload's mean batch
         vocab = llm.engine.model_config.vocab_size
         gen = torch.Generator().manual_seed(0)
@@ -453,6 +461,21 @@ def _ratios(engine):
     return out
 
 
+def _mid_default_over_off(engine):
+    """``fp8`` (the mid GEMM's default route on) against ``fp8-mid-off`` in the same run:
+    step-time ratios ``off / default`` (> 1: the default is faster) at batch 48 and 64, and
+    throughput ``default / off``; {} unless both ran."""
+    by = {r["variant"]: r for r in engine}
+    on, off = by.get("fp8"), by.get("fp8-mid-off")
+    if on is None or off is None:
+        return {}
+    out = {f"decode_step_{b}": off[f"decode_step_{b}_ms"] / on[f"decode_step_{b}_ms"]
+           for b in ("bs48", "bs64", "bs144")}
+    if "throughput_64x512_256_tok_s" in on and "throughput_64x512_256_tok_s" in off:
+        out["throughput_64x512_256"] = on["throughput_64x512_256_tok_s"] / off["throughput_64x512_256_tok_s"]
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3-8b", choices=sorted(SHAPES))
@@ -490,6 +513,10 @@ def main(argv=None):
             engine_rows(args.model, v, emitter("engine"))
         result["fp8_over_bf16"] = _ratios(result["engine"])
         print(json.dumps(result["fp8_over_bf16"]), flush=True)
+        mid_ab = _mid_default_over_off(result["engine"])
+        if mid_ab:
+            result["fp8_mid_default_over_off"] = mid_ab
+            print("fp8_mid_default_over_off " + json.dumps(mid_ab), flush=True)
         save()
     if "producers" in parts:
         producer_rows(ms, emitter("producers"))

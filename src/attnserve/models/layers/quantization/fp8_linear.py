@@ -23,8 +23,10 @@ A method is attached to a `Linear` as ``layer.quant_method`` (`apply.quantize_mo
 
 No method reads device values on the host in its forward, so every path is CUDA-graph
 capturable. ``ATTNSERVE_FP8_GEMM=triton`` routes the ``_scaled_mm`` cases to
-`scaled_fp8_gemm` (for A/B timing); ``ATTNSERVE_FP8_MID_GEMM=w8a16|w8a8`` routes
-``16 < M <= 256`` rows to the opt-in `fp8_mid_gemm` kernel.
+`scaled_fp8_gemm` (for A/B timing). `fp8_mid_gemm` takes 33..64 rows of the shapes measured
+faster on the device (H100: the Llama-3-8B projections; W8A8, the gate fused into
+``gate_up``) before ``_scaled_mm`` does; ``ATTNSERVE_FP8_MID_GEMM=off`` keeps ``_scaled_mm``,
+``w8a16|w8a8`` routes ``16 < M <= 256`` rows of every shape to it (see its module doc).
 """
 
 from __future__ import annotations
@@ -206,7 +208,7 @@ class Fp8LinearMethod:
             if skinny_fp8_supported(x2, layer.weight, layer.weight_scale, bias):
                 y = skinny_linear_fp8(x2, layer.weight, layer.weight_scale, bias, activation)
                 return y.reshape(*shape, y.shape[-1])
-        y = fp8_mid_apply(layer, x2, bias, activation)  # None unless ATTNSERVE_FP8_MID_GEMM (opt-in)
+        y = fp8_mid_apply(layer, x2, bias, activation)  # None outside its route (fp8_mid_gemm)
         if y is not None:
             return y.reshape(*shape, y.shape[-1])
         if not _on_gpu_path(x2):
@@ -235,16 +237,24 @@ class Fp8LinearMethod:
                             activation: Optional[str]) -> torch.Tensor:
         """``apply`` for an `Fp8Activation` input (2-D, per-token scales): no quantiser
         launch. A gated layer marked ``fp8_output`` (`fused_inputs`) returns its SiLU-and-mul
-        quantised, an `Fp8Activation` for ``down_proj``."""
+        quantised, an `Fp8Activation` for ``down_proj``: on the mid GEMM (`fp8_mid_apply`;
+        the gate in its epilogue) by `quantize_activation` of its ``[M, I]`` output, after
+        ``_scaled_mm`` by the fused `silu_and_mul_quant_fp8` of the ``[M, 2I]`` one."""
         n, k = layer.weight.shape
-        y = fp8_mid_apply(layer, x.q, bias, x_scale=x.scale, out_dtype=x.dtype)  # opt-in, else None
-        if y is None and _scaled_mm_ok(x.q, n, k):
+        fp8_out = activation == "silu" and getattr(layer, "fp8_output", False)
+        y = fp8_mid_apply(layer, x.q, bias, activation, x_scale=x.scale, out_dtype=x.dtype)
+        if y is not None:  # gated: act(gate) * up already
+            if fp8_out:
+                q, s = quantize_activation(y)
+                return Fp8Activation(q, s, x.dtype)
+            return y
+        if _scaled_mm_ok(x.q, n, k):
             y = scaled_mm_rowwise(x.q, x.scale, layer.weight, layer.weight_scale, x.dtype)
             if bias is not None:
                 y = y + bias
-        elif y is None:
+        else:
             y = scaled_fp8_gemm(x.q, x.scale, layer.weight, layer.weight_scale, x.dtype, bias)
-        if activation == "silu" and getattr(layer, "fp8_output", False):
+        if fp8_out:
             from attnserve.models.layers.quantization.fp8_kernels import silu_and_mul_quant_fp8
 
             q, s = silu_and_mul_quant_fp8(y, x.dtype)

@@ -1,4 +1,4 @@
-"""FP8-weight mid-size GEMM for ``16 < M <= 256`` rows (decode batches; issue 37), opt-in.
+"""FP8-weight mid-size GEMM for ``16 < M <= 256`` rows (decode batches; issue 37).
 
 At 64 rows ``torch._scaled_mm`` streams an FP8 weight at only 0.35-0.46 of an H100's 3.0
 TB/s copy rate (o_proj 4096 x 4096: 16.2 µs for 16.8 MB): cuBLAS launches too few CTAs at
@@ -15,10 +15,30 @@ Weight scales: one per output row (``[N]``, a per-tensor checkpoint's scale repe
 `Fp8LinearMethod` stores them) or one scalar; applied in the epilogue with the token scale,
 then the optional bias and gate (``[gate | up]`` weight, SiLU / GELU-tanh), output 16-bit.
 
-**Routing** (`fp8_mid_apply`, called from `Fp8LinearMethod`): only with
-``ATTNSERVE_FP8_MID_GEMM=w8a16`` or ``w8a8`` (default off: behaviour unchanged), for
-``16 < M <= 256`` rows, dynamic activation scales, fused kernels on. ``w8a16`` also keeps
-the fused producers from quantising those batches (`fused_inputs.emits_fp8`).
+**Routing** (`fp8_mid_route`, through `fp8_mid_apply`, called from `Fp8LinearMethod`), by
+``ATTNSERVE_FP8_MID_GEMM`` (`fp8_mid_setting`):
+
+* unset / ``auto`` (the default): W8A8 for ``33 <= M <= 64`` rows (`DEFAULT_MIN_M` ..
+  `DEFAULT_MAX_M`) of the weight shapes measured faster than ``_scaled_mm`` on this GPU
+  (`FP8_MID_DEFAULT_W8A8`: exact ``[N, K]`` per device; H100 80GB HBM3 only, the
+  Llama-3-8B projections); everything else keeps ``_scaled_mm``. Measured on one H100
+  (``fp8_bench.py --parts gemm --sweep``, CUDA-graph replay over rotating weights, µs at 64
+  rows, ``_scaled_mm`` on producer-quantised rows vs this kernel's best tile on the same):
+  qkv 15.4 / 14.3, o 13.9 / 12.7, gate_up 54.9 / 47.8 (SiLU-and-mul fused here; ``_scaled_mm``
+  leaves it to a separate kernel), down 37.9 / 29.3. From 128 rows on the kernel loses
+  (qkv 14.7 / 19.9, down 37.1 / 34.4 but gate_up 53.8 / 58.1), so the default stops at 64;
+  17..32 rows were not measured.
+* ``off`` / ``0`` / ``none``: never.
+* ``w8a16`` / ``w8a8``: that mode for ``16 < M <= 256`` rows and every shape, tiles from
+  `FP8_MID_TABLE` (for A/B runs). ``w8a16`` also keeps the fused producers from quantising
+  those batches (`fused_inputs.emits_fp8`).
+
+Either way only for dynamic activation scales with fused kernels on. The route is a pure
+function of the environment, the device and the shapes, so a CUDA graph captured at ``M``
+rows takes the path an eager step of ``M`` rows takes. A gated ``gate_up`` (``[gate | up]``
+weight) returns ``act(gate) * up`` from the epilogue; `Fp8LinearMethod` then quantises it per
+token for ``down_proj`` (`quantize_activation`) where ``_scaled_mm`` would run the fused
+SiLU-and-mul quantiser.
 
 **Configs**: `FP8_MID_TABLE`, by weight shape class (`fp8_mid_shape_class`) and ``M``
 bucket (smallest of 32 / 64 / 128 / 256 at least ``M``), with `FP8_MID_MODE_OVERRIDES`
@@ -32,31 +52,43 @@ imported lazily.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from attnserve.models.layers.mid_gemm import MAX_MID_M, MIN_MID_M, MidGemmConfig, m_pieces
+from attnserve.models.layers.mid_gemm import MAX_MID_M, MIN_MID_M, MidGemmConfig, m_pieces, table_key
 from attnserve.models.layers.skinny_gemm import SKINNY_ACTIVATIONS
 from attnserve.triton_env import triton_interpreting
 
 __all__ = [
+    "DEFAULT_MAX_M",
+    "DEFAULT_MIN_M",
+    "FP8_MID_DEFAULT_W8A8",
     "FP8_MID_ENV",
     "FP8_MID_MODES",
     "FP8_MID_TABLE",
     "fp8_mid_apply",
     "fp8_mid_candidates",
     "fp8_mid_config",
+    "fp8_mid_default_config",
+    "fp8_mid_device_tag",
     "fp8_mid_gemm_mode",
+    "fp8_mid_route",
+    "fp8_mid_setting",
     "fp8_mid_linear",
     "fp8_mid_shape_class",
     "fp8_mid_supported",
 ]
 
-#: environment switch: ``w8a16`` / ``w8a8`` route ``16 < M <= 256`` rows here; unset / ``0`` / ``off``: not
+#: environment switch (`fp8_mid_setting`): unset / ``auto``: the measured default route;
+#: ``off`` / ``0`` / ``none``: never; ``w8a16`` / ``w8a8``: that mode for ``16 < M <= 256`` rows
 FP8_MID_ENV = "ATTNSERVE_FP8_MID_GEMM"
 FP8_MID_MODES = ("w8a16", "w8a8")
+#: rows the default (``auto``) route takes: ``DEFAULT_MIN_M <= M <= DEFAULT_MAX_M``
+DEFAULT_MIN_M = 33
+DEFAULT_MAX_M = 64
 #: M buckets of the table (an entry at ``b`` serves ``previous bucket < M <= b``)
 M_BUCKETS = (32, 64, 128, 256)
 #: shared-memory budget of the pipelined K loop (bytes; H100/H200 allow 227 KB per block,
@@ -76,23 +108,78 @@ FP8_MID_TABLE: Dict[str, Dict[int, tuple]] = {
     "gated": {32: (64, 128, 4, 4, 2), 64: (64, 128, 4, 4, 2), 128: (64, 128, 8, 3, 2), 256: (64, 64, 8, 3, 2)},
     "wide": {32: (64, 128, 4, 4, 1), 64: (64, 128, 4, 4, 1), 128: (128, 128, 8, 3, 1), 256: (128, 64, 8, 3, 1)},
 }
-#: per mode, entries replacing `FP8_MID_TABLE`'s (filled from ``--sweep`` results)
-FP8_MID_MODE_OVERRIDES: Dict[str, Dict[str, Dict[int, tuple]]] = {"w8a16": {}, "w8a8": {}}
+#: per mode, entries replacing `FP8_MID_TABLE`'s (filled from ``--sweep`` results). W8A8 at 64
+#: and 128 rows: the best tiles of one H100 sweep on producer-quantised rows (2026-11-27,
+#: ``benchmarks/results/h100-80gb-hbm3-fp8-bench-mid-sweep-*-2026-11-27.json``, Llama-3-8B
+#: shapes, µs table's tile -> best: M 64 qkv 16.8 -> 14.3, o 12.9 -> 12.7, gate_up 60.5 -> 47.8,
+#: down 32.1 -> 29.3; M 128 qkv 21.0 -> 19.9, o 18.4 -> 15.2, gate_up 84.7 -> 58.1, down 36.3 -> 34.4)
+FP8_MID_MODE_OVERRIDES: Dict[str, Dict[str, Dict[int, tuple]]] = {
+    "w8a16": {},
+    "w8a8": {
+        "n<=16384": {64: (64, 128, 4, 4, 1), 128: (64, 128, 8, 3, 2)},
+        "n<=4096": {64: (64, 128, 4, 4, 2), 128: (64, 128, 8, 3, 2)},
+        "gated": {64: (64, 128, 4, 4, 1), 128: (64, 128, 8, 3, 1)},
+        "k>=8192": {64: (64, 128, 4, 4, 4), 128: (64, 128, 8, 3, 4)},
+    },
+}
+#: the default route (`fp8_mid_route`, W8A8, `DEFAULT_MIN_M` .. `DEFAULT_MAX_M` rows): CUDA
+#: device tag (`tuned_configs.device_name_tag`) -> weight shape (`mid_gemm.table_key`: all
+#: ``N`` rows, ``2I`` gated) -> (block_n, block_k, num_warps, num_stages, split_k), only
+#: where the kernel beat ``_scaled_mm`` on producer-quantised rows. H100 80GB HBM3, Llama-3-8B
+#: projections, measured at 64 rows (sweep JSON above; µs ``_scaled_mm`` / this tile): qkv
+#: 15.4 / 14.3, o 13.9 / 12.7, gate_up 54.9 / 47.8 (gate fused), down 37.9 / 29.3. Other GPUs
+#: (H200 included: not measured) and shapes: no entry, ``_scaled_mm``.
+FP8_MID_DEFAULT_W8A8: Dict[str, Dict[str, tuple]] = {
+    "NVIDIA_H100_80GB_HBM3": {
+        table_key(6144, 4096, False): (64, 128, 4, 4, 1),
+        table_key(4096, 4096, False): (64, 128, 4, 4, 2),
+        table_key(28672, 4096, True): (64, 128, 4, 4, 1),
+        table_key(4096, 14336, False): (64, 128, 4, 4, 4),
+    },
+}
 
 
-def fp8_mid_gemm_mode() -> Optional[str]:
-    """``"w8a16"``, ``"w8a8"`` or None (off), from ``ATTNSERVE_FP8_MID_GEMM`` (read at every
-    call; CUDA graphs bake the choice in at capture).
+def fp8_mid_setting() -> str:
+    """``ATTNSERVE_FP8_MID_GEMM`` as ``"auto"`` (unset, empty or ``auto``), ``"off"`` (``off``,
+    ``0``, ``none``), ``"w8a16"`` or ``"w8a8"``; read at every call (CUDA graphs bake the
+    choice in at capture).
 
     Raises:
         ValueError: any other value.
     """
     raw = os.environ.get(FP8_MID_ENV, "").strip().lower()
-    if raw in ("", "0", "off", "none"):
-        return None
+    if raw in ("", "auto"):
+        return "auto"
+    if raw in ("0", "off", "none"):
+        return "off"
     if raw not in FP8_MID_MODES:
-        raise ValueError(f"{FP8_MID_ENV} must be one of {', '.join(FP8_MID_MODES)} (or unset / 0), got {raw!r}")
+        raise ValueError(f"{FP8_MID_ENV} must be one of auto, off, {', '.join(FP8_MID_MODES)} (or unset), got {raw!r}")
     return raw
+
+
+def fp8_mid_gemm_mode() -> Optional[str]:
+    """The explicitly requested mode, ``"w8a16"`` or ``"w8a8"``, or None (``auto`` or ``off``).
+
+    Raises:
+        ValueError: as `fp8_mid_setting`.
+    """
+    setting = fp8_mid_setting()
+    return setting if setting in FP8_MID_MODES else None
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_device_tag(index: int) -> str:
+    from attnserve.models.layers.moe.tuned_configs import device_name_tag
+
+    return device_name_tag(torch.cuda.get_device_name(index))
+
+
+def fp8_mid_device_tag(device: torch.device) -> Optional[str]:
+    """The `FP8_MID_DEFAULT_W8A8` key of ``device``: its CUDA name as a file-name tag
+    (``"NVIDIA_H100_80GB_HBM3"``), None for other devices. Memoised per device index."""
+    if device.type != "cuda":
+        return None
+    return _cuda_device_tag(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def fp8_mid_shape_class(n: int, k: int, gated: bool) -> str:
@@ -115,6 +202,15 @@ def _fit_stages(cfg: MidGemmConfig, m: int, gated: bool, x_itemsize: int) -> Mid
     return dataclasses.replace(cfg, num_stages=stages)
 
 
+def _config_from_row(row: tuple, m: int, k: int, gated: bool, mode: str) -> MidGemmConfig:
+    """A table tuple -> config, ``block_k`` capped at ``next_pow2(k)``, stages fitted."""
+    bn, bk, warps, stages, split, *tma = row
+    bk = max(32, min(bk, 1 << max(k - 1, 0).bit_length()))
+    cfg = MidGemmConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split,
+                        use_tma=bool(tma and tma[0]))
+    return _fit_stages(cfg, m, gated, 1 if mode == "w8a8" else 2)
+
+
 def fp8_mid_config(m: int, n: int, k: int, mode: str, gated: bool = False) -> MidGemmConfig:
     """The table's launch parameters for ``m`` rows (``MIN_MID_M < m <= MAX_MID_M``) of a
     weight ``[n, k]`` in ``mode``, ``block_k`` capped at ``next_pow2(k)`` and stages fitted
@@ -127,11 +223,37 @@ def fp8_mid_config(m: int, n: int, k: int, mode: str, gated: bool = False) -> Mi
         raise ValueError(f"fp8_mid_config: m={m} (1..{MAX_MID_M}), mode={mode!r} ({FP8_MID_MODES})")
     cls = fp8_mid_shape_class(n, k, gated)
     row = {**FP8_MID_TABLE[cls], **FP8_MID_MODE_OVERRIDES[mode].get(cls, {})}
-    bn, bk, warps, stages, split, *tma = row[_bucket(m)]
-    bk = max(32, min(bk, 1 << max(k - 1, 0).bit_length()))
-    cfg = MidGemmConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split,
-                        use_tma=bool(tma and tma[0]))
-    return _fit_stages(cfg, m, gated, 1 if mode == "w8a8" else 2)
+    return _config_from_row(row[_bucket(m)], m, k, gated, mode)
+
+
+def fp8_mid_default_config(m: int, n: int, k: int, gated: bool, device: torch.device) -> Optional[MidGemmConfig]:
+    """The default route's W8A8 config for ``m`` rows of an e4m3 weight ``[n, k]`` (``n``: all
+    rows, ``2I`` gated) on ``device``, or None: ``m`` outside `DEFAULT_MIN_M` ..
+    `DEFAULT_MAX_M`, or no `FP8_MID_DEFAULT_W8A8` entry for the device and shape."""
+    if not DEFAULT_MIN_M <= m <= DEFAULT_MAX_M:
+        return None
+    row = FP8_MID_DEFAULT_W8A8.get(fp8_mid_device_tag(device) or "", {}).get(table_key(n, k, gated))
+    return None if row is None else _config_from_row(row, m, k, gated, "w8a8")
+
+
+def fp8_mid_route(m: int, n: int, k: int, gated: bool, device: torch.device
+                  ) -> Optional[Tuple[str, MidGemmConfig]]:
+    """``(mode, config)`` for ``m`` rows of an e4m3 weight ``[n, k]`` on ``device`` by
+    `fp8_mid_setting` (see the module doc), or None (``_scaled_mm``). Depends on nothing
+    but its arguments and the environment.
+
+    Raises:
+        ValueError: a bad ``ATTNSERVE_FP8_MID_GEMM``.
+    """
+    setting = fp8_mid_setting()
+    if setting == "off":
+        return None
+    if setting == "auto":
+        cfg = fp8_mid_default_config(m, n, k, gated, device)
+        return None if cfg is None else ("w8a8", cfg)
+    if not MIN_MID_M < m <= MAX_MID_M:
+        return None
+    return setting, fp8_mid_config(m, n, k, setting, gated)
 
 
 def fp8_mid_candidates(m: int, n: int, k: int, mode: str, gated: bool = False) -> List[MidGemmConfig]:
@@ -273,17 +395,28 @@ def fp8_mid_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 def fp8_mid_apply(layer, x: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str] = None, *,
                   x_scale: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None
                   ) -> Optional[torch.Tensor]:
-    """`Fp8LinearMethod`'s opt-in route: ``fp8_mid_linear`` of ``x [M, K]`` (16-bit, or e4m3
-    with ``x_scale`` / ``out_dtype`` when its producer quantised it) with ``layer.weight`` /
-    ``layer.weight_scale``, or None when it does not apply: ``ATTNSERVE_FP8_MID_GEMM`` unset,
-    ``M`` outside ``MIN_MID_M < M <= MAX_MID_M``, a static activation scale, fused kernels
-    off, an e4m3 input in ``w8a16`` mode, or operands `fp8_mid_supported` rejects. In
-    ``w8a8`` mode a 16-bit ``x`` is quantised per token first (`quantize_activation`)."""
-    mode = fp8_mid_gemm_mode()
-    if mode is None or x.dim() != 2 or not MIN_MID_M < x.shape[0] <= MAX_MID_M:
+    """`Fp8LinearMethod`'s route: ``fp8_mid_linear`` of ``x [M, K]`` (16-bit, or e4m3 with
+    ``x_scale`` / ``out_dtype`` when its producer quantised it) with ``layer.weight`` /
+    ``layer.weight_scale`` (and the gate ``activation``: output ``[M, N / 2]``), or None when
+    it does not apply: `fp8_mid_route` says no, a static activation scale, fused kernels
+    off, an e4m3 input in ``w8a16`` mode, an odd gated weight or unknown activation, or
+    operands `fp8_mid_supported` rejects. In ``w8a8`` mode a 16-bit ``x`` is quantised per
+    token first (`quantize_activation`).
+
+    Raises:
+        ValueError: a bad ``ATTNSERVE_FP8_MID_GEMM``.
+    """
+    if x.dim() != 2 or not MIN_MID_M < x.shape[0] <= MAX_MID_M:
         return None
     if getattr(layer, "input_scale", None) is not None or not getattr(layer, "use_fused", False):
         return None
+    gated = activation is not None
+    if gated and (activation not in SKINNY_ACTIVATIONS or layer.weight.shape[0] % 2):
+        return None
+    route = fp8_mid_route(x.shape[0], layer.weight.shape[0], x.shape[1], gated, x.device)
+    if route is None:
+        return None
+    mode, config = route
     prequantized = x.dtype == torch.float8_e4m3fn
     if prequantized and mode != "w8a8":
         return None
@@ -296,7 +429,5 @@ def fp8_mid_apply(layer, x: torch.Tensor, bias: Optional[torch.Tensor], activati
         x, x_scale = quantize_activation(x)
     if not fp8_mid_supported(x, layer.weight, layer.weight_scale, bias, x_scale, out_dtype):
         return None
-    if activation is not None and (activation not in SKINNY_ACTIVATIONS or layer.weight.shape[0] % 2):
-        return None
     return fp8_mid_linear(x, layer.weight, layer.weight_scale, bias, activation, x_scale=x_scale,
-                          out_dtype=out_dtype)
+                          out_dtype=out_dtype, config=config)
