@@ -24,6 +24,21 @@ bookkeeping is timed (the least noisy figure on a shared machine); ``--forward r
 the model and subtracts its time. ``--profile`` writes
 cProfile's top functions of one extra run to stdout. ``--out`` appends the row under
 ``--label`` to a JSON file (created when missing).
+
+Mixed lengths and a capped pool (issue 38's 1,024-prompt workload): ``--random-range-ratio R``
+draws input lengths uniform in ``[R * input_len, input_len]`` and output lengths in
+``[R * output_len, output_len]`` (`attnserve.bench.roofline.random_lengths`, ``--seed``), and
+``--max-total-tokens`` caps the KV pool so that requests wait and are admitted as others
+finish. The row then also gives ``decode_steps_waiting`` (decode steps that began with requests
+waiting) and the thread CPU ms of a step by phase (``step_cpu_ms_waiting`` /
+``step_cpu_ms_no_waiting``, stub forward included, with the mean batch of each), and
+``decode_steps_over_graph_bs``: decode steps whose batch exceeds ``--graph-max-bs``, which
+run eagerly (every kernel launched from Python) on a GPU whose graphs stop there. Example,
+the Llama-3-8B H200 limits of that workload (pool 898,369 tokens, 1,024 running requests,
+16,384-token chunks, graphs up to 512):
+``--num-prompts 1024 --input-len 1024 --output-len 1024 --random-range-ratio 0.098
+--max-total-tokens 898369 --max-running-requests 1024 --chunked-prefill-size 16384
+--graph-max-bs 512 --repeats 1``.
 """
 
 from __future__ import annotations
@@ -40,14 +55,16 @@ import statistics
 import time
 
 
-def _run_once(llm, prompts, params, timers) -> dict:
+def _run_once(llm, prompts, params, timers, step_log, graph_max_bs=0) -> dict:
     from attnserve.engine.scheduler import SchedulerStats
 
     sched = llm.engine.scheduler
     sched.flush_prefix_cache()
     sched.stats = SchedulerStats()
+    sched.new_token_ratio = sched.policy.init_ratio  # each run admits as the first did
     for k in timers:
         timers[k] = 0.0
+    step_log.clear()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -64,7 +81,19 @@ def _run_once(llm, prompts, params, timers) -> dict:
             "bookkeeping_us_per_request": 1e3 * (host_ms - fwd_ms) / max(batch, 1e-9),
             "bookkeeping_cpu_ms_per_decode_step": cpu_ms,
             "bookkeeping_cpu_us_per_request": 1e3 * cpu_ms / max(batch, 1e-9),
-            "output_tokens": tokens}
+            "output_tokens": tokens, **_phases(step_log, graph_max_bs)}
+
+
+def _phases(step_log, graph_max_bs: int) -> dict:
+    """Decode steps split by whether requests were waiting when they began (``step_log``:
+    ``(waiting, running, cpu_s)`` per decode step)."""
+    out = {"decode_steps_waiting": sum(1 for w, _, _ in step_log if w)}
+    for name, sel in (("waiting", [x for x in step_log if x[0]]), ("no_waiting", [x for x in step_log if not x[0]])):
+        out[f"step_cpu_ms_{name}"] = 1e3 * sum(c for _, _, c in sel) / max(len(sel), 1)
+        out[f"mean_running_{name}"] = sum(r for _, r, _ in sel) / max(len(sel), 1)
+    if graph_max_bs:
+        out["decode_steps_over_graph_bs"] = sum(1 for _, r, _ in step_log if r > graph_max_bs)
+    return out
 
 
 def main(argv=None) -> int:
@@ -74,6 +103,12 @@ def main(argv=None) -> int:
     ap.add_argument("--input-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--random-range-ratio", type=float, default=None,
+                    help="lengths uniform in [R*len, len] (seeded; default: every request --input-len/--output-len)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chunked-prefill-size", type=int, default=None, help="default: every prompt in one chunk")
+    ap.add_argument("--graph-max-bs", type=int, default=0,
+                    help="count the decode steps whose batch exceeds this (eager on a GPU with graphs up to it)")
     ap.add_argument("--max-running-requests", type=int, default=None, help="default: --num-prompts")
     ap.add_argument("--max-total-tokens", type=int, default=None,
                     help="KV pool tokens (default: every request's prompt + output, so none waits)")
@@ -94,9 +129,17 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     n = args.num_prompts
+    if args.random_range_ratio is None:
+        in_lens, out_lens = [args.input_len] * n, [args.output_len] * n
+    else:
+        from attnserve.bench.roofline import random_lengths
+
+        in_lens, out_lens = random_lengths(n, args.input_len, args.output_len, args.random_range_ratio, args.seed)
     llm = LLM(args.model, load_format="dummy", device="cpu", max_running_requests=args.max_running_requests or n,
-              max_total_tokens=args.max_total_tokens or n * (args.input_len + args.output_len + 8),
-              chunked_prefill_size=n * args.input_len,
+              max_total_tokens=args.max_total_tokens or sum(in_lens) + sum(out_lens) + 8 * n,
+              chunked_prefill_size=args.chunked_prefill_size or sum(in_lens),
+              **({} if args.random_range_ratio is None
+                 else {"context_length": max(map(sum, zip(in_lens, out_lens))) + 8}),
               disable_overlap_schedule=not args.overlap, disable_radix_cache=args.disable_radix_cache)
     runner = llm.engine.model_runner
     timers = {"forward": 0.0, "decode_forward": 0.0, "decode_forward_cpu": 0.0, "decode_step_cpu": 0.0}
@@ -134,33 +177,40 @@ def main(argv=None) -> int:
     sched = llm.engine.scheduler
     real_step = sched.step
 
+    step_log = []
+
     def timed_step():  # CPU time of the scheduler thread: robust to other processes on the machine
         before, c = sched.stats.num_decode_steps, time.thread_time()
+        waiting, running = bool(sched.waiting), len(sched.running)
         try:
             return real_step()
         finally:
             if sched.stats.num_decode_steps > before:
-                timers["decode_step_cpu"] += time.thread_time() - c
+                cpu = time.thread_time() - c
+                timers["decode_step_cpu"] += cpu
+                step_log.append((waiting, running, cpu))
 
     sched.step = timed_step
 
     runner.forward = timed_forward
     step_sampling.argmax_last = timed_argmax
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (args.input_len,), generator=g).tolist() for _ in range(n)]
-    params = [SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True) for _ in range(n)]
-    _run_once(llm, prompts, params, timers)  # warm-up
-    rows = [_run_once(llm, prompts, params, timers) for _ in range(args.repeats)]
+    prompts = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in in_lens]
+    params = [SamplingParams(max_new_tokens=k, temperature=0.0, ignore_eos=True) for k in out_lens]
+    run = lambda: _run_once(llm, prompts, params, timers, step_log, args.graph_max_bs)  # noqa: E731
+    run()  # warm-up
+    rows = [run() for _ in range(args.repeats)]
     keys = [k for k in rows[0] if k != "decode_steps"]
     med = {k: statistics.median(r[k] for r in rows) for k in keys}
     med["decode_steps"] = rows[0]["decode_steps"]
-    for k in ("bookkeeping_ms_per_decode_step", "bookkeeping_cpu_ms_per_decode_step", "bookkeeping_cpu_us_per_request"):
+    for k in ("bookkeeping_ms_per_decode_step", "bookkeeping_cpu_ms_per_decode_step", "bookkeeping_cpu_us_per_request",
+              "step_cpu_ms_waiting", "step_cpu_ms_no_waiting"):
         med["min_" + k] = min(r[k] for r in rows)  # the least disturbed run
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in med.items()}), flush=True)
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
-        _run_once(llm, prompts, params, timers)
+        run()
         prof.disable()
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
@@ -180,6 +230,8 @@ def main(argv=None) -> int:
                                                     "max_running_requests": args.max_running_requests,
                                                     "max_total_tokens": args.max_total_tokens, "num_prompts": n,
                                                     "input_len": args.input_len, "output_len": args.output_len,
+                                                    "random_range_ratio": args.random_range_ratio, "seed": args.seed,
+                                                    "chunked_prefill_size": args.chunked_prefill_size,
                                                     "repeats": [{k: r[k] for k in rows[0]} for r in rows], **med}
         with open(args.out, "w") as f:
             json.dump(data, f, indent=1)

@@ -16,7 +16,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # cancelled by the client, or failed alone (``Req.error`` says why)
 
 
-@dataclass
+@dataclass(eq=False)  # identity equality: `list.remove` / `in` over the running batch stay C-fast
 class Req:
     """A request from admission to completion.
 

@@ -58,6 +58,7 @@ from attnserve.engine.schedule_policy import (  # noqa: F401 (AdmissionPolicy re
     AdmissionPolicy,
     InBatchPrefixCheck,
     order_waiting,
+    reserved_tokens,
 )
 from attnserve.engine.step_inputs import StepInputPacker, host_step_layout
 from attnserve.engine.step_sampling import StepSampling
@@ -264,7 +265,7 @@ class Scheduler(StepSampling, ConstrainedScheduling):
         if self.radix_enabled and policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
             matches = {id(r): self.cache.match(r) for r in self.waiting}
         order = order_waiting(self.waiting, {k: int(m.slots.numel()) for k, m in matches.items()}, policy)
-        reserved = sum(self._future_tokens(r) for r in self.running)
+        reserved = reserved_tokens(self.running, self.new_token_ratio, self.allocator.page_size)  # Σ _future_tokens
         check = InBatchPrefixCheck(self.allocator.page_size) if self.radix_enabled else None
         admitted = set()
         for req in order:
