@@ -56,7 +56,7 @@ class ServerArgs:
     schedule_policy: str = "lpm"  # lpm | fcfs
     # CUDA graphs
     disable_cuda_graph: bool = False
-    cuda_graph_max_bs: Optional[int] = None  # None: from the GPU's memory (256 on 80 GB cards)
+    cuda_graph_max_bs: Optional[int] = None  # None: from the GPU's memory (512 on 80 GB cards, 1024 above)
     cuda_graph_bs: Optional[List[int]] = None
     disable_fused_kernels: bool = False  # PyTorch norms / RoPE / gates / KV store / linear on CUDA
     # server

@@ -31,7 +31,7 @@ def test_running_requests_follow_the_pool_within_the_cap():
 
 
 @pytest.mark.parametrize("gib,expected", [(16, (2048, 32)), (24, (4096, 96)), (40, (4096, 160)),
-                                          (79.1, (8192, 256)), (139.8, (16384, 512))])
+                                          (79.1, (8192, 512)), (139.8, (16384, 1024))])
 def test_gpu_tiers(gib, expected):
     assert gpu_batch_defaults(int(gib * GiB)) == expected
 
@@ -39,7 +39,9 @@ def test_gpu_tiers(gib, expected):
 def test_resolve_fills_only_unset_limits_and_caps_graphs():
     h100 = int(79.1 * GiB)
     auto = resolve_serving_limits(389120, "cuda", h100)
-    assert (auto.max_running_requests, auto.chunked_prefill_size, auto.cuda_graph_max_bs) == (1024, 8192, 256)
+    # the pool allows 389120 // 64 = 6080 requests and the cap 1024; the 80 GB card's graph batch,
+    # 512, bounds both, so no default batch runs eagerly
+    assert (auto.max_running_requests, auto.chunked_prefill_size, auto.cuda_graph_max_bs) == (512, 8192, 512)
     assert set(auto.chosen) == {"max_total_tokens", "max_running_requests", "chunked_prefill_size",
                                 "cuda_graph_max_bs"}
     flags = resolve_serving_limits(389120, "cuda", h100, max_running_requests=48, chunked_prefill_size=512,
@@ -49,7 +51,12 @@ def test_resolve_fills_only_unset_limits_and_caps_graphs():
     assert flags.chosen == ("cuda_graph_max_bs",)
     small_pool = resolve_serving_limits(4096, "cuda", h100)
     assert small_pool.max_running_requests == 64 and small_pool.cuda_graph_max_bs == 64
-    assert "(auto)" in auto.describe() and "max_running_requests=1024" in auto.describe()
+    assert "(auto)" in auto.describe() and "max_running_requests=512" in auto.describe()
+    h200 = resolve_serving_limits(898353, "cuda", int(139.8 * GiB))
+    assert (h200.max_running_requests, h200.cuda_graph_max_bs) == (1024, 1024)
+    # an explicit graph batch does not move the running-request default (the card's table does)
+    low = resolve_serving_limits(389120, "cuda", h100, cuda_graph_max_bs=64)
+    assert (low.max_running_requests, low.cuda_graph_max_bs) == (512, 64)
 
 
 def test_cpu_defaults_stay_as_measured():

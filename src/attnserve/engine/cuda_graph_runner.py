@@ -30,8 +30,11 @@ logger = logging.getLogger(__name__)
 
 
 def default_capture_batch_sizes(max_bs: int) -> List[int]:
-    """1, 2, 4, 8, 16, 24, ... up to ``max_bs`` (``max_bs`` itself included)."""
-    sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 8))
+    """1, 2, 4, 8, then every 8 up to 256, every 16 up to 512 and every 32 above, up to
+    ``max_bs`` (``max_bs`` itself included): a padded batch wastes under 1/16 of its rows above
+    256 while 1024 needs 67 graphs, not 132."""
+    sizes = ([b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, min(max_bs, 256) + 1, 8))
+             + list(range(272, min(max_bs, 512) + 1, 16)) + list(range(544, max_bs + 1, 32)))
     if max_bs not in sizes:
         sizes.append(max_bs)
     return sorted(set(sizes))

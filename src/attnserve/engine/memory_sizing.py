@@ -15,13 +15,21 @@ passes no flag still fills the GPU. attnserve does the same, with these rules:
   model (Qwen3-30B-A3B) 4 GB of KV on an 80 GB card.
 * **Running requests** (`default_max_running_requests`): ``pool_tokens // 64`` (room for
   every running request to hold 64 tokens of KV), at least 1 and at most
-  `MAX_RUNNING_REQUESTS_CAP` (1024). Admission still checks each request's KV need, so the
-  count only bounds how many requests can share a step; the cap bounds the host-side work
-  per step and the ``req_to_token`` table (``cap x context_len`` int32).
+  `MAX_RUNNING_REQUESTS_CAP` (1024) and, on a GPU, at most the card's graph batch. Admission
+  still checks each request's KV need, so the count only bounds how many requests can share
+  a step; the cap bounds the host-side work per step and the ``req_to_token`` table
+  (``cap x context_len`` int32). A decode step above the graph batch runs eagerly, and an
+  eager Llama-3-8B step costs the host ~35 ms (32 layers at `PREFILL_HOST_SECONDS_PER_LAYER`),
+  more than the GPU needs for it: with 1024 prompts on an H200 (graphs up to 512, 1024
+  running requests allowed) 576 of 1199 decode steps ran eagerly and the host time per
+  decode step averaged 17.9 ms against 3.0 ms with 512 prompts (issue 38's dp 1 row;
+  the schedule reproduced on the CPU by ``benchmarks/host_step_cpu.py``). So by default
+  every running batch has a graph.
 * **CUDA-graph batch and prefill chunk** (`gpu_batch_defaults`): a table over the card's
-  total memory (`GPU_MEMORY_TIERS`), in the spirit of SGLang's (80 GB cards: graphs up to
-  256 requests, 8192-token prefill chunks). The graph batch never exceeds the running
-  request count.
+  total memory (`GPU_MEMORY_TIERS`), in the spirit of SGLang's (80 GB cards: 8192-token
+  prefill chunks), with graphs up to 512 requests on 80 GB cards and 1024 on larger ones
+  (the KV pool of an 8B model holds ~430 requests of 1,100 tokens on an H100 and ~800 on
+  an H200). The graph batch never exceeds the running request count.
 * **Small models' prefill chunk** (`host_bound_prefill_chunk`): an eager prefill step costs the
   host about `PREFILL_HOST_SECONDS_PER_LAYER` per layer to launch its kernels (measured with
   cProfile on the H100 machine's host: Qwen3-0.6B, 28 layers, ~31 ms per step), while the GPU
@@ -81,8 +89,8 @@ GPU_MEMORY_TIERS: Tuple[Tuple[float, int, int], ...] = (
     (20.0, 2048, 32),
     (36.0, 4096, 96),
     (64.0, 4096, 160),
-    (100.0, 8192, 256),  # H100 80 GB
-    (float("inf"), 16384, 512),  # H200 141 GB, B200
+    (100.0, 8192, 512),  # H100 80 GB
+    (float("inf"), 16384, 1024),  # H200 141 GB, B200
 )
 
 
@@ -189,7 +197,7 @@ def resolve_serving_limits(pool_tokens: int, device_type: str, total_gpu_bytes: 
     if device_type == "cuda":
         chunk_default, graph_default = gpu_batch_defaults(total_gpu_bytes)
         chunk_default = host_bound_prefill_chunk(chunk_default, params, num_layers)
-        mrr_default = default_max_running_requests(pool_tokens)
+        mrr_default = min(default_max_running_requests(pool_tokens), graph_default)  # every batch has a graph
     else:
         chunk_default, graph_default, mrr_default = CPU_CHUNKED_PREFILL_SIZE, 0, CPU_MAX_RUNNING_REQUESTS
     if max_running_requests is None:
