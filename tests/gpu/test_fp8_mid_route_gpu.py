@@ -276,7 +276,8 @@ def test_dummy_llama_default_route_engine(monkeypatch):
         if env:
             monkeypatch.setenv(mid.FP8_MID_ENV, env)
         llm = LLM("llama-tiny", load_format="dummy", device="cuda", quantization=quantization,
-                  disable_cuda_graph=graphs_off, max_running_requests=64, cuda_graph_max_bs=64)
+                  disable_cuda_graph=graphs_off, max_running_requests=64,
+                  **({} if graphs_off else {"cuda_graph_max_bs": 64}))
         out = llm.generate(prompts, sp)
         llm.shutdown()
         monkeypatch.delenv(mid.FP8_MID_ENV, raising=False)
