@@ -20,6 +20,7 @@ import attnserve.models.layers.quantization.fp8_mid_gemm as mid
 from attnserve.models.layers.quantization.fp8_kernels import quantize_activation
 from attnserve.models.layers.quantization.fp8_utils import dequantize
 from test_fp8_mid_gemm_gpu import _check
+from call_spy import spy_calls
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available() or
                                                    torch.cuda.get_device_capability() < (9, 0), reason="sm 90 GPU")]
@@ -34,17 +35,6 @@ def _h100_tiles(monkeypatch):
     """Default route as on an H100 (its table) whatever the GPU; env unset."""
     monkeypatch.delenv(mid.FP8_MID_ENV, raising=False)
     monkeypatch.setattr(mid, "fp8_mid_device_tag", lambda device: H100)
-
-
-def _spy(monkeypatch, module, name, log):
-    real = getattr(module, name)
-
-    def spy(*a, **kw):
-        out = real(*a, **kw)
-        log.append((a, kw, out))
-        return out
-
-    monkeypatch.setattr(module, name, spy)
 
 
 def _linear(n, k, seed, fp8_output=False):
@@ -115,7 +105,7 @@ def test_llama_projections_default_route_float64(m, mlp, _h100_tiles, monkeypatc
     gate output quantised for down is the per-token quantisation of the kernel's output;
     down's output matches float64 of that quantised input."""
     calls = []
-    _spy(monkeypatch, mid, "fp8_mid_linear", calls)
+    spy_calls(monkeypatch, mid, "fp8_mid_linear", calls)
     for name in ("qkv", "o"):
         n, k = LLAMA[name]
         layer = _linear(n, k, seed=n + m)
@@ -150,8 +140,8 @@ def test_default_route_follows_device_table(mlp, monkeypatch):
 
     monkeypatch.delenv(mid.FP8_MID_ENV, raising=False)
     calls, smm = [], []
-    _spy(monkeypatch, mid, "fp8_mid_linear", calls)
-    _spy(monkeypatch, fl, "scaled_mm_rowwise", smm)
+    spy_calls(monkeypatch, mid, "fp8_mid_linear", calls)
+    spy_calls(monkeypatch, fl, "scaled_mm_rowwise", smm)
     tag = mid.fp8_mid_device_tag(torch.device(DEV))
     listed = mid.table_key(HID, INTER, False) in mid.FP8_MID_DEFAULT_W8A8.get(tag, {})
     assert listed == (tag == H100)
@@ -220,7 +210,7 @@ def test_mlp_cuda_graph_default_route(mlp, _h100_tiles, monkeypatch):
     in the graph), replayed on new inputs: each replay's gate output, its quantisation and
     down's output within their float64 bounds, and the kernel was captured (not ``_scaled_mm``)."""
     calls = []
-    _spy(monkeypatch, mid, "fp8_mid_linear", calls)
+    spy_calls(monkeypatch, mid, "fp8_mid_linear", calls)
     gate_up, down = mlp
     static, _ = _fp8(_x(48, HID, seed=0))
     stream = torch.cuda.Stream()
@@ -268,7 +258,7 @@ def test_dummy_llama_default_route_engine(monkeypatch):
     monkeypatch.setitem(mid.FP8_MID_DEFAULT_W8A8, tag, {**mid.FP8_MID_DEFAULT_W8A8.get(tag, {}), **tiny})
     monkeypatch.delenv(mid.FP8_MID_ENV, raising=False)
     calls = []
-    _spy(monkeypatch, mid, "fp8_mid_linear", calls)
+    spy_calls(monkeypatch, mid, "fp8_mid_linear", calls)
     prompts = [[1 + i, 2, 3 + i % 7, 4] for i in range(48)]
     sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5)
 

@@ -27,6 +27,7 @@ from attnserve.models.layers.mid_gemm import table_key
 from attnserve.models.layers.quantization.fp8_kernels import quantize_activation
 from attnserve.models.layers.quantization.fp8_utils import dequantize
 from numeric_bounds import FLOAT32_U, assert_within
+from call_spy import spy_calls
 
 H, I = 80, 48
 TAG = "TEST_CPU_DEVICE"
@@ -91,18 +92,6 @@ def _gate_ref(a64, gate_up):
     return g / (1.0 + torch.exp(-g)) * u, e[:, :I], e[:, I:], g, u
 
 
-def _spy(monkeypatch, module, name, log):
-    """Wrap ``module.name`` to append ``(args, kwargs, result)`` to ``log``."""
-    real = getattr(module, name)
-
-    def spy(*a, **kw):
-        out = real(*a, **kw)
-        log.append((a, kw, out))
-        return out
-
-    monkeypatch.setattr(module, name, spy)
-
-
 def test_default_route_mlp_matches_float64(test_device_table, device, monkeypatch):
     """33 rows: both projections go through `fp8_mid_linear` (gate_up gated), and (1) the
     gated output equals float64 ``silu(g) * u`` of the dequantised operands within the GEMM,
@@ -112,7 +101,7 @@ def test_default_route_mlp_matches_float64(test_device_table, device, monkeypatc
     64); (3) the output equals float64 ``(q_h * s_h) @ W_down^T`` of that quantised input
     within the GEMM bound and a bf16 rounding."""
     calls = []
-    _spy(monkeypatch, mid, "fp8_mid_linear", calls)
+    spy_calls(monkeypatch, mid, "fp8_mid_linear", calls)
     gate_up, down = _mlp(device)
     x = (torch.randn(33, H, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16).to(device)
     h, y, a64 = _run_mlp(gate_up, down, x)
@@ -200,8 +189,8 @@ def test_mlp_outside_route_takes_scaled_gemm(test_device_table, device, monkeypa
     import attnserve.models.layers.quantization.fp8_linear as fl
 
     calls, gemm_calls = [], []
-    _spy(monkeypatch, mid, "fp8_mid_linear", calls)
-    _spy(monkeypatch, fl, "scaled_fp8_gemm", gemm_calls)
+    spy_calls(monkeypatch, mid, "fp8_mid_linear", calls)
+    spy_calls(monkeypatch, fl, "scaled_fp8_gemm", gemm_calls)
     gate_up, down = _mlp(device)
     x = (torch.randn(65, H, generator=torch.Generator().manual_seed(4)) * 2).to(torch.bfloat16).to(device)
     _run_mlp(gate_up, down, x)
