@@ -211,10 +211,13 @@ class EngineClient:
             self._push(cmd.stream, StreamEvent(error=self._dead_error()))
             return
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and cmd.stream_tokens:  # a whole answer is the engine's final text
             detok = IncrementalDetokenizer(self.tokenizer, cmd.sampling_params.stop_strs)
         self._reqs[cmd.rid] = _Pending(cmd, detok)
-        if not self._send([("submit", cmd.rid, list(cmd.prompt_ids), cmd.sampling_params)], batch=True):
+        submit = ("submit", cmd.rid, list(cmd.prompt_ids), cmd.sampling_params)
+        if not cmd.stream_tokens:
+            submit += (False,)
+        if not self._send([submit], batch=True):
             self._reqs.pop(cmd.rid, None)
             self._push(cmd.stream, StreamEvent(error=self._dead_error()))
 

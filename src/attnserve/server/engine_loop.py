@@ -134,13 +134,22 @@ class SubmitCommand:
     """Enqueue ``prompt_ids`` with ``sampling_params`` under id ``rid``.
 
     ``arrival`` is the ``time.perf_counter()`` at which the HTTP request arrived (TTFT and
-    end-to-end latency are measured from it)."""
+    end-to-end latency are measured from it). ``stream_tokens`` False (a client that waits
+    for the whole answer): the request's tokens are reported on its first token, then only
+    every `QUIET_INTERVAL` tokens and at its end, not every step (the final event carries
+    the whole text); SGLang's scheduler sends a non-streamed request's output every 50
+    tokens (``DEFAULT_FORCE_STREAM_INTERVAL``) for the same reason."""
 
     rid: str
     prompt_ids: List[int]
     sampling_params: Any
     stream: RequestStream
     arrival: float = field(default_factory=time.perf_counter)
+    stream_tokens: bool = True
+
+
+#: tokens between two reports of a request that is not streamed (`SubmitCommand.stream_tokens`)
+QUIET_INTERVAL = 50
 
 
 @dataclass
@@ -158,6 +167,7 @@ class _Live:
     tokens: int = 0
     logprobs: Any = None  # a StreamCursor once the request's logprobs are streamed
     cached_sent: int = -1  # cached_tokens last sent to the HTTP process (engine process only)
+    quiet: bool = False  # not streamed: tokens reported every QUIET_INTERVAL (SubmitCommand.stream_tokens)
 
 
 _STOP = object()
@@ -368,7 +378,7 @@ class EngineLoop:
             logger.exception("add_request failed for %s", cmd.rid)
             self._reject(cmd, EngineError(500, f"internal error while queueing the request: {e}"))
             return
-        self._live[cmd.rid] = _Live(cmd)
+        self._live[cmd.rid] = _Live(cmd, quiet=not cmd.stream_tokens)
         if self.metrics is not None:
             self.metrics.on_accept(len(cmd.prompt_ids))
         cmd.stream.push(StreamEvent(prompt_tokens=len(cmd.prompt_ids)))
@@ -417,12 +427,19 @@ class EngineLoop:
             logger.exception("engine step failed; failing the running batch")
             self._recover(EngineError(500, f"internal error while generating: {type(e).__name__}: {e}"))
             touched = list(getattr(self.engine.scheduler, "touched_before_failure", None) or [])
+        self._emit_all(touched)
+
+    def _emit_all(self, touched) -> None:
+        """`_emit` each request the step touched; one that raises fails alone (500)."""
         for req in touched:
             try:
                 self._emit(req)
             except Exception as e:
-                logger.exception("emitting output of %s failed", req.rid)
-                self._fail(req.rid, EngineError(500, f"internal error while streaming: {type(e).__name__}: {e}"))
+                self._emit_failed(req, e)
+
+    def _emit_failed(self, req, e: Exception) -> None:
+        logger.exception("emitting output of %s failed", req.rid)
+        self._fail(req.rid, EngineError(500, f"internal error while streaming: {type(e).__name__}: {e}"))
 
     def _recover(self, err: EngineError) -> None:
         """Fail the requests of the step that raised (`Scheduler.failed_reqs`; all running
@@ -452,8 +469,10 @@ class EngineLoop:
         if req.finished and getattr(req, "error", None):  # failed alone (a bad grammar: 400)
             self._fail(req.rid, request_error(req))
             return
-        now = time.perf_counter()
         new_tokens = len(req.output_ids) - live.tokens
+        if live.quiet and req.finish_reason is None and live.tokens and new_tokens < QUIET_INTERVAL:
+            return  # the client reads the whole answer at the end
+        now = time.perf_counter()
         if self.metrics is not None and new_tokens > 0:
             if live.last_token_at is None:
                 self.metrics.on_first_token(now - live.cmd.arrival)

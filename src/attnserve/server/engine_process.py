@@ -7,7 +7,8 @@ the HTTP process (`attnserve.server.engine_client.EngineClient`) over one duplex
 ``multiprocessing`` connection (a Unix socket pair) carrying pickled messages:
 
 HTTP -> engine, each a list of commands:
-    ``("submit", rid, prompt_ids, sampling_params)``, ``("abort", rid)``,
+    ``("submit", rid, prompt_ids, sampling_params[, stream_tokens])`` (``stream_tokens``
+    False: `SubmitCommand.stream_tokens`; absent: True), ``("abort", rid)``,
     ``("drain", grace_s)``, ``("stop",)``, ``("flush_cache",)`` (drop the prefix cache when
     idle and reset the scheduler's counters; benchmarks between timed passes).
 engine -> HTTP:
@@ -31,7 +32,9 @@ precedes its tokens):
   (`attnserve.engine.logprobs.StreamCursor`). A running request without logprobs whose
   ``cached_tokens`` did not change since its last entry gets the short form ``("t", rid,
   new_token_ids, completion_tokens)`` (the HTTP process keeps the last ``cached_tokens``):
-  a decode step of 256 requests then pickles half the fields.
+  a decode step of 256 requests then pickles half the fields. A request that is not
+  streamed gets entries only on its first token, every `QUIET_INTERVAL` tokens and at its
+  end (its final entry's text is the whole answer).
 
 The acceptance events of the commands read before a step go out at once, before the step
 (the HTTP handlers wait for them), and the step's own entries after it.
@@ -54,7 +57,8 @@ import signal
 import time
 from typing import Any, Dict, List, Optional
 
-from attnserve.server.engine_loop import EngineError, EngineLoop, SubmitCommand, request_error, take_logprobs
+from attnserve.server.engine_loop import (QUIET_INTERVAL, EngineError, EngineLoop, SubmitCommand, request_error,
+                                          take_logprobs)
 
 logger = logging.getLogger(__name__)
 
@@ -119,12 +123,13 @@ class ProcessEngineLoop(EngineLoop):
     def _command(self, cmd) -> None:
         kind = cmd[0]
         if kind == "submit":
-            _, rid, prompt_ids, sampling_params = cmd
+            _, rid, prompt_ids, sampling_params, *rest = cmd
+            stream_tokens = bool(rest[0]) if rest else True
             if self._draining.is_set():  # sent before the HTTP process saw the drain
                 self._reject(SubmitCommand(rid, prompt_ids, sampling_params, _Outbox(rid, self)),
                              EngineError(503, "the server is shutting down", "server_error", "shutting_down"))
                 return
-            self._add(SubmitCommand(rid, prompt_ids, sampling_params, _Outbox(rid, self), 0.0))
+            self._add(SubmitCommand(rid, prompt_ids, sampling_params, _Outbox(rid, self), 0.0, stream_tokens))
         elif kind == "abort":
             self._abort(cmd[1])
         elif kind == "drain":
@@ -143,24 +148,60 @@ class ProcessEngineLoop(EngineLoop):
             logger.error("attnserve engine process: unknown command %r", kind)
 
     # ---- events --------------------------------------------------------------------------
+    def _emit_all(self, touched) -> None:
+        """`_emit` of every touched request, with the common case of a decode step inlined
+        (one running request without logprobs, whose ``cached_tokens`` was sent: a short
+        entry, or nothing for a request that is not streamed between its reports): at 256
+        running requests this loop is most of the serving work of a step."""
+        live_of = self._live.get
+        entries = self._entries
+        for req in touched:
+            live = live_of(req.rid)
+            if live is None:
+                continue
+            out = req.output_ids
+            n = len(out)
+            k = live.tokens
+            if req.finish_reason is None and n > k and req.logprobs is None and req.cached_tokens == live.cached_sent:
+                if live.quiet and k and n - k < QUIET_INTERVAL:
+                    continue
+                live.tokens = n
+                entries.append(("t", req.rid, out[k:], n))
+                continue
+            try:
+                self._emit(req)
+            except Exception as e:
+                self._emit_failed(req, e)
+
     def _emit(self, req) -> None:
         """One ``("t", ...)`` entry with the request's new token ids (detokenization is the
-        HTTP process's job); a finished request's entry carries its final text."""
+        HTTP process's job); a finished request's entry carries its final text. A request
+        that is not streamed (`SubmitCommand.stream_tokens` False) gets an entry on its
+        first token, then every `QUIET_INTERVAL` tokens and at its end.
+
+        Runs once per request per step: the common case (a running request without
+        logprobs) is decided before anything else is read."""
         live = self._live.get(req.rid)
         if live is None:
             return
-        if req.finished and getattr(req, "error", None):  # failed alone (a bad grammar: 400)
-            self._fail(req.rid, request_error(req))
-            return
         out = req.output_ids
         n = len(out)
-        new = out[live.tokens:n] if n > live.tokens else []
+        k = live.tokens
+        if req.finish_reason is None:
+            if n <= k or (live.quiet and k and n - k < QUIET_INTERVAL):
+                return
+            if req.logprobs is None and req.cached_tokens == live.cached_sent:
+                live.tokens = n
+                self._entries.append(("t", req.rid, out[k:], n))
+                return
+        elif req.error:  # failed alone (a bad grammar: 400)
+            self._fail(req.rid, request_error(req))
+            return
+        new = out[k:n] if n > k else []
         live.tokens = n
         reason = req.finish_reason.value if req.finish_reason is not None else None
-        if not new and reason is None:
-            return
-        lp = take_logprobs(live, req) if getattr(req, "logprobs", None) is not None else None
-        cached = getattr(req, "cached_tokens", 0)
+        lp = take_logprobs(live, req) if req.logprobs is not None else None
+        cached = req.cached_tokens
         if reason is None and lp is None and cached == live.cached_sent:
             self._entries.append(("t", req.rid, new, n))
             return

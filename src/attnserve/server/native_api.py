@@ -187,8 +187,10 @@ async def _build_item(ctx, body: GenerateRequest, i: int, prompt, batch: bool, p
     return ids, sp
 
 
-async def _submit_all(ctx, items: List[Tuple[List[int], Any]], arrival: float) -> List[Tuple[str, RequestStream]]:
+async def _submit_all(ctx, items: List[Tuple[List[int], Any]], arrival: float,
+                      stream_tokens: bool = True) -> List[Tuple[str, RequestStream]]:
     """Submit every prompt of the request together; wait until each one is accepted.
+    ``stream_tokens`` False: the client waits for the whole answer (`SubmitCommand.stream_tokens`).
 
     Raises:
         APIError: the first refusal (503 full queue / shutting down, 400 from the engine);
@@ -198,7 +200,7 @@ async def _submit_all(ctx, items: List[Tuple[List[int], Any]], arrival: float) -
     choices: List[Tuple[str, RequestStream]] = []
     for ids, sp in items:
         rid, stream = new_id("generate"), RequestStream()
-        ctx.loop.submit(SubmitCommand(rid, ids, sp, stream, arrival))
+        ctx.loop.submit(SubmitCommand(rid, ids, sp, stream, arrival, stream_tokens=stream_tokens))
         choices.append((rid, stream))
     try:
         firsts = [await stream.get() for _, stream in choices]
@@ -277,7 +279,7 @@ async def generate(ctx, body: GenerateRequest, request) -> Any:
     per = {name: body.per_prompt(name, n)
            for name in ("sampling_params", "return_logprob", "top_logprobs_num", "logprob_start_len", "rid")}
     items = [await _build_item(ctx, body, i, p, batch, per) for i, p in enumerate(prompts)]
-    choices = await _submit_all(ctx, items, arrival)
+    choices = await _submit_all(ctx, items, arrival, bool(body.stream))
     texts = TokenTexts(ctx.engine.tokenizer) if body.return_text_in_logprobs else None
     results = [_Result(per["rid"][i] or rid, sp, texts, arrival) for i, ((rid, _), (_, sp)) in
                enumerate(zip(choices, items))]

@@ -237,12 +237,13 @@ def _raise_engine_error(ev: StreamEvent) -> None:
 
 
 async def _submit_choices(ctx: ServingContext, rid: str, prompt_ids: List[int], sp, n: int,
-                          arrival: float) -> List[Tuple[str, RequestStream]]:
+                          arrival: float, stream_tokens: bool = True) -> List[Tuple[str, RequestStream]]:
     """Submit the ``n`` choices of one request together (ids ``rid``, or ``rid-0`` ...
     ``rid-{n-1}``; a seeded request's choice i uses seed + i, so the choices differ but the
     response is reproducible) and wait until the engine accepted every one. Submitted in
     one go, the choices reach the scheduler together, so it can compute the shared prompt
-    once and let the others read it from the prefix cache.
+    once and let the others read it from the prefix cache. ``stream_tokens`` False: the
+    client waits for the whole answer (`SubmitCommand.stream_tokens`).
 
     Raises:
         APIError: 503 when the waiting queue is full or the server is shutting down, 400
@@ -253,7 +254,7 @@ async def _submit_choices(ctx: ServingContext, rid: str, prompt_ids: List[int], 
         crid = rid if n == 1 else f"{rid}-{i}"
         csp = sp if i == 0 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + i)
         stream = RequestStream()
-        ctx.loop.submit(SubmitCommand(crid, prompt_ids, csp, stream, arrival))
+        ctx.loop.submit(SubmitCommand(crid, prompt_ids, csp, stream, arrival, stream_tokens=stream_tokens))
         choices.append((crid, stream))
     try:
         firsts = [await stream.get() for _, stream in choices]
@@ -472,7 +473,7 @@ def build_router():
         sp = _sampling_params(ctx, body, len(prompt_ids), body.requested_max_tokens(), "prompt",
                               DEFAULT_COMPLETION_MAX_TOKENS, grammar)
         rid = new_id("cmpl")
-        choices = await _submit_choices(ctx, rid, prompt_ids, sp, body.n or 1, arrival)
+        choices = await _submit_choices(ctx, rid, prompt_ids, sp, body.n or 1, arrival, bool(body.stream))
         model, created = ctx.model_name, now_s()  # one `created` for every chunk of the response
         echo = _echo_text(ctx, body, prompt_ids)
         texts = TokenTexts(ctx.engine.tokenizer) if body.logprobs is not None else None
@@ -523,7 +524,7 @@ def build_router():
             grammar = await run_in_threadpool(request_grammar, body) if has_grammar_fields(body) else None
         sp = _sampling_params(ctx, body, len(prompt_ids), body.requested_max_tokens(), "messages", None, grammar)
         rid = new_id("chatcmpl")
-        choices = await _submit_choices(ctx, rid, prompt_ids, sp, body.n or 1, arrival)
+        choices = await _submit_choices(ctx, rid, prompt_ids, sp, body.n or 1, arrival, bool(body.stream))
         model, created = ctx.model_name, now_s()  # one `created` for every chunk of the response
         texts = TokenTexts(ctx.engine.tokenizer) if body.logprobs else None
         if body.stream:
