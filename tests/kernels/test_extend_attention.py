@@ -251,13 +251,13 @@ def test_extend_desc_falls_back_on_unpacked_heads(gen, device):
 def test_extend_config_env_override(monkeypatch):
     """``ATTNSERVE_EXTEND_CONFIG`` replaces the GPU default's tiles and flags, keeps the prefix
     tile, and refuses malformed values."""
-    monkeypatch.setenv(ext_mod.EXTEND_CONFIG_ENV, "128,128,8,2,desc,lookahead")
+    monkeypatch.setenv(ext_mod.EXTEND_CONFIG_ENV, "128,128,8,2,desc,lookahead,ws")
     cfg = extend_config(128, 128, torch.bfloat16, has_prefix=True)
     assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (128, 128, 8, 2)
-    assert cfg.kv_desc and cfg.qk_lookahead and cfg.block_n_prefix == 128
+    assert cfg.kv_desc and cfg.qk_lookahead and cfg.warp_specialize and cfg.block_n_prefix == 128
     monkeypatch.setenv(ext_mod.EXTEND_CONFIG_ENV, "128,64,8,3,lookahead")
     cfg = extend_config(128, 128, torch.bfloat16, has_prefix=False)
-    assert cfg.qk_lookahead and not cfg.kv_desc and cfg.block_n_prefix is None
+    assert cfg.qk_lookahead and not cfg.kv_desc and not cfg.warp_specialize and cfg.block_n_prefix is None
     for bad in ("128,64,8", "128,64,8,3,fast", "a,b,c,d"):
         monkeypatch.setenv(ext_mod.EXTEND_CONFIG_ENV, bad)
         with pytest.raises(ValueError, match=ext_mod.EXTEND_CONFIG_ENV):

@@ -23,6 +23,9 @@ and the accumulator is multiplied by ``v_scale`` once, after the prefix stage an
 the new-token stage (the online-softmax rescaling is linear, so this equals scaling every
 prefix V tile). With scales of 1.0 nothing extra runs.
 
+The key-tile loops live in `extend_runs`, with the opt-in forms of the new-token stage's
+unmasked run (``ExtendConfig.kv_desc`` / ``qk_lookahead`` / ``warp_specialize``).
+
 Positions: prefix key ``j`` of request ``i`` has absolute position ``prefix_kv_start[i] + j``
 (``prefix_kv_start`` > 0 when the caller trimmed the prefix to a sliding window); with
 ``P_i = prefix_kv_start[i] + n_prefix_i``, new token ``t`` has position ``P_i + t``.
@@ -59,6 +62,9 @@ class ExtendConfig:
       ``k_extend.stride(1) == Dk``, 16-byte aligned rows and base, and a GPU of sm 90+ or the
       interpreter; otherwise ignored).
     * ``qk_lookahead``: tile ``j + 1``'s scores are issued before tile ``j``'s softmax.
+    * ``warp_specialize``: Triton's automatic warp specialization of that loop (not with
+      ``qk_lookahead``; the interpreter ignores it). Triton's own tutorial enables it on
+      Blackwell only: an experiment on Hopper.
     """
 
     block_m: int
@@ -68,6 +74,7 @@ class ExtendConfig:
     block_n_prefix: Optional[int] = None
     kv_desc: bool = False
     qk_lookahead: bool = False
+    warp_specialize: bool = False
 
 
 def extend_config(
@@ -91,6 +98,10 @@ def extend_config(
         has_custom_mask: tree-verification batches (few queries per request; the mask
             tile costs registers).
         has_prefix: False when no request has a cached prefix: no separate prefix tile.
+
+    On a GPU, D <= 128 without a custom mask: ``ATTNSERVE_EXTEND_CONFIG`` overrides the
+    choice (`_env_override`; for trying ``benchmarks/extend_long_sweep.py``'s candidates in
+    an engine). Raises ValueError on a malformed value.
     """
     if interpret:  # prefix tiles of another size than the new tokens' (as on a GPU)
         return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, block_n_prefix=32)
@@ -119,7 +130,7 @@ EXTEND_CONFIG_ENV = "ATTNSERVE_EXTEND_CONFIG"
 
 
 def _env_override(cfg: ExtendConfig) -> ExtendConfig:
-    """``ATTNSERVE_EXTEND_CONFIG="BM,BN,WARPS,STAGES[,desc][,lookahead]"`` replaces the GPU
+    """``ATTNSERVE_EXTEND_CONFIG="BM,BN,WARPS,STAGES[,desc][,lookahead][,ws]"`` replaces the GPU
     default for D <= 128 without a custom mask (the prefix tile stays), so an engine run can
     try a candidate of ``benchmarks/extend_long_sweep.py`` unchanged. Raises ValueError on a
     malformed value."""
@@ -132,10 +143,10 @@ def _env_override(cfg: ExtendConfig) -> ExtendConfig:
         bm, bn, w, st = map(int, parts[:4])
     except ValueError:
         bm = 0
-    if bm <= 0 or len(parts) < 4 or not flags <= {"desc", "lookahead"}:
-        raise ValueError(f"{EXTEND_CONFIG_ENV}={raw!r}: expected BM,BN,WARPS,STAGES[,desc][,lookahead]")
+    if bm <= 0 or len(parts) < 4 or not flags <= {"desc", "lookahead", "ws"}:
+        raise ValueError(f"{EXTEND_CONFIG_ENV}={raw!r}: expected BM,BN,WARPS,STAGES[,desc][,lookahead][,ws]")
     return dataclasses.replace(cfg, block_m=bm, block_n=bn, num_warps=w, num_stages=st,
-                               kv_desc="desc" in flags, qk_lookahead="lookahead" in flags)
+                               kv_desc="desc" in flags, qk_lookahead="lookahead" in flags, warp_specialize="ws" in flags)
 
 
 @triton.jit
@@ -177,6 +188,7 @@ def _extend_fwd_kernel(
     DOT_PREC: tl.constexpr,
     USE_DESC: tl.constexpr,
     LOOKAHEAD: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -299,11 +311,11 @@ def _extend_fwd_kernel(
         offs_d, offs_dpe, offs_dv, False, True, IS_CAUSAL, HAS_MASK, HAS_WINDOW, HAS_CAP,
         DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
     )
-    if (USE_DESC or LOOKAHEAD) and not HAS_MASK and not HAS_CAP and BLOCK_DPE == 0:  # ExtendConfig variants
+    if (USE_DESC or LOOKAHEAD or WARP_SPEC) and not HAS_MASK and not HAS_CAP and BLOCK_DPE == 0:  # ExtendConfig variants
         acc, l_i, m_i = _attn_run_lookahead(
             acc, l_i, m_i, q, s1, s2, k_ext_head, v_ext_head, stride_ket, stride_vet,
             k_ext_desc, v_ext_desc, qo_start.to(tl.int32), kv_head * DK, kv_head * DV, qk_scale, offs_d, offs_dv,
-            USE_DESC, LOOKAHEAD, DK, DV, BLOCK_N, EVEN_DK, EVEN_DV, COMPUTE_FP32, DOT_PREC,
+            USE_DESC, LOOKAHEAD, WARP_SPEC, DK, DV, BLOCK_N, EVEN_DK, EVEN_DV, COMPUTE_FP32, DOT_PREC,
         )
     elif not HAS_MASK:
         acc, l_i, m_i = _attn_run(
@@ -532,6 +544,7 @@ def extend_attention_fwd(
         DOT_PREC=dot_prec,
         USE_DESC=descs is not None,
         LOOKAHEAD=bool(cfg.qk_lookahead) and plain_run,
+        WARP_SPEC=bool(cfg.warp_specialize) and plain_run and not cfg.qk_lookahead and not interpret,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -167,6 +167,7 @@ def _attn_run_lookahead(
     qk_scale, offs_d, offs_dv,
     USE_DESC: tl.constexpr,
     LOOKAHEAD: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -177,7 +178,8 @@ def _attn_run_lookahead(
 ):
     """The unmasked run ``[lo, hi)`` of the new-token stage (full, fully visible tiles; no
     logit cap, no remainder head dims), with ``USE_DESC`` / ``LOOKAHEAD`` as the module
-    docstring describes. ``desc_row``: the request's first row (int32); ``k_col`` /
+    docstring describes; ``WARP_SPEC`` (without LOOKAHEAD) asks Triton to warp-specialize
+    the loop (``tl.range(warp_specialize=True)``, Triton >= 3.4). ``desc_row``: the request's first row (int32); ``k_col`` /
     ``v_col``: ``kv_head * DK`` / ``kv_head * DV``."""
     mask_d = offs_d < DK
     mask_dv = offs_dv < DV
@@ -198,7 +200,7 @@ def _attn_run_lookahead(
                              USE_DESC, not EVEN_DV, COMPUTE_FP32, BLOCK_N).to(q.dtype)
             acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, v, qk_scale, DOT_PREC)
     else:
-        for start in range(lo, hi, BLOCK_N):
+        for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
             k = _new_kv_tile(k_ptr, stride_kt, k_desc, desc_row, k_col, start, offs_d, mask_d,
                              USE_DESC, not EVEN_DK, COMPUTE_FP32, BLOCK_N)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
