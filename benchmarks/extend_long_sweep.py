@@ -5,7 +5,7 @@
 Issue 37's prefill target: the Llama-3-8B shape (Hq 32, Hkv 8, D 128, bf16) spends ~42 ms of an
 8,190-token FP8 prefill in `_extend_fwd_kernel` (~418 TFLOP/s). This run times, in one process
 on one GPU, the default `extend_config` and each candidate of ``CANDIDATES`` (tile shapes and
-the opt-in forms of `ExtendConfig`: ``kv_desc``, ``qk_lookahead``, ``warp_specialize``) on:
+``ExtendConfig.kv_desc``, TMA-descriptor reads, which apply to plain prefills only) on:
 
 * ``1x8190``, ``4x2048``, ``16x512``: plain causal prefills (``has_prefix=False``, as the
   triton backend launches them);
@@ -28,7 +28,10 @@ causal block (exactly ``n * (n + 1) / 2``; the convention drops the diagonal's `
 Writes ``<out>/<device>-extend-long-sweep-<date>.json`` (date, device, torch / triton / CUDA
 versions, the matmul rate, every round) and prints one table. About 2-3 minutes on an H100,
 most of it compiling the candidates (``--budget-s`` stops adding candidates after that many
-seconds; the skipped ones are listed).
+seconds; the skipped ones are listed). A candidate that does not compile is listed with its
+error: offline, Triton 3.6's ptxas 12.8 crashed on "desc" (K and V descriptors, 3 stages) but
+not on the others (``scripts/extend_variants_offline.py``); ``TRITON_PTXAS_PATH`` can point
+Triton at a newer ptxas (the ptxas used is recorded).
 """
 
 from __future__ import annotations
@@ -51,16 +54,21 @@ HQ, HKV, D = 32, 8, 128
 DEVICE = "cuda"
 # name -> ExtendConfig fields over the default (128, 64, 8, 3) for D 128 bf16
 CANDIDATES = {
-    "desc": dict(kv_desc=True),
-    "lookahead": dict(qk_lookahead=True),
-    "desc+lookahead": dict(kv_desc=True, qk_lookahead=True),
-    "desc+ws": dict(kv_desc=True, warp_specialize=True),
+    "desc": dict(kv_desc="kv"),
+    "desc-k": dict(kv_desc="k"),
+    "desc-v": dict(kv_desc="v"),
+    "128x64x8x4+desc": dict(num_stages=4, kv_desc="kv"),
+    "128x64x8x2+desc": dict(num_stages=2, kv_desc="kv"),
+    "128x64x8x4": dict(num_stages=4),
     "128x128x8x3": dict(block_n=128),
-    "128x128x8x3+desc": dict(block_n=128, kv_desc=True),
-    "128x128x8x2+desc": dict(block_n=128, num_stages=2, kv_desc=True),
-    "128x64x8x4+desc": dict(num_stages=4, kv_desc=True),
-    "128x64x8x2+desc+lookahead": dict(num_stages=2, kv_desc=True, qk_lookahead=True),
-    "128x64x8x4+desc+lookahead": dict(num_stages=4, kv_desc=True, qk_lookahead=True),
+    "128x128x8x3+desc": dict(block_n=128, kv_desc="kv"),
+    # one warpgroup a program, two programs an SM (187 / 179 registers, 112 / 80 KB of shared
+    # memory offline): one program's softmax can run under the other's MMAs, which the
+    # CTA-wide barriers of each loop iteration forbid between the two warpgroups of one program
+    "64x64x4x3": dict(block_m=64, num_warps=4),
+    "64x64x4x2": dict(block_m=64, num_warps=4, num_stages=2),
+    "64x64x4x2+desc": dict(block_m=64, num_warps=4, num_stages=2, kv_desc="kv"),
+    "64x128x4x2": dict(block_m=64, block_n=128, num_warps=4, num_stages=2),
 }
 # name -> (new tokens per request, prefix tokens per request, requests)
 CASES = {"1x8190": (8190, 0, 1), "4x2048": (2048, 0, 4), "16x512": (512, 0, 16), "1x4096+4096": (4096, 4096, 1)}
@@ -170,6 +178,12 @@ def main(argv=None) -> int:
         print(f"{case_name} done ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     res.update(cuda_run_metadata("extend-long-sweep", t0))
+    try:
+        from triton import knobs
+
+        res["ptxas"] = dict(path=knobs.nvidia.ptxas.path, version=knobs.nvidia.ptxas.version)
+    except Exception as e:  # older / newer Triton without these knobs
+        res["ptxas"] = repr(e)[:200]
     print_table(res)
     write_result(res, args.out, "extend-long-sweep", "cuda")
     return 0

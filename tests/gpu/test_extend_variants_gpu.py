@@ -1,11 +1,13 @@
-"""GPU checks of the extend kernel's opt-in forms (`ExtendConfig.kv_desc`, ``qk_lookahead``,
-``warp_specialize``) and of the tile candidates of ``benchmarks/extend_long_sweep.py``, at
-serving shapes (bf16, Hq 32 / Hkv 8 or MHA, D 128, ragged, plain and over paged prefixes).
+"""GPU checks of the extend kernel's TMA-descriptor reads (`ExtendConfig.kv_desc`) and of the
+tile candidates of ``benchmarks/extend_long_sweep.py``, at serving shapes (bf16, Hq 32 / Hkv 8 or MHA, D 128, ragged, plain and over paged prefixes).
 
 Same inputs as the default kernel (seeded `_extend` of test_triton_kernels_gpu): every
-candidate must be within ``REL_TOL`` of the float64 reference; ``kv_desc`` / ``qk_lookahead``
-compute each tile with the default's operations in the same order, so they must also give
-the default kernel's bits. Takes about a minute on an H100 (mostly compilation).
+candidate must be within ``REL_TOL`` of the float64 reference; ``kv_desc`` with the default's
+tiles (any stage count) computes each tile with the default's operations in the same order, so
+it must also give the default kernel's bits. Descriptor reads apply to plain prefills only (``has_prefix=False``);
+over prefixes they must leave the kernel as it is. "desc" alone (K and V descriptors, 3
+stages) is left out: Triton 3.6's ptxas 12.8 crashed compiling it offline
+(scripts/extend_variants_offline.py); the sweep still tries it. Takes about a minute on an H100 (mostly compilation).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ def _default():
 
 # name -> (config changes, same bits as the default)
 SAME_BITS = {
-    "desc": (dict(kv_desc=True), True),
-    "lookahead": (dict(qk_lookahead=True), True),
-    "desc+lookahead": (dict(kv_desc=True, qk_lookahead=True), True),
-    "128x128 desc": (dict(block_n=128, kv_desc=True), False),
-    "128x64x8x4 desc": (dict(num_stages=4, kv_desc=True), False),
+    "desc-k": (dict(kv_desc="k"), True),
+    "desc-v": (dict(kv_desc="v"), True),
+    "128x64x8x4 desc": (dict(num_stages=4, kv_desc="kv"), True),
+    "128x64x8x2 desc": (dict(num_stages=2, kv_desc="kv"), True),
+    "64x64x4x3": (dict(block_m=64, num_warps=4), False),
+    "64x64x4x2 desc": (dict(block_m=64, num_warps=4, num_stages=2, kv_desc="kv"), False),
+    "128x128 desc": (dict(block_n=128, kv_desc="kv"), False),
 }
 # (prefix lens, new lens, page size, hq, hkv): plain ragged prefill, and ragged over paged prefixes
 SHAPES = [
@@ -72,14 +76,3 @@ def test_extend_descriptors_are_built_on_this_gpu():
     assert _new_token_descriptors(k, k, 64, False) is not None
     assert _new_token_descriptors(k_view, k_view, 64, False) is not None
 
-
-def test_extend_warp_specialize_is_correct_where_it_compiles():
-    """``warp_specialize`` (Triton's automatic warp specialization, documented for Blackwell):
-    skipped where this Triton cannot compile it on this GPU, else correct."""
-    cfg = dataclasses.replace(_default(), kv_desc=True, warp_specialize=True)
-    try:
-        o, ref = _extend([0, 0], [4096, 129], 16, 32, 8, 128, seed=47, has_prefix=False, config=cfg)
-        torch.cuda.synchronize()
-    except Exception as e:  # compilation error of the experimental pass: reported as a skip
-        pytest.skip(f"warp_specialize does not compile here: {type(e).__name__}: {str(e)[:200]}")
-    assert _rel_err(o, ref) <= REL_TOL

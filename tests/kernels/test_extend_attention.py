@@ -192,11 +192,9 @@ def test_extend_argument_errors(device):
 
 # ------------------------------------------------ opt-in forms of the unmasked new-token run
 def _variants():
-    """The interpreter's tiles (as `extend_config`) with each opt-in form of `ExtendConfig`."""
+    """The interpreter's tiles (as `extend_config`) with each ``kv_desc`` of `ExtendConfig`."""
     base = extend_config(64, 64, torch.float32, interpret=True)
-    return {"desc": dataclasses.replace(base, kv_desc=True),
-            "lookahead": dataclasses.replace(base, qk_lookahead=True),
-            "desc+lookahead": dataclasses.replace(base, kv_desc=True, qk_lookahead=True)}
+    return {f"desc {x}": dataclasses.replace(base, kv_desc=x) for x in ("kv", "k", "v")}
 
 
 @pytest.mark.parametrize("prefix,page_size,hq,hkv,dtype", [
@@ -206,9 +204,10 @@ def _variants():
     ([5, 40, 0, 17], 16, 2, 2, torch.float32),   # paged prefix, MHA, page 16
 ])
 def test_extend_variants_same_bits_as_default(prefix, page_size, hq, hkv, dtype, gen, paged, device, monkeypatch):
-    """Each variant computes every tile with the default's operations in its order: the same
+    """Descriptor reads compute every tile with the default's operations in its order: the same
     bits as the default kernel on ragged causal batches (tiles of 16 keys: EXT has 0..4
-    unmasked tiles a query block), and within the float64 reference's bound."""
+    unmasked tiles a query block), and within the float64 reference's bound. With prefixes
+    (``has_prefix=True``) the variants are off: same bits, and no descriptor is built."""
     built = []
     real = ext_mod._new_token_descriptors
 
@@ -218,12 +217,17 @@ def test_extend_variants_same_bits_as_default(prefix, page_size, hq, hkv, dtype,
 
     monkeypatch.setattr(ext_mod, "_new_token_descriptors", spy)
     variants = _variants()
+    if any(prefix):  # the variants are off there: one launch shows it
+        variants = {"desc kv": variants["desc kv"]}
     out, ref, outs = _run(gen, paged, device, prefix=prefix, ext=[70, 1, 33, 50], hq=hq, hkv=hkv, dtype=dtype,
                           page_size=page_size, variants=list(variants.values()), has_prefix=any(prefix))
     _check(out, ref, dtype)
     for name, o in zip(variants, outs):
         assert torch.equal(o, out), f"{name}: max |diff| {(o.double() - out.double()).abs().max():.3g}"
-    assert len(built) == 2 and all(d is not None for d in built), "the desc variants must really use descriptors"
+    if any(prefix):
+        assert built == [], "variants apply to plain prefills only"
+    else:
+        assert len(built) == 3 and all(d is not None for d in built), "the desc variants must use descriptors"
 
 
 def test_extend_desc_falls_back_on_unpacked_heads(gen, device):
@@ -238,7 +242,7 @@ def test_extend_desc_falls_back_on_unpacked_heads(gen, device):
     ip = torch.tensor([0, t], dtype=torch.int32, device=device)
     zero = torch.zeros(2, dtype=torch.int32, device=device)
     outs = []
-    for cfg in (None, _variants()["desc+lookahead"]):
+    for cfg in (None, _variants()["desc kv"]):
         o = torch.empty(t, hq, d, device=device)
         extend_attention_fwd(q.to(device), k.to(device), v.to(device), o, k.to(device), v.to(device), ip, zero,
                              zero, None, True, None, t, d ** -0.5, config=cfg, has_prefix=False)
@@ -251,14 +255,16 @@ def test_extend_desc_falls_back_on_unpacked_heads(gen, device):
 def test_extend_config_env_override(monkeypatch):
     """``ATTNSERVE_EXTEND_CONFIG`` replaces the GPU default's tiles and flags, keeps the prefix
     tile, and refuses malformed values."""
-    monkeypatch.setenv(ext_mod.EXTEND_CONFIG_ENV, "128,128,8,2,desc,lookahead,ws")
+    monkeypatch.setenv(ext_mod.EXTEND_CONFIG_ENV, "128,128,8,2,desc")
     cfg = extend_config(128, 128, torch.bfloat16, has_prefix=True)
     assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (128, 128, 8, 2)
-    assert cfg.kv_desc and cfg.qk_lookahead and cfg.warp_specialize and cfg.block_n_prefix == 128
-    monkeypatch.setenv(ext_mod.EXTEND_CONFIG_ENV, "128,64,8,3,lookahead")
+    assert cfg.kv_desc == "kv" and cfg.block_n_prefix == 128
+    monkeypatch.setenv(ext_mod.EXTEND_CONFIG_ENV, "64,64,4,3")
     cfg = extend_config(128, 128, torch.bfloat16, has_prefix=False)
-    assert cfg.qk_lookahead and not cfg.kv_desc and not cfg.warp_specialize and cfg.block_n_prefix is None
-    for bad in ("128,64,8", "128,64,8,3,fast", "a,b,c,d"):
+    assert (cfg.block_m, cfg.num_warps, cfg.kv_desc, cfg.block_n_prefix) == (64, 4, "", None)
+    monkeypatch.setenv(ext_mod.EXTEND_CONFIG_ENV, "128,64,8,4,descv")
+    assert extend_config(128, 128, torch.bfloat16, has_prefix=False).kv_desc == "v"
+    for bad in ("128,64,8", "128,64,8,3,lookahead", "a,b,c,d", "128,64,8,3,desck,descv"):
         monkeypatch.setenv(ext_mod.EXTEND_CONFIG_ENV, bad)
         with pytest.raises(ValueError, match=ext_mod.EXTEND_CONFIG_ENV):
             extend_config(128, 128, torch.bfloat16)

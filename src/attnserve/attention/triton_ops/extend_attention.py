@@ -24,7 +24,7 @@ the new-token stage (the online-softmax rescaling is linear, so this equals scal
 prefix V tile). With scales of 1.0 nothing extra runs.
 
 The key-tile loops live in `extend_runs`, with the opt-in forms of the new-token stage's
-unmasked run (``ExtendConfig.kv_desc`` / ``qk_lookahead`` / ``warp_specialize``).
+unmasked run (``ExtendConfig.kv_desc``).
 
 Positions: prefix key ``j`` of request ``i`` has absolute position ``prefix_kv_start[i] + j``
 (``prefix_kv_start`` > 0 when the caller trimmed the prefix to a sliding window); with
@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from attnserve.attention.triton_ops.decode_attention import _saturate_to_f16, _split_dims
-from attnserve.attention.triton_ops.extend_runs import _attn_run, _attn_run_lookahead, _load_tile, _runs
+from attnserve.attention.triton_ops.extend_runs import _attn_run, _attn_run_desc, _load_tile, _runs
 from attnserve.mem_cache.kv_quant import FP8_DTYPES, check_scale
 from attnserve.triton_env import triton_interpreting
 
@@ -53,18 +53,15 @@ class ExtendConfig:
     """Launch parameters of the extend kernel (see `extend_config`). ``block_n_prefix``: the
     key tile of the cached-prefix stage (None: ``block_n``, the new-token stage's).
 
-    Opt-in forms of the new-token stage's unmasked run (`extend_runs`; both give the same
-    bits as the plain run, in the interpreter exactly; off by default until timed on the GPU,
-    ``benchmarks/extend_long_sweep.py``). Each applies only without a custom mask, a logit
-    cap or a remainder head block (``Dk``, ``Dv`` powers of two >= 16), else is ignored:
-
-    * ``kv_desc``: K/V tiles through TMA tensor descriptors (needs each head's rows packed,
-      ``k_extend.stride(1) == Dk``, 16-byte aligned rows and base, and a GPU of sm 90+ or the
-      interpreter; otherwise ignored).
-    * ``qk_lookahead``: tile ``j + 1``'s scores are issued before tile ``j``'s softmax.
-    * ``warp_specialize``: Triton's automatic warp specialization of that loop (not with
-      ``qk_lookahead``; the interpreter ignores it). Triton's own tutorial enables it on
-      Blackwell only: an experiment on Hopper.
+    ``kv_desc`` ("", "k", "v" or "kv"; off by default until timed on the GPU,
+    ``benchmarks/extend_long_sweep.py``): the new-token stage's unmasked run reads those
+    tiles through TMA tensor descriptors (`extend_runs._attn_run_desc`; the same bits). It
+    applies only to plain prefills (``has_prefix=False``) without a custom mask or logit cap,
+    with ``Dk``, ``Dv`` powers of two >= 16, each head's rows packed (``k_extend.stride(1) ==
+    Dk``), 16-byte aligned rows and base, on sm 90+ or the interpreter; otherwise it is
+    ignored. Triton 3.6's ptxas (12.8) crashed (SIGSEGV at -O2 / -O3) compiling "kv" with 3
+    stages offline; "k", "v", and "kv" with 2 or 4 stages compiled, and ptxas 13.0 compiled
+    all (scripts/extend_variants_offline.py).
     """
 
     block_m: int
@@ -72,9 +69,7 @@ class ExtendConfig:
     num_warps: int
     num_stages: int
     block_n_prefix: Optional[int] = None
-    kv_desc: bool = False
-    qk_lookahead: bool = False
-    warp_specialize: bool = False
+    kv_desc: str = ""
 
 
 def extend_config(
@@ -130,7 +125,7 @@ EXTEND_CONFIG_ENV = "ATTNSERVE_EXTEND_CONFIG"
 
 
 def _env_override(cfg: ExtendConfig) -> ExtendConfig:
-    """``ATTNSERVE_EXTEND_CONFIG="BM,BN,WARPS,STAGES[,desc][,lookahead][,ws]"`` replaces the GPU
+    """``ATTNSERVE_EXTEND_CONFIG="BM,BN,WARPS,STAGES[,desc|desck|descv]"`` replaces the GPU
     default for D <= 128 without a custom mask (the prefix tile stays), so an engine run can
     try a candidate of ``benchmarks/extend_long_sweep.py`` unchanged. Raises ValueError on a
     malformed value."""
@@ -138,15 +133,16 @@ def _env_override(cfg: ExtendConfig) -> ExtendConfig:
     if not raw:
         return cfg
     parts = [x.strip().lower() for x in raw.split(",")]
+    desc = {"desc": "kv", "desck": "k", "descv": "v"}
     flags = set(parts[4:])
     try:
         bm, bn, w, st = map(int, parts[:4])
     except ValueError:
         bm = 0
-    if bm <= 0 or len(parts) < 4 or not flags <= {"desc", "lookahead", "ws"}:
-        raise ValueError(f"{EXTEND_CONFIG_ENV}={raw!r}: expected BM,BN,WARPS,STAGES[,desc][,lookahead][,ws]")
+    if bm <= 0 or len(parts) < 4 or not flags <= set(desc) or len(flags) > 1:
+        raise ValueError(f"{EXTEND_CONFIG_ENV}={raw!r}: expected BM,BN,WARPS,STAGES[,desc|desck|descv]")
     return dataclasses.replace(cfg, block_m=bm, block_n=bn, num_warps=w, num_stages=st,
-                               kv_desc="desc" in flags, qk_lookahead="lookahead" in flags, warp_specialize="ws" in flags)
+                               kv_desc="".join(desc[f] for f in flags))
 
 
 @triton.jit
@@ -186,9 +182,8 @@ def _extend_fwd_kernel(
     EVEN_DV: tl.constexpr,
     COMPUTE_FP32: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    USE_DESC: tl.constexpr,
-    LOOKAHEAD: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
+    K_DESC: tl.constexpr,
+    V_DESC: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -311,11 +306,11 @@ def _extend_fwd_kernel(
         offs_d, offs_dpe, offs_dv, False, True, IS_CAUSAL, HAS_MASK, HAS_WINDOW, HAS_CAP,
         DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
     )
-    if (USE_DESC or LOOKAHEAD or WARP_SPEC) and not HAS_MASK and not HAS_CAP and BLOCK_DPE == 0:  # ExtendConfig variants
-        acc, l_i, m_i = _attn_run_lookahead(
+    if (K_DESC or V_DESC) and not HAS_PREFIX and not HAS_MASK and not HAS_CAP and BLOCK_DPE == 0:  # kv_desc
+        acc, l_i, m_i = _attn_run_desc(
             acc, l_i, m_i, q, s1, s2, k_ext_head, v_ext_head, stride_ket, stride_vet,
             k_ext_desc, v_ext_desc, qo_start.to(tl.int32), kv_head * DK, kv_head * DV, qk_scale, offs_d, offs_dv,
-            USE_DESC, LOOKAHEAD, WARP_SPEC, DK, DV, BLOCK_N, EVEN_DK, EVEN_DV, COMPUTE_FP32, DOT_PREC,
+            K_DESC, V_DESC, DK, DV, BLOCK_N, EVEN_DK, EVEN_DV, COMPUTE_FP32, DOT_PREC,
         )
     elif not HAS_MASK:
         acc, l_i, m_i = _attn_run(
@@ -502,6 +497,7 @@ def extend_attention_fwd(
     window = int(sliding_window_size) if sliding_window_size is not None else -1
     dummy = qo_indptr
     plain_run = custom_mask is None and logit_cap <= 0 and block_dpe == 0 and block_dv == dv
+    plain_run = plain_run and not has_prefix
     descs = _new_token_descriptors(k_extend, v_extend, cfg.block_n, interpret) if cfg.kv_desc and plain_run else None
     _extend_fwd_kernel[(bs, hq, num_m_blocks)](
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
@@ -542,9 +538,8 @@ def extend_attention_fwd(
         EVEN_DV=block_dv == dv,
         COMPUTE_FP32=compute_fp32,
         DOT_PREC=dot_prec,
-        USE_DESC=descs is not None,
-        LOOKAHEAD=bool(cfg.qk_lookahead) and plain_run,
-        WARP_SPEC=bool(cfg.warp_specialize) and plain_run and not cfg.qk_lookahead and not interpret,
+        K_DESC=descs is not None and "k" in cfg.kv_desc,
+        V_DESC=descs is not None and "v" in cfg.kv_desc,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

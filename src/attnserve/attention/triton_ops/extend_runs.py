@@ -2,21 +2,14 @@
 
 `_attn_run` walks one run of key tiles (masked or not) with the online softmax of
 FlashAttention-2 (Dao, arXiv:2307.08691); `_runs` splits a stage into its masked and
-unmasked runs. Two opt-in forms of the unmasked new-token run, chosen by `ExtendConfig`
-(both compute every tile with the same operations in the same order as `_attn_run`, so
-their outputs are the same bits):
-
-* ``kv_desc`` (``USE_DESC``): K/V tiles are read through host-built TMA tensor descriptors
-  (``triton.tools.tensor_descriptor.TensorDescriptor`` over ``[T, Hkv * D]``) instead of a
-  ``BLOCK_N x D`` tensor of pointers, which frees the address registers and the per-element
-  address arithmetic of the compute-bound loop (Hopper's TMA; the Triton fused-attention
-  tutorial's Hopper path reads K/V this way). Only unmasked runs use it: every row they read
-  belongs to the request, so no row of another request or past the tensor is read.
-* ``qk_lookahead`` (`_attn_run_lookahead`): the scores of tile ``j + 1`` are issued before
-  the softmax of tile ``j`` (loop-carried), so the tensor cores run ``Q K^T`` while the
-  warps do ``exp2`` -- the intra-warpgroup overlap of FlashAttention-3 (Shah et al.,
-  arXiv:2407.08608, section 3.2) expressed so that Triton's Hopper pipeliner can keep the
-  next ``wgmma`` in flight. The last tile is peeled (no tile is read past the run).
+unmasked runs. `_attn_run_desc` is the opt-in form of the unmasked new-token run chosen by
+``ExtendConfig.kv_desc`` ("k", "v" or "kv": ``K_DESC`` / ``V_DESC``): those tiles are read
+through host-built TMA tensor descriptors (``triton.tools.tensor_descriptor.TensorDescriptor``
+over ``[T, Hkv * D]``) instead of a ``BLOCK_N x D`` tensor of pointers, which drops the
+per-element 64-bit address arithmetic and its registers from the compute-bound loop
+(Hopper's TMA; the Triton fused-attention tutorial reads K/V this way on Hopper). It computes
+every tile with `_attn_run`'s operations in the same order (same bits). Only unmasked runs
+use it: every row they read belongs to the request.
 """
 
 from __future__ import annotations
@@ -159,15 +152,14 @@ def _softmax_pv(acc, l_i, m_i, qk, v, qk_scale, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def _attn_run_lookahead(
+def _attn_run_desc(
     acc, l_i, m_i, q,
     lo, hi,
     k_ptr, v_ptr, stride_kt, stride_vt,
     k_desc, v_desc, desc_row, k_col, v_col,
     qk_scale, offs_d, offs_dv,
-    USE_DESC: tl.constexpr,
-    LOOKAHEAD: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
+    K_DESC: tl.constexpr,
+    V_DESC: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -177,34 +169,16 @@ def _attn_run_lookahead(
     DOT_PREC: tl.constexpr,
 ):
     """The unmasked run ``[lo, hi)`` of the new-token stage (full, fully visible tiles; no
-    logit cap, no remainder head dims), with ``USE_DESC`` / ``LOOKAHEAD`` as the module
-    docstring describes; ``WARP_SPEC`` (without LOOKAHEAD) asks Triton to warp-specialize
-    the loop (``tl.range(warp_specialize=True)``, Triton >= 3.4). ``desc_row``: the request's first row (int32); ``k_col`` /
+    logit cap, no remainder head dims) with K (``K_DESC``) and / or V (``V_DESC``) read
+    through the descriptors. ``desc_row``: the request's first row (int32); ``k_col`` /
     ``v_col``: ``kv_head * DK`` / ``kv_head * DV``."""
     mask_d = offs_d < DK
     mask_dv = offs_dv < DV
-    if LOOKAHEAD:
-        if lo < hi:
-            k = _new_kv_tile(k_ptr, stride_kt, k_desc, desc_row, k_col, lo, offs_d, mask_d,
-                             USE_DESC, not EVEN_DK, COMPUTE_FP32, BLOCK_N)
-            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
-            for start in range(lo, hi - BLOCK_N, BLOCK_N):
-                k = _new_kv_tile(k_ptr, stride_kt, k_desc, desc_row, k_col, start + BLOCK_N, offs_d, mask_d,
-                                 USE_DESC, not EVEN_DK, COMPUTE_FP32, BLOCK_N)
-                qk_next = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
-                v = _new_kv_tile(v_ptr, stride_vt, v_desc, desc_row, v_col, start, offs_dv, mask_dv,
-                                 USE_DESC, not EVEN_DV, COMPUTE_FP32, BLOCK_N).to(q.dtype)
-                acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, v, qk_scale, DOT_PREC)
-                qk = qk_next
-            v = _new_kv_tile(v_ptr, stride_vt, v_desc, desc_row, v_col, hi - BLOCK_N, offs_dv, mask_dv,
-                             USE_DESC, not EVEN_DV, COMPUTE_FP32, BLOCK_N).to(q.dtype)
-            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, v, qk_scale, DOT_PREC)
-    else:
-        for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
-            k = _new_kv_tile(k_ptr, stride_kt, k_desc, desc_row, k_col, start, offs_d, mask_d,
-                             USE_DESC, not EVEN_DK, COMPUTE_FP32, BLOCK_N)
-            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
-            v = _new_kv_tile(v_ptr, stride_vt, v_desc, desc_row, v_col, start, offs_dv, mask_dv,
-                             USE_DESC, not EVEN_DV, COMPUTE_FP32, BLOCK_N).to(q.dtype)
-            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, v, qk_scale, DOT_PREC)
+    for start in range(lo, hi, BLOCK_N):
+        k = _new_kv_tile(k_ptr, stride_kt, k_desc, desc_row, k_col, start, offs_d, mask_d,
+                         K_DESC, not EVEN_DK, COMPUTE_FP32, BLOCK_N)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
+        v = _new_kv_tile(v_ptr, stride_vt, v_desc, desc_row, v_col, start, offs_dv, mask_dv,
+                         V_DESC, not EVEN_DV, COMPUTE_FP32, BLOCK_N).to(q.dtype)
+        acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, v, qk_scale, DOT_PREC)
     return acc, l_i, m_i
