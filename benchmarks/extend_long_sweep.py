@@ -56,19 +56,17 @@ DEVICE = "cuda"
 CANDIDATES = {
     "desc": dict(kv_desc="kv"),
     "desc-k": dict(kv_desc="k"),
-    "desc-v": dict(kv_desc="v"),
     "128x64x8x4+desc": dict(num_stages=4, kv_desc="kv"),
     "128x64x8x2+desc": dict(num_stages=2, kv_desc="kv"),
-    "128x64x8x4": dict(num_stages=4),
-    "128x128x8x3": dict(block_n=128),
     "128x128x8x3+desc": dict(block_n=128, kv_desc="kv"),
-    # one warpgroup a program, two programs an SM (187 / 179 registers, 112 / 80 KB of shared
-    # memory offline): one program's softmax can run under the other's MMAs, which the
-    # CTA-wide barriers of each loop iteration forbid between the two warpgroups of one program
+    # one warpgroup a program and two (64x32: three) programs an SM (offline: 187 / 179 / 160
+    # registers, 112 / 80 / 64 KB of shared memory): one program's softmax can run under
+    # another's MMAs, which the CTA-wide barrier of each loop iteration forbids between the
+    # two warpgroups of one 128-row program
     "64x64x4x3": dict(block_m=64, num_warps=4),
     "64x64x4x2": dict(block_m=64, num_warps=4, num_stages=2),
     "64x64x4x2+desc": dict(block_m=64, num_warps=4, num_stages=2, kv_desc="kv"),
-    "64x128x4x2": dict(block_m=64, block_n=128, num_warps=4, num_stages=2),
+    "64x32x4x3": dict(block_m=64, block_n=32, num_warps=4),
 }
 # name -> (new tokens per request, prefix tokens per request, requests)
 CASES = {"1x8190": (8190, 0, 1), "4x2048": (2048, 0, 4), "16x512": (512, 0, 16), "1x4096+4096": (4096, 4096, 1)}

@@ -1,13 +1,15 @@
 """GPU checks of the extend kernel's TMA-descriptor reads (`ExtendConfig.kv_desc`) and of the
-tile candidates of ``benchmarks/extend_long_sweep.py``, at serving shapes (bf16, Hq 32 / Hkv 8 or MHA, D 128, ragged, plain and over paged prefixes).
+tile candidates of ``benchmarks/extend_long_sweep.py``, at serving shapes (bf16, Hq 32 / Hkv 8
+or MHA, D 128, ragged, plain and over paged prefixes).
 
 Same inputs as the default kernel (seeded `_extend` of test_triton_kernels_gpu): every
 candidate must be within ``REL_TOL`` of the float64 reference; ``kv_desc`` with the default's
-tiles (any stage count) computes each tile with the default's operations in the same order, so
-it must also give the default kernel's bits. Descriptor reads apply to plain prefills only (``has_prefix=False``);
-over prefixes they must leave the kernel as it is. "desc" alone (K and V descriptors, 3
-stages) is left out: Triton 3.6's ptxas 12.8 crashed compiling it offline
-(scripts/extend_variants_offline.py); the sweep still tries it. Takes about a minute on an H100 (mostly compilation).
+tiles (any stage count) computes each tile with the default's operations in the same order,
+so it must also give the default kernel's bits. Descriptor reads apply to plain prefills only
+(``has_prefix=False``); over prefixes the kernel must stay as it is. "desc" alone (K and V
+descriptors, 3 stages) is left out: Triton 3.6's ptxas 12.8 crashed compiling it offline
+(scripts/extend_variants_offline.py); the sweep still tries it. About a minute on an H100,
+mostly compilation.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ SAME_BITS = {
     "128x64x8x2 desc": (dict(num_stages=2, kv_desc="kv"), True),
     "64x64x4x3": (dict(block_m=64, num_warps=4), False),
     "64x64x4x2 desc": (dict(block_m=64, num_warps=4, num_stages=2, kv_desc="kv"), False),
+    "64x32x4x3": (dict(block_m=64, block_n=32, num_warps=4), False),
     "128x128 desc": (dict(block_n=128, kv_desc="kv"), False),
 }
 # (prefix lens, new lens, page size, hq, hkv): plain ragged prefill, and ragged over paged prefixes
