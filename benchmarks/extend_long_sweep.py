@@ -62,7 +62,7 @@ CANDIDATES = {
     # one warpgroup a program and two (64x32: three) programs an SM (offline: 187 / 179 / 160
     # registers, 112 / 80 / 64 KB of shared memory): one program's softmax can run under
     # another's MMAs, which the CTA-wide barrier of each loop iteration forbids between the
-    # two warpgroups of one 128-row program
+    # two warpgroups of one 128-row program; but they read K/V from L2 twice as often (NOTES.md)
     "64x64x4x3": dict(block_m=64, num_warps=4),
     "64x64x4x2": dict(block_m=64, num_warps=4, num_stages=2),
     "64x64x4x2+desc": dict(block_m=64, num_warps=4, num_stages=2, kv_desc="kv"),
