@@ -23,6 +23,9 @@ and the accumulator is multiplied by ``v_scale`` once, after the prefix stage an
 the new-token stage (the online-softmax rescaling is linear, so this equals scaling every
 prefix V tile). With scales of 1.0 nothing extra runs.
 
+The key-tile loops live in `extend_runs`, with the opt-in forms of the new-token stage's
+unmasked run (``ExtendConfig.kv_desc``).
+
 Positions: prefix key ``j`` of request ``i`` has absolute position ``prefix_kv_start[i] + j``
 (``prefix_kv_start`` > 0 when the caller trimmed the prefix to a sliding window); with
 ``P_i = prefix_kv_start[i] + n_prefix_i``, new token ``t`` has position ``P_i + t``.
@@ -30,6 +33,8 @@ Positions: prefix key ``j`` of request ``i`` has absolute position ``prefix_kv_s
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,21 +43,33 @@ import triton
 import triton.language as tl
 
 from attnserve.attention.triton_ops.decode_attention import _saturate_to_f16, _split_dims
+from attnserve.attention.triton_ops.extend_runs import _attn_run, _attn_run_desc, _load_tile, _runs
 from attnserve.mem_cache.kv_quant import FP8_DTYPES, check_scale
 from attnserve.triton_env import triton_interpreting
-from attnserve.triton_jit import tanh
 
 
 @dataclass(frozen=True)
 class ExtendConfig:
     """Launch parameters of the extend kernel (see `extend_config`). ``block_n_prefix``: the
-    key tile of the cached-prefix stage (None: ``block_n``, the new-token stage's)."""
+    key tile of the cached-prefix stage (None: ``block_n``, the new-token stage's).
+
+    ``kv_desc`` ("", "k", "v" or "kv"; off by default until timed on the GPU,
+    ``benchmarks/extend_long_sweep.py``): the new-token stage's unmasked run reads those
+    tiles through TMA tensor descriptors (`extend_runs._attn_run_desc`; the same bits). It
+    applies only to plain prefills (``has_prefix=False``) without a custom mask or logit cap,
+    with ``Dk``, ``Dv`` powers of two >= 16, each head's rows packed (``k_extend.stride(1) ==
+    Dk``), 16-byte aligned rows and base, on sm 90+ or the interpreter; otherwise it is
+    ignored. Triton 3.6's ptxas (12.8) crashed (SIGSEGV at -O2 / -O3) compiling "kv" with 3
+    stages offline; "k", "v", and "kv" with 2 or 4 stages compiled, and ptxas 13.0 compiled
+    all (scripts/extend_variants_offline.py).
+    """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     block_n_prefix: Optional[int] = None
+    kv_desc: str = ""
 
 
 def extend_config(
@@ -76,6 +93,10 @@ def extend_config(
         has_custom_mask: tree-verification batches (few queries per request; the mask
             tile costs registers).
         has_prefix: False when no request has a cached prefix: no separate prefix tile.
+
+    On a GPU, D <= 128 without a custom mask: ``ATTNSERVE_EXTEND_CONFIG`` overrides the
+    choice (`_env_override`; for trying ``benchmarks/extend_long_sweep.py``'s candidates in
+    an engine). Raises ValueError on a malformed value.
     """
     if interpret:  # prefix tiles of another size than the new tokens' (as on a GPU)
         return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, block_n_prefix=32)
@@ -92,120 +113,41 @@ def extend_config(
         # 1.08-1.30x faster in bf16, 1.19-1.31x over fp8 prefixes, while 64-key tiles stay
         # best for the causal new tokens; the kernel with both tiles runs a plain prefill
         # 3-7% slower, hence ``has_prefix`` (H100, session 14, benchmarks/fp8_extend_sweep.py)
-        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3,
-                            block_n_prefix=128 if has_prefix else None)
+        cfg = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3,
+                           block_n_prefix=128 if has_prefix else None)
+        return _env_override(cfg)
     if d <= 256:
         return ExtendConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)  # 255 regs, 160 KB
     return ExtendConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)  # MLA 576/512
 
 
-@triton.jit
-def _load_tile(ptrs, row_mask, col_mask, ROW_MASK: tl.constexpr, COL_MASK: tl.constexpr, TO_FP32: tl.constexpr):
-    if ROW_MASK:
-        if COL_MASK:
-            x = tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-        else:
-            x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
-    else:
-        if COL_MASK:
-            x = tl.load(ptrs, mask=col_mask[None, :], other=0.0)
-        else:
-            x = tl.load(ptrs)
-    if TO_FP32:
-        x = x.to(tl.float32)
-    return x
+EXTEND_CONFIG_ENV = "ATTNSERVE_EXTEND_CONFIG"
 
 
-@triton.jit
-def _attn_run(
-    acc, l_i, m_i,
-    q, q_pe,
-    lo, hi, n_keys,
-    k_ptr, v_ptr, stride_kt, stride_vt, idx_ptr,
-    q_pos, key_pos0, mask_base, mask_rows, row_valid,
-    qk_scale, sm_scale, logit_cap, window,
-    offs_d, offs_dpe, offs_dv,
-    GATHER: tl.constexpr,
-    MASKED: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_CAP: tl.constexpr,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_DPE: tl.constexpr,
-    EVEN_DK: tl.constexpr,
-    EVEN_DPE: tl.constexpr,
-    EVEN_DV: tl.constexpr,
-    COMPUTE_FP32: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    """Online-softmax update over key tiles ``[lo, hi)`` (``lo`` a multiple of BLOCK_N) of
-    one stage. Unmasked runs (MASKED=False) must only cover full, fully visible tiles.
-    K/V tiles are converted to q's dtype (fp8 caches; a no-op otherwise); ``qk_scale`` /
-    ``sm_scale`` are the stage's (prefix runs: including K's dequantisation scale)."""
-    mask_d = offs_d < DK
-    mask_dv = offs_dv < DV
-    if BLOCK_DPE > 0:
-        mask_dpe = offs_dpe < DK
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        valid_n = offs_n < n_keys
-        if GATHER:
-            if MASKED:
-                rows = tl.load(idx_ptr + offs_n, mask=valid_n, other=0).to(tl.int64)
-            else:
-                rows = tl.load(idx_ptr + offs_n).to(tl.int64)
-        else:  # new tokens: int32 offsets from the request's first row (base already int64)
-            rows = offs_n
-        k = _load_tile(k_ptr + rows[:, None] * stride_kt + offs_d[None, :], valid_n, mask_d, MASKED, not EVEN_DK, COMPUTE_FP32)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
-        if BLOCK_DPE > 0:
-            k_pe = _load_tile(k_ptr + rows[:, None] * stride_kt + offs_dpe[None, :], valid_n, mask_dpe, MASKED, not EVEN_DPE, COMPUTE_FP32)
-            qk += tl.dot(q_pe, tl.trans(k_pe.to(q_pe.dtype)), input_precision=DOT_PREC)
-        if HAS_CAP:  # capped scores, already in log2 units
-            qk = logit_cap * tanh(qk * (sm_scale / logit_cap)) * 1.4426950408889634
-        if MASKED:
-            k_pos = key_pos0 + offs_n
-            vis = valid_n[None, :]
-            if HAS_MASK:
-                in_rows = row_valid[:, None] & vis
-                cm = tl.load(mask_base + (mask_rows[:, None] + k_pos[None, :]), mask=in_rows, other=0)
-                vis = in_rows & (cm != 0)
-            elif IS_CAUSAL:
-                vis = vis & (k_pos[None, :] <= q_pos[:, None])
-            if HAS_WINDOW:
-                vis = vis & (k_pos[None, :] >= q_pos[:, None] - window)
-            qk = tl.where(vis, qk, float("-inf"))
-        # m_i starts at a finite -1e30, so a fully masked row keeps alpha = 1, p = 0.
-        if HAS_CAP:
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-        else:  # scale folded into the exponent (one FMA per score)
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_ptr + rows[:, None] * stride_vt + offs_dv[None, :], valid_n, mask_dv, MASKED, not EVEN_DV, COMPUTE_FP32)
-        v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _runs(lo, a, b):
-    """Split ``[lo, ...)`` into masked ``[lo, s1)``, unmasked ``[s1, s2)``, masked ``[s2, hi)``
-    given the window's fully-visible start ``a`` and the end ``b`` of fully visible tiles."""
-    s1 = tl.minimum(tl.maximum(a, lo), tl.maximum(b, lo))
-    s2 = tl.maximum(b, s1)
-    return s1, s2
+def _env_override(cfg: ExtendConfig) -> ExtendConfig:
+    """``ATTNSERVE_EXTEND_CONFIG="BM,BN,WARPS,STAGES[,desc|desck|descv]"`` replaces the GPU
+    default for D <= 128 without a custom mask (the prefix tile stays), so an engine run can
+    try a candidate of ``benchmarks/extend_long_sweep.py`` unchanged. Raises ValueError on a
+    malformed value."""
+    raw = os.environ.get(EXTEND_CONFIG_ENV, "").strip()
+    if not raw:
+        return cfg
+    parts = [x.strip().lower() for x in raw.split(",")]
+    desc = {"desc": "kv", "desck": "k", "descv": "v"}
+    flags = set(parts[4:])
+    try:
+        bm, bn, w, st = map(int, parts[:4])
+    except ValueError:
+        bm = 0
+    if bm <= 0 or len(parts) < 4 or not flags <= set(desc) or len(flags) > 1:
+        raise ValueError(f"{EXTEND_CONFIG_ENV}={raw!r}: expected BM,BN,WARPS,STAGES[,desc|desck|descv]")
+    return dataclasses.replace(cfg, block_m=bm, block_n=bn, num_warps=w, num_stages=st,
+                               kv_desc="".join(desc[f] for f in flags))
 
 
 @triton.jit
 def _extend_fwd_kernel(
-    q_ptr, k_ext_ptr, v_ext_ptr, o_ptr, k_buf_ptr, v_buf_ptr,
+    q_ptr, k_ext_ptr, v_ext_ptr, o_ptr, k_buf_ptr, v_buf_ptr, k_ext_desc, v_ext_desc,
     qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
     mask_ptr, mask_indptr_ptr, prefix_start_ptr,
     sm_scale, logit_cap, window, k_scale, v_scale,
@@ -240,6 +182,8 @@ def _extend_fwd_kernel(
     EVEN_DV: tl.constexpr,
     COMPUTE_FP32: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    K_DESC: tl.constexpr,
+    V_DESC: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -362,7 +306,13 @@ def _extend_fwd_kernel(
         offs_d, offs_dpe, offs_dv, False, True, IS_CAUSAL, HAS_MASK, HAS_WINDOW, HAS_CAP,
         DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
     )
-    if not HAS_MASK:
+    if (K_DESC or V_DESC) and not HAS_PREFIX and not HAS_MASK and not HAS_CAP and BLOCK_DPE == 0:  # kv_desc
+        acc, l_i, m_i = _attn_run_desc(
+            acc, l_i, m_i, q, s1, s2, k_ext_head, v_ext_head, stride_ket, stride_vet,
+            k_ext_desc, v_ext_desc, qo_start.to(tl.int32), kv_head * DK, kv_head * DV, qk_scale, offs_d, offs_dv,
+            K_DESC, V_DESC, DK, DV, BLOCK_N, EVEN_DK, EVEN_DV, COMPUTE_FP32, DOT_PREC,
+        )
+    elif not HAS_MASK:
         acc, l_i, m_i = _attn_run(
             acc, l_i, m_i, q, q_pe, s1, s2, ext_len, k_ext_head, v_ext_head, stride_ket, stride_vet, kv_indices_ptr,
             q_pos, prefix_len, mask_base, mask_rows, row_valid, qk_scale, sm_scale, logit_cap, window,
@@ -380,6 +330,27 @@ def _extend_fwd_kernel(
     out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
     o_ptrs = o_ptr + (qo_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_dv[None, :]
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_valid[:, None] & (offs_dv < DV)[None, :])
+
+
+def _new_token_descriptors(k_extend: torch.Tensor, v_extend: torch.Tensor, block_n: int, interpret: bool):
+    """Host TMA descriptors of the new tokens' K and V as ``[T, Hkv * D]`` (tile ``[block_n,
+    D]`` at column ``kv_head * D``), or None where TMA cannot read them (the kernel then uses
+    pointers): heads not packed, rows or base not 16-byte aligned, a GPU below sm 90, or a
+    Triton without host tensor descriptors."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # Triton < 3.3
+        return None
+    if not interpret and (k_extend.device.type != "cuda" or torch.cuda.get_device_capability(k_extend.device)[0] < 9):
+        return None
+    descs = []
+    for x in (k_extend, v_extend):
+        t, h, d = x.shape
+        row_bytes = x.stride(0) * x.element_size()
+        if x.stride(1) != d or row_bytes % 16 or x.data_ptr() % 16 or (d * x.element_size()) % 16:
+            return None
+        descs.append(TensorDescriptor(x, [t, h * d], [x.stride(0), 1], [block_n, d]))
+    return descs
 
 
 def extend_attention_fwd(
@@ -525,8 +496,12 @@ def extend_attention_fwd(
     dot_prec = "ieee" if (compute_fp32 or q_extend.dtype == torch.float32) else None
     window = int(sliding_window_size) if sliding_window_size is not None else -1
     dummy = qo_indptr
+    plain_run = custom_mask is None and logit_cap <= 0 and block_dpe == 0 and block_dv == dv
+    plain_run = plain_run and not has_prefix
+    descs = _new_token_descriptors(k_extend, v_extend, cfg.block_n, interpret) if cfg.kv_desc and plain_run else None
     _extend_fwd_kernel[(bs, hq, num_m_blocks)](
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
+        *(descs or (dummy, dummy)),
         qo_indptr, kv_indptr, kv_indices,
         custom_mask if custom_mask is not None else dummy,
         mask_indptr if custom_mask is not None else dummy,
@@ -563,6 +538,8 @@ def extend_attention_fwd(
         EVEN_DV=block_dv == dv,
         COMPUTE_FP32=compute_fp32,
         DOT_PREC=dot_prec,
+        K_DESC=descs is not None and "k" in cfg.kv_desc,
+        V_DESC=descs is not None and "v" in cfg.kv_desc,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -1,0 +1,213 @@
+"""Long causal prefill through the extend kernel: the default config against its candidates.
+
+``PYTHONPATH=src python benchmarks/extend_long_sweep.py [--rounds 3] [--only NAME,...] [--out DIR]``
+
+Issue 37's prefill target: the Llama-3-8B shape (Hq 32, Hkv 8, D 128, bf16) spends ~42 ms of an
+8,190-token FP8 prefill in `_extend_fwd_kernel` (~418 TFLOP/s). This run times, in one process
+on one GPU, the default `extend_config` and each candidate of ``CANDIDATES`` (tile shapes and
+``ExtendConfig.kv_desc``, TMA-descriptor reads, which apply to plain prefills only) on:
+
+* ``1x8190``, ``4x2048``, ``16x512``: plain causal prefills (``has_prefix=False``, as the
+  triton backend launches them);
+* ``1x4096+4096``: one chunked-prefill chunk, 4,096 new tokens over a 4,096-token cached
+  prefix on randomly permuted 16-slot pages (``has_prefix=True``).
+
+Per case and candidate: the output is first compared with the default kernel's on the same
+inputs (``bitwise_equal``, ``max_abs_diff``, ``rel_err`` = ||out - default|| / ||default||;
+a candidate with ``rel_err`` > 1e-2 or an error is not timed), then timed as the median over
+``--rounds`` interleaved rounds of CUDA-graph replays (5 launches a graph, 15 replays after a
+warm-up launch; `kernel_timings.graph_us`), in µs per launch.
+
+FLOPs (the convention of FlashAttention and of ``benchmarks/kernels.py``): a request with
+``p`` cached and ``n`` new tokens counts ``4 * Hq * D * (n * p + n**2 / 2)``: QK^T and PV are
+each ``2 * D`` flops per visible (query, key) pair and head, with ``n**2 / 2`` pairs for the
+causal block (exactly ``n * (n + 1) / 2``; the convention drops the diagonal's ``n / 2``). One
+8,190-token request: 0.549 TFLOP a layer, 17.6 TFLOP over 32 layers. ``tflops`` = FLOPs / time;
+``pct_matmul`` = that over the bf16 8192^3 ``torch.matmul`` rate measured in the same run.
+
+Writes ``<out>/<device>-extend-long-sweep-<date>.json`` (date, device, torch / triton / CUDA
+versions, the matmul rate, every round) and prints one table. About 2-3 minutes on an H100,
+most of it compiling the candidates (``--budget-s`` stops adding candidates after that many
+seconds; the skipped ones are listed). A candidate that does not compile is listed with its
+error: offline, Triton 3.6's ptxas 12.8 crashed on "desc" (K and V descriptors, 3 stages) but
+not on the others (``scripts/extend_variants_offline.py``); ``TRITON_PTXAS_PATH`` can point
+Triton at a newer ptxas (the ptxas used is recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from kernel_timings import graph_us  # noqa: E402
+
+from attnserve.attention.triton_ops.extend_attention import ExtendConfig, extend_attention_fwd, extend_config  # noqa: E402
+from attnserve.bench.results import cuda_run_metadata, write_result  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+DEVICE = "cuda"
+# name -> ExtendConfig fields over the default (128, 64, 8, 3) for D 128 bf16
+CANDIDATES = {
+    "desc": dict(kv_desc="kv"),
+    "desc-k": dict(kv_desc="k"),
+    "128x64x8x4+desc": dict(num_stages=4, kv_desc="kv"),
+    "128x64x8x2+desc": dict(num_stages=2, kv_desc="kv"),
+    "128x128x8x3+desc": dict(block_n=128, kv_desc="kv"),
+    # one warpgroup a program and two (64x32: three) programs an SM (offline: 187 / 179 / 160
+    # registers, 112 / 80 / 64 KB of shared memory): one program's softmax can run under
+    # another's MMAs, which the CTA-wide barrier of each loop iteration forbids between the
+    # two warpgroups of one 128-row program; but they read K/V from L2 twice as often (NOTES.md)
+    "64x64x4x3": dict(block_m=64, num_warps=4),
+    "64x64x4x2": dict(block_m=64, num_warps=4, num_stages=2),
+    "64x64x4x2+desc": dict(block_m=64, num_warps=4, num_stages=2, kv_desc="kv"),
+    "64x32x4x3": dict(block_m=64, block_n=32, num_warps=4),
+}
+# name -> (new tokens per request, prefix tokens per request, requests)
+CASES = {"1x8190": (8190, 0, 1), "4x2048": (2048, 0, 4), "16x512": (512, 0, 16), "1x4096+4096": (4096, 4096, 1)}
+
+
+def case_flops(n: int, p: int, bs: int) -> float:
+    """Causal attention FLOPs of ``bs`` requests of ``n`` new tokens over ``p`` cached ones."""
+    return bs * 4 * HQ * D * (n * p + n * n / 2)
+
+
+def build_case(n: int, p: int, bs: int, page: int = 16, seed: int = 0) -> dict:
+    """Seeded bf16 inputs; the prefix (if any) on random pages of ``page`` slots."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    t = n * bs
+    q = torch.randn(t, HQ, D, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(t, HKV, D, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(t, HKV, D, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    pages = -(-p // page) * bs
+    slots = (pages + 1) * page
+    kb = torch.randn(slots, HKV, D, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    vb = torch.randn(slots, HKV, D, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    perm = torch.randperm(pages, device=DEVICE, generator=g) + 1  # page 0 reserved, as in the pools
+    idx = []
+    for i in range(bs):
+        j = torch.arange(p, device=DEVICE)
+        idx.append(perm[i * (pages // bs) + j // page] * page + j % page)
+    kv_indices = (torch.cat(idx) if p else torch.zeros(1, device=DEVICE, dtype=torch.long)).to(torch.int32)
+    qo = torch.arange(bs + 1, device=DEVICE, dtype=torch.int32) * n
+    kv_indptr = torch.arange(bs + 1, device=DEVICE, dtype=torch.int32) * p
+    return dict(q=q, k=k, v=v, kb=kb, vb=vb, qo=qo, kv_indptr=kv_indptr, kv_indices=kv_indices, n=n, p=p,
+                o=torch.empty_like(q))
+
+
+def launch(c: dict, config) -> None:
+    extend_attention_fwd(c["q"], c["k"], c["v"], c["o"], c["kb"], c["vb"], c["qo"], c["kv_indptr"],
+                         c["kv_indices"], None, True, None, c["n"], D ** -0.5, config=config,
+                         has_prefix=c["p"] > 0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
+    ap.add_argument("--budget-s", type=float, default=200.0, help="add no candidate after this many seconds")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    from attnserve.bench.offline_random import measure_device_rates
+
+    mm = measure_device_rates()["matmul_flops_per_s"]
+    print(f"bf16 8192^3 matmul: {mm / 1e12:.0f} TFLOP/s", flush=True)
+    names = [x for x in args.only.split(",") if x] or list(CANDIDATES)
+    unknown = [x for x in names if x not in CANDIDATES]
+    if unknown:
+        raise SystemExit(f"unknown candidates {unknown}; known: {list(CANDIDATES)}")
+    res = {"matmul_bf16_tflops": mm / 1e12, "candidates": {k: CANDIDATES[k] for k in names}, "cases": {},
+           "skipped_for_budget": []}
+    for case_name in [x for x in args.cases.split(",") if x]:
+        n, p, bs = CASES[case_name]
+        c = build_case(n, p, bs)
+        default = extend_config(D, D, torch.bfloat16, has_prefix=p > 0)
+        launch(c, None)
+        torch.cuda.synchronize()
+        o_default = c["o"].clone()
+        configs = {"default": None}
+        rows = {"default": dict(config=dataclasses.asdict(default), bitwise_equal=True, max_abs_diff=0.0,
+                                rel_err=0.0)}
+        for name in names:
+            if time.perf_counter() - t0 > args.budget_s:
+                res["skipped_for_budget"].append(f"{case_name}/{name}")
+                continue
+            cfg = dataclasses.replace(default, **CANDIDATES[name])
+            row = rows[name] = dict(config=dataclasses.asdict(cfg))
+            try:
+                c["o"].fill_(float("nan"))
+                launch(c, cfg)
+                torch.cuda.synchronize()
+            except Exception as e:  # a candidate that does not compile or fit: recorded, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"{case_name} {name}: {row['error']}", flush=True)
+                continue
+            d = (c["o"].float() - o_default.float())
+            row.update(bitwise_equal=bool(torch.equal(c["o"], o_default)), max_abs_diff=d.abs().max().item(),
+                       rel_err=(d.norm() / o_default.float().norm()).item())
+            if not row["rel_err"] <= 1e-2:  # NaN included
+                row["error"] = f"output differs from the default's (rel err {row['rel_err']:.3g}): not timed"
+                print(f"{case_name} {name}: {row['error']}", flush=True)
+                continue
+            configs[name] = cfg
+        times = {name: [] for name in configs}
+        for r in range(args.rounds):
+            for name, cfg in configs.items():
+                times[name].append(graph_us(lambda: launch(c, cfg), calls=5))
+        flops = case_flops(n, p, bs)
+        for name, ts in times.items():
+            us = statistics.median(ts)
+            rows[name].update(us=us, rounds_us=ts, tflops=flops / (us * 1e-6) / 1e12,
+                              pct_matmul=100 * flops / (us * 1e-6) / mm)
+        base = rows["default"]["us"]
+        for row in rows.values():
+            if "us" in row:
+                row["speedup_vs_default"] = base / row["us"]
+        res["cases"][case_name] = dict(new=n, prefix=p, bs=bs, flops=flops, rows=rows)
+        del c
+        torch.cuda.empty_cache()
+        print(f"{case_name} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    res.update(cuda_run_metadata("extend-long-sweep", t0))
+    try:
+        from triton import knobs
+
+        res["ptxas"] = dict(path=knobs.nvidia.ptxas.path, version=knobs.nvidia.ptxas.version)
+    except Exception as e:  # older / newer Triton without these knobs
+        res["ptxas"] = repr(e)[:200]
+    print_table(res)
+    write_result(res, args.out, "extend-long-sweep", "cuda")
+    return 0
+
+
+def print_table(res: dict) -> None:
+    cases = list(res["cases"])
+    names = list(dict.fromkeys(k for c in cases for k in res["cases"][c]["rows"]))
+    print(f"\n{res['gpu']}, triton {res['triton']}, bf16 matmul {res['matmul_bf16_tflops']:.0f} TFLOP/s; "
+          "per case: us / TFLOP/s / x default ('=' same bits as the default)")
+    print(f"{'candidate':<28}" + "".join(f"{c:>26}" for c in cases))
+    for name in names:
+        cells = []
+        for c in cases:
+            row = res["cases"][c]["rows"].get(name)
+            if row is None:
+                cells.append("skipped")
+            elif "us" not in row:
+                cells.append("error")
+            else:
+                eq = "=" if row["bitwise_equal"] else " "
+                cells.append(f"{row['us']:.0f} / {row['tflops']:.0f} / {row['speedup_vs_default']:.3f}{eq}")
+        print(f"{name:<28}" + "".join(f"{x:>26}" for x in cells))
+    if res["skipped_for_budget"]:
+        print("skipped for the time budget:", ", ".join(res["skipped_for_budget"]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""Offline sm_90a compile of the extend kernel's plain-prefill candidates (no GPU needed).
+
+``PYTHONPATH=<triton 3.6 dir>:src python scripts/extend_variants_offline.py [--ptxas PATH]``
+
+For the default config and each candidate of ``benchmarks/extend_long_sweep.py`` (bf16, D
+128, group 4, causal, ``has_prefix=False``, plus the default with the prefix stage): compiles
+through Triton for sm_90a (the JIT's 16-divisibility specialisation of pointers and strides
+is assumed), then runs ``ptxas -v`` (``--ptxas``, default: the ptxas Triton itself uses)
+and prints registers, spills, shared memory and PTX counts (wgmma, wgmma waits, TMA loads,
+cp.async). A candidate whose compile fails (Triton 3.6's ptxas 12.8 crashed with SIGSEGV on
+K+V descriptors at 3 stages) is listed with the error. Install the device's Triton with
+``pip install --no-deps --target <dir> triton==3.6.0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
+from extend_long_sweep import CANDIDATES  # noqa: E402
+
+import attnserve.attention.triton_ops.extend_attention as m  # noqa: E402
+
+
+def compile_variant(cfg, has_prefix: bool):
+    """Triton's compile of `_extend_fwd_kernel` for sm_90a as a plain-prefill launch of ``cfg``."""
+    fn = m._extend_fwd_kernel
+    names = fn.arg_names
+    k_desc, v_desc = (not has_prefix and "k" in cfg.kv_desc), (not has_prefix and "v" in cfg.kv_desc)
+    const = dict(GROUP=4, DK=128, DV=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                 BLOCK_NP=cfg.block_n_prefix or cfg.block_n, BLOCK_D=128, BLOCK_DPE=0, BLOCK_DV=128,
+                 IS_CAUSAL=True, HAS_MASK=False, PREFIX_MASK=False, HAS_WINDOW=False, HAS_CAP=False,
+                 HAS_PREFIX_START=False, K_SCALED=False, V_SCALED=False, PREFIX_F16=False, HAS_PREFIX=has_prefix,
+                 EVEN_DK=True, EVEN_DPE=True, EVEN_DV=True, COMPUTE_FP32=False, DOT_PREC=None,
+                 K_DESC=k_desc, V_DESC=v_desc)
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in ("k_ext_desc", "v_ext_desc") and (k_desc or v_desc):
+            sig[n] = f"tensordesc<bf16[{cfg.block_n}, 128]>"
+        elif n.endswith("_ptr") or n.endswith("_desc"):
+            typed = ("k_buf_ptr", "v_buf_ptr", "q_ptr", "k_ext_ptr", "v_ext_ptr", "o_ptr")
+            sig[n] = "*bf16" if n in typed else "*u8" if n == "mask_ptr" else "*i64" if n == "mask_indptr_ptr" else "*i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in ("sm_scale", "logit_cap", "k_scale", "v_scale"):
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+            if n.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ptxas", help="ptxas for the -v report (default: Triton's)")
+    args = ap.parse_args(argv)
+    from triton import knobs
+
+    ptxas = args.ptxas or knobs.nvidia.ptxas.path
+    print(f"triton {triton.__version__}, Triton's ptxas {knobs.nvidia.ptxas.path} ({knobs.nvidia.ptxas.version}); "
+          f"report ptxas {ptxas}")
+    default = m.extend_config(128, 128, m.torch.bfloat16, has_prefix=False)
+    runs = [("default, prefix stage", dataclasses.replace(default, block_n_prefix=128), True), ("default", default, False)]
+    runs += [(name, dataclasses.replace(default, **kw), False) for name, kw in CANDIDATES.items()]
+    for label, cfg, has_prefix in runs:
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # Triton prints the whole PTX on a ptxas crash
+                k = compile_variant(cfg, has_prefix)
+        except Exception as e:  # ptxas crashes are reported, not fatal
+            print(f"{label:28s} COMPILE ERROR {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+            continue
+        ptx = k.asm["ptx"]
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", f.name + ".o"],
+                             capture_output=True, text=True).stderr
+        regs = re.search(r"Used (\d+) registers", out)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+        counts = {x: len(re.findall(p, ptx)) for x, p in (("wgmma", r"wgmma\.mma_async"), ("wait", r"wgmma\.wait_group"),
+                                                          ("tma", r"cp\.async\.bulk\.tensor"),
+                                                          ("cp.async", r"cp\.async\.c[ag]"))}
+        print(f"{label:28s} regs {regs.group(1) if regs else '?'} spills {spill.groups() if spill else '?'} "
+              f"shared {k.metadata.shared} " + " ".join(f"{x} {n}" for x, n in counts.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
