@@ -33,15 +33,16 @@ from extend_long_sweep import CANDIDATES  # noqa: E402
 import attnserve.attention.triton_ops.extend_attention as m  # noqa: E402
 
 
-def compile_variant(cfg, has_prefix: bool):
-    """Triton's compile of `_extend_fwd_kernel` for sm_90a as a plain-prefill launch of ``cfg``."""
+def compile_variant(cfg, has_prefix: bool, buf_ty: str = "*bf16", prefix_f16: bool = False):
+    """Triton's compile of `_extend_fwd_kernel` for sm_90a as a launch of ``cfg`` (``buf_ty``: the
+    paged K/V pool's element type, ``"*bf16"`` or ``"*fp8e4nv"``; ``prefix_f16``: fp16 prefix dots)."""
     fn = m._extend_fwd_kernel
     names = fn.arg_names
     k_desc, v_desc = (not has_prefix and "k" in cfg.kv_desc), (not has_prefix and "v" in cfg.kv_desc)
     const = dict(GROUP=4, DK=128, DV=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                  BLOCK_NP=cfg.block_n_prefix or cfg.block_n, BLOCK_D=128, BLOCK_DPE=0, BLOCK_DV=128,
                  IS_CAUSAL=True, HAS_MASK=False, PREFIX_MASK=False, HAS_WINDOW=False, HAS_CAP=False,
-                 HAS_PREFIX_START=False, K_SCALED=False, V_SCALED=False, PREFIX_F16=False, HAS_PREFIX=has_prefix,
+                 HAS_PREFIX_START=False, K_SCALED=False, V_SCALED=False, PREFIX_F16=prefix_f16, HAS_PREFIX=has_prefix,
                  EVEN_DK=True, EVEN_DPE=True, EVEN_DV=True, COMPUTE_FP32=False, DOT_PREC=None,
                  K_DESC=k_desc, V_DESC=v_desc)
     sig, attrs = {}, {}
@@ -51,8 +52,9 @@ def compile_variant(cfg, has_prefix: bool):
         elif n in ("k_ext_desc", "v_ext_desc") and (k_desc or v_desc):
             sig[n] = f"tensordesc<bf16[{cfg.block_n}, 128]>"
         elif n.endswith("_ptr") or n.endswith("_desc"):
-            typed = ("k_buf_ptr", "v_buf_ptr", "q_ptr", "k_ext_ptr", "v_ext_ptr", "o_ptr")
-            sig[n] = "*bf16" if n in typed else "*u8" if n == "mask_ptr" else "*i64" if n == "mask_indptr_ptr" else "*i32"
+            typed = ("q_ptr", "k_ext_ptr", "v_ext_ptr", "o_ptr")
+            sig[n] = (buf_ty if n in ("k_buf_ptr", "v_buf_ptr") else "*bf16" if n in typed else "*u8" if n == "mask_ptr"
+                      else "*i64" if n == "mask_indptr_ptr" else "*i32")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif n in ("sm_scale", "logit_cap", "k_scale", "v_scale"):
             sig[n] = "fp32"
@@ -68,6 +70,7 @@ def compile_variant(cfg, has_prefix: bool):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ptxas", help="ptxas for the -v report (default: Triton's)")
+    ap.add_argument("--fp8-pool", action="store_true", help="also the prefix stage over an fp8 (e4m3) pool")
     args = ap.parse_args(argv)
     from triton import knobs
 
@@ -75,12 +78,16 @@ def main(argv=None) -> int:
     print(f"triton {triton.__version__}, Triton's ptxas {knobs.nvidia.ptxas.path} ({knobs.nvidia.ptxas.version}); "
           f"report ptxas {ptxas}")
     default = m.extend_config(128, 128, m.torch.bfloat16, has_prefix=False)
-    runs = [("default, prefix stage", dataclasses.replace(default, block_n_prefix=128), True), ("default", default, False)]
-    runs += [(name, dataclasses.replace(default, **kw), False) for name, kw in CANDIDATES.items()]
-    for label, cfg, has_prefix in runs:
+    prefixed = dataclasses.replace(default, block_n_prefix=128)
+    runs = [("default, prefix stage", prefixed, True, "*bf16", False), ("default", default, False, "*bf16", False)]
+    if args.fp8_pool:  # the fp8 pool's prefix stage, with and without fp16 dots (NOTES, session 15)
+        runs += [("fp8 pool, prefix, f16", prefixed, True, "*fp8e4nv", True),
+                 ("fp8 pool, prefix, no f16", prefixed, True, "*fp8e4nv", False)]
+    runs += [(name, dataclasses.replace(default, **kw), False, "*bf16", False) for name, kw in CANDIDATES.items()]
+    for label, cfg, has_prefix, buf_ty, prefix_f16 in runs:
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # Triton prints the whole PTX on a ptxas crash
-                k = compile_variant(cfg, has_prefix)
+                k = compile_variant(cfg, has_prefix, buf_ty, prefix_f16)
         except Exception as e:  # ptxas crashes are reported, not fatal
             print(f"{label:28s} COMPILE ERROR {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
             continue
