@@ -36,6 +36,7 @@ from attnserve.models.layers.mid_gemm import (
     table_key,
 )
 from numeric_bounds import dot_product_bound
+from call_spy import LaunchSpy
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -214,19 +215,6 @@ def _need_pdl():
         pytest.skip("PDL is off here (pre-Hopper GPU, Triton < 3.3 or ATTNSERVE_PDL=0): the PDL form is not exercised")
 
 
-class _LaunchSpy:
-    """Records the keyword arguments of each `_mid_gemm_kernel` launch, then launches it."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append(kwargs)
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
-
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 1024), (1024, 3072)],
                          ids=["llama-qkv", "llama-o", "qwen-qkv", "qwen-down"])
@@ -239,7 +227,7 @@ def test_pdl_form_eager_equals_plain_and_f_linear(monkeypatch, m, n, k, cfg):
     from attnserve.models.layers import mid_gemm_triton as kt
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
-    spy = _LaunchSpy(kt._mid_gemm_kernel)
+    spy = LaunchSpy(kt._mid_gemm_kernel)
     monkeypatch.setattr(kt, "_mid_gemm_kernel", spy)
     config = PDL_CONFIGS[cfg]
     x, w, _ = _inputs(m, n, k, seed=11 * m + n + k)
@@ -325,7 +313,7 @@ def test_pdl_switch_off_launches_plainly(monkeypatch):
     ``USE_PDL`` False), with the same result."""
     from attnserve.models.layers import mid_gemm_triton as kt
 
-    spy = _LaunchSpy(kt._mid_gemm_kernel)
+    spy = LaunchSpy(kt._mid_gemm_kernel)
     monkeypatch.setattr(kt, "_mid_gemm_kernel", spy)
     monkeypatch.setenv("ATTNSERVE_PDL", "0")
     config = PDL_CONFIGS["tma-pdl-pf3"]

@@ -42,6 +42,7 @@ from attnserve.models.layers.mid_gemm import (
     table_key,
 )
 from numeric_bounds import assert_within, dot_product_bound
+from call_spy import LaunchSpy
 
 BF16_ULP = 2.0**-7
 
@@ -144,20 +145,6 @@ def test_table_buckets(tmp_path, monkeypatch):
         load_mid_gemm_table("Bad GPU", torch.bfloat16)
 
 
-class _LaunchSpy:
-    """Stands in for ``mid_gemm_triton._mid_gemm_kernel``: records each launch's keyword
-    arguments (constexprs, ``launch_pdl``) and runs the real kernel."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append(kwargs)
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
-
 
 @pytest.mark.parametrize("m,n,k,gated,bias", [(17, 40, 100, False, True), (33, 40, 72, True, False)],
                          ids=["m17-bias-ktail", "m33-gated"])
@@ -169,7 +156,7 @@ def test_pdl_form_equals_plain_kernel(gen, device, monkeypatch, m, n, k, gated, 
     from attnserve.models.layers import mid_gemm_triton as kt
     from attnserve.pdl import pdl_enabled
 
-    spy = _LaunchSpy(kt._mid_gemm_kernel)
+    spy = LaunchSpy(kt._mid_gemm_kernel)
     monkeypatch.setattr(kt, "_mid_gemm_kernel", spy)
     x, w, b = _inputs(gen, m, n, k, device, bias)
     plain = MidGemmConfig(block_n=16, block_k=32, num_stages=2)

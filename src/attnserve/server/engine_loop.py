@@ -169,6 +169,12 @@ class _Live:
     cached_sent: int = -1  # cached_tokens last sent to the HTTP process (engine process only)
     quiet: bool = False  # not streamed: tokens reported every QUIET_INTERVAL (SubmitCommand.stream_tokens)
 
+    def holds_back(self, n: int) -> bool:
+        """A running request that is not streamed, with ``n`` output tokens: whether they wait
+        (reported already, and fewer than `QUIET_INTERVAL` new since). Callers ask only while
+        the request runs (its end is always reported)."""
+        return self.quiet and self.tokens > 0 and n - self.tokens < QUIET_INTERVAL
+
 
 _STOP = object()
 _WAKE = object()  # nudges an idle loop thread (a drain began)
@@ -470,7 +476,7 @@ class EngineLoop:
             self._fail(req.rid, request_error(req))
             return
         new_tokens = len(req.output_ids) - live.tokens
-        if live.quiet and req.finish_reason is None and live.tokens and new_tokens < QUIET_INTERVAL:
+        if req.finish_reason is None and live.holds_back(len(req.output_ids)):
             return  # the client reads the whole answer at the end
         now = time.perf_counter()
         if self.metrics is not None and new_tokens > 0:

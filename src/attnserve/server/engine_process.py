@@ -57,8 +57,7 @@ import signal
 import time
 from typing import Any, Dict, List, Optional
 
-from attnserve.server.engine_loop import (QUIET_INTERVAL, EngineError, EngineLoop, SubmitCommand, request_error,
-                                          take_logprobs)
+from attnserve.server.engine_loop import EngineError, EngineLoop, SubmitCommand, request_error, take_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +162,7 @@ class ProcessEngineLoop(EngineLoop):
             n = len(out)
             k = live.tokens
             if req.finish_reason is None and n > k and req.logprobs is None and req.cached_tokens == live.cached_sent:
-                if live.quiet and k and n - k < QUIET_INTERVAL:
+                if live.quiet and live.holds_back(n):
                     continue
                 live.tokens = n
                 entries.append(("t", req.rid, out[k:], n))
@@ -179,8 +178,8 @@ class ProcessEngineLoop(EngineLoop):
         that is not streamed (`SubmitCommand.stream_tokens` False) gets an entry on its
         first token, then every `QUIET_INTERVAL` tokens and at its end.
 
-        Runs once per request per step: the common case (a running request without
-        logprobs) is decided before anything else is read."""
+        `_emit_all` sends the common case of a decode step (a running request without
+        logprobs whose ``cached_tokens`` was sent) itself; the rest comes here."""
         live = self._live.get(req.rid)
         if live is None:
             return
@@ -188,11 +187,7 @@ class ProcessEngineLoop(EngineLoop):
         n = len(out)
         k = live.tokens
         if req.finish_reason is None:
-            if n <= k or (live.quiet and k and n - k < QUIET_INTERVAL):
-                return
-            if req.logprobs is None and req.cached_tokens == live.cached_sent:
-                live.tokens = n
-                self._entries.append(("t", req.rid, out[k:], n))
+            if n <= k or live.holds_back(n):
                 return
         elif req.error:  # failed alone (a bad grammar: 400)
             self._fail(req.rid, request_error(req))

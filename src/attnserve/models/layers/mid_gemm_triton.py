@@ -45,7 +45,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attnserve.models.layers.skinny_gemm_triton import _gate_act
+from attnserve.models.layers.skinny_gemm_triton import _gate_act, _prefetch_rows_l2
 from attnserve.pdl_triton import gdc_launch_dependents, gdc_wait
 
 
@@ -82,19 +82,6 @@ def _k_step(acc1, acc2, u1, u2, w, wu, x_ptr, stride_xm, k0, M, K, BLOCK_K: tl.c
         if GATED:
             u2 += _dot_t(wu, x2, DOT_UPCAST)
     return acc1, acc2, u1, u2
-
-
-@triton.jit
-def _prefetch_w_l2(w_ptr, row0, k0, rows_end, K, BLOCK_N: tl.constexpr, LINES: tl.constexpr):
-    """Hint the L2 to fetch weight rows ``row0 .. row0 + BLOCK_N`` from column ``k0`` on, one
-    ``prefetch.global.L2`` per 128-byte line (64 16-bit elements), ``LINES`` lines a row.
-    Row and column indices are clamped into the tensor (``rows_end`` rows, ``K`` columns),
-    so every address is valid; repeats are harmless. Changes no value."""
-    rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), rows_end - 1)
-    cols = tl.minimum(k0 + tl.arange(0, LINES) * 64, K - 1)
-    ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -254,9 +241,9 @@ def _mid_gemm_kernel(
             wu = _load_w(w_ptr, w_desc, N + n0, k_lo, w_rows, K, BLOCK_N, BLOCK_K, USE_TMA)
         if not INTERPRET:
             if PREFETCH_LINES > 0:
-                _prefetch_w_l2(w_ptr, n0, k_lo + BLOCK_K, N, K, BLOCK_N, PREFETCH_LINES)
+                _prefetch_rows_l2(w_ptr, n0, k_lo + BLOCK_K, N, K, BLOCK_N, PREFETCH_LINES, 64)
                 if GATED:
-                    _prefetch_w_l2(w_ptr, N + n0, k_lo + BLOCK_K, w_rows, K, BLOCK_N, PREFETCH_LINES)
+                    _prefetch_rows_l2(w_ptr, N + n0, k_lo + BLOCK_K, w_rows, K, BLOCK_N, PREFETCH_LINES, 64)
             gdc_wait()
         acc1, acc2, u1, u2 = _k_step(acc1, acc2, u1, u2, w, wu, x_ptr, stride_xm, k_lo, M, K, BLOCK_K, BLOCK_M1,
                                      BLOCK_M2, HAS_M2, DOT_UPCAST, GATED)
