@@ -56,17 +56,21 @@ def _short(name: str) -> str:
     return name if len(name) <= 90 else name[:87] + "..."
 
 
-def make_runner(model: str, max_bs: int, max_ctx: int, capture_bs: List[int], kv_cache_dtype: str = "auto"):
-    """A `ModelRunner` of the dummy bf16 shape ``model`` on CUDA with graphs for ``capture_bs``
-    and a KV cache of ``kv_cache_dtype`` (``auto``: bf16; ``fp8_e4m3`` / ``fp8_e5m2``)."""
+def make_runner(model: str, max_bs: int, max_ctx: int, capture_bs: List[int], kv_cache_dtype: str = "auto",
+                quantization: Optional[str] = None):
+    """A `ModelRunner` of the dummy bf16 shape ``model`` on CUDA with graphs for ``capture_bs``,
+    a KV cache of ``kv_cache_dtype`` (``auto``: bf16; ``fp8_e4m3`` / ``fp8_e5m2``) and linears
+    quantised as ``--quantization`` (None: bf16; ``fp8``)."""
     from attnserve.engine.model_runner import ModelRunner
     from attnserve.model_loader.loader import load_model
     from attnserve.server_args import ServerArgs
 
     args = ServerArgs(model=model, load_format="dummy", dtype="bfloat16", device="cuda",
                       max_running_requests=max_bs, max_total_tokens=max_bs * (max_ctx + 16),
-                      context_length=max_ctx + 16, cuda_graph_bs=sorted(capture_bs), kv_cache_dtype=kv_cache_dtype)
-    loaded = load_model(model, load_format="dummy", dtype=torch.bfloat16, device="cuda", load_tokenizer=False)
+                      context_length=max_ctx + 16, cuda_graph_bs=sorted(capture_bs), kv_cache_dtype=kv_cache_dtype,
+                      quantization=quantization)
+    loaded = load_model(model, load_format="dummy", dtype=torch.bfloat16, device="cuda", load_tokenizer=False,
+                        quantization=quantization)
     return ModelRunner(args, loaded)
 
 
@@ -154,8 +158,8 @@ def _print(model: str, bs: int, ctx: int, variant: str, r: dict, top: int) -> No
 
 def profile_model(model: str, batches: List[int], ctx: int, steps: int, variants: List[str],
                   table: Optional[Dict[tuple, dict]], repeat_first: bool, top: int,
-                  kv_cache_dtype: str = "auto") -> List[dict]:
-    runner = make_runner(model, max(batches), ctx, batches, kv_cache_dtype)
+                  kv_cache_dtype: str = "auto", quantization: Optional[str] = None) -> List[dict]:
+    runner = make_runner(model, max(batches), ctx, batches, kv_cache_dtype, quantization)
     gr = runner.cuda_graph_runner
     saved = {k: os.environ.get(k) for k in ("ATTNSERVE_PDL", "ATTNSERVE_SKINNY_RULE", "ATTNSERVE_DECODE_SMALL_BATCH")}
     order = list(variants) + ([variants[0]] if repeat_first and len(variants) > 1 else [])
@@ -198,6 +202,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat-first", action="store_true", help="time the first variant again at the end")
     ap.add_argument("--top", type=int, default=25, help="kernels printed per profile")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"])
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="linear weights (default bf16)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -216,10 +221,11 @@ def main(argv=None) -> int:
     rows = []
     for m in args.models:
         rows += profile_model(m, args.batch, args.context, args.steps, args.variants, table, args.repeat_first,
-                              args.top, args.kv_cache_dtype)
+                              args.top, args.kv_cache_dtype, args.quantization)
     result = {"benchmark": "profile_step", "date": dt.date.today().isoformat(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "cuda": torch.version.cuda, "kv_cache_dtype": args.kv_cache_dtype, "tuned_table": {str(k): v for k, v in (table or {}).items()}, "rows": rows}
+              "cuda": torch.version.cuda, "kv_cache_dtype": args.kv_cache_dtype,
+              "quantization": args.quantization, "tuned_table": {str(k): v for k, v in (table or {}).items()}, "rows": rows}
     print("\nvariant               model          bs   step us   busy us  launches")
     for r in rows:
         print(f"{r['variant']:<22}{r['model']:<15}{r['batch']:>3}{r['step_us']:>10.1f}{r['busy_us']:>10.1f}"
