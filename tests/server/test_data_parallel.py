@@ -99,6 +99,8 @@ def test_two_replicas_serve_64_mixed_requests(served):
     assert st["dp_size"] == 2 and sum(routed) == 66 and min(routed) > 0, routed
     assert all(r[0] == 200 and r[2] >= 48 for r in again), again  # the prefix sits in its replica's cache
     assert served.ctl.balancer.affinity_hits > 0
+    # every request ended, so no work is left on the balancer's books
+    assert [(c.num_in_flight, c.outstanding_work) for c in served.ctl.clients] == [(0, 0.0)] * 2
     assert httpx.get(served.base_url + "/health").json() == {"status": "ok"}
     deadline = time.monotonic() + 10
     while True:  # the replicas' state snapshots arrive after the last tokens
@@ -133,6 +135,7 @@ def test_a_killed_replica_fails_only_its_requests(served):
                 assert time.monotonic() < deadline and not any(t.done() for t in tasks)
                 await asyncio.sleep(0.02)
             on_victim = victim.num_in_flight
+            assert victim.outstanding_work > 0  # its open requests' estimated work
             os.kill(pid, signal.SIGKILL)
             killed_at = time.monotonic()
             results = []

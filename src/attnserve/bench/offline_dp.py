@@ -14,7 +14,10 @@ prefill-only pass with one output token, then the whole workload). A dp row repo
 Its floor is the slowest replica's: the replicas run at once on GPUs of one kind, so
 ``roofline_s`` is the largest `attnserve.bench.roofline.workload_roofline` over the request
 subsets the replicas took (from replica 0's model facts and the rates measured in this
-process, on GPU 0); null without rates.
+process, on GPU 0); null without rates. The balancer weighs requests by their share of
+that floor at the rates measured here (`attnserve.distributed.dp_request_cost.RequestCost`;
+nominal H100 rates without them); ``replica_wall_s`` is when each replica's last request
+ended, from the start of the timed pass.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Dict, List, Optional, Sequence
 
 from attnserve.bench.offline_random import _prompts
 from attnserve.bench.roofline import RooflineModel, random_lengths, workload_roofline
+from attnserve.distributed.dp_request_cost import RequestCost
 
 
 def replicas_roofline(rm: RooflineModel, input_lens: Sequence[int], output_lens: Sequence[int],
@@ -70,6 +74,9 @@ def bench_random_dp(model: str, num_prompts: int, input_len: int, output_len: in
     with DataParallelLLM(model, load_format=load_format, device=device, kv_cache_dtype=kv_cache_dtype,
                          dp_size=dp_size, **flags) as llm:
         vocab = llm.engine.vocab_size
+        if rates:  # weigh requests at this device's rates, not the nominal ones
+            llm.controller.request_cost = RequestCost.from_roofline_facts(
+                llm.engine.info.get("roofline_model"), rates["copy_bytes_per_s"], rates["matmul_flops_per_s"])
         warm = [SamplingParams(max_new_tokens=min(n, warmup_output_len), temperature=0.0, ignore_eos=True)
                 for n in osl]
         llm.generate(_prompts(vocab, isl, seed + 1), warm)
@@ -80,16 +87,18 @@ def bench_random_dp(model: str, num_prompts: int, input_len: int, output_len: in
             llm.flush_cache()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp)
-            return time.perf_counter() - t0, outs
+            return time.perf_counter() - t0, outs, t0
 
-        prefill_wall, _ = timed(SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
-        wall, outs = timed(params)
+        prefill_wall, _, _ = timed(SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+        wall, outs, t0 = timed(params)
         generated = sum(o.completion_tokens for o in outs)
         if generated != sum(osl):
             raise RuntimeError(f"generated {generated} tokens, expected {sum(osl)} (ignore_eos)")
         per_replica: List[int] = [0] * dp_size
+        replica_wall: List[float] = [0.0] * dp_size
         for o in outs:
             per_replica[o.dp_rank] += 1
+            replica_wall[o.dp_rank] = max(replica_wall[o.dp_rank], o.finished_at - t0)
         limits = llm.engine.info
         facts = limits.get("roofline_model")
         floor = None if facts is None else replicas_roofline(
@@ -100,6 +109,7 @@ def bench_random_dp(model: str, num_prompts: int, input_len: int, output_len: in
             "num_prompts": num_prompts, "random_input_len": input_len, "random_output_len": output_len,
             "random_range_ratio": range_ratio, "seed": seed, "max_total_tokens": llm.engine.max_total_tokens,
             "replica_devices": limits.get("replica_devices"), "requests_per_replica": per_replica,
+            "replica_wall_s": replica_wall,
             "wall_s": wall, "prefill_wall_s": prefill_wall, "input_tokens": sum(isl), "output_tokens": generated,
             "output_tokens_per_s": generated / wall, "total_tokens_per_s": (sum(isl) + generated) / wall,
             "roofline_s": None, "roofline_share": None,
@@ -126,4 +136,6 @@ def format_dp_row(row: dict) -> str:
             f"flags={row['flags'] or '-'}: {row['output_tokens_per_s']:9.0f} out tok/s{speed} "
             f"{row['total_tokens_per_s']:9.0f} total tok/s wall {row['wall_s']:.2f} s "
             f"(prefill {row['prefill_wall_s']:.2f} s) requests per replica {row['requests_per_replica']}, "
+            f"replica walls {[round(t, 2) for t in row.get('replica_wall_s') or []]} s, "
+            f"replica floors {[None if t is None else round(t, 2) for t in row.get('replica_roofline_s') or []]} s, "
             f"share {'n/a' if row['roofline_share'] is None else format(row['roofline_share'], '.2f')}")

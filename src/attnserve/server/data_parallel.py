@@ -10,8 +10,11 @@ the cores. Every replica runs in a process group of its own.
 `DataParallelController` stands where one `EngineClient` stands for the HTTP handlers
 (`submit`, `abort`, `state`, drain, start and stop): it owns one `EngineClient` per replica,
 all on the app's event loop, and sends each request to the replica a
-`attnserve.distributed.dp_balancer.LoadBalancer` picks (shortest queue with prefix
-affinity by default; ``--load-balance-method``).
+`attnserve.distributed.dp_balancer.LoadBalancer` picks (least outstanding work with prefix
+affinity by default; ``--load-balance-method``), a request's work being its estimated share
+of the floor (`attnserve.distributed.dp_request_cost.RequestCost`, from replica 0's model
+facts) until it ends. `DataParallelController.submit_many` places a batch sent at once
+costliest first (``DataParallelLLM.generate``).
 
 A replica that dies (its process exits, or its engine loop does) ends only its own requests,
 at once, with 503 ``engine_dead`` naming it (``data-parallel replica 1 died; ...``); what it
@@ -35,6 +38,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from attnserve.distributed.dp_balancer import LoadBalancer, NoLiveReplica, ReplicaLoad
+from attnserve.distributed.dp_request_cost import RequestCost
 from attnserve.server.engine_client import EngineClient, RemoteEngine
 from attnserve.server.engine_loop import EngineError, StreamEvent, SubmitCommand
 
@@ -90,11 +94,14 @@ class DataParallelController:
         balancer: the routing policy.
         tokenizer: the (shared) tokenizer, or None.
         metrics: the server's metrics (a `DataParallelMetrics` gets per-replica series).
+        request_cost: a request's estimated work (default `RequestCost.tokens`).
     """
 
-    def __init__(self, clients: List[EngineClient], balancer: LoadBalancer, tokenizer=None, metrics=None):
+    def __init__(self, clients: List[EngineClient], balancer: LoadBalancer, tokenizer=None, metrics=None,
+                 request_cost: Optional[RequestCost] = None):
         self.clients = clients
         self.balancer = balancer
+        self.request_cost = request_cost or RequestCost.tokens()
         self.tokenizer = tokenizer
         self._metrics = None
         self.metrics = metrics
@@ -170,7 +177,12 @@ class DataParallelController:
     # ---- requests ------------------------------------------------------------------------
     def loads(self) -> List[ReplicaLoad]:
         return [ReplicaLoad(alive=c.is_alive() or (c.thread_id is None and c.process.is_alive()),
-                            num_requests=c.num_in_flight) for c in self.clients]
+                            num_requests=c.num_in_flight, outstanding_work=c.outstanding_work)
+                for c in self.clients]
+
+    def cost(self, cmd: SubmitCommand) -> float:
+        """``cmd``'s estimated work (`request_cost` of its prompt and ``max_new_tokens``)."""
+        return self.request_cost(len(cmd.prompt_ids), cmd.sampling_params.max_new_tokens)
 
     def submit(self, cmd: SubmitCommand) -> Optional[int]:
         """Send the request to the replica the balancer picks (503 when none is alive).
@@ -186,8 +198,30 @@ class DataParallelController:
             self._push(cmd.stream, StreamEvent(error=_all_dead()))
             return None
         self.routed[rank] += 1
-        self.clients[rank].submit(cmd)
+        self.clients[rank].submit(cmd, self.cost(cmd))
         return rank
+
+    def submit_many(self, cmds: List[SubmitCommand]) -> List[Optional[int]]:
+        """`submit` for a batch sent at once: placed costliest first
+        (`LoadBalancer.select_many`), then sent in the given order.
+
+        Returns:
+            each request's ``dp_rank``, None where it was refused here."""
+        costs = [self.cost(c) for c in cmds]
+        refused = _shutting_down() if self._stopping or self._draining else None
+        if refused is None:
+            try:
+                ranks = self.balancer.select_many([c.prompt_ids for c in cmds], costs, self.loads())
+            except NoLiveReplica:
+                refused = _all_dead()
+        if refused is not None:
+            for c in cmds:
+                self._push(c.stream, StreamEvent(error=refused))
+            return [None] * len(cmds)
+        for cmd, rank, cost in zip(cmds, ranks, costs):
+            self.routed[rank] += 1
+            self.clients[rank].submit(cmd, cost)
+        return list(ranks)
 
     def abort(self, rid: str) -> None:
         """Abort ``rid`` on whichever replica has it (unknown ids are ignored)."""
@@ -304,12 +338,13 @@ def start_data_parallel(server_args, log_level: Optional[int] = None, poll_s: fl
     clients = [EngineClient(proc, conn, tokenizer, ready[i][0].get("state"), dp_rank=i)
                for i, (proc, conn) in enumerate(spawned)]
     balancer = LoadBalancer(dp, server_args.load_balance_method)
+    request_cost = RequestCost.from_roofline_facts(facts["info"].get("roofline_model"))
     metrics = None
     if with_metrics:
         from attnserve.server.dp_metrics import DataParallelMetrics
 
         metrics = DataParallelMetrics(server_args.model, dp)
-    ctl = DataParallelController(clients, balancer, tokenizer, metrics)
+    ctl = DataParallelController(clients, balancer, tokenizer, metrics, request_cost)
     atexit.register(_stop_at_exit, weakref.ref(ctl))
     facts = dict(facts, info={**facts["info"], "dp_size": dp,
                               "replica_devices": devices if devices[0] is not None else None})

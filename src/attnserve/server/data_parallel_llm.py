@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
@@ -35,6 +36,7 @@ class DPGenerateOutput:
         finish_reason: ``stop`` / ``length`` / ``abort``.
         cached_tokens: prompt tokens served from the replica's prefix cache.
         dp_rank: the replica that served it.
+        finished_at: ``time.perf_counter()`` when its last event arrived here.
     """
 
     text: str
@@ -43,6 +45,7 @@ class DPGenerateOutput:
     finish_reason: Optional[str]
     cached_tokens: int
     dp_rank: int
+    finished_at: float = 0.0
 
 
 class DPRequestFailed(RuntimeError):
@@ -85,7 +88,8 @@ class DataParallelLLM:
 
     def generate(self, prompts: Sequence[Union[str, List[int]]], sampling_params, chat: bool = False
                  ) -> List[DPGenerateOutput]:
-        """Run every prompt to completion on the replicas the balancer picks.
+        """Run every prompt to completion on the replicas the balancer picks (the whole
+        batch at once, costliest first: `DataParallelController.submit_many`).
 
         Args:
             prompts: texts or token-id lists.
@@ -109,11 +113,9 @@ class DataParallelLLM:
     async def _generate(self, ids: List[List[int]], params) -> List[DPGenerateOutput]:
         from attnserve.server.engine_loop import RequestStream, SubmitCommand
 
-        streams, ranks = [], []
-        for prompt, sp in zip(ids, params):
-            stream = RequestStream()
-            ranks.append(self.controller.submit(SubmitCommand(uuid.uuid4().hex, prompt, sp, stream)))
-            streams.append(stream)
+        streams = [RequestStream() for _ in ids]
+        ranks = self.controller.submit_many([SubmitCommand(uuid.uuid4().hex, prompt, sp, stream)
+                                             for prompt, sp, stream in zip(ids, params, streams)])
 
         async def collect(i: int) -> DPGenerateOutput:
             text = ""
@@ -124,7 +126,8 @@ class DataParallelLLM:
                 text += ev.text
                 if ev.final:
                     return DPGenerateOutput(text, ev.completion_tokens, ev.prompt_tokens, ev.finish_reason,
-                                            ev.cached_tokens, ranks[i] if ranks[i] is not None else -1)
+                                            ev.cached_tokens, ranks[i] if ranks[i] is not None else -1,
+                                            time.perf_counter())
 
         return list(await asyncio.gather(*(collect(i) for i in range(len(ids)))))
 

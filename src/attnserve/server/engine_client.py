@@ -71,6 +71,7 @@ class _Pending:
     logprobs: Optional[list] = None  # output logprob entries not pushed yet
     prompt_logprobs: Optional[list] = None
     cached: int = 0  # the engine's last cached_tokens (short token entries omit it)
+    cost: float = 0.0  # the load balancer's estimate (`dp_request_cost.RequestCost`)
 
 
 class EngineClient:
@@ -100,6 +101,7 @@ class EngineClient:
         self.metrics = metrics
         self._state: Dict[str, Any] = dict(state or {})
         self._reqs: Dict[str, _Pending] = {}
+        self._work = 0.0  # sum of the open requests' costs (`outstanding_work`)
         self._send_lock = threading.Lock()
         self._outbox: List[tuple] = []  # submits and aborts of this event-loop iteration (`_send`)
         self._outbox_scheduled = False
@@ -201,9 +203,9 @@ class EngineClient:
         return wait_for_drain(self._drained, lambda: self._closed.is_set() or not self.process.is_alive(), timeout)
 
     # ---- requests ------------------------------------------------------------------------
-    def submit(self, cmd: SubmitCommand) -> None:
+    def submit(self, cmd: SubmitCommand, cost: float = 0.0) -> None:
         """Send a request to the engine; its first event says whether it was accepted (see
-        `EngineLoop.submit`)."""
+        `EngineLoop.submit`). ``cost``: its estimated work, in `outstanding_work` until it ends."""
         if self._stopping or self._draining.is_set():
             self._push(cmd.stream, StreamEvent(error=_shutting_down()))
             return
@@ -213,12 +215,13 @@ class EngineClient:
         detok = None
         if self.tokenizer is not None and cmd.stream_tokens:  # a whole answer is the engine's final text
             detok = IncrementalDetokenizer(self.tokenizer, cmd.sampling_params.stop_strs)
-        self._reqs[cmd.rid] = _Pending(cmd, detok)
+        self._reqs[cmd.rid] = _Pending(cmd, detok, cost=cost)
+        self._work += cost
         submit = ("submit", cmd.rid, list(cmd.prompt_ids), cmd.sampling_params)
         if not cmd.stream_tokens:
             submit += (False,)
         if not self._send([submit], batch=True):
-            self._reqs.pop(cmd.rid, None)
+            self._forget(cmd.rid)
             self._push(cmd.stream, StreamEvent(error=self._dead_error()))
 
     def abort(self, rid: str) -> None:
@@ -234,6 +237,18 @@ class EngineClient:
     def num_in_flight(self) -> int:
         """Requests submitted here and not finished yet (the load balancer's queue length)."""
         return len(self._reqs)
+
+    @property
+    def outstanding_work(self) -> float:
+        """The summed ``cost`` of the requests in flight (the load balancer's work)."""
+        return self._work
+
+    def _forget(self, rid: str) -> Optional[_Pending]:
+        """Drop ``rid``'s bookkeeping and its work (None if unknown)."""
+        p = self._reqs.pop(rid, None)
+        if p is not None:
+            self._work = self._work - p.cost if self._reqs else 0.0  # no drift once idle
+        return p
 
     def flush_cache(self) -> bool:
         """Ask the engine to drop its prefix cache (`Scheduler.flush_prefix_cache`; a no-op
@@ -369,7 +384,7 @@ class EngineClient:
             if m is not None:
                 m.on_accept(ev.prompt_tokens)
         if ev.final:
-            del self._reqs[rid]
+            self._forget(rid)
         p.cmd.stream.put(ev)
 
     def _on_tokens(self, now: float, rid: str, new_ids: List[int], n: int, reason: Optional[str] = None,
@@ -419,7 +434,7 @@ class EngineClient:
                                          logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs))
             p.logprobs = p.prompt_logprobs = None
         if reason is not None:
-            del self._reqs[rid]
+            self._forget(rid)
             if m is not None:
                 m.on_finish(reason, now - p.cmd.arrival)
 
@@ -429,7 +444,7 @@ class EngineClient:
         self._closed.set()
         self._close_error = err
         for rid in list(self._reqs):
-            p = self._reqs.pop(rid)
+            p = self._forget(rid)
             if p.accepted and self.metrics is not None:
                 self.metrics.on_finish("error", time.perf_counter() - p.cmd.arrival)
             self._push(p.cmd.stream, StreamEvent(completion_tokens=p.tokens, prompt_tokens=len(p.cmd.prompt_ids),
