@@ -89,7 +89,8 @@ class DataParallelLLM:
     def generate(self, prompts: Sequence[Union[str, List[int]]], sampling_params, chat: bool = False
                  ) -> List[DPGenerateOutput]:
         """Run every prompt to completion on the replicas the balancer picks (the whole
-        batch at once, costliest first: `DataParallelController.submit_many`).
+        batch at once, costliest first: `DataParallelController.submit_many`; not streamed, so
+        the text comes whole with each request's last event).
 
         Args:
             prompts: texts or token-id lists.
@@ -114,7 +115,8 @@ class DataParallelLLM:
         from attnserve.server.engine_loop import RequestStream, SubmitCommand
 
         streams = [RequestStream() for _ in ids]
-        ranks = self.controller.submit_many([SubmitCommand(uuid.uuid4().hex, prompt, sp, stream)
+        # not streamed: the replicas report a request every QUIET_INTERVAL tokens, not every step
+        ranks = self.controller.submit_many([SubmitCommand(uuid.uuid4().hex, prompt, sp, stream, stream_tokens=False)
                                              for prompt, sp, stream in zip(ids, params, streams)])
 
         async def collect(i: int) -> DPGenerateOutput:
