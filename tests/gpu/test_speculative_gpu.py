@@ -132,3 +132,35 @@ def test_draft_chain_above_the_largest_graph(baseline):
     out, _ = _run(engine, _prompts())
     assert out == baseline
     _assert_free(engine)
+
+
+def test_ngram_verify_graphs_share_one_logits_buffer(baseline):
+    """Every verify graph writes its logits into the largest graph's buffer (8 requests x 8
+    nodes). Requests that end at different steps replay graphs of several sizes below the
+    largest (4, then smaller: the 3-token request ends within 2 verify steps, the 40-token
+    one needs at least 5), all writing the same memory, and still give the baseline's tokens."""
+    engine = _engine(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8, **EXACT)
+    graph = engine.scheduler.spec.verify_graph
+    assert graph.capture_bs == [1, 2, 4, 8]
+    big = graph.outputs[graph.max_bs]
+    vocab = big.shape[1]
+    assert big.shape == (graph.max_bs * graph.n, vocab) and big.dtype == torch.float32
+    for bs, out in graph.outputs.items():
+        assert out.shape == (bs * graph.n, vocab) and out.data_ptr() == big.data_ptr()
+    assert graph.logits_buffer_bytes == graph.max_bs * graph.n * vocab * 4
+    per_graph = sum(graph.capture_bs) * graph.n * vocab * 4
+    print(f"verify graphs {graph.capture_bs} x {graph.n} nodes, vocab {vocab}: capture used "
+          f"{graph.graph_memory_bytes / 2**20:.1f} MiB; shared logits {graph.logits_buffer_bytes / 2**20:.1f} MiB "
+          f"(one buffer per graph: {per_graph / 2**20:.1f} MiB)")
+    replayed = []
+    replay = graph.replay
+    graph.replay = lambda packed, raw: replayed.append(raw) or replay(packed, raw)
+    lens = [40, 26, 13, 3]
+    reqs = [engine.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=m, ignore_eos=True))
+            for p, m in zip(_prompts(), lens)]
+    while engine.has_work():
+        engine.step()
+    assert [list(r.output_ids) for r in reqs] == [b[:m] for b, m in zip(baseline, lens)]
+    print(f"verify batch sizes replayed: {replayed}")
+    assert max(replayed) == 4 and min(replayed) < 4, replayed
+    _assert_free(engine)

@@ -12,9 +12,14 @@
   optionally capped at ``--max-concurrency`` requests in flight. Several concurrency values
   run one after the other against the same server.
 * Requests are greedy and stream (SSE) unless ``--stream-fraction`` sends some whole.
-  Measured per request: TTFT (send -> first chunk with text) and inter-token latency (gaps
-  between text chunks) of streamed requests, end-to-end latency, and the server's token
-  counts (``stream_options.include_usage``, or the whole response's ``usage``).
+  Measured per request: TTFT (send -> first chunk with output) and inter-token latency (gaps
+  between chunks with output) of streamed requests, end-to-end latency, and the server's
+  token counts (``stream_options.include_usage``, or the whole response's ``usage``). A
+  chunk has output when a completion choice without ``finish_reason`` carries ``text``
+  (empty from a model without a tokenizer, e.g. a dummy shape: attnserve then sends one
+  empty chunk per report of new tokens) or a chat delta carries content, reasoning or tool
+  calls. Requests sent whole have no TTFT or ITL: the summary gives the number of requests
+  (and gaps) each metric is computed over.
 * ``--offline-baseline`` (with ``--launch``) first runs the same warm-up and workload
   through ``LLM.generate`` with the same server flags, in a process of its own
   (`attnserve.bench.serving_baseline`), and reports server / offline output tok/s.
@@ -62,9 +67,11 @@ class Workload:
 
 @dataclass
 class Result:
-    """Outcome of one request; times in seconds (``itl``: gaps between text chunks)."""
+    """Outcome of one request; times in seconds (``itl``: gaps between chunks with output;
+    ``ttft`` NaN and ``itl`` empty for a request sent whole)."""
 
     ok: bool = False
+    stream: bool = True
     ttft: float = float("nan")
     itl: List[float] = field(default_factory=list)
     e2e: float = float("nan")
@@ -120,7 +127,7 @@ async def send_one(client, base_url: str, model: str, work: Workload, timeout: f
         return await _send_whole(client, base_url, model, work, timeout)
     body = {**work.payload, "model": model, "stream": True, "temperature": 0.0,
             "stream_options": {"include_usage": True}}
-    res = Result(prompt_tokens=work.prompt_len or 0)
+    res = Result(prompt_tokens=work.prompt_len or 0, stream=True)
     t0 = time.perf_counter()
     last = None
     try:
@@ -142,8 +149,7 @@ async def send_one(client, base_url: str, model: str, work: Workload, timeout: f
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk.get("choices", []):
-                    text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-                    if text:
+                    if carries_output(choice):
                         now = time.perf_counter()
                         if last is None:
                             res.ttft = now - t0
@@ -157,9 +163,19 @@ async def send_one(client, base_url: str, model: str, work: Workload, timeout: f
     return res
 
 
+def carries_output(choice: Dict[str, Any]) -> bool:
+    """Whether a streamed choice reports generated tokens: a completion choice without
+    ``finish_reason`` (its ``text`` may be empty when the model has no tokenizer), or a chat
+    delta with content, reasoning or tool calls (not the first chunk's bare role)."""
+    if "text" in choice:
+        return choice.get("finish_reason") is None or bool(choice["text"])
+    delta = choice.get("delta") or {}
+    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+
+
 async def _send_whole(client, base_url: str, model: str, work: Workload, timeout: float) -> Result:
     body = {**work.payload, "model": model, "stream": False, "temperature": 0.0}
-    res = Result(prompt_tokens=work.prompt_len or 0)
+    res = Result(prompt_tokens=work.prompt_len or 0, stream=False)
     t0 = time.perf_counter()
     try:
         resp = await client.post(base_url + work.path, json=body, timeout=timeout)
@@ -224,12 +240,17 @@ def _stats_ms(values: Sequence[float]) -> Dict[str, float]:
 
 
 def summarize(results: Sequence[Result], duration: float) -> Dict[str, Any]:
-    """Throughput and latency percentiles (ms) of one run."""
+    """Throughput and latency percentiles (ms) of one run. ``ttft_ms``, ``itl_ms`` and
+    ``e2e_ms`` each say over how many completed requests (``requests``; ITL also over how
+    many gaps, ``gaps``) they are computed: TTFT over the streamed requests that produced
+    output, ITL over those with two chunks or more, E2E over all."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
+    timed = [r for r in ok if not math.isnan(r.ttft)]
     return {
         "completed": len(ok),
+        "completed_streamed": sum(r.stream for r in ok),
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "duration_s": duration,
@@ -238,9 +259,10 @@ def summarize(results: Sequence[Result], duration: float) -> Dict[str, Any]:
         "input_throughput": in_tokens / duration,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
-        "ttft_ms": _stats_ms([r.ttft for r in ok]),
-        "itl_ms": _stats_ms([x for r in ok for x in r.itl]),
-        "e2e_ms": _stats_ms([r.e2e for r in ok]),
+        "ttft_ms": {**_stats_ms([r.ttft for r in timed]), "requests": len(timed)},
+        "itl_ms": {**_stats_ms([x for r in ok for x in r.itl]), "requests": sum(bool(r.itl) for r in ok),
+                   "gaps": sum(len(r.itl) for r in ok)},
+        "e2e_ms": {**_stats_ms([r.e2e for r in ok]), "requests": len(ok)},
     }
 
 
@@ -491,6 +513,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 proc.wait()
     print(f"\nmodel {model} on {facts.get('device_name', facts.get('device', '?'))} at {base_url}")
     print(format_table(runs))
+    for run in runs:
+        s = run["summary"]
+        print(f"latency (concurrency {run['max_concurrency']}): TTFT over {s['ttft_ms']['requests']} and ITL over "
+              f"{s['itl_ms']['requests']} of the {s['completed_streamed']} streamed requests ({s['itl_ms']['gaps']} "
+              f"gaps); E2E over all {s['completed']} completed")
     for run in runs:
         h = run["host"]
         if "engine_steps" in h:

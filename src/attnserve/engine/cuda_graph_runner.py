@@ -24,6 +24,7 @@ from typing import Dict, List
 
 import torch
 
+from attnserve.engine.graph_output import SharedGraphOutput
 from attnserve.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -111,14 +112,13 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         stream = capture_stream()
         # Every graph writes its logits into the largest graph's output (captured first), so the
-        # graphs share one [max_bs, vocab] float32 buffer: a graph's own logits tensor is freed after
-        # its capture and its pool blocks are reused by the next graph. Kept per graph, the outputs
-        # summed to ~5.5 GB for Llama-3-8B's 51 sizes up to 512 (6.3 GB of graph memory for
+        # graphs share one [max_bs, vocab] float32 buffer (`SharedGraphOutput`). Kept per graph, the
+        # outputs summed to ~5.5 GB for Llama-3-8B's 51 sizes up to 512 (6.3 GB of graph memory for
         # Qwen3-0.6B, against 2.6 GB for the 35 sizes up to 256, on an H100). The copy costs
         # bs x vocab x 8 bytes of traffic a step (~22 us at 64 Llama-3-8B rows, 7.9 ms steps).
         # Replays run in stream order and each step's logits are consumed before the next
         # replay (as they were for two steps of one size), so sharing is safe.
-        shared = None
+        shared = SharedGraphOutput()
         for bs in reversed(self.capture_bs):
             fb = self._batch(bs)
             self.backend.init_forward_metadata_capture_cuda_graph(
@@ -134,12 +134,8 @@ class CudaGraphRunner:
                 if self.metadata_in_graph:
                     self._refill_metadata(bs, fb.seq_lens_sum)
                 out = self._run_model(fb)
-                if shared is not None:
-                    shared[:bs].copy_(out)
-            if shared is None:
-                shared = out
+                self.outputs[bs] = shared.bind(out)
             self.graphs[bs] = graph
-            self.outputs[bs] = shared[:bs]
             del out
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0

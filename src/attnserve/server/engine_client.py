@@ -429,7 +429,8 @@ class EngineClient:
             p.sent = max(p.sent, end)
         else:
             delta = ""
-        if delta or reason is not None:
+        if delta or reason is not None or (k > 0 and self.tokenizer is None and p.cmd.stream_tokens):
+            # (a model without a tokenizer has no text: a streamed request's event marks its new tokens)
             p.cmd.stream.put(StreamEvent(delta, n, len(p.cmd.prompt_ids), reason, cached_tokens=cached,
                                          logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs))
             p.logprobs = p.prompt_logprobs = None

@@ -488,7 +488,8 @@ class EngineLoop:
         if new_tokens > 0:
             live.last_token_at = now
             live.tokens = len(req.output_ids)
-        text = stable_text(req, getattr(self.engine, "tokenizer", None))
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        text = stable_text(req, tokenizer)
         delta = ""
         if text.startswith(live.sent):
             delta = text[len(live.sent):]
@@ -496,8 +497,8 @@ class EngineLoop:
         else:  # the detokenizer rewrote text already streamed; nothing sensible to send
             logger.warning("request %s: decoded text changed after it was streamed", req.rid)
         reason = req.finish_reason.value if req.finish_reason is not None else None
-        if not delta and reason is None:
-            return
+        if not delta and reason is None and not (tokenizer is None and new_tokens > 0 and live.cmd.stream_tokens):
+            return  # (a model without a tokenizer has no text: a streamed request's event marks its new tokens)
         lp = take_logprobs(live, req)
         live.cmd.stream.push(StreamEvent(delta, live.tokens, len(req.prompt_ids), reason,
                                          cached_tokens=getattr(req, "cached_tokens", 0), logprobs=lp[0],

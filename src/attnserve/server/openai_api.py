@@ -480,13 +480,18 @@ def build_router():
         if body.stream:
             builders = [CompletionLogprobsBuilder(texts) if texts else None for _ in choices]
             echoed = [echo is None] * len(choices)
+            # a model without a tokenizer makes no text: an empty chunk marks each report of new tokens
+            tokenless, reported = ctx.engine.tokenizer is None, [0] * len(choices)
 
             def chunk(i, text, reason, ev=None):
                 entries, lp = list((ev and ev.logprobs) or ()), None
                 if reason is None and not echoed[i]:  # the prompt (and its logprobs) first
                     echoed[i] = True
                     text, entries = echo + (text or ""), list(ev.prompt_logprobs or ()) + entries
-                if reason is None and not text and not entries:
+                new_tokens = ev is not None and ev.completion_tokens > reported[i]
+                if new_tokens:
+                    reported[i] = ev.completion_tokens
+                if reason is None and not text and not entries and not (tokenless and new_tokens):
                     return None
                 if builders[i] is not None and (entries or reason is None):
                     lp = builders[i].build(entries)
