@@ -33,6 +33,9 @@ adjacent columns and is converted in registers, see ``V_PAIRS`` in stage 1); K's
 host and V's scale multiplies each split's output in stage 1 (stage 2 is a convex
 combination of the splits, so this is exact). With scales of 1.0 nothing extra runs.
 
+An opt-in stream-K stage 1 (`decode_streamk`, ``ATTNSERVE_DECODE_STREAMK=1`` or
+``streamk=True``) walks all tiles of the batch with one grid of persistent programs instead.
+
 Everything the launch depends on is host-known (bs, head counts, ``max_kv_splits``), and
 no host synchronisation happens, so `decode_attention_fwd` is CUDA-graph capturable.
 Tuning lives in `decode_tuning` (`decode_config`), split counts and the split grid in

@@ -10,7 +10,7 @@ Here, as in the stream-K GEMM decomposition (Osama, Merrill, Cecka, Garland, Owe
 "Stream-K: Work-centric Parallel Decomposition for Dense Matrix-Matrix Multiplication on
 the GPU", PPoPP 2023), every KV tile of the batch is one *unit* of a flattened sequence
 ``u = hp * T + tile_off[b] + t`` (head program ``hp``, request ``b``, its tile ``t``; ``T``
-tiles per head program), and a fixed grid of ``G`` programs (`streamk_num_programs`: one
+tiles per head program), and a fixed grid of ``G`` programs (`streamk_num_programs`: two
 per SM) takes equal contiguous ranges of ``P`` units. The software pipeline then runs on
 across request boundaries and every SM streams the same number of tiles.
 
@@ -71,6 +71,10 @@ from attnserve.triton_jit import tanh
 STREAMK_ENV = "ATTNSERVE_DECODE_STREAMK"
 #: (block_n, num_stages, num_warps) of the stream-K stage 1, 16-bit cache (one resident program per SM)
 STREAMK_TILE = (128, 3, 4)
+#: stage-1 programs per SM (`streamk_num_programs`): Triton 3.6 for sm_90a gives the bf16 tile
+#: 255 registers x 128 threads and ~78 KB of shared memory, the fp8 one 196 and ~41 KB
+#: (`scripts/decode_streamk_offline.py`), so two programs fit on an SM and hide each other's latency
+STREAMK_PROGRAMS_PER_SM = 2
 #: the same for an fp8 cache (V pairs on CUDA): 128-key tiles waste less on short requests' last tiles
 STREAMK_FP8_TILE = (128, 4, 4)
 
@@ -120,7 +124,7 @@ def streamk_supported(q: torch.Tensor, k_buffer: torch.Tensor, block_h: int, max
     )
 
 
-def streamk_num_programs(num_sms: int, programs_per_sm: int = 1) -> int:
+def streamk_num_programs(num_sms: int, programs_per_sm: int = STREAMK_PROGRAMS_PER_SM) -> int:
     """Grid of the stream-K stage 1: ``num_sms * programs_per_sm`` (host ints)."""
     return max(1, int(num_sms) * max(1, int(programs_per_sm)))
 
@@ -201,8 +205,10 @@ def plan_streamk_decode(kv_indptr: torch.Tensor, bs: int, cap: int, block_n: int
                           torch.zeros(bs, dtype=torch.int32, device=dev),
                           torch.zeros(2, dtype=torch.int32, device=dev), 0, 0, 0, 0)
     elif out.tiles.shape[1] < cap or out.tile_off.shape[0] < bs:
-        raise ValueError(f"plan buffers too small: tiles {tuple(out.tiles.shape)}, tile_off {tuple(out.tile_off.shape)}")
-    out.block_n, out.head_programs, out.num_programs, out.max_kv_splits = block_n, head_programs, num_programs, max_kv_splits
+        raise ValueError(f"plan buffers too small: tiles {tuple(out.tiles.shape)}, "
+                         f"tile_off {tuple(out.tile_off.shape)}")
+    out.block_n, out.head_programs = block_n, head_programs
+    out.num_programs, out.max_kv_splits = num_programs, max_kv_splits
     _streamk_plan_kernel[(bs,)](
         kv_indptr, out.tiles, out.tile_off, out.meta,
         bs, out.tiles.shape[1], head_programs, num_programs, max_kv_splits,
