@@ -227,8 +227,12 @@ def fp8_mid_rows(m, x, xq, xs, wq, ws, n, k, gated, act, sweep, t, timed, copies
     tile, their times and their fraction of the copy rate (weight bytes / time / copy rate),
     and ``emit_table`` gets ``(mode, best tile)`` for the table suggestion."""
     from attnserve.models.layers.quantization.fp8_kernels import quantize_activation
-    from attnserve.models.layers.quantization.fp8_mid_gemm import fp8_mid_candidates, fp8_mid_linear
+    from attnserve.models.layers.quantization.fp8_mid_gemm import fp8_mid_candidates
+    from attnserve.models.layers.quantization.fp8_mid_gemm import fp8_mid_linear as mid_linear
+    from attnserve.models.layers.split_k_workspace import SplitKWorkspace
 
+    # split-K on a persistent workspace, as `Fp8LinearMethod` runs it (no memset per call)
+    fp8_mid_linear = functools.partial(mid_linear, workspace=SplitKWorkspace())
     wbytes = n * k
     summary = {}
     for mode in ("w8a16", "w8a8_prequant", "w8a8"):
