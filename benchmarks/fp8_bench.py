@@ -1,7 +1,12 @@
 """FP8 linears (issue 37) against bf16 on one GPU, dummy weights, both in the same run.
 
-``PYTHONPATH=src python benchmarks/fp8_bench.py [--out FILE.json] [--model llama-3-8b] [--sweep]
-[--parts engine,producers,gemm] [--variants bf16,fp8,...] [--ms 1,16,64,256,8192]``
+``PYTHONPATH=src python benchmarks/fp8_bench.py [--out FILE.json] [--model llama-3-8b] [--sweep [wide]]
+[--parts engine,producers,gemm] [--variants bf16,fp8,...] [--ms 1,16,64,256,8192] [--budget-s 150]``
+
+``--sweep wide`` replaces the GEMM rows by the FP8 mid GEMM's wide W8A8 tile sweep at the
+``--ms`` rows (``--ms 64``; 33..64 meant) within ``--budget-s`` seconds of GPU time
+(``benchmarks/fp8_mid_sweep.py``): per shape the best 5 tiles and the
+``FP8_MID_DEFAULT_W8A8`` line to paste, JSON under ``fp8_mid_wide``.
 
 **Engine rows** (CUDA graphs on), per ``--variants`` entry (`ENGINE_VARIANTS`): ``bf16``;
 ``fp8`` (``--quantization fp8``, the defaults); ``fp8-16bit-tiles``
@@ -222,8 +227,12 @@ def fp8_mid_rows(m, x, xq, xs, wq, ws, n, k, gated, act, sweep, t, timed, copies
     tile, their times and their fraction of the copy rate (weight bytes / time / copy rate),
     and ``emit_table`` gets ``(mode, best tile)`` for the table suggestion."""
     from attnserve.models.layers.quantization.fp8_kernels import quantize_activation
-    from attnserve.models.layers.quantization.fp8_mid_gemm import fp8_mid_candidates, fp8_mid_linear
+    from attnserve.models.layers.quantization.fp8_mid_gemm import fp8_mid_candidates
+    from attnserve.models.layers.quantization.fp8_mid_gemm import fp8_mid_linear as mid_linear
+    from attnserve.models.layers.split_k_workspace import SplitKWorkspace
 
+    # split-K on a persistent workspace, as `Fp8LinearMethod` runs it (no memset per call)
+    fp8_mid_linear = functools.partial(mid_linear, workspace=SplitKWorkspace())
     wbytes = n * k
     summary = {}
     for mode in ("w8a16", "w8a8_prequant", "w8a8"):
@@ -483,14 +492,17 @@ def main(argv=None):
     ap.add_argument("--parts", default="engine,gemm,producers")
     ap.add_argument("--variants", default="bf16,fp8,fp8-16bit-tiles,fp8-next",
                     help=f"comma-separated, of {', '.join(ENGINE_VARIANTS)}")
-    ap.add_argument("--ms", default="1,16,64,256,8192")
-    ap.add_argument("--sweep", action="store_true", help="W8A16 candidate tiles besides the defaults")
+    ap.add_argument("--ms", default=None, help="rows (default 1,16,64,256,8192; --sweep wide: 64)")
+    ap.add_argument("--sweep", nargs="?", const="near", default=None, choices=["near", "wide"],
+                    help="near (no value): candidate tiles besides the defaults; wide: the FP8 mid GEMM's wide "
+                         "W8A8 sweep instead of the GEMM rows (fp8_mid_sweep.py)")
+    ap.add_argument("--budget-s", type=float, default=150.0, help="--sweep wide: GPU seconds in all")
     args = ap.parse_args(argv)
     import triton
 
     t0 = time.perf_counter()
     parts = args.parts.split(",")
-    ms = [int(v) for v in args.ms.split(",")]
+    ms = [int(v) for v in (args.ms or ("64" if args.sweep == "wide" else "1,16,64,256,8192")).split(",")]
     result = {"benchmark": "fp8-bench", "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
               "timing": "graph_ms: CUDA-graph replay over rotating weight copies (>= 200 MB), ms per call",
@@ -520,7 +532,19 @@ def main(argv=None):
         save()
     if "producers" in parts:
         producer_rows(ms, emitter("producers"))
-    if "gemm" in parts:
+    if "gemm" in parts and args.sweep == "wide":
+        from fp8_mid_sweep import run_wide_sweep
+
+        result["copy_rate_tb_s"] = copy_rate_tb_s()
+        print(f"copy rate {result['copy_rate_tb_s']:.3f} TB/s", flush=True)
+        result["fp8_mid_wide"] = []
+
+        def emit_quiet(row):  # rows are long: the sweep prints its summary, the JSON keeps the rest
+            result["fp8_mid_wide"].append(row)
+            save()
+
+        run_wide_sweep(args.model, ms, args.budget_s, result["copy_rate_tb_s"], emit_quiet)
+    elif "gemm" in parts:
         result["copy_rate_tb_s"] = copy_rate_tb_s()
         print(f"copy rate {result['copy_rate_tb_s']:.3f} TB/s", flush=True)
         table = {}

@@ -140,6 +140,108 @@ def test_fp8_mid_cuda_graph_split_k(mode):
         _check(y, a64, wq, ws, None, mode, None)
 
 
+def _kernel_names(fn):
+    """Names of the CUDA kernels ``fn`` launches (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_fp8_mid_split_k_workspace_graph_bits():
+    """The persistent split-K workspace (`split_k_workspace`): W8A8 calls of three shapes with
+    split-K 2 (o; a gated weight of 2 x 1000 rows whose last 64-column block is partial, so
+    its finisher must not zero the up sums of block 0, at 48 rows: two row pieces; qkv with TMA
+    loads) share one
+    `SplitKWorkspace`, eagerly and captured twice each in one CUDA graph replayed twice. Split-K
+    2 adds two partial sums onto zero, an order-free result, so every output must equal the bits
+    of the same call on a fresh zeroed buffer (``workspace=None``), and the buffer must be all
+    zero after each run. Eager calls on the warm workspace launch the kernel only (no fill)."""
+    from attnserve.models.layers.mid_gemm import MidGemmConfig
+    from attnserve.models.layers.split_k_workspace import SplitKWorkspace
+
+    cases = [(4096, 4096, None, MidGemmConfig(64, 128, 4, 4, split_k=2)),
+             (2000, 4096, "silu", MidGemmConfig(64, 128, 4, 4, split_k=2)),
+             (6144, 4096, None, MidGemmConfig(64, 128, 4, 4, split_k=2, use_tma=True))]
+    runs = []
+    for j, (n, k, act, cfg) in enumerate(cases):
+        ops, _, wq, ws, _ = _operands(48 if j == 1 else 64, n, k, "w8a8", seed=100 + j)
+        runs.append((ops, wq, ws, act, cfg))
+    fresh = [_run(ops, wq, ws, None, act, cfg) for ops, wq, ws, act, cfg in runs]
+    workspace = SplitKWorkspace()
+
+    def all_calls():
+        return [fp8_mid_linear(ops["x"], wq, ws, None, act, x_scale=ops["x_scale"], out_dtype=torch.bfloat16,
+                               config=cfg, workspace=workspace) for ops, wq, ws, act, cfg in runs]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager = all_calls() + all_calls()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    (buf,) = workspace.buffers(DEV)
+    for i, y in enumerate(eager):
+        assert torch.equal(y, fresh[i % 3]), f"eager call {i} on the shared workspace"
+    assert int(torch.count_nonzero(buf)) == 0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = all_calls() + all_calls()
+    held = workspace.buffers(DEV)
+    assert len(held) == 1 and held[0] is buf  # the capture reused it: no allocation, no memset in the graph
+    for rep in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, y in enumerate(captured):
+            assert torch.equal(y, fresh[i % 3]), f"replay {rep}, call {i}"
+        assert int(torch.count_nonzero(buf)) == 0, f"buffer not zero after replay {rep}"
+    names = _kernel_names(all_calls)
+    assert len(names) == 3 and all("fp8_mid_gemm" in nm for nm in names), names
+
+
+def test_fp8_mid_split_k4_workspace_graph_within_bound():
+    """The table's split-4 ``down`` tile (four partial sums: atomics in no fixed order, so no
+    bit comparison) on a shared workspace in a CUDA graph, replayed on new inputs after eager
+    calls of another shape on the same workspace: within the float64 bound each time, and
+    the buffer all zero after."""
+    from attnserve.models.layers.split_k_workspace import SplitKWorkspace
+
+    n, k, _ = SHAPES["down"]
+    ops, _, wq, ws, _ = _operands(64, n, k, "w8a8", seed=7)
+    cfg = fp8_mid_config(64, n, k, "w8a8")
+    assert cfg.split_k == 4
+    o_ops, o_a64, o_wq, o_ws, _ = _operands(40, 4096, 4096, "w8a8", seed=8)
+    o_cfg = fp8_mid_config(40, 4096, 4096, "w8a8")
+    workspace = SplitKWorkspace()
+
+    def down():
+        return fp8_mid_linear(ops["x"], wq, ws, x_scale=ops["x_scale"], out_dtype=torch.bfloat16, config=cfg,
+                              workspace=workspace)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        down()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        y = down()
+    for seed in (21, 22):
+        y_o = fp8_mid_linear(o_ops["x"], o_wq, o_ws, x_scale=o_ops["x_scale"], out_dtype=torch.bfloat16,
+                             config=o_cfg, workspace=workspace)
+        _check(y_o, o_a64, o_wq, o_ws, None, "w8a8", None)
+        new, a64, _, _, _ = _operands(64, n, k, "w8a8", seed=seed)
+        ops["x"].copy_(new["x"])
+        ops["x_scale"].copy_(new["x_scale"])
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(y, a64, wq, ws, None, "w8a8", None)
+        assert all(int(torch.count_nonzero(b)) == 0 for b in workspace.buffers(DEV))
+
+
 def test_fp8_mid_env_routes_linear_and_producers(monkeypatch):
     """``ATTNSERVE_FP8_MID_GEMM``: a quantised `Linear` at 64 rows gives the kernel's result
     (within the bound of its mode: ``w8a16`` against the unquantised rows, which

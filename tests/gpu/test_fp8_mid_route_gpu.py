@@ -206,8 +206,8 @@ def test_mlp_default_vs_off(m, mlp, _h100_tiles, monkeypatch):
 
 
 def test_mlp_cuda_graph_default_route(mlp, _h100_tiles, monkeypatch):
-    """The MLP captured at 48 rows on the default route (split-K down: its workspace memset
-    in the graph), replayed on new inputs: each replay's gate output, its quantisation and
+    """The MLP captured at 48 rows on the default route (split-K down on the linear method's
+    persistent workspace, allocated by the eager warm-up: no memset in the graph), replayed on new inputs: each replay's gate output, its quantisation and
     down's output within their float64 bounds, and the kernel was captured (not ``_scaled_mm``)."""
     calls = []
     spy_calls(monkeypatch, mid, "fp8_mid_linear", calls)

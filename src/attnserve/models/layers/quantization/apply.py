@@ -32,8 +32,11 @@ def quantize_model_linears(model: nn.Module, config: QuantizationConfig, device,
     from attnserve.models.layers.linear import Linear
     from attnserve.models.layers.moe.layer import FusedMoE
 
+    from attnserve.models.layers.split_k_workspace import SplitKWorkspace
+
     mapping = getattr(model, "packed_modules_mapping", {}) or {}
     device = torch.device(device)
+    workspace = SplitKWorkspace()  # the model's split-K buffers, shared by its linears (split_k_workspace)
     count = 0
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or not getattr(module, "quant_pending", False):
@@ -46,7 +49,7 @@ def quantize_model_linears(model: nn.Module, config: QuantizationConfig, device,
             if spec is not None:
                 module.weight.tp_shard = spec
             continue
-        method = make_linear_method(config)
+        method = make_linear_method(config, workspace)
         method.create_weights(module, device, dtype)
         module.quant_method = method
         count += 1

@@ -52,6 +52,7 @@ from attnserve.models.layers.quantization.fp8_utils import (
     dequantize,
 )
 from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, emits_fp8
+from attnserve.models.layers.split_k_workspace import SplitKWorkspace
 from attnserve.triton_env import triton_interpreting
 
 MAX_SKINNY_M = 16
@@ -138,10 +139,13 @@ class Fp8LinearMethod:
 
     Args:
         config: the model's `QuantizationConfig` (``weight_strategy`` tensor or channel).
+        workspace: split-K buffers of the mid GEMM (`fp8_mid_gemm`), shared by the model's
+            linears (`split_k_workspace` says why that is safe); None: a new one.
     """
 
-    def __init__(self, config: QuantizationConfig):
+    def __init__(self, config: QuantizationConfig, workspace: Optional[SplitKWorkspace] = None):
         self.config = config
+        self.workspace = workspace if workspace is not None else SplitKWorkspace()
 
     def create_weights(self, layer: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         """Replace ``layer.weight`` (a meta placeholder that carries the layer's ``tp_shard``)
@@ -208,7 +212,7 @@ class Fp8LinearMethod:
             if skinny_fp8_supported(x2, layer.weight, layer.weight_scale, bias):
                 y = skinny_linear_fp8(x2, layer.weight, layer.weight_scale, bias, activation)
                 return y.reshape(*shape, y.shape[-1])
-        y = fp8_mid_apply(layer, x2, bias, activation)  # None outside its route (fp8_mid_gemm)
+        y = fp8_mid_apply(layer, x2, bias, activation, workspace=self.workspace)  # None outside its route
         if y is not None:
             return y.reshape(*shape, y.shape[-1])
         if not _on_gpu_path(x2):
@@ -242,7 +246,8 @@ class Fp8LinearMethod:
         ``_scaled_mm`` by the fused `silu_and_mul_quant_fp8` of the ``[M, 2I]`` one."""
         n, k = layer.weight.shape
         fp8_out = activation == "silu" and getattr(layer, "fp8_output", False)
-        y = fp8_mid_apply(layer, x.q, bias, activation, x_scale=x.scale, out_dtype=x.dtype)
+        y = fp8_mid_apply(layer, x.q, bias, activation, x_scale=x.scale, out_dtype=x.dtype,
+                          workspace=self.workspace)
         if y is not None:  # gated: act(gate) * up already
             if fp8_out:
                 q, s = quantize_activation(y)
@@ -334,6 +339,9 @@ class BlockFp8LinearMethod:
         return y
 
 
-def make_linear_method(config: QuantizationConfig):
-    """The method for ``config.weight_strategy``."""
-    return BlockFp8LinearMethod(config) if config.weight_strategy == "block" else Fp8LinearMethod(config)
+def make_linear_method(config: QuantizationConfig, workspace: Optional[SplitKWorkspace] = None):
+    """The method for ``config.weight_strategy``; ``workspace``: the model's split-K buffers,
+    shared by its `Fp8LinearMethod`s (None: one per method)."""
+    if config.weight_strategy == "block":
+        return BlockFp8LinearMethod(config)
+    return Fp8LinearMethod(config, workspace)

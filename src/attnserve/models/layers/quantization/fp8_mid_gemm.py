@@ -43,10 +43,12 @@ SiLU-and-mul quantiser.
 **Configs**: `FP8_MID_TABLE`, by weight shape class (`fp8_mid_shape_class`) and ``M``
 bucket (smallest of 32 / 64 / 128 / 256 at least ``M``), with `FP8_MID_MODE_OVERRIDES`
 per mode; ``benchmarks/fp8_bench.py --parts gemm --sweep`` times `fp8_mid_candidates`
-and prints the best per shape, M and mode in this table's form. The launcher allocates
-its output and, with split-K, one zeroed float32 buffer (workspace and counters: one
-memset); it never reads device values on the host and is CUDA-graph capturable. Triton is
-imported lazily.
+and prints the best per shape, M and mode in this table's form (``--sweep wide``: a wider
+W8A8 grid, ``benchmarks/fp8_mid_sweep.py``). The launcher allocates its output; with
+split-K it takes its float32 workspace and counters from a `SplitKWorkspace` (the model's,
+through `Fp8LinearMethod`: allocated zeroed once, left zeroed by every launch, so no memset
+per call) or, without one, allocates a zeroed buffer (one memset). It never reads device
+values on the host and is CUDA-graph capturable. Triton is imported lazily.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ import torch
 
 from attnserve.models.layers.mid_gemm import MAX_MID_M, MIN_MID_M, MidGemmConfig, m_pieces, table_key
 from attnserve.models.layers.skinny_gemm import SKINNY_ACTIVATIONS
+from attnserve.models.layers.split_k_workspace import SplitKWorkspace
 from attnserve.triton_env import triton_interpreting
 
 __all__ = [
@@ -317,7 +320,8 @@ def fp8_mid_supported(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 def fp8_mid_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: Optional[torch.Tensor] = None, activation: Optional[str] = None, *,
                    x_scale: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-                   config: Optional[MidGemmConfig] = None) -> torch.Tensor:
+                   config: Optional[MidGemmConfig] = None,
+                   workspace: Optional[SplitKWorkspace] = None) -> torch.Tensor:
     """``(x * s_x) @ (W_q * s_w)^T (+ b)`` in one launch (float32 accumulation, one rounding).
 
     Args:
@@ -331,6 +335,8 @@ def fp8_mid_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
         x_scale: W8A8 only: float32 ``[M, 1]`` (or ``[M]``) per-token scales, ``x ~= q * s``.
         out_dtype: W8A8 only (required): float16/bfloat16 output; W8A16: ``x``'s dtype.
         config: launch parameters (default `fp8_mid_config`).
+        workspace: where a split-K launch takes its zeroed buffer (and leaves it zeroed);
+            None: a fresh zeroed buffer per call (one memset). Same results either way.
 
     Returns:
         new contiguous ``[M, N]`` (``[M, N / 2]`` gated) in the output dtype.
@@ -367,8 +373,11 @@ def fp8_mid_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     interpret = x.device.type == "cpu"
     use_tma = bool(config.use_tma) and not interpret
     blocks = -(-n // config.block_n)
-    if config.split_k > 1:  # one memset: float32 workspace [M, rows] then int32 counters
-        buf = torch.zeros(m * rows + blocks, dtype=torch.float32, device=x.device)
+    if config.split_k > 1:  # float32 workspace [M, rows] then int32 counters, all zero
+        need = m * rows + blocks
+        buf = workspace.get(need, x.device) if workspace is not None else None
+        if buf is None:  # no workspace, or none allocated yet while a graph is captured: one memset
+            buf = torch.zeros(need, dtype=torch.float32, device=x.device)
         wk, cnt = buf[: m * rows], buf[m * rows:].view(torch.int32)
     else:
         wk, cnt = out, out  # never read
@@ -393,15 +402,16 @@ def fp8_mid_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 
 def fp8_mid_apply(layer, x: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str] = None, *,
-                  x_scale: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None
-                  ) -> Optional[torch.Tensor]:
+                  x_scale: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+                  workspace: Optional[SplitKWorkspace] = None) -> Optional[torch.Tensor]:
     """`Fp8LinearMethod`'s route: ``fp8_mid_linear`` of ``x [M, K]`` (16-bit, or e4m3 with
     ``x_scale`` / ``out_dtype`` when its producer quantised it) with ``layer.weight`` /
     ``layer.weight_scale`` (and the gate ``activation``: output ``[M, N / 2]``), or None when
     it does not apply: `fp8_mid_route` says no, a static activation scale, fused kernels
     off, an e4m3 input in ``w8a16`` mode, an odd gated weight or unknown activation, or
     operands `fp8_mid_supported` rejects. In ``w8a8`` mode a 16-bit ``x`` is quantised per
-    token first (`quantize_activation`).
+    token first (`quantize_activation`). ``workspace``: the split-K buffers (the caller's
+    `SplitKWorkspace`; None: one memset per split-K call).
 
     Raises:
         ValueError: a bad ``ATTNSERVE_FP8_MID_GEMM``.
@@ -430,4 +440,4 @@ def fp8_mid_apply(layer, x: torch.Tensor, bias: Optional[torch.Tensor], activati
     if not fp8_mid_supported(x, layer.weight, layer.weight_scale, bias, x_scale, out_dtype):
         return None
     return fp8_mid_linear(x, layer.weight, layer.weight_scale, bias, activation, x_scale=x_scale,
-                          out_dtype=out_dtype, config=config)
+                          out_dtype=out_dtype, config=config, workspace=workspace)

@@ -25,9 +25,11 @@ row: ``WS_PER_TENSOR`` False, or one scalar) and, W8A8, the per-token scale, the
 bias, applies the gate (``GATED``: ``act(gate) * up``) and rounds once to the output dtype.
 ``SPLIT_K > 1`` splits the ``K`` steps of a column block over that many programs, which add
 their float32 tiles into a zeroed workspace with atomics; the last to arrive (a per-block
-counter) scales and stores (no second kernel). Under the interpreter ``UPCAST`` converts
-the dot operands to float32 (it has no FP8 or reliable bf16 ``tl.dot``; the products are
-exact in float32 either way). Ideas (not code) from the Triton matmul tutorials, swap-AB
+counter) scales and stores (no second kernel), and leaves the buffer as it found it: it
+stores zeros over the workspace slice it read and resets its counter (`_split_k_restore`),
+so one zeroed buffer serves every later launch on the stream (`split_k_workspace`). Under
+the interpreter ``UPCAST`` converts the dot operands to float32 (it has no FP8 or reliable
+bf16 ``tl.dot``; the products are exact in float32 either way). Ideas (not code) from the Triton matmul tutorials, swap-AB
 GEMMs (TensorRT-LLM, CUTLASS) and split-K reductions; the code is our own.
 """
 
@@ -84,6 +86,39 @@ def _finish(acc1, acc2, u1, u2, ws_ptr, xs_ptr, b_ptr, y_ptr, stride_xs, stride_
               HAS_BIAS, GATED, ACT)
 
 
+@triton.jit
+def _ws_zero(wk_ptr, col0, ncols, m0, M, ws_cols, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Store zeros at ``wk[m0 + j, col0 + i]`` for ``i < ncols``, ``m0 + j < M``: the block's
+    own columns only (a partial last block's neighbouring columns belong to another block,
+    whose sums may not be read yet)."""
+    offs_c = tl.arange(0, BLOCK_N)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    ptrs = wk_ptr + offs_m[None, :] * ws_cols + (col0 + offs_c)[:, None]
+    zeros = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    tl.store(ptrs, zeros, mask=(offs_m < M)[None, :] & (offs_c < ncols)[:, None])
+
+
+@triton.jit
+def _split_k_restore(wk_ptr, cnt_ptr, pid_n, n0, M, N, ws_cols, BLOCK_N: tl.constexpr, BLOCK_M1: tl.constexpr,
+                     BLOCK_M2: tl.constexpr, HAS_M2: tl.constexpr, GATED: tl.constexpr):
+    """After `_split_k_read` by the block's last program: zero the sums it read (its valid
+    columns, gate and up halves, ``M`` rows) and its counter, so the workspace is all zero
+    again when the kernel ends. The barrier orders every thread's reads of the slice before
+    any thread's zeros (the CTA's threads read and write it in different layouts). The other
+    programs of the block added and counted before this one's acquire; none touches the
+    slice or the counter after."""
+    tl.debug_barrier()
+    ncols = tl.minimum(n0 + BLOCK_N, N) - n0
+    _ws_zero(wk_ptr, n0, ncols, 0, M, ws_cols, BLOCK_N, BLOCK_M1)
+    if GATED:
+        _ws_zero(wk_ptr, N + n0, ncols, 0, M, ws_cols, BLOCK_N, BLOCK_M1)
+    if HAS_M2:
+        _ws_zero(wk_ptr, n0, ncols, BLOCK_M1, M, ws_cols, BLOCK_N, BLOCK_M2)
+        if GATED:
+            _ws_zero(wk_ptr, N + n0, ncols, BLOCK_M1, M, ws_cols, BLOCK_N, BLOCK_M2)
+    tl.store(cnt_ptr + pid_n, 0)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_mid_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, w_desc, ws_ptr, b_ptr, y_ptr, wk_ptr, cnt_ptr,
@@ -101,7 +136,8 @@ def _fp8_mid_gemm_kernel(
     when USE_TMA); ``ws`` float32 weight scales, one per weight row or (WS_PER_TENSOR) one;
     ``b`` ``[N or 2N]`` read when HAS_BIAS; ``y`` rows ``stride_ym`` apart. Requires ``M <=
     BLOCK_M1 + BLOCK_M2 * HAS_M2`` (``BLOCK_M2 >= 16`` even without HAS_M2). SPLIT_K > 1:
-    ``wk`` float32 zeros ``[M, N or 2N]`` and ``cnt`` int32 zeros ``[cdiv(N, BLOCK_N)]``.
+    ``wk`` float32 zeros ``[M, N or 2N]`` and ``cnt`` int32 zeros ``[cdiv(N, BLOCK_N)]``,
+    both all zero again when the kernel ends.
     """
     pid_n, k_lo, k_hi = _split_k_range(tl.program_id(0), K, SPLIT_K, BLOCK_K)
     n0 = pid_n * BLOCK_N
@@ -131,5 +167,6 @@ def _fp8_mid_gemm_kernel(
                             BLOCK_M2, HAS_M2, GATED, SPLIT_K):
             acc1, acc2, u1, u2 = _split_k_read(wk_ptr, acc1, acc2, u1, u2, n0, M, N, w_rows, BLOCK_N, BLOCK_M1,
                                                BLOCK_M2, HAS_M2, GATED)
+            _split_k_restore(wk_ptr, cnt_ptr, pid_n, n0, M, N, w_rows, BLOCK_N, BLOCK_M1, BLOCK_M2, HAS_M2, GATED)
             _finish(acc1, acc2, u1, u2, ws_ptr, xs_ptr, b_ptr, y_ptr, stride_xs, stride_ym, n0, M, N, BLOCK_N,
                     BLOCK_M1, BLOCK_M2, HAS_M2, W8A8, WS_PER_TENSOR, HAS_BIAS, GATED, ACT)

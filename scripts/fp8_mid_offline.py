@@ -1,0 +1,137 @@
+"""Offline sm_90a compile of the FP8 mid GEMM (`fp8_mid_gemm_triton`, W8A8, 64 rows; no GPU needed).
+
+``PYTHONPATH=<triton 3.6 dir>:src:benchmarks python scripts/fp8_mid_offline.py [--wide] [--ptxas PATH]
+[--ptx-dir DIR]``
+
+Compiles `_fp8_mid_gemm_kernel` through Triton for sm_90a as the launcher would launch it
+at 64 producer-quantised rows (no bias, per-row weight scales; the JIT's 16-divisibility
+specialisation of pointers, ``N``, ``K`` and ``stride_xm``, and ``stride_xs == 1``, assumed)
+for the current default tiles of the Llama-3-8B shapes (`FP8_MID_DEFAULT_W8A8`) and their
+split-K forms, or with ``--wide`` for every candidate of ``benchmarks/fp8_mid_sweep.py``
+(stage 1 and a stage 2 around its first structures). Runs ``ptxas -v`` and prints registers,
+spills, Triton's shared memory, the compile seconds and PTX counts (wgmma, mma.sync, TMA
+loads, atomics, plain global stores). ``--ptx-dir`` writes each PTX (to diff two trees).
+A compile error is listed, not fatal. Install the device's Triton with ``pip install --no-deps
+--target <dir> triton==3.6.0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
+
+from attnserve.models.layers.mid_gemm import m_pieces  # noqa: E402
+from attnserve.models.layers.quantization import fp8_mid_gemm_triton as kt  # noqa: E402
+
+SHAPES = [("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 28672, 4096, True),
+          ("down", 4096, 14336, False)]
+M = 64
+
+
+def compile_fp8_mid(cfg, gated: bool):
+    """Triton's sm_90a compile of `_fp8_mid_gemm_kernel` for ``cfg`` at `M` W8A8 rows."""
+    fn = kt._fp8_mid_gemm_kernel
+    names = fn.arg_names
+    m1, m2 = m_pieces(M)
+    const = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M1=m1, BLOCK_M2=max(m2, 16), HAS_M2=m2 > 0,
+                 SPLIT_K=cfg.split_k, USE_TMA=cfg.use_tma, UPCAST=False, W8A8=True, WS_PER_TENSOR=False,
+                 HAS_BIAS=False, GATED=gated, ACT=1 if gated else 0, stride_xs=1)
+    split = cfg.split_k > 1
+    types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*fp32",
+             "y_ptr": "*bf16", "wk_ptr": "*fp32" if split else "*bf16", "cnt_ptr": "*i32" if split else "*bf16",
+             "w_desc": f"tensordesc<fp8e4nv[{cfg.block_n}, {cfg.block_k}]>" if cfg.use_tma else "*fp8e4nv"}
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in types:
+            sig[n] = types[n]
+            if not types[n].startswith("tensordesc"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[n] = "i32"
+            if n in ("N", "K", "stride_xm", "stride_ym"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+def configs(wide: bool):
+    from attnserve.models.layers.mid_gemm import table_key
+    from attnserve.models.layers.quantization import fp8_mid_gemm as mid
+
+    out = []
+    for name, n, k, gated in SHAPES:
+        if wide:
+            import fp8_mid_sweep as sw
+
+            plan = sw.plan_stage1(M, n, k, gated)
+            out += [(name, gated, c) for c in plan + sw.plan_stage2(plan[1:4], M, gated, plan)]
+        else:
+            row = mid.FP8_MID_DEFAULT_W8A8["NVIDIA_H100_80GB_HBM3"][table_key(n, k, gated)]
+            cfg = mid._config_from_row(row, M, k, gated, "w8a8")
+            out += [(name, gated, cfg), (name, gated, dataclasses.replace(cfg, split_k=2 if cfg.split_k == 1 else 1))]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ptxas", help="ptxas for the -v report (default: Triton's)")
+    ap.add_argument("--wide", action="store_true", help="the wide sweep's candidates instead of the defaults")
+    ap.add_argument("--ptx-dir", help="write each PTX here")
+    args = ap.parse_args(argv)
+    from triton import knobs
+
+    ptxas = args.ptxas or knobs.nvidia.ptxas.path
+    print(f"triton {triton.__version__}, ptxas {ptxas}; W8A8, M = {M}", flush=True)
+    t_all, ok = time.perf_counter(), 0
+    for name, gated, cfg in configs(args.wide):
+        label = (f"{name} {cfg.block_n}x{cfg.block_k}/{cfg.num_warps}w{cfg.num_stages}s/sk{cfg.split_k}"
+                 f"{'/tma' if cfg.use_tma else ''}")
+        t0 = time.perf_counter()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                k = compile_fp8_mid(cfg, gated)
+        except Exception as e:  # ptxas / resource errors are reported, not fatal
+            print(f"{label:34s} COMPILE ERROR {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+            continue
+        secs = time.perf_counter() - t0
+        ok += 1
+        ptx = k.asm["ptx"]
+        if args.ptx_dir:
+            os.makedirs(args.ptx_dir, exist_ok=True)
+            with open(os.path.join(args.ptx_dir, label.replace(" ", "_").replace("/", "_") + ".ptx"), "w") as f:
+                f.write(ptx)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", f.name + ".o"],
+                             capture_output=True, text=True).stderr
+        regs = re.search(r"Used (\d+) registers", out)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+        counts = {x: len(re.findall(p, ptx)) for x, p in (
+            ("wgmma", r"wgmma\.mma_async"), ("mma", r"\bmma\.sync"), ("tma", r"cp\.async\.bulk\.tensor"),
+            ("atom", r"\batom\.|\bred\."), ("st.global", r"st\.global"))}
+        print(f"{label:34s} regs {regs.group(1) if regs else '?'} spills {spill.groups() if spill else '?'} "
+              f"shared {k.metadata.shared} compile {secs:.1f}s " + " ".join(f"{x} {n}" for x, n in counts.items()),
+              flush=True)
+    print(f"{ok} compiled in {time.perf_counter() - t_all:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
