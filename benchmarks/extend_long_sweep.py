@@ -1,16 +1,21 @@
 """Long causal prefill through the extend kernel: the default config against its candidates.
 
-``PYTHONPATH=src python benchmarks/extend_long_sweep.py [--rounds 3] [--only NAME,...] [--out DIR]``
+``PYTHONPATH=src python benchmarks/extend_long_sweep.py [--rounds 3] [--only NAME,...] [--cases NAME,...] [--out DIR]``
 
 Issue 37's prefill target: the Llama-3-8B shape (Hq 32, Hkv 8, D 128, bf16) spends ~42 ms of an
 8,190-token FP8 prefill in `_extend_fwd_kernel` (~418 TFLOP/s). This run times, in one process
-on one GPU, the default `extend_config` and each candidate of ``CANDIDATES`` (tile shapes and
-``ExtendConfig.kv_desc``, TMA-descriptor reads, which apply to plain prefills only) on:
+on one GPU, the launch's own default (``default``: `extend_config` as `extend_attention_fwd`
+asks it, which on sm_90 depends on the longest extend, `extend_tuning`) and each candidate of
+``CANDIDATES``: tile shapes and ``ExtendConfig.kv_desc`` (TMA-descriptor reads, which apply to
+plain prefills only) over the old default (128, 64, 8, 3), which is itself the candidate
+``old-default``. Cases (``CASES``; the default ``--cases`` are the first four):
 
 * ``1x8190``, ``4x2048``, ``16x512``: plain causal prefills (``has_prefix=False``, as the
   triton backend launches them);
 * ``1x4096+4096``: one chunked-prefill chunk, 4,096 new tokens over a 4,096-token cached
-  prefix on randomly permuted 16-slot pages (``has_prefix=True``).
+  prefix on randomly permuted 16-slot pages (``has_prefix=True``);
+* ``1x2560``, ``1x3072``, ``1x4096``: plain prefills between the two measured points of the sm_90
+  rule's threshold (2,048 and 8,190 tokens).
 
 Per case and candidate: the output is first compared with the default kernel's on the same
 inputs (``bitwise_equal``, ``max_abs_diff``, ``rel_err`` = ||out - default|| / ||default||;
@@ -54,6 +59,7 @@ HQ, HKV, D = 32, 8, 128
 DEVICE = "cuda"
 # name -> ExtendConfig fields over the default (128, 64, 8, 3) for D 128 bf16
 CANDIDATES = {
+    "old-default": dict(),
     "desc": dict(kv_desc="kv"),
     "desc-k": dict(kv_desc="k"),
     "128x64x8x4+desc": dict(num_stages=4, kv_desc="kv"),
@@ -69,7 +75,9 @@ CANDIDATES = {
     "64x32x4x3": dict(block_m=64, block_n=32, num_warps=4),
 }
 # name -> (new tokens per request, prefix tokens per request, requests)
-CASES = {"1x8190": (8190, 0, 1), "4x2048": (2048, 0, 4), "16x512": (512, 0, 16), "1x4096+4096": (4096, 4096, 1)}
+CASES = {"1x8190": (8190, 0, 1), "4x2048": (2048, 0, 4), "16x512": (512, 0, 16), "1x4096+4096": (4096, 4096, 1),
+         "1x2560": (2560, 0, 1), "1x3072": (3072, 0, 1), "1x4096": (4096, 0, 1)}
+DEFAULT_CASES = ("1x8190", "4x2048", "16x512", "1x4096+4096")
 
 
 def case_flops(n: int, p: int, bs: int) -> float:
@@ -110,7 +118,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
+    ap.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated case names of {list(CASES)}")
     ap.add_argument("--budget-s", type=float, default=200.0, help="add no candidate after this many seconds")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
@@ -128,7 +136,9 @@ def main(argv=None) -> int:
     for case_name in [x for x in args.cases.split(",") if x]:
         n, p, bs = CASES[case_name]
         c = build_case(n, p, bs)
-        default = extend_config(D, D, torch.bfloat16, has_prefix=p > 0)
+        old = extend_config(D, D, torch.bfloat16, has_prefix=p > 0)  # no device or length: the old default
+        default = extend_config(D, D, torch.bfloat16, has_prefix=p > 0, max_len_extend=n,
+                                capability=torch.cuda.get_device_capability())  # as extend_attention_fwd asks
         launch(c, None)
         torch.cuda.synchronize()
         o_default = c["o"].clone()
@@ -139,7 +149,7 @@ def main(argv=None) -> int:
             if time.perf_counter() - t0 > args.budget_s:
                 res["skipped_for_budget"].append(f"{case_name}/{name}")
                 continue
-            cfg = dataclasses.replace(default, **CANDIDATES[name])
+            cfg = dataclasses.replace(old, **CANDIDATES[name])
             row = rows[name] = dict(config=dataclasses.asdict(cfg))
             try:
                 c["o"].fill_(float("nan"))
@@ -205,6 +215,11 @@ def print_table(res: dict) -> None:
                 eq = "=" if row["bitwise_equal"] else " "
                 cells.append(f"{row['us']:.0f} / {row['tflops']:.0f} / {row['speedup_vs_default']:.3f}{eq}")
         print(f"{name:<28}" + "".join(f"{x:>26}" for x in cells))
+    for c in cases:  # the launch's own default per case (length-dependent on sm_90)
+        cfg = res["cases"][c]["rows"]["default"]["config"]
+        print(f"default at {c}: {cfg['block_m']}x{cfg['block_n']}x{cfg['num_warps']}x{cfg['num_stages']}"
+              + (f" kv_desc={cfg['kv_desc']}" if cfg["kv_desc"] else "")
+              + (f" prefix tile {cfg['block_n_prefix']}" if cfg["block_n_prefix"] else ""))
     if res["skipped_for_budget"]:
         print("skipped for the time budget:", ", ".join(res["skipped_for_budget"]))
 

@@ -2,8 +2,9 @@
 
 ``PYTHONPATH=<triton 3.6 dir>:src python scripts/extend_variants_offline.py [--ptxas PATH]``
 
-For the default config and each candidate of ``benchmarks/extend_long_sweep.py`` (bf16, D
-128, group 4, causal, ``has_prefix=False``, plus the default with the prefix stage): compiles
+For the old default config, sm_90's plain-prefill defaults (`extend_tuning`: 2,048 tokens and
+2,049) and each candidate of ``benchmarks/extend_long_sweep.py`` (bf16, D 128, group 4, causal,
+``has_prefix=False``, plus the default with the prefix stage): compiles
 through Triton for sm_90a (the JIT's 16-divisibility specialisation of pointers and strides
 is assumed), then runs ``ptxas -v`` (``--ptxas``, default: the ptxas Triton itself uses)
 and prints registers, spills, shared memory and PTX counts (wgmma, wgmma waits, TMA loads,
@@ -83,7 +84,11 @@ def main(argv=None) -> int:
     if args.fp8_pool:  # the fp8 pool's prefix stage, with and without fp16 dots (NOTES, session 15)
         runs += [("fp8 pool, prefix, f16", prefixed, True, "*fp8e4nv", True),
                  ("fp8 pool, prefix, no f16", prefixed, True, "*fp8e4nv", False)]
-    runs += [(name, dataclasses.replace(default, **kw), False, "*bf16", False) for name, kw in CANDIDATES.items()]
+    short = m.extend_config(128, 128, m.torch.bfloat16, has_prefix=False, capability=(9, 0), max_len_extend=2048)
+    long = m.extend_config(128, 128, m.torch.bfloat16, has_prefix=False, capability=(9, 0), max_len_extend=2049)
+    runs += [("sm90 default <= 2048", short, False, "*bf16", False),
+             ("sm90 default > 2048", long, False, "*bf16", False)]
+    runs += [(name, dataclasses.replace(default, **kw), False, "*bf16", False) for name, kw in CANDIDATES.items() if kw]
     for label, cfg, has_prefix, buf_ty, prefix_f16 in runs:
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # Triton prints the whole PTX on a ptxas crash

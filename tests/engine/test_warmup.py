@@ -74,6 +74,29 @@ def test_plan_covers_the_extend_classes():
     assert len(plan["chunked"].waves[0].requests[0].prompt_ids) > 8192
 
 
+@pytest.mark.parametrize("kw", [dict(chunked_prefill_size=8192, max_request_tokens=16384),
+                                dict(chunked_prefill_size=3000, max_request_tokens=16384),
+                                dict(chunked_prefill_size=16384, max_request_tokens=2600),
+                                dict(chunked_prefill_size=2048, max_request_tokens=16384)])
+def test_plan_compiles_every_sm90_plain_prefill_variant(kw):
+    """On sm_90 a plain causal prefill's tiles depend on its longest extend
+    (`sm90_plain_prefill_config`): for every length serving can launch in one step, the
+    prefill phase runs a wave with the same config and the same ``num_m_blocks`` class, so the
+    first requests compile nothing."""
+    from attnserve.attention.triton_ops.extend_tuning import sm90_plain_prefill_config
+
+    lim = _limits(**kw)
+    longest = min(lim.max_request_tokens - 2, lim.chunked_prefill_size, lim.pool_tokens // 2)
+
+    def variant(n):
+        cfg = sm90_plain_prefill_config(n)
+        return cfg, _int_class(-(-n // cfg.block_m))
+
+    plan = {ph.name: ph for ph in build_warmup_plan(lim)}
+    warmed = {variant(max(len(r.prompt_ids) for r in w.requests)) for w in plan["prefill"].waves}
+    assert warmed == {variant(n) for n in range(1, longest + 1)}, (longest, warmed)
+
+
 def test_eager_decode_sizes_cover_every_key():
     def grid(bs):  # the shape of decode_grid_splits: cdiv(4 * SMs, bs * heads) within 1..32
         return max(1, min(32, -(-528 // (bs * 2))))

@@ -303,7 +303,8 @@ class TritonAttnBackend(AttentionBackend):
             k_buffer, v_buffer, md.qo_indptr, kv_indptr, kv_indices, md.custom_mask, md.custom_mask is None,
             md.mask_indptr, md.max_extend_len, layer.scaling, logit_cap=layer.logit_cap,
             sliding_window_size=layer.sliding_window_size, prefix_kv_start=start,
-            mask_covers_prefix=md.mask_covers_prefix, has_prefix=md.has_prefix, **kv_scales(layer, k_buffer),
+            mask_covers_prefix=md.mask_covers_prefix, has_prefix=md.has_prefix, batch_invariant=self.deterministic,
+            **kv_scales(layer, k_buffer),
         )
         return o.view(-1, hq * dv)
 

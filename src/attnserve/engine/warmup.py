@@ -26,7 +26,9 @@ phase       variants
 prefill     extend without a cached prefix (``has_prefix`` False: no prefix tile); the
             extend kernel's ``num_m_blocks = cdiv(longest extend, BLOCK_M)`` equal to 1,
             neither, and divisible by 16 for query tiles of 32, 64 and 128 rows
-            (extends of 7, 200, 512, 1024, 2048 tokens, or the longest that fits);
+            (extends of 7, 200, 512, 1024, 2048 tokens, or the longest that fits), and
+            for sm_90's long-prefill tiles above 2,048 tokens (`long_plain_lengths`:
+            2,049 and 4,096 tokens, where they fit);
             ``positions`` 16-byte aligned or not (odd and even token counts, for RoPE);
             the prefix-length view aligned or not (``bs % 4``, for the KV-index
             kernel); one step of ``chunked_prefill_size`` tokens, which also grows
@@ -64,7 +66,9 @@ decode sizes above the 256-row graphs, ``_rope_kernel`` 1 for odd token counts,
 shape (1.0 s from the disk cache) and 15.3 s on the Llama-3-8B shape. First batch / the
 same batch again, Llama-3-8B shape, 64 x 2,080 -> 32 tokens: 3.602 / 3.601 s (without the
 warm-up 10.84 / 3.62 s, 4 kernels compiled in the first); 64 prompts with 1,920 cached
-tokens each: 0.696 / 0.700 s.
+tokens each: 0.696 / 0.700 s. (Measured before the sm_90 plain-prefill rule of
+`attnserve.attention.triton_ops.extend_tuning`, which adds two plain-prefill extend
+specialisations on sm_90: the long tiles' 2,049- and 4,096-token waves.)
 """
 
 from __future__ import annotations
@@ -334,6 +338,24 @@ def _lengths(limit: int) -> List[int]:
     return sorted({max(1, min(n, limit)) for n in EXTEND_LENGTHS})
 
 
+def long_plain_lengths(limit: int) -> List[int]:
+    """Plain-prefill lengths above ``extend_tuning.SM90_SHORT_MAX_LEN``, where sm_90 takes
+    the ``SM90_LONG`` tiles (`extend_tuning.sm90_plain_prefill_config`): the shortest whose
+    ``cdiv(length, SM90_LONG.block_m)`` is "neither" (2,049: 17 tiles of 128 rows) and the
+    shortest whose count is a multiple of 16 (4,096: 32), each capped at ``limit`` (the
+    longest plain extend the engine can run); empty when ``limit`` does not exceed the
+    threshold (serving never launches those tiles)."""
+    from attnserve.attention.triton_ops.extend_tuning import SM90_LONG, SM90_SHORT_MAX_LEN
+
+    if limit <= SM90_SHORT_MAX_LEN:
+        return []
+    bm, first = SM90_LONG.block_m, SM90_SHORT_MAX_LEN + 1
+    tiles = -(-first // bm)
+    neither = first if _int_class(tiles) == "n" else tiles * bm + 1
+    sixteen = -(-tiles // 16) * 16 * bm
+    return sorted({min(neither, limit), min(sixteen, limit)})
+
+
 def build_warmup_plan(limits: WarmupLimits, seed: int = 0) -> List[WarmupPhase]:
     """The warm-up phases for an engine with ``limits`` (module docstring), every request
     within them: prompt + output fit ``max_request_tokens``, no step holds more than the
@@ -348,6 +370,7 @@ def build_warmup_plan(limits: WarmupLimits, seed: int = 0) -> List[WarmupPhase]:
     # plain prefill: bs 1 / T odd; bs 4 / T even; each longer length alone; a full chunk
     waves = [_wave([p.make(lengths[0])], fresh=True), _wave([p.make(n) for n in four], fresh=True)]
     waves += [_wave([p.make(n)], fresh=True) for n in lengths[2:]]
+    waves += [_wave([p.make(n)], fresh=True) for n in long_plain_lengths(longest) if n not in lengths]
     fill, per = min(chunk, limits.pool_tokens // 2), lengths[-1]
     full = ([per] * (fill // per) + ([fill % per] if fill % per else []))[:limits.max_running_requests]
     if len(full) > 1:

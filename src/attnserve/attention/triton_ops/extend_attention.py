@@ -23,8 +23,8 @@ and the accumulator is multiplied by ``v_scale`` once, after the prefix stage an
 the new-token stage (the online-softmax rescaling is linear, so this equals scaling every
 prefix V tile). With scales of 1.0 nothing extra runs.
 
-The key-tile loops live in `extend_runs`, with the opt-in forms of the new-token stage's
-unmasked run (``ExtendConfig.kv_desc``).
+The key-tile loops live in `extend_runs`, with the TMA-descriptor form of the new-token
+stage's unmasked run (``ExtendConfig.kv_desc``); the launch tuning in `extend_tuning`.
 
 Positions: prefix key ``j`` of request ``i`` has absolute position ``prefix_kv_start[i] + j``
 (``prefix_kv_start`` > 0 when the caller trimmed the prefix to a sliding window); with
@@ -33,9 +33,6 @@ Positions: prefix key ``j`` of request ``i`` has absolute position ``prefix_kv_s
 
 from __future__ import annotations
 
-import dataclasses
-import os
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -44,105 +41,15 @@ import triton.language as tl
 
 from attnserve.attention.triton_ops.decode_attention import _saturate_to_f16, _split_dims
 from attnserve.attention.triton_ops.extend_runs import _attn_run, _attn_run_desc, _load_tile, _runs
+from attnserve.attention.triton_ops.extend_tuning import (  # noqa: F401  (re-exported)
+    EXTEND_CONFIG_ENV,
+    EXTEND_DEFAULTS_ENV,
+    ExtendConfig,
+    _env_override,
+    extend_config,
+)
 from attnserve.mem_cache.kv_quant import FP8_DTYPES, check_scale
 from attnserve.triton_env import triton_interpreting
-
-
-@dataclass(frozen=True)
-class ExtendConfig:
-    """Launch parameters of the extend kernel (see `extend_config`). ``block_n_prefix``: the
-    key tile of the cached-prefix stage (None: ``block_n``, the new-token stage's).
-
-    ``kv_desc`` ("", "k", "v" or "kv"; off by default until timed on the GPU,
-    ``benchmarks/extend_long_sweep.py``): the new-token stage's unmasked run reads those
-    tiles through TMA tensor descriptors (`extend_runs._attn_run_desc`; the same bits). It
-    applies only to plain prefills (``has_prefix=False``) without a custom mask or logit cap,
-    with ``Dk``, ``Dv`` powers of two >= 16, each head's rows packed (``k_extend.stride(1) ==
-    Dk``), 16-byte aligned rows and base, on sm 90+ or the interpreter; otherwise it is
-    ignored. Triton 3.6's ptxas (12.8) crashed (SIGSEGV at -O2 / -O3) compiling "kv" with 3
-    stages offline; "k", "v", and "kv" with 2 or 4 stages compiled, and ptxas 13.0 compiled
-    all (scripts/extend_variants_offline.py).
-    """
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    block_n_prefix: Optional[int] = None
-    kv_desc: str = ""
-
-
-def extend_config(
-    head_dim: int,
-    v_head_dim: int,
-    dtype: torch.dtype,
-    is_hip: bool = False,
-    interpret: bool = False,
-    has_custom_mask: bool = False,
-    has_prefix: bool = True,
-) -> ExtendConfig:
-    """The one place extend tuning lives.
-
-    Register/shared-memory figures below are from an offline sm90 compile (ptxas -v).
-
-    Args:
-        head_dim / v_head_dim: ``Dk`` / ``Dv``.
-        dtype: q/K/V dtype (fp32 uses non-tensor-core IEEE dots: small tiles).
-        is_hip: AMD GPUs.
-        interpret: the CPU interpreter (small tiles keep tests fast and multi-tile).
-        has_custom_mask: tree-verification batches (few queries per request; the mask
-            tile costs registers).
-        has_prefix: False when no request has a cached prefix: no separate prefix tile.
-
-    On a GPU, D <= 128 without a custom mask: ``ATTNSERVE_EXTEND_CONFIG`` overrides the
-    choice (`_env_override`; for trying ``benchmarks/extend_long_sweep.py``'s candidates in
-    an engine). Raises ValueError on a malformed value.
-    """
-    if interpret:  # prefix tiles of another size than the new tokens' (as on a GPU)
-        return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, block_n_prefix=32)
-    d = max(head_dim, v_head_dim)
-    if is_hip:
-        return ExtendConfig(64, 64, 4, 1) if d <= 128 else ExtendConfig(64, 32, 4, 1)
-    if dtype == torch.float32:
-        return ExtendConfig(32, 32, 4, 1)
-    if d <= 128:
-        if has_custom_mask:
-            return ExtendConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)  # 242 regs, 96 KB
-        # wgmma; one tile 239 regs / 128 KB, two tiles 255 regs / 161 KB, no spills (triton
-        # 3.6 JIT, scripts/extend_regs.py). Prefix tiles of 128 keys: extends over a cached prefix
-        # 1.08-1.30x faster in bf16, 1.19-1.31x over fp8 prefixes, while 64-key tiles stay
-        # best for the causal new tokens; the kernel with both tiles runs a plain prefill
-        # 3-7% slower, hence ``has_prefix`` (H100, session 14, benchmarks/fp8_extend_sweep.py)
-        cfg = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3,
-                           block_n_prefix=128 if has_prefix else None)
-        return _env_override(cfg)
-    if d <= 256:
-        return ExtendConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)  # 255 regs, 160 KB
-    return ExtendConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)  # MLA 576/512
-
-
-EXTEND_CONFIG_ENV = "ATTNSERVE_EXTEND_CONFIG"
-
-
-def _env_override(cfg: ExtendConfig) -> ExtendConfig:
-    """``ATTNSERVE_EXTEND_CONFIG="BM,BN,WARPS,STAGES[,desc|desck|descv]"`` replaces the GPU
-    default for D <= 128 without a custom mask (the prefix tile stays), so an engine run can
-    try a candidate of ``benchmarks/extend_long_sweep.py`` unchanged. Raises ValueError on a
-    malformed value."""
-    raw = os.environ.get(EXTEND_CONFIG_ENV, "").strip()
-    if not raw:
-        return cfg
-    parts = [x.strip().lower() for x in raw.split(",")]
-    desc = {"desc": "kv", "desck": "k", "descv": "v"}
-    flags = set(parts[4:])
-    try:
-        bm, bn, w, st = map(int, parts[:4])
-    except ValueError:
-        bm = 0
-    if bm <= 0 or len(parts) < 4 or not flags <= set(desc) or len(flags) > 1:
-        raise ValueError(f"{EXTEND_CONFIG_ENV}={raw!r}: expected BM,BN,WARPS,STAGES[,desc|desck|descv]")
-    return dataclasses.replace(cfg, block_m=bm, block_n=bn, num_warps=w, num_stages=st,
-                               kv_desc="".join(desc[f] for f in flags))
 
 
 @triton.jit
@@ -377,6 +284,7 @@ def extend_attention_fwd(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     has_prefix: bool = True,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of new tokens over their cached prefix (paged) and over each other.
 
@@ -412,13 +320,17 @@ def extend_attention_fwd(
             skipped.
         prefix_kv_start: int32/int64 ``[bs]`` absolute position of each request's first
             prefix key (None: 0).
-        config: override of `extend_config` (tuning).
+        config: override of `extend_config` (tuning). The default depends on the device,
+            the dtype, the head sizes, ``has_prefix``, causality and, for plain causal
+            prefills on sm_90, on ``max_len_extend`` (`extend_tuning`).
         has_prefix: False promises that no request has a cached prefix (a plain prefill:
             ``kv_indptr`` all zeros); the prefix stage is then compiled out and the
             buffers are not read, and the default config has no separate prefix tile.
             With an fp8 pool the prefix stage's code alone made a plain prefill 1.3x
             slower (H100, benchmarks/NOTES.md session 15). A wrong False drops the
             prefixes from the attention. True (default) is right for any batch.
+        batch_invariant: the default config must not depend on the rest of the batch
+            (``max_len_extend``): ``--enable-deterministic-inference`` (`extend_config`).
         k_scale / v_scale: host floats > 0, per-tensor dequantisation scales of
             ``k_buffer`` / ``v_buffer`` (true value = stored value * scale; applied with any
             buffer dtype, to the prefix only: ``k_extend`` / ``v_extend`` are true values).
@@ -487,8 +399,14 @@ def extend_attention_fwd(
     if bs == 0 or t == 0 or max_len_extend <= 0:
         return o_extend
 
-    cfg = config or extend_config(dk, dv, q_extend.dtype, is_hip=torch.version.hip is not None, interpret=interpret,
-                                   has_custom_mask=custom_mask is not None, has_prefix=has_prefix)
+    if config is None:
+        cuda = q_extend.device.type == "cuda" and not interpret
+        config = extend_config(dk, dv, q_extend.dtype, is_hip=torch.version.hip is not None, interpret=interpret,
+                               has_custom_mask=custom_mask is not None, has_prefix=has_prefix,
+                               is_causal=bool(is_causal) and custom_mask is None, max_len_extend=int(max_len_extend),
+                               capability=torch.cuda.get_device_capability(q_extend.device) if cuda else None,
+                               batch_invariant=batch_invariant)
+    cfg = config
     block_d, block_dpe = _split_dims(dk)
     block_dv = max(16, triton.next_power_of_2(dv))
     num_m_blocks = triton.cdiv(int(max_len_extend), cfg.block_m)
