@@ -33,9 +33,6 @@ adjacent columns and is converted in registers, see ``V_PAIRS`` in stage 1); K's
 host and V's scale multiplies each split's output in stage 1 (stage 2 is a convex
 combination of the splits, so this is exact). With scales of 1.0 nothing extra runs.
 
-An opt-in stream-K stage 1 (`decode_streamk`, ``ATTNSERVE_DECODE_STREAMK=1`` or
-``streamk=True``) walks all tiles of the batch with one grid of persistent programs instead.
-
 Everything the launch depends on is host-known (bs, head counts, ``max_kv_splits``), and
 no host synchronisation happens, so `decode_attention_fwd` is CUDA-graph capturable.
 Tuning lives in `decode_tuning` (`decode_config`), split counts and the split grid in
@@ -66,7 +63,7 @@ from attnserve.attention.triton_ops.decode_splits import (  # noqa: F401  (re-ex
     decode_grid_splits,
     device_num_sms,
 )
-from attnserve.attention.triton_ops.decode_merge import decode_stage2, merge_split_block
+from attnserve.attention.triton_ops.decode_merge import decode_stage2
 from attnserve.pdl import pdl_enabled
 from attnserve.pdl_triton import gdc_launch_dependents, gdc_wait
 from attnserve.mem_cache.kv_quant import FP8_DTYPES, check_scale
@@ -298,13 +295,6 @@ def _decode_stage1_kernel(
             tl.store(lse_ptrs + split, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=mask_h)
 
 
-def _env_streamk() -> bool:
-    """``ATTNSERVE_DECODE_STREAMK`` (`decode_streamk.streamk_enabled`), read per call."""
-    from attnserve.attention.triton_ops.decode_streamk import streamk_enabled
-
-    return streamk_enabled()
-
-
 def _v_pairs_ok(q: torch.Tensor, v_buffer: torch.Tensor, block_dv: int) -> bool:
     """Whether stage 1 may read an fp8 V buffer as int16 pairs of adjacent columns
     (``V_PAIRS``; CUDA only, 16-bit queries, ``Dv`` a power of two >= 32, every stride and
@@ -347,9 +337,6 @@ def decode_attention_fwd(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     batch_invariant: bool = False,
-    streamk: Optional[bool] = None,
-    streamk_plan=None,
-    streamk_programs: Optional[int] = None,
 ) -> torch.Tensor:
     """Paged decode attention, split-K (Flash-Decoding) with log-sum-exp merge.
 
@@ -390,10 +377,6 @@ def decode_attention_fwd(
             and batches of at most one stage-1 program per SM at one split a request are
             launched with PDL (`decode_config`; never in batch-invariant mode, although PDL
             does not change any bit).
-        streamk / streamk_plan / streamk_programs: the stream-K stage 1 (`decode_streamk`;
-            None: ``ATTNSERVE_DECODE_STREAMK`` for batches of >= 1 head program per SM,
-            True / False force it; launches it does not support run split-K), its step's
-            plan (`decode_streamk.plan_streamk_decode`, else planned per call) and grid.
 
     Returns:
         ``o``. A request with zero keys gets zeros.
@@ -478,23 +461,6 @@ def decode_attention_fwd(
             v_pairs, v_arg = False, v_buffer
 
     use_pdl = cfg.pdl and pdl_enabled(q.device)
-    if streamk is not False and (streamk or _env_streamk()):
-        from attnserve.attention.triton_ops import decode_streamk as sk
-
-        num_sms = device_num_sms(q.device)
-        if sk.streamk_selected(streamk, bs, head_programs, num_sms) and sk.streamk_supported(
-                q, k_buffer, block_h, max_kv_splits, batch_invariant, interpret):
-            skc = config or sk.streamk_config(k_buffer.dtype, cfg)
-            return sk.launch_streamk(
-                q, k_buffer, v_arg, o, kv_indptr, kv_indices, attn_logits, attn_lse, max_kv_splits,
-                float(sm_scale) * k_scale, logit_cap, v_scale, cfg=skc, group=group, head_blocks=head_blocks,
-                block_h=block_h, block_dv=block_dv, stride_vt=stride_vt, stride_vh=stride_vh, v_pairs=v_pairs,
-                e5m2=v_pairs and v_buffer.dtype == torch.float8_e5m2,
-                f16_dot=k_buffer.dtype in FP8_DTYPES and q.dtype == torch.bfloat16 and not compute_fp32,
-                compute_fp32=compute_fp32, dot_prec=dot_prec, use_pdl=use_pdl, num_sms=num_sms, plan=streamk_plan,
-                num_programs=streamk_programs, merge_split_block=merge_split_block(skc.merge_block, max_kv_splits,
-                                                                                  block_dv),
-                stage2_warps=skc.stage2_warps)
     _decode_stage1_kernel[(bs, head_programs, g)](
         q, k_buffer, v_arg,
         kv_indptr, kv_indices, num_kv_splits,
