@@ -175,7 +175,7 @@ def test_default_tables_by_device(monkeypatch):
                 assert (route is not None) == (expect and 33 <= m <= 64), (tag, n, k, m)
                 if route is not None:
                     route[1].validate()
-                    assert route[0] == "w8a8" and route[1].block_k == 128
+                    assert route[0] == "w8a8" and route[1].block_k in (128, 256)
         assert mid.fp8_mid_route(48, 8192, 4096, False, torch.device("cpu")) is None  # unmeasured shape
 
 

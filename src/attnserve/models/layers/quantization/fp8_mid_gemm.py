@@ -130,14 +130,18 @@ FP8_MID_MODE_OVERRIDES: Dict[str, Dict[str, Dict[int, tuple]]] = {
 #: ``N`` rows, ``2I`` gated) -> (block_n, block_k, num_warps, num_stages, split_k), only
 #: where the kernel beat ``_scaled_mm`` on producer-quantised rows. H100 80GB HBM3, Llama-3-8B
 #: projections, measured at 64 rows (sweep JSON above; µs ``_scaled_mm`` / this tile): qkv
-#: 15.4 / 14.3, o 13.9 / 12.7, gate_up 54.9 / 47.8 (gate fused), down 37.9 / 29.3. Other GPUs
+#: 15.4 / 14.3, o 13.9 / 12.7, gate_up 54.9 / 47.8 (gate fused), down 37.9 / 29.3. The wide
+#: sweep of 2026-11-27 (``fp8_bench.py --parts gemm --sweep wide --ms 64``, 99 tiles,
+#: ``benchmarks/results/h100-80gb-hbm3-fp8-mid-wide-sweep-m64-2026-11-27.json``, split-K on the
+#: persistent workspace) moved gate_up to 3 stages (47.9 -> 47.0 µs) and down to a 256-wide K
+#: step, 3 splits (27.5 -> 27.2); qkv and o kept their tiles (14.4, 11.5 µs). Other GPUs
 #: (H200 included: not measured) and shapes: no entry, ``_scaled_mm``.
 FP8_MID_DEFAULT_W8A8: Dict[str, Dict[str, tuple]] = {
     "NVIDIA_H100_80GB_HBM3": {
         table_key(6144, 4096, False): (64, 128, 4, 4, 1),
         table_key(4096, 4096, False): (64, 128, 4, 4, 2),
-        table_key(28672, 4096, True): (64, 128, 4, 4, 1),
-        table_key(4096, 14336, False): (64, 128, 4, 4, 4),
+        table_key(28672, 4096, True): (64, 128, 4, 3, 1),
+        table_key(4096, 14336, False): (64, 256, 4, 3, 3),
     },
 }
 
