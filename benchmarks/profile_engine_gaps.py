@@ -1,6 +1,8 @@
 """Where a decode step's wall time goes in the running engine: GPU busy vs idle, per engine step.
 
-GPU command (one H100; about 2-3 minutes for both shapes)::
+GPU command (one H100, default engine flags; the two shapes take about 2-3 minutes, most of it
+the four passes of the workload per shape: warm-up, unprofiled prefill and full passes, profiled
+pass; ``--no-baseline`` drops the two unprofiled ones)::
 
     PYTHONPATH=src python benchmarks/profile_engine_gaps.py --models llama-3-8b qwen3-0.6b \\
         --num-prompts 256 --random-input-len 1024 --random-output-len 1024 \\
@@ -22,7 +24,9 @@ each trace into per-step wall / GPU busy / idle / launched kernel time / gaps, a
 summary (idle share, idle by gap kind and by cause, largest gaps, device time per kernel class,
 host time per phase). On CUDA the engine's decode graph is then replayed alone at the decode
 window's mean batch and mean context (`attnserve.bench.offline.graph_step_ms`): the step's
-kernels at that shape with no engine around them.
+kernels at that shape with no engine around them. The host wall of the unprofiled steps next
+to each window (``--neighbours``, from ``time.perf_counter`` at each step start) and of every
+unprofiled decode step of the profiled pass shows how much the profiler slowed the window.
 
 Reading it: ``step wall - busy`` is the GPU idle time per step. ``in_graph`` idle is between
 kernels of one graph replay (kernel boundaries); ``between_launches`` idle waits on the host,
@@ -56,12 +60,13 @@ from attnserve.mem_cache.kv_quant import KV_CACHE_DTYPES
 
 
 def _graph_replay(llm, summary: dict) -> dict:
-    """The decode graph replayed alone at the window's mean batch and context (CUDA only)."""
+    """The decode graph replayed alone at the mean batch and context of the window's decode
+    steps (CUDA only)."""
     from attnserve.bench.offline import graph_step_ms
 
     runner = llm.engine.model_runner
-    bs = max(1, round(summary["mean_batch"]))
-    ctx = max(1, round(summary["mean_context_per_req"]) - 1)  # + the decode token = the KV length
+    bs = max(1, round(summary["decode_mean_batch"]))
+    ctx = max(1, round(summary["decode_mean_context_per_req"]) - 1)  # + the decode token = the KV length
     gr = runner.cuda_graph_runner
     if gr is None or not gr.graphs or bs > gr.max_bs:
         return {"batch": bs, "context": ctx, "graph_replay_ms": None, "note": "no captured graph for this batch"}
@@ -71,6 +76,22 @@ def _graph_replay(llm, summary: dict) -> dict:
         return {"batch": bs, "context": ctx, "graph_replay_ms": graph_step_ms(runner, bs, ctx)}
     except Exception as e:  # report, keep the other results
         return {"batch": bs, "context": ctx, "graph_replay_ms": None, "note": f"{type(e).__name__}: {e}"}
+
+
+def unprofiled_steps(probe: EngineProbe, steps, mode=None) -> dict:
+    """Mean host wall per step (``step_starts`` differences, ms) and mean batch of the engine
+    steps ``steps`` that no window recorded (and of forward mode ``mode`` when given)."""
+    recorded = {i for w in probe.windows for i in w.recorded}
+    t = probe.step_starts
+    walls, batches = [], []
+    for i in steps:
+        info = probe.infos.get(i)
+        if 0 <= i < len(t) - 1 and i not in recorded and (mode is None or (info and info.mode == mode)):
+            walls.append(t[i + 1] - t[i])
+            batches.append(info.batch_size if info else 0)
+    n = len(walls)
+    return {"steps": n, "mean_wall_ms": 1e3 * sum(walls) / n if n else None,
+            "mean_batch": sum(batches) / n if n else None}
 
 
 def profile_model(model: str, args, flags: dict, trace_dir: str) -> dict:
@@ -129,12 +150,18 @@ def profile_model(model: str, args, flags: dict, trace_dir: str) -> dict:
             "baseline_phase_s": baseline_s, "profiled_wall_s": profiled_wall,
             "profiled_engine_steps": probe.step_index, "profiled_decode_steps": stats.num_decode_steps,
             "profiled_host_ms_per_step": stats.host_ms_per_decode_step, "windows": {},
+            "unprofiled_decode_steps": unprofiled_steps(probe, range(probe.step_index), "decode"),
         }
         if baseline is not None:
-            print(f"{model}: baseline wall {baseline['wall_s']:.2f} s (prefill pass {baseline['prefill_wall_s']:.2f} s),"
+            print(f"{model}: baseline wall {baseline['wall_s']:.2f} s (prefill pass "
+                  f"{baseline['prefill_wall_s']:.2f} s),"
                   f" {baseline['decode_steps']} decode steps, batch {baseline['mean_decode_batch']:.1f}, host "
                   f"{baseline['host_ms_per_step']:.2f} ms/step; profiled run {profiled_wall:.2f} s, "
                   f"{probe.step_index} engine steps", flush=True)
+        ud = row["unprofiled_decode_steps"]
+        if ud["steps"]:
+            print(f"{model}: profiled run, decode steps outside the windows: {ud['steps']}, "
+                  f"{ud['mean_wall_ms']:.3f} ms/step, batch {ud['mean_batch']:.1f}", flush=True)
         for w in windows:
             entry = {"start": w.start, "num_steps": w.num_steps, "recorded_steps": len(w.recorded)}
             if w.trace_path is None or not any(w.start <= i < w.start + w.num_steps for i in w.recorded):
@@ -144,15 +171,26 @@ def profile_model(model: str, args, flags: dict, trace_dir: str) -> dict:
                 continue
             rep = analyse(load_trace(w.trace_path), probe.infos, w.start, w.start + w.num_steps)
             entry.update(reported_steps=len(rep.steps), summary=rep.summary, steps=rep.steps)
+            near = [*range(w.first_recorded - args.neighbours, w.first_recorded),
+                    *range(w.last_recorded + 1, w.last_recorded + 1 + args.neighbours)]
+            entry["unprofiled_neighbours"] = nb = unprofiled_steps(probe, near)
             print(format_summary(f"{model} [{w.name} steps {w.start}..{w.start + w.num_steps - 1}]", rep.summary),
                   flush=True)
+            if nb["steps"]:
+                print(f"   unprofiled neighbour steps ({nb['steps']}, batch {nb['mean_batch']:.1f}): host wall "
+                      f"{nb['mean_wall_ms']:.3f} ms/step (window, profiled: {rep.summary['mean_wall_ms']:.3f})",
+                      flush=True)
+            if rep.summary["launch_attributed_share"] < 0.9:
+                print(f"   warning: only {100 * rep.summary['launch_attributed_share']:.0f}% of the device activity "
+                      "is linked to its launch call (no 'correlation' arg in the trace?): idle causes are partial",
+                      flush=True)
             if device == "cuda" and rep.summary["decode_steps"]:
                 entry["graph_replay"] = g = _graph_replay(llm, rep.summary)
                 ms = g["graph_replay_ms"]
                 print(f"   decode graph alone at batch {g['batch']} x context {g['context']}: "
-                      f"{'n/a (' + g['note'] + ')' if ms is None else f'{ms:.3f} ms'}; in the engine: wall "
-                      f"{rep.summary['decode_mean_wall_ms']:.3f} ms, busy {rep.summary['mean_busy_ms']:.3f} ms, "
-                      f"kernels {rep.summary['mean_kernel_ms']:.3f} ms", flush=True)
+                      f"{'n/a (' + g['note'] + ')' if ms is None else f'{ms:.3f} ms'}; in the engine (decode steps): "
+                      f"wall {rep.summary['decode_mean_wall_ms']:.3f} ms, busy {rep.summary['decode_mean_busy_ms']:.3f}"
+                      " ms", flush=True)
             if args.keep_traces:
                 dst = os.path.join(args.out, f"trace-{model}-{w.name}.json.gz")
                 os.makedirs(args.out, exist_ok=True)
@@ -188,6 +226,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-window", type=int, nargs=2, default=[0, 20], metavar=("START", "N"))
     ap.add_argument("--lead", type=int, default=5, help="profiler started this many steps before a window")
     ap.add_argument("--tail", type=int, default=2, help="and stopped this many steps after it")
+    ap.add_argument("--neighbours", type=int, default=20,
+                    help="unprofiled steps each side of a window whose wall is reported for comparison")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unprofiled timed run (warm-up only)")
     ap.add_argument("--keep-traces", action="store_true", help="write the gzipped Chrome traces under --out")
     ap.add_argument("--out", default="benchmarks/results")

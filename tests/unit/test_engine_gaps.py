@@ -109,7 +109,7 @@ def test_cuda_like_trace_attribution():
     graph = by_start[90]  # [190, 212): the graph was launched at 210
     assert graph["resumed_by"] == "forward.graph_replay" and graph["host_late_us"] == pytest.approx(20)
     sm = rep.summary
-    assert sm["steps"] == 2 and sm["modes"] == {"decode": 2}
+    assert sm["steps"] == 2 and sm["modes"] == {"decode": 2} and sm["launch_attributed_share"] == 1.0
     assert sm["mean_wall_ms"] == pytest.approx(0.080) and sm["mean_busy_ms"] == pytest.approx(0.038)
     assert sm["idle_share"] == pytest.approx(84 / 160)
     assert sm["idle_us_per_step_by_kind"]["in_graph"] == pytest.approx(1.0)

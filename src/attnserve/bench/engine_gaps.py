@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 STEP_PREFIX = "engine.step#"
-DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "memcpy", "memset")  # older Kineto: Kernel, Memcpy...
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver", "runtime", "driver")
 SYNC_CALLS = ("Synchronize", "cudaMemcpy ", "cudaMemcpy(")  # host blocks on the device in these
 
 #: kernel class -> name substrings (lower case), first match wins; memcpy/memset go by category
@@ -55,7 +55,7 @@ KERNEL_CLASSES = (
 def kernel_class(name: str, cat: str = "kernel") -> str:
     """``attention``, ``gemm``, ``norm_rope``, ``activation``, ``sampling``, ``memcpy`` or ``other``
     for a device activity of trace category ``cat`` named ``name`` (CPU ops: by name alone)."""
-    if cat in ("gpu_memcpy", "gpu_memset") or name.startswith(("Memcpy", "Memset")):
+    if cat in ("gpu_memcpy", "gpu_memset", "memcpy", "memset") or name.startswith(("Memcpy", "Memset")):
         return "memcpy"
     low = name.lower()
     for cls, subs in KERNEL_CLASSES:
@@ -92,7 +92,8 @@ def idle_gaps(merged: Sequence[Tuple[float, float]], lo: float, hi: float) -> Li
     """The sub-intervals of ``[lo, hi)`` not covered by ``merged`` (sorted); their lengths add
     up to ``(hi - lo) - covered_length(merged, lo, hi)``."""
     gaps, t = [], lo
-    for s, e in merged:
+    first = max(bisect.bisect_right(merged, (lo, float("inf"))) - 1, 0)
+    for s, e in merged[first:]:
         if e <= lo:
             continue
         if s >= hi:
@@ -309,7 +310,7 @@ def analyse(trace: Trace, infos: Dict[int, StepInfo], first: int, last: int, top
             "in_graph" if prev.corr is not None and prev.corr == nxt.corr else "between_launches")
         host = phases.innermost(g0)
         call = calls.innermost(g0)
-        resumed = None if nxt is None else (
+        resumed = "(window end)" if nxt is None else (
             "(launch not traced)" if nxt.launch_ts is None else _phase_name(phases.innermost(nxt.launch_ts)))
         k = step_of(g0)
         gaps.append({
@@ -325,8 +326,7 @@ def analyse(trace: Trace, infos: Dict[int, StepInfo], first: int, last: int, top
         info = infos.get(i, StepInfo())
         wall = e - s
         busy = covered_length(merged, s, e)
-        pieces = [min(g1, e) - max(g0, s) for g0, g1 in ((lo + g["start_us"], lo + g["start_us"] + g["dur_us"])
-                                                         for g in gaps) if g1 > s and g0 < e]
+        pieces = [g1 - g0 for g0, g1 in idle_gaps(merged, s, e)]  # the window's gaps, cut at the step's bounds
         host_end = trace.steps[idx[k]][2]
         nxt_first = first_launch[k + 1] if k + 1 < len(first_launch) else None
         steps.append({
@@ -341,6 +341,7 @@ def analyse(trace: Trace, infos: Dict[int, StepInfo], first: int, last: int, top
     report = WindowReport(steps=steps, gaps=gaps)
     report.summary = summarise(steps, gaps, class_us, phase_kernel_us, _phase_times(trace, lo, hi), top)
     report.summary["device_timeline"] = trace.device
+    report.summary["launch_attributed_share"] = sum(o.launch_ts is not None for o in ops) / max(len(ops), 1)
     return report
 
 
@@ -390,6 +391,10 @@ def summarise(steps: List[dict], gaps: List[dict], class_us: Dict[str, float], p
         "mean_context_per_req": (sum(s["context_tokens"] for s in steps) / max(sum(s["batch_size"] for s in steps), 1)),
         "mean_context_tokens": _mean([s["context_tokens"] for s in steps]),
         "decode_steps": len(dec), "decode_mean_wall_ms": _mean([s["wall_us"] for s in dec]) / 1e3,
+        "decode_mean_busy_ms": _mean([s["busy_us"] for s in dec]) / 1e3,
+        "decode_mean_batch": _mean([s["batch_size"] for s in dec]),
+        "decode_mean_context_per_req": (sum(s["context_tokens"] for s in dec)
+                                        / max(sum(s["batch_size"] for s in dec), 1)),
         "gaps": len(gaps), "gaps_ge_10us": sum(g["dur_us"] >= 10 for g in gaps),
         "idle_us_per_step_by_kind": {k: sum(v) / n for k, v in sorted(by_kind.items())},
         "gap_count_by_kind": {k: len(v) for k, v in sorted(by_kind.items())},

@@ -30,13 +30,15 @@ A `ProfileWindow` ``(name, start, num_steps)`` records engine steps ``start - le
 least 0) to ``start + num_steps + tail - 1``: the profiler is started ``lead`` steps early
 (its start stalls the host once; the pipeline refills before the window) and stopped
 ``tail`` steps late, after a device synchronisation (so the window's last kernels are in
-the trace). Per step the probe also keeps what was launched (`StepInfo`). Windows may not
-overlap.
+the trace). While armed the probe also keeps, for every step, what was launched
+(`StepInfo`) and the host time it began (`EngineProbe.step_starts`: unprofiled steps around
+a window show how much the profiler itself slows a step). Windows may not overlap.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -94,6 +96,8 @@ class EngineProbe:
         self.armed = False
         self.recording: Optional[ProfileWindow] = None
         self.infos: Dict[int, StepInfo] = {}
+        #: host time (``time.perf_counter``, s) at which each engine step since `arm` began
+        self.step_starts: List[float] = []
         self._prof = None
         self._installed: List[tuple] = []
 
@@ -106,10 +110,10 @@ class EngineProbe:
         probe = self
 
         def wrapped(*args, **kwargs):
+            if before is not None and probe.armed:
+                before(*args, **kwargs)
             if probe.recording is None:
                 return orig(*args, **kwargs)
-            if before is not None:
-                before(*args, **kwargs)
             with torch.profiler.record_function(name):
                 return orig(*args, **kwargs)
 
@@ -144,6 +148,7 @@ class EngineProbe:
             if not self.armed:
                 return orig_step(*args, **kwargs)
             i = self.step_index
+            self.step_starts.append(time.perf_counter())
             self._maybe_start(i)
             try:
                 if self.recording is None:
@@ -178,6 +183,8 @@ class EngineProbe:
     def arm(self) -> None:
         """Count engine steps from 0 from now on and record the windows as they come."""
         self.step_index = 0
+        self.step_starts = []
+        self.infos = {}
         self.armed = True
 
     def _maybe_start(self, i: int) -> None:
