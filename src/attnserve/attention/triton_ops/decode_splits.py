@@ -7,9 +7,10 @@ below the request's split count ``num_kv_splits[b]``; the others exit at once. S
 request, and the per-request counts (`compute_num_kv_splits`, computed on the device from
 the lengths, no host synchronisation) decide which programs work.
 
-Why the counts look at the whole batch: at one resident stage-1 program per SM (its
-3-stage tiles take ~192 KB of shared memory on an H100), the kernel's time is the
-busiest SM's list of programs. With equal requests that is a matter of whole waves (a
+Why the counts look at the whole batch: at a few resident stage-1 programs per SM (two
+for the 3-stage 128-key bf16 tile: 228 registers, 74 KB of shared memory with Triton 3.6
+on an H100, not the ~192 KB once written here), the kernel's time is the busiest SM's
+list of programs. With equal requests that is a matter of whole waves (a
 4.4-wave grid costs a fifth wave; issue 21, `benchmarks/NOTES.md`). With ragged lengths the
 programs differ in size, and a long request left in one split finishes alone at the end
 while the other SMs idle, so long requests are split more than short ones, and the grid

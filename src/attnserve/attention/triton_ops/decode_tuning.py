@@ -8,7 +8,9 @@ sources are cited next to the constants and in `decode_config`'s docstring.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -29,7 +31,9 @@ class DecodeConfig:
     else ignored); merge_block: splits stage 2 merges per step (`decode_merge`; 1 = one at
     a time, the loop before the small-batch rule); pdl: launch both stages with
     programmatic dependent launch where `attnserve.pdl.pdl_enabled` holds
-    (ignored elsewhere).
+    (ignored elsewhere); maxnreg: registers per thread that stage 1 may use (Triton's
+    ``maxnreg`` launch option, PTX ``.maxnreg``; 0 = the compiler's choice, the default and
+    the only value the default tiles use).
     """
 
     block_n: int
@@ -40,6 +44,7 @@ class DecodeConfig:
     v_pairs: bool = False
     merge_block: int = 32
     pdl: bool = False
+    maxnreg: int = 0
 
 
 #: (block_n, num_stages, num_warps) of stage 1 for an fp8 cache on an H100 / H200 (`decode_config`)
@@ -57,6 +62,22 @@ BATCH_TILE = (128, 2)
 FP8_HOPPER_BATCH_TILE = (128, 4)
 #: environment switch of the small-batch rule (`small_batch_rule_enabled`)
 SMALL_BATCH_ENV = "ATTNSERVE_DECODE_SMALL_BATCH"
+#: environment variable naming an opt-in fp8 V-pairs tile (`fp8_tile_variant`)
+FP8_TILE_ENV = "ATTNSERVE_DECODE_FP8_TILE"
+#: Opt-in fp8 V-pairs tiles of stage 1 on an H100 / H200, (block_n, num_stages, num_warps,
+#: maxnreg), used for small and large batches alike (`fp8_tile_variant`). Offline sm_90a
+#: compiles with Triton 3.6 (benchmarks/NOTES.md, "fp8-KV decode: offline instruction
+#: analysis"): the default tiles (256/3 and 128/4) keep ONE shared-memory buffer of K and V,
+#: because the gathered loads' index load takes one of the pipeline stages (stages between
+#: loads = ceil((num_stages - 2) / 2)); each program then waits for its next tile after
+#: computing the current one. 5 stages give two buffers (the next tile's copy stays in
+#: flight during the current tile's compute), 7 give three.
+FP8_TILE_VARIANTS = {
+    "db128": (128, 5, 4, 0),      # 2 K/V buffers, 185 regs, 75 KB: 2 programs per SM
+    "tb128": (128, 7, 4, 0),      # 3 K/V buffers, 188 regs, 108 KB: 2 programs per SM
+    "db128r168": (128, 5, 4, 168),  # 2 buffers, capped at 168 regs (8 B stack): 3 programs per SM
+    "db64": (64, 5, 4, 0),        # 2 buffers, 143 regs, 40 KB: 3 programs per SM
+}
 
 
 def small_batch_rule_enabled() -> bool:
@@ -69,6 +90,22 @@ def small_batch_rule_enabled() -> bool:
     fit in one wave). Off, decode launches as before the rule (the same stage-2 operations
     in the same order; stage 1 issues its q and metadata loads together either way)."""
     return env_flag(SMALL_BATCH_ENV)
+
+
+def fp8_tile_variant() -> Optional[Tuple[int, int, int, int]]:
+    """The opt-in fp8 V-pairs tile named by ``ATTNSERVE_DECODE_FP8_TILE`` (one of
+    `FP8_TILE_VARIANTS`; read at every call so one process can time several), or None when
+    the variable is unset, empty or ``default`` (the measured tiles of `_tile_config`).
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    raw = os.environ.get(FP8_TILE_ENV, "").strip().lower()
+    if raw in ("", "default"):
+        return None
+    if raw not in FP8_TILE_VARIANTS:
+        raise ValueError(f"{FP8_TILE_ENV}={raw!r}: expected 'default' or one of {sorted(FP8_TILE_VARIANTS)}")
+    return FP8_TILE_VARIANTS[raw]
 
 
 def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bool = False,
@@ -126,13 +163,20 @@ def _tile_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: boo
     contexts 512/4096, inside CUDA graphs): 128-key tiles with 3 stages are within 7% of
     the best of 72 configurations in every case, and 16-26% faster than 64-key tiles with
     2 stages at batch 1 (SmolLM2 bs 1 ctx 512: 5.4 vs 6.3 µs; Llama-3-8B: 7.1 vs 8.4 µs).
-    They need ~192 KB of shared memory at d 128, hence the ``max_shared_mem`` guard.
+    The guard ``max_shared_mem >= _BIG_SMEM`` dates from a Triton that kept 3 buffers of
+    them (~192 KB at d 128); Triton 3.6 keeps one buffer of K and V at 3 or 4 stages (74 KB,
+    228 registers: 2 programs per SM; offline sm_90a compile, benchmarks/NOTES.md).
     """
     wide = head_dim > 128 or dtype == torch.float32
     if not wide and not is_hip and max_shared_mem >= _BIG_SMEM:
         cap = 64
         block_h = max(16, min(cap, triton.next_power_of_2(group_size)))
         fp8_hopper = dtype in FP8_DTYPES and any(name in device_name for name in FP8_PAIRS_DEVICES)
+        variant = fp8_tile_variant() if fp8_hopper else None
+        if variant is not None:  # opt-in (FP8_TILE_VARIANTS), small and large batches alike
+            block_n, stages, warps, maxnreg = variant
+            return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=warps, num_stages=stages, v_pairs=True,
+                                maxnreg=maxnreg)
         programs = batch_size * num_kv_heads * _head_blocks(block_h, group_size)
         if num_sms > 0 and programs >= BATCH_PROGRAMS_PER_SM * num_sms and (fp8_hopper or dtype not in FP8_DTYPES):
             block_n, stages = FP8_HOPPER_BATCH_TILE if fp8_hopper else BATCH_TILE
