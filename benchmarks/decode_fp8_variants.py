@@ -1,13 +1,16 @@
 """fp8-KV paged decode: the default V-pairs tiles against the opt-in ones, in one GPU run.
 
-``PYTHONPATH=src python benchmarks/decode_fp8_variants.py [--out DIR] [--variants a,b] [--quick]``
+``PYTHONPATH=src python benchmarks/decode_fp8_variants.py [--out DIR] [--variants a,b] [--bf16-variants a,b] [--quick]``
 
 Why (benchmarks/NOTES.md, "fp8-KV decode: offline instruction analysis (2026-11-27)"): with
 Triton 3.6 the default fp8 tiles (256 keys / 3 stages, 128 / 4 for big batches) keep one
 shared-memory buffer of K and V, so each stage-1 program waits for its next tile only after
 computing the current one; per key that compute is as long as bf16's, but the tile has half
 the bytes. The opt-in tiles (`decode_tuning.FP8_TILE_VARIANTS`, chosen by
-``ATTNSERVE_DECODE_FP8_TILE``) keep 2-3 buffers and/or 3 programs per SM.
+``ATTNSERVE_DECODE_FP8_TILE``) keep 2-3 buffers and/or 3 programs per SM. The bf16 cache's
+tiles are single-buffered too; its opt-in tiles (`decode_tuning.BF16_TILE_VARIANTS`,
+``ATTNSERVE_DECODE_BF16_TILE``, ``--bf16-variants``) are timed against the bf16 default the
+same way (offline sm_90a: db64 168 registers / 70.5 KB, two buffers, 3 programs per SM).
 
 Per case (Llama-3-8B heads: Hq 32, Hkv 8, D 128, page 1, whole requests at shuffled slots as
 `decode_batch_sweep.py` lays them out; e4m3 cache, bf16 queries) it times stage 1 + 2 inside
@@ -56,13 +59,14 @@ def _env(name: str, value):
             os.environ[name] = old
 
 
-def run(variants, quick: bool = False) -> tuple:
+def run(variants, quick: bool = False, bf16_variants=()) -> tuple:
     from decode_batch_sweep import _case
 
     from attnserve.attention.backend_config import DEFAULT_SPLIT_TILE_SIZE
     from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_attention_fwd
     from attnserve.attention.triton_ops.decode_splits import SMALL_SPLIT_TOKENS
-    from attnserve.attention.triton_ops.decode_tuning import FP8_TILE_ENV, decode_config, small_batch_rule_enabled
+    from attnserve.attention.triton_ops.decode_tuning import (BF16_TILE_ENV, FP8_TILE_ENV, decode_config,
+                                                              small_batch_rule_enabled)
     from common import measure_ceilings
 
     ceil = measure_ceilings()
@@ -73,13 +77,15 @@ def run(variants, quick: bool = False) -> tuple:
     gen = torch.Generator().manual_seed(0)
     rows = []
     for label, bs, ctx in CASES[:2] if quick else CASES:
-        ref = None
-        for kv_name, variant in [("bf16", None), ("fp8_e4m3", None)] + [("fp8_e4m3", v) for v in variants]:
+        ref, inputs = {}, {}
+        for kv_name, variant in ([("bf16", None), ("fp8_e4m3", None)] + [("fp8_e4m3", v) for v in variants]
+                                 + [("bf16", v) for v in bf16_variants]):
             dtype = torch.bfloat16 if kv_name == "bf16" else torch.float8_e4m3fn
-            if variant is None:  # new inputs per dtype; the variants reuse the fp8 ones
-                q, k, v, lens, indptr, indices, total = _case(HQ, HKV, D, bs, ctx, dtype, gen)
+            if variant is None:  # new inputs per dtype; the variants reuse that dtype's
+                inputs[kv_name] = _case(HQ, HKV, D, bs, ctx, dtype, gen)
+            q, k, v, lens, indptr, indices, total = inputs[kv_name]
             kv_bytes = total * HKV * D * 2 * k.element_size()
-            with _env(FP8_TILE_ENV, variant):
+            with _env(FP8_TILE_ENV if kv_name == "fp8_e4m3" else BF16_TILE_ENV, variant):
                 cfg = decode_config(D, HQ // HKV, dtype, max_shared_mem=smem, device_name=name, batch_size=bs,
                                     num_kv_heads=HKV, num_sms=sms)
             splits = torch.empty(bs, dtype=torch.int32, device=DEVICE)
@@ -101,22 +107,20 @@ def run(variants, quick: bool = False) -> tuple:
             try:
                 call()
                 torch.cuda.synchronize()
-                if kv_name == "fp8_e4m3":
-                    if variant is None:
-                        ref = o.float().clone()
-                    row["max_abs_diff_vs_default"] = float((o.float() - ref).abs().max())
+                if variant is None:
+                    ref[kv_name] = o.float().clone()
+                row["max_abs_diff_vs_default"] = float((o.float() - ref[kv_name]).abs().max())
                 us = bench_graph([call])
                 row.update(graph_us=us, kv_gbs=kv_bytes / us / 1e3, share_of_copy_rate=kv_bytes / (us * 1e-6) / copy_bps)
             except Exception as e:  # noqa: BLE001 - a variant that fails is a result
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(row)
-        base = next((r for r in rows if r["case"] == label and r["kv_dtype"] == "fp8_e4m3"
-                     and r["variant"] == "default" and "graph_us" in r), None)
+        base = {r["kv_dtype"]: r for r in rows if r["case"] == label and r["variant"] == "default" and "graph_us" in r}
         for r in rows:
             if r["case"] != label:
                 continue
-            if base and "graph_us" in r and r["kv_dtype"] == "fp8_e4m3":
-                r["speedup_vs_default"] = base["graph_us"] / r["graph_us"]
+            if r["kv_dtype"] in base and "graph_us" in r:
+                r["speedup_vs_default"] = base[r["kv_dtype"]]["graph_us"] / r["graph_us"]
             tile = f"{r['block_n']}/{r['num_stages']}/{r['num_warps']}" + (f" r{r['maxnreg']}" if r["maxnreg"] else "")
             if "graph_us" in r:
                 extra = (f" x{r['speedup_vs_default']:.3f} |diff| {r['max_abs_diff_vs_default']:.2e}"
@@ -125,29 +129,33 @@ def run(variants, quick: bool = False) -> tuple:
                       f"{r['kv_gbs']:7.0f} GB/s {r['share_of_copy_rate']:.3f} of copy{extra}", flush=True)
             else:
                 print(f"{label:15s} {r['kv_dtype']:8s} {r['variant']:10s} {tile:12s} ERROR {r['error']}", flush=True)
-        del q, k, v
+        del q, k, v, inputs
         torch.cuda.empty_cache()
     return rows, ceil
 
 
 def main(argv=None) -> int:
-    from attnserve.attention.triton_ops.decode_tuning import FP8_TILE_VARIANTS
+    from attnserve.attention.triton_ops.decode_tuning import BF16_TILE_VARIANTS, FP8_TILE_VARIANTS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--variants", default=",".join(FP8_TILE_VARIANTS),
                     help=f"comma-separated names of FP8_TILE_VARIANTS (default: all, {sorted(FP8_TILE_VARIANTS)})")
+    ap.add_argument("--bf16-variants", default=",".join(BF16_TILE_VARIANTS),
+                    help=f"comma-separated names of BF16_TILE_VARIANTS (default: all, {sorted(BF16_TILE_VARIANTS)})")
     ap.add_argument("--quick", action="store_true", help="the first two cases only")
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in variants if v not in FP8_TILE_VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {sorted(FP8_TILE_VARIANTS)}")
+    bf16_variants = [v for v in args.bf16_variants.split(",") if v]
+    for names, table in ((variants, FP8_TILE_VARIANTS), (bf16_variants, BF16_TILE_VARIANTS)):
+        unknown = [v for v in names if v not in table]
+        if unknown:
+            raise SystemExit(f"unknown variants {unknown}; known: {sorted(table)}")
     if not torch.cuda.is_available():
         raise SystemExit("decode_fp8_variants needs a CUDA GPU")
     import triton
 
-    rows, ceil = run(variants, args.quick)
+    rows, ceil = run(variants, args.quick, bf16_variants)
     result = {"benchmark": "decode_fp8_variants", "date": dt.date.today().isoformat(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "cuda": torch.version.cuda, "ceilings": ceil, "heads": [HQ, HKV, D], "max_kv_splits": MAX_KV_SPLITS,

@@ -202,6 +202,8 @@ def main(argv=None) -> int:
             ("e4m3 batch " + "/".join(map(str, FP8_HOPPER_BATCH_TILE)), "e4m3", FP8_HOPPER_BATCH_TILE + (4,))]
     if not args.defaults_only:
         runs += [(f"e4m3 {name}", "e4m3", (n, st, w, r)) for name, (n, st, w, r) in FP8_TILE_VARIANTS.items()]
+        runs += [(f"bf16 {name}", "bf16", (n, st, w, r))
+                 for name, (n, st, w, r) in getattr(dt, "BF16_TILE_VARIANTS", {}).items()]
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
     for label, kind, tile in runs:

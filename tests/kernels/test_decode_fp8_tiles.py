@@ -66,3 +66,36 @@ def test_fp8_tile_variant_matches_reference(variant, gen, paged):
                                config=cfg)
     assert ns.max() > 1
     _check(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("variant", sorted(dtn.BF16_TILE_VARIANTS))
+def test_bf16_tile_variant_selected_for_16bit_caches_only(variant, monkeypatch):
+    """``ATTNSERVE_DECODE_BF16_TILE`` replaces the 16-bit cache's tiles (small batch and
+    batch tile alike, no V pairs); fp8 caches keep theirs; an unknown name is refused."""
+    monkeypatch.delenv(dtn.BF16_TILE_ENV, raising=False)
+    big_bs = dtn.BATCH_PROGRAMS_PER_SM * SMS // HKV
+    fp8_before = {bs: _cfg(torch.float8_e4m3fn, H100, bs) for bs in (0, 4, big_bs)}
+    bf16_before = {bs: _cfg(torch.bfloat16, H100, bs) for bs in (0, 4, big_bs)}
+    monkeypatch.setenv(dtn.BF16_TILE_ENV, variant)
+    n, stages, warps, maxnreg = dtn.BF16_TILE_VARIANTS[variant]
+    for bs in (0, 4, big_bs):
+        cfg = _cfg(torch.bfloat16, H100, bs)
+        assert (cfg.block_n, cfg.num_stages, cfg.num_warps, cfg.maxnreg) == (n, stages, warps, maxnreg)
+        assert not cfg.v_pairs and cfg.block_h == bf16_before[bs].block_h
+        assert _cfg(torch.float8_e4m3fn, H100, bs) == fp8_before[bs]
+    monkeypatch.setenv(dtn.BF16_TILE_ENV, "nope")
+    with pytest.raises(ValueError, match=sorted(dtn.BF16_TILE_VARIANTS)[0]):
+        _cfg(torch.bfloat16, H100, 4)
+
+
+@pytest.mark.parametrize("variant", sorted(dtn.BF16_TILE_VARIANTS))
+def test_bf16_tile_variant_matches_reference(variant, gen, paged):
+    """Each opt-in 16-bit tile over a bf16 cache, lengths around its tile and several splits,
+    against the float64 reference."""
+    n, stages, warps, maxnreg = dtn.BF16_TILE_VARIANTS[variant]
+    cfg = DecodeConfig(block_n=n, block_h=16, num_warps=warps, num_stages=stages, maxnreg=maxnreg)
+    out, ref, ns = _run_decode(gen, paged, lens=[1, n - 1, n + 3, 2 * n + 40], hq=8, hkv=2,
+                               kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16, dk=32, dv=32, page_size=16,
+                               k_scale=1.0, v_scale=1.0, config=cfg)
+    assert ns.max() > 1
+    _check(out, ref, torch.bfloat16)

@@ -78,6 +78,19 @@ FP8_TILE_VARIANTS = {
     "db128r168": (128, 5, 4, 168),  # 2 buffers, capped at 168 regs (8 B stack): 3 programs per SM
     "db64": (64, 5, 4, 0),        # 2 buffers, 143 regs, 40 KB: 3 programs per SM
 }
+#: environment variable naming an opt-in 16-bit-cache tile (`bf16_tile_variant`)
+BF16_TILE_ENV = "ATTNSERVE_DECODE_BF16_TILE"
+#: Opt-in stage-1 tiles for a 16-bit cache on GPUs with the big shared memory, same layout
+#: as `FP8_TILE_VARIANTS`. The same single-buffer rule holds for the 16-bit tiles (128/3 and
+#: the batch tile 128/2 keep one K/V buffer); bf16 reaches 0.87-0.93 of the copy rate through
+#: 2-3 programs per SM instead. Candidates (not yet timed; smem = buffers x 2 x block_n x 256 B
+#: at d 128): 128 keys / 5 stages, two 64 KB buffers (1-2 programs per SM); 64 keys / 5 and 7
+#: stages, two or three 32 KB buffers (2-3 programs per SM).
+BF16_TILE_VARIANTS = {
+    "db128": (128, 5, 4, 0),
+    "db64": (64, 5, 4, 0),
+    "tb64": (64, 7, 4, 0),
+}
 
 
 def small_batch_rule_enabled() -> bool:
@@ -92,20 +105,31 @@ def small_batch_rule_enabled() -> bool:
     return env_flag(SMALL_BATCH_ENV)
 
 
-def fp8_tile_variant() -> Optional[Tuple[int, int, int, int]]:
-    """The opt-in fp8 V-pairs tile named by ``ATTNSERVE_DECODE_FP8_TILE`` (one of
-    `FP8_TILE_VARIANTS`; read at every call so one process can time several), or None when
-    the variable is unset, empty or ``default`` (the measured tiles of `_tile_config`).
+def _tile_variant(env: str, table: dict) -> Optional[Tuple[int, int, int, int]]:
+    """The entry of ``table`` named by the environment variable ``env`` (read at every call
+    so one process can time several), or None when it is unset, empty or ``default``.
 
     Raises:
         ValueError: an unknown name (the message lists the known ones).
     """
-    raw = os.environ.get(FP8_TILE_ENV, "").strip().lower()
+    raw = os.environ.get(env, "").strip().lower()
     if raw in ("", "default"):
         return None
-    if raw not in FP8_TILE_VARIANTS:
-        raise ValueError(f"{FP8_TILE_ENV}={raw!r}: expected 'default' or one of {sorted(FP8_TILE_VARIANTS)}")
-    return FP8_TILE_VARIANTS[raw]
+    if raw not in table:
+        raise ValueError(f"{env}={raw!r}: expected 'default' or one of {sorted(table)}")
+    return table[raw]
+
+
+def fp8_tile_variant() -> Optional[Tuple[int, int, int, int]]:
+    """The opt-in fp8 V-pairs tile named by ``ATTNSERVE_DECODE_FP8_TILE`` (one of
+    `FP8_TILE_VARIANTS`), or None (the measured tiles of `_tile_config`); see `_tile_variant`."""
+    return _tile_variant(FP8_TILE_ENV, FP8_TILE_VARIANTS)
+
+
+def bf16_tile_variant() -> Optional[Tuple[int, int, int, int]]:
+    """The opt-in 16-bit-cache tile named by ``ATTNSERVE_DECODE_BF16_TILE`` (one of
+    `BF16_TILE_VARIANTS`), or None (the measured tiles of `_tile_config`); see `_tile_variant`."""
+    return _tile_variant(BF16_TILE_ENV, BF16_TILE_VARIANTS)
 
 
 def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bool = False,
@@ -172,11 +196,11 @@ def _tile_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: boo
         cap = 64
         block_h = max(16, min(cap, triton.next_power_of_2(group_size)))
         fp8_hopper = dtype in FP8_DTYPES and any(name in device_name for name in FP8_PAIRS_DEVICES)
-        variant = fp8_tile_variant() if fp8_hopper else None
-        if variant is not None:  # opt-in (FP8_TILE_VARIANTS), small and large batches alike
+        variant = fp8_tile_variant() if fp8_hopper else (None if dtype in FP8_DTYPES else bf16_tile_variant())
+        if variant is not None:  # opt-in (FP8_ / BF16_TILE_VARIANTS), small and large batches alike
             block_n, stages, warps, maxnreg = variant
-            return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=warps, num_stages=stages, v_pairs=True,
-                                maxnreg=maxnreg)
+            return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=warps, num_stages=stages,
+                                v_pairs=fp8_hopper, maxnreg=maxnreg)
         programs = batch_size * num_kv_heads * _head_blocks(block_h, group_size)
         if num_sms > 0 and programs >= BATCH_PROGRAMS_PER_SM * num_sms and (fp8_hopper or dtype not in FP8_DTYPES):
             block_n, stages = FP8_HOPPER_BATCH_TILE if fp8_hopper else BATCH_TILE
