@@ -20,13 +20,13 @@ import contextlib
 import dataclasses
 import io
 import re
-import subprocess
 import sys
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from offline_ptxas import ptxas_report
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
 from extend_long_sweep import CANDIDATES  # noqa: E402
@@ -97,16 +97,11 @@ def main(argv=None) -> int:
             print(f"{label:28s} COMPILE ERROR {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
             continue
         ptx = k.asm["ptx"]
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(ptx)
-        out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", f.name + ".o"],
-                             capture_output=True, text=True).stderr
-        regs = re.search(r"Used (\d+) registers", out)
-        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+        regs, spill = ptxas_report(ptx, ptxas)
         counts = {x: len(re.findall(p, ptx)) for x, p in (("wgmma", r"wgmma\.mma_async"), ("wait", r"wgmma\.wait_group"),
                                                           ("tma", r"cp\.async\.bulk\.tensor"),
                                                           ("cp.async", r"cp\.async\.c[ag]"))}
-        print(f"{label:28s} regs {regs.group(1) if regs else '?'} spills {spill.groups() if spill else '?'} "
+        print(f"{label:28s} regs {regs or '?'} spills {spill or '?'} "
               f"shared {k.metadata.shared} " + " ".join(f"{x} {n}" for x, n in counts.items()), flush=True)
     return 0
 

@@ -23,14 +23,14 @@ import dataclasses
 import io
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from offline_ptxas import ptxas_report
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
 
@@ -117,16 +117,11 @@ def main(argv=None) -> int:
             os.makedirs(args.ptx_dir, exist_ok=True)
             with open(os.path.join(args.ptx_dir, label.replace(" ", "_").replace("/", "_") + ".ptx"), "w") as f:
                 f.write(ptx)
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(ptx)
-        out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", f.name + ".o"],
-                             capture_output=True, text=True).stderr
-        regs = re.search(r"Used (\d+) registers", out)
-        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+        regs, spill = ptxas_report(ptx, ptxas)
         counts = {x: len(re.findall(p, ptx)) for x, p in (
             ("wgmma", r"wgmma\.mma_async"), ("mma", r"\bmma\.sync"), ("tma", r"cp\.async\.bulk\.tensor"),
             ("atom", r"\batom\.|\bred\."), ("st.global", r"st\.global"))}
-        print(f"{label:34s} regs {regs.group(1) if regs else '?'} spills {spill.groups() if spill else '?'} "
+        print(f"{label:34s} regs {regs or '?'} spills {spill or '?'} "
               f"shared {k.metadata.shared} compile {secs:.1f}s " + " ".join(f"{x} {n}" for x, n in counts.items()),
               flush=True)
     print(f"{ok} compiled in {time.perf_counter() - t_all:.0f} s", flush=True)
