@@ -15,6 +15,9 @@
 #             (deepseek-v2-lite, qwen3-30b-a3b; MOE_MODELS, MOE_ARGS e.g. --tp-size 2 for mixtral-8x7b)
 #   serving   scripts/serving_vs_offline.sh: the server path against the offline engine, both shapes
 #             (needs the server wheels carried in .whl/serving, see the device README)
+#   gaps      benchmarks/profile_engine_gaps.py: GPU busy / idle and kernel classes over a window of
+#             the engine loop on the mixed 256-request workload (GAPS_MODELS, GAPS_ARGS e.g.
+#             --kv-cache-dtype fp8_e4m3), and its GPU test
 #   sampling  benchmarks/sampling_extras_gpu.py: decode step with logprobs (top 5) / penalties / logit
 #             bias + min_tokens on all 64 requests vs none, Llama-3-8B shape (issue 35; SAMPLING_ARGS)
 #   bash scripts/gpu_engine_bench.sh roofline [loop spec fp8]
@@ -66,6 +69,12 @@ for what in "${@:-roofline}"; do
     sampling)
       timeout "${SAMPLING_TIMEOUT:-500}" python3 benchmarks/sampling_extras_gpu.py --out "$OUT" ${SAMPLING_ARGS:-} 2>&1 \
         | grep -v INFO | tee "$OUT/sampling.log" | tail -20 ;;
-    *) echo "unknown mode $what (roofline step prefill moe loop spec fp8 profile serving sampling)"; exit 2 ;;
+    gaps)
+      timeout "${GAPS_TIMEOUT:-300}" python3 benchmarks/profile_engine_gaps.py --models ${GAPS_MODELS:-llama-3-8b} \
+        --num-prompts 256 --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.098 \
+        --decode-window 400 40 --prefill-window 0 10 --no-baseline --out "$OUT" ${GAPS_ARGS:-} 2>&1 \
+        | grep -v INFO | tee -a "$OUT/gaps.log" | tail -45
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gaps_gpu.py 2>&1 | tail -3 ;;
+    *) echo "unknown mode $what (roofline step prefill moe loop spec fp8 profile serving sampling gaps)"; exit 2 ;;
   esac
 done

@@ -7,7 +7,9 @@
 #   batch    benchmarks/decode_batch_sweep.py (stage-1 tiles / residency / split waves at 64-256
 #            requests of ~800 keys, against the copy rate; BATCH_ARGS e.g. --quick)
 #   fp8      benchmarks/fp8_bench.py (FP8 linears against bf16: GEMMs, producers, engine rows; FP8_ARGS)
-#   bash scripts/gpu_kernel_bench.sh kernels [decode ragged batch fp8]
+#   tiles    benchmarks/decode_fp8_variants.py (the opt-in double-buffered stage-1 tiles, fp8 and bf16
+#            caches, against their defaults; TILES_ARGS e.g. --quick) and their GPU test
+#   bash scripts/gpu_kernel_bench.sh kernels [decode ragged batch fp8 tiles]
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -22,6 +24,9 @@ for what in "${@:-kernels}"; do
       | tee "$OUT/batch.log" | grep -v "^wrote" | tail -20 ;;
     fp8) timeout "${FP8_TIMEOUT:-500}" python3 benchmarks/fp8_bench.py --out "$OUT/fp8-bench.json" ${FP8_ARGS:-} 2>&1 \
       | tee "$OUT/fp8.log" | tail -60 ;;
-    *) echo "unknown mode $what (kernels decode ragged batch fp8)"; exit 2 ;;
+    tiles) timeout "${TILES_TIMEOUT:-200}" python3 benchmarks/decode_fp8_variants.py --out "$OUT" ${TILES_ARGS:-} 2>&1 \
+      | tee "$OUT/tiles.log" | tail -40
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_fp8_tiles_gpu.py 2>&1 | tail -3 ;;
+    *) echo "unknown mode $what (kernels decode ragged batch fp8 tiles)"; exit 2 ;;
   esac
 done
