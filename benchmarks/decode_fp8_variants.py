@@ -11,6 +11,9 @@ the bytes. The opt-in tiles (`decode_tuning.FP8_TILE_VARIANTS`, chosen by
 tiles are single-buffered too; its opt-in tiles (`decode_tuning.BF16_TILE_VARIANTS`,
 ``ATTNSERVE_DECODE_BF16_TILE``, ``--bf16-variants``) are timed against the bf16 default the
 same way (offline sm_90a: db64 168 registers / 70.5 KB, two buffers, 3 programs per SM).
+A ``pdl-all`` row per cache dtype times its default tiles with both stages launched with PDL
+at every batch (``ATTNSERVE_DECODE_PDL_ALL=1``; by default only batches whose stage 1 fits in
+one wave get PDL): stage 2's launch then overlaps stage 1's last wave.
 
 Per case (Llama-3-8B heads: Hq 32, Hkv 8, D 128, page 1, whole requests at shuffled slots as
 `decode_batch_sweep.py` lays them out; e4m3 cache, bf16 queries) it times stage 1 + 2 inside
@@ -43,6 +46,10 @@ MAX_KV_SPLITS = 32  # DEFAULT_NUM_KV_SPLITS of the triton backend
 DEVICE = "cuda"
 
 
+#: the row of each dtype's default tiles launched with PDL at every batch (``ATTNSERVE_DECODE_PDL_ALL``)
+PDL_ROW = "pdl-all"
+
+
 @contextlib.contextmanager
 def _env(name: str, value):
     old = os.environ.get(name)
@@ -59,14 +66,14 @@ def _env(name: str, value):
             os.environ[name] = old
 
 
-def run(variants, quick: bool = False, bf16_variants=()) -> tuple:
+def run(variants, quick: bool = False, bf16_variants=(), pdl_rows: bool = True) -> tuple:
     from decode_batch_sweep import _case
 
     from attnserve.attention.backend_config import DEFAULT_SPLIT_TILE_SIZE
     from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_attention_fwd
     from attnserve.attention.triton_ops.decode_splits import SMALL_SPLIT_TOKENS
-    from attnserve.attention.triton_ops.decode_tuning import (BF16_TILE_ENV, FP8_TILE_ENV, decode_config,
-                                                              small_batch_rule_enabled)
+    from attnserve.attention.triton_ops.decode_tuning import (BF16_TILE_ENV, FP8_TILE_ENV, PDL_ALL_ENV,
+                                                              decode_config, small_batch_rule_enabled)
     from common import measure_ceilings
 
     ceil = measure_ceilings()
@@ -79,13 +86,16 @@ def run(variants, quick: bool = False, bf16_variants=()) -> tuple:
     for label, bs, ctx in CASES[:2] if quick else CASES:
         ref, inputs = {}, {}
         for kv_name, variant in ([("bf16", None), ("fp8_e4m3", None)] + [("fp8_e4m3", v) for v in variants]
-                                 + [("bf16", v) for v in bf16_variants]):
+                                 + [("bf16", v) for v in bf16_variants]
+                                 + ([("bf16", PDL_ROW), ("fp8_e4m3", PDL_ROW)] if pdl_rows else [])):
             dtype = torch.bfloat16 if kv_name == "bf16" else torch.float8_e4m3fn
             if variant is None:  # new inputs per dtype; the variants reuse that dtype's
                 inputs[kv_name] = _case(HQ, HKV, D, bs, ctx, dtype, gen)
             q, k, v, lens, indptr, indices, total = inputs[kv_name]
             kv_bytes = total * HKV * D * 2 * k.element_size()
-            with _env(FP8_TILE_ENV if kv_name == "fp8_e4m3" else BF16_TILE_ENV, variant):
+            tile = None if variant == PDL_ROW else variant
+            with _env(FP8_TILE_ENV if kv_name == "fp8_e4m3" else BF16_TILE_ENV, tile), \
+                    _env(PDL_ALL_ENV, "1" if variant == PDL_ROW else None):
                 cfg = decode_config(D, HQ // HKV, dtype, max_shared_mem=smem, device_name=name, batch_size=bs,
                                     num_kv_heads=HKV, num_sms=sms)
             splits = torch.empty(bs, dtype=torch.int32, device=DEVICE)

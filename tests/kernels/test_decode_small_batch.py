@@ -12,7 +12,7 @@ import torch
 from attnserve.attention.triton_ops.decode_attention import DecodeConfig, decode_attention_fwd, decode_config
 from attnserve.attention.triton_ops.decode_merge import MAX_SPLIT_BLOCK, merge_split_block
 from attnserve.attention.triton_ops.decode_splits import SMALL_SPLIT_TOKENS, compute_num_kv_splits
-from attnserve.attention.triton_ops.decode_tuning import SMALL_BATCH_ENV
+from attnserve.attention.triton_ops.decode_tuning import PDL_ALL_ENV, SMALL_BATCH_ENV
 from attnserve.attention.triton_ops.kv_indices import compute_kv_indptr, create_kv_indices
 
 H100_SMS = 132
@@ -56,10 +56,18 @@ def test_decode_config_small_batch_rule(monkeypatch):
                              num_kv_heads=heads, num_sms=sms)
 
     monkeypatch.delenv(SMALL_BATCH_ENV, raising=False)
+    monkeypatch.delenv(PDL_ALL_ENV, raising=False)
     assert cfg(1).pdl and cfg(16).pdl and cfg(66, heads=2).pdl
     assert not cfg(17).pdl and not cfg(0).pdl and not cfg(1, sms=0).pdl
     assert cfg(1).merge_block == cfg(64).merge_block == MAX_SPLIT_BLOCK
+    tiles = {bs: (cfg(bs).block_n, cfg(bs).num_stages) for bs in (17, 1024)}
+    monkeypatch.setenv(PDL_ALL_ENV, "1")  # opt-in: PDL at every batch, tiles unchanged
+    assert cfg(17).pdl and cfg(1024).pdl and cfg(0).pdl
+    assert {bs: (cfg(bs).block_n, cfg(bs).num_stages) for bs in (17, 1024)} == tiles
+    monkeypatch.delenv(PDL_ALL_ENV)
+    assert not cfg(1024).pdl
     monkeypatch.setenv(SMALL_BATCH_ENV, "0")
+    monkeypatch.setenv(PDL_ALL_ENV, "1")  # the rule off wins: the kernels as before the rule
     off = cfg(1)
     assert off.merge_block == 1 and not off.pdl
     assert (off.block_n, off.num_stages, off.block_h) == (cfg(0).block_n, cfg(0).num_stages, cfg(0).block_h)

@@ -62,6 +62,9 @@ BATCH_TILE = (128, 2)
 FP8_HOPPER_BATCH_TILE = (128, 4)
 #: environment switch of the small-batch rule (`small_batch_rule_enabled`)
 SMALL_BATCH_ENV = "ATTNSERVE_DECODE_SMALL_BATCH"
+#: opt-in switch (`decode_config`): launch both stages with PDL at every batch size, not only
+#: when stage 1 fits in one wave (not measured at large batches yet; default off)
+PDL_ALL_ENV = "ATTNSERVE_DECODE_PDL_ALL"
 #: environment variable naming an opt-in fp8 V-pairs tile (`fp8_tile_variant`)
 FP8_TILE_ENV = "ATTNSERVE_DECODE_FP8_TILE"
 #: Opt-in fp8 V-pairs tiles of stage 1 on an H100 / H200, (block_n, num_stages, num_warps,
@@ -139,8 +142,8 @@ def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bo
     rule (`small_batch_rule_enabled`). With the rule on, stage 2 merges up to 32 splits a
     step (``merge_block``), and a batch whose stage-1 programs at one split a request fit
     in one wave (``batch_size * num_kv_heads * head blocks <= num_sms``, all three known)
-    sets ``pdl``; off, ``merge_block`` is 1 and ``pdl`` False (the kernels as before).
-    Arguments as in `_tile_config`.
+    sets ``pdl`` (every batch with ``ATTNSERVE_DECODE_PDL_ALL=1``, opt-in); off, ``merge_block``
+    is 1 and ``pdl`` False (the kernels as before). Arguments as in `_tile_config`.
 
     Why (H100, torch.profiler over CUDA-graph replays, no PDL, 2026-11-27): at batch 1 with
     ~576 keys stage 1 took ~7 us and stage 2 ~2 us per layer for Llama-3-8B heads at tp 1
@@ -156,6 +159,10 @@ def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bo
     if not small_batch_rule_enabled():
         return replace(cfg, merge_block=1, pdl=False)
     programs = batch_size * num_kv_heads * _head_blocks(cfg.block_h, group_size)
+    if env_flag(PDL_ALL_ENV, default=False):
+        # stage 1 lets stage 2 launch once its last programs have started, so stage 2's
+        # launch overlaps stage 1's last wave instead of following it
+        return replace(cfg, pdl=True)
     return replace(cfg, pdl=num_sms > 0 and 0 < programs <= num_sms)
 
 
