@@ -4,6 +4,7 @@ import pytest
 
 from attnserve.engine.memory_sizing import (
     MAX_RUNNING_REQUESTS_CAP,
+    SPECULATIVE_MAX_RUNNING_REQUESTS,
     TOKENS_PER_RUNNING_REQUEST,
     default_max_running_requests,
     gpu_batch_defaults,
@@ -57,6 +58,21 @@ def test_resolve_fills_only_unset_limits_and_caps_graphs():
     # an explicit graph batch does not move the running-request default (the card's table does)
     low = resolve_serving_limits(389120, "cuda", h100, cuda_graph_max_bs=64)
     assert (low.max_running_requests, low.cuda_graph_max_bs) == (512, 64)
+
+
+def test_speculative_default_running_requests_as_sglang():
+    """With a speculative algorithm the GPU default is at most 48 running requests (SGLang's
+    reset), so the graph batch, which the verify graphs share, is 48 too; flags still win,
+    a smaller pool still bounds it, and the CPU keeps its measured 64."""
+    h100 = int(79.1 * GiB)
+    spec = resolve_serving_limits(389120, "cuda", h100, speculative=True)
+    assert SPECULATIVE_MAX_RUNNING_REQUESTS == 48
+    assert (spec.max_running_requests, spec.cuda_graph_max_bs, spec.chunked_prefill_size) == (48, 48, 8192)
+    flag = resolve_serving_limits(389120, "cuda", h100, max_running_requests=256, speculative=True)
+    assert (flag.max_running_requests, flag.cuda_graph_max_bs) == (256, 256)
+    assert resolve_serving_limits(20 * TOKENS_PER_RUNNING_REQUEST, "cuda", h100,
+                                  speculative=True).max_running_requests == 20
+    assert resolve_serving_limits(32768, "cpu", speculative=True).max_running_requests == 64
 
 
 def test_cpu_defaults_stay_as_measured():

@@ -38,6 +38,10 @@ passes no flag still fills the GPU. attnserve does the same, with these rules:
   twice the tier's chunk. On the H100 this gives Qwen3-0.6B 16384 (mixed 256-request
   workload: prefill share of the roofline 0.32 -> 0.51, whole workload 0.74 -> 0.77) and
   leaves Llama-3-8B at 8192 (16384 measured 0.81 vs 0.82 there).
+* **Speculative decoding** (GPU): at most `SPECULATIVE_MAX_RUNNING_REQUESTS` (48) running
+  requests by default, as SGLang resets them, so the verify graphs (``bs x nodes`` rows of
+  logits each) stay small: at 512 requests NGRAM's 8-node trees would need a 2.1 GB logits
+  buffer for Llama-3-8B.
 * **CPU**: 64 running requests, 8192-token chunks, no graphs: the values measured best on
   the 2-core CPU machines (`CPU_MAX_RUNNING_REQUESTS`, `CPU_CHUNKED_PREFILL_SIZE`).
 
@@ -52,6 +56,10 @@ from typing import Optional, Tuple
 
 #: most running requests the memory rule picks on its own (``--max-running-requests`` may go higher)
 MAX_RUNNING_REQUESTS_CAP = 1024
+#: default running requests on a GPU with speculative decoding (SGLang's ``ServerArgs`` resets
+#: an unset ``--max-running-requests`` to 48 for every speculative algorithm: speculation pays
+#: at small batches, and each request holds ``nodes`` verify rows); the graph batch follows
+SPECULATIVE_MAX_RUNNING_REQUESTS = 48
 #: KV tokens reserved per running request by the memory rule (pool_tokens // this)
 TOKENS_PER_RUNNING_REQUEST = 64
 #: CPU defaults (measured best on the 2-core machines)
@@ -179,7 +187,7 @@ def resolve_serving_limits(pool_tokens: int, device_type: str, total_gpu_bytes: 
                            chunked_prefill_size: Optional[int] = None,
                            cuda_graph_max_bs: Optional[int] = None,
                            max_total_tokens_chosen: bool = True, params: int = 0,
-                           num_layers: int = 0) -> ServingLimits:
+                           num_layers: int = 0, speculative: bool = False) -> ServingLimits:
     """Fill the limits the user left at ``None``.
 
     Args:
@@ -189,6 +197,9 @@ def resolve_serving_limits(pool_tokens: int, device_type: str, total_gpu_bytes: 
         max_running_requests / chunked_prefill_size / cuda_graph_max_bs: the flags (None: choose).
         max_total_tokens_chosen: whether ``pool_tokens`` came from the memory rule.
         params / num_layers: the model's parameters and layers (`host_bound_prefill_chunk`; 0: unknown).
+        speculative: a speculative algorithm is on: on a GPU the default running requests (and
+            so the graph batch, which covers the verify graphs too) is at most
+            `SPECULATIVE_MAX_RUNNING_REQUESTS`.
 
     Returns:
         `ServingLimits`; ``cuda_graph_max_bs`` is capped at ``max_running_requests`` and is 0 on CPU.
@@ -198,6 +209,8 @@ def resolve_serving_limits(pool_tokens: int, device_type: str, total_gpu_bytes: 
         chunk_default, graph_default = gpu_batch_defaults(total_gpu_bytes)
         chunk_default = host_bound_prefill_chunk(chunk_default, params, num_layers)
         mrr_default = min(default_max_running_requests(pool_tokens), graph_default)  # every batch has a graph
+        if speculative:
+            mrr_default = min(mrr_default, SPECULATIVE_MAX_RUNNING_REQUESTS)
     else:
         chunk_default, graph_default, mrr_default = CPU_CHUNKED_PREFILL_SIZE, 0, CPU_MAX_RUNNING_REQUESTS
     if max_running_requests is None:

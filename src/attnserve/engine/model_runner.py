@@ -190,7 +190,8 @@ class ModelRunner:
             mrr = args.max_running_requests
             if mrr is None:
                 first = args.max_total_tokens if args.max_total_tokens is not None else self._pool_tokens(0)
-                mrr = resolve_serving_limits(first, self.device.type, total_gpu).max_running_requests
+                mrr = resolve_serving_limits(first, self.device.type, total_gpu,
+                                             speculative=args.speculative_algorithm is not None).max_running_requests
             workspace = backend_workspace_bytes(self._backend_config(mrr), self.backend_choice)
             size = args.max_total_tokens if args.max_total_tokens is not None else self._pool_tokens(workspace)
             if self.device.type == "cuda" and args.max_total_tokens is None and size < self.page_size * 2:
@@ -202,7 +203,8 @@ class ModelRunner:
                 size, self.device.type, total_gpu, max_running_requests=mrr,
                 chunked_prefill_size=args.chunked_prefill_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
                 max_total_tokens_chosen=args.max_total_tokens is None,
-                params=sum(p.numel() for p in self.model.parameters()), num_layers=mc.num_hidden_layers)
+                params=sum(p.numel() for p in self.model.parameters()), num_layers=mc.num_hidden_layers,
+                speculative=args.speculative_algorithm is not None)
             if args.max_running_requests is None:  # the count derived from the first estimate was its default
                 limits = dataclasses.replace(limits, chosen=limits.chosen + ("max_running_requests",))
         #: the limits this engine runs with (flags, or the memory rules where flags are unset)
