@@ -33,6 +33,10 @@ often with 64-row programs and lose (``benchmarks/NOTES.md``). Hence the rule on
 * The threshold: short wins at 2,048 (359 vs 386 µs), long at 8,190 (1160 vs 1384 µs);
   between them nothing was measured (log-linear interpolation of the two margins puts the
   crossover near 3,000 tokens), so 2,048, the longest measured win, is the threshold.
+* Re-timed with the rule in place (same H100 day, ``...-extend-long-sweep-new-defaults-2026-11-27.json``),
+  new default over old: 16 x 512 1.27x, 4 x 2,048 1.03x, 1 x 2,560 / 3,072 / 4,096 / 8,190
+  0.99 / 0.98 / 0.96 / 1.01x, prefix stage 1.015x. desc-k's 1.06x at 8,190 did not repeat:
+  it is neutral, kept for the old bits.
 
 Not on this rule (the old default stays): the prefix stage (``has_prefix``: 1 x 4,096 new
 over a 4,096-token prefix measured 975 µs with the old default, every candidate 0.60-1.00x),

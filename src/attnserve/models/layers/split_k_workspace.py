@@ -1,7 +1,7 @@
 """Persistent zeroed workspaces for split-K kernels that leave them zeroed (issue 37).
 
 A split-K launch of `fp8_mid_gemm` adds float32 partial sums into a workspace and counts
-its programs in per column block (int32 counters after the sums). Until 2026-11-29 every
+its programs in per column block (int32 counters after the sums). Until 2026-11-27 every
 call allocated that buffer with ``torch.zeros``: one fill kernel per call, two a Llama
 layer (o and down), 85 µs of a 6.5 ms FP8 decode step at 64 rows on an H100. The kernel
 now restores what it used: the last program of a column block, after reading the sums,

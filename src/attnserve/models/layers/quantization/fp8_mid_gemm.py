@@ -99,7 +99,7 @@ M_BUCKETS = (32, 64, 128, 256)
 SMEM_BUDGET = 160 * 1024
 
 #: shape class -> M bucket -> (block_n, block_k, num_warps, num_stages, split_k[, use_tma]). Unmeasured
-#: starting points (2026-11-28), chosen so that a projection launches >= 2 CTAs per H100 SM:
+#: starting points (2026-11-27), chosen so that a projection launches >= 2 CTAs per H100 SM:
 #: o (4096 x 4096): 64 column blocks x 4; qkv (6144 x 4096): 96 x 3; down (4096 x 14336):
 #: 64 x 8; gate_up (2 x 14336 x 4096, a program reads gate and up tiles): 224 x 2. From 128
 #: rows on, 128-row weight tiles halve the activation re-reads (each column block reads all
