@@ -145,6 +145,9 @@ class Engine:
         self.scheduler = Scheduler(self.model_runner, server_args, self.tokenizer, sorted(set(eos)),
                                    draft_runner=draft_runner)
         self.warmup_report = warm_up_at_start(self)  # compile what serving launches (engine/warmup.py)
+        from attnserve.engine.step_trace import attach_step_trace
+
+        attach_step_trace(self)  # only with $ATTNSERVE_STEP_TRACE (a debug trace; off: nothing)
 
     @property
     def is_shut_down(self) -> bool:
