@@ -1,6 +1,8 @@
 """The opt-in fp8 V-pairs tiles of decode stage 1 (``ATTNSERVE_DECODE_FP8_TILE``,
 `decode_tuning.FP8_TILE_VARIANTS`: 2-3 shared-memory buffers of K/V, ``maxnreg``) on a GPU,
-against float64 attention over the dequantised cache and against the default tiles.
+against float64 attention over the dequantised cache and against the default tiles; the
+16-bit cache's opt-in tiles (``ATTNSERVE_DECODE_BF16_TILE``) the same way, and PDL at every
+batch (``ATTNSERVE_DECODE_PDL_ALL``) against an eager launch without it.
 
 ``pytest tests/gpu/test_decode_fp8_tiles_gpu.py``. Every test is marked ``cuda`` and skipped
 without a GPU. The tiles are what `decode_config` returns for an H100 with the variable set
@@ -15,7 +17,8 @@ import torch
 
 from attnserve.attention.triton_ops.decode_attention import decode_attention_fwd, decode_config
 from attnserve.attention.triton_ops.decode_splits import compute_num_kv_splits
-from attnserve.attention.triton_ops.decode_tuning import FP8_TILE_ENV, FP8_TILE_VARIANTS
+from attnserve.attention.triton_ops.decode_tuning import (BF16_TILE_ENV, BF16_TILE_VARIANTS, FP8_TILE_ENV,
+                                                          FP8_TILE_VARIANTS, PDL_ALL_ENV)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -142,3 +145,101 @@ def test_fp8_tile_in_cuda_graph(variant, monkeypatch):
     eager = _run(q2, k2, v2, indptr2, indices2, splits2, cfg)
     assert torch.equal(o, eager)
     torch.testing.assert_close(o.double(), _reference(q2, k2, v2, indptr2, indices2), atol=ATOL, rtol=RTOL)
+
+
+def _inputs16(lens, seed):
+    """As `_inputs` for a bf16 cache (no scales): bf16 q, K and V at shuffled slots."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    total = sum(lens)
+    k = torch.randn(total + 1, HKV, D, device=DEV, generator=g).to(torch.bfloat16)
+    v = torch.randn(total + 1, HKV, D, device=DEV, generator=g).to(torch.bfloat16)
+    q = torch.randn(len(lens), HQ, D, device=DEV, generator=g).to(torch.bfloat16)
+    indices = (torch.randperm(total, device=DEV, generator=g) + 1).to(torch.int32)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device=DEV)
+    indptr[1:] = torch.cumsum(lens_t, 0)
+    splits = torch.empty(len(lens), dtype=torch.int32, device=DEV)
+    compute_num_kv_splits(lens_t, splits, MAX_SPLITS, torch.cuda.get_device_properties(0).multi_processor_count, HKV)
+    return q, k, v, indptr, indices, splits
+
+
+def _run16(q, k, v, indptr, indices, splits, cfg):
+    bs = q.shape[0]
+    o = torch.full((bs, HQ, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    logits = torch.full((bs, HQ, MAX_SPLITS, D), float("nan"), device=DEV)
+    lse = torch.full((bs, HQ, MAX_SPLITS), float("nan"), device=DEV)
+    decode_attention_fwd(q, k, v, o, indptr, indices, logits, lse, splits, MAX_SPLITS, D ** -0.5, config=cfg)
+    return o
+
+
+def _config16(variant, bs, monkeypatch, pdl_all=False):
+    if variant is None:
+        monkeypatch.delenv(BF16_TILE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(BF16_TILE_ENV, variant)
+    if pdl_all:
+        monkeypatch.setenv(PDL_ALL_ENV, "1")
+    else:
+        monkeypatch.delenv(PDL_ALL_ENV, raising=False)
+    props = torch.cuda.get_device_properties(0)
+    return decode_config(D, HQ // HKV, torch.bfloat16, max_shared_mem=props.shared_memory_per_block_optin,
+                         device_name=H100, batch_size=bs, num_kv_heads=HKV, num_sms=props.multi_processor_count)
+
+
+def _reference16(q, k, v, indptr, indices):
+    """float64 attention over the bf16 cache (`_reference` with unit scales)."""
+    return _reference(q, k.double() / K_SCALE, v.double() / V_SCALE, indptr, indices)
+
+
+@pytest.mark.parametrize("variant", sorted(BF16_TILE_VARIANTS))
+def test_bf16_tile_matches_float64_and_default(variant, monkeypatch):
+    """``ATTNSERVE_DECODE_BF16_TILE``: a small ragged batch against float64, and 144 requests
+    against the default tiles (same math, other tile boundaries) and float64 on a sample."""
+    q, k, v, indptr, indices, splits = _inputs16(SMALL_LENS, seed=len(variant))
+    cfg = _config16(variant, len(SMALL_LENS), monkeypatch)
+    assert (cfg.block_n, cfg.num_stages, cfg.num_warps, cfg.maxnreg) == BF16_TILE_VARIANTS[variant]
+    assert not cfg.v_pairs and int(splits.max()) > 1
+    out = _run16(q, k, v, indptr, indices, splits, cfg)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.double(), _reference16(q, k, v, indptr, indices), atol=ATOL, rtol=RTOL)
+    lens = torch.randint(1, 900, (144,), generator=torch.Generator().manual_seed(5)).tolist()
+    q, k, v, indptr, indices, splits = _inputs16(lens, seed=9)
+    out = _run16(q, k, v, indptr, indices, splits, _config16(variant, len(lens), monkeypatch))
+    default = _run16(q, k, v, indptr, indices, splits, _config16(None, len(lens), monkeypatch))
+    torch.testing.assert_close(out.float(), default.float(), atol=ATOL, rtol=RTOL)
+    sample = [0, 1, 77, 143]
+    torch.testing.assert_close(out[sample].double(), _reference16(q, k, v, indptr, indices)[sample],
+                               atol=ATOL, rtol=RTOL)
+
+
+def test_pdl_all_in_cuda_graph_equals_eager_without_pdl(monkeypatch):
+    """``ATTNSERVE_DECODE_PDL_ALL=1`` at 144 requests (stage 1 over several waves): captured
+    in a CUDA graph and replayed on new lengths, the bits equal an eager launch without PDL
+    (PDL changes when stage 2 launches, not what it computes)."""
+    g = torch.Generator().manual_seed(13)
+    lens = torch.randint(1, 900, (144,), generator=g).tolist()
+    q, k, v, indptr, indices, splits = _inputs16(lens, seed=14)
+    cfg = _config16(None, len(lens), monkeypatch, pdl_all=True)
+    assert cfg.pdl
+    o = torch.empty(len(lens), HQ, D, dtype=torch.bfloat16, device=DEV)
+    logits = torch.empty(len(lens), HQ, MAX_SPLITS, D, device=DEV)
+    lse = torch.empty(len(lens), HQ, MAX_SPLITS, device=DEV)
+
+    def step():
+        decode_attention_fwd(q, k, v, o, indptr, indices, logits, lse, splits, MAX_SPLITS, D ** -0.5, config=cfg)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    new_lens = torch.randint(1, 900, (144,), generator=g).tolist()
+    new_lens[-1] += sum(lens) - sum(new_lens)  # same total keys, new boundaries
+    assert new_lens[-1] >= 1
+    q2, k2, v2, indptr2, indices2, splits2 = _inputs16(new_lens, seed=15)
+    for dst, src in ((q, q2), (k, k2), (v, v2), (indptr, indptr2), (indices, indices2), (splits, splits2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = _run16(q2, k2, v2, indptr2, indices2, splits2, _config16(None, len(lens), monkeypatch))
+    assert torch.equal(o, eager)
