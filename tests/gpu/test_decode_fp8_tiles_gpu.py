@@ -32,14 +32,21 @@ ATOL = RTOL = 2e-2  # bf16 queries and outputs, fp16 dots (as tests/kernels/test
 H100 = "NVIDIA H100 80GB HBM3"
 
 
+def _scales(kv_dtype):
+    """The cache's dequantisation scales: `K_SCALE` / `V_SCALE` for fp8, 1 for a bf16 cache."""
+    return (1.0, 1.0) if kv_dtype == torch.bfloat16 else (K_SCALE, V_SCALE)
+
+
 def _inputs(lens, kv_dtype, seed):
-    """q (bf16), fp8 K/V buffers holding ``x / scale`` rounded, the CSR indices of requests
-    at shuffled slots (slot 0 unused) and the split counts the triton backend computes."""
+    """q (bf16), K/V buffers of ``kv_dtype`` holding ``x / scale`` rounded (`_scales`), the CSR
+    indices of requests at shuffled slots (slot 0 unused) and the split counts the triton
+    backend computes."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     total = sum(lens)
     fmax = torch.finfo(kv_dtype).max
-    k = (torch.randn(total + 1, HKV, D, device=DEV, generator=g) / K_SCALE).clamp(-fmax, fmax).to(kv_dtype)
-    v = (torch.randn(total + 1, HKV, D, device=DEV, generator=g) / V_SCALE).clamp(-fmax, fmax).to(kv_dtype)
+    ks, vs = _scales(kv_dtype)
+    k = (torch.randn(total + 1, HKV, D, device=DEV, generator=g) / ks).clamp(-fmax, fmax).to(kv_dtype)
+    v = (torch.randn(total + 1, HKV, D, device=DEV, generator=g) / vs).clamp(-fmax, fmax).to(kv_dtype)
     q = torch.randn(len(lens), HQ, D, device=DEV, generator=g).to(torch.bfloat16)
     indices = (torch.randperm(total, device=DEV, generator=g) + 1).to(torch.int32)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
@@ -54,22 +61,30 @@ def _reference(q, k, v, indptr, indices):
     """float64 softmax(q K^T / sqrt(D)) V over the dequantised cache, per request."""
     out = torch.zeros(q.shape, dtype=torch.float64, device=DEV)
     group = HQ // HKV
+    ks, vs = _scales(k.dtype)
     for b in range(q.shape[0]):
         rows = indices[int(indptr[b]):int(indptr[b + 1])].long()
-        kb = k[rows].double().repeat_interleave(group, dim=1) * K_SCALE  # [n, HQ, D]
-        vb = v[rows].double().repeat_interleave(group, dim=1) * V_SCALE
+        kb = k[rows].double().repeat_interleave(group, dim=1) * ks  # [n, HQ, D]
+        vb = v[rows].double().repeat_interleave(group, dim=1) * vs
         s = torch.einsum("hd,nhd->hn", q[b].double(), kb) * D ** -0.5
         out[b] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), vb)
     return out
 
 
-def _config(variant, bs, monkeypatch):
+def _config(variant, bs, monkeypatch, kv_dtype=torch.float8_e4m3fn, pdl_all=False):
+    """`decode_config` for an H100 with the opt-in tile ``variant`` of ``kv_dtype``'s table
+    (None: the default tiles) and ``ATTNSERVE_DECODE_PDL_ALL`` set or not."""
+    env = BF16_TILE_ENV if kv_dtype == torch.bfloat16 else FP8_TILE_ENV
     if variant is None:
-        monkeypatch.delenv(FP8_TILE_ENV, raising=False)
+        monkeypatch.delenv(env, raising=False)
     else:
-        monkeypatch.setenv(FP8_TILE_ENV, variant)
+        monkeypatch.setenv(env, variant)
+    if pdl_all:
+        monkeypatch.setenv(PDL_ALL_ENV, "1")
+    else:
+        monkeypatch.delenv(PDL_ALL_ENV, raising=False)
     props = torch.cuda.get_device_properties(0)
-    return decode_config(D, HQ // HKV, torch.float8_e4m3fn, max_shared_mem=props.shared_memory_per_block_optin,
+    return decode_config(D, HQ // HKV, kv_dtype, max_shared_mem=props.shared_memory_per_block_optin,
                          device_name=H100, batch_size=bs, num_kv_heads=HKV, num_sms=props.multi_processor_count)
 
 
@@ -78,8 +93,9 @@ def _run(q, k, v, indptr, indices, splits, cfg):
     o = torch.full((bs, HQ, D), float("nan"), dtype=torch.bfloat16, device=DEV)
     logits = torch.full((bs, HQ, MAX_SPLITS, D), float("nan"), device=DEV)
     lse = torch.full((bs, HQ, MAX_SPLITS), float("nan"), device=DEV)
+    ks, vs = _scales(k.dtype)
     decode_attention_fwd(q, k, v, o, indptr, indices, logits, lse, splits, MAX_SPLITS, D ** -0.5, config=cfg,
-                         k_scale=K_SCALE, v_scale=V_SCALE)
+                         k_scale=ks, v_scale=vs)
     return o
 
 
@@ -147,68 +163,24 @@ def test_fp8_tile_in_cuda_graph(variant, monkeypatch):
     torch.testing.assert_close(o.double(), _reference(q2, k2, v2, indptr2, indices2), atol=ATOL, rtol=RTOL)
 
 
-def _inputs16(lens, seed):
-    """As `_inputs` for a bf16 cache (no scales): bf16 q, K and V at shuffled slots."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    total = sum(lens)
-    k = torch.randn(total + 1, HKV, D, device=DEV, generator=g).to(torch.bfloat16)
-    v = torch.randn(total + 1, HKV, D, device=DEV, generator=g).to(torch.bfloat16)
-    q = torch.randn(len(lens), HQ, D, device=DEV, generator=g).to(torch.bfloat16)
-    indices = (torch.randperm(total, device=DEV, generator=g) + 1).to(torch.int32)
-    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device=DEV)
-    indptr[1:] = torch.cumsum(lens_t, 0)
-    splits = torch.empty(len(lens), dtype=torch.int32, device=DEV)
-    compute_num_kv_splits(lens_t, splits, MAX_SPLITS, torch.cuda.get_device_properties(0).multi_processor_count, HKV)
-    return q, k, v, indptr, indices, splits
-
-
-def _run16(q, k, v, indptr, indices, splits, cfg):
-    bs = q.shape[0]
-    o = torch.full((bs, HQ, D), float("nan"), dtype=torch.bfloat16, device=DEV)
-    logits = torch.full((bs, HQ, MAX_SPLITS, D), float("nan"), device=DEV)
-    lse = torch.full((bs, HQ, MAX_SPLITS), float("nan"), device=DEV)
-    decode_attention_fwd(q, k, v, o, indptr, indices, logits, lse, splits, MAX_SPLITS, D ** -0.5, config=cfg)
-    return o
-
-
-def _config16(variant, bs, monkeypatch, pdl_all=False):
-    if variant is None:
-        monkeypatch.delenv(BF16_TILE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(BF16_TILE_ENV, variant)
-    if pdl_all:
-        monkeypatch.setenv(PDL_ALL_ENV, "1")
-    else:
-        monkeypatch.delenv(PDL_ALL_ENV, raising=False)
-    props = torch.cuda.get_device_properties(0)
-    return decode_config(D, HQ // HKV, torch.bfloat16, max_shared_mem=props.shared_memory_per_block_optin,
-                         device_name=H100, batch_size=bs, num_kv_heads=HKV, num_sms=props.multi_processor_count)
-
-
-def _reference16(q, k, v, indptr, indices):
-    """float64 attention over the bf16 cache (`_reference` with unit scales)."""
-    return _reference(q, k.double() / K_SCALE, v.double() / V_SCALE, indptr, indices)
-
-
 @pytest.mark.parametrize("variant", sorted(BF16_TILE_VARIANTS))
 def test_bf16_tile_matches_float64_and_default(variant, monkeypatch):
     """``ATTNSERVE_DECODE_BF16_TILE``: a small ragged batch against float64, and 144 requests
     against the default tiles (same math, other tile boundaries) and float64 on a sample."""
-    q, k, v, indptr, indices, splits = _inputs16(SMALL_LENS, seed=len(variant))
-    cfg = _config16(variant, len(SMALL_LENS), monkeypatch)
+    q, k, v, indptr, indices, splits = _inputs(SMALL_LENS, torch.bfloat16, seed=len(variant))
+    cfg = _config(variant, len(SMALL_LENS), monkeypatch, torch.bfloat16)
     assert (cfg.block_n, cfg.num_stages, cfg.num_warps, cfg.maxnreg) == BF16_TILE_VARIANTS[variant]
     assert not cfg.v_pairs and int(splits.max()) > 1
-    out = _run16(q, k, v, indptr, indices, splits, cfg)
+    out = _run(q, k, v, indptr, indices, splits, cfg)
     assert not torch.isnan(out).any()
-    torch.testing.assert_close(out.double(), _reference16(q, k, v, indptr, indices), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, indptr, indices), atol=ATOL, rtol=RTOL)
     lens = torch.randint(1, 900, (144,), generator=torch.Generator().manual_seed(5)).tolist()
-    q, k, v, indptr, indices, splits = _inputs16(lens, seed=9)
-    out = _run16(q, k, v, indptr, indices, splits, _config16(variant, len(lens), monkeypatch))
-    default = _run16(q, k, v, indptr, indices, splits, _config16(None, len(lens), monkeypatch))
+    q, k, v, indptr, indices, splits = _inputs(lens, torch.bfloat16, seed=9)
+    out = _run(q, k, v, indptr, indices, splits, _config(variant, len(lens), monkeypatch, torch.bfloat16))
+    default = _run(q, k, v, indptr, indices, splits, _config(None, len(lens), monkeypatch, torch.bfloat16))
     torch.testing.assert_close(out.float(), default.float(), atol=ATOL, rtol=RTOL)
     sample = [0, 1, 77, 143]
-    torch.testing.assert_close(out[sample].double(), _reference16(q, k, v, indptr, indices)[sample],
+    torch.testing.assert_close(out[sample].double(), _reference(q, k, v, indptr, indices)[sample],
                                atol=ATOL, rtol=RTOL)
 
 
@@ -218,8 +190,8 @@ def test_pdl_all_in_cuda_graph_equals_eager_without_pdl(monkeypatch):
     (PDL changes when stage 2 launches, not what it computes)."""
     g = torch.Generator().manual_seed(13)
     lens = torch.randint(1, 900, (144,), generator=g).tolist()
-    q, k, v, indptr, indices, splits = _inputs16(lens, seed=14)
-    cfg = _config16(None, len(lens), monkeypatch, pdl_all=True)
+    q, k, v, indptr, indices, splits = _inputs(lens, torch.bfloat16, seed=14)
+    cfg = _config(None, len(lens), monkeypatch, torch.bfloat16, pdl_all=True)
     assert cfg.pdl
     o = torch.empty(len(lens), HQ, D, dtype=torch.bfloat16, device=DEV)
     logits = torch.empty(len(lens), HQ, MAX_SPLITS, D, device=DEV)
@@ -233,13 +205,12 @@ def test_pdl_all_in_cuda_graph_equals_eager_without_pdl(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    new_lens = torch.randint(1, 900, (144,), generator=g).tolist()
-    new_lens[-1] += sum(lens) - sum(new_lens)  # same total keys, new boundaries
-    assert new_lens[-1] >= 1
-    q2, k2, v2, indptr2, indices2, splits2 = _inputs16(new_lens, seed=15)
+    new_lens = [lens[i] for i in torch.randperm(len(lens), generator=g).tolist()]  # same total, new boundaries
+    assert new_lens != lens
+    q2, k2, v2, indptr2, indices2, splits2 = _inputs(new_lens, torch.bfloat16, seed=15)
     for dst, src in ((q, q2), (k, k2), (v, v2), (indptr, indptr2), (indices, indices2), (splits, splits2)):
         dst.copy_(src)
     graph.replay()
     torch.cuda.synchronize()
-    eager = _run16(q2, k2, v2, indptr2, indices2, splits2, _config16(None, len(lens), monkeypatch))
+    eager = _run(q2, k2, v2, indptr2, indices2, splits2, _config(None, len(lens), monkeypatch, torch.bfloat16))
     assert torch.equal(o, eager)

@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from attnserve.server.detokenize import IncrementalDetokenizer
 from attnserve.server.ipc_frames import FrameProtocol as _FrameProtocol
 from attnserve.server.ipc_frames import frame as _frame
-from attnserve.server.engine_loop import EngineError, StreamEvent, SubmitCommand, wait_for_drain
+from attnserve.server.engine_loop import EngineError, StreamEvent, SubmitCommand, makes_event, wait_for_drain
 
 logger = logging.getLogger(__name__)
 
@@ -429,8 +429,7 @@ class EngineClient:
             p.sent = max(p.sent, end)
         else:
             delta = ""
-        if delta or reason is not None or (k > 0 and self.tokenizer is None and p.cmd.stream_tokens):
-            # (a model without a tokenizer has no text: a streamed request's event marks its new tokens)
+        if makes_event(delta, reason, k, self.tokenizer is not None, p.cmd.stream_tokens):
             p.cmd.stream.put(StreamEvent(delta, n, len(p.cmd.prompt_ids), reason, cached_tokens=cached,
                                          logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs))
             p.logprobs = p.prompt_logprobs = None

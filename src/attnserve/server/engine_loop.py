@@ -152,6 +152,14 @@ class SubmitCommand:
 QUIET_INTERVAL = 50
 
 
+def makes_event(delta: str, reason: Optional[str], new_tokens: int, has_tokenizer: bool, streamed: bool) -> bool:
+    """Whether a report of a request's output becomes a `StreamEvent`: new text, its end, or,
+    for a model without a tokenizer (no text at all), new tokens of a streamed request (so
+    its client sees every token arrive). Both serving paths (`EngineLoop._emit`, the engine
+    process's `EngineClient`) use this rule."""
+    return bool(delta) or reason is not None or (new_tokens > 0 and not has_tokenizer and streamed)
+
+
 @dataclass
 class _AbortCommand:
     rid: str
@@ -497,8 +505,8 @@ class EngineLoop:
         else:  # the detokenizer rewrote text already streamed; nothing sensible to send
             logger.warning("request %s: decoded text changed after it was streamed", req.rid)
         reason = req.finish_reason.value if req.finish_reason is not None else None
-        if not delta and reason is None and not (tokenizer is None and new_tokens > 0 and live.cmd.stream_tokens):
-            return  # (a model without a tokenizer has no text: a streamed request's event marks its new tokens)
+        if not makes_event(delta, reason, new_tokens, tokenizer is not None, live.cmd.stream_tokens):
+            return
         lp = take_logprobs(live, req)
         live.cmd.stream.push(StreamEvent(delta, live.tokens, len(req.prompt_ids), reason,
                                          cached_tokens=getattr(req, "cached_tokens", 0), logprobs=lp[0],
