@@ -40,7 +40,8 @@ from attnserve.bench.results import write_result
 from common import bench_graph
 
 #: (label, batch, context or (lo, hi) uniform lengths)
-CASES = [("144x800", 144, 800), ("64x640", 64, 640), ("256x[200,1800]", 256, (200, 1800)), ("8x4096", 8, 4096)]
+CASES = [("144x800", 144, 800), ("64x640", 64, 640), ("256x[200,1800]", 256, (200, 1800)), ("8x4096", 8, 4096),
+         ("1x8192", 1, 8192), ("32x2048", 32, 2048), ("16x[100,1024]", 16, (100, 1024))]
 HQ, HKV, D = 32, 8, 128
 MAX_KV_SPLITS = 32  # DEFAULT_NUM_KV_SPLITS of the triton backend
 DEVICE = "cuda"

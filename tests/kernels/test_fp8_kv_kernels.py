@@ -170,7 +170,7 @@ def test_decode_fp8_v_pairs(hq, hkv, d, tile, q_dtype, kv_dtype, gen, paged):
 @pytest.mark.parametrize("name,pairs", [("NVIDIA H100 80GB HBM3", True), ("NVIDIA H200", True),
                                         ("NVIDIA A100-SXM4-80GB", False), ("", False)])
 def test_decode_config_fp8_pairs_on_hopper(name, pairs):
-    """`decode_config` gives fp8 caches the V-pairs 256-key tile on H100 / H200 only (measured
+    """`decode_config` gives fp8 caches the V-pairs tile `FP8_HOPPER_TILE` on H100 / H200 only (measured
     there), the 5-stage byte tile on other GPUs with the shared memory, and leaves bf16 alone."""
     from attnserve.attention.triton_ops.decode_attention import FP8_HOPPER_TILE, decode_config
 

@@ -47,8 +47,12 @@ class DecodeConfig:
     maxnreg: int = 0
 
 
-#: (block_n, num_stages, num_warps) of stage 1 for an fp8 cache on an H100 / H200 (`decode_config`)
-FP8_HOPPER_TILE = (256, 3, 4)
+#: (block_n, num_stages, num_warps) of stage 1 for an fp8 cache on an H100 / H200 below the batch
+#: tiles (`decode_config`). 128 keys / 5 stages keep two K/V buffers (the 256 / 3 tile before it
+#: kept one; see `FP8_TILE_VARIANTS`). H100, Llama-3-8B heads, `benchmarks/decode_fp8_variants.py`
+#: (benchmarks/NOTES.md, 2026-11-27 seventh): 64 x 640 keys 45.0 -> 41.6 us, 8 x 4096 35.1 -> 33.9 us;
+#: the old tile stays selectable as ``ATTNSERVE_DECODE_FP8_TILE=sb256``.
+FP8_HOPPER_TILE = (128, 5, 4)
 #: device names (``torch.cuda.get_device_name`` substrings) that take `FP8_HOPPER_TILE` with V pairs
 FP8_PAIRS_DEVICES = ("H100", "H200")
 
@@ -80,6 +84,7 @@ FP8_TILE_VARIANTS = {
     "tb128": (128, 7, 4, 0),      # 3 K/V buffers, 188 regs, 108 KB: 2 programs per SM
     "db128r168": (128, 5, 4, 168),  # 2 buffers, capped at 168 regs (8 B stack): 3 programs per SM
     "db64": (64, 5, 4, 0),        # 2 buffers, 143 regs, 40 KB: 3 programs per SM
+    "sb256": (256, 3, 4, 0),      # the small-batch default before 2026-11-27 (one 64 KB K/V buffer)
 }
 #: environment variable naming an opt-in 16-bit-cache tile (`bf16_tile_variant`)
 BF16_TILE_ENV = "ATTNSERVE_DECODE_BF16_TILE"
@@ -213,9 +218,9 @@ def _tile_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: boo
             block_n, stages = FP8_HOPPER_BATCH_TILE if fp8_hopper else BATCH_TILE
             return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=4, num_stages=stages, v_pairs=fp8_hopper)
         if fp8_hopper:
-            # V as int16 pairs and 256-key tiles (64 KB of K+V per tile, like bf16's 128;
-            # benchmarks/fp8_decode_sweep.py --pairs-ab, benchmarks/NOTES.md sessions 11-12),
-            # e4m3 against the 128-key / 5-stage byte path below, same runs:
+            # V as int16 pairs (`FP8_HOPPER_TILE`: 128 keys / 5 stages since 2026-11-27; from
+            # sessions 11-12 a 256-key / 3-stage tile, benchmarks/fp8_decode_sweep.py --pairs-ab,
+            # benchmarks/NOTES.md), e4m3 pairs against the 128-key / 5-stage byte path below:
             # H200 bs 64 x 8K 325.6 -> 281.6 us, 8 x 32K 171.4 -> 145.2 us;
             # H100 bs 64 x 8K 403.0 -> 391.5 us, 8 x 32K 204.0 -> 201.1 us, 1 x 8K 14.6 -> 13.4 us.
             return DecodeConfig(block_n=FP8_HOPPER_TILE[0], block_h=block_h, num_warps=FP8_HOPPER_TILE[2],
