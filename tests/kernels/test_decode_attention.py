@@ -228,7 +228,9 @@ def test_decode_config_batch_tiles_from_the_program_count(kv_dtype, device_name,
     if tile is None:
         assert big == small
     else:
-        assert (big.block_n, big.num_stages) == getattr(da, tile) != (small.block_n, small.num_stages)
+        want = tuple(getattr(da, tile)) + ((0,) if tile == "BATCH_TILE" else ())  # (block_n, stages, maxnreg)
+        assert (big.block_n, big.num_stages, big.maxnreg) == want
+        assert (big.block_n, big.num_stages, big.maxnreg) != (small.block_n, small.num_stages, small.maxnreg)
         assert big.block_h == small.block_h and big.v_pairs == small.v_pairs
     for dk, mem in ((576, smem), (128, 100 * 1024)):
         assert da.decode_config(dk, 4, kv_dtype, max_shared_mem=mem, device_name=device_name, batch_size=at,
