@@ -23,3 +23,28 @@ def test_the_slowest_replica_sets_the_floor():
 
 def test_no_rates_no_floor():
     assert replicas_roofline(RM, [10], [10], [0], 1, {}) is None
+
+
+def test_floor_speedup_is_the_ratio_of_floors_and_below_the_replica_count():
+    """`add_speedups` sets ``floor_speedup_vs_dp1`` = dp 1's floor over the dp row's. On a
+    1,024-request random workload split round-robin over 4 replicas, each replica's floor is
+    more than a quarter of the single engine's (a smaller batch reads the weights once for
+    fewer tokens), so equal shares give less than 4x."""
+    from attnserve.bench.offline_dp import add_speedups, format_dp_row
+    from attnserve.bench.roofline import random_lengths
+
+    isl, osl = random_lengths(1024, 1024, 1024, 0.098, 0)
+    one = workload_roofline(RM, isl, osl, RATES["copy_bytes_per_s"], RATES["matmul_flops_per_s"]).roofline_s
+    four = replicas_roofline(RM, isl, osl, [i % 4 for i in range(1024)], 4, RATES)
+    assert one / 4 < four["roofline_s"] < one
+    base = {"model": "m", "kv_cache_dtype": "bf16", "dp_size": 1, "output_tokens_per_s": 100.0, "roofline_s": one}
+    row = {"model": "m", "kv_cache_dtype": "bf16", "dp_size": 4, "output_tokens_per_s": 330.0,
+           "roofline_s": four["roofline_s"], "num_prompts": 1024, "random_input_len": 1024,
+           "random_output_len": 1024, "random_range_ratio": 0.098, "flags": "", "total_tokens_per_s": 1.0,
+           "wall_s": 1.0, "prefill_wall_s": 0.1, "requests_per_replica": [256] * 4, "roofline_share": 0.5}
+    no_floor = {**row, "model": "other"}
+    add_speedups([base, row, no_floor])
+    assert abs(row["speedup_vs_dp1"] - 3.3) < 1e-12
+    assert row["floor_speedup_vs_dp1"] == one / four["roofline_s"] and row["floor_speedup_vs_dp1"] < 4
+    assert "speedup_vs_dp1" not in no_floor and "floor_speedup_vs_dp1" not in no_floor  # no dp 1 row of its own
+    assert f"the floors allow {row['floor_speedup_vs_dp1']:.2f}x" in format_dp_row(row)

@@ -201,7 +201,9 @@ def main_random(args) -> int:
     add_speedups(rows)
     for row in rows:
         if "speedup_vs_dp1" in row:
-            print(f"{row['model']} dp {row['dp_size']}: {row['speedup_vs_dp1']:.2f}x dp 1's output tok/s", flush=True)
+            floor = row.get("floor_speedup_vs_dp1")
+            print(f"{row['model']} dp {row['dp_size']}: {row['speedup_vs_dp1']:.2f}x dp 1's output tok/s"
+                  + (f" (at equal roofline shares: {floor:.2f}x)" if floor else ""), flush=True)
     result = {"benchmark": "offline", "mode": "random", "date": dt.date.today().isoformat(),
               "torch": torch.__version__, **({k: v for k, v in rates.items()}), "rows": rows}
     if cuda:
