@@ -9,7 +9,9 @@
 #   fp8      benchmarks/fp8_bench.py (FP8 linears against bf16: GEMMs, producers, engine rows; FP8_ARGS)
 #   tiles    benchmarks/decode_fp8_variants.py (the opt-in double-buffered stage-1 tiles, fp8 and bf16
 #            caches, against their defaults; TILES_ARGS e.g. --quick) and their GPU test
-#   bash scripts/gpu_kernel_bench.sh kernels [decode ragged batch fp8 tiles]
+#   gather   benchmarks/kv_gather_granularity.py (gathered 128 B vs 256 B KV rows against the copy rate:
+#            is the fp8-KV decode gap a DRAM granularity limit?)
+#   bash scripts/gpu_kernel_bench.sh kernels [decode ragged batch fp8 tiles gather]
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -27,6 +29,7 @@ for what in "${@:-kernels}"; do
     tiles) timeout "${TILES_TIMEOUT:-200}" python3 benchmarks/decode_fp8_variants.py --out "$OUT" ${TILES_ARGS:-} 2>&1 \
       | tee "$OUT/tiles.log" | tail -40
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_fp8_tiles_gpu.py 2>&1 | tail -3 ;;
-    *) echo "unknown mode $what (kernels decode ragged batch fp8 tiles)"; exit 2 ;;
+    gather) timeout 200 python3 benchmarks/kv_gather_granularity.py --out "$OUT" 2>&1 | tee "$OUT/gather.log" | tail -8 ;;
+    *) echo "unknown mode $what (kernels decode ragged batch fp8 tiles gather)"; exit 2 ;;
   esac
 done
