@@ -20,6 +20,7 @@ measured in the same run:
 * ``row256-h8``: 256 B rows, 8 heads (bf16);
 * ``row256-h4``: 256 B rows made of two fp8 heads read together (a program per pair of KV
   heads: what a two-head fp8 stage 1 would read);
+* ``row512-h4``: 512 B rows, two bf16 heads read together (the same question for bf16);
 * ``row128-h8-seq``: 128 B rows with the slots in order (a fresh request's slots are usually
   consecutive) instead of shuffled whole requests.
 
@@ -109,7 +110,7 @@ def main() -> int:
     shuffled = _slots(args.tokens, args.context, total, True, gen)
     in_order = _slots(args.tokens, args.context, total, False, gen)
     rows = [run_case("row128-h8", 128, 8, shuffled, total, sms), run_case("row256-h8", 256, 8, shuffled, total, sms),
-            run_case("row256-h4", 256, 4, shuffled, total, sms),
+            run_case("row256-h4", 256, 4, shuffled, total, sms), run_case("row512-h4", 512, 4, shuffled, total, sms),
             run_case("row128-h8-seq", 128, 8, in_order, total, sms)]
     name = torch.cuda.get_device_name()
     print(f"{name}: copy {copy:.0f} GB/s")
