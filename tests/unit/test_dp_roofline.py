@@ -37,9 +37,18 @@ def test_floor_speedup_is_the_ratio_of_floors_and_below_the_replica_count():
     one = workload_roofline(RM, isl, osl, RATES["copy_bytes_per_s"], RATES["matmul_flops_per_s"]).roofline_s
     four = replicas_roofline(RM, isl, osl, [i % 4 for i in range(1024)], 4, RATES)
     assert one / 4 < four["roofline_s"] < one
-    base = {"model": "m", "kv_cache_dtype": "bf16", "dp_size": 1, "output_tokens_per_s": 100.0, "roofline_s": one}
+    one_serial = workload_roofline(RM, isl, osl, RATES["copy_bytes_per_s"], RATES["matmul_flops_per_s"]).roofline_serial_s
+    each = [workload_roofline(RM, isl[r::4], osl[r::4], RATES["copy_bytes_per_s"], RATES["matmul_flops_per_s"])
+            for r in range(4)]
+    assert four["roofline_serial_s"] == max(f.roofline_serial_s for f in each)
+    # at these rates one engine's ~500-request batches make its linears compute-bound, the replicas' less so:
+    # its serial floor exceeds its floor by more than theirs do, so equal serial shares allow more than 4x / floors
+    assert one_serial / four["roofline_serial_s"] > one / four["roofline_s"]
+    base = {"model": "m", "kv_cache_dtype": "bf16", "dp_size": 1, "output_tokens_per_s": 100.0, "roofline_s": one,
+            "roofline_serial_s": one_serial}
     row = {"model": "m", "kv_cache_dtype": "bf16", "dp_size": 4, "output_tokens_per_s": 330.0,
-           "roofline_s": four["roofline_s"], "num_prompts": 1024, "random_input_len": 1024,
+           "roofline_s": four["roofline_s"], "roofline_serial_s": four["roofline_serial_s"], "num_prompts": 1024,
+           "random_input_len": 1024,
            "random_output_len": 1024, "random_range_ratio": 0.098, "flags": "", "total_tokens_per_s": 1.0,
            "wall_s": 1.0, "prefill_wall_s": 0.1, "requests_per_replica": [256] * 4, "roofline_share": 0.5}
     no_floor = {**row, "model": "other"}
@@ -47,4 +56,8 @@ def test_floor_speedup_is_the_ratio_of_floors_and_below_the_replica_count():
     assert abs(row["speedup_vs_dp1"] - 3.3) < 1e-12
     assert row["floor_speedup_vs_dp1"] == one / four["roofline_s"] and row["floor_speedup_vs_dp1"] < 4
     assert "speedup_vs_dp1" not in no_floor and "floor_speedup_vs_dp1" not in no_floor  # no dp 1 row of its own
-    assert f"the floors allow {row['floor_speedup_vs_dp1']:.2f}x" in format_dp_row(row)
+    assert row["serial_floor_speedup_vs_dp1"] == one_serial / four["roofline_serial_s"]
+    assert "serial_floor_speedup_vs_dp1" not in no_floor
+    text = format_dp_row(row)
+    assert f"the floors allow {row['floor_speedup_vs_dp1']:.2f}x" in text
+    assert f"the serial floors {row['serial_floor_speedup_vs_dp1']:.2f}x" in text

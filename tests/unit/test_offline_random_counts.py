@@ -16,3 +16,18 @@ def test_every_cpu_decode_step_is_counted_eager():
     assert res["decode_steps"] >= max(osl) - 1  # one step per output token of the longest request, at least
     assert res["eager_decode_steps"] == res["decode_steps"]  # the CPU has no graphs
     assert res["wait_ms_per_step"] >= 0.0
+
+
+def test_a_row_with_rates_reports_both_floors():
+    """`bench_random` with (nominal) rates: the row carries the floor and the serial floor of
+    `attnserve.bench.roofline` over the same wall, the serial one never below the floor, and
+    `format_row` prints both shares."""
+    from attnserve.bench.offline_random import bench_random, format_row
+
+    rates = {"copy_bytes_per_s": 1e9, "matmul_flops_per_s": 1e9}  # slow: both bounds show on a tiny model
+    row = bench_random("llama-tiny", 4, 24, 12, 0.5, 0, rates, device="cpu", context_length=128,
+                       warmup_output_len=2)
+    assert row["roofline_serial_s"] >= row["roofline_s"] > 0
+    assert row["serial_share"] == row["roofline_serial_s"] / row["wall_s"]
+    assert row["roofline_share"] == row["roofline_s"] / row["wall_s"]
+    assert f"serial floor {row['serial_share']:.2f}" in format_row(row)

@@ -30,6 +30,26 @@ def test_compute_bound_steps_take_the_flops_term():
     assert r.decode_s == pytest.approx(sum(steps) / F)
 
 
+def test_serial_floor_adds_the_linears_compute_to_the_attention_memory():
+    """Hand-computed, with 1024 KV bytes a token and BW = F = 1e5 (ridge 1 FLOP/byte): the
+    attention is memory-bound (4*64 / 1024 = 0.25 FLOP/byte) and the linears of two running
+    requests compute-bound (2*1000*2 / 2000 = 2 FLOP/byte), so at step 0 the serial floor pays
+    the KV bytes and the linears' FLOPs one after the other where the floor overlaps them."""
+    big_kv = RooflineModel(params=1000, weight_bytes=2000, num_layers=2, num_q_heads=4, head_dim=8,
+                           kv_bytes_per_token=1024)
+    r = workload_roofline(big_kv, [10, 4], [3, 1], 1e5, 1e5)
+    # s=0 (ctx 14, 2 running): kv 14*1024/1e5 = 0.14336, weights 0.02, linears 4000/1e5 = 0.04,
+    #   attention 4*64*14/1e5 = 0.03584: floor max(0.16336, 0.07584) = 0.16336; serial 0.14336 + 0.04 = 0.18336
+    # s=1 (ctx 11, 1 running): kv 0.11264, weights = linears = 0.02: both 0.13264
+    # s=2 (ctx 12): kv 0.12288: both 0.14288
+    assert r.decode_s == pytest.approx(0.16336 + 0.13264 + 0.14288)
+    assert r.decode_serial_s == pytest.approx(0.18336 + 0.13264 + 0.14288)
+    assert r.roofline_serial_s == pytest.approx(r.prefill_s + r.decode_serial_s)
+    # memory-bound everywhere (the first test's rates): the serial floor is the floor
+    slow = workload_roofline(TOY, [10, 4], [3, 1], BW, F)
+    assert slow.decode_serial_s == pytest.approx(slow.decode_s)
+
+
 def test_fp8_parameters_run_at_the_fp8_rate():
     # 600 of the 1000 parameters in FP8 at F8 = 2F: linear seconds per token 2*(400/F + 600/(2F)) = 1400/F
     fp8 = RooflineModel(params=1000, weight_bytes=1400, num_layers=2, num_q_heads=4, head_dim=8,

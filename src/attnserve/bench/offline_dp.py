@@ -37,7 +37,8 @@ def replicas_roofline(rm: RooflineModel, input_lens: Sequence[int], output_lens:
 
     Returns:
         ``roofline_s`` (the largest), ``roofline_prefill_s`` / ``roofline_decode_s`` (of that
-        replica) and ``replica_roofline_s`` (each), or None without ``rates``.
+        replica), ``replica_roofline_s`` (each) and ``roofline_serial_s`` (the largest serial
+        floor, `attnserve.bench.roofline`), or None without ``rates``.
     """
     if not rates:
         return None
@@ -50,10 +51,12 @@ def replicas_roofline(rm: RooflineModel, input_lens: Sequence[int], output_lens:
         floors.append(workload_roofline(rm, [input_lens[i] for i in idx], [output_lens[i] for i in idx],
                                         rates["copy_bytes_per_s"], rates["matmul_flops_per_s"],
                                         rates.get("fp8_matmul_flops_per_s")))
-    worst = max((f for f in floors if f is not None), key=lambda f: f.roofline_s)
+    done = [f for f in floors if f is not None]
+    worst = max(done, key=lambda f: f.roofline_s)
     return {"roofline_s": worst.roofline_s, "roofline_prefill_s": worst.prefill_s,
             "roofline_decode_s": worst.decode_s,
-            "replica_roofline_s": [None if f is None else f.roofline_s for f in floors]}
+            "replica_roofline_s": [None if f is None else f.roofline_s for f in floors],
+            "roofline_serial_s": max(f.roofline_serial_s for f in done)}
 
 
 def bench_random_dp(model: str, num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int,
@@ -115,37 +118,42 @@ def bench_random_dp(model: str, num_prompts: int, input_len: int, output_len: in
             "roofline_s": None, "roofline_share": None,
         }
         if floor is not None:
-            row.update(floor, roofline_share=floor["roofline_s"] / wall)
+            row.update(floor, roofline_share=floor["roofline_s"] / wall, serial_share=floor["roofline_serial_s"] / wall)
         return row
 
 
 def add_speedups(rows: List[dict]) -> None:
     """``speedup_vs_dp1`` (output tok/s over the dp 1 row of the same model and KV dtype)
-    on every dp > 1 row that has one, and, where both rows have a floor,
-    ``floor_speedup_vs_dp1``: the dp 1 row's ``roofline_s`` over this row's, the speed-up
-    at equal roofline shares.
+    on every dp > 1 row that has one, and, where both rows have floors,
+    ``floor_speedup_vs_dp1`` / ``serial_floor_speedup_vs_dp1``: the dp 1 row's
+    ``roofline_s`` / ``roofline_serial_s`` over this row's, the speed-up at equal shares of
+    the floor / of the serial floor (`attnserve.bench.roofline`).
 
-    The floors do not scale with the replica count: one engine with all the requests decodes
-    a batch ``dp_size`` times larger, so each step reads the weights once for more tokens
-    (and at large batches its GEMMs turn compute-bound, where the floor takes the larger of
-    memory and compute time, not their sum). E.g. 1,024 random Llama-3-8B requests on four
-    H200s: dp 1 floor 33.25 s, the slowest of 4 replicas 11.10 s: 3.0x at equal shares
-    (benchmarks/NOTES.md, 2026-11-27 seventh). ``speedup_vs_dp1`` above that means the dp 1
-    row ran further from its floor than the replicas ran from theirs."""
+    The two differ because one engine with all the requests decodes a batch ``dp_size``
+    times larger: each step reads the weights once for more tokens, and at such batches the
+    linears turn compute-bound, which the floor hides under the attention's memory time and
+    the serial floor does not. E.g. 1,024 random Llama-3-8B requests on four H200s: dp 1
+    floor 33.25 s (serial 42.38 s), the slowest of 4 replicas 11.10 s (serial ~11.7 s):
+    3.0x at equal floor shares, ~3.6x at equal serial shares (benchmarks/NOTES.md,
+    2026-11-27 seventh)."""
     base = {(r["model"], r["kv_cache_dtype"]): r for r in rows if r.get("dp_size", 1) == 1}
     for r in rows:
         ref = base.get((r["model"], r["kv_cache_dtype"]))
         if r.get("dp_size", 1) > 1 and ref is not None:
             r["speedup_vs_dp1"] = r["output_tokens_per_s"] / ref["output_tokens_per_s"]
-            if ref.get("roofline_s") and r.get("roofline_s"):
-                r["floor_speedup_vs_dp1"] = ref["roofline_s"] / r["roofline_s"]
+            for key, out in (("roofline_s", "floor_speedup_vs_dp1"),
+                             ("roofline_serial_s", "serial_floor_speedup_vs_dp1")):
+                if ref.get(key) and r.get(key):
+                    r[out] = ref[key] / r[key]
 
 
 def format_dp_row(row: dict) -> str:
     speed = ""
     if "speedup_vs_dp1" in row:
         floor = row.get("floor_speedup_vs_dp1")
-        speed = f" ({row['speedup_vs_dp1']:.2f}x dp 1" + (f"; the floors allow {floor:.2f}x" if floor else "") + ")"
+        serial = row.get("serial_floor_speedup_vs_dp1")
+        speed = (f" ({row['speedup_vs_dp1']:.2f}x dp 1" + (f"; the floors allow {floor:.2f}x" if floor else "")
+                 + (f", the serial floors {serial:.2f}x" if serial else "") + ")")
     return (f"{row['model']:12s} {row['kv_cache_dtype']:13s} dp={row['dp_size']} n={row['num_prompts']:4d} "
             f"in<={row['random_input_len']} out<={row['random_output_len']} R={row['random_range_ratio']} "
             f"flags={row['flags'] or '-'}: {row['output_tokens_per_s']:9.0f} out tok/s{speed} "
@@ -153,4 +161,5 @@ def format_dp_row(row: dict) -> str:
             f"(prefill {row['prefill_wall_s']:.2f} s) requests per replica {row['requests_per_replica']}, "
             f"replica walls {[round(t, 2) for t in row.get('replica_wall_s') or []]} s, "
             f"replica floors {[None if t is None else round(t, 2) for t in row.get('replica_roofline_s') or []]} s, "
-            f"share {'n/a' if row['roofline_share'] is None else format(row['roofline_share'], '.2f')}")
+            f"share {'n/a' if row['roofline_share'] is None else format(row['roofline_share'], '.2f')}"
+            + (f" (serial floor {row['serial_share']:.2f})" if row.get("serial_share") else ""))

@@ -140,6 +140,8 @@ def bench_random(model: str, num_prompts: int, input_len: int, output_len: int, 
                                       rates.get("fp8_matmul_flops_per_s"))
             row.update(roofline_s=floor.roofline_s, roofline_prefill_s=floor.prefill_s,
                        roofline_decode_s=floor.decode_s, roofline_share=floor.roofline_s / res["wall_s"],
+                       roofline_serial_s=floor.roofline_serial_s,
+                       serial_share=floor.roofline_serial_s / res["wall_s"],
                        prefill_share=floor.prefill_s / res["prefill_wall_s"],
                        decode_share=floor.decode_s / max(res["wall_s"] - res["prefill_wall_s"], 1e-9),
                        params=rm.params, weight_bytes=rm.weight_bytes)
@@ -150,7 +152,8 @@ def bench_random(model: str, num_prompts: int, input_len: int, output_len: int, 
 
 def format_row(row: dict) -> str:
     share = "n/a" if row["roofline_share"] is None else (
-        f"{row['roofline_share']:.2f} (prefill {row['prefill_share']:.2f}, decode {row['decode_share']:.2f})")
+        f"{row['roofline_share']:.2f} (prefill {row['prefill_share']:.2f}, decode {row['decode_share']:.2f}; "
+        f"serial floor {row['serial_share']:.2f})")
     floor = "n/a" if row["roofline_s"] is None else f"{row['roofline_s']:.2f}"
     return (f"{row['model']:12s} {row['kv_cache_dtype']:13s} n={row['num_prompts']:4d} "
             f"in<={row['random_input_len']} out<={row['random_output_len']} R={row['random_range_ratio']} "
@@ -201,9 +204,11 @@ def main_random(args) -> int:
     add_speedups(rows)
     for row in rows:
         if "speedup_vs_dp1" in row:
-            floor = row.get("floor_speedup_vs_dp1")
+            floor, serial = row.get("floor_speedup_vs_dp1"), row.get("serial_floor_speedup_vs_dp1")
             print(f"{row['model']} dp {row['dp_size']}: {row['speedup_vs_dp1']:.2f}x dp 1's output tok/s"
-                  + (f" (at equal roofline shares: {floor:.2f}x)" if floor else ""), flush=True)
+                  + (f" (at equal roofline shares: {floor:.2f}x" if floor else "")
+                  + (f", at equal serial-floor shares: {serial:.2f}x" if floor and serial else "")
+                  + (")" if floor else ""), flush=True)
     result = {"benchmark": "offline", "mode": "random", "date": dt.date.today().isoformat(),
               "torch": torch.__version__, **({k: v for k, v in rates.items()}), "rows": rows}
     if cuda:

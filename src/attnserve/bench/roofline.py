@@ -15,6 +15,14 @@ the linears' FLOPs at ``F8``, the e4m3 8192^3 ``torch._scaled_mm`` rate of the s
   the weights and every running request's KV read once, or the matmul work, whichever
   is longer.
 
+**Serial floor** (``roofline_serial_s``; a diagnostic beside the rule, not part of it): the
+same steps with the attention and the linears each at its own bound, one after the other, as
+kernels that run in sequence are: ``max(sum ctx_r * kv_bytes_per_token / BW, 4 L Hq D sum ctx_r / F)
++ max(W / BW, 2 P n_s / F)``. It equals the floor's decode while the linears are memory-bound
+(``2 P n_s / F <= W / BW``: below ~200-250 running requests of a dense model on an H100) and
+exceeds it once a larger batch makes them compute-bound, where the rule assumes the attention's
+memory time hides the linears' compute time (e.g. 486 running Llama-3-8B requests on an H200).
+
 ``P`` and ``W`` are the model's parameters and weight bytes (as stored: 1 byte per FP8
 weight, plus its float32 scales, which count as bytes but not as parameters) without an untied input
 embedding (a lookup reads a few rows, not the matrix; a tied embedding is counted once, as
@@ -96,15 +104,21 @@ class RooflineModel:
 
 @dataclass(frozen=True)
 class Roofline:
-    """The floor of one workload, in seconds: ``prefill_s + decode_s = roofline_s``."""
+    """The floor of one workload, in seconds: ``prefill_s + decode_s = roofline_s``;
+    ``decode_serial_s``: the decode steps' serial floor (module docstring), ``>= decode_s``."""
 
     prefill_s: float
     decode_s: float
     decode_steps: int
+    decode_serial_s: float = 0.0
 
     @property
     def roofline_s(self) -> float:
         return self.prefill_s + self.decode_s
+
+    @property
+    def roofline_serial_s(self) -> float:
+        return self.prefill_s + self.decode_serial_s
 
 
 def workload_roofline(model: RooflineModel, input_lens: Sequence[int], output_lens: Sequence[int],
@@ -137,15 +151,17 @@ def workload_roofline(model: RooflineModel, input_lens: Sequence[int], output_le
                       + (fp8 / fp8_matmul_flops_per_s if fp8 else 0.0))
     prefill = float(np.sum(linear_s * isl + 2.0 * attn * isl * isl / matmul_flops_per_s))
     steps = int(osl.max()) if osl.size else 0
-    decode = 0.0
+    decode = serial = 0.0
     for s in range(steps):
         running = osl > s
         n = int(running.sum())
         ctx = float(np.sum(isl[running] + s))
-        mem = (model.step_weight_bytes(n) + ctx * model.kv_bytes_per_token) / copy_bytes_per_s
-        flops = linear_s * n + 4.0 * attn * ctx / matmul_flops_per_s
-        decode += max(mem, flops)
-    return Roofline(prefill_s=prefill, decode_s=decode, decode_steps=steps)
+        weights_mem = model.step_weight_bytes(n) / copy_bytes_per_s
+        kv_mem = ctx * model.kv_bytes_per_token / copy_bytes_per_s
+        linear_flops, attn_flops = linear_s * n, 4.0 * attn * ctx / matmul_flops_per_s
+        decode += max(weights_mem + kv_mem, linear_flops + attn_flops)
+        serial += max(kv_mem, attn_flops) + max(weights_mem, linear_flops)
+    return Roofline(prefill_s=prefill, decode_s=decode, decode_steps=steps, decode_serial_s=serial)
 
 
 def random_lengths(num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int):
