@@ -228,8 +228,7 @@ def test_decode_config_batch_tiles_from_the_program_count(kv_dtype, device_name,
     if tile is None:
         assert big == small
     else:
-        want = tuple(getattr(da, tile)) + ((0,) if tile == "BATCH_TILE" else ())  # (block_n, stages, maxnreg)
-        assert (big.block_n, big.num_stages, big.maxnreg) == want
+        assert (big.block_n, big.num_stages, big.num_warps, big.maxnreg) == getattr(da, tile)
         assert (big.block_n, big.num_stages, big.maxnreg) != (small.block_n, small.num_stages, small.maxnreg)
         assert big.block_h == small.block_h and big.v_pairs == small.v_pairs
     for dk, mem in ((576, smem), (128, 100 * 1024)):

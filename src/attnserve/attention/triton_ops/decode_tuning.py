@@ -60,15 +60,16 @@ FP8_PAIRS_DEVICES = ("H100", "H200")
 _BIG_SMEM = 200 * 1024
 #: stage-1 programs (requests x head programs) per SM from which a batch takes the batch tiles
 BATCH_PROGRAMS_PER_SM = 8
-#: (block_n, num_stages) of stage 1 for a 16-bit cache at >= BATCH_PROGRAMS_PER_SM programs per SM
-BATCH_TILE = (128, 2)
-#: (block_n, num_stages, maxnreg) of stage 1 for an fp8 cache on an H100 / H200 at that many programs
-#: (V pairs): two K/V buffers with registers capped at 168, so 3 programs fit an SM (the
-#: ``db128r168`` variant). H100, Llama-3-8B heads, `benchmarks/decode_fp8_variants.py`, two runs
+#: (block_n, num_stages, num_warps, maxnreg) of stage 1 for a 16-bit cache at >= BATCH_PROGRAMS_PER_SM
+#: programs per SM (the layout of `FP8_TILE_VARIANTS`; maxnreg 0: no cap)
+BATCH_TILE = (128, 2, 4, 0)
+#: (block_n, num_stages, num_warps, maxnreg) of stage 1 for an fp8 cache on an H100 / H200 at that
+#: many programs (V pairs): two K/V buffers with registers capped at 168, so 3 programs fit an SM
+#: (the ``db128r168`` variant). H100, Llama-3-8B heads, `benchmarks/decode_fp8_variants.py`, two runs
 #: against the 128 / 4 tile before it (benchmarks/NOTES.md, 2026-11-27 seventh): 144 x 800 keys
 #: x1.015 / x1.010, 256 requests of [200, 1800] x1.017 / x1.017 (below the batch tiles the cap lost
 #: 3-4% at 1-32 requests, so the small-batch tile `FP8_HOPPER_TILE` keeps the registers).
-FP8_HOPPER_BATCH_TILE = (128, 5, 168)
+FP8_HOPPER_BATCH_TILE = (128, 5, 4, 168)
 #: environment switch of the small-batch rule (`small_batch_rule_enabled`)
 SMALL_BATCH_ENV = "ATTNSERVE_DECODE_SMALL_BATCH"
 #: opt-in switch (`decode_config`): launch both stages with PDL at every batch size, not only
@@ -220,9 +221,9 @@ def _tile_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: boo
                                 v_pairs=fp8_hopper, maxnreg=maxnreg)
         programs = batch_size * num_kv_heads * _head_blocks(block_h, group_size)
         if num_sms > 0 and programs >= BATCH_PROGRAMS_PER_SM * num_sms and (fp8_hopper or dtype not in FP8_DTYPES):
-            block_n, stages, maxnreg = FP8_HOPPER_BATCH_TILE if fp8_hopper else (*BATCH_TILE, 0)
-            return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=4, num_stages=stages, v_pairs=fp8_hopper,
-                                maxnreg=maxnreg)
+            block_n, stages, warps, maxnreg = FP8_HOPPER_BATCH_TILE if fp8_hopper else BATCH_TILE
+            return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=warps, num_stages=stages,
+                                v_pairs=fp8_hopper, maxnreg=maxnreg)
         if fp8_hopper:
             # V as int16 pairs (`FP8_HOPPER_TILE`: 128 keys / 5 stages since 2026-11-27; from
             # sessions 11-12 a 256-key / 3-stage tile, benchmarks/fp8_decode_sweep.py --pairs-ab,
