@@ -180,7 +180,7 @@ def main_random(args) -> int:
                  if "fp8_matmul_flops_per_s" in rates else ""), flush=True)
     models = args.models if args.load_format == "dummy" else [args.model]
     rows = []
-    from attnserve.bench.offline_dp import add_speedups, bench_random_dp, format_dp_row
+    from attnserve.bench.offline_dp import add_speedups, bench_random_dp, format_dp_row, speedup_note
 
     for kv_dtype in args.kv_cache_dtypes:
         for m in models:
@@ -204,11 +204,7 @@ def main_random(args) -> int:
     add_speedups(rows)
     for row in rows:
         if "speedup_vs_dp1" in row:
-            floor, serial = row.get("floor_speedup_vs_dp1"), row.get("serial_floor_speedup_vs_dp1")
-            print(f"{row['model']} dp {row['dp_size']}: {row['speedup_vs_dp1']:.2f}x dp 1's output tok/s"
-                  + (f" (at equal roofline shares: {floor:.2f}x" if floor else "")
-                  + (f", at equal serial-floor shares: {serial:.2f}x" if floor and serial else "")
-                  + (")" if floor else ""), flush=True)
+            print(f"{row['model']} dp {row['dp_size']} output tok/s: {speedup_note(row)}", flush=True)
     result = {"benchmark": "offline", "mode": "random", "date": dt.date.today().isoformat(),
               "torch": torch.__version__, **({k: v for k, v in rates.items()}), "rows": rows}
     if cuda:
