@@ -35,3 +35,27 @@ def test_float32_logits_from_the_gemm(rows):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, out)
+
+
+def test_logits_written_into_a_shared_graph_buffer():
+    """``out=`` rows of a larger float32 buffer (`SharedGraphOutput.target`): the GEMM writes
+    them in place, inside a graph too, with the same bits as a fresh output; the rows after
+    them are untouched; an ``out`` of another shape is ignored (a fresh tensor comes back)."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(48, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(32000, 2048, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    want = _mm_float32_out(x, w)
+    buf = torch.full((64, 32000), -7.0, device="cuda")
+    got = _mm_float32_out(x, w, buf[:48])
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(got, want)
+    assert buf[48:].eq(-7.0).all()
+    buf.fill_(-7.0)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        _mm_float32_out(x, w, buf[:48])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(buf[:48], want) and buf[48:].eq(-7.0).all()
+    other = _mm_float32_out(x, w, buf[:47])
+    assert other.data_ptr() != buf.data_ptr() and torch.equal(other, want)

@@ -48,15 +48,21 @@ class FakeBackend:
 class FakeModel:
     """Logits ``[rows, VOCAB]`` filled with ``rows`` (a new tensor per call, tracked)."""
 
-    def __init__(self):
+    def __init__(self, ignore_out=False):
         self.made = []  # (rows, weakref)
+        self.handed = []  # per call: None, or (rows, rows of the ``out`` it was handed)
+        self.ignore_out = ignore_out
 
     def __call__(self, input_ids, positions, fb):
         return input_ids.float()[:, None]
 
-    def compute_logits(self, hidden):
-        out = torch.full((hidden.shape[0], VOCAB), float(hidden.shape[0]))
-        self.made.append((hidden.shape[0], weakref.ref(out)))
+    def compute_logits(self, hidden, out=None):
+        rows = hidden.shape[0]
+        self.handed.append(None if out is None else (rows, out.shape[0]))
+        if out is not None and not self.ignore_out:
+            return out.fill_(float(rows))  # written in place, as the LM head's GEMM does
+        out = torch.full((rows, VOCAB), float(rows))
+        self.made.append((rows, weakref.ref(out)))
         return out
 
 
@@ -72,23 +78,28 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(vg, "capture_stream", lambda: FakeStream())
 
 
-def _runner():
-    return SimpleNamespace(device="cpu", attn_backend=FakeBackend(), model=FakeModel(), req_to_token_pool=None,
-                           token_to_kv_pool=None)
+def _runner(ignore_out=False):
+    return SimpleNamespace(device="cpu", attn_backend=FakeBackend(), model=FakeModel(ignore_out),
+                           req_to_token_pool=None, token_to_kv_pool=None)
 
 
-def test_every_verify_graph_returns_a_view_of_one_buffer(fake_cuda):
+@pytest.mark.parametrize("ignore_out", [False, True], ids=["written-in-place", "copied"])
+def test_every_verify_graph_returns_a_view_of_one_buffer(fake_cuda, ignore_out):
     n, sizes = 3, [1, 2, 4, 8]
-    runner = _runner()
+    runner = _runner(ignore_out)
     g = vg.VerifyGraphRunner(runner, n, sizes)
     big = g.outputs[8]
     assert big.shape == (8 * n, VOCAB) and g.logits_buffer_bytes == 8 * n * VOCAB * 4
     for bs in sizes:
         out = g.outputs[bs]
         assert out.shape == (bs * n, VOCAB) and out.data_ptr() == big.data_ptr()
-    # captured largest first, each smaller graph copied its logits into the leading rows
+    # captured largest first, each smaller graph wrote (or copied) its logits into the leading rows
     expect = torch.cat([torch.full((k * n, VOCAB), float(v * n)) for k, v in ((1, 1), (1, 2), (2, 4), (4, 8))])
     assert torch.equal(big, expect)
+    # the captures (every third call: two warm-ups first) of the smaller graphs were handed
+    # the buffer's leading rows; the largest, captured first, had no buffer yet
+    captured = runner.model.handed[2::3]
+    assert captured == [None] + [(bs * n, bs * n) for bs in (4, 2, 1)]
     gc.collect()
     alive = sorted(rows for rows, ref in runner.model.made if ref() is not None)
     assert alive == [8 * n]  # the buffer; warm-up outputs and the smaller graphs' own logits are gone
@@ -112,12 +123,17 @@ def test_replay_returns_the_buffer_rows_of_the_padded_size(fake_cuda):
 
 def test_shared_output_binds_largest_first():
     shared = SharedGraphOutput()
-    assert shared.nbytes == 0
+    assert shared.nbytes == 0 and shared.target(1) is None
     first = torch.zeros(6, 4)
     assert shared.bind(first) is first and shared.nbytes == 6 * 4 * 4
     view = shared.bind(torch.full((2, 4), 3.0))
     assert view.data_ptr() == first.data_ptr() and view.shape == (2, 4)
     assert first[:2].eq(3.0).all() and first[2:].eq(0.0).all()
+    target = shared.target(5)
+    assert target.data_ptr() == first.data_ptr() and target.shape == (5, 4) and shared.target(7) is None
+    target.fill_(9.0)
+    assert shared.bind(target) is target  # written in place: returned as it is, no copy
+    assert first[:5].eq(9.0).all() and first[5:].eq(0.0).all()
     for bad in (torch.zeros(7, 4), torch.zeros(2, 5), torch.zeros(2, 4, dtype=torch.float64), torch.zeros(8)):
         with pytest.raises(ValueError, match="largest graph first"):
             shared.bind(bad)

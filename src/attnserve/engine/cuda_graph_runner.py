@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -100,9 +100,9 @@ class CudaGraphRunner:
             req_to_token_pool=r.req_to_token_pool, token_to_kv_pool=r.token_to_kv_pool, attn_backend=self.backend,
         )
 
-    def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
+    def _run_model(self, fb: ForwardBatch, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         model = self.runner.model
-        return model.compute_logits(model(fb.input_ids, fb.positions, fb))
+        return model.compute_logits(model(fb.input_ids, fb.positions, fb), out=out)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -115,7 +115,9 @@ class CudaGraphRunner:
         # graphs share one [max_bs, vocab] float32 buffer (`SharedGraphOutput`). Kept per graph, the
         # outputs summed to ~5.5 GB for Llama-3-8B's 51 sizes up to 512 (6.3 GB of graph memory for
         # Qwen3-0.6B, against 2.6 GB for the 35 sizes up to 256, on an H100). The copy costs
-        # bs x vocab x 8 bytes of traffic a step (~22 us at 64 Llama-3-8B rows, 7.9 ms steps).
+        # bs x vocab x 8 bytes of traffic a step (~22 us at 64 Llama-3-8B rows, 7.9 ms steps;
+        # 63 us at 144 Qwen3-0.6B rows, 6.2 ms), so the smaller graphs hand the buffer's rows to
+        # compute_logits, whose LM head GEMM writes them in place (`SharedGraphOutput.target`).
         # Replays run in stream order and each step's logits are consumed before the next
         # replay (as they were for two steps of one size), so sharing is safe.
         shared = SharedGraphOutput()
@@ -133,7 +135,7 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 if self.metadata_in_graph:
                     self._refill_metadata(bs, fb.seq_lens_sum)
-                out = self._run_model(fb)
+                out = self._run_model(fb, out=shared.target(bs))
                 self.outputs[bs] = shared.bind(out)
             self.graphs[bs] = graph
             del out

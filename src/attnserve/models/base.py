@@ -36,15 +36,20 @@ def attention_head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _mm_float32_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _mm_float32_out(x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ w.T`` ([N, H] x [V, H] half precision) written as float32 by the GEMM itself
     (``torch.mm(..., out_dtype=)``, CUDA): the product is accumulated in float32 either way,
     and this skips the half-precision logits and the cast kernel that read and rewrote them
     (Qwen3-0.6B decode at 144 rows: 67 µs a step, benchmarks/results/
     h100-80gb-hbm3-profile-step-2026-11-27.json). Falls back to ``F.linear`` where the
     installed PyTorch has no ``out_dtype`` for this device (the result is then rounded to
-    ``w``'s dtype first)."""
+    ``w``'s dtype first). ``out`` (float32 ``[N, V]``, contiguous rows), when given, receives
+    the product (`engine.graph_output.SharedGraphOutput.target`) and is returned; one of
+    another shape or layout is ignored."""
     try:
+        if (out is not None and out.dtype == torch.float32 and out.shape == (x.shape[0], w.shape[0])
+                and out.stride(1) == 1 and out.device == x.device):
+            return torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
         return torch.mm(x, w.t(), out_dtype=torch.float32)
     except (TypeError, RuntimeError, NotImplementedError):
         return torch.nn.functional.linear(x, w)
@@ -194,18 +199,20 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` logits (every rank's vocabulary
         rows gathered under tensor parallelism). Decode-sized CUDA batches use the skinny
         GEMM while the model's fused kernels are on (Llama-3-8B at batch 1: 331 vs 367 µs
-        for cuBLAS, benchmarks/NOTES.md, issue 33)."""
+        for cuBLAS, benchmarks/NOTES.md, issue 33). ``out``: an optional float32 ``[N,
+        vocab_size]`` tensor (a CUDA graph's shared output rows) that the cuBLAS path writes
+        in place; the caller must not assume it was used (compare the returned tensor)."""
         w = self.lm_head_weight
         if (getattr(self.model.norm, "use_fused", False) and hidden_states.is_cuda and skinny_rule() == "v2"
                 and skinny_gemm_supported(hidden_states, w)):
             local = skinny_linear(hidden_states, w)
         elif (hidden_states.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and hidden_states.dim() == 2
               and self.tp.size == 1):  # under TP the all-gather would carry twice the bytes
-            local = _mm_float32_out(hidden_states, w)
+            local = _mm_float32_out(hidden_states, w, out)
         else:
             local = cpu_gemm.linear(hidden_states, w, None, self.lm_head_packed)
         return gather_logits(local, self.config.vocab_size, self.tp).float()

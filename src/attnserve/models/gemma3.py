@@ -247,13 +247,14 @@ class Gemma3ForCausalLM(CausalLM):
         self.final_logit_softcapping = float(getattr(config, "final_logit_softcapping", None) or 0.0)
 
     @torch.no_grad()
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` logits, soft-capped to
-        ``(-c, c)`` by ``c * tanh(logits / c)`` when ``final_logit_softcapping`` is set."""
-        logits = super().compute_logits(hidden_states)
+        ``(-c, c)`` by ``c * tanh(logits / c)`` when ``final_logit_softcapping`` is set
+        (in place, so an ``out`` the base class wrote stays the result)."""
+        logits = super().compute_logits(hidden_states, out=out)
         if self.final_logit_softcapping > 0:
             cap = self.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
+            logits = logits.div_(cap).tanh_().mul_(cap)
         return logits
 
 

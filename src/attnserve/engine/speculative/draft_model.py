@@ -30,8 +30,8 @@ class SelfDraftModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch) -> torch.Tensor:
         return self.target(input_ids, positions, forward_batch, num_layers=self.num_layers)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(hidden_states)
+    def compute_logits(self, hidden_states: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.target.compute_logits(hidden_states, out=out)
 
 
 def load_draft_model(config: SpeculativeConfig, server_args, target):

@@ -126,7 +126,7 @@ class VerifyGraphRunner:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 if self.metadata_in_graph:
                     self._refill(bs)
-                out = model.compute_logits(model(fb.input_ids, fb.positions, fb))
+                out = model.compute_logits(model(fb.input_ids, fb.positions, fb), out=shared.target(bs * self.n))
                 self.outputs[bs] = shared.bind(out)
             self.graphs[bs] = graph
             del out  # a smaller graph's own logits: freed, their pool blocks serve the next capture
