@@ -497,5 +497,6 @@ def decode_attention_fwd(
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not compute_fp32 else {}),
     )
     decode_stage2(attn_logits, attn_lse, o, kv_indptr, num_kv_splits, max_kv_splits, split_align=cfg.block_n,
-                  merge_block=cfg.merge_block, num_warps=cfg.stage2_warps, use_pdl=use_pdl)
+                  merge_block=cfg.merge_block, num_warps=cfg.stage2_warps, use_pdl=use_pdl,
+                  merge_heads=cfg.merge_heads)
     return o

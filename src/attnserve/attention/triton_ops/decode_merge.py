@@ -14,6 +14,16 @@ moves a few KB). ``SPLIT_BLOCK = 1`` is the one-split-at-a-time loop this kernel
 (same operations in the same order, so the same bits). Either way a request's result
 depends only on its own splits, so deterministic mode stays batch-invariant.
 
+Large batches (`DecodeConfig.merge_heads` > 1, the batch tiles of `decode_tuning`): one
+program merges a block of ``HEADS`` query heads of a request as ``[HEADS, SPLIT_BLOCK, Dv]``
+tiles (`_decode_stage2_heads_kernel`). There nearly every request has one split, so nearly
+every program only reads its request's bounds and returns; a grid of ``(bs, Hq)`` such
+programs (4,608 at 144 Llama-3-8B requests, two waves of the SM's block slots) cost ~4 us
+a layer, a grid of ``(bs, Hq / 16)`` 1.6 us (H100, `benchmarks/profile_step.py`,
+benchmarks/NOTES.md 2026-11-27; `decode_tuning.BATCH_MERGE_HEADS`). A request's merged values equal the one-head kernel's up to
+float32 summation order (the split axis is reduced in a 3-D tile); deterministic mode never
+takes this path (`decode_config` sees batch size 0 there).
+
 ``USE_PDL`` (programmatic dependent launch, `attnserve.pdl`): the program
 reads ``kv_indptr`` / ``num_kv_splits`` before ``gdc_wait``. That is safe because stage 1,
 the kernel before it, either was launched without PDL or waits for its own predecessor
@@ -88,6 +98,62 @@ def _decode_stage2_kernel(
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_dv, out.to(o_ptr.dtype.element_ty), mask=mask_dv)
 
 
+@triton.jit
+def _decode_stage2_heads_kernel(
+    logits_ptr, lse_ptr, o_ptr,
+    kv_indptr_ptr, num_kv_splits_ptr,
+    stride_lb, stride_lh, stride_ls,
+    stride_eb, stride_eh,
+    stride_ob, stride_oh,
+    max_kv_splits,
+    num_heads,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
+    HEADS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    # The merge of `_decode_stage2_kernel` for query heads hb * HEADS .. + HEADS - 1 of request
+    # b at once (rows past ``num_heads`` are masked and merge zeros that are never stored).
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    kv_len = tl.load(kv_indptr_ptr + b + 1) - tl.load(kv_indptr_ptr + b)
+    per, n_splits = _split_bounds(kv_len, tl.load(num_kv_splits_ptr + b), max_kv_splits, SPLIT_ALIGN)
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    if n_splits == 1:  # stage 1 wrote this request's output
+        return
+    offs_h = hb * HEADS + tl.arange(0, HEADS)
+    mask_h = offs_h < num_heads
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < DV
+    offs_s = tl.arange(0, SPLIT_BLOCK)
+    part_ptr = (logits_ptr + b.to(tl.int64) * stride_lb + offs_h[:, None, None] * stride_lh
+                + offs_dv[None, None, :])
+    lse_row = lse_ptr + b.to(tl.int64) * stride_eb + offs_h[:, None] * stride_eh
+    m = tl.full([HEADS], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([HEADS], dtype=tl.float32)
+    acc = tl.zeros([HEADS, BLOCK_DV], dtype=tl.float32)
+    for s0 in range(0, n_splits, SPLIT_BLOCK):
+        s = s0 + offs_s
+        mask_s = s < n_splits
+        lse_s = tl.load(lse_row + s[None, :], mask=mask_h[:, None] & mask_s[None, :], other=float("-inf"))
+        lse_s = tl.where(mask_h[:, None], lse_s, 0.0)  # rows past num_heads: finite, never stored
+        part = tl.load(part_ptr + s[None, :, None] * stride_ls,
+                       mask=mask_h[:, None, None] & mask_s[None, :, None] & mask_dv[None, None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse_s, 1))
+        alpha = tl.exp(m - m_new)
+        w = tl.exp(lse_s - m_new[:, None])  # 0 for the masked splits
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * part, 1)
+        l = l * alpha + tl.sum(w, 1)
+        m = m_new
+    out = tl.where(l[:, None] > 0, acc / tl.maximum(l, 1e-30)[:, None], 0.0)
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_dv[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_dv[None, :])
+
+
 def merge_split_block(merge_block: int, max_kv_splits: int, block_dv: int = 128) -> int:
     """``SPLIT_BLOCK`` of stage 2: ``merge_block`` (a `DecodeConfig` field; 1 = one split a
     step) capped by `MAX_SPLIT_BLOCK`, by the next power of two of ``max_kv_splits`` and by
@@ -98,16 +164,33 @@ def merge_split_block(merge_block: int, max_kv_splits: int, block_dv: int = 128)
 
 def decode_stage2(attn_logits: torch.Tensor, attn_lse: torch.Tensor, o: torch.Tensor, kv_indptr: torch.Tensor,
                   num_kv_splits: torch.Tensor, max_kv_splits: int, *, split_align: int, merge_block: int,
-                  num_warps: int, use_pdl: bool = False) -> None:
+                  num_warps: int, use_pdl: bool = False, merge_heads: int = 1) -> None:
     """Launch stage 2 on the grid ``(bs, Hq)`` with ``bs, Hq = o.shape[:2]`` (arguments as
     in `decode_attention.decode_attention_fwd`, already checked there; ``split_align`` is
-    stage 1's ``block_n``). ``use_pdl`` launches with PDL (the caller checks
+    stage 1's ``block_n``), or with ``merge_heads > 1`` on ``(bs, cdiv(Hq, heads))`` with
+    ``heads`` = ``merge_heads`` rounded up to a power of two and capped at Hq's
+    (`_decode_stage2_heads_kernel`). ``use_pdl`` launches with PDL (the caller checks
     `attnserve.pdl.pdl_enabled`). Host ints in; nothing is synchronised."""
     bs, hq, dv = o.shape
     block_dv = max(16, triton.next_power_of_2(dv))
+    extra = {"launch_pdl": True} if use_pdl else {}
+    heads = min(triton.next_power_of_2(max(1, merge_heads)), triton.next_power_of_2(hq))
+    if heads > 1:
+        split_block = min(merge_split_block(merge_block, max_kv_splits, block_dv),
+                          max(1, _MAX_TILE // (heads * block_dv)))
+        _decode_stage2_heads_kernel[(bs, triton.cdiv(hq, heads))](
+            attn_logits, attn_lse, o,
+            kv_indptr, num_kv_splits,
+            attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+            attn_lse.stride(0), attn_lse.stride(1),
+            o.stride(0), o.stride(1),
+            int(max_kv_splits), hq,
+            DV=dv, BLOCK_DV=block_dv, SPLIT_ALIGN=split_align, SPLIT_BLOCK=split_block, HEADS=heads,
+            USE_PDL=bool(use_pdl), num_warps=4, **extra,
+        )
+        return
     split_block = merge_split_block(merge_block, max_kv_splits, block_dv)
     warps = max(num_warps, 4) if split_block * block_dv > _WIDE_TILE else num_warps
-    extra = {"launch_pdl": True} if use_pdl else {}
     _decode_stage2_kernel[(bs, hq)](
         attn_logits, attn_lse, o,
         kv_indptr, num_kv_splits,

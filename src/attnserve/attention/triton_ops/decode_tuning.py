@@ -33,7 +33,9 @@ class DecodeConfig:
     programmatic dependent launch where `attnserve.pdl.pdl_enabled` holds
     (ignored elsewhere); maxnreg: registers per thread that stage 1 may use (Triton's
     ``maxnreg`` launch option, PTX ``.maxnreg``; 0 = the compiler's choice, the default and
-    the only value the default tiles use).
+    the only value the default tiles use); merge_heads: query heads per stage-2 program
+    (`decode_merge`; 1 = one program per (request, head), the only value outside the batch
+    tiles).
     """
 
     block_n: int
@@ -45,6 +47,7 @@ class DecodeConfig:
     merge_block: int = 32
     pdl: bool = False
     maxnreg: int = 0
+    merge_heads: int = 1
 
 
 #: (block_n, num_stages, num_warps) of stage 1 for an fp8 cache on an H100 / H200 below the batch
@@ -70,6 +73,15 @@ BATCH_TILE = (128, 2, 4, 0)
 #: x1.015 / x1.010, 256 requests of [200, 1800] x1.017 / x1.017 (below the batch tiles the cap lost
 #: 3-4% at 1-32 requests, so the small-batch tile `FP8_HOPPER_TILE` keeps the registers).
 FP8_HOPPER_BATCH_TILE = (128, 5, 4, 168)
+#: query heads per stage-2 program at the batch tiles (`decode_config`, `decode_merge`): there
+#: nearly every request has one split and its stage-2 programs only return. H100, CUDA-graph
+#: decode steps of 800 keys a request (`benchmarks/profile_step.py`, stage 2 µs a step for 1 / 8
+#: / 16 heads a program; results/h100-80gb-hbm3-profile-step-merge-heads-*-2026-11-27.json):
+#: Llama-3-8B 144 requests 126.7 / 63.5 / 49.8, 256 requests 197.1 / 75.7 / 53.8; Qwen3-0.6B
+#: (16 heads) 144: 71.0 / 41.4 / 41.3, 256: 101.6 / 43.4 / 42.4. Busy GPU time a step -0.5 to -0.8%.
+BATCH_MERGE_HEADS = 16
+#: environment override of `BATCH_MERGE_HEADS` (an int >= 1; 1 = a program per head, as before)
+MERGE_HEADS_ENV = "ATTNSERVE_DECODE_MERGE_HEADS"
 #: environment switch of the small-batch rule (`small_batch_rule_enabled`)
 SMALL_BATCH_ENV = "ATTNSERVE_DECODE_SMALL_BATCH"
 #: opt-in switch (`decode_config`): launch both stages with PDL at every batch size, not only
@@ -146,6 +158,25 @@ def bf16_tile_variant() -> Optional[Tuple[int, int, int, int]]:
     return _tile_variant(BF16_TILE_ENV, BF16_TILE_VARIANTS)
 
 
+def batch_merge_heads() -> int:
+    """Query heads per stage-2 program at the batch tiles: `BATCH_MERGE_HEADS`, or the int in
+    ``ATTNSERVE_DECODE_MERGE_HEADS`` (read at every call, so one process can time several).
+
+    Raises:
+        ValueError: the variable is not an int >= 1.
+    """
+    raw = os.environ.get(MERGE_HEADS_ENV, "").strip()
+    if not raw:
+        return BATCH_MERGE_HEADS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{MERGE_HEADS_ENV}={raw!r}: expected an int >= 1 (1 = one stage-2 program per head)")
+    return value
+
+
 def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bool = False,
                    max_shared_mem: int = 0, device_name: str = "", batch_size: int = 0,
                    num_kv_heads: int = 0, num_sms: int = 0) -> DecodeConfig:
@@ -153,8 +184,10 @@ def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bo
     rule (`small_batch_rule_enabled`). With the rule on, stage 2 merges up to 32 splits a
     step (``merge_block``), and a batch whose stage-1 programs at one split a request fit
     in one wave (``batch_size * num_kv_heads * head blocks <= num_sms``, all three known)
-    sets ``pdl`` (every batch with ``ATTNSERVE_DECODE_PDL_ALL=1``, opt-in); off, ``merge_block``
-    is 1 and ``pdl`` False (the kernels as before). Arguments as in `_tile_config`.
+    sets ``pdl`` (every batch with ``ATTNSERVE_DECODE_PDL_ALL=1``, opt-in), and a batch at the
+    batch tiles (``BATCH_PROGRAMS_PER_SM`` stage-1 programs per SM) merges `batch_merge_heads`
+    query heads per stage-2 program; off, ``merge_block`` is 1, ``pdl`` False and
+    ``merge_heads`` 1 (the kernels as before). Arguments as in `_tile_config`.
 
     Why (H100, torch.profiler over CUDA-graph replays, no PDL, 2026-11-27): at batch 1 with
     ~576 keys stage 1 took ~7 us and stage 2 ~2 us per layer for Llama-3-8B heads at tp 1
@@ -170,6 +203,8 @@ def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bo
     if not small_batch_rule_enabled():
         return replace(cfg, merge_block=1, pdl=False)
     programs = batch_size * num_kv_heads * _head_blocks(cfg.block_h, group_size)
+    if num_sms > 0 and programs >= BATCH_PROGRAMS_PER_SM * num_sms:
+        cfg = replace(cfg, merge_heads=batch_merge_heads())
     if env_flag(PDL_ALL_ENV, default=False):
         # stage 1 lets stage 2 launch once its last programs have started, so stage 2's
         # launch overlaps stage 1's last wave instead of following it
