@@ -52,6 +52,19 @@ _MAX_TILE = 8192
 
 
 @triton.jit
+def _request_splits(kv_indptr_ptr, num_kv_splits_ptr, b, max_kv_splits, SPLIT_ALIGN: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    """Request ``b``'s non-empty splits (stage 1's `_split_bounds`), read before the PDL wait
+    (see the module doc), which follows when ``USE_PDL``."""
+    kv_len = tl.load(kv_indptr_ptr + b + 1) - tl.load(kv_indptr_ptr + b)
+    per, n_splits = _split_bounds(kv_len, tl.load(num_kv_splits_ptr + b), max_kv_splits, SPLIT_ALIGN)
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    return n_splits
+
+
+@triton.jit
 def _decode_stage2_kernel(
     logits_ptr, lse_ptr, o_ptr,
     kv_indptr_ptr, num_kv_splits_ptr,
@@ -67,11 +80,7 @@ def _decode_stage2_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    kv_len = tl.load(kv_indptr_ptr + b + 1) - tl.load(kv_indptr_ptr + b)
-    per, n_splits = _split_bounds(kv_len, tl.load(num_kv_splits_ptr + b), max_kv_splits, SPLIT_ALIGN)
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    n_splits = _request_splits(kv_indptr_ptr, num_kv_splits_ptr, b, max_kv_splits, SPLIT_ALIGN, USE_PDL)
     if n_splits == 1:  # stage 1 wrote this request's output
         return
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -118,11 +127,7 @@ def _decode_stage2_heads_kernel(
     # b at once (rows past ``num_heads`` are masked and merge zeros that are never stored).
     b = tl.program_id(0)
     hb = tl.program_id(1)
-    kv_len = tl.load(kv_indptr_ptr + b + 1) - tl.load(kv_indptr_ptr + b)
-    per, n_splits = _split_bounds(kv_len, tl.load(num_kv_splits_ptr + b), max_kv_splits, SPLIT_ALIGN)
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    n_splits = _request_splits(kv_indptr_ptr, num_kv_splits_ptr, b, max_kv_splits, SPLIT_ALIGN, USE_PDL)
     if n_splits == 1:  # stage 1 wrote this request's output
         return
     offs_h = hb * HEADS + tl.arange(0, HEADS)
