@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from attnserve.attention.triton_ops.decode_attention import DecodeConfig, decode_attention_fwd
 from attnserve.attention.triton_ops.decode_splits import compute_num_kv_splits
+from attnserve.attention.triton_ops.decode_tuning import batch_merge_heads
 from attnserve.attention.triton_ops.kv_indices import compute_kv_indptr, create_kv_indices
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
@@ -225,6 +228,9 @@ def test_decode_config_batch_tiles_from_the_program_count(kv_dtype, device_name,
     big = da.decode_config(128, 4, kv_dtype, max_shared_mem=smem, device_name=device_name, batch_size=at,
                            num_kv_heads=hkv, num_sms=sms)
     assert below == small and unknown == small
+    # stage 2's head blocks follow the program count whatever the stage-1 tile (decode_merge)
+    assert big.merge_heads == batch_merge_heads() > 1 and small.merge_heads == 1
+    big = dataclasses.replace(big, merge_heads=1)
     if tile is None:
         assert big == small
     else:
@@ -232,6 +238,7 @@ def test_decode_config_batch_tiles_from_the_program_count(kv_dtype, device_name,
         assert (big.block_n, big.num_stages, big.maxnreg) != (small.block_n, small.num_stages, small.maxnreg)
         assert big.block_h == small.block_h and big.v_pairs == small.v_pairs
     for dk, mem in ((576, smem), (128, 100 * 1024)):
-        assert da.decode_config(dk, 4, kv_dtype, max_shared_mem=mem, device_name=device_name, batch_size=at,
-                                num_kv_heads=hkv, num_sms=sms) == da.decode_config(dk, 4, kv_dtype, max_shared_mem=mem,
-                                                                                   device_name=device_name)
+        wide = da.decode_config(dk, 4, kv_dtype, max_shared_mem=mem, device_name=device_name, batch_size=at,
+                                num_kv_heads=hkv, num_sms=sms)
+        assert dataclasses.replace(wide, merge_heads=1) == da.decode_config(dk, 4, kv_dtype, max_shared_mem=mem,
+                                                                            device_name=device_name)
