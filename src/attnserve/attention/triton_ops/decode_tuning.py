@@ -203,7 +203,7 @@ def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bo
     if not small_batch_rule_enabled():
         return replace(cfg, merge_block=1, pdl=False)
     programs = batch_size * num_kv_heads * _head_blocks(cfg.block_h, group_size)
-    if num_sms > 0 and programs >= BATCH_PROGRAMS_PER_SM * num_sms:
+    if _at_batch_tiles(programs, num_sms):
         cfg = replace(cfg, merge_heads=batch_merge_heads())
     if env_flag(PDL_ALL_ENV, default=False):
         # stage 1 lets stage 2 launch once its last programs have started, so stage 2's
@@ -255,7 +255,7 @@ def _tile_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: boo
             return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=warps, num_stages=stages,
                                 v_pairs=fp8_hopper, maxnreg=maxnreg)
         programs = batch_size * num_kv_heads * _head_blocks(block_h, group_size)
-        if num_sms > 0 and programs >= BATCH_PROGRAMS_PER_SM * num_sms and (fp8_hopper or dtype not in FP8_DTYPES):
+        if _at_batch_tiles(programs, num_sms) and (fp8_hopper or dtype not in FP8_DTYPES):
             block_n, stages, warps, maxnreg = FP8_HOPPER_BATCH_TILE if fp8_hopper else BATCH_TILE
             return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=warps, num_stages=stages,
                                 v_pairs=fp8_hopper, maxnreg=maxnreg)
@@ -283,6 +283,13 @@ def _tile_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: boo
     num_warps = 4 if head_dim <= 256 else 8
     num_stages = 1 if is_hip else 2
     return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=num_warps, num_stages=num_stages)
+
+
+def _at_batch_tiles(programs: int, num_sms: int) -> bool:
+    """Whether ``programs`` stage-1 programs at one split a request (requests x KV heads x
+    head blocks) reach `BATCH_PROGRAMS_PER_SM` per SM of a device with ``num_sms`` (0:
+    unknown, never): the batch tiles of `_tile_config` and stage 2's head blocks."""
+    return num_sms > 0 and programs >= BATCH_PROGRAMS_PER_SM * num_sms
 
 
 def _head_blocks(block_h: int, group: int) -> int:
