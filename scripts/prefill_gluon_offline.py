@@ -1,0 +1,109 @@
+"""Offline sm_90a compile of the Gluon causal prefill kernel (`prefill_gluon`; no GPU needed).
+
+``PYTHONPATH=<triton 3.6 dir>:src:scripts python scripts/prefill_gluon_offline.py [--ptxas PATH] [--dump DIR]``
+
+Compiles `prefill_gluon_kernel._prefill_fwd_kernel` through Triton for sm_90a (bf16, group
+4, the JIT's 16-divisibility of pointers and strides assumed) for each configuration below,
+then runs ``ptxas -v`` and prints registers, spills, shared memory, the TMA descriptors'
+boxes, PTX counts (wgmma, wgmma waits, TMA loads, mbarrier waits, setmaxnreg) and any
+ptxas warning (e.g. wgmma serialization). Install the device's Triton with ``pip install
+--no-deps --target <dir> triton==3.6.0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from attnserve.attention.triton_ops.prefill_gluon import DEFAULT_CONFIG, GluonPrefillConfig
+from attnserve.attention.triton_ops.prefill_gluon_kernel import _prefill_fwd_kernel
+
+CONFIGS = {
+    "default 128x128 s2": DEFAULT_CONFIG,
+    "128x128 s3": GluonPrefillConfig(stages=3),
+    "128x64 s3": GluonPrefillConfig(block_n=64, stages=3),
+}
+
+
+def compile_config(cfg: GluonPrefillConfig, group: int = 4, from_indptr: bool = False):
+    fn = _prefill_fwd_kernel
+    names = fn.arg_names
+    sw = repr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    const = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, FROM_INDPTR=from_indptr,
+                 CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs)
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in const:
+            sig[n] = "constexpr"
+        elif n == "q_desc":
+            sig[n] = f"tensordesc<bf16[{cfg.block_m // 2}, 128],{sw}>"
+        elif n in ("k_desc", "v_desc"):
+            sig[n] = f"tensordesc<bf16[{cfg.block_n}, 128],{sw}>"
+        elif n == "out_ptr":
+            sig[n] = "*bf16"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in ("start_ptr", "len_ptr"):
+            sig[n] = "*i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n == "qk_scale":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+            if n.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=1, maxnreg=cfg.maxnreg))
+
+
+def ptxas_verbose(ptx: str, ptxas: str) -> str:
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    return subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", f.name + ".o"],
+                          capture_output=True, text=True).stderr
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ptxas", help="ptxas for the -v report (default: Triton's)")
+    ap.add_argument("--dump", help="write each config's PTX and TTGIR here")
+    args = ap.parse_args(argv)
+    from triton import knobs
+
+    ptxas = args.ptxas or knobs.nvidia.ptxas.path
+    print(f"triton {triton.__version__}, ptxas {ptxas}", flush=True)
+    for label, cfg in CONFIGS.items():
+        try:
+            k = compile_config(cfg)
+        except Exception as e:  # report, go on with the next config
+            print(f"{label:22s} COMPILE ERROR {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            continue
+        ptx = k.asm["ptx"]
+        if args.dump:
+            slug = re.sub(r"\W+", "_", label)
+            open(f"{args.dump}/{slug}.ptx", "w").write(ptx)
+            open(f"{args.dump}/{slug}.ttgir", "w").write(k.asm["ttgir"])
+        out = ptxas_verbose(ptx, ptxas)
+        regs = re.findall(r"Used (\d+) registers", out)
+        spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+        warn = [ln.strip() for ln in out.splitlines() if "arning" in ln]
+        counts = {x: len(re.findall(p, ptx)) for x, p in (
+            ("wgmma", r"wgmma\.mma_async"), ("wait", r"wgmma\.wait_group"), ("tma", r"cp\.async\.bulk\.tensor"),
+            ("mbar.wait", r"mbarrier\.try_wait"), ("setmaxnreg", r"setmaxnreg"))}
+        print(f"{label:22s} regs {regs} spills {spill} shared {k.metadata.shared} "
+              f"tma boxes {[m.get('block_size') for m in (k.metadata.tensordesc_meta or [])]} "
+              + " ".join(f"{x} {n}" for x, n in counts.items()), flush=True)
+        for w in warn:
+            print(f"    ptxas: {w}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
