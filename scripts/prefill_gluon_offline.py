@@ -32,7 +32,8 @@ CONFIGS = {
 }
 
 
-def compile_config(cfg: GluonPrefillConfig, group: int = 4, from_indptr: bool = False):
+def compile_config(cfg: GluonPrefillConfig, group: int = 4, from_indptr: bool = False, idx_ty: str = "*i32",
+                   dtype: str = "bf16"):
     fn = _prefill_fwd_kernel
     names = fn.arg_names
     sw = repr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
@@ -43,14 +44,14 @@ def compile_config(cfg: GluonPrefillConfig, group: int = 4, from_indptr: bool = 
         if n in const:
             sig[n] = "constexpr"
         elif n == "q_desc":
-            sig[n] = f"tensordesc<bf16[{cfg.block_m // 2}, 128],{sw}>"
+            sig[n] = f"tensordesc<{dtype}[{cfg.block_m // 2}, 128],{sw}>"
         elif n in ("k_desc", "v_desc"):
-            sig[n] = f"tensordesc<bf16[{cfg.block_n}, 128],{sw}>"
+            sig[n] = f"tensordesc<{dtype}[{cfg.block_n}, 128],{sw}>"
         elif n == "out_ptr":
-            sig[n] = "*bf16"
+            sig[n] = f"*{dtype}"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif n in ("start_ptr", "len_ptr"):
-            sig[n] = "*i32"
+            sig[n] = idx_ty
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif n == "qk_scale":
             sig[n] = "fp32"
@@ -102,6 +103,15 @@ def main(argv=None) -> int:
               + " ".join(f"{x} {n}" for x, n in counts.items()), flush=True)
         for w in warn:
             print(f"    ptxas: {w}", flush=True)
+    # the other launches `gluon_prefill_fwd` makes: MHA / group 8, qo_indptr (int64), fp16
+    for label, kw in (("group 1", dict(group=1)), ("group 8", dict(group=8)),
+                      ("qo_indptr int64", dict(from_indptr=True, idx_ty="*i64")), ("fp16", dict(dtype="fp16"))):
+        try:
+            k = compile_config(DEFAULT_CONFIG, **kw)
+            spill = re.findall(r"(\d+) bytes spill stores", ptxas_verbose(k.asm["ptx"], ptxas))
+            print(f"{label:22s} compiled, spill stores {spill}", flush=True)
+        except Exception as e:
+            print(f"{label:22s} COMPILE ERROR {type(e).__name__}: {str(e)[:2000]}", flush=True)
     return 0
 
 

@@ -239,6 +239,21 @@ def _extend_fwd_kernel(
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_valid[:, None] & (offs_dv < DV)[None, :])
 
 
+def _use_gluon_prefill(q_extend, k_extend, v_extend, o_extend, is_causal, custom_mask, logit_cap,
+                       sliding_window_size) -> bool:
+    """Opt-in (``ATTNSERVE_EXTEND_GLUON=1``, read at every call) Gluon kernel for plain causal
+    prefills on sm_90 (`prefill_gluon.gluon_prefill_supported`); default off. Its bits differ
+    from this kernel's (other tiles), within bf16 rounding; it does not depend on the rest of
+    the batch, so deterministic inference may use it too."""
+    from attnserve.attention.triton_ops.prefill_gluon import gluon_prefill_enabled, gluon_prefill_supported
+
+    if not gluon_prefill_enabled():
+        return False
+    return gluon_prefill_supported(q_extend, k_extend, v_extend, o_extend, is_causal=bool(is_causal),
+                                   has_prefix=False, custom_mask=custom_mask, logit_cap=float(logit_cap),
+                                   sliding_window_size=-1 if sliding_window_size is None else int(sliding_window_size))
+
+
 def _new_token_descriptors(k_extend: torch.Tensor, v_extend: torch.Tensor, block_n: int, interpret: bool):
     """Host TMA descriptors of the new tokens' K and V as ``[T, Hkv * D]`` (tile ``[block_n,
     D]`` at column ``kv_head * D``), or None where TMA cannot read them (the kernel then uses
@@ -322,7 +337,10 @@ def extend_attention_fwd(
             prefix key (None: 0).
         config: override of `extend_config` (tuning). The default depends on the device,
             the dtype, the head sizes, ``has_prefix``, causality and, for plain causal
-            prefills on sm_90, on ``max_len_extend`` (`extend_tuning`).
+            prefills on sm_90, on ``max_len_extend`` (`extend_tuning`). Without a config,
+            ``ATTNSERVE_EXTEND_GLUON=1`` sends plain causal prefills on sm_90 (bf16/fp16, D
+            128, no window / cap / mask, ``has_prefix=False``) to the Gluon kernel
+            (`prefill_gluon.gluon_prefill_fwd`); off by default.
         has_prefix: False promises that no request has a cached prefix (a plain prefill:
             ``kv_indptr`` all zeros); the prefix stage is then compiled out and the
             buffers are not read, and the default config has no separate prefix tile.
@@ -398,6 +416,12 @@ def extend_attention_fwd(
         raise ValueError("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
     if bs == 0 or t == 0 or max_len_extend <= 0:
         return o_extend
+    if config is None and not interpret and not has_prefix and _use_gluon_prefill(
+            q_extend, k_extend, v_extend, o_extend, is_causal, custom_mask, logit_cap, sliding_window_size):
+        from attnserve.attention.triton_ops.prefill_gluon import gluon_prefill_fwd
+
+        return gluon_prefill_fwd(q_extend, k_extend, v_extend, o_extend, None, None, int(max_len_extend),
+                                 float(sm_scale), qo_indptr=qo_indptr)
 
     if config is None:
         cuda = q_extend.device.type == "cuda" and not interpret

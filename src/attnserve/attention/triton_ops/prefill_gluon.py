@@ -78,6 +78,14 @@ class GluonPrefillConfig:
 DEFAULT_CONFIG = GluonPrefillConfig()
 
 
+def gluon_prefill_enabled() -> bool:
+    """``ATTNSERVE_EXTEND_GLUON`` (`env_options.env_flag`, default off; read at every call): the
+    extend kernel's plain causal prefills on sm_90 run `gluon_prefill_fwd`."""
+    from attnserve.env_options import env_flag
+
+    return env_flag(GLUON_PREFILL_ENV, default=False)
+
+
 def num_query_tiles(max_len_extend: int, block_m: int = 128) -> int:
     """Grid size along the query tiles: ``cdiv(max_len_extend, block_m)`` (0 for no tokens)."""
     return max(0, -(-int(max_len_extend) // block_m))
