@@ -109,6 +109,9 @@ ENGINE_VARIANTS = {
     "fp8-mid-off": {"ATTNSERVE_FP8_MID_GEMM": "off"},
     # `_scaled_mm` without its row padding (`fp8_linear.scaled_mm_padded_rows`); decode rows only
     "fp8-nopad": {"ATTNSERVE_FP8_SCALED_MM_PAD": "0"},
+    # plain causal prefills on the Triton extend kernel instead of the Gluon one (`prefill_gluon`)
+    "bf16-triton-prefill": {"ATTNSERVE_EXTEND_GLUON": "0"},
+    "fp8-triton-prefill": {"ATTNSERVE_EXTEND_GLUON": "0"},
 }
 #: engine variants timed at decode only (no prefill, no throughput run)
 DECODE_ONLY = ("fp8-16bit-tiles", "fp8-gemv-skinny", "fp8-gemv-f32", "fp8-gemv-f16x2", "fp8-gemv-dot16", "fp8-nopad")
@@ -421,7 +424,7 @@ def engine_rows(model, variant, emit):
     try:
         t0 = time.time()
         llm = LLM(model, load_format="dummy", device="cuda", context_length=8192 + 64, max_running_requests=160,
-                  quantization=None if variant == "bf16" else "fp8")
+                  quantization=None if variant.startswith("bf16") else "fp8")
         runner = llm.engine.model_runner
         row = {"model": model, "variant": variant, "env": env, "load_s": time.time() - t0,
                "weight_bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters()),

@@ -79,14 +79,14 @@ def run_gluon(c: dict, cfg: GluonPrefillConfig = DEFAULT_CONFIG) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated of {list(CASES)}")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated '<bs>x<len>' cases (default {list(CASES)})")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated of {list(VARIANTS)}")
     ap.add_argument("--hang-s", type=float, default=120.0, help="abort if the first Gluon launch takes longer")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     import os
 
-    os.environ.pop("ATTNSERVE_EXTEND_GLUON", None)  # the Triton side must be the Triton kernel
+    os.environ["ATTNSERVE_EXTEND_GLUON"] = "0"  # the Triton side must be the Triton kernel
     t0 = time.perf_counter()
     from attnserve.bench.offline_random import measure_device_rates
 
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     variants = [x for x in args.variants.split(",") if x]
     res = {"matmul_bf16_tflops": mm / 1e12, "shape": dict(hq=HQ, hkv=HKV, d=D, dtype="bfloat16"), "cases": {}}
     for name in [x for x in args.cases.split(",") if x]:
-        n, bs = CASES[name]
+        bs, n = CASES[name][::-1] if name in CASES else map(int, name.split("x"))  # any "<bs>x<len>"
         c = build_case(n, bs)
         run_triton(c)
         torch.cuda.synchronize()

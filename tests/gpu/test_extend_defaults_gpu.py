@@ -38,6 +38,9 @@ def spy(monkeypatch):
 
     monkeypatch.delenv(extend_tuning.EXTEND_CONFIG_ENV, raising=False)
     monkeypatch.delenv(extend_tuning.EXTEND_DEFAULTS_ENV, raising=False)
+    # these are the Triton kernel's tiles: long plain prefills would otherwise take the Gluon
+    # kernel (`prefill_gluon`, tested in test_prefill_gluon_gpu.py)
+    monkeypatch.setenv("ATTNSERVE_EXTEND_GLUON", "0")
     seen = []
     real = extend_tuning.extend_config
 

@@ -112,7 +112,7 @@ def _errors(o, ref, starts, lens):
 def _triton(q, k, v, starts, lens, sm_scale, monkeypatch):
     from attnserve.attention.triton_ops.extend_attention import extend_attention_fwd
 
-    monkeypatch.delenv("ATTNSERVE_EXTEND_GLUON", raising=False)
+    monkeypatch.setenv("ATTNSERVE_EXTEND_GLUON", "0")  # the Triton kernel whatever the lengths
     hkv = k.shape[1]
     qo_indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device="cuda")
     qo_indptr[1:] = torch.cumsum(lens, 0)
@@ -203,6 +203,13 @@ def test_extend_attention_switch(monkeypatch):
     assert torch.equal(run(), o)
     monkeypatch.setenv("ATTNSERVE_EXTEND_GLUON", "0")
     assert not torch.equal(run(), o)
+    # unset: by length (2,048 >= GLUON_PREFILL_MIN_LEN), but never for batch-invariant launches
+    monkeypatch.delenv("ATTNSERVE_EXTEND_GLUON", raising=False)
+    assert torch.equal(run(), o)
+    out = torch.full_like(q, float("nan"))
+    extend_attention_fwd(q, k, v, out, buf, buf, qo_indptr, qo_indptr * 0, qo_indptr[:1], None, True, None,
+                         max(lens), sm_scale, has_prefix=False, batch_invariant=True)
+    assert not torch.equal(out, o)
 
 
 def test_cuda_graph_replay():

@@ -107,14 +107,21 @@ def test_host_module_imports_no_gluon():
     assert out.stdout.strip() == "False"
 
 
-def test_switch_default_off(monkeypatch):
+def test_switch_and_length_rule(monkeypatch):
     from attnserve.attention.triton_ops.extend_attention import _use_gluon_prefill
 
     monkeypatch.delenv(pg.GLUON_PREFILL_ENV, raising=False)
     assert not pg.gluon_prefill_enabled()
-    for value, on in (("1", True), ("on", True), ("0", False), ("off", False), ("", False)):
+    # auto: by the longest request, never for batch-invariant launches
+    assert not pg.gluon_prefill_enabled(pg.GLUON_PREFILL_MIN_LEN - 1)
+    assert pg.gluon_prefill_enabled(pg.GLUON_PREFILL_MIN_LEN)
+    assert not pg.gluon_prefill_enabled(8190, batch_invariant=True)
+    for value, on in (("1", True), ("on", True), ("0", False), ("off", False)):
         monkeypatch.setenv(pg.GLUON_PREFILL_ENV, value)
         assert pg.gluon_prefill_enabled() is on
+        assert pg.gluon_prefill_enabled(8190) is on  # set, the switch wins over the length
+    monkeypatch.setenv(pg.GLUON_PREFILL_ENV, "")  # empty: auto
+    assert not pg.gluon_prefill_enabled(1) and pg.gluon_prefill_enabled(8190)
     monkeypatch.setenv(pg.GLUON_PREFILL_ENV, "1")
     # CPU tensors: switched on, still not taken (no sm_90 device)
     assert not _use_gluon_prefill(*_inputs(), True, None, 0.0, -1)

@@ -240,14 +240,14 @@ def _extend_fwd_kernel(
 
 
 def _use_gluon_prefill(q_extend, k_extend, v_extend, o_extend, is_causal, custom_mask, logit_cap,
-                       sliding_window_size) -> bool:
-    """Opt-in (``ATTNSERVE_EXTEND_GLUON=1``, read at every call) Gluon kernel for plain causal
-    prefills on sm_90 (`prefill_gluon.gluon_prefill_supported`); default off. Its bits differ
-    from this kernel's (other tiles), within bf16 rounding; it does not depend on the rest of
-    the batch, so deterministic inference may use it too."""
+                       sliding_window_size, max_len_extend: int = 0, batch_invariant: bool = False) -> bool:
+    """The Gluon kernel for this plain causal prefill (`prefill_gluon.gluon_prefill_enabled`:
+    ``ATTNSERVE_EXTEND_GLUON``, else by ``max_len_extend``, never for ``batch_invariant``
+    launches by default) where `prefill_gluon.gluon_prefill_supported` (sm_90). Its bits differ
+    from this kernel's (other tiles), within bf16 rounding."""
     from attnserve.attention.triton_ops.prefill_gluon import gluon_prefill_enabled, gluon_prefill_supported
 
-    if not gluon_prefill_enabled():
+    if not gluon_prefill_enabled(max_len_extend, batch_invariant):
         return False
     return gluon_prefill_supported(q_extend, k_extend, v_extend, o_extend, is_causal=bool(is_causal),
                                    has_prefix=False, custom_mask=custom_mask, logit_cap=float(logit_cap),
@@ -338,9 +338,10 @@ def extend_attention_fwd(
         config: override of `extend_config` (tuning). The default depends on the device,
             the dtype, the head sizes, ``has_prefix``, causality and, for plain causal
             prefills on sm_90, on ``max_len_extend`` (`extend_tuning`). Without a config,
-            ``ATTNSERVE_EXTEND_GLUON=1`` sends plain causal prefills on sm_90 (bf16/fp16, D
-            128, no window / cap / mask, ``has_prefix=False``) to the Gluon kernel
-            (`prefill_gluon.gluon_prefill_fwd`); off by default.
+            plain causal prefills on sm_90 (bf16/fp16, D 128, no window / cap / mask,
+            ``has_prefix=False``) whose longest request has >= ``GLUON_PREFILL_MIN_LEN``
+            tokens run the Gluon kernel (`prefill_gluon.gluon_prefill_fwd`); the switch
+            ``ATTNSERVE_EXTEND_GLUON`` (1 / 0) overrides the length rule.
         has_prefix: False promises that no request has a cached prefix (a plain prefill:
             ``kv_indptr`` all zeros); the prefix stage is then compiled out and the
             buffers are not read, and the default config has no separate prefix tile.
@@ -417,7 +418,8 @@ def extend_attention_fwd(
     if bs == 0 or t == 0 or max_len_extend <= 0:
         return o_extend
     if config is None and not interpret and not has_prefix and _use_gluon_prefill(
-            q_extend, k_extend, v_extend, o_extend, is_causal, custom_mask, logit_cap, sliding_window_size):
+            q_extend, k_extend, v_extend, o_extend, is_causal, custom_mask, logit_cap, sliding_window_size,
+            int(max_len_extend), bool(batch_invariant)):
         from attnserve.attention.triton_ops.prefill_gluon import gluon_prefill_fwd
 
         return gluon_prefill_fwd(q_extend, k_extend, v_extend, o_extend, None, None, int(max_len_extend),

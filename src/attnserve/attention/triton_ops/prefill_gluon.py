@@ -32,6 +32,10 @@ from typing import Optional
 import torch
 
 GLUON_PREFILL_ENV = "ATTNSERVE_EXTEND_GLUON"
+#: auto mode: plain prefills whose longest request has at least this many tokens take the Gluon
+#: kernel. H100, Llama-3-8B heads (`benchmarks/prefill_gluon_bench.py`, 2026-11-27): Gluon /
+#: Triton default 1.25x at 1 x 8,190 and 2 x 4,096, 1.14x at 4 x 2,048, 0.96x at 16 x 512.
+GLUON_PREFILL_MIN_LEN = 1024
 _LOG2E = 1.4426950408889634
 
 
@@ -78,12 +82,22 @@ class GluonPrefillConfig:
 DEFAULT_CONFIG = GluonPrefillConfig()
 
 
-def gluon_prefill_enabled() -> bool:
-    """``ATTNSERVE_EXTEND_GLUON`` (`env_options.env_flag`, default off; read at every call): the
-    extend kernel's plain causal prefills on sm_90 run `gluon_prefill_fwd`."""
+def gluon_prefill_enabled(max_len_extend: int = 0, batch_invariant: bool = False) -> bool:
+    """Whether the extend kernel's plain causal prefills on sm_90 run `gluon_prefill_fwd`.
+
+    ``ATTNSERVE_EXTEND_GLUON`` (read at every call): set, it decides (`env_options.env_flag`:
+    on unless ``0`` / ``off`` / ...); unset or empty (auto), a launch whose longest request has
+    ``max_len_extend >= GLUON_PREFILL_MIN_LEN`` tokens takes it, unless ``batch_invariant``
+    (``--enable-deterministic-inference``: the kernel must not depend on the rest of the batch,
+    and the length rule does).
+    """
+    import os
+
     from attnserve.env_options import env_flag
 
-    return env_flag(GLUON_PREFILL_ENV, default=False)
+    if os.environ.get(GLUON_PREFILL_ENV, "").strip():
+        return env_flag(GLUON_PREFILL_ENV)
+    return not batch_invariant and int(max_len_extend) >= GLUON_PREFILL_MIN_LEN
 
 
 def num_query_tiles(max_len_extend: int, block_m: int = 128) -> int:
