@@ -1,0 +1,189 @@
+"""Gluon warp-specialized stream-K mid GEMM (`mid_gemm_gluon`) vs cuBLAS on decode shapes, bf16.
+
+``PYTHONPATH=src python benchmarks/midgemm_gluon.py --out DIR [--ms ...] [--shapes qkv o ...] [--budget-s 200]``
+
+Shapes: Llama-3-8B qkv 6144x4096, o 4096x4096, down 4096x14336; Qwen3-0.6B qkv 4096x1024,
+o 1024x2048, down 1024x3072 (``y = x @ W^T``, W ``[N, K]``), at M in ``--ms`` (default 32
+64 96 128 144 192 256). Per (shape, M): cuBLAS (``F.linear``), a device-to-device copy of
+the weight's bytes (floor = weight bytes / that copy rate, bytes read + written counted as
+the roofline does) and each candidate of `CANDIDATES` that fits (a candidate whose ring
+does not fit shared memory at that M runs with fewer stages, named ``-s<stages>``; one whose
+accumulators exceed 160 registers a thread is skipped). Each candidate is first checked
+against cuBLAS (``rel_err`` = max |ours - cuBLAS| / max |cuBLAS|, over 2e-2 it is not
+timed), then timed as `benchmarks/midgemm.py` times its kernels: CUDA graph of >= 24 steps,
+each the model's producer (fused add + RMSNorm, PDL as the model launches it) then the
+GEMM, over weight copies spanning >= 256 MiB (L2 never holds the weight); GEMM µs = step µs
+- producer-alone µs; median of 10 replays. Prints a table and writes
+``midgemm_gluon-<device>.json`` (date, device, torch, triton, rows) into ``--out`` after
+every shape. About 3-4 minutes on an H100 (mostly Gluon compiles: each config x M-piece
+pair x PDL flag once); ``--budget-s`` stops sweeping candidates after that many seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import os
+import time
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+#: (model, projection, N, K)
+SHAPES = [("llama-3-8b", "qkv", 6144, 4096), ("llama-3-8b", "o", 4096, 4096), ("llama-3-8b", "down", 4096, 14336),
+          ("qwen3-0.6b", "qkv", 4096, 1024), ("qwen3-0.6b", "o", 1024, 2048), ("qwen3-0.6b", "down", 1024, 3072)]
+M_VALUES = [32, 64, 96, 128, 144, 192, 256]
+ERR_LIMIT = 2e-2
+
+
+def _candidates():
+    from attnserve.models.layers.mid_gemm_gluon import GluonMidGemmConfig as C
+
+    # name -> config; grid -1 marks a data-parallel twin (grid = number of tiles, set per shape)
+    return [
+        ("n128k64s6c2", C(128, 64, 6, 2)),
+        ("n128k64s6c2-dp", C(128, 64, 6, 2, grid=-1)),
+        ("n128k64s6c2-pdl", C(128, 64, 6, 2, pdl=True)),
+        ("n128k128s3c2", C(128, 128, 3, 2)),
+        ("n256k64s4c2", C(256, 64, 4, 2)),
+        ("n64k64s6c1", C(64, 64, 6, 1)),
+        ("n64k64s6c1-dp", C(64, 64, 6, 1, grid=-1)),
+        ("n128k64s5c1", C(128, 64, 5, 1)),
+    ]
+
+
+class _Lazy(list):
+    """`CANDIDATES` without importing torch-side modules at import time of the offline script."""
+
+
+try:  # the offline compile script imports these names
+    CANDIDATES = [(n, dataclasses.replace(c, grid=max(c.grid, 0))) for n, c in _candidates()]
+except Exception:  # pragma: no cover
+    CANDIDATES = []
+
+
+def fitted(cfg, m: int):
+    """``cfg`` with as many stages as fit shared memory at ``m`` rows (>= 2), or None when
+    its accumulators do not fit."""
+    from attnserve.models.layers.mid_gemm_gluon import SMEM_LIMIT
+
+    if cfg.acc_regs(m) > 160:
+        return None
+    while cfg.num_stages > 2 and cfg.smem_bytes(m) > SMEM_LIMIT:
+        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    return cfg if cfg.smem_bytes(m) <= SMEM_LIMIT else None
+
+
+def run_case(model, proj, n, k, m, sweep, gen, workspace) -> dict:
+    from midgemm import Producer, _copies, _copy_us, _gemm_us, _graph_us, _rel_err
+
+    from attnserve.models.layers.mid_gemm_gluon import gluon_mid_linear
+
+    ws = _copies(n, k, gen)
+    producer = Producer(m, k, gen)
+    x = producer().clone()
+    nbytes = n * k * 2
+    ref = F.linear(x, ws[0])
+    producer_us = _graph_us([producer] * len(ws))
+    cublas_us, _ = _gemm_us(producer, [lambda xin, w=w: F.linear(xin, w) for w in ws], producer_us)
+    copy_us = _copy_us(nbytes)
+    floor_us = nbytes / (2 * nbytes / copy_us)  # weight bytes at the copy rate (read + written)
+    row = {"model": model, "proj": proj, "N": n, "K": k, "M": m, "weight_bytes": nbytes, "copy_us": copy_us,
+           "copy_tbps": 2 * nbytes / copy_us / 1e6, "floor_us": floor_us, "producer_us": producer_us,
+           "cublas_us": cublas_us, "cublas_share": floor_us / cublas_us, "swept": sweep, "candidates": []}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, cfg in (_candidates() if sweep else ()):
+        if cfg.grid == -1:
+            tiles = -(-n // cfg.block_n)
+            if tiles > sms:
+                continue  # a data-parallel twin only where the tiles do not fill the SMs
+            cfg = dataclasses.replace(cfg, grid=tiles)
+        fit = fitted(cfg, m)
+        if fit is None:
+            continue
+        if fit.num_stages != cfg.num_stages:
+            name = f"{name}-s{fit.num_stages}"
+        entry = {"name": name, "config": dataclasses.asdict(fit)}
+        try:
+            out = gluon_mid_linear(x, ws[0], config=fit, workspace=workspace)
+            torch.cuda.synchronize()
+            entry["rel_err"] = _rel_err(out, ref)
+            if entry["rel_err"] <= ERR_LIMIT:
+                fns = [lambda xin, w=w: gluon_mid_linear(xin, w, config=fit, workspace=workspace) for w in ws]
+                us, _ = _gemm_us(producer, fns, producer_us)
+                entry.update(us=us, share=floor_us / us, speedup=cublas_us / us)
+        except Exception as e:  # reported, not fatal
+            entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row["candidates"].append(entry)
+    timed = [c for c in row["candidates"] if "us" in c]
+    if timed:
+        best = min(timed, key=lambda c: c["us"])
+        row.update(best=best["name"], best_us=best["us"], best_share=best["share"], best_speedup=best["speedup"])
+    del ws, x, ref, producer
+    torch.cuda.empty_cache()
+    return row
+
+
+def print_table(result: dict) -> None:
+    names = [n for n, _ in _candidates()]
+    print(f"\n{result['device']}: GEMM µs (CUDA graph, producer subtracted); floor = weight bytes at the copy rate")
+    hdr = f"{'shape':<12}{'M':>4}{'floor':>7}{'cublas':>8}" + "".join(f"{n[:14]:>15}" for n in names) + "  best (x cuBLAS)"
+    print(hdr)
+    for r in result["rows"]:
+        by = {c["name"].split("-s")[0] if c["name"].rsplit("-s", 1)[-1].isdigit() else c["name"]: c
+              for c in r["candidates"]}
+        cells = "".join(f"{by[n]['us']:>15.1f}" if n in by and "us" in by[n] else f"{'-' if n not in by else 'ERR':>15}"
+                        for n in names)
+        best = f"{r['best']} ({r['best_speedup']:.2f}x)" if "best" in r else "-"
+        print(f"{r['model'][:5] + ' ' + r['proj']:<12}{r['M']:>4}{r['floor_us']:>7.1f}{r['cublas_us']:>8.1f}{cells}  {best}")
+    errs = [(r["proj"], r["M"], c["name"], c.get("error") or f"rel_err {c['rel_err']:.1e}")
+            for r in result["rows"] for c in r["candidates"] if "us" not in c]
+    for e in errs[:20]:
+        print("  failed:", *e)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--ms", type=int, nargs="+", default=M_VALUES)
+    ap.add_argument("--shapes", nargs="+", default=None, help="projection names (qkv o down), both models")
+    ap.add_argument("--budget-s", type=float, default=200.0)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/midgemm_gluon.py needs a CUDA GPU")
+        return 2
+    import triton
+
+    from attnserve.models.layers.mid_gemm_gluon import GluonMidGemmWorkspace
+
+    t0 = time.perf_counter()
+    dev = torch.cuda.get_device_name()
+    result = {"benchmark": "midgemm_gluon", "date": dt.datetime.now().isoformat(timespec="seconds"), "device": dev,
+              "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda, "rows": []}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    workspace = GluonMidGemmWorkspace()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"midgemm_gluon-{dev.replace(' ', '_')}.json")
+    for model, proj, n, k in SHAPES:
+        if args.shapes and proj not in args.shapes:
+            continue
+        for m in args.ms:
+            sweep = time.perf_counter() - t0 < args.budget_s
+            r = run_case(model, proj, n, k, m, sweep, gen, workspace)
+            result["rows"].append(r)
+            print(f"{model:<11}{proj:<5}M={m:<4} floor {r['floor_us']:6.1f} cublas {r['cublas_us']:6.1f} "
+                  f"best {r.get('best_us', float('nan')):6.1f} {r.get('best', '-')} [{time.perf_counter() - t0:.0f} s]",
+                  flush=True)
+        result["total_seconds"] = time.perf_counter() - t0
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    print_table(result)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,255 @@
+"""Warp-specialized, persistent stream-K swap-AB GEMM (Gluon, Hopper) for ``16 < M <= 256`` rows.
+
+``gluon_mid_linear(x, w, bias)`` = ``F.linear`` for a decode batch on sm_90 in one launch;
+`mid_gemm_gluon_kernel` explains the kernel (swap-AB wgmma tiles, TMA ring fed by a 1-warp
+loader, 1-2 consumer warpgroups, stream-K split with a self-cleaning float32 workspace,
+optional PDL). This module holds the launch parameters (`GluonMidGemmConfig`), the pure
+Python mirror of the stream-K partition (`stream_k_segments`, tested on the CPU), the
+caller-owned workspace cache (`GluonMidGemmWorkspace`) and the launcher.
+
+Not selected by the engine: a caller opts in. Triton (3.6's Gluon API) is imported lazily.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from attnserve.models.layers.mid_gemm import MAX_MID_M, m_pieces
+
+__all__ = [
+    "GluonMidGemmConfig",
+    "GluonMidGemmWorkspace",
+    "default_gluon_config",
+    "gluon_mid_gemm_supported",
+    "gluon_mid_linear",
+    "stream_k_segments",
+]
+
+#: shared memory a CTA may use on sm_90 (227 KB opt-in), less barriers and slack
+SMEM_LIMIT = 227 * 1024 - 1024
+#: K columns of one TMA box / shared tile (128 bytes of 16-bit values)
+CHUNK = 64
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class GluonMidGemmConfig:
+    """Launch parameters of `gluon_mid_linear`.
+
+    Attributes:
+        block_n: weight rows (output columns) of a CTA tile: 64 or 128 per consumer
+            warpgroup (wgmma ``M`` is 64 a warpgroup; 128 rows are two of them).
+        block_k: ``K`` columns per unit (stream-K's unit of work), a multiple of 64.
+        num_stages: depth of the TMA ring (stages of ``block_n`` weight rows plus the
+            activation pieces, ``block_k`` columns each).
+        num_consumers: consumer warpgroups (1 or 2); each owns ``block_n / num_consumers``
+            rows of every tile (the activation tile is loaded once for both).
+        grid: CTAs (0: the device's SM count); capped at the number of units. ``grid ==
+            cdiv(N, block_n)`` is a data-parallel launch (no workspace traffic).
+        pdl: launch with programmatic dependent launch (weight copies of the first stages
+            before ``griddepcontrol.wait``); used only where `attnserve.pdl.pdl_enabled`.
+    """
+
+    block_n: int = 128
+    block_k: int = 64
+    num_stages: int = 5
+    num_consumers: int = 2
+    grid: int = 0
+    pdl: bool = False
+
+    @property
+    def wg_rows(self) -> int:
+        return self.block_n // self.num_consumers
+
+    def validate(self, m: Optional[int] = None) -> None:
+        """Raise ValueError when the kernel cannot be built with these parameters (for ``m``
+        rows: shared memory and accumulator registers too)."""
+        problems = []
+        if self.num_consumers not in (1, 2):
+            problems.append("num_consumers must be 1 or 2")
+        elif self.block_n % self.num_consumers or self.wg_rows not in (64, 128):
+            problems.append("block_n / num_consumers must be 64 or 128")
+        if self.block_k < CHUNK or self.block_k % CHUNK:
+            problems.append(f"block_k must be a positive multiple of {CHUNK}")
+        if self.num_stages < 2:
+            problems.append("num_stages must be >= 2")
+        if self.grid < 0:
+            problems.append("grid must be >= 0 (0: SM count)")
+        if m is not None and not problems:
+            if not 1 <= m <= MAX_MID_M:
+                problems.append(f"m={m} outside 1..{MAX_MID_M}")
+            else:
+                if self.smem_bytes(m) > SMEM_LIMIT:
+                    problems.append(f"shared memory {self.smem_bytes(m)} B > {SMEM_LIMIT} B at m={m}")
+                if self.acc_regs(m) > 160:
+                    problems.append(f"{self.acc_regs(m)} accumulator registers a thread at m={m} (> 160)")
+        if problems:
+            raise ValueError(f"invalid {self}: " + "; ".join(problems))
+
+    def smem_bytes(self, m: int, itemsize: int = 2) -> int:
+        """Bytes of the TMA ring for ``m`` rows: stages x (weight tile + activation pieces)."""
+        m1, m2 = m_pieces(m)
+        return self.num_stages * (self.block_n + m1 + m2) * self.block_k * itemsize
+
+    def acc_regs(self, m: int) -> int:
+        """float32 accumulator registers a consumer thread holds for ``m`` rows."""
+        m1, m2 = m_pieces(m)
+        return self.wg_rows * (m1 + m2) // 128
+
+
+def default_gluon_config(m: int) -> GluonMidGemmConfig:
+    """A config that fits ``m`` rows (before tuning): 2 x 64 rows, ``block_k`` 64, as many
+    stages (<= 6) as shared memory allows."""
+    cfg = GluonMidGemmConfig(block_n=128, block_k=64, num_stages=6, num_consumers=2)
+    while cfg.num_stages > 2 and cfg.smem_bytes(m) > SMEM_LIMIT:
+        cfg = GluonMidGemmConfig(cfg.block_n, cfg.block_k, cfg.num_stages - 1, cfg.num_consumers)
+    return cfg
+
+
+def stream_k_segments(n_tiles: int, k_steps: int, grid: int) -> List[List[Tuple[int, int, int]]]:
+    """The kernel's stream-K partition, in Python: for each of ``grid`` CTAs the list of its
+    ``(tile, k_lo, k_hi)`` segments (K steps ``k_lo <= k < k_hi`` of ``tile``). CTA ``c``
+    owns units ``[c * T // grid, (c + 1) * T // grid)`` of the ``T = n_tiles * k_steps``
+    units (unit ``u``: tile ``u // k_steps``, step ``u % k_steps``); Osama et al., "Stream-K"
+    (PPoPP 2023), basic variant. Mirrors `_consumer`'s loop bounds exactly.
+
+    Raises:
+        ValueError: a non-positive argument or ``grid > T`` (the launcher caps the grid).
+    """
+    total = n_tiles * k_steps
+    if n_tiles < 1 or k_steps < 1 or not 1 <= grid <= total:
+        raise ValueError(f"stream_k_segments: need n_tiles, k_steps >= 1 and 1 <= grid <= {total}, got "
+                         f"{n_tiles}, {k_steps}, {grid}")
+    out = []
+    for c in range(grid):
+        u0, u1 = c * total // grid, (c + 1) * total // grid
+        segs = []
+        for t in range(u0 // k_steps, (u1 + k_steps - 1) // k_steps):
+            segs.append((t, max(u0 - t * k_steps, 0), min(u1 - t * k_steps, k_steps)))
+        out.append(segs)
+    return out
+
+
+@dataclass
+class GluonMidGemmWorkspace:
+    """Caller-owned cache of the stream-K workspaces (float32 partial sums and int32 tile
+    counters), one pair per ``(device, rows, cols, counters)``. Each is zeroed once when
+    created and left zero by every launch (the last CTA of a tile re-zeros it), so a CUDA
+    graph replays without memsets. Create the buffers before capturing a graph (call once
+    eagerly, e.g. in warm-up): a buffer created inside a capture is allocated from the
+    graph's pool. Buffers are never freed while the object lives (captured graphs hold
+    their addresses). One object per stream: two launches sharing a workspace must not
+    run concurrently (stream order or PDL's wait orders consecutive ones).
+
+    Kept in an object the caller owns (a model runner, a benchmark) rather than in module
+    state: its lifetime is the caller's and tests get fresh ones.
+    """
+
+    buffers: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def get(self, device: torch.device, rows: int, cols: int, counters: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        key = (str(device), rows, cols, counters)
+        if key not in self.buffers:
+            self.buffers[key] = (torch.zeros((rows, cols), dtype=torch.float32, device=device),
+                                 torch.zeros((counters,), dtype=torch.int32, device=device))
+        return self.buffers[key]
+
+
+def gluon_mid_gemm_supported(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
+    """Whether `gluon_mid_linear` accepts the operands: CUDA sm_90 tensors, ``x [M, K]``
+    (``1 <= M <= 256``, unit stride along ``K``, 16-byte aligned rows), contiguous ``w
+    [N, K]`` of ``x``'s dtype (float16/bfloat16), ``K % 8 == 0`` (TMA: 16-byte row
+    pitch), an optional unit-stride ``[N]`` bias of that dtype."""
+    if x.dim() != 2 or w.dim() != 2 or x.dtype not in _DTYPES or w.dtype != x.dtype:
+        return False
+    if x.device.type != "cuda" or w.device != x.device or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return False
+    m, k = x.shape
+    if not 1 <= m <= MAX_MID_M or w.shape[1] != k or k % 8 or not w.is_contiguous():
+        return False
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16 or w.data_ptr() % 16:
+        return False
+    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != x.dtype or bias.device != x.device
+                             or bias.stride(0) != 1):
+        return False
+    return True
+
+
+def _descriptor(t: torch.Tensor, rows: int, box_rows: int):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    return TensorDescriptor(t, [rows, t.shape[1]], [t.stride(0), 1], [box_rows, CHUNK], layout)
+
+
+def launch_geometry(m: int, n: int, k: int, config: GluonMidGemmConfig, sm_count: int) -> dict:
+    """Grid and constexprs of a launch (pure arithmetic; the benchmark and the offline
+    compile script use it too)."""
+    m1, m2 = m_pieces(m)
+    n_tiles = -(-n // config.block_n)
+    k_steps = -(-k // config.block_k)
+    grid = min(config.grid or sm_count, n_tiles * k_steps)
+    return dict(grid=grid, n_tiles=n_tiles, k_steps=k_steps, m1=m1, m2=m2,
+                ws_rows=n_tiles * config.block_n, ws_cols=m1 + m2, counters=n_tiles * config.num_consumers)
+
+
+def gluon_mid_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                     config: Optional[GluonMidGemmConfig] = None,
+                     workspace: Optional[GluonMidGemmWorkspace] = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` in one persistent launch (float32 accumulation; bias added
+    in float32; one rounding to ``x.dtype``).
+
+    Args:
+        x: ``[M, K]`` bfloat16/float16 on an sm_90 GPU, ``1 <= M <= 256`` (meant for
+            ``M > 16``), unit stride along ``K``, ``K % 8 == 0``.
+        w: contiguous ``[N, K]`` of ``x``'s dtype.
+        bias: optional ``[N]`` of ``x``'s dtype.
+        config: launch parameters (default: `default_gluon_config`).
+        workspace: the caller's `GluonMidGemmWorkspace`; needed for CUDA-graph capture of a
+            config whose tiles are shared between CTAs (else a fresh zeroed one is made per
+            call: two memsets and allocations).
+
+    Returns:
+        new ``[M, N]`` tensor of ``x``'s dtype. Tiles shared by several CTAs are summed
+        with float32 atomics, so with three or more CTAs on a tile the low bits may
+        differ between runs.
+
+    Raises:
+        ValueError: operands `gluon_mid_gemm_supported` rejects, or an invalid config.
+    """
+    if not gluon_mid_gemm_supported(x, w, bias):
+        raise ValueError(f"gluon_mid_linear: unsupported x {tuple(x.shape)} {x.dtype} {x.device} stride "
+                         f"{x.stride()} / w {tuple(w.shape)} {w.dtype} / bias "
+                         f"{None if bias is None else tuple(bias.shape)}: see gluon_mid_gemm_supported")
+    from attnserve.models.layers import mid_gemm_gluon_kernel as kern
+    from attnserve.pdl import pdl_enabled
+
+    m, k = x.shape
+    n = w.shape[0]
+    config = config or default_gluon_config(m)
+    config.validate(m)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    geo = launch_geometry(m, n, k, config, sms)
+    if workspace is None:
+        workspace = GluonMidGemmWorkspace()
+    ws, cnt = workspace.get(x.device, geo["ws_rows"], geo["ws_cols"], geo["counters"])
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    m1, m2 = geo["m1"], geo["m2"]
+    w_desc = _descriptor(w, n, config.block_n)
+    x1_desc = _descriptor(x, m, m1)
+    x2_desc = _descriptor(x, m, m2) if m2 else x1_desc
+    use_pdl = bool(config.pdl) and pdl_enabled(x.device)
+    extra = {"launch_pdl": True} if use_pdl else {}
+    if config.num_consumers == 2:  # 12 warps (the loader's warpgroup padded) x 168 at launch
+        extra["maxnreg"] = 168
+    kern._gluon_mid_gemm_kernel[(geo["grid"],)](
+        w_desc, x1_desc, x2_desc, bias if bias is not None else w, y, ws, cnt, m, n, k, y.stride(0),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M1=m1, BLOCK_M2=max(m2, 16), HAS_M2=m2 > 0,
+        NUM_STAGES=config.num_stages, NUM_CONSUMERS=config.num_consumers, HAS_BIAS=bias is not None,
+        USE_PDL=use_pdl, num_warps=4, **extra,
+    )
+    return y
