@@ -40,29 +40,28 @@ ERR_LIMIT = 2e-2
 
 
 def _candidates():
+    """``[(name, config)]``; ``grid`` -1: one CTA per tile (data-parallel, no workspace
+    traffic), -2: two CTAs per tile (both set per shape, skipped where they exceed the SMs);
+    0: every SM (stream-K)."""
     from attnserve.models.layers.mid_gemm_gluon import GluonMidGemmConfig as C
 
-    # name -> config; grid -1 marks a data-parallel twin (grid = number of tiles, set per shape)
     return [
         ("n128k64s6c2", C(128, 64, 6, 2)),
         ("n128k64s6c2-dp", C(128, 64, 6, 2, grid=-1)),
+        ("n128k64s6c2-x2", C(128, 64, 6, 2, grid=-2)),
         ("n128k64s6c2-pdl", C(128, 64, 6, 2, pdl=True)),
         ("n128k128s3c2", C(128, 128, 3, 2)),
         ("n256k64s4c2", C(256, 64, 4, 2)),
+        ("n256k64s4c2-dp", C(256, 64, 4, 2, grid=-1)),
         ("n64k64s6c1", C(64, 64, 6, 1)),
         ("n64k64s6c1-dp", C(64, 64, 6, 1, grid=-1)),
         ("n128k64s5c1", C(128, 64, 5, 1)),
     ]
 
 
-class _Lazy(list):
-    """`CANDIDATES` without importing torch-side modules at import time of the offline script."""
-
-
-try:  # the offline compile script imports these names
-    CANDIDATES = [(n, dataclasses.replace(c, grid=max(c.grid, 0))) for n, c in _candidates()]
-except Exception:  # pragma: no cover
-    CANDIDATES = []
+#: the distinct kernels (grid and PDL are not compile-time choices of a config; the offline
+#: script compiles each with and without PDL)
+CANDIDATES = [(n, c) for n, c in _candidates() if c.grid == 0 and not c.pdl]
 
 
 def fitted(cfg, m: int):
@@ -96,11 +95,11 @@ def run_case(model, proj, n, k, m, sweep, gen, workspace) -> dict:
            "cublas_us": cublas_us, "cublas_share": floor_us / cublas_us, "swept": sweep, "candidates": []}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, cfg in (_candidates() if sweep else ()):
-        if cfg.grid == -1:
-            tiles = -(-n // cfg.block_n)
-            if tiles > sms:
-                continue  # a data-parallel twin only where the tiles do not fill the SMs
-            cfg = dataclasses.replace(cfg, grid=tiles)
+        if cfg.grid < 0:
+            grid = -cfg.grid * -(-n // cfg.block_n)
+            if grid > sms:
+                continue  # a twin only where its CTAs do not fill the SMs (else stream-K is the same)
+            cfg = dataclasses.replace(cfg, grid=grid)
         fit = fitted(cfg, m)
         if fit is None:
             continue

@@ -25,6 +25,8 @@ __all__ = [
     "default_gluon_config",
     "gluon_mid_gemm_supported",
     "gluon_mid_linear",
+    "launch_geometry",
+    "operand_problems",
     "stream_k_segments",
 ]
 
@@ -158,24 +160,42 @@ class GluonMidGemmWorkspace:
         return self.buffers[key]
 
 
+def operand_problems(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                     check_device: bool = True) -> List[str]:
+    """Why `gluon_mid_linear` would refuse the operands (empty list: accepted). With
+    ``check_device`` False the device (CUDA, sm_90) is not examined (CPU tests)."""
+    problems = []
+    if x.dim() != 2 or w.dim() != 2:
+        return ["x and w must be 2-D"]
+    if x.dtype not in _DTYPES or w.dtype != x.dtype:
+        problems.append("x and w must both be bfloat16 or float16")
+    m, k = x.shape
+    if not 1 <= m <= MAX_MID_M:
+        problems.append(f"M={m} outside 1..{MAX_MID_M}")
+    if w.shape[1] != k:
+        problems.append(f"w {tuple(w.shape)} does not match K={k}")
+    if k % 8:
+        problems.append(f"K={k} must be a multiple of 8 (TMA: 16-byte row pitch)")
+    if not w.is_contiguous():
+        problems.append("w must be contiguous")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16 or w.data_ptr() % 16:
+        problems.append("x needs unit stride along K, a row stride that is a multiple of 8 and 16-byte aligned data")
+    if bias is not None and (tuple(bias.shape) != (w.shape[0],) or bias.dtype != x.dtype or bias.device != x.device
+                             or bias.stride(0) != 1):
+        problems.append("bias must be a unit-stride [N] tensor of x's dtype and device")
+    if check_device and (x.device.type != "cuda" or w.device != x.device
+                         or torch.cuda.get_device_capability(x.device)[0] != 9):
+        problems.append("x and w must be on one sm_90 (Hopper) CUDA device")
+    return problems
+
+
 def gluon_mid_gemm_supported(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
     """Whether `gluon_mid_linear` accepts the operands: CUDA sm_90 tensors, ``x [M, K]``
     (``1 <= M <= 256``, unit stride along ``K``, 16-byte aligned rows), contiguous ``w
     [N, K]`` of ``x``'s dtype (float16/bfloat16), ``K % 8 == 0`` (TMA: 16-byte row
-    pitch), an optional unit-stride ``[N]`` bias of that dtype."""
-    if x.dim() != 2 or w.dim() != 2 or x.dtype not in _DTYPES or w.dtype != x.dtype:
-        return False
-    if x.device.type != "cuda" or w.device != x.device or torch.cuda.get_device_capability(x.device)[0] != 9:
-        return False
-    m, k = x.shape
-    if not 1 <= m <= MAX_MID_M or w.shape[1] != k or k % 8 or not w.is_contiguous():
-        return False
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16 or w.data_ptr() % 16:
-        return False
-    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != x.dtype or bias.device != x.device
-                             or bias.stride(0) != 1):
-        return False
-    return True
+    pitch; any ``K`` and ``N`` otherwise: the TMA boxes are zero-filled past them), an
+    optional unit-stride ``[N]`` bias of that dtype (`operand_problems` says why not)."""
+    return not operand_problems(x, w, bias)
 
 
 def _descriptor(t: torch.Tensor, rows: int, box_rows: int):
@@ -221,10 +241,10 @@ def gluon_mid_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
     Raises:
         ValueError: operands `gluon_mid_gemm_supported` rejects, or an invalid config.
     """
-    if not gluon_mid_gemm_supported(x, w, bias):
-        raise ValueError(f"gluon_mid_linear: unsupported x {tuple(x.shape)} {x.dtype} {x.device} stride "
-                         f"{x.stride()} / w {tuple(w.shape)} {w.dtype} / bias "
-                         f"{None if bias is None else tuple(bias.shape)}: see gluon_mid_gemm_supported")
+    problems = operand_problems(x, w, bias)
+    if problems:
+        raise ValueError(f"gluon_mid_linear: x {tuple(x.shape)} {x.dtype} {x.device} / w {tuple(w.shape)} {w.dtype}: "
+                         + "; ".join(problems))
     from attnserve.models.layers import mid_gemm_gluon_kernel as kern
     from attnserve.pdl import pdl_enabled
 

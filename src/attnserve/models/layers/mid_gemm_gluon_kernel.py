@@ -16,7 +16,7 @@
   [n_tiles * BLOCK_N, BLOCK_M1 + BLOCK_M2]`` (token-contiguous, so a thread's pair of
   accumulator columns is one 8-byte chunk), then the consumer adds its number of ``K``
   steps to the tile's counter (acq-rel, after a warpgroup barrier: the threadfence-
-  reduction pattern). The one whose count completes ``k_steps`` reads the sum back with
+  reduction pattern: each thread fences, then one thread's atomic). The one whose count completes ``k_steps`` reads the sum back with
   atomic exchanges against 0 (read and re-zero in one pass), resets the counter and writes
   ``y``: the workspace is clean after every launch, so no memset is ever launched.
   ``G == n_tiles`` is a plain data-parallel launch (every tile whole, no atomics).
@@ -57,6 +57,11 @@ def _gdc_wait():
 def _gdc_launch_dependents():
     gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                               is_pure=False, pack=1)
+
+
+@gluon.jit
+def _fence_acq_rel_gpu():
+    gl.inline_asm_elementwise("fence.acq_rel.gpu; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -192,6 +197,7 @@ def _consumer(w_s, x1_s, x2_s, ready, empty, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             gl.atomic_add(_ws_ptrs(ws_ptr, rows1, cols1, MP), acc1, sem="relaxed")
             if HAS_M2:
                 gl.atomic_add(_ws_ptrs(ws_ptr, rows2, cols2, MP), acc2, sem="relaxed")
+            _fence_acq_rel_gpu()  # every thread's adds ordered before the counter's release
             gl.thread_barrier()
             cnt = cnt_ptr + t * NUM_CONSUMERS + WG
             done = gl.atomic_add(cnt, k_hi - k_lo, sem="acq_rel") + (k_hi - k_lo)
