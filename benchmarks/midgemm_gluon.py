@@ -8,7 +8,7 @@ o 1024x2048, down 1024x3072 (``y = x @ W^T``, W ``[N, K]``), at M in ``--ms`` (d
 the weight's bytes (floor = weight bytes / that copy rate, bytes read + written counted as
 the roofline does) and each candidate of `CANDIDATES` that fits (a candidate whose ring
 does not fit shared memory at that M runs with fewer stages, named ``-s<stages>``; one whose
-accumulators exceed 160 registers a thread is skipped). Each candidate is first checked
+accumulators exceed `mid_gemm_gluon.REGISTER_PLAN` is skipped). Each candidate is first checked
 against cuBLAS (``rel_err`` = max |ours - cuBLAS| / max |cuBLAS|, over 2e-2 it is not
 timed), then timed as `benchmarks/midgemm.py` times its kernels: CUDA graph of >= 24 steps,
 each the model's producer (fused add + RMSNorm, PDL as the model launches it) then the
@@ -37,18 +37,20 @@ SHAPES = [("llama-3-8b", "qkv", 6144, 4096), ("llama-3-8b", "o", 4096, 4096), ("
           ("qwen3-0.6b", "qkv", 4096, 1024), ("qwen3-0.6b", "o", 1024, 2048), ("qwen3-0.6b", "down", 1024, 3072)]
 M_VALUES = [32, 64, 96, 128, 144, 192, 256]
 ERR_LIMIT = 2e-2
+SPLIT_MAX = -(1 << 20)  # grid marker: floor(SMs / tiles) CTAs per tile
 
 
 def _candidates():
-    """``[(name, config)]``; ``grid`` -1: one CTA per tile (data-parallel, no workspace
-    traffic), -2: two CTAs per tile (both set per shape, skipped where they exceed the SMs);
-    0: every SM (stream-K)."""
+    """``[(name, config)]``; ``grid`` 0: every SM (stream-K); -s (set per shape): ``s`` CTAs
+    per tile (-1: data-parallel, no workspace traffic; skipped where they exceed the SMs);
+    `SPLIT_MAX`: the most CTAs per tile that fit the SMs (even split-K, one segment a CTA)."""
     from attnserve.models.layers.mid_gemm_gluon import GluonMidGemmConfig as C
 
     return [
         ("n128k64s6c2", C(128, 64, 6, 2)),
         ("n128k64s6c2-dp", C(128, 64, 6, 2, grid=-1)),
         ("n128k64s6c2-x2", C(128, 64, 6, 2, grid=-2)),
+        ("n128k64s6c2-xmax", C(128, 64, 6, 2, grid=SPLIT_MAX)),
         ("n128k64s6c2-pdl", C(128, 64, 6, 2, pdl=True)),
         ("n128k128s3c2", C(128, 128, 3, 2)),
         ("n256k64s4c2", C(256, 64, 4, 2)),
@@ -64,22 +66,10 @@ def _candidates():
 CANDIDATES = [(n, c) for n, c in _candidates() if c.grid == 0 and not c.pdl]
 
 
-def fitted(cfg, m: int):
-    """``cfg`` with as many stages as fit shared memory at ``m`` rows (>= 2), or None when
-    its accumulators do not fit."""
-    from attnserve.models.layers.mid_gemm_gluon import SMEM_LIMIT
-
-    if cfg.acc_regs(m) > 160:
-        return None
-    while cfg.num_stages > 2 and cfg.smem_bytes(m) > SMEM_LIMIT:
-        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
-    return cfg if cfg.smem_bytes(m) <= SMEM_LIMIT else None
-
-
 def run_case(model, proj, n, k, m, sweep, gen, workspace) -> dict:
     from midgemm import Producer, _copies, _copy_us, _gemm_us, _graph_us, _rel_err
 
-    from attnserve.models.layers.mid_gemm_gluon import gluon_mid_linear
+    from attnserve.models.layers.mid_gemm_gluon import fit_stages, gluon_mid_linear
 
     ws = _copies(n, k, gen)
     producer = Producer(m, k, gen)
@@ -96,11 +86,15 @@ def run_case(model, proj, n, k, m, sweep, gen, workspace) -> dict:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, cfg in (_candidates() if sweep else ()):
         if cfg.grid < 0:
-            grid = -cfg.grid * -(-n // cfg.block_n)
-            if grid > sms:
+            tiles = -(-n // cfg.block_n)
+            per_tile = max(1, sms // tiles) if cfg.grid == SPLIT_MAX else -cfg.grid
+            if cfg.grid == SPLIT_MAX and per_tile <= 2:
+                continue  # the same launch as the -dp / -x2 twins
+            grid = min(per_tile * tiles, tiles * -(-k // cfg.block_k))
+            if grid > sms and cfg.grid != SPLIT_MAX:
                 continue  # a twin only where its CTAs do not fill the SMs (else stream-K is the same)
             cfg = dataclasses.replace(cfg, grid=grid)
-        fit = fitted(cfg, m)
+        fit = fit_stages(cfg, m)
         if fit is None:
             continue
         if fit.num_stages != cfg.num_stages:
@@ -132,7 +126,7 @@ def print_table(result: dict) -> None:
     hdr = f"{'shape':<12}{'M':>4}{'floor':>7}{'cublas':>8}" + "".join(f"{n[:14]:>15}" for n in names) + "  best (x cuBLAS)"
     print(hdr)
     for r in result["rows"]:
-        by = {c["name"].split("-s")[0] if c["name"].rsplit("-s", 1)[-1].isdigit() else c["name"]: c
+        by = {c["name"].rsplit("-s", 1)[0] if c["name"].rsplit("-s", 1)[-1].isdigit() else c["name"]: c
               for c in r["candidates"]}
         cells = "".join(f"{by[n]['us']:>15.1f}" if n in by and "us" in by[n] else f"{'-' if n not in by else 'ERR':>15}"
                         for n in names)

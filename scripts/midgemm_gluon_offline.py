@@ -24,7 +24,7 @@ from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 from offline_ptxas import ptxas_report
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
-from midgemm_gluon import CANDIDATES, M_VALUES, fitted  # noqa: E402
+from midgemm_gluon import CANDIDATES, M_VALUES  # noqa: E402
 
 from attnserve.models.layers import mid_gemm_gluon as mg  # noqa: E402
 from attnserve.models.layers import mid_gemm_gluon_kernel as kern  # noqa: E402
@@ -39,13 +39,13 @@ def compile_config(cfg, m: int, has_bias: bool = True, pdl: bool = False):
     names = fn.arg_names
     const = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M1=m1, BLOCK_M2=max(m2, 16), HAS_M2=m2 > 0,
                  NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, HAS_BIAS=has_bias, USE_PDL=pdl,
-                 CONSUMER_REGS=240, LOADER_REGS=24)
+                 CONSUMER_REGS=mg.REGISTER_PLAN[cfg.num_consumers][1], LOADER_REGS=mg.REGISTER_PLAN[cfg.num_consumers][2])
     sig, attrs = {}, {}
     for i, n in enumerate(names):
         if n in const:
             sig[n] = "constexpr"
         elif n == "w_desc":
-            sig[n] = f"tensordesc<bf16[{cfg.block_n}, 64],{lay}>"
+            sig[n] = f"tensordesc<bf16[{cfg.wg_rows}, 64],{lay}>"
         elif n == "x1_desc":
             sig[n] = f"tensordesc<bf16[{m1}, 64],{lay}>"
         elif n == "x2_desc":
@@ -59,8 +59,8 @@ def compile_config(cfg, m: int, has_bias: bool = True, pdl: bool = False):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     opts = dict(num_warps=4, num_stages=1)
-    if cfg.num_consumers == 2:
-        opts["maxnreg"] = 168
+    if mg.REGISTER_PLAN[cfg.num_consumers][0]:
+        opts["maxnreg"] = mg.REGISTER_PLAN[cfg.num_consumers][0]
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     for name, cfg in cands:
         for m1, m2 in pieces:
             m = m1 + m2
-            fit = fitted(cfg, m)  # as the benchmark runs it: fewer stages where the ring does not fit
+            fit = mg.fit_stages(cfg, m)  # as the benchmark runs it: fewer stages where the ring does not fit
             if fit is None:
                 print(f"{name:22s} M {m1}+{m2}: skipped (accumulators do not fit)", flush=True)
                 continue

@@ -22,7 +22,9 @@ from attnserve.models.layers.mid_gemm import MAX_MID_M, m_pieces
 __all__ = [
     "GluonMidGemmConfig",
     "GluonMidGemmWorkspace",
+    "REGISTER_PLAN",
     "default_gluon_config",
+    "fit_stages",
     "gluon_mid_gemm_supported",
     "gluon_mid_linear",
     "launch_geometry",
@@ -34,6 +36,12 @@ __all__ = [
 SMEM_LIMIT = 227 * 1024 - 1024
 #: K columns of one TMA box / shared tile (128 bytes of 16-bit values)
 CHUNK = 64
+#: consumers -> (maxnreg at launch, setmaxnreg of a consumer, of the loader, accumulator registers a
+#: consumer may hold). Two consumers: 12 warps (the loader's warpgroup padded) x 168 <= 65,536 at
+#: launch, then 240 / 240 / 24 (3 x 168 >= 504). ptxas allocates the whole kernel within the launch
+#: maxnreg (a 3-consumer, 16-warp form at 128 failed to compile: a wgmma needed 154), so a consumer's
+#: code really has 168. One consumer: ptxas's own choice (8 warps, <= 255 a thread).
+REGISTER_PLAN = {1: (None, 240, 24, 160), 2: (168, 240, 24, 160)}
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -48,7 +56,8 @@ class GluonMidGemmConfig:
         num_stages: depth of the TMA ring (stages of ``block_n`` weight rows plus the
             activation pieces, ``block_k`` columns each).
         num_consumers: consumer warpgroups (1 or 2); each owns ``block_n / num_consumers``
-            rows of every tile (the activation tile is loaded once for both).
+            rows of every tile (the activation tile is loaded once for both: more rows a tile,
+            fewer activation bytes from L2 per weight byte).
         grid: CTAs (0: the device's SM count); capped at the number of units. ``grid ==
             cdiv(N, block_n)`` is a data-parallel launch (no workspace traffic).
         pdl: launch with programmatic dependent launch (weight copies of the first stages
@@ -70,10 +79,10 @@ class GluonMidGemmConfig:
         """Raise ValueError when the kernel cannot be built with these parameters (for ``m``
         rows: shared memory and accumulator registers too)."""
         problems = []
-        if self.num_consumers not in (1, 2):
+        if self.num_consumers not in REGISTER_PLAN:
             problems.append("num_consumers must be 1 or 2")
-        elif self.block_n % self.num_consumers or self.wg_rows not in (64, 128):
-            problems.append("block_n / num_consumers must be 64 or 128")
+        elif self.block_n % self.num_consumers or self.wg_rows not in (64, 128) or self.block_n > 256:
+            problems.append("block_n / num_consumers must be 64 or 128, block_n <= 256 (a TMA box)")
         if self.block_k < CHUNK or self.block_k % CHUNK:
             problems.append(f"block_k must be a positive multiple of {CHUNK}")
         if self.num_stages < 2:
@@ -86,8 +95,9 @@ class GluonMidGemmConfig:
             else:
                 if self.smem_bytes(m) > SMEM_LIMIT:
                     problems.append(f"shared memory {self.smem_bytes(m)} B > {SMEM_LIMIT} B at m={m}")
-                if self.acc_regs(m) > 160:
-                    problems.append(f"{self.acc_regs(m)} accumulator registers a thread at m={m} (> 160)")
+                limit = REGISTER_PLAN[self.num_consumers][3]
+                if self.acc_regs(m) > limit:
+                    problems.append(f"{self.acc_regs(m)} accumulator registers a thread at m={m} (> {limit})")
         if problems:
             raise ValueError(f"invalid {self}: " + "; ".join(problems))
 
@@ -100,6 +110,19 @@ class GluonMidGemmConfig:
         """float32 accumulator registers a consumer thread holds for ``m`` rows."""
         m1, m2 = m_pieces(m)
         return self.wg_rows * (m1 + m2) // 128
+
+
+def fit_stages(config: GluonMidGemmConfig, m: int) -> Optional[GluonMidGemmConfig]:
+    """``config`` with as many of its stages as fit shared memory at ``m`` rows (>= 2), or
+    None when it cannot run there (accumulators over the register plan, or no ring fits)."""
+    while config.num_stages > 2 and config.smem_bytes(m) > SMEM_LIMIT:
+        config = GluonMidGemmConfig(config.block_n, config.block_k, config.num_stages - 1, config.num_consumers,
+                                    config.grid, config.pdl)
+    try:
+        config.validate(m)
+    except ValueError:
+        return None
+    return config
 
 
 def default_gluon_config(m: int) -> GluonMidGemmConfig:
@@ -259,17 +282,18 @@ def gluon_mid_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
     ws, cnt = workspace.get(x.device, geo["ws_rows"], geo["ws_cols"], geo["counters"])
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     m1, m2 = geo["m1"], geo["m2"]
-    w_desc = _descriptor(w, n, config.block_n)
+    w_desc = _descriptor(w, n, config.wg_rows)
     x1_desc = _descriptor(x, m, m1)
     x2_desc = _descriptor(x, m, m2) if m2 else x1_desc
     use_pdl = bool(config.pdl) and pdl_enabled(x.device)
     extra = {"launch_pdl": True} if use_pdl else {}
-    if config.num_consumers == 2:  # 12 warps (the loader's warpgroup padded) x 168 at launch
-        extra["maxnreg"] = 168
+    maxnreg, consumer_regs, loader_regs, _ = REGISTER_PLAN[config.num_consumers]
+    if maxnreg:
+        extra["maxnreg"] = maxnreg
     kern._gluon_mid_gemm_kernel[(geo["grid"],)](
         w_desc, x1_desc, x2_desc, bias if bias is not None else w, y, ws, cnt, m, n, k, y.stride(0),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M1=m1, BLOCK_M2=max(m2, 16), HAS_M2=m2 > 0,
         NUM_STAGES=config.num_stages, NUM_CONSUMERS=config.num_consumers, HAS_BIAS=bias is not None,
-        USE_PDL=use_pdl, num_warps=4, **extra,
+        USE_PDL=use_pdl, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4, **extra,
     )
     return y

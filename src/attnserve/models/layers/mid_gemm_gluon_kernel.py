@@ -85,18 +85,23 @@ def _issue_x(x1_desc, x2_desc, x1_s, x2_s, bar, slot0, k0, BLOCK_M1: gl.constexp
 
 
 @gluon.jit
-def _issue_w(w_desc, w_s, bar, slot0, row0, k0, KC: gl.constexpr):
+def _issue_w(w_desc, w_s, bar, slot0, row0, k0, KC: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """The weight tile as ``KC x NUM_CONSUMERS`` boxes of ``[WG_ROWS, 64]`` (box ``(c, j)``:
+    K chunk ``c`` of consumer ``j``'s rows; 192-row tiles are not a power of two)."""
+    WG_ROWS: gl.constexpr = w_desc.block_type.shape[0]
     for c in gl.static_range(KC):
-        tma.async_copy_global_to_shared(w_desc, [row0, k0 + c * CHUNK], bar, w_s.index(slot0 + c))
+        for j in gl.static_range(NUM_CONSUMERS):
+            tma.async_copy_global_to_shared(w_desc, [row0 + j * WG_ROWS, k0 + c * CHUNK], bar,
+                                            w_s.index((slot0 + c) * NUM_CONSUMERS + j))
 
 
 @gluon.jit
 def _loader(w_desc, x1_desc, x2_desc, w_s, x1_s, x2_s, ready, empty, N, K, BLOCK_N: gl.constexpr,
             BLOCK_K: gl.constexpr, BLOCK_M1: gl.constexpr, HAS_M2: gl.constexpr, NUM_STAGES: gl.constexpr,
-            USE_PDL: gl.constexpr):
+            USE_PDL: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
     """Worker partition (1 warp): TMA copies of every unit of this CTA's range, in order."""
     KC: gl.constexpr = BLOCK_K // CHUNK
-    nbytes: gl.constexpr = KC * (w_desc.block_type.nbytes + x1_desc.block_type.nbytes
+    nbytes: gl.constexpr = KC * (NUM_CONSUMERS * w_desc.block_type.nbytes + x1_desc.block_type.nbytes
                                  + (x2_desc.block_type.nbytes if HAS_M2 else 0))
     ks, u0, u1 = _my_units(N, K, BLOCK_N, BLOCK_K)
     n = u1 - u0
@@ -108,7 +113,7 @@ def _loader(w_desc, x1_desc, x2_desc, w_s, x1_s, x2_s, ready, empty, N, K, BLOCK
         for i in range(pre):
             t = (u0 + i) // ks
             mbarrier.expect(ready.index(i), nbytes)
-            _issue_w(w_desc, w_s, ready.index(i), i * KC, t * BLOCK_N, (u0 + i - t * ks) * BLOCK_K, KC)
+            _issue_w(w_desc, w_s, ready.index(i), i * KC, t * BLOCK_N, (u0 + i - t * ks) * BLOCK_K, KC, NUM_CONSUMERS)
         _gdc_wait()
         for i in range(pre):
             t = (u0 + i) // ks
@@ -122,7 +127,7 @@ def _loader(w_desc, x1_desc, x2_desc, w_s, x1_s, x2_s, ready, empty, N, K, BLOCK
         k0 = (u0 + i - t * ks) * BLOCK_K
         bar = ready.index(s)
         mbarrier.expect(bar, nbytes)
-        _issue_w(w_desc, w_s, bar, s * KC, t * BLOCK_N, k0, KC)
+        _issue_w(w_desc, w_s, bar, s * KC, t * BLOCK_N, k0, KC, NUM_CONSUMERS)
         _issue_x(x1_desc, x2_desc, x1_s, x2_s, bar, s * KC, k0, BLOCK_M1, HAS_M2, KC)
 
 
@@ -171,7 +176,7 @@ def _consumer(w_s, x1_s, x2_s, ready, empty, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             s = i % NUM_STAGES
             mbarrier.wait(ready.index(s), (i // NUM_STAGES) & 1)
             for c in gl.static_range(KC):
-                a = w_s.index(s * KC + c).slice(ROW0, WG_ROWS)
+                a = w_s.index((s * KC + c) * NUM_CONSUMERS + WG)
                 acc1 = warpgroup_mma(a, x1_s.index(s * KC + c).permute((1, 0)), acc1, is_async=True)
                 if HAS_M2:
                     acc2 = warpgroup_mma(a, x2_s.index(s * KC + c).permute((1, 0)), acc2, is_async=True)
@@ -218,9 +223,10 @@ def _gluon_mid_gemm_kernel(
     USE_PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr = 240, LOADER_REGS: gl.constexpr = 24,
 ):
     """Persistent grid of ``G <= n_tiles * k_steps`` CTAs, ``num_warps=4`` (consumer 0; the
-    kernel adds ``4 * (NUM_CONSUMERS - 1) + 1`` worker warps).
+    kernel adds ``4 * (NUM_CONSUMERS - 1) + 1`` worker warps). Registers (``maxnreg`` at
+    launch, then ``setmaxnreg``): the host's `mid_gemm_gluon.REGISTER_PLAN`.
 
-    ``w_desc``: TMA descriptor of ``W [N, K]`` with ``[BLOCK_N, 64]`` boxes; ``x1_desc`` /
+    ``w_desc``: TMA descriptor of ``W [N, K]`` with ``[BLOCK_N / NUM_CONSUMERS, 64]`` boxes; ``x1_desc`` /
     ``x2_desc``: of ``x [M, K]`` with ``[BLOCK_M1, 64]`` / ``[BLOCK_M2, 64]`` boxes (x2 unused
     without HAS_M2); all 128-byte swizzled. ``b [N]`` read when HAS_BIAS; ``y [M, N]`` rows
     ``stride_ym`` apart. ``ws``: float32 zeros ``[cdiv(N, BLOCK_N) * BLOCK_N, BLOCK_M1 +
@@ -231,7 +237,8 @@ def _gluon_mid_gemm_kernel(
     gl.static_assert(BLOCK_K % CHUNK == 0, "BLOCK_K must be a multiple of 64")
     if USE_PDL:
         _gdc_launch_dependents()
-    w_s = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES * KC, BLOCK_N, CHUNK], w_desc.layout)
+    w_s = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES * KC * NUM_CONSUMERS, BLOCK_N // NUM_CONSUMERS, CHUNK],
+                                    w_desc.layout)
     x1_s = gl.allocate_shared_memory(x1_desc.dtype, [NUM_STAGES * KC, BLOCK_M1, CHUNK], x1_desc.layout)
     if HAS_M2:
         x2_s = gl.allocate_shared_memory(x2_desc.dtype, [NUM_STAGES * KC, BLOCK_M2, CHUNK], x2_desc.layout)
@@ -249,12 +256,12 @@ def _gluon_mid_gemm_kernel(
             (_consumer, (w_s, x1_s, x2_s, ready, empty, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym, 1,
                          NUM_CONSUMERS, BLOCK_N, BLOCK_K, BLOCK_M1, BLOCK_M2, HAS_M2, NUM_STAGES, HAS_BIAS, USE_PDL)),
             (_loader, (w_desc, x1_desc, x2_desc, w_s, x1_s, x2_s, ready, empty, N, K, BLOCK_N, BLOCK_K, BLOCK_M1,
-                       HAS_M2, NUM_STAGES, USE_PDL)),
+                       HAS_M2, NUM_STAGES, USE_PDL, NUM_CONSUMERS)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (w_s, x1_s, x2_s, ready, empty, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym, 0,
                          NUM_CONSUMERS, BLOCK_N, BLOCK_K, BLOCK_M1, BLOCK_M2, HAS_M2, NUM_STAGES, HAS_BIAS, USE_PDL)),
             (_loader, (w_desc, x1_desc, x2_desc, w_s, x1_s, x2_s, ready, empty, N, K, BLOCK_N, BLOCK_K, BLOCK_M1,
-                       HAS_M2, NUM_STAGES, USE_PDL)),
+                       HAS_M2, NUM_STAGES, USE_PDL, NUM_CONSUMERS)),
         ], [1], [LOADER_REGS])
