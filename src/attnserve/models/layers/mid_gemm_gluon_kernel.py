@@ -41,7 +41,13 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 __all__: list[str] = []  # kernel-internal; the public names are `mid_gemm_gluon`'s
 
@@ -249,6 +255,8 @@ def _gluon_mid_gemm_kernel(
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=NUM_CONSUMERS)
+    fence_async_shared()  # the initialised barriers visible to the TMA unit (async proxy) ...
+    gl.thread_barrier()  # ... and to every warp before any partition starts
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (w_s, x1_s, x2_s, ready, empty, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym, 0,
