@@ -7,6 +7,12 @@ optional PDL). This module holds the launch parameters (`GluonMidGemmConfig`), t
 Python mirror of the stream-K partition (`stream_k_segments`, tested on the CPU), the
 caller-owned workspace cache (`GluonMidGemmWorkspace`) and the launcher.
 
+Determinism: a tile shared by three or more CTAs is summed with float32 atomics in arrival
+order, so its low bits may vary between runs; a data-parallel grid (``grid`` = tiles) or at
+most two CTAs a tile is bit-reproducible. Plain linear only (no fused gated form yet).
+Measured against cuBLAS by ``benchmarks/midgemm_gluon.py``; compiled offline (no GPU) by
+``scripts/midgemm_gluon_offline.py``.
+
 Not selected by the engine: a caller opts in. Triton (3.6's Gluon API) is imported lazily.
 """
 

@@ -32,7 +32,11 @@
   counters are touched only after the previous kernel completed).
 
 ``BLOCK_K`` is a multiple of 64: each stage holds ``BLOCK_K / 64`` chunks of 64 columns
-(128-byte swizzle: a TMA box row is at most the swizzle width). Ideas (not code) from the
+(128-byte swizzle: a TMA box row is at most the swizzle width), the weight chunk as one
+``[WG_ROWS, 64]`` box per consumer. Every activation tile is re-read from L2 for every
+weight tile: ``M / BLOCK_N`` activation bytes per weight byte, so ``BLOCK_N`` 256 (2 x 128
+rows, at most ~160 rows of ``M`` within the register budget) halves that traffic against
+128. Ideas (not code) from the
 Triton Gluon tutorials (persistence, warp specialization) and CUTLASS's stream-K; the code
 is our own. Written against Triton 3.6's Gluon API; imported only when used.
 """
