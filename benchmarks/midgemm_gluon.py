@@ -125,12 +125,13 @@ def run_case(model, proj, n, k, m, sweep, gen, workspace) -> dict:
 def print_table(result: dict) -> None:
     names = [n for n, _ in _candidates()]
     print(f"\n{result['device']}: GEMM µs (CUDA graph, producer subtracted); floor = weight bytes at the copy rate")
-    hdr = f"{'shape':<12}{'M':>4}{'floor':>7}{'cublas':>8}" + "".join(f"{n[:14]:>15}" for n in names) + "  best (x cuBLAS)"
-    print(hdr)
+    print("columns: " + ", ".join(f"#{i} {n}" for i, n in enumerate(names)))
+    hdr = f"{'shape':<12}{'M':>4}{'floor':>7}{'cublas':>8}" + "".join(f"{'#' + str(i):>7}" for i in range(len(names)))
+    print(hdr + "  best (x cuBLAS)")
     for r in result["rows"]:
         by = {c["name"].rsplit("-s", 1)[0] if c["name"].rsplit("-s", 1)[-1].isdigit() else c["name"]: c
               for c in r["candidates"]}
-        cells = "".join(f"{by[n]['us']:>15.1f}" if n in by and "us" in by[n] else f"{'-' if n not in by else 'ERR':>15}"
+        cells = "".join(f"{by[n]['us']:>7.1f}" if n in by and "us" in by[n] else f"{'-' if n not in by else 'ERR':>7}"
                         for n in names)
         best = f"{r['best']} ({r['best_speedup']:.2f}x)" if "best" in r else "-"
         print(f"{r['model'][:5] + ' ' + r['proj']:<12}{r['M']:>4}{r['floor_us']:>7.1f}{r['cublas_us']:>8.1f}{cells}  {best}")
@@ -153,11 +154,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     import triton
 
     from attnserve.models.layers.mid_gemm_gluon import GluonMidGemmWorkspace
+    from attnserve.pdl import pdl_enabled
 
     t0 = time.perf_counter()
     dev = torch.cuda.get_device_name()
     result = {"benchmark": "midgemm_gluon", "date": dt.datetime.now().isoformat(timespec="seconds"), "device": dev,
-              "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda, "rows": []}
+              "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+              "pdl_enabled": pdl_enabled(torch.device("cuda")), "rows": []}
+    print(f"{dev}, torch {torch.__version__}, triton {triton.__version__}, PDL "
+          f"{'on' if result['pdl_enabled'] else 'OFF (-pdl candidates run plainly)'}", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     workspace = GluonMidGemmWorkspace()
     os.makedirs(args.out, exist_ok=True)
