@@ -3,9 +3,9 @@
 ``PYTHONPATH=<triton 3.6 dir>:src python scripts/midgemm_gluon_offline.py [--ptxas PATH] [--quick]``
 
 Builds `_gluon_mid_gemm_kernel` through Triton (GluonASTSource, GPUTarget cuda 90, no GPU) for
-every (row-piece pair of the benchmark's M values) x config of
-``benchmarks/midgemm_gluon.py`` (the kernel does not specialise on N, K or M values, only on
-the pieces and flags), runs ``ptxas -v`` and prints registers, spills, shared memory and PTX
+every (row-piece pair of the benchmark's M values) x config of ``benchmarks/midgemm_gluon.py``
+(plain, then the gated ``g-`` ones; the kernel does not specialise on N, K or M values, only
+on the pieces and flags), runs ``ptxas -v`` and prints registers, spills, shared memory and PTX
 counts (wgmma, TMA copies, atomics, setmaxnreg). A failing compile is listed with its error.
 """
 
@@ -24,13 +24,13 @@ from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 from offline_ptxas import ptxas_report
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
-from midgemm_gluon import CANDIDATES, M_VALUES  # noqa: E402
+from midgemm_gluon import CANDIDATES, GATED_CANDIDATES, M_VALUES  # noqa: E402
 
 from attnserve.models.layers import mid_gemm_gluon as mg  # noqa: E402
 from attnserve.models.layers import mid_gemm_gluon_kernel as kern  # noqa: E402
 
 
-def compile_config(cfg, m: int, has_bias: bool = True, pdl: bool = False):
+def compile_config(cfg, m: int, has_bias: bool = True, pdl: bool = False, gated: bool = False):
     from triton.experimental.gluon import language as gl
 
     m1, m2 = mg.m_pieces(m)
@@ -39,7 +39,8 @@ def compile_config(cfg, m: int, has_bias: bool = True, pdl: bool = False):
     names = fn.arg_names
     const = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M1=m1, BLOCK_M2=max(m2, 16), HAS_M2=m2 > 0,
                  NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, HAS_BIAS=has_bias, USE_PDL=pdl,
-                 CONSUMER_REGS=mg.REGISTER_PLAN[cfg.num_consumers][1], LOADER_REGS=mg.REGISTER_PLAN[cfg.num_consumers][2])
+                 CONSUMER_REGS=mg.REGISTER_PLAN[cfg.num_consumers][1], LOADER_REGS=mg.REGISTER_PLAN[cfg.num_consumers][2],
+                 GATED=gated, ACT=0)
     sig, attrs = {}, {}
     for i, n in enumerate(names):
         if n in const:
@@ -74,12 +75,13 @@ def main(argv=None) -> int:
     ptxas = args.ptxas or knobs.nvidia.ptxas.path
     print(f"triton {triton.__version__}, ptxas {ptxas}", flush=True)
     pieces = sorted({mg.m_pieces(m) for m in (M_VALUES if not args.quick else (144,))} | {mg.m_pieces(m) for m in (17, 33, 200)})
-    cands = CANDIDATES[:2] if args.quick else CANDIDATES
+    runs = [(name, cfg, False) for name, cfg in (CANDIDATES[:2] if args.quick else CANDIDATES)]
+    runs += [(name, cfg, True) for name, cfg in (GATED_CANDIDATES[:1] if args.quick else GATED_CANDIDATES)]
     bad = 0
-    for name, cfg in cands:
+    for name, cfg, gated in runs:
         for m1, m2 in pieces:
             m = m1 + m2
-            fit = mg.fit_stages(cfg, m)  # as the benchmark runs it: fewer stages where the ring does not fit
+            fit = mg.fit_stages(cfg, m, gated)  # as the benchmark runs it: fewer stages where the ring does not fit
             if fit is None:
                 print(f"{name:22s} M {m1}+{m2}: skipped (accumulators do not fit)", flush=True)
                 continue
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
                 label = f"{name:22s} M {m1}+{m2} s{fit.num_stages} pdl {int(pdl)}"
                 try:
                     with contextlib.redirect_stdout(io.StringIO()):
-                        k = compile_config(fit, m, pdl=pdl)
+                        k = compile_config(fit, m, pdl=pdl, gated=gated)
                 except Exception as e:  # reported, not fatal
                     bad += 1
                     print(f"{label} COMPILE ERROR {type(e).__name__}: {str(e)[:2000]}", flush=True)

@@ -222,3 +222,99 @@ def test_cuda_graph_self_cleaning(name, m, n, k):
     _Ref(x2, w, b).check(y, f"{name} replay on new input")
     for wsb, cnt in ws.buffers.values():
         assert wsb.abs().max().item() == 0 and cnt.abs().max().item() == 0
+
+
+# ----------------------------------------------------------------------------- gated form
+#: gated configs: two consumers of 64 gate + 64 up rows each (M <= 160), one consumer (M <= 192)
+GATED_CONFIGS = {
+    "g-sk-c2": GluonMidGemmConfig(128, 64, 6, 2),
+    "g-dp-c2": GluonMidGemmConfig(128, 64, 6, 2, grid=-1),
+    "g-sk-c1": GluonMidGemmConfig(64, 64, 6, 1),
+}
+
+
+def _act(g, activation):
+    if activation == "silu":
+        return g / (1.0 + torch.exp(-g))
+    return 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
+
+
+def _check_gated(y, x, w, activation, b=None, what=""):
+    """Bound: the accumulation errors ``e_g``, ``e_u`` of gate and up (as `_Ref`) propagate as
+    ``1.2 |u| e_g + |act(g)| e_u`` (``|act'| <= 1.2`` for SiLU and GELU-tanh; second-order
+    terms are far smaller), float32 activation math ``1e-6 |y|``, then the bf16 rounding."""
+    full = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    i = w.shape[0] // 2
+    g, u = full[:, :i], full[:, i:]
+    ref = _act(g, activation) * u
+    e = dot_product_bound(x, w, b, implementations=1)
+    bound = 1.2 * u.abs() * e[:, :i] + _act(g, activation).abs() * e[:, i:] + (HALF_ULP + 1e-6) * ref.abs() + 1e-30
+    assert y.shape == ref.shape and torch.isfinite(y).all(), f"{what}: shape or non-finite output"
+    ratio = ((y.double() - ref).abs() / bound).max().item()
+    assert ratio <= 1.0, f"{what}: max |delta| / bound = {ratio:.3f}"
+
+
+def _gated_config(name, i, m):
+    cfg = GATED_CONFIGS[name]
+    if cfg.grid == -1:
+        cfg = dataclasses.replace(cfg, grid=-(-i // cfg.block_n))
+    return fit_stages(cfg, m, gated=True)
+
+
+@requires_hopper
+@pytest.mark.parametrize("n2,k", [(28672, 4096), (6144, 1024), (2000, 1000)])
+@pytest.mark.parametrize("m", [17, 33, 96, 144, 192])
+def test_gated(m, n2, k):
+    from attnserve.models.layers.mid_gemm_gluon import gluon_mid_linear_gated
+
+    x, w, b = _inputs(m, n2, k, seed=m + n2, bias=True)
+    ws = GluonMidGemmWorkspace()
+    ran = 0
+    for name in GATED_CONFIGS:
+        cfg = _gated_config(name, n2 // 2, m)
+        if cfg is None:
+            continue
+        for act, bias in (("silu", None), ("gelu_tanh", b)):
+            _poison(m * n2)
+            y = gluon_mid_linear_gated(x, w, act, bias, config=cfg, workspace=ws)
+            torch.cuda.synchronize()
+            _check_gated(y, x, w, act, bias, f"{name} {act} M={m} 2I={n2} K={k}")
+            for wsb, cnt in ws.buffers.values():
+                assert wsb.abs().max().item() == 0 and cnt.abs().max().item() == 0, f"{name}: workspace left dirty"
+            ran += 1
+    assert ran >= 2
+
+
+@requires_hopper
+def test_gated_cuda_graph_and_refusals():
+    from attnserve.models.layers.mid_gemm_gluon import gluon_mid_linear_gated
+
+    m, n2, k = 144, 6144, 1024
+    x, w, _ = _inputs(m, n2, k, seed=5)
+    cfg = _gated_config("g-sk-c2", n2 // 2, m)
+    ws = GluonMidGemmWorkspace()
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gluon_mid_linear_gated(static_x, w, "silu", config=cfg, workspace=ws)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        y = gluon_mid_linear_gated(static_x, w, "silu", config=cfg, workspace=ws)
+    for seed in (6, 7):
+        x2, _, _ = _inputs(m, n2, k, seed=seed)
+        static_x.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_gated(y, x2, w, "silu", None, f"graph replay {seed}")
+        for wsb, cnt in ws.buffers.values():
+            assert wsb.abs().max().item() == 0 and cnt.abs().max().item() == 0
+    with pytest.raises(ValueError):
+        gluon_mid_linear_gated(x, w, "relu", config=cfg)
+    with pytest.raises(ValueError):
+        gluon_mid_linear_gated(x, w[:-1], "silu", config=cfg)
+    with pytest.raises(ValueError):  # gate + up accumulators of 2 x 64 rows at 256 rows: over the registers
+        gluon_mid_linear_gated(torch.zeros(256, k, dtype=torch.bfloat16, device=DEV), w, "silu",
+                               config=GluonMidGemmConfig(128, 64, 4, 2))

@@ -153,3 +153,34 @@ def test_workspace_cache_is_per_object():
     assert a[0].abs().sum() == 0 and a[1].abs().sum() == 0 and a[1].dtype == torch.int32
     assert ws.get(torch.device("cpu"), 256, 144, 4)[0] is not a[0]
     assert GluonMidGemmWorkspace().get(torch.device("cpu"), 128, 144, 4)[0] is not a[0]
+
+
+def test_gated_config_arithmetic():
+    cfg = GluonMidGemmConfig(128, 64, 4, 2)
+    assert cfg.smem_bytes(144, gated=True) == 4 * (2 * 128 + 144) * 64 * 2
+    assert cfg.acc_regs(144, gated=True) == 2 * 64 * 144 // 128
+    cfg.validate(144, gated=True)
+    with pytest.raises(ValueError, match="accumulator"):
+        cfg.validate(192, gated=True)  # 192 > 160 registers of accumulators
+    GluonMidGemmConfig(64, 64, 4, 1).validate(192, gated=True)
+    with pytest.raises(ValueError, match="shared memory"):
+        GluonMidGemmConfig(128, 64, 6, 2).validate(144, gated=True)
+    g = launch_geometry(144, 14336, 4096, cfg, 132, gated=True)
+    assert (g["n_tiles"], g["ws_rows"], g["counters"]) == (112, 2 * 14336, 224)
+
+
+@pytest.mark.parametrize("m", range(1, 193))
+def test_default_gated_config_fits(m):
+    cfg = default_gluon_config(m, gated=True)
+    cfg.validate(m, gated=True)
+    assert cfg.num_stages >= 3
+
+
+def test_gated_rejects_unknown_activation():
+    from attnserve.models.layers.mid_gemm_gluon import gluon_mid_linear_gated
+
+    x = torch.zeros(144, 1024, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="activation"):
+        gluon_mid_linear_gated(x, torch.zeros(256, 1024, dtype=torch.bfloat16), "relu")
+    with pytest.raises(ValueError):  # CPU tensors: refused before any launch
+        gluon_mid_linear_gated(x, torch.zeros(256, 1024, dtype=torch.bfloat16), "silu")

@@ -9,7 +9,8 @@ caller-owned workspace cache (`GluonMidGemmWorkspace`) and the launcher.
 
 Determinism: a tile shared by three or more CTAs is summed with float32 atomics in arrival
 order, so its low bits may vary between runs; a data-parallel grid (``grid`` = tiles) or at
-most two CTAs a tile is bit-reproducible. Plain linear only (no fused gated form yet).
+most two CTAs a tile is bit-reproducible. `gluon_mid_linear_gated` is the fused ``gate_up``
+form with its SiLU / GELU-tanh gate.
 Measured against cuBLAS by ``benchmarks/midgemm_gluon.py``; compiled offline (no GPU) by
 ``scripts/midgemm_gluon_offline.py``.
 
@@ -27,12 +28,14 @@ from attnserve.models.layers.mid_gemm import MAX_MID_M, m_pieces
 
 __all__ = [
     "GluonMidGemmConfig",
+    "ACTIVATIONS",
     "GluonMidGemmWorkspace",
     "REGISTER_PLAN",
     "default_gluon_config",
     "fit_stages",
     "gluon_mid_gemm_supported",
     "gluon_mid_linear",
+    "gluon_mid_linear_gated",
     "launch_geometry",
     "operand_problems",
     "stream_k_segments",
@@ -46,8 +49,10 @@ CHUNK = 64
 #: consumer may hold). Two consumers: 12 warps (the loader's warpgroup padded) x 168 <= 65,536 at
 #: launch, then 240 / 240 / 24 (3 x 168 >= 504). ptxas allocates the whole kernel within the launch
 #: maxnreg (a 3-consumer, 16-warp form at 128 failed to compile: a wgmma needed 154), so a consumer's
-#: code really has 168. One consumer: ptxas's own choice (8 warps, <= 255 a thread).
-REGISTER_PLAN = {1: (None, 240, 24, 160), 2: (168, 240, 24, 160)}
+#: code really has 168. One consumer: ptxas's own choice (8 warps, <= 255 a thread; 192 of them accumulators).
+REGISTER_PLAN = {1: (None, 240, 24, 192), 2: (168, 240, 24, 160)}
+#: gate activations of `gluon_mid_linear_gated` (the kernel's ``ACT``; `skinny_gemm`'s names)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -81,9 +86,9 @@ class GluonMidGemmConfig:
     def wg_rows(self) -> int:
         return self.block_n // self.num_consumers
 
-    def validate(self, m: Optional[int] = None) -> None:
+    def validate(self, m: Optional[int] = None, gated: bool = False) -> None:
         """Raise ValueError when the kernel cannot be built with these parameters (for ``m``
-        rows: shared memory and accumulator registers too)."""
+        rows, plain or gated: shared memory and accumulator registers too)."""
         problems = []
         if self.num_consumers not in REGISTER_PLAN:
             problems.append("num_consumers must be 1 or 2")
@@ -99,43 +104,47 @@ class GluonMidGemmConfig:
             if not 1 <= m <= MAX_MID_M:
                 problems.append(f"m={m} outside 1..{MAX_MID_M}")
             else:
-                if self.smem_bytes(m) > SMEM_LIMIT:
-                    problems.append(f"shared memory {self.smem_bytes(m)} B > {SMEM_LIMIT} B at m={m}")
+                if self.smem_bytes(m, gated) > SMEM_LIMIT:
+                    problems.append(f"shared memory {self.smem_bytes(m, gated)} B > {SMEM_LIMIT} B at m={m}")
                 limit = REGISTER_PLAN[self.num_consumers][3]
-                if self.acc_regs(m) > limit:
-                    problems.append(f"{self.acc_regs(m)} accumulator registers a thread at m={m} (> {limit})")
+                if self.acc_regs(m, gated) > limit:
+                    problems.append(f"{self.acc_regs(m, gated)} accumulator registers a thread at m={m} (> {limit})")
         if problems:
             raise ValueError(f"invalid {self}: " + "; ".join(problems))
 
-    def smem_bytes(self, m: int, itemsize: int = 2) -> int:
-        """Bytes of the TMA ring for ``m`` rows: stages x (weight tile + activation pieces)."""
+    def smem_bytes(self, m: int, gated: bool = False, itemsize: int = 2) -> int:
+        """Bytes of the TMA ring for ``m`` rows: stages x (weight tile(s) + activation pieces)."""
         m1, m2 = m_pieces(m)
-        return self.num_stages * (self.block_n + m1 + m2) * self.block_k * itemsize
+        return self.num_stages * ((1 + gated) * self.block_n + m1 + m2) * self.block_k * itemsize
 
-    def acc_regs(self, m: int) -> int:
-        """float32 accumulator registers a consumer thread holds for ``m`` rows."""
+    def acc_regs(self, m: int, gated: bool = False) -> int:
+        """float32 accumulator registers a consumer thread holds for ``m`` rows (gated: gate
+        and up)."""
         m1, m2 = m_pieces(m)
-        return self.wg_rows * (m1 + m2) // 128
+        return (1 + gated) * self.wg_rows * (m1 + m2) // 128
 
 
-def fit_stages(config: GluonMidGemmConfig, m: int) -> Optional[GluonMidGemmConfig]:
+def fit_stages(config: GluonMidGemmConfig, m: int, gated: bool = False) -> Optional[GluonMidGemmConfig]:
     """``config`` with as many of its stages as fit shared memory at ``m`` rows (>= 2), or
     None when it cannot run there (accumulators over the register plan, or no ring fits)."""
-    while config.num_stages > 2 and config.smem_bytes(m) > SMEM_LIMIT:
+    while config.num_stages > 2 and config.smem_bytes(m, gated) > SMEM_LIMIT:
         config = GluonMidGemmConfig(config.block_n, config.block_k, config.num_stages - 1, config.num_consumers,
                                     config.grid, config.pdl)
     try:
-        config.validate(m)
+        config.validate(m, gated)
     except ValueError:
         return None
     return config
 
 
-def default_gluon_config(m: int) -> GluonMidGemmConfig:
+def default_gluon_config(m: int, gated: bool = False) -> GluonMidGemmConfig:
     """A config that fits ``m`` rows (before tuning): 2 x 64 rows, ``block_k`` 64, as many
-    stages (<= 6) as shared memory allows."""
+    stages (<= 6) as shared memory allows; gated above 160 rows (gate and up accumulators
+    over two consumers' registers): one consumer of 64 rows."""
     cfg = GluonMidGemmConfig(block_n=128, block_k=64, num_stages=6, num_consumers=2)
-    while cfg.num_stages > 2 and cfg.smem_bytes(m) > SMEM_LIMIT:
+    if gated and cfg.acc_regs(m, gated) > REGISTER_PLAN[2][3]:
+        cfg = GluonMidGemmConfig(block_n=64, block_k=64, num_stages=6, num_consumers=1)
+    while cfg.num_stages > 2 and cfg.smem_bytes(m, gated) > SMEM_LIMIT:
         cfg = GluonMidGemmConfig(cfg.block_n, cfg.block_k, cfg.num_stages - 1, cfg.num_consumers)
     return cfg
 
@@ -235,15 +244,57 @@ def _descriptor(t: torch.Tensor, rows: int, box_rows: int):
     return TensorDescriptor(t, [rows, t.shape[1]], [t.stride(0), 1], [box_rows, CHUNK], layout)
 
 
-def launch_geometry(m: int, n: int, k: int, config: GluonMidGemmConfig, sm_count: int) -> dict:
-    """Grid and constexprs of a launch (pure arithmetic; the benchmark and the offline
-    compile script use it too)."""
+def launch_geometry(m: int, n: int, k: int, config: GluonMidGemmConfig, sm_count: int, gated: bool = False) -> dict:
+    """Grid and workspace geometry of a launch for ``n`` output columns (pure arithmetic;
+    the benchmark and the tests use it too)."""
     m1, m2 = m_pieces(m)
     n_tiles = -(-n // config.block_n)
     k_steps = -(-k // config.block_k)
     grid = min(config.grid or sm_count, n_tiles * k_steps)
     return dict(grid=grid, n_tiles=n_tiles, k_steps=k_steps, m1=m1, m2=m2,
-                ws_rows=n_tiles * config.block_n, ws_cols=m1 + m2, counters=n_tiles * config.num_consumers)
+                ws_rows=(1 + gated) * n_tiles * config.block_n, ws_cols=m1 + m2,
+                counters=n_tiles * config.num_consumers)
+
+
+def _launch(x, w, bias, config, workspace, act: Optional[int]) -> torch.Tensor:
+    from attnserve.models.layers import mid_gemm_gluon_kernel as kern
+    from attnserve.pdl import pdl_enabled
+
+    gated = act is not None
+    m, k = x.shape
+    n = w.shape[0] // 2 if gated else w.shape[0]
+    config = config or default_gluon_config(m, gated)
+    config.validate(m, gated)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    geo = launch_geometry(m, n, k, config, sms, gated)
+    if workspace is None:
+        workspace = GluonMidGemmWorkspace()
+    ws, cnt = workspace.get(x.device, geo["ws_rows"], geo["ws_cols"], geo["counters"])
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    m1, m2 = geo["m1"], geo["m2"]
+    w_desc = _descriptor(w, w.shape[0], config.wg_rows)
+    x1_desc = _descriptor(x, m, m1)
+    x2_desc = _descriptor(x, m, m2) if m2 else x1_desc
+    use_pdl = bool(config.pdl) and pdl_enabled(x.device)
+    extra = {"launch_pdl": True} if use_pdl else {}
+    maxnreg, consumer_regs, loader_regs, _ = REGISTER_PLAN[config.num_consumers]
+    if maxnreg:
+        extra["maxnreg"] = maxnreg
+    kern._gluon_mid_gemm_kernel[(geo["grid"],)](
+        w_desc, x1_desc, x2_desc, bias if bias is not None else w, y, ws, cnt, m, n, k, y.stride(0),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M1=m1, BLOCK_M2=max(m2, 16), HAS_M2=m2 > 0,
+        NUM_STAGES=config.num_stages, NUM_CONSUMERS=config.num_consumers, HAS_BIAS=bias is not None,
+        USE_PDL=use_pdl, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, GATED=gated, ACT=act or 0,
+        num_warps=4, **extra,
+    )
+    return y
+
+
+def _refuse(name: str, x, w, bias) -> None:
+    problems = operand_problems(x, w, bias)
+    if problems:
+        raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype} {x.device} / w {tuple(w.shape)} {w.dtype}: "
+                         + "; ".join(problems))
 
 
 def gluon_mid_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -270,36 +321,33 @@ def gluon_mid_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
     Raises:
         ValueError: operands `gluon_mid_gemm_supported` rejects, or an invalid config.
     """
-    problems = operand_problems(x, w, bias)
-    if problems:
-        raise ValueError(f"gluon_mid_linear: x {tuple(x.shape)} {x.dtype} {x.device} / w {tuple(w.shape)} {w.dtype}: "
-                         + "; ".join(problems))
-    from attnserve.models.layers import mid_gemm_gluon_kernel as kern
-    from attnserve.pdl import pdl_enabled
+    _refuse("gluon_mid_linear", x, w, bias)
+    return _launch(x, w, bias, config, workspace, None)
 
-    m, k = x.shape
-    n = w.shape[0]
-    config = config or default_gluon_config(m)
-    config.validate(m)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    geo = launch_geometry(m, n, k, config, sms)
-    if workspace is None:
-        workspace = GluonMidGemmWorkspace()
-    ws, cnt = workspace.get(x.device, geo["ws_rows"], geo["ws_cols"], geo["counters"])
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    m1, m2 = geo["m1"], geo["m2"]
-    w_desc = _descriptor(w, n, config.wg_rows)
-    x1_desc = _descriptor(x, m, m1)
-    x2_desc = _descriptor(x, m, m2) if m2 else x1_desc
-    use_pdl = bool(config.pdl) and pdl_enabled(x.device)
-    extra = {"launch_pdl": True} if use_pdl else {}
-    maxnreg, consumer_regs, loader_regs, _ = REGISTER_PLAN[config.num_consumers]
-    if maxnreg:
-        extra["maxnreg"] = maxnreg
-    kern._gluon_mid_gemm_kernel[(geo["grid"],)](
-        w_desc, x1_desc, x2_desc, bias if bias is not None else w, y, ws, cnt, m, n, k, y.stride(0),
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M1=m1, BLOCK_M2=max(m2, 16), HAS_M2=m2 > 0,
-        NUM_STAGES=config.num_stages, NUM_CONSUMERS=config.num_consumers, HAS_BIAS=bias is not None,
-        USE_PDL=use_pdl, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4, **extra,
-    )
-    return y
+
+def gluon_mid_linear_gated(x: torch.Tensor, w: torch.Tensor, activation: str, bias: Optional[torch.Tensor] = None,
+                           config: Optional[GluonMidGemmConfig] = None,
+                           workspace: Optional[GluonMidGemmWorkspace] = None) -> torch.Tensor:
+    """Fused ``gate_up`` projection and gate: ``act(x W_g^T + b_g) * (x W_u^T + b_u)``.
+
+    Args:
+        x: as `gluon_mid_linear`.
+        w: contiguous ``[2I, K]`` = ``[gate rows | up rows]``.
+        activation: ``"silu"`` or ``"gelu_tanh"`` (float32 math).
+        bias: optional ``[2I]``.
+        config: launch parameters (``block_n`` counts gate rows; a stage holds as many up
+            rows, and each consumer twice the accumulators).
+        workspace: as `gluon_mid_linear`.
+
+    Returns:
+        new ``[M, I]`` in ``x``'s dtype (gate and up kept in float32 through the gate).
+
+    Raises:
+        ValueError: unknown activation, odd row count, or as `gluon_mid_linear`.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"gluon_mid_linear_gated: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    _refuse("gluon_mid_linear_gated", x, w, bias)
+    if w.shape[0] % 2:
+        raise ValueError(f"gluon_mid_linear_gated: weight {tuple(w.shape)} must have an even number of rows")
+    return _launch(x, w, bias, config, workspace, ACTIVATIONS[activation])

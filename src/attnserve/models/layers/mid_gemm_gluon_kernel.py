@@ -20,6 +20,8 @@
   atomic exchanges against 0 (read and re-zero in one pass), resets the counter and writes
   ``y``: the workspace is clean after every launch, so no memset is ever launched.
   ``G == n_tiles`` is a plain data-parallel launch (every tile whole, no atomics).
+* Gated (constexpr ``GATED``): the fused ``gate_up`` projection and its SiLU / GELU-tanh
+  gate in the epilogue (each consumer holds gate and up accumulators of its rows).
 * Warp specialization (``gl.warp_specialize``): a 1-warp loader issues the TMA copies of
   each unit's weight tile and activation pieces into a ``NUM_STAGES`` ring (``ready`` /
   ``empty`` mbarriers) and runs ahead across tile boundaries, so the next tile's weight is
@@ -95,23 +97,28 @@ def _issue_x(x1_desc, x2_desc, x1_s, x2_s, bar, slot0, k0, BLOCK_M1: gl.constexp
 
 
 @gluon.jit
-def _issue_w(w_desc, w_s, bar, slot0, row0, k0, KC: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
-    """The weight tile as ``KC x NUM_CONSUMERS`` boxes of ``[WG_ROWS, 64]`` (box ``(c, j)``:
-    K chunk ``c`` of consumer ``j``'s rows; 192-row tiles are not a power of two)."""
+def _issue_w(w_desc, w_s, bar, slot0, row0, k0, N, KC: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+             GATED: gl.constexpr):
+    """The weight tile as ``KC x NUM_CONSUMERS (x 2 gated)`` boxes of ``[WG_ROWS, 64]`` (box
+    ``(c, j, h)``: K chunk ``c`` of consumer ``j``'s rows, gate ``h = 0`` / up ``h = 1`` rows
+    ``N`` further)."""
     WG_ROWS: gl.constexpr = w_desc.block_type.shape[0]
+    H: gl.constexpr = 2 if GATED else 1
     for c in gl.static_range(KC):
         for j in gl.static_range(NUM_CONSUMERS):
-            tma.async_copy_global_to_shared(w_desc, [row0 + j * WG_ROWS, k0 + c * CHUNK], bar,
-                                            w_s.index((slot0 + c) * NUM_CONSUMERS + j))
+            for h in gl.static_range(H):
+                tma.async_copy_global_to_shared(w_desc, [row0 + j * WG_ROWS + h * N, k0 + c * CHUNK], bar,
+                                                w_s.index(((slot0 + c) * NUM_CONSUMERS + j) * H + h))
 
 
 @gluon.jit
 def _loader(w_desc, x1_desc, x2_desc, w_s, x1_s, x2_s, ready, empty, N, K, BLOCK_N: gl.constexpr,
             BLOCK_K: gl.constexpr, BLOCK_M1: gl.constexpr, HAS_M2: gl.constexpr, NUM_STAGES: gl.constexpr,
-            USE_PDL: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+            USE_PDL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, GATED: gl.constexpr):
     """Worker partition (1 warp): TMA copies of every unit of this CTA's range, in order."""
     KC: gl.constexpr = BLOCK_K // CHUNK
-    nbytes: gl.constexpr = KC * (NUM_CONSUMERS * w_desc.block_type.nbytes + x1_desc.block_type.nbytes
+    H: gl.constexpr = 2 if GATED else 1
+    nbytes: gl.constexpr = KC * (H * NUM_CONSUMERS * w_desc.block_type.nbytes + x1_desc.block_type.nbytes
                                  + (x2_desc.block_type.nbytes if HAS_M2 else 0))
     ks, u0, u1 = _my_units(N, K, BLOCK_N, BLOCK_K)
     n = u1 - u0
@@ -123,7 +130,8 @@ def _loader(w_desc, x1_desc, x2_desc, w_s, x1_s, x2_s, ready, empty, N, K, BLOCK
         for i in range(pre):
             t = (u0 + i) // ks
             mbarrier.expect(ready.index(i), nbytes)
-            _issue_w(w_desc, w_s, ready.index(i), i * KC, t * BLOCK_N, (u0 + i - t * ks) * BLOCK_K, KC, NUM_CONSUMERS)
+            _issue_w(w_desc, w_s, ready.index(i), i * KC, t * BLOCK_N, (u0 + i - t * ks) * BLOCK_K, N, KC,
+                     NUM_CONSUMERS, GATED)
         _gdc_wait()
         for i in range(pre):
             t = (u0 + i) // ks
@@ -137,16 +145,36 @@ def _loader(w_desc, x1_desc, x2_desc, w_s, x1_s, x2_s, ready, empty, N, K, BLOCK
         k0 = (u0 + i - t * ks) * BLOCK_K
         bar = ready.index(s)
         mbarrier.expect(bar, nbytes)
-        _issue_w(w_desc, w_s, bar, s * KC, t * BLOCK_N, k0, KC, NUM_CONSUMERS)
+        _issue_w(w_desc, w_s, bar, s * KC, t * BLOCK_N, k0, N, KC, NUM_CONSUMERS, GATED)
         _issue_x(x1_desc, x2_desc, x1_s, x2_s, bar, s * KC, k0, BLOCK_M1, HAS_M2, KC)
 
 
 @gluon.jit
-def _store_out(acc, rows, cols, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: gl.constexpr):
+def _gate_act(g, ACT: gl.constexpr):
+    """``ACT`` 0: SiLU ``g * sigmoid(g)``; 1: GELU tanh ``0.5 g (1 + tanh(sqrt(2/pi)(g + 0.044715
+    g^3)))`` (float32; exponentials of non-positive arguments only, so nothing overflows)."""
+    if ACT == 0:
+        e = gl.exp(-gl.abs(g))
+        a = g * gl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    else:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        e = gl.exp(-2.0 * gl.abs(z))
+        th = (1.0 - e) / (1.0 + e)
+        a = 0.5 * g * (1.0 + gl.where(z >= 0, th, -th))
+    return a
+
+
+@gluon.jit
+def _store_out(acc, up, rows, cols, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: gl.constexpr, GATED: gl.constexpr,
+               ACT: gl.constexpr):
     """``y[cols, rows] = acc (+ b[rows])`` (acc is ``[weight rows, tokens]``), masked to
-    ``N`` x ``M``."""
+    ``N`` x ``M``; GATED: ``act(acc + b[rows]) * (up + b[N + rows])``."""
     if HAS_BIAS:
         acc = acc + gl.load(b_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
+        if GATED:
+            up = up + gl.load(b_ptr + N + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
+    if GATED:
+        acc = _gate_act(acc, ACT) * up
     ptrs = y_ptr + cols[None, :] * stride_ym + rows[:, None]
     gl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows < N)[:, None] & (cols < M)[None, :])
 
@@ -157,20 +185,56 @@ def _ws_ptrs(ws_ptr, rows, cols, MP: gl.constexpr):
 
 
 @gluon.jit
+def _wait_all(acc1, acc2, up1, up2, N_OUT: gl.constexpr, HAS_M2: gl.constexpr, GATED: gl.constexpr):
+    """``warpgroup_mma_wait(N_OUT)`` over the accumulators in use (the others pass through)."""
+    if GATED:
+        if HAS_M2:
+            acc1, acc2, up1, up2 = warpgroup_mma_wait(N_OUT, deps=[acc1, acc2, up1, up2])
+        else:
+            acc1, up1 = warpgroup_mma_wait(N_OUT, deps=[acc1, up1])
+    else:
+        if HAS_M2:
+            acc1, acc2 = warpgroup_mma_wait(N_OUT, deps=[acc1, acc2])
+        else:
+            acc1 = warpgroup_mma_wait(N_OUT, deps=[acc1])
+    return acc1, acc2, up1, up2
+
+
+@gluon.jit
+def _publish(ws_ptr, acc, up, rows, cols, n_pad, MP: gl.constexpr, GATED: gl.constexpr):
+    """Add a partial tile (gate and, GATED, up rows ``n_pad`` further) into the workspace."""
+    gl.atomic_add(_ws_ptrs(ws_ptr, rows, cols, MP), acc, sem="relaxed")
+    if GATED:
+        gl.atomic_add(_ws_ptrs(ws_ptr, rows + n_pad, cols, MP), up, sem="relaxed")
+
+
+@gluon.jit
+def _collect(ws_ptr, acc, up, rows, cols, n_pad, MP: gl.constexpr, GATED: gl.constexpr):
+    """The summed tile (and up tile) read back from the workspace, which is left zero."""
+    acc = gl.atomic_xchg(_ws_ptrs(ws_ptr, rows, cols, MP), gl.zeros_like(acc), sem="relaxed")
+    if GATED:
+        up = gl.atomic_xchg(_ws_ptrs(ws_ptr, rows + n_pad, cols, MP), gl.zeros_like(up), sem="relaxed")
+    return acc, up
+
+
+@gluon.jit
 def _consumer(w_s, x1_s, x2_s, ready, empty, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym,
               WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
               BLOCK_M1: gl.constexpr, BLOCK_M2: gl.constexpr, HAS_M2: gl.constexpr, NUM_STAGES: gl.constexpr,
-              HAS_BIAS: gl.constexpr, USE_PDL: gl.constexpr):
-    """Consumer warpgroup ``WG``: rows ``WG * WG_ROWS ..`` of every tile of this CTA's range."""
+              HAS_BIAS: gl.constexpr, USE_PDL: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr):
+    """Consumer warpgroup ``WG``: rows ``WG * WG_ROWS ..`` of every tile of this CTA's range
+    (GATED: those gate rows and the up rows ``N`` further)."""
     KC: gl.constexpr = BLOCK_K // CHUNK
+    H: gl.constexpr = 2 if GATED else 1
     WG_ROWS: gl.constexpr = BLOCK_N // NUM_CONSUMERS
     MP: gl.constexpr = BLOCK_M1 + (BLOCK_M2 if HAS_M2 else 0)
-    GROUPS: gl.constexpr = KC * (2 if HAS_M2 else 1)  # async wgmma groups issued per K step
+    GROUPS: gl.constexpr = KC * H * (2 if HAS_M2 else 1)  # async wgmma groups issued per K step
     L1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M1, 16])
     L2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M2, 16])
     if USE_PDL:
         _gdc_wait()  # y, the workspace and the counters are touched only after the kernel before
     ks, u0, u1 = _my_units(N, K, BLOCK_N, BLOCK_K)
+    n_pad = gl.cdiv(N, BLOCK_N) * BLOCK_N  # workspace rows of the gate half (GATED: up rows follow)
     ROW0: gl.constexpr = WG * WG_ROWS
     r_loc = gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, L1)) + ROW0
     r_loc2 = gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, L2)) + ROW0
@@ -181,47 +245,51 @@ def _consumer(w_s, x1_s, x2_s, ready, empty, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
         k_hi = gl.minimum(u1 - t * ks, ks)
         acc1 = gl.zeros([WG_ROWS, BLOCK_M1], gl.float32, L1)
         acc2 = gl.zeros([WG_ROWS, BLOCK_M2], gl.float32, L2)
+        up1 = acc1
+        up2 = acc2
         for k in range(k_lo, k_hi):
             i = t * ks + k - u0
             s = i % NUM_STAGES
             mbarrier.wait(ready.index(s), (i // NUM_STAGES) & 1)
             for c in gl.static_range(KC):
-                a = w_s.index((s * KC + c) * NUM_CONSUMERS + WG)
-                acc1 = warpgroup_mma(a, x1_s.index(s * KC + c).permute((1, 0)), acc1, is_async=True)
+                a = w_s.index(((s * KC + c) * NUM_CONSUMERS + WG) * H)
+                b1 = x1_s.index(s * KC + c).permute((1, 0))
+                acc1 = warpgroup_mma(a, b1, acc1, is_async=True)
+                if GATED:
+                    up1 = warpgroup_mma(w_s.index(((s * KC + c) * NUM_CONSUMERS + WG) * H + 1), b1, up1,
+                                        is_async=True)
                 if HAS_M2:
-                    acc2 = warpgroup_mma(a, x2_s.index(s * KC + c).permute((1, 0)), acc2, is_async=True)
+                    b2 = x2_s.index(s * KC + c).permute((1, 0))
+                    acc2 = warpgroup_mma(a, b2, acc2, is_async=True)
+                    if GATED:
+                        up2 = warpgroup_mma(w_s.index(((s * KC + c) * NUM_CONSUMERS + WG) * H + 1), b2, up2,
+                                            is_async=True)
             # retire the previous step's wgmmas (this step's stay in flight), free its stage
-            if HAS_M2:
-                acc1, acc2 = warpgroup_mma_wait(GROUPS, deps=[acc1, acc2])
-            else:
-                acc1 = warpgroup_mma_wait(GROUPS, deps=[acc1])
+            acc1, acc2, up1, up2 = _wait_all(acc1, acc2, up1, up2, GROUPS, HAS_M2, GATED)
             if k > k_lo:
                 mbarrier.arrive(empty.index((i - 1) % NUM_STAGES))
-        if HAS_M2:
-            acc1, acc2 = warpgroup_mma_wait(0, deps=[acc1, acc2])
-        else:
-            acc1 = warpgroup_mma_wait(0, deps=[acc1])
+        acc1, acc2, up1, up2 = _wait_all(acc1, acc2, up1, up2, 0, HAS_M2, GATED)
         mbarrier.arrive(empty.index((t * ks + k_hi - 1 - u0) % NUM_STAGES))
         rows1 = t * BLOCK_N + r_loc
         rows2 = t * BLOCK_N + r_loc2
         if (k_lo == 0) & (k_hi == ks):  # the whole tile: write it
-            _store_out(acc1, rows1, cols1, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS)
+            _store_out(acc1, up1, rows1, cols1, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED, ACT)
             if HAS_M2:
-                _store_out(acc2, rows2, cols2, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS)
+                _store_out(acc2, up2, rows2, cols2, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED, ACT)
         else:  # a share of it: add into the workspace; the last to arrive writes the tile
-            gl.atomic_add(_ws_ptrs(ws_ptr, rows1, cols1, MP), acc1, sem="relaxed")
+            _publish(ws_ptr, acc1, up1, rows1, cols1, n_pad, MP, GATED)
             if HAS_M2:
-                gl.atomic_add(_ws_ptrs(ws_ptr, rows2, cols2, MP), acc2, sem="relaxed")
+                _publish(ws_ptr, acc2, up2, rows2, cols2, n_pad, MP, GATED)
             _fence_acq_rel_gpu()  # every thread's adds ordered before the counter's release
             gl.thread_barrier()
             cnt = cnt_ptr + t * NUM_CONSUMERS + WG
             done = gl.atomic_add(cnt, k_hi - k_lo, sem="acq_rel") + (k_hi - k_lo)
             if done == ks:
-                tot1 = gl.atomic_xchg(_ws_ptrs(ws_ptr, rows1, cols1, MP), gl.zeros_like(acc1), sem="relaxed")
-                _store_out(tot1, rows1, cols1, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS)
+                tot1, tu1 = _collect(ws_ptr, acc1, up1, rows1, cols1, n_pad, MP, GATED)
+                _store_out(tot1, tu1, rows1, cols1, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED, ACT)
                 if HAS_M2:
-                    tot2 = gl.atomic_xchg(_ws_ptrs(ws_ptr, rows2, cols2, MP), gl.zeros_like(acc2), sem="relaxed")
-                    _store_out(tot2, rows2, cols2, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS)
+                    tot2, tu2 = _collect(ws_ptr, acc2, up2, rows2, cols2, n_pad, MP, GATED)
+                    _store_out(tot2, tu2, rows2, cols2, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED, ACT)
                 gl.atomic_xchg(cnt, 0, sem="relaxed")
 
 
@@ -231,6 +299,7 @@ def _gluon_mid_gemm_kernel(
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_M1: gl.constexpr, BLOCK_M2: gl.constexpr,
     HAS_M2: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HAS_BIAS: gl.constexpr,
     USE_PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr = 240, LOADER_REGS: gl.constexpr = 24,
+    GATED: gl.constexpr = False, ACT: gl.constexpr = 0,
 ):
     """Persistent grid of ``G <= n_tiles * k_steps`` CTAs, ``num_warps=4`` (consumer 0; the
     kernel adds ``4 * (NUM_CONSUMERS - 1) + 1`` worker warps). Registers (``maxnreg`` at
@@ -242,12 +311,19 @@ def _gluon_mid_gemm_kernel(
     ``stride_ym`` apart. ``ws``: float32 zeros ``[cdiv(N, BLOCK_N) * BLOCK_N, BLOCK_M1 +
     BLOCK_M2 * HAS_M2]``, ``cnt``: int32 zeros ``[cdiv(N, BLOCK_N) * NUM_CONSUMERS]`` (left
     zero on exit).
+
+    GATED (fused ``gate_up``): ``w`` is ``[2N, K]`` = ``[gate | up]`` (``N``: output columns);
+    a tile is ``BLOCK_N`` gate rows and the up rows ``N`` further (twice the weight bytes and
+    accumulators a stage); ``y = act(gate + b[:N]) * (up + b[N:])`` with ``ACT`` 0 SiLU, 1
+    GELU-tanh (float32); ``b [2N]``; ``ws`` has twice the rows (the up half after the gate
+    half). A gate box past ``N`` reads up rows: they feed only columns that are not stored.
     """
     KC: gl.constexpr = BLOCK_K // CHUNK
     gl.static_assert(BLOCK_K % CHUNK == 0, "BLOCK_K must be a multiple of 64")
     if USE_PDL:
         _gdc_launch_dependents()
-    w_s = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES * KC * NUM_CONSUMERS, BLOCK_N // NUM_CONSUMERS, CHUNK],
+    H: gl.constexpr = 2 if GATED else 1
+    w_s = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES * KC * NUM_CONSUMERS * H, BLOCK_N // NUM_CONSUMERS, CHUNK],
                                     w_desc.layout)
     x1_s = gl.allocate_shared_memory(x1_desc.dtype, [NUM_STAGES * KC, BLOCK_M1, CHUNK], x1_desc.layout)
     if HAS_M2:
@@ -264,16 +340,19 @@ def _gluon_mid_gemm_kernel(
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (w_s, x1_s, x2_s, ready, empty, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym, 0,
-                         NUM_CONSUMERS, BLOCK_N, BLOCK_K, BLOCK_M1, BLOCK_M2, HAS_M2, NUM_STAGES, HAS_BIAS, USE_PDL)),
+                         NUM_CONSUMERS, BLOCK_N, BLOCK_K, BLOCK_M1, BLOCK_M2, HAS_M2, NUM_STAGES, HAS_BIAS, USE_PDL,
+                         GATED, ACT)),
             (_consumer, (w_s, x1_s, x2_s, ready, empty, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym, 1,
-                         NUM_CONSUMERS, BLOCK_N, BLOCK_K, BLOCK_M1, BLOCK_M2, HAS_M2, NUM_STAGES, HAS_BIAS, USE_PDL)),
+                         NUM_CONSUMERS, BLOCK_N, BLOCK_K, BLOCK_M1, BLOCK_M2, HAS_M2, NUM_STAGES, HAS_BIAS, USE_PDL,
+                         GATED, ACT)),
             (_loader, (w_desc, x1_desc, x2_desc, w_s, x1_s, x2_s, ready, empty, N, K, BLOCK_N, BLOCK_K, BLOCK_M1,
-                       HAS_M2, NUM_STAGES, USE_PDL, NUM_CONSUMERS)),
+                       HAS_M2, NUM_STAGES, USE_PDL, NUM_CONSUMERS, GATED)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (w_s, x1_s, x2_s, ready, empty, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym, 0,
-                         NUM_CONSUMERS, BLOCK_N, BLOCK_K, BLOCK_M1, BLOCK_M2, HAS_M2, NUM_STAGES, HAS_BIAS, USE_PDL)),
+                         NUM_CONSUMERS, BLOCK_N, BLOCK_K, BLOCK_M1, BLOCK_M2, HAS_M2, NUM_STAGES, HAS_BIAS, USE_PDL,
+                         GATED, ACT)),
             (_loader, (w_desc, x1_desc, x2_desc, w_s, x1_s, x2_s, ready, empty, N, K, BLOCK_N, BLOCK_K, BLOCK_M1,
-                       HAS_M2, NUM_STAGES, USE_PDL, NUM_CONSUMERS)),
+                       HAS_M2, NUM_STAGES, USE_PDL, NUM_CONSUMERS, GATED)),
         ], [1], [LOADER_REGS])
