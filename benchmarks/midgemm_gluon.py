@@ -166,7 +166,8 @@ def print_table(result: dict, gated: bool = False) -> None:
         cells = "".join(f"{by[n]['us']:>7.1f}" if n in by and "us" in by[n] else f"{'-' if n not in by else 'ERR':>7}"
                         for n in names)
         best = f"{r['best']} ({r['best_speedup']:.2f}x)" if "best" in r else "-"
-        print(f"{r['model'][:5] + ' ' + r['proj']:<12}{r['M']:>4}{r['floor_us']:>7.1f}{r['cublas_us']:>8.1f}{cells}  {best}")
+        shape = r["model"][:5] + " " + r["proj"]
+        print(f"{shape:<12}{r['M']:>4}{r['floor_us']:>7.1f}{r['cublas_us']:>8.1f}{cells}  {best}")
     errs = [(r["proj"], r["M"], c["name"], c.get("error") or f"rel_err {c['rel_err']:.1e}")
             for r in result["rows"] if r["gated"] == gated for c in r["candidates"] if "us" not in c]
     for e in errs[:20]:

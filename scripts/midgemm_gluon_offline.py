@@ -39,8 +39,8 @@ def compile_config(cfg, m: int, has_bias: bool = True, pdl: bool = False, gated:
     names = fn.arg_names
     const = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M1=m1, BLOCK_M2=max(m2, 16), HAS_M2=m2 > 0,
                  NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, HAS_BIAS=has_bias, USE_PDL=pdl,
-                 CONSUMER_REGS=mg.REGISTER_PLAN[cfg.num_consumers][1], LOADER_REGS=mg.REGISTER_PLAN[cfg.num_consumers][2],
-                 GATED=gated, ACT=0)
+                 CONSUMER_REGS=mg.REGISTER_PLAN[cfg.num_consumers][1],
+                 LOADER_REGS=mg.REGISTER_PLAN[cfg.num_consumers][2], GATED=gated, ACT=0)
     sig, attrs = {}, {}
     for i, n in enumerate(names):
         if n in const:
@@ -74,7 +74,8 @@ def main(argv=None) -> int:
 
     ptxas = args.ptxas or knobs.nvidia.ptxas.path
     print(f"triton {triton.__version__}, ptxas {ptxas}", flush=True)
-    pieces = sorted({mg.m_pieces(m) for m in (M_VALUES if not args.quick else (144,))} | {mg.m_pieces(m) for m in (17, 33, 200)})
+    ms = (144,) if args.quick else tuple(M_VALUES) + (17, 33, 200)  # the benchmark's and the tests' M values
+    pieces = sorted({mg.m_pieces(m) for m in ms})
     runs = [(name, cfg, False) for name, cfg in (CANDIDATES[:2] if args.quick else CANDIDATES)]
     runs += [(name, cfg, True) for name, cfg in (GATED_CANDIDATES[:1] if args.quick else GATED_CANDIDATES)]
     bad = 0

@@ -254,9 +254,12 @@ def _gated_config(name, i, m):
     return fit_stages(cfg, m, gated=True)
 
 
+GATED_CASES = [(m, n2, k) for n2, k in [(28672, 4096), (6144, 1024)] for m in (17, 33, 96, 144, 192)]
+GATED_CASES += [(33, 2000, 1000), (144, 2000, 1000)]  # ragged I and K: TMA zero fill
+
+
 @requires_hopper
-@pytest.mark.parametrize("m,n2,k", [(m, n2, k) for n2, k in [(28672, 4096), (6144, 1024)] for m in (17, 33, 96, 144, 192)]
-                         + [(33, 2000, 1000), (144, 2000, 1000)])  # ragged I and K: TMA zero fill
+@pytest.mark.parametrize("m,n2,k", GATED_CASES)
 def test_gated(m, n2, k):
     from attnserve.models.layers.mid_gemm_gluon import gluon_mid_linear_gated
 

@@ -15,9 +15,9 @@
   directly; a partial one is added (float32 atomics) into the workspace ``ws
   [n_tiles * BLOCK_N, BLOCK_M1 + BLOCK_M2]`` (token-contiguous, so a thread's pair of
   accumulator columns is one 8-byte chunk), then the consumer adds its number of ``K``
-  steps to the tile's counter (acq-rel, after a warpgroup barrier: the threadfence-
-  reduction pattern: each thread fences, then one thread's atomic). The one whose count completes ``k_steps`` reads the sum back with
-  atomic exchanges against 0 (read and re-zero in one pass), resets the counter and writes
+  steps to the tile's counter (acq-rel, after a fence in every thread and a warpgroup
+  barrier: the threadfence-reduction pattern). The one whose count completes ``k_steps``
+  reads the sum back with atomic exchanges against 0 (read and re-zero in one pass), resets the counter and writes
   ``y``: the workspace is clean after every launch, so no memset is ever launched.
   ``G == n_tiles`` is a plain data-parallel launch (every tile whole, no atomics).
 * Gated (constexpr ``GATED``): the fused ``gate_up`` projection and its SiLU / GELU-tanh
@@ -323,7 +323,8 @@ def _gluon_mid_gemm_kernel(
     if USE_PDL:
         _gdc_launch_dependents()
     H: gl.constexpr = 2 if GATED else 1
-    w_s = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES * KC * NUM_CONSUMERS * H, BLOCK_N // NUM_CONSUMERS, CHUNK],
+    w_s = gl.allocate_shared_memory(w_desc.dtype,
+                                    [NUM_STAGES * KC * NUM_CONSUMERS * H, BLOCK_N // NUM_CONSUMERS, CHUNK],
                                     w_desc.layout)
     x1_s = gl.allocate_shared_memory(x1_desc.dtype, [NUM_STAGES * KC, BLOCK_M1, CHUNK], x1_desc.layout)
     if HAS_M2:
