@@ -1,0 +1,111 @@
+"""Offline sm_90a compile of the Gluon mid GEMM (`mid_gemm_gluon`) for the benchmark's shapes and configs.
+
+``PYTHONPATH=<triton 3.6 dir>:src python scripts/midgemm_gluon_offline.py [--ptxas PATH] [--quick]``
+
+Builds `_gluon_mid_gemm_kernel` through Triton (GluonASTSource, GPUTarget cuda 90, no GPU) for
+every (row-piece pair of the benchmark's M values) x config of ``benchmarks/midgemm_gluon.py``
+(plain, then the gated ``g-`` ones; the kernel does not specialise on N, K or M values, only
+on the pieces and flags), runs ``ptxas -v`` and prints registers, spills, shared memory and PTX
+counts (wgmma, TMA copies, atomics, setmaxnreg). A failing compile is listed with its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+
+from offline_ptxas import ptxas_report
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
+from midgemm_gluon import CANDIDATES, GATED_CANDIDATES, M_VALUES  # noqa: E402
+
+from attnserve.models.layers import mid_gemm_gluon as mg  # noqa: E402
+from attnserve.models.layers import mid_gemm_gluon_kernel as kern  # noqa: E402
+
+
+def compile_config(cfg, m: int, has_bias: bool = True, pdl: bool = False, gated: bool = False):
+    from triton.experimental.gluon import language as gl
+
+    m1, m2 = mg.m_pieces(m)
+    lay = repr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    fn = kern._gluon_mid_gemm_kernel
+    names = fn.arg_names
+    const = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M1=m1, BLOCK_M2=max(m2, 16), HAS_M2=m2 > 0,
+                 NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, HAS_BIAS=has_bias, USE_PDL=pdl,
+                 CONSUMER_REGS=mg.REGISTER_PLAN[cfg.num_consumers][1],
+                 LOADER_REGS=mg.REGISTER_PLAN[cfg.num_consumers][2], GATED=gated, ACT=0)
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in const:
+            sig[n] = "constexpr"
+        elif n == "w_desc":
+            sig[n] = f"tensordesc<bf16[{cfg.wg_rows}, 64],{lay}>"
+        elif n == "x1_desc":
+            sig[n] = f"tensordesc<bf16[{m1}, 64],{lay}>"
+        elif n == "x2_desc":
+            sig[n] = f"tensordesc<bf16[{m2 or m1}, 64],{lay}>"
+        elif n.endswith("_ptr"):
+            sig[n] = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}.get(n, "*bf16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[n] = "i32"
+            if n in ("N", "K", "stride_ym"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    opts = dict(num_warps=4, num_stages=1)
+    if mg.REGISTER_PLAN[cfg.num_consumers][0]:
+        opts["maxnreg"] = mg.REGISTER_PLAN[cfg.num_consumers][0]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ptxas", help="ptxas for the -v report (default: Triton's)")
+    ap.add_argument("--quick", action="store_true", help="only M 144 and the first two candidates")
+    args = ap.parse_args(argv)
+    from triton import knobs
+
+    ptxas = args.ptxas or knobs.nvidia.ptxas.path
+    print(f"triton {triton.__version__}, ptxas {ptxas}", flush=True)
+    ms = (144,) if args.quick else tuple(M_VALUES) + (17, 33, 200)  # the benchmark's and the tests' M values
+    pieces = sorted({mg.m_pieces(m) for m in ms})
+    runs = [(name, cfg, False) for name, cfg in (CANDIDATES[:2] if args.quick else CANDIDATES)]
+    runs += [(name, cfg, True) for name, cfg in (GATED_CANDIDATES[:1] if args.quick else GATED_CANDIDATES)]
+    bad = 0
+    for name, cfg, gated in runs:
+        for m1, m2 in pieces:
+            m = m1 + m2
+            fit = mg.fit_stages(cfg, m, gated)  # as the benchmark runs it: fewer stages where the ring does not fit
+            if fit is None:
+                print(f"{name:22s} M {m1}+{m2}: skipped (accumulators do not fit)", flush=True)
+                continue
+            for pdl in (False, True):
+                label = f"{name:22s} M {m1}+{m2} s{fit.num_stages} pdl {int(pdl)}"
+                try:
+                    with contextlib.redirect_stdout(io.StringIO()):
+                        k = compile_config(fit, m, pdl=pdl, gated=gated)
+                except Exception as e:  # reported, not fatal
+                    bad += 1
+                    print(f"{label} COMPILE ERROR {type(e).__name__}: {str(e)[:2000]}", flush=True)
+                    continue
+                ptx = k.asm["ptx"]
+                regs, spill = ptxas_report(ptx, ptxas)
+                counts = {x: len(re.findall(p, ptx)) for x, p in (
+                    ("wgmma", r"wgmma\.mma_async"), ("tma", r"cp\.async\.bulk\.tensor"),
+                    ("atom", r"\b(?:atom|red)\.global"), ("setmaxnreg", r"setmaxnreg"),
+                    ("gdc", r"griddepcontrol"))}
+                print(f"{label} regs {regs or '?'} spills {spill or '?'} shared {k.metadata.shared} "
+                      + " ".join(f"{x} {n}" for x, n in counts.items()), flush=True)
+    print(f"{bad} compile errors", flush=True)
+    return int(bad > 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
