@@ -11,6 +11,8 @@
 #             (STEP_MODELS, STEP_BATCH 144, STEP_CONTEXT 800, STEP_ARGS e.g. --kv-cache-dtype fp8_e4m3)
 #   prefill   benchmarks/profile_prefill.py: kernels of a prefill pass (PREFILL_ARGS, e.g. --model
 #             llama-3-8b --num-prompts 8 --quantization fp8)
+#   longprompt bench.offline --dataset random, 256 prompts [1024, 4096] in, [64, 256] out (LONG_MODELS,
+#             LONG_KV, LONG_ARGS): the prefill-heavy second shape of issue 33
 #   moe       bench.offline --dataset random, the mixed 256-request workload on the MoE shapes
 #             (deepseek-v2-lite, qwen3-30b-a3b; MOE_MODELS, MOE_ARGS e.g. --tp-size 2 for mixtral-8x7b)
 #   serving   scripts/serving_vs_offline.sh: the server path against the offline engine, both shapes
@@ -37,6 +39,11 @@ for what in "${@:-roofline}"; do
         --random-output-len 256 --random-range-ratio 1 2>&1 | grep -v INFO | tee "$OUT/roofline_fixed64.log"
       timeout 200 $offline --tag fixed1 --models llama-3-8b --num-prompts 1 --random-input-len 512 \
         --random-output-len 256 --random-range-ratio 1 2>&1 | grep -v INFO | tee "$OUT/roofline_fixed1.log" ;;
+    longprompt)
+      # issue 33's "second shape": 256 prompts of [1024, 4096] tokens -> [64, 256] (prefill-heavy)
+      timeout "${LONG_TIMEOUT:-300}" $offline --tag longprompt --models ${LONG_MODELS:-llama-3-8b} \
+        --kv-cache-dtypes ${LONG_KV:-auto} --num-prompts 256 --random-input-len 4096 --random-output-len 256 \
+        --random-range-ratio 0.25 ${LONG_ARGS:-} 2>&1 | grep -v INFO | tee "$OUT/roofline_longprompt.log" ;;
     moe)
       timeout "${MOE_TIMEOUT:-420}" $offline --tag moe-mixed --models ${MOE_MODELS:-deepseek-v2-lite qwen3-30b-a3b} \
         --num-prompts 256 --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.098 \
@@ -75,6 +82,6 @@ for what in "${@:-roofline}"; do
         --decode-window 400 40 --prefill-window 0 10 --no-baseline --out "$OUT" ${GAPS_ARGS:-} 2>&1 \
         | grep -v INFO | tee -a "$OUT/gaps.log" | tail -45
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gaps_gpu.py 2>&1 | tail -3 ;;
-    *) echo "unknown mode $what (roofline step prefill moe loop spec fp8 profile serving sampling gaps)"; exit 2 ;;
+    *) echo "unknown mode $what (roofline longprompt step prefill moe loop spec fp8 profile serving sampling gaps)"; exit 2 ;;
   esac
 done
