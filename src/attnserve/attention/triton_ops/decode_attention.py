@@ -306,6 +306,23 @@ def _v_pairs_ok(q: torch.Tensor, v_buffer: torch.Tensor, block_dv: int) -> bool:
     )
 
 
+def _fp8_gluon_route(q, k_buffer, v_buffer, kv_indptr, kv_indices, num_kv_splits, logit_cap, batch_invariant) -> bool:
+    """Whether ``ATTNSERVE_DECODE_FP8_GLUON`` (default off, read at every call) routes this
+    fp8 stage 1 to the Gluon kernel (`decode_fp8_gluon`): the switch on, the call supported
+    (`gluon_fp8_decode_supported`), int32 indices and 16-byte aligned K/V rows."""
+    from attnserve.attention.triton_ops.decode_fp8_gluon import FP8_GLUON_ENV, _layout_ok, gluon_fp8_decode_supported
+    from attnserve.env_options import env_flag
+
+    if q.device.type != "cuda" or not env_flag(FP8_GLUON_ENV, default=False):
+        return False
+    if any(t.dtype != torch.int32 for t in (kv_indptr, kv_indices, num_kv_splits)):
+        return False
+    return gluon_fp8_decode_supported(
+        q.dtype, k_buffer.dtype, k_buffer.shape[2], v_buffer.shape[2], q.shape[1], k_buffer.shape[1],
+        float(logit_cap), torch.cuda.get_device_capability(q.device), batch_invariant=batch_invariant,
+    ) and _layout_ok(q, k_buffer, v_buffer)
+
+
 def _max_shared_mem(device: torch.device) -> int:
     """Opt-in shared memory per block (bytes) of a CUDA device; 0 on CPU or when unknown."""
     if device.type != "cuda":
@@ -447,6 +464,16 @@ def decode_attention_fwd(
     head_programs = hkv * head_blocks
     g = grid_splits or decode_grid_splits(bs, head_programs, max_kv_splits, device_num_sms(q.device))
     g = max(1, min(int(g), max_kv_splits))
+    if k_buffer.dtype == torch.float8_e4m3fn and not interpret and _fp8_gluon_route(
+            q, k_buffer, v_buffer, kv_indptr, kv_indices, num_kv_splits, logit_cap, batch_invariant):
+        from attnserve.attention.triton_ops.decode_fp8_gluon import DEFAULT_CONFIG, gluon_fp8_decode_stage1
+
+        gluon_fp8_decode_stage1(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, attn_logits, attn_lse,
+                                num_kv_splits, max_kv_splits, sm_scale, g, k_scale=k_scale, v_scale=v_scale)
+        decode_stage2(attn_logits, attn_lse, o, kv_indptr, num_kv_splits, max_kv_splits,
+                      split_align=DEFAULT_CONFIG.split_align, merge_block=cfg.merge_block,
+                      num_warps=cfg.stage2_warps, use_pdl=False, merge_heads=cfg.merge_heads)
+        return o
     block_d, block_dpe = _split_dims(dk)
     block_dv = max(16, triton.next_power_of_2(dv))
     compute_fp32 = interpret
