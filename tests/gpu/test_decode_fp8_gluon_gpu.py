@@ -153,11 +153,14 @@ def test_gluon_forced_split_counts(mode, monkeypatch):
 
 
 @pytest.mark.parametrize("cfg", [GluonFp8DecodeConfig(block_n=128, num_buffers=3), GluonFp8DecodeConfig(num_buffers=2),
-                                 GluonFp8DecodeConfig(block_n=64, num_buffers=4, split_align=256)],
-                         ids=["128x3", "64x2", "64x4-align256"])
+                                 GluonFp8DecodeConfig(block_n=128, num_buffers=2), GluonFp8DecodeConfig(num_buffers=3),
+                                 GluonFp8DecodeConfig(pairs=False), GluonFp8DecodeConfig(block_n=128, pairs=False),
+                                 GluonFp8DecodeConfig(split_align=256)],
+                         ids=["128x3", "64x2", "128x2", "64x3", "64x4-bytes", "128x4-bytes", "64x4-align256"])
 def test_gluon_configs_direct(cfg):
-    """Other tiles / ring depths / split alignments, launched directly (stage 2 with the
-    config's ``split_align``), and a split grid of 2 (programs loop over several splits)."""
+    """Other tiles / ring depths / split alignments and the byte-load variant (``pairs``
+    off), launched directly (stage 2 with the config's ``split_align``), with a split grid of
+    2 (programs loop over several splits)."""
     lens = _lens("64x[128,4096]")[:20] + [1, 63, 64, 65]
     hkv = 8
     q, k, v, indptr, indices = _inputs(lens, hkv, seed=33)

@@ -1,5 +1,5 @@
-"""CPU tests of the pure-Python parts of `decode_fp8_gluon`: config validation and
-`gluon_fp8_decode_supported` (no GPU, no Gluon import)."""
+"""CPU tests of the pure-Python parts of `decode_fp8_gluon`: config validation, the
+``ATTNSERVE_DECODE_FP8_GLUON`` values and `gluon_fp8_decode_supported` (no GPU, no Gluon import)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attnserve.attention.triton_ops.decode_fp8_gluon import (DEFAULT_CONFIG, MAX_GROUP, GluonFp8DecodeConfig,
-                                                             gluon_fp8_decode_supported)
+                                                             gluon_config_from_env, gluon_fp8_decode_supported)
 
 E4M3 = torch.float8_e4m3fn
 
@@ -56,3 +56,25 @@ def test_supported_llama_heads_and_groups():
 ])
 def test_unsupported(kw):
     assert not _sup(**kw)
+
+
+@pytest.mark.parametrize("raw", [None, "", " ", "0", "off", "False", "no"])
+def test_env_off(raw):
+    assert gluon_config_from_env(raw) is None
+
+
+@pytest.mark.parametrize("raw", ["1", "on", "TRUE", "yes"])
+def test_env_on_default(raw):
+    assert gluon_config_from_env(raw) == DEFAULT_CONFIG
+
+
+def test_env_tiles():
+    assert gluon_config_from_env("64x3") == GluonFp8DecodeConfig(block_n=64, num_buffers=3)
+    assert gluon_config_from_env("128x2") == GluonFp8DecodeConfig(block_n=128, num_buffers=2)
+    assert gluon_config_from_env("64x4-bytes") == GluonFp8DecodeConfig(pairs=False)
+
+
+@pytest.mark.parametrize("raw", ["2", "64", "64x", "x4", "64x4x2", "abc", "32x4", "64x1", "128x8", "64x4-byte"])
+def test_env_bad_values_raise(raw):
+    with pytest.raises(ValueError):
+        gluon_config_from_env(raw)

@@ -21,8 +21,12 @@ from typing import Optional, Tuple
 
 import torch
 
-#: environment switch (``1`` / ``true`` / ``on``: on; unset: off) read at every call
+#: environment switch read at every call (`gluon_config_from_env`): unset, empty or an off
+#: value: off; ``1`` / ``true`` / ``on`` / ``yes``: `DEFAULT_CONFIG`; ``<block_n>x<buffers>``
+#: (e.g. ``64x3``, ``128x2``), optionally with ``-bytes`` (``pairs=False``): that tile
 FP8_GLUON_ENV = "ATTNSERVE_DECODE_FP8_GLUON"
+_ON_VALUES = ("1", "true", "on", "yes")
+_OFF_VALUES = ("", "0", "false", "off", "no")
 #: opt-in shared memory per block on H100 / H200 (bytes)
 _HOPPER_SMEM = 227 * 1024
 #: largest GQA group (query heads per KV head) the kernel takes (MMA N = 16 at most)
@@ -37,7 +41,12 @@ class GluonFp8DecodeConfig:
     least); num_buffers: depth of the shared K/V ring (2..8; ``num_buffers - 1`` tiles are in
     flight while one is computed); num_warps: 4 (one warpgroup; the layouts assume it);
     split_align: keys to which split lengths are rounded (stage 2 must use the same; 128 =
-    the Triton fp8 tiles', so both paths cut requests identically; a multiple of block_n).
+    the Triton fp8 tiles', so both paths cut requests identically; a multiple of block_n);
+    pairs: read the K and V tiles from shared memory as int16 pairs of adjacent head dims with
+    16-bit ``ldmatrix`` (V: ``.trans``) and split them into even / odd dims in registers (one
+    ``prmt`` + two conversions per 4 bytes; the dots run as even + odd halves), instead of
+    2-byte (K) and 1-byte (V^T) shared loads of the fp8 entries (offline sm_90a: the byte
+    loads are 96 of the ~420 instructions a warp issues per 64-key tile).
 
     Shared memory: ``2 * num_buffers * block_n * 128`` bytes (default 64 KB: 3 programs per
     SM on an H100 by shared memory, 96 registers leave room for 5; offline sm_90a compile,
@@ -51,6 +60,7 @@ class GluonFp8DecodeConfig:
     num_buffers: int = 4
     num_warps: int = 4
     split_align: int = 128
+    pairs: bool = True
 
     def __post_init__(self) -> None:
         if self.block_n not in (64, 128):
@@ -71,6 +81,25 @@ class GluonFp8DecodeConfig:
 
 
 DEFAULT_CONFIG = GluonFp8DecodeConfig()
+
+
+def gluon_config_from_env(raw: Optional[str]) -> Optional[GluonFp8DecodeConfig]:
+    """The configuration that a value of `FP8_GLUON_ENV` selects (None: the Triton kernel).
+
+    Raises:
+        ValueError: a value that is neither an on/off word nor ``<block_n>x<buffers>[-bytes]``
+            of a valid `GluonFp8DecodeConfig`.
+    """
+    v = (raw or "").strip().lower()
+    if v in _OFF_VALUES:
+        return None
+    if v in _ON_VALUES:
+        return DEFAULT_CONFIG
+    body, bytes_suffix = (v[:-len("-bytes")], True) if v.endswith("-bytes") else (v, False)
+    parts = body.split("x")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"{FP8_GLUON_ENV}={raw!r}: expected 1/0 or <block_n>x<buffers>[-bytes], e.g. 64x4")
+    return GluonFp8DecodeConfig(block_n=int(parts[0]), num_buffers=int(parts[1]), pairs=not bytes_suffix)
 
 
 def gluon_fp8_decode_supported(
@@ -175,5 +204,7 @@ def gluon_fp8_decode_stage1(
         NUM_BUF=config.num_buffers,
         SPLIT_ALIGN=config.split_align,
         V_SCALED=float(v_scale) != 1.0,
+        PAIRS=bool(config.pairs),
+        SAME_STRIDE=k_buffer.stride(0) == v_buffer.stride(0),
         num_warps=config.num_warps,
     )

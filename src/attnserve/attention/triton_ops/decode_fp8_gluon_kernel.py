@@ -54,7 +54,25 @@ GATHER = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
 # shared ring: 16-byte vectors XOR-swizzled over 8 rows, so the dot-operand reads of 8
 # consecutive rows (K) or of the bytes of one column (V^T) hit different banks
 RING = gl.constexpr(gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0]))
+# the same ring seen as int16 pairs of adjacent columns (same bytes: 16-byte vectors, same XOR)
+RING16 = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
 LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _pairs_to_f16(x):
+    """Two fp16 tensors (``lo``, ``hi``) from int16 pairs of e4m3 values, in a 16-bit
+    dot-operand layout (``k_width`` 2). ``pack=2`` hands each asm instance the two
+    consecutive register elements of a thread, i.e. pairs ``j`` and ``j + 1`` along the MMA's
+    K dimension: bytes (a0, a1, b0, b1). One ``prmt`` regroups them into (a0, b0) and (a1, b1)
+    and one ``cvt.rn.f16x2.e4m3x2`` each converts them (PTX ISA, sm_89+), so ``lo`` holds
+    every pair's byte 0 and ``hi`` its byte 1 at the pair's position (the asm of
+    `decode_attention._fp8_pairs_to_f16`, e4m3 branch)."""
+    lo, hi = gl.inline_asm_elementwise(
+        "{\n\t.reg .b32 t;\n\t.reg .b16 lo, hi;\n\tprmt.b32 t, $2, 0, 0x3120;\n\tmov.b32 {lo, hi}, t;"
+        "\n\tcvt.rn.f16x2.e4m3x2 $0, lo;\n\tcvt.rn.f16x2.e4m3x2 $1, hi;\n\t}",
+        "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+    return lo, hi
 
 
 @gluon.jit
@@ -68,14 +86,20 @@ def _tile_rows(idx_ptr, start, hi, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _issue(k_dst, v_dst, k_head_ptr, v_head_ptr, slots, valid, stride_kt, stride_vt):
+def _issue(k_dst, v_dst, k_head_ptr, v_head_ptr, slots, valid, stride_kt, stride_vt, SAME_STRIDE: gl.constexpr):
     """cp.async gathers of one tile's K and V rows into ring slots ``k_dst`` / ``v_dst``
     (rows past the split's end are zero-filled, so no NaN pattern of a stale slot reaches
-    the P V product)."""
+    the P V product). ``SAME_STRIDE``: K and V share the row stride, so the 64-bit row
+    offsets are computed once."""
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, GATHER))
     m = valid[:, None]
-    async_copy.async_copy_global_to_shared(k_dst, k_head_ptr + (slots * stride_kt)[:, None] + cols[None, :], mask=m)
-    async_copy.async_copy_global_to_shared(v_dst, v_head_ptr + (slots * stride_vt)[:, None] + cols[None, :], mask=m)
+    k_off = (slots * stride_kt)[:, None] + cols[None, :]
+    if SAME_STRIDE:
+        v_off = k_off
+    else:
+        v_off = (slots * stride_vt)[:, None] + cols[None, :]
+    async_copy.async_copy_global_to_shared(k_dst, k_head_ptr + k_off, mask=m)
+    async_copy.async_copy_global_to_shared(v_dst, v_head_ptr + v_off, mask=m)
 
 
 @gluon.jit
@@ -98,6 +122,8 @@ def _fp8_decode_stage1_kernel(
     NUM_BUF: gl.constexpr,
     SPLIT_ALIGN: gl.constexpr,
     V_SCALED: gl.constexpr,
+    PAIRS: gl.constexpr,
+    SAME_STRIDE: gl.constexpr,
 ):
     b = gl.program_id(0)
     kv_head = gl.program_id(1)
@@ -106,9 +132,17 @@ def _fp8_decode_stage1_kernel(
     # q^T [D, HP] as the B operand of S^T = K q^T, fp16 (clamped to its range), padded heads 0
     dq = gl.arange(0, D, layout=gl.SliceLayout(1, B_OP))
     hq = gl.arange(0, HP, layout=gl.SliceLayout(0, B_OP))
+    dh = gl.arange(0, D // 2, layout=gl.SliceLayout(1, B_OP))
     q_ptrs = q_ptr + b.to(gl.int64) * stride_qb + (kv_head * GROUP + hq)[None, :] * stride_qh + dq[:, None]
-    q = gl.load(q_ptrs, mask=(hq < GROUP)[None, :], other=0.0).to(gl.float32)
-    q_t = gl.minimum(gl.maximum(q, -65504.0), 65504.0).to(gl.float16)
+    if PAIRS:  # even and odd head dims: the K tile is read as int16 pairs (see the loop)
+        q_ptrs = q_ptr + b.to(gl.int64) * stride_qb + (kv_head * GROUP + hq)[None, :] * stride_qh + 2 * dh[:, None]
+        q_e = gl.load(q_ptrs, mask=(hq < GROUP)[None, :], other=0.0).to(gl.float32)
+        q_o = gl.load(q_ptrs + 1, mask=(hq < GROUP)[None, :], other=0.0).to(gl.float32)
+        q_e = gl.minimum(gl.maximum(q_e, -65504.0), 65504.0).to(gl.float16)
+        q_t = gl.minimum(gl.maximum(q_o, -65504.0), 65504.0).to(gl.float16)  # odd dims
+    else:
+        q = gl.load(q_ptrs, mask=(hq < GROUP)[None, :], other=0.0).to(gl.float32)
+        q_t = gl.minimum(gl.maximum(q, -65504.0), 65504.0).to(gl.float16)
 
     kv_start = gl.load(kv_indptr_ptr + b)
     kv_len = gl.load(kv_indptr_ptr + b + 1) - kv_start
@@ -128,6 +162,7 @@ def _fp8_decode_stage1_kernel(
     heads = gl.arange(0, HP, layout=gl.SliceLayout(0, MMA))
     mask_h = heads < GROUP
     dims = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+    dims_h = gl.arange(0, D // 2, layout=gl.SliceLayout(1, MMA))
     keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     q_head = kv_head * GROUP + heads
 
@@ -139,45 +174,74 @@ def _fp8_decode_stage1_kernel(
         slots, valid = _tile_rows(idx_ptr, lo, hi, BLOCK_N)
         for j in gl.static_range(NUM_BUF - 1):  # prologue: tiles 0 .. NUM_BUF - 2
             if j < n_tiles:
-                _issue(k_ring.index(j), v_ring.index(j), k_head_ptr, v_head_ptr, slots, valid, stride_kt, stride_vt)
+                _issue(k_ring.index(j), v_ring.index(j), k_head_ptr, v_head_ptr, slots, valid, stride_kt, stride_vt, SAME_STRIDE)
             async_copy.commit_group()
             slots, valid = _tile_rows(idx_ptr, lo + (j + 1) * BLOCK_N, hi, BLOCK_N)
 
         m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-        l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, MMA))
-        acc = gl.zeros([D, HP], gl.float32, layout=MMA)
+        # row sums kept per (key lane, head) and reduced once per split: no cross-warp
+        # reduction (shared memory round trip, 2 barriers) per tile for them
+        l_part = gl.zeros([BLOCK_N, HP], gl.float32, layout=MMA)
+        if PAIRS:  # O^T's even (acc_e) and odd (acc) head dims
+            acc_e = gl.zeros([D // 2, HP], gl.float32, layout=MMA)
+            acc = gl.zeros([D // 2, HP], gl.float32, layout=MMA)
+        else:
+            acc_e = gl.zeros([D // 2, HP], gl.float32, layout=MMA)  # unused
+            acc = gl.zeros([D, HP], gl.float32, layout=MMA)
         for t in range(n_tiles):
             async_copy.wait_group(NUM_BUF - 2)  # this thread's copies of tile t have landed
             gl.thread_barrier()  # ... everyone's; and tile t - 1's slot is no longer read
             nt = t + NUM_BUF - 1
             if nt < n_tiles:
                 ns = nt % NUM_BUF
-                _issue(k_ring.index(ns), v_ring.index(ns), k_head_ptr, v_head_ptr, slots, valid, stride_kt, stride_vt)
+                _issue(k_ring.index(ns), v_ring.index(ns), k_head_ptr, v_head_ptr, slots, valid, stride_kt, stride_vt, SAME_STRIDE)
             async_copy.commit_group()
             slots, valid = _tile_rows(idx_ptr, lo + (nt + 1) * BLOCK_N, hi, BLOCK_N)
 
             cur = t % NUM_BUF
-            k = k_ring.index(cur).load(A_OP).to(gl.float16)  # [BLOCK_N, D]
-            s = mma_v2(k, q_t, gl.zeros([BLOCK_N, HP], gl.float32, layout=MMA)) * qk_scale
+            s = gl.zeros([BLOCK_N, HP], gl.float32, layout=MMA)
+            if PAIRS:  # [BLOCK_N, D / 2] int16 pairs (16-bit ldmatrix) -> even and odd dims
+                k_e, k_o = _pairs_to_f16(k_ring.index(cur)._reinterpret(gl.int16, [BLOCK_N, D // 2], RING16).load(A_OP))
+                s = mma_v2(k_o, q_t, mma_v2(k_e, q_e, s))
+            else:
+                s = mma_v2(k_ring.index(cur).load(A_OP).to(gl.float16), q_t, s)  # [BLOCK_N, D] bytes
+            s = s * qk_scale
             s = gl.where((lo + t * BLOCK_N + keys < hi)[:, None], s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, axis=0))
             alpha = gl.exp2(m_i - m_new)
             p = gl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + gl.sum(p, axis=0)
+            l_part = l_part * alpha[None, :] + p
             p_t = gl.convert_layout(p.to(gl.float16), B_OP)  # [BLOCK_N, HP]
-            v_t = v_ring.index(cur).permute((1, 0)).load(A_OP).to(gl.float16)  # [D, BLOCK_N]
-            acc = mma_v2(v_t, p_t, acc * alpha[None, :])
+            if PAIRS:  # V^T as [D / 2, BLOCK_N] int16 pairs (16-bit ldmatrix.trans) -> even, odd dims
+                v16 = v_ring.index(cur)._reinterpret(gl.int16, [BLOCK_N, D // 2], RING16).permute((1, 0))
+                v_e, v_o = _pairs_to_f16(v16.load(A_OP))
+                acc_e = mma_v2(v_e, p_t, acc_e * alpha[None, :])
+                acc = mma_v2(v_o, p_t, acc * alpha[None, :])
+            else:
+                v_t = v_ring.index(cur).permute((1, 0)).load(A_OP).to(gl.float16)  # [D, BLOCK_N] bytes
+                acc = mma_v2(v_t, p_t, acc * alpha[None, :])
             m_i = m_new
 
         # every visited split holds >= 1 key, so l_i > 0 in every real head's column
+        l_i = gl.sum(l_part, axis=0)
         out = acc / l_i[None, :]
+        out_e = acc_e / l_i[None, :]
         if V_SCALED:
             out = out * v_scale
+            out_e = out_e * v_scale
         if n_splits == 1:  # the whole request: stage 2 skips it (see decode_attention)
-            o_ptrs = o_ptr + b.to(gl.int64) * stride_ob + q_head[None, :] * stride_oh + dims[:, None]
-            gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_h[None, :])
+            o_ptrs = o_ptr + b.to(gl.int64) * stride_ob + q_head[None, :] * stride_oh
+            if PAIRS:
+                gl.store(o_ptrs + 2 * dims_h[:, None], out_e.to(o_ptr.dtype.element_ty), mask=mask_h[None, :])
+                gl.store(o_ptrs + 2 * dims_h[:, None] + 1, out.to(o_ptr.dtype.element_ty), mask=mask_h[None, :])
+            else:
+                gl.store(o_ptrs + dims[:, None], out.to(o_ptr.dtype.element_ty), mask=mask_h[None, :])
         else:
             l_ptrs = logits_ptr + b.to(gl.int64) * stride_lb + q_head[None, :] * stride_lh + split * stride_ls
-            gl.store(l_ptrs + dims[:, None], out, mask=mask_h[None, :])
+            if PAIRS:
+                gl.store(l_ptrs + 2 * dims_h[:, None], out_e, mask=mask_h[None, :])
+                gl.store(l_ptrs + 2 * dims_h[:, None] + 1, out, mask=mask_h[None, :])
+            else:
+                gl.store(l_ptrs + dims[:, None], out, mask=mask_h[None, :])
             e_ptrs = lse_ptr + b.to(gl.int64) * stride_eb + q_head * stride_eh + split
             gl.store(e_ptrs, (m_i + gl.log2(l_i)) * LN2, mask=mask_h)
