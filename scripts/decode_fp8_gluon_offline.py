@@ -36,7 +36,8 @@ def compile_case(group: int, block_n: int, num_buf: int, pairs: bool, num_warps:
     fn = _fp8_decode_stage1_kernel
     names = fn.arg_names
     hp = max(8, triton.next_power_of_2(group))
-    const = dict(GROUP=group, HP=hp, BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT_ALIGN=128, V_SCALED=True, PAIRS=pairs, SAME_STRIDE=True)
+    const = dict(GROUP=group, HP=hp, BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT_ALIGN=128, V_SCALED=True, PAIRS=pairs,
+                 SAME_STRIDE=True)
     ptr_ty = dict(q_ptr="*bf16", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", kv_indptr_ptr="*i32", kv_indices_ptr="*i32",
                   num_kv_splits_ptr="*i32", logits_ptr="*fp32", lse_ptr="*fp32", o_ptr="*bf16")
     sig, attrs = {}, {}

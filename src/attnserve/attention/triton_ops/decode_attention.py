@@ -33,6 +33,11 @@ adjacent columns and is converted in registers, see ``V_PAIRS`` in stage 1); K's
 host and V's scale multiplies each split's output in stage 1 (stage 2 is a convex
 combination of the splits, so this is exact). With scales of 1.0 nothing extra runs.
 
+Opt-in Gluon stage 1 for an e4m3 cache on Hopper (``ATTNSERVE_DECODE_FP8_GLUON=1``, default off;
+`decode_fp8_gluon`): head size 128, no logit cap, non-deterministic launches, int32 indices.
+It gathers K/V rows with cp.async into a multi-buffered shared ring (the Triton kernel keeps
+one buffer for these gathered loads) and writes the same outputs, so stage 2 is unchanged.
+
 Everything the launch depends on is host-known (bs, head counts, ``max_kv_splits``), and
 no host synchronisation happens, so `decode_attention_fwd` is CUDA-graph capturable.
 Tuning lives in `decode_tuning` (`decode_config`), split counts and the split grid in

@@ -70,7 +70,8 @@ class GluonFp8DecodeConfig:
         if self.num_warps != 4:
             raise ValueError(f"num_warps must be 4 (one warpgroup), got {self.num_warps}")
         if self.split_align < self.block_n or self.split_align % self.block_n:
-            raise ValueError(f"split_align ({self.split_align}) must be a positive multiple of block_n ({self.block_n})")
+            raise ValueError(
+                f"split_align ({self.split_align}) must be a positive multiple of block_n ({self.block_n})")
         if self.shared_bytes > _HOPPER_SMEM:
             raise ValueError(f"{self.shared_bytes} B of shared memory exceed {_HOPPER_SMEM}")
 

@@ -27,6 +27,10 @@ Data flow of one split (4 warps, one partition):
   ``cvt.rn.f16x2.e4m3x2`` per pair on sm_89+), with no f16 copy written back to shared memory
   (wgmma would need both operands in shared memory, or an fp8 K-major B operand). Only P^T
   (``BLOCK_N x HP`` f16) goes through shared memory (the compiler's layout conversion).
+  ``PAIRS`` (default): both tiles are read as int16 pairs of adjacent head dims with 16-bit
+  ``ldmatrix`` (``.trans`` for V^T) and split into even / odd dims by `_pairs_to_f16`; the
+  dots run as even + odd halves (q is loaded as its even and odd dims, O^T is stored to even
+  and odd dims). Without it, K is read with 2-byte and V^T with 1-byte shared loads.
 * **Softmax.** Online softmax of FlashAttention-2 (Dao, arXiv:2307.08691) per head column,
   float32, log2 domain (``qk_scale`` = sm_scale * k_scale * log2 e, folded on the host); V's
   scale multiplies the split's normalised output (``V_SCALED``); the query is clamped to
@@ -174,7 +178,8 @@ def _fp8_decode_stage1_kernel(
         slots, valid = _tile_rows(idx_ptr, lo, hi, BLOCK_N)
         for j in gl.static_range(NUM_BUF - 1):  # prologue: tiles 0 .. NUM_BUF - 2
             if j < n_tiles:
-                _issue(k_ring.index(j), v_ring.index(j), k_head_ptr, v_head_ptr, slots, valid, stride_kt, stride_vt, SAME_STRIDE)
+                _issue(k_ring.index(j), v_ring.index(j), k_head_ptr, v_head_ptr, slots, valid, stride_kt, stride_vt,
+                       SAME_STRIDE)
             async_copy.commit_group()
             slots, valid = _tile_rows(idx_ptr, lo + (j + 1) * BLOCK_N, hi, BLOCK_N)
 
@@ -194,7 +199,8 @@ def _fp8_decode_stage1_kernel(
             nt = t + NUM_BUF - 1
             if nt < n_tiles:
                 ns = nt % NUM_BUF
-                _issue(k_ring.index(ns), v_ring.index(ns), k_head_ptr, v_head_ptr, slots, valid, stride_kt, stride_vt, SAME_STRIDE)
+                _issue(k_ring.index(ns), v_ring.index(ns), k_head_ptr, v_head_ptr, slots, valid, stride_kt, stride_vt,
+                       SAME_STRIDE)
             async_copy.commit_group()
             slots, valid = _tile_rows(idx_ptr, lo + (nt + 1) * BLOCK_N, hi, BLOCK_N)
 
