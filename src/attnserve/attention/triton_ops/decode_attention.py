@@ -33,6 +33,11 @@ adjacent columns and is converted in registers, see ``V_PAIRS`` in stage 1); K's
 host and V's scale multiplies each split's output in stage 1 (stage 2 is a convex
 combination of the splits, so this is exact). With scales of 1.0 nothing extra runs.
 
+Opt-in Gluon stage 1 for an e4m3 cache on Hopper (``ATTNSERVE_DECODE_FP8_GLUON=1``, default off;
+`decode_fp8_gluon`): head size 128, no logit cap, non-deterministic launches, int32 indices.
+It gathers K/V rows with cp.async into a multi-buffered shared ring (the Triton kernel keeps
+one buffer for these gathered loads) and writes the same outputs, so stage 2 is unchanged.
+
 Everything the launch depends on is host-known (bs, head counts, ``max_kv_splits``), and
 no host synchronisation happens, so `decode_attention_fwd` is CUDA-graph capturable.
 Tuning lives in `decode_tuning` (`decode_config`), split counts and the split grid in
@@ -306,6 +311,28 @@ def _v_pairs_ok(q: torch.Tensor, v_buffer: torch.Tensor, block_dv: int) -> bool:
     )
 
 
+def _fp8_gluon_route(q, k_buffer, v_buffer, kv_indptr, kv_indices, num_kv_splits, logit_cap, batch_invariant):
+    """The `decode_fp8_gluon.GluonFp8DecodeConfig` with which ``ATTNSERVE_DECODE_FP8_GLUON``
+    (default off, read at every call; `decode_fp8_gluon.gluon_config_from_env`) routes this
+    stage 1 to the Gluon fp8 kernel, or None: the switch on, the call supported
+    (`gluon_fp8_decode_supported`), int32 indices and 16-byte aligned K/V rows."""
+    import os
+
+    from attnserve.attention.triton_ops.decode_fp8_gluon import (FP8_GLUON_ENV, _layout_ok, gluon_config_from_env,
+                                                                 gluon_fp8_decode_supported)
+
+    cfg = gluon_config_from_env(os.environ.get(FP8_GLUON_ENV))
+    if cfg is None or q.device.type != "cuda":
+        return None
+    if any(t.dtype != torch.int32 for t in (kv_indptr, kv_indices, num_kv_splits)):
+        return None
+    ok = gluon_fp8_decode_supported(
+        q.dtype, k_buffer.dtype, k_buffer.shape[2], v_buffer.shape[2], q.shape[1], k_buffer.shape[1],
+        float(logit_cap), torch.cuda.get_device_capability(q.device), batch_invariant=batch_invariant,
+    ) and _layout_ok(q, k_buffer, v_buffer)
+    return cfg if ok else None
+
+
 def _max_shared_mem(device: torch.device) -> int:
     """Opt-in shared memory per block (bytes) of a CUDA device; 0 on CPU or when unknown."""
     if device.type != "cuda":
@@ -447,6 +474,20 @@ def decode_attention_fwd(
     head_programs = hkv * head_blocks
     g = grid_splits or decode_grid_splits(bs, head_programs, max_kv_splits, device_num_sms(q.device))
     g = max(1, min(int(g), max_kv_splits))
+    gluon_cfg = None
+    if k_buffer.dtype == torch.float8_e4m3fn and not interpret:
+        gluon_cfg = _fp8_gluon_route(q, k_buffer, v_buffer, kv_indptr, kv_indices, num_kv_splits, logit_cap,
+                                     batch_invariant)
+    if gluon_cfg is not None:
+        from attnserve.attention.triton_ops.decode_fp8_gluon import gluon_fp8_decode_stage1
+
+        gluon_fp8_decode_stage1(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, attn_logits, attn_lse,
+                                num_kv_splits, max_kv_splits, sm_scale, g, k_scale=k_scale, v_scale=v_scale,
+                                config=gluon_cfg)
+        decode_stage2(attn_logits, attn_lse, o, kv_indptr, num_kv_splits, max_kv_splits,
+                      split_align=gluon_cfg.split_align, merge_block=cfg.merge_block,
+                      num_warps=cfg.stage2_warps, use_pdl=False, merge_heads=cfg.merge_heads)
+        return o
     block_d, block_dpe = _split_dims(dk)
     block_dv = max(16, triton.next_power_of_2(dv))
     compute_fp32 = interpret
