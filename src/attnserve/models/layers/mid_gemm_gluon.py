@@ -9,7 +9,8 @@ float32 workspace slots, optional PDL). This module holds the launch parameters
 the launcher.
 
 Determinism: every config is bit-reproducible (a split tile's partial sums are added in
-a fixed CTA order, whichever CTA finishes it); different grids may differ in low bits. `gluon_mid_linear_gated` is the fused ``gate_up``
+a fixed CTA order, whichever CTA finishes it); different grids may differ in low bits.
+`gluon_mid_linear_gated` is the fused ``gate_up``
 form with its SiLU / GELU-tanh gate.
 Measured against cuBLAS by ``benchmarks/midgemm_gluon.py``; compiled offline (no GPU) by
 ``scripts/midgemm_gluon_offline.py``.

@@ -345,7 +345,8 @@ def _gluon_mid_gemm_kernel(
     GATED (fused ``gate_up``): ``w`` is ``[2N, K]`` = ``[gate | up]`` (``N``: output columns);
     a tile is ``BLOCK_N`` gate rows and the up rows ``N`` further (twice the weight bytes and
     accumulators a stage); ``y = act(gate + b[:N]) * (up + b[N:])`` with ``ACT`` 0 SiLU, 1
-    GELU-tanh (float32); ``b [2N]``; a ``ws`` slot has the up rows after the gate rows. A gate box past ``N`` reads up rows: they feed only columns that are not stored.
+    GELU-tanh (float32); ``b [2N]``; a ``ws`` slot has the up rows after the gate rows. A gate
+    box past ``N`` reads up rows: they feed only columns that are not stored.
     """
     KC: gl.constexpr = BLOCK_K // CHUNK
     gl.static_assert(BLOCK_K % CHUNK == 0, "BLOCK_K must be a multiple of 64")
