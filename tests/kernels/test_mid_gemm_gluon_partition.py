@@ -210,7 +210,9 @@ def test_slot_plan(n_tiles, k_steps):
         read = [slot for parts in plan.values() for _, slot, _ in parts]
         assert sorted(read) == sorted(written), "every written slot read exactly once"
         assert all(len(p) >= 2 and sum(s for _, _, s in p) == k_steps for p in plan.values())
-        if grid * 1 == n_tiles or n_tiles % grid == 0:
+        # `_gather` reads slot 2c for every contributor after the first
+        assert all(slot == 2 * c for p in plan.values() for c, slot, _ in p[1:])
+        if n_tiles % grid == 0:
             assert plan == {}
         assert max((s for s in written), default=-1) < 2 * grid
 
