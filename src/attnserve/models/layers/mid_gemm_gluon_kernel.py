@@ -220,21 +220,32 @@ def _publish(ws_ptr, slot, acc, up, r_loc, cols, BLOCK_N: gl.constexpr, MP: gl.c
 
 
 @gluon.jit
-def _gather(ws_ptr, t, ks, T, G, up, r_loc, cols, BLOCK_N: gl.constexpr, MP: gl.constexpr, GATED: gl.constexpr):
+def _gather(ws_ptr, t, ks, T, G, up, r_loc, cols, BLOCK_N: gl.constexpr, MP: gl.constexpr, GATED: gl.constexpr,
+            PAIR: gl.constexpr):
     """Tile ``t``'s sum over its contributors' slots, CTAs ``c_first .. c_last`` in that fixed
     order (whichever CTA gathers: bit-reproducible). CTA ``c`` owns units ``[c T // G, (c + 1)
     T // G)``, so the owner of unit ``u`` is ``((u + 1) G - 1) // T``; its share of ``t`` is in
     slot ``2 c`` when its range starts inside ``t``, else (it began in an earlier tile, so
     ``t`` is its last segment) in slot ``2 c + 1`` (only ``c_first`` can be such a CTA). Loads
     bypass L1 (``.cg``); the sum starts from the first slot (no zero tensor: fewer registers).
-    ``up`` is returned as is unless GATED."""
+    ``up`` is returned as is unless GATED. ``PAIR`` (where registers allow a sum and two
+    slots): two slots loaded before their two additions, half the round trips."""
     H: gl.constexpr = 2 if GATED else 1
     c_first = ((t * ks + 1) * G - 1) // T
     c_last = ((t + 1) * ks * G - 1) // T
     slot0 = 2 * c_first + ((c_first * T // G) < t * ks).to(gl.int32)  # the others start inside t: 2 c
     tot = gl.load(_slot_ptrs(ws_ptr, slot0, r_loc, cols, 0, BLOCK_N, MP, H), cache_modifier=".cg")
-    for c in range(c_first + 1, c_last + 1):
-        tot += gl.load(_slot_ptrs(ws_ptr, 2 * c, r_loc, cols, 0, BLOCK_N, MP, H), cache_modifier=".cg")
+    if PAIR:  # two slots' loads in flight a round trip (the same additions, in the same order)
+        for c in range(c_first + 1, c_last, 2):
+            a = gl.load(_slot_ptrs(ws_ptr, 2 * c, r_loc, cols, 0, BLOCK_N, MP, H), cache_modifier=".cg")
+            b = gl.load(_slot_ptrs(ws_ptr, 2 * c + 2, r_loc, cols, 0, BLOCK_N, MP, H), cache_modifier=".cg")
+            tot = tot + a
+            tot = tot + b
+        if (c_last - c_first) % 2 == 1:
+            tot += gl.load(_slot_ptrs(ws_ptr, 2 * c_last, r_loc, cols, 0, BLOCK_N, MP, H), cache_modifier=".cg")
+    else:
+        for c in range(c_first + 1, c_last + 1):
+            tot += gl.load(_slot_ptrs(ws_ptr, 2 * c, r_loc, cols, 0, BLOCK_N, MP, H), cache_modifier=".cg")
     tu = up
     if GATED:  # a second pass: only one sum and one slot's loads in flight at a time (registers)
         tu = gl.load(_slot_ptrs(ws_ptr, slot0, r_loc, cols, 1, BLOCK_N, MP, H), cache_modifier=".cg")
@@ -255,6 +266,11 @@ def _consumer(w_s, x1_s, x2_s, ready, empty, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
     WG_ROWS: gl.constexpr = BLOCK_N // NUM_CONSUMERS
     MP: gl.constexpr = BLOCK_M1 + (BLOCK_M2 if HAS_M2 else 0)
     GROUPS: gl.constexpr = KC * H * (2 if HAS_M2 else 1)  # async wgmma groups issued per K step
+    # fixup gather: a sum and two slots of a piece (3 x its accumulator registers) within a
+    # consumer's budget (REGISTER_PLAN: 168 a thread with two consumers, 255 with one)?
+    SLACK: gl.constexpr = 120 if NUM_CONSUMERS == 2 else 200
+    PAIR1: gl.constexpr = (not GATED) and 3 * (WG_ROWS * BLOCK_M1 // 128) <= SLACK
+    PAIR2: gl.constexpr = (not GATED) and 3 * (WG_ROWS * BLOCK_M2 // 128) <= SLACK
     L1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M1, 16])
     L2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M2, 16])
     if USE_PDL:
@@ -315,10 +331,10 @@ def _consumer(w_s, x1_s, x2_s, ready, empty, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             done = gl.atomic_add(cnt, k_hi - k_lo, sem="acq_rel") + (k_hi - k_lo)
             if done == ks:
                 _fence_acq_rel_gpu()  # acquire in every thread before reading the other slots
-                tot1, tu1 = _gather(ws_ptr, t, ks, T, G, up1, r_loc, cols1, BLOCK_N, MP, GATED)
+                tot1, tu1 = _gather(ws_ptr, t, ks, T, G, up1, r_loc, cols1, BLOCK_N, MP, GATED, PAIR1)
                 _store_out(tot1, tu1, rows1, cols1, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED, ACT)
                 if HAS_M2:
-                    tot2, tu2 = _gather(ws_ptr, t, ks, T, G, up2, r_loc2, cols2, BLOCK_N, MP, GATED)
+                    tot2, tu2 = _gather(ws_ptr, t, ks, T, G, up2, r_loc2, cols2, BLOCK_N, MP, GATED, PAIR2)
                     _store_out(tot2, tu2, rows2, cols2, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED, ACT)
                 gl.atomic_xchg(cnt, 0, sem="relaxed")
 
