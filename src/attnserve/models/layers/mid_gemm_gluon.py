@@ -273,7 +273,8 @@ def launch_geometry(m: int, n: int, k: int, config: GluonMidGemmConfig, sm_count
     gated) block_n`` rows; 1 row when no tile is split) and ``counters``.
 
     Raises:
-        ValueError: a slot workspace past 2**31 elements (int32 offsets in the kernel).
+        ValueError: a slot workspace past 2**31 elements or units x grid past 2**31 (the
+            kernel's int32 offsets and owner arithmetic).
     """
     m1, m2 = m_pieces(m)
     n_tiles = -(-n // config.block_n)
@@ -281,9 +282,9 @@ def launch_geometry(m: int, n: int, k: int, config: GluonMidGemmConfig, sm_count
     grid = min(config.split_k * n_tiles or config.grid or sm_count, n_tiles * k_steps)
     partials = n_tiles % grid != 0
     ws_rows = 2 * grid * (1 + gated) * config.block_n if partials else 1
-    if ws_rows * (m1 + m2) >= 2**31:
-        raise ValueError(f"launch_geometry: {ws_rows} x {m1 + m2} workspace slots overflow int32 offsets "
-                         f"(grid {grid}); use a smaller grid")
+    if ws_rows * (m1 + m2) >= 2**31 or (n_tiles * k_steps + 1) * grid >= 2**31:
+        raise ValueError(f"launch_geometry: {ws_rows} x {m1 + m2} workspace slots or {n_tiles * k_steps} units x "
+                         f"grid {grid} overflow the kernel's int32 arithmetic; use a smaller grid")
     return dict(grid=grid, n_tiles=n_tiles, k_steps=k_steps, m1=m1, m2=m2, partials=partials,
                 ws_rows=ws_rows, ws_cols=m1 + m2, counters=n_tiles * config.num_consumers)
 
