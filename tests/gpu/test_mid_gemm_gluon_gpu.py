@@ -119,6 +119,7 @@ def _prepare(ws, m, n, k, cfg, gated=False):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     geo = launch_geometry(m, n, k, cfg, sms, gated)
     slots, cnt = ws.get(torch.device(DEV), geo["ws_rows"], geo["ws_cols"], geo["counters"])
+    assert len(ws.buffers) == 1, "the launch must find these buffers (one device key)"
     slots.fill_(float("nan"))
     return geo
 

@@ -206,6 +206,9 @@ class GluonMidGemmWorkspace:
 
     def get(self, device: torch.device, rows: int, cols: int, counters: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(slots [rows, cols] float32, counters [counters] int32 zeros)`` views on ``device``."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" share buffers
+            device = torch.device("cuda", torch.cuda.current_device())
         pairs = self.buffers.setdefault(str(device), [])
         if not pairs or pairs[-1][0].numel() < rows * cols or pairs[-1][1].numel() < counters:
             have = (pairs[-1][0].numel(), pairs[-1][1].numel()) if pairs else (0, 0)
