@@ -1,4 +1,4 @@
-"""Gluon warp-specialized stream-K mid GEMM (`mid_gemm_gluon`) vs cuBLAS on decode shapes, bf16.
+"""Gluon warp-specialized split-K / stream-K mid GEMM (`mid_gemm_gluon`) vs cuBLAS on decode shapes, bf16.
 
 ``PYTHONPATH=src python benchmarks/midgemm_gluon.py --out DIR [--ms ...] [--shapes qkv o ...] [--budget-s 200]``
 
@@ -13,13 +13,15 @@ against cuBLAS (``rel_err`` = max |ours - cuBLAS| / max |cuBLAS|, over 2e-2 it i
 timed), then timed as `benchmarks/midgemm.py` times its kernels: CUDA graph of >= 24 steps,
 each the model's producer (fused add + RMSNorm, PDL as the model launches it) then the
 GEMM, over weight copies spanning >= 256 MiB (L2 never holds the weight); GEMM µs = step µs
-- producer-alone µs; median of 10 replays. Prints a table and writes
+- producer-alone µs; median of 10 replays. Prints the best data-parallel, split-K and
+stream-K candidate per (shape, M) and writes
 ``midgemm_gluon-<device>.json`` (date, device, torch, triton, rows) into ``--out`` after
 every shape. ``--gated`` adds the fused gate_up projections (Llama-3-8B 28672 x 4096, Qwen3-0.6B
 6144 x 1024; `gluon_mid_linear_gated` with SiLU against cuBLAS + `silu_and_mul`), after the
 plain shapes (``--shapes gate_up --gated`` for those alone). About 3-4 minutes on an H100
-without ``--gated`` (mostly Gluon compiles: each config x M-piece
-pair x PDL flag once); ``--budget-s`` stops sweeping candidates after that many seconds.
+without ``--gated`` (mostly Gluon compiles: each of the 6 kernels x M-piece pair once; less
+after tests/gpu/test_mid_gemm_gluon_gpu.py, which compiles the same kernels);
+``--budget-s`` stops sweeping candidates after that many seconds (later rows: cuBLAS only).
 """
 
 from __future__ import annotations
@@ -42,30 +44,26 @@ M_VALUES = [32, 64, 96, 128, 144, 192, 256]
 #: ``--gated``: the fused gate_up projections (N = 2I weight rows), vs cuBLAS + `silu_and_mul`
 GATED_SHAPES = [("llama-3-8b", "gate_up", 28672, 4096), ("qwen3-0.6b", "gate_up", 6144, 1024)]
 ERR_LIMIT = 2e-2
-SPLIT_MAX = -(1 << 20)  # grid marker: floor(SMs / tiles) CTAs per tile
 
 
 def _candidates():
-    """``[(name, config)]``; ``grid`` 0: every SM (stream-K); -s (set per shape): ``s`` CTAs
-    per tile (-1: data-parallel, no workspace traffic; skipped where they exceed the SMs);
-    `SPLIT_MAX`: the most CTAs per tile that fit the SMs (even split-K, one segment a CTA)."""
+    """``[(name, config)]``. ``-sk``: stream-K over every SM (``grid`` 0); ``-kS``: split-K
+    by ``S`` (``split_k``: ``S * n_tiles`` CTAs, run only where they fit the SMs at once and
+    ``S`` <= the K steps); ``-k1``: data-parallel (no workspace traffic); ``-pdl``: with
+    programmatic dependent launch. Kernels: 2 x 64 rows (``n128c2``) at 6 and 4 stages, 1 x 64
+    rows (``n64c1``) at 6 and 4 stages (plain and PDL at 6)."""
     from attnserve.models.layers.mid_gemm_gluon import GluonMidGemmConfig as C
 
-    return [
-        ("n128k64s6c2", C(128, 64, 6, 2)),
-        ("n128k64s6c2-dp", C(128, 64, 6, 2, grid=-1)),
-        ("n128k64s6c2-x2", C(128, 64, 6, 2, grid=-2)),
-        ("n128k64s6c2-xmax", C(128, 64, 6, 2, grid=SPLIT_MAX)),
-        ("n128k64s6c2-pdl", C(128, 64, 6, 2, pdl=True)),
-        ("n128k128s3c2", C(128, 128, 3, 2)),
-        ("n256k64s4c2", C(256, 64, 4, 2)),
-        ("n256k64s4c2-dp", C(256, 64, 4, 2, grid=-1)),
-        ("n256k64s4c2-pdl", C(256, 64, 4, 2, pdl=True)),
-        ("n128k64s6c2-dp-pdl", C(128, 64, 6, 2, grid=-1, pdl=True)),
-        ("n64k64s6c1", C(64, 64, 6, 1)),
-        ("n64k64s6c1-dp", C(64, 64, 6, 1, grid=-1)),
-        ("n128k64s5c1", C(128, 64, 5, 1)),
-    ]
+    out = []
+    for base, (bn, st, nc) in (("n128c2s6", (128, 6, 2)), ("n64c1s6", (64, 6, 1))):
+        out.append((f"{base}-sk", C(bn, 64, st, nc)))
+        out.append((f"{base}-sk-pdl", C(bn, 64, st, nc, pdl=True)))
+        out += [(f"{base}-k{s}", C(bn, 64, st, nc, split_k=s)) for s in (1, 2, 3, 4, 6, 8)]
+        out += [(f"{base}-k{s}-pdl", C(bn, 64, st, nc, pdl=True, split_k=s)) for s in (2, 4, 8)]
+    for base, (bn, st, nc) in (("n128c2s4", (128, 4, 2)), ("n64c1s4", (64, 4, 1))):
+        out.append((f"{base}-sk", C(bn, 64, st, nc)))
+        out += [(f"{base}-k{s}", C(bn, 64, st, nc, split_k=s)) for s in (2, 4, 8)]
+    return out
 
 
 def _gated_candidates():
@@ -73,18 +71,18 @@ def _gated_candidates():
     from attnserve.models.layers.mid_gemm_gluon import GluonMidGemmConfig as C
 
     return [
-        ("g-n128k64s6c2", C(128, 64, 6, 2)),
-        ("g-n128k64s6c2-dp", C(128, 64, 6, 2, grid=-1)),
-        ("g-n128k64s6c2-pdl", C(128, 64, 6, 2, pdl=True)),
-        ("g-n64k64s6c1", C(64, 64, 6, 1)),
-        ("g-n64k64s6c1-dp", C(64, 64, 6, 1, grid=-1)),
+        ("g-n128k64s6c2-sk", C(128, 64, 6, 2)),
+        ("g-n128k64s6c2-k1", C(128, 64, 6, 2, split_k=1)),
+        ("g-n128k64s6c2-sk-pdl", C(128, 64, 6, 2, pdl=True)),
+        ("g-n64k64s6c1-sk", C(64, 64, 6, 1)),
+        ("g-n64k64s6c1-k1", C(64, 64, 6, 1, split_k=1)),
     ]
 
 
-#: the distinct kernels (grid and PDL are not compile-time choices of a config; the offline
-#: script compiles each with and without PDL)
-CANDIDATES = [(n, c) for n, c in _candidates() if c.grid == 0 and not c.pdl]
-GATED_CANDIDATES = [(n, c) for n, c in _gated_candidates() if c.grid == 0 and not c.pdl]
+#: the distinct kernels (grid, split and PDL are not compile-time choices of a config; the
+#: offline script compiles each with and without PDL)
+CANDIDATES = [(n, c) for n, c in _candidates() if c.grid == 0 and c.split_k == 0 and not c.pdl]
+GATED_CANDIDATES = [(n, c) for n, c in _gated_candidates() if c.grid == 0 and c.split_k == 0 and not c.pdl]
 
 
 def run_case(model, proj, n, k, m, sweep, gen, workspace, gated=False) -> dict:
@@ -117,15 +115,10 @@ def run_case(model, proj, n, k, m, sweep, gen, workspace, gated=False) -> dict:
            "cublas_us": cublas_us, "cublas_share": floor_us / cublas_us, "swept": sweep, "candidates": []}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, cfg in ((_gated_candidates() if gated else _candidates()) if sweep else ()):
-        if cfg.grid < 0:
+        if cfg.split_k > 1:
             tiles = -(-(n // 2 if gated else n) // cfg.block_n)
-            per_tile = max(1, sms // tiles) if cfg.grid == SPLIT_MAX else -cfg.grid
-            if cfg.grid == SPLIT_MAX and per_tile <= 2:
-                continue  # the same launch as the -dp / -x2 twins
-            grid = min(per_tile * tiles, tiles * -(-k // cfg.block_k))
-            if grid > sms and cfg.grid != SPLIT_MAX:
-                continue  # a twin only where its CTAs do not fill the SMs (else stream-K is the same)
-            cfg = dataclasses.replace(cfg, grid=grid)
+            if cfg.split_k * tiles > sms or cfg.split_k > -(-k // cfg.block_k):
+                continue  # more CTAs than SMs: the stream-K form covers that
         fit = fit_stages(cfg, m, gated)
         if fit is None:
             continue
@@ -152,19 +145,27 @@ def run_case(model, proj, n, k, m, sweep, gen, workspace, gated=False) -> dict:
     return row
 
 
+def _form(name: str) -> str:
+    """``dp`` / ``splitk`` / ``streamk`` of a candidate name (``-k1`` / ``-kS`` / ``-sk``)."""
+    parts = name.split("-")
+    if "sk" in parts:
+        return "streamk"
+    return "dp" if "k1" in parts else "splitk"
+
+
 def print_table(result: dict, gated: bool = False) -> None:
-    names = [n for n, _ in (_gated_candidates() if gated else _candidates())]
+    """Per (shape, M): floor, cuBLAS, the best of each form (µs and name) and the best overall."""
     print(f"\n{result['device']}: GEMM µs (CUDA graph, producer subtracted); floor = weight bytes at the copy rate")
-    print("columns: " + ", ".join(f"#{i} {n}" for i, n in enumerate(names)))
-    hdr = f"{'shape':<12}{'M':>4}{'floor':>7}{'cublas':>8}" + "".join(f"{'#' + str(i):>7}" for i in range(len(names)))
-    print(hdr + "  best (x cuBLAS)")
+    forms = ("dp", "splitk", "streamk")
+    print(f"{'shape':<12}{'M':>4}{'floor':>7}{'cublas':>8}" + "".join(f"{f:>30}" for f in forms) + "  best (x cuBLAS)")
     for r in result["rows"]:
         if r["gated"] != gated:
             continue
-        by = {c["name"].rsplit("-s", 1)[0] if c["name"].rsplit("-s", 1)[-1].isdigit() else c["name"]: c
-              for c in r["candidates"]}
-        cells = "".join(f"{by[n]['us']:>7.1f}" if n in by and "us" in by[n] else f"{'-' if n not in by else 'ERR':>7}"
-                        for n in names)
+        cells = ""
+        for f in forms:
+            timed = [c for c in r["candidates"] if "us" in c and _form(c["name"]) == f]
+            b = min(timed, key=lambda c: c["us"]) if timed else None
+            cells += f"{b['us']:>7.1f} {b['name'][:22]:<22}" if b else f"{'-':>30}"
         best = f"{r['best']} ({r['best_speedup']:.2f}x)" if "best" in r else "-"
         shape = r["model"][:5] + " " + r["proj"]
         print(f"{shape:<12}{r['M']:>4}{r['floor_us']:>7.1f}{r['cublas_us']:>8.1f}{cells}  {best}")

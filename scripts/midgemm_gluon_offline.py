@@ -6,7 +6,10 @@ Builds `_gluon_mid_gemm_kernel` through Triton (GluonASTSource, GPUTarget cuda 9
 every (row-piece pair of the benchmark's M values) x config of ``benchmarks/midgemm_gluon.py``
 (plain, then the gated ``g-`` ones; the kernel does not specialise on N, K or M values, only
 on the pieces and flags), runs ``ptxas -v`` and prints registers, spills, shared memory and PTX
-counts (wgmma, TMA copies, atomics, setmaxnreg). A failing compile is listed with its error.
+counts (wgmma, TMA copies, atomics, setmaxnreg), and ``loop_spill``: local-memory
+instructions (``LDL`` / ``STL``) of the SASS (``cuobjdump -sass``) inside the innermost loop
+(a backward branch) around an ``HGMMA`` - a K loop; it must be 0. A failing compile is listed with
+its error.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import re
+import subprocess
 import sys
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -65,6 +71,32 @@ def compile_config(cfg, m: int, has_bias: bool = True, pdl: bool = False, gated:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def k_loop_spills(cubin: bytes, cuobjdump: str) -> int:
+    """``LDL``/``STL`` count inside the innermost loops (backward ``BRA`` ranges) around the
+    ``HGMMA`` instructions, from the SASS of ``cubin``."""
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    ins = []  # (address, text)
+    for line in sass.splitlines():
+        mt = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if mt:
+            ins.append((int(mt.group(1), 16), mt.group(2)))
+    back = []  # backward branches: (target, branch address)
+    for addr, text in ins:
+        mb = re.search(r"\bBRA\s+(?:`?\(?)0x([0-9a-f]+)", text)
+        if mb and int(mb.group(1), 16) < addr:
+            back.append((int(mb.group(1), 16), addr))
+    loops = set()  # the innermost loop around each HGMMA: the K loops
+    for a, t in ins:
+        if "HGMMA" in t:
+            around = [(lo, hi) for lo, hi in back if lo <= a <= hi]
+            if around:
+                loops.add(min(around, key=lambda r: r[1] - r[0]))
+    return sum(1 for a, t in ins if re.search(r"\b(LDL|STL)\b", t) and any(lo <= a <= hi for lo, hi in loops))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ptxas", help="ptxas for the -v report (default: Triton's)")
@@ -73,6 +105,7 @@ def main(argv=None) -> int:
     from triton import knobs
 
     ptxas = args.ptxas or knobs.nvidia.ptxas.path
+    cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
     print(f"triton {triton.__version__}, ptxas {ptxas}", flush=True)
     ms = (144,) if args.quick else tuple(M_VALUES) + (17, 33, 200)  # the benchmark's and the tests' M values
     pieces = sorted({mg.m_pieces(m) for m in ms})
@@ -101,9 +134,11 @@ def main(argv=None) -> int:
                     ("wgmma", r"wgmma\.mma_async"), ("tma", r"cp\.async\.bulk\.tensor"),
                     ("atom", r"\b(?:atom|red)\.global"), ("setmaxnreg", r"setmaxnreg"),
                     ("gdc", r"griddepcontrol"))}
-                print(f"{label} regs {regs or '?'} spills {spill or '?'} shared {k.metadata.shared} "
-                      + " ".join(f"{x} {n}" for x, n in counts.items()), flush=True)
-    print(f"{bad} compile errors", flush=True)
+                loop_spill = k_loop_spills(k.asm["cubin"], cuobjdump)
+                bad += loop_spill > 0
+                print(f"{label} regs {regs or '?'} spills {spill or '?'} loop_spill {loop_spill} shared "
+                      f"{k.metadata.shared} " + " ".join(f"{x} {n}" for x, n in counts.items()), flush=True)
+    print(f"{bad} compile errors or K loops with spills", flush=True)
     return int(bad > 0)
 
 

@@ -2,14 +2,15 @@
 
 ``gluon_mid_linear(x, w, bias)`` = ``F.linear`` for a decode batch on sm_90 in one launch;
 `mid_gemm_gluon_kernel` explains the kernel (swap-AB wgmma tiles, TMA ring fed by a 1-warp
-loader, 1-2 consumer warpgroups, stream-K split with a self-cleaning float32 workspace,
-optional PDL). This module holds the launch parameters (`GluonMidGemmConfig`), the pure
-Python mirror of the stream-K partition (`stream_k_segments`, tested on the CPU), the
-caller-owned workspace cache (`GluonMidGemmWorkspace`) and the launcher.
+loader, 1-2 consumer warpgroups, stream-K or split-K with partial tiles fixed up through
+float32 workspace slots, optional PDL). This module holds the launch parameters
+(`GluonMidGemmConfig`), the pure Python mirrors of the stream-K partition and of the slot fixup (`stream_k_segments`,
+`slot_plan`, tested on the CPU), the caller-owned workspace (`GluonMidGemmWorkspace`) and
+the launcher.
 
-Determinism: a tile shared by three or more CTAs is summed with float32 atomics in arrival
-order, so its low bits may vary between runs; a data-parallel grid (``grid`` = tiles) or at
-most two CTAs a tile is bit-reproducible. `gluon_mid_linear_gated` is the fused ``gate_up``
+Determinism: every config is bit-reproducible (a split tile's partial sums are added in
+a fixed CTA order, whichever CTA finishes it); different grids may differ in low bits.
+`gluon_mid_linear_gated` is the fused ``gate_up``
 form with its SiLU / GELU-tanh gate.
 Measured against cuBLAS by ``benchmarks/midgemm_gluon.py``; compiled offline (no GPU) by
 ``scripts/midgemm_gluon_offline.py``.
@@ -19,7 +20,7 @@ Not selected by the engine: a caller opts in. Triton (3.6's Gluon API) is import
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -38,6 +39,7 @@ __all__ = [
     "gluon_mid_linear_gated",
     "launch_geometry",
     "operand_problems",
+    "slot_plan",
     "stream_k_segments",
 ]
 
@@ -73,6 +75,9 @@ class GluonMidGemmConfig:
             cdiv(N, block_n)`` is a data-parallel launch (no workspace traffic).
         pdl: launch with programmatic dependent launch (weight copies of the first stages
             before ``griddepcontrol.wait``); used only where `attnserve.pdl.pdl_enabled`.
+        split_k: when > 0, overrides ``grid`` with ``split_k * cdiv(N, block_n)`` CTAs (a
+            split-K by ``split_k``: each tile's K steps shared by ``split_k`` CTAs, one
+            segment each where ``split_k`` divides the K steps; 1 is data-parallel).
     """
 
     block_n: int = 128
@@ -81,6 +86,7 @@ class GluonMidGemmConfig:
     num_consumers: int = 2
     grid: int = 0
     pdl: bool = False
+    split_k: int = 0
 
     @property
     def wg_rows(self) -> int:
@@ -100,6 +106,8 @@ class GluonMidGemmConfig:
             problems.append("num_stages must be >= 2")
         if self.grid < 0:
             problems.append("grid must be >= 0 (0: SM count)")
+        if self.split_k < 0:
+            problems.append("split_k must be >= 0 (0: use grid)")
         if m is not None and not problems:
             if not 1 <= m <= MAX_MID_M:
                 problems.append(f"m={m} outside 1..{MAX_MID_M}")
@@ -128,8 +136,7 @@ def fit_stages(config: GluonMidGemmConfig, m: int, gated: bool = False) -> Optio
     """``config`` with as many of its stages as fit shared memory at ``m`` rows (>= 2), or
     None when it cannot run there (accumulators over the register plan, or no ring fits)."""
     while config.num_stages > 2 and config.smem_bytes(m, gated) > SMEM_LIMIT:
-        config = GluonMidGemmConfig(config.block_n, config.block_k, config.num_stages - 1, config.num_consumers,
-                                    config.grid, config.pdl)
+        config = replace(config, num_stages=config.num_stages - 1)
     try:
         config.validate(m, gated)
     except ValueError:
@@ -175,27 +182,44 @@ def stream_k_segments(n_tiles: int, k_steps: int, grid: int) -> List[List[Tuple[
 
 @dataclass
 class GluonMidGemmWorkspace:
-    """Caller-owned cache of the stream-K workspaces (float32 partial sums and int32 tile
-    counters), one pair per ``(device, rows, cols, counters)``. Each is zeroed once when
-    created and left zero by every launch (the last CTA of a tile re-zeros it), so a CUDA
-    graph replays without memsets. Create the buffers before capturing a graph (call once
-    eagerly, e.g. in warm-up): a buffer created inside a capture is allocated from the
-    graph's pool. Buffers are never freed while the object lives (captured graphs hold
-    their addresses). One object per stream: two launches sharing a workspace must not
-    run concurrently (stream order or PDL's wait orders consecutive ones).
+    """Caller-owned stream-K / split-K workspace: float32 partial-tile slots and int32 tile
+    counters, shared by every launch on one device (each launch takes a prefix of the
+    newest, largest pair). The slots need no zeroing (a launch overwrites a slot before
+    reading it); the counters are zeroed once when created and left zero by every launch
+    (the last CTA of a tile resets its counter), so a CUDA graph replays without memsets.
+    Create the buffers before capturing a graph (call once eagerly, e.g. in warm-up, with
+    the largest launch first): a buffer created inside a capture is allocated from the
+    graph's pool. A launch needing more than the newest pair holds gets a new, larger pair;
+    old ones are kept (captured graphs hold their addresses) until the object is dropped.
+    One object per stream: two launches sharing a workspace must not run concurrently
+    (stream order or PDL's wait orders consecutive ones).
 
     Kept in an object the caller owns (a model runner, a benchmark) rather than in module
     state: its lifetime is the caller's and tests get fresh ones.
+
+    Attributes:
+        buffers: ``str(device) -> [(slots float32 [n], counters int32 [c]), ...]``, oldest
+            first.
     """
 
-    buffers: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    buffers: Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
     def get(self, device: torch.device, rows: int, cols: int, counters: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        key = (str(device), rows, cols, counters)
-        if key not in self.buffers:
-            self.buffers[key] = (torch.zeros((rows, cols), dtype=torch.float32, device=device),
-                                 torch.zeros((counters,), dtype=torch.int32, device=device))
-        return self.buffers[key]
+        """``(slots [rows, cols] float32, counters [counters] int32 zeros)`` views on ``device``."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" share buffers
+            device = torch.device("cuda", torch.cuda.current_device())
+        pairs = self.buffers.setdefault(str(device), [])
+        if not pairs or pairs[-1][0].numel() < rows * cols or pairs[-1][1].numel() < counters:
+            have = (pairs[-1][0].numel(), pairs[-1][1].numel()) if pairs else (0, 0)
+            pairs.append((torch.empty((max(rows * cols, have[0]),), dtype=torch.float32, device=device),
+                          torch.zeros((max(counters, have[1]),), dtype=torch.int32, device=device)))
+        slots, cnt = pairs[-1]
+        return slots[:rows * cols].view(rows, cols), cnt[:counters]
+
+    def counters(self) -> List[torch.Tensor]:
+        """Every counter buffer held (all zero between launches)."""
+        return [cnt for pairs in self.buffers.values() for _, cnt in pairs]
 
 
 def operand_problems(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -246,14 +270,48 @@ def _descriptor(t: torch.Tensor, rows: int, box_rows: int):
 
 def launch_geometry(m: int, n: int, k: int, config: GluonMidGemmConfig, sm_count: int, gated: bool = False) -> dict:
     """Grid and workspace geometry of a launch for ``n`` output columns (pure arithmetic;
-    the benchmark and the tests use it too)."""
+    the benchmark and the tests use it too): ``grid``, ``n_tiles``, ``k_steps``, row pieces
+    ``m1``/``m2``, ``partials`` (some tile is split between CTAs: ``grid`` does not divide
+    ``n_tiles``), the slot workspace ``ws_rows x ws_cols`` (``2 grid`` slots of ``(1 +
+    gated) block_n`` rows; 1 row when no tile is split) and ``counters``.
+
+    Raises:
+        ValueError: a slot workspace past 2**31 elements or units x grid past 2**31 (the
+            kernel's int32 offsets and owner arithmetic).
+    """
     m1, m2 = m_pieces(m)
     n_tiles = -(-n // config.block_n)
     k_steps = -(-k // config.block_k)
-    grid = min(config.grid or sm_count, n_tiles * k_steps)
-    return dict(grid=grid, n_tiles=n_tiles, k_steps=k_steps, m1=m1, m2=m2,
-                ws_rows=(1 + gated) * n_tiles * config.block_n, ws_cols=m1 + m2,
-                counters=n_tiles * config.num_consumers)
+    grid = min(config.split_k * n_tiles or config.grid or sm_count, n_tiles * k_steps)
+    partials = n_tiles % grid != 0
+    ws_rows = 2 * grid * (1 + gated) * config.block_n if partials else 1
+    if ws_rows * (m1 + m2) >= 2**31 or (n_tiles * k_steps + 1) * grid >= 2**31:
+        raise ValueError(f"launch_geometry: {ws_rows} x {m1 + m2} workspace slots or {n_tiles * k_steps} units x "
+                         f"grid {grid} overflow the kernel's int32 arithmetic; use a smaller grid")
+    return dict(grid=grid, n_tiles=n_tiles, k_steps=k_steps, m1=m1, m2=m2, partials=partials,
+                ws_rows=ws_rows, ws_cols=m1 + m2, counters=n_tiles * config.num_consumers)
+
+
+def slot_plan(n_tiles: int, k_steps: int, grid: int) -> Dict[int, List[Tuple[int, int, int]]]:
+    """The kernel's fixup plan, in Python: for each split tile, its contributors in the
+    order the finisher sums them, as ``(cta, slot, k_steps_of_the_share)``. Mirrors
+    `mid_gemm_gluon_kernel._gather` (contributors ``((u + 1) G - 1) // T`` for the tile's
+    first and last unit ``u``, slot ``2 c`` if the CTA's range starts inside the tile, else
+    ``2 c + 1``) and `_consumer`'s choice of its own slot; whole tiles are absent."""
+    total = n_tiles * k_steps
+    plan = {}
+    for t in range(n_tiles):
+        c_first = ((t * k_steps + 1) * grid - 1) // total
+        c_last = ((t + 1) * k_steps * grid - 1) // total
+        if c_first == c_last:
+            continue  # one CTA holds all of it: written directly
+        parts = []
+        for c in range(c_first, c_last + 1):
+            u0, u1 = c * total // grid, (c + 1) * total // grid
+            share = min(u1, (t + 1) * k_steps) - max(u0, t * k_steps)
+            parts.append((c, 2 * c + int(u0 < t * k_steps), share))
+        plan[t] = parts
+    return plan
 
 
 def _launch(x, w, bias, config, workspace, act: Optional[int]) -> torch.Tensor:
@@ -310,13 +368,12 @@ def gluon_mid_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
         bias: optional ``[N]`` of ``x``'s dtype.
         config: launch parameters (default: `default_gluon_config`).
         workspace: the caller's `GluonMidGemmWorkspace`; needed for CUDA-graph capture of a
-            config whose tiles are shared between CTAs (else a fresh zeroed one is made per
-            call: two memsets and allocations).
+            config whose tiles are shared between CTAs (else a fresh one is made per call:
+            two allocations and a memset of the counters).
 
     Returns:
-        new ``[M, N]`` tensor of ``x``'s dtype. Tiles shared by several CTAs are summed
-        with float32 atomics, so with three or more CTAs on a tile the low bits may
-        differ between runs.
+        new ``[M, N]`` tensor of ``x``'s dtype, bit-reproducible for a given config and
+        grid (split tiles are summed in a fixed order).
 
     Raises:
         ValueError: operands `gluon_mid_gemm_supported` rejects, or an invalid config.

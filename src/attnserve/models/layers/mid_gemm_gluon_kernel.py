@@ -11,15 +11,22 @@
 * Stream-K (Osama et al., "Stream-K: Work-centric Parallel Decomposition for Dense
   Matrix-Matrix Multiplication on the GPU", PPoPP 2023): the ``n_tiles x k_steps`` units
   are cut into ``G`` (= grid) contiguous, equal ranges; CTA ``c`` owns units
-  ``[c * T // G, (c + 1) * T // G)``. A tile segment that covers all ``k_steps`` is written
-  directly; a partial one is added (float32 atomics) into the workspace ``ws
-  [n_tiles * BLOCK_N, BLOCK_M1 + BLOCK_M2]`` (token-contiguous, so a thread's pair of
-  accumulator columns is one 8-byte chunk), then the consumer adds its number of ``K``
-  steps to the tile's counter (acq-rel, after a fence in every thread and a warpgroup
-  barrier: the threadfence-reduction pattern). The one whose count completes ``k_steps``
-  reads the sum back with atomic exchanges against 0 (read and re-zero in one pass), resets the counter and writes
-  ``y``: the workspace is clean after every launch, so no memset is ever launched.
-  ``G == n_tiles`` is a plain data-parallel launch (every tile whole, no atomics).
+  ``[c * T // G, (c + 1) * T // G)``, so a CTA holds at most two partial tile segments
+  (its first and its last; the ones between are whole tiles, written directly). Fixup by
+  partials in workspace slots (the serial split-K / stream-K reduction of CUTLASS's
+  stream-K scheduler, our own code): a partial segment's float32 accumulators go, with
+  plain coalesced stores (``st.global.cg``, 8-byte chunks), into the CTA's own slot ``2 c``
+  (first segment) or ``2 c + 1`` (last) of ``ws [2 G, H * BLOCK_N, MP]``; then a release
+  (``fence.acq_rel.gpu`` in every thread, a warpgroup barrier, one acq-rel atomic add of the
+  segment's K steps to the tile's counter, one per consumer warpgroup). The CTA whose add
+  completes ``k_steps`` (the last arriver, in any order) fences (acquire), reads the
+  contributors' slots with plain ``ld.global.cg`` loads in CTA order (its own included, so
+  the sum's order does not depend on who arrives last: bit-reproducible), adds the bias,
+  writes ``y`` and resets the counter. Slots are overwritten, never accumulated into, so
+  the data needs no zeroing; the counters are left zero, so no memset is ever launched and
+  no CTA waits for another (any grid size is deadlock-free). ``G`` dividing ``n_tiles`` is a
+  data-parallel launch (whole tiles only, no workspace traffic); ``G = S * n_tiles`` is a
+  split-K by ``S`` (``S`` dividing ``k_steps``: one segment a CTA).
 * Gated (constexpr ``GATED``): the fused ``gate_up`` projection and its SiLU / GELU-tanh
   gate in the epilogue (each consumer holds gate and up accumulators of its rows).
 * Warp specialization (``gl.warp_specialize``): a 1-warp loader issues the TMA copies of
@@ -180,11 +187,6 @@ def _store_out(acc, up, rows, cols, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: gl.
 
 
 @gluon.jit
-def _ws_ptrs(ws_ptr, rows, cols, MP: gl.constexpr):
-    return ws_ptr + rows[:, None] * MP + cols[None, :]
-
-
-@gluon.jit
 def _wait_all(acc1, acc2, up1, up2, N_OUT: gl.constexpr, HAS_M2: gl.constexpr, GATED: gl.constexpr):
     """``warpgroup_mma_wait(N_OUT)`` over the accumulators in use (the others pass through)."""
     if GATED:
@@ -201,20 +203,55 @@ def _wait_all(acc1, acc2, up1, up2, N_OUT: gl.constexpr, HAS_M2: gl.constexpr, G
 
 
 @gluon.jit
-def _publish(ws_ptr, acc, up, rows, cols, n_pad, MP: gl.constexpr, GATED: gl.constexpr):
-    """Add a partial tile (gate and, GATED, up rows ``n_pad`` further) into the workspace."""
-    gl.atomic_add(_ws_ptrs(ws_ptr, rows, cols, MP), acc, sem="relaxed")
-    if GATED:
-        gl.atomic_add(_ws_ptrs(ws_ptr, rows + n_pad, cols, MP), up, sem="relaxed")
+def _slot_ptrs(ws_ptr, slot, r_loc, cols, h, BLOCK_N: gl.constexpr, MP: gl.constexpr, H: gl.constexpr):
+    """Rows ``r_loc`` (tile-local) x ``cols`` of workspace slot ``slot`` (``[H * BLOCK_N, MP]``
+    float32, token-contiguous: a thread's pair of accumulator columns is one 8-byte chunk);
+    ``h`` 1 is the up half."""
+    return ws_ptr + slot * (H * BLOCK_N * MP) + (h * BLOCK_N + r_loc)[:, None] * MP + cols[None, :]
 
 
 @gluon.jit
-def _collect(ws_ptr, acc, up, rows, cols, n_pad, MP: gl.constexpr, GATED: gl.constexpr):
-    """The summed tile (and up tile) read back from the workspace, which is left zero."""
-    acc = gl.atomic_xchg(_ws_ptrs(ws_ptr, rows, cols, MP), gl.zeros_like(acc), sem="relaxed")
+def _publish(ws_ptr, slot, acc, up, r_loc, cols, BLOCK_N: gl.constexpr, MP: gl.constexpr, GATED: gl.constexpr):
+    """A partial tile (and up tile) written, plain stores past L1, into this CTA's slot."""
+    H: gl.constexpr = 2 if GATED else 1
+    gl.store(_slot_ptrs(ws_ptr, slot, r_loc, cols, 0, BLOCK_N, MP, H), acc, cache_modifier=".cg")
     if GATED:
-        up = gl.atomic_xchg(_ws_ptrs(ws_ptr, rows + n_pad, cols, MP), gl.zeros_like(up), sem="relaxed")
-    return acc, up
+        gl.store(_slot_ptrs(ws_ptr, slot, r_loc, cols, 1, BLOCK_N, MP, H), up, cache_modifier=".cg")
+
+
+@gluon.jit
+def _gather(ws_ptr, t, ks, T, G, up, r_loc, cols, BLOCK_N: gl.constexpr, MP: gl.constexpr, GATED: gl.constexpr,
+            PAIR: gl.constexpr):
+    """Tile ``t``'s sum over its contributors' slots, CTAs ``c_first .. c_last`` in that fixed
+    order (whichever CTA gathers: bit-reproducible). CTA ``c`` owns units ``[c T // G, (c + 1)
+    T // G)``, so the owner of unit ``u`` is ``((u + 1) G - 1) // T``; its share of ``t`` is in
+    slot ``2 c`` when its range starts inside ``t``, else (it began in an earlier tile, so
+    ``t`` is its last segment) in slot ``2 c + 1`` (only ``c_first`` can be such a CTA). Loads
+    bypass L1 (``.cg``); the sum starts from the first slot (no zero tensor: fewer registers).
+    ``up`` is returned as is unless GATED. ``PAIR`` (where registers allow a sum and two
+    slots): two slots loaded before their two additions, half the round trips."""
+    H: gl.constexpr = 2 if GATED else 1
+    c_first = ((t * ks + 1) * G - 1) // T
+    c_last = ((t + 1) * ks * G - 1) // T
+    slot0 = 2 * c_first + ((c_first * T // G) < t * ks).to(gl.int32)  # the others start inside t: 2 c
+    tot = gl.load(_slot_ptrs(ws_ptr, slot0, r_loc, cols, 0, BLOCK_N, MP, H), cache_modifier=".cg")
+    if PAIR:  # two slots' loads in flight a round trip (the same additions, in the same order)
+        for c in range(c_first + 1, c_last, 2):
+            a = gl.load(_slot_ptrs(ws_ptr, 2 * c, r_loc, cols, 0, BLOCK_N, MP, H), cache_modifier=".cg")
+            b = gl.load(_slot_ptrs(ws_ptr, 2 * c + 2, r_loc, cols, 0, BLOCK_N, MP, H), cache_modifier=".cg")
+            tot = tot + a
+            tot = tot + b
+        if (c_last - c_first) % 2 == 1:
+            tot += gl.load(_slot_ptrs(ws_ptr, 2 * c_last, r_loc, cols, 0, BLOCK_N, MP, H), cache_modifier=".cg")
+    else:
+        for c in range(c_first + 1, c_last + 1):
+            tot += gl.load(_slot_ptrs(ws_ptr, 2 * c, r_loc, cols, 0, BLOCK_N, MP, H), cache_modifier=".cg")
+    tu = up
+    if GATED:  # a second pass: only one sum and one slot's loads in flight at a time (registers)
+        tu = gl.load(_slot_ptrs(ws_ptr, slot0, r_loc, cols, 1, BLOCK_N, MP, H), cache_modifier=".cg")
+        for c in range(c_first + 1, c_last + 1):
+            tu += gl.load(_slot_ptrs(ws_ptr, 2 * c, r_loc, cols, 1, BLOCK_N, MP, H), cache_modifier=".cg")
+    return tot, tu
 
 
 @gluon.jit
@@ -229,12 +266,19 @@ def _consumer(w_s, x1_s, x2_s, ready, empty, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
     WG_ROWS: gl.constexpr = BLOCK_N // NUM_CONSUMERS
     MP: gl.constexpr = BLOCK_M1 + (BLOCK_M2 if HAS_M2 else 0)
     GROUPS: gl.constexpr = KC * H * (2 if HAS_M2 else 1)  # async wgmma groups issued per K step
+    # fixup gather: a sum and two slots of a piece (3 x its accumulator registers) within a
+    # consumer's budget (REGISTER_PLAN: 168 a thread with two consumers, 255 with one)?
+    SLACK: gl.constexpr = 120 if NUM_CONSUMERS == 2 else 200
+    PAIR1: gl.constexpr = (not GATED) and 3 * (WG_ROWS * BLOCK_M1 // 128) <= SLACK
+    PAIR2: gl.constexpr = (not GATED) and 3 * (WG_ROWS * BLOCK_M2 // 128) <= SLACK
     L1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M1, 16])
     L2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M2, 16])
     if USE_PDL:
         _gdc_wait()  # y, the workspace and the counters are touched only after the kernel before
     ks, u0, u1 = _my_units(N, K, BLOCK_N, BLOCK_K)
-    n_pad = gl.cdiv(N, BLOCK_N) * BLOCK_N  # workspace rows of the gate half (GATED: up rows follow)
+    pid = gl.program_id(0)
+    G = gl.num_programs(0)
+    T = gl.cdiv(N, BLOCK_N) * ks  # units
     ROW0: gl.constexpr = WG * WG_ROWS
     r_loc = gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, L1)) + ROW0
     r_loc2 = gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, L2)) + ROW0
@@ -276,19 +320,21 @@ def _consumer(w_s, x1_s, x2_s, ready, empty, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             _store_out(acc1, up1, rows1, cols1, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED, ACT)
             if HAS_M2:
                 _store_out(acc2, up2, rows2, cols2, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED, ACT)
-        else:  # a share of it: add into the workspace; the last to arrive writes the tile
-            _publish(ws_ptr, acc1, up1, rows1, cols1, n_pad, MP, GATED)
+        else:  # a share of it: into this CTA's slot; the last to arrive sums the slots, writes y
+            slot = 2 * pid + (u0 < t * ks).to(gl.int32)  # 0: first segment, 1: last segment
+            _publish(ws_ptr, slot, acc1, up1, r_loc, cols1, BLOCK_N, MP, GATED)
             if HAS_M2:
-                _publish(ws_ptr, acc2, up2, rows2, cols2, n_pad, MP, GATED)
-            _fence_acq_rel_gpu()  # every thread's adds ordered before the counter's release
+                _publish(ws_ptr, slot, acc2, up2, r_loc2, cols2, BLOCK_N, MP, GATED)
+            _fence_acq_rel_gpu()  # every thread's stores ordered before the counter's release
             gl.thread_barrier()
             cnt = cnt_ptr + t * NUM_CONSUMERS + WG
             done = gl.atomic_add(cnt, k_hi - k_lo, sem="acq_rel") + (k_hi - k_lo)
             if done == ks:
-                tot1, tu1 = _collect(ws_ptr, acc1, up1, rows1, cols1, n_pad, MP, GATED)
+                _fence_acq_rel_gpu()  # acquire in every thread before reading the other slots
+                tot1, tu1 = _gather(ws_ptr, t, ks, T, G, up1, r_loc, cols1, BLOCK_N, MP, GATED, PAIR1)
                 _store_out(tot1, tu1, rows1, cols1, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED, ACT)
                 if HAS_M2:
-                    tot2, tu2 = _collect(ws_ptr, acc2, up2, rows2, cols2, n_pad, MP, GATED)
+                    tot2, tu2 = _gather(ws_ptr, t, ks, T, G, up2, r_loc2, cols2, BLOCK_N, MP, GATED, PAIR2)
                     _store_out(tot2, tu2, rows2, cols2, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, GATED, ACT)
                 gl.atomic_xchg(cnt, 0, sem="relaxed")
 
@@ -308,15 +354,15 @@ def _gluon_mid_gemm_kernel(
     ``w_desc``: TMA descriptor of ``W [N, K]`` with ``[BLOCK_N / NUM_CONSUMERS, 64]`` boxes; ``x1_desc`` /
     ``x2_desc``: of ``x [M, K]`` with ``[BLOCK_M1, 64]`` / ``[BLOCK_M2, 64]`` boxes (x2 unused
     without HAS_M2); all 128-byte swizzled. ``b [N]`` read when HAS_BIAS; ``y [M, N]`` rows
-    ``stride_ym`` apart. ``ws``: float32 zeros ``[cdiv(N, BLOCK_N) * BLOCK_N, BLOCK_M1 +
-    BLOCK_M2 * HAS_M2]``, ``cnt``: int32 zeros ``[cdiv(N, BLOCK_N) * NUM_CONSUMERS]`` (left
-    zero on exit).
+    ``stride_ym`` apart. ``ws``: float32 slots ``[2 G, H * BLOCK_N, BLOCK_M1 + BLOCK_M2 *
+    HAS_M2]`` (any contents; unused when every tile is whole), ``cnt``: int32 zeros
+    ``[cdiv(N, BLOCK_N) * NUM_CONSUMERS]`` (left zero on exit).
 
     GATED (fused ``gate_up``): ``w`` is ``[2N, K]`` = ``[gate | up]`` (``N``: output columns);
     a tile is ``BLOCK_N`` gate rows and the up rows ``N`` further (twice the weight bytes and
     accumulators a stage); ``y = act(gate + b[:N]) * (up + b[N:])`` with ``ACT`` 0 SiLU, 1
-    GELU-tanh (float32); ``b [2N]``; ``ws`` has twice the rows (the up half after the gate
-    half). A gate box past ``N`` reads up rows: they feed only columns that are not stored.
+    GELU-tanh (float32); ``b [2N]``; a ``ws`` slot has the up rows after the gate rows. A gate
+    box past ``N`` reads up rows: they feed only columns that are not stored.
     """
     KC: gl.constexpr = BLOCK_K // CHUNK
     gl.static_assert(BLOCK_K % CHUNK == 0, "BLOCK_K must be a multiple of 64")
