@@ -24,6 +24,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from attnserve.attention.triton_ops.prefill_gluon import DEFAULT_CONFIG, GluonPrefillConfig
 from attnserve.attention.triton_ops.prefill_gluon_kernel import _prefill_fwd_kernel
+from attnserve.attention.triton_ops.prefill_gluon_prefix_kernel import _prefill_prefix_fwd_kernel
 
 CONFIGS = {
     "default 128x128 s2": DEFAULT_CONFIG,
@@ -51,6 +52,38 @@ def compile_config(cfg: GluonPrefillConfig, group: int = 4, from_indptr: bool = 
             sig[n] = f"*{dtype}"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif n in ("start_ptr", "len_ptr"):
+            sig[n] = idx_ty
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n == "qk_scale":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+            if n.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=1, maxnreg=cfg.maxnreg))
+
+
+def compile_prefix_config(cfg: GluonPrefillConfig, group: int = 4, idx_ty: str = "*i32", dtype: str = "bf16"):
+    """The cached-prefix specialization (`prefill_gluon_prefix_kernel`), strides 16-divisible."""
+    fn = _prefill_prefix_fwd_kernel
+    names = fn.arg_names
+    sw = repr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    const = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                 CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs)
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in const:
+            sig[n] = "constexpr"
+        elif n == "q_desc":
+            sig[n] = f"tensordesc<{dtype}[{cfg.block_m // 2}, 128],{sw}>"
+        elif n in ("k_desc", "v_desc"):
+            sig[n] = f"tensordesc<{dtype}[{cfg.block_n}, 128],{sw}>"
+        elif n in ("out_ptr", "k_buf_ptr", "v_buf_ptr"):
+            sig[n] = f"*{dtype}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in ("qo_indptr_ptr", "kv_indptr_ptr", "kv_indices_ptr"):
             sig[n] = idx_ty
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif n == "qk_scale":
