@@ -39,13 +39,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from attnserve.attention.triton_ops.prefill_gluon_partitions import (
     HALF_M,
     HEAD_D,
+    O_LAYOUT,
     O_ROWS,
     _p_operand,
     _rows_o,
     _softmax,
     _stage,
     _take_turn,
-    O_LAYOUT,
 )
 
 __all__: list[str] = []
