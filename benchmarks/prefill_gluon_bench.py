@@ -2,6 +2,12 @@
 
 ``PYTHONPATH=src python benchmarks/prefill_gluon_bench.py [--rounds 3] [--cases 1x8190,...] [--out DIR]``
 
+Cases ``<bs>x<len>`` are plain prefills; ``<bs>x<prefix>+<len>`` (e.g. ``1x4096+4096``,
+``4x2048+2048``, ``1x8192+8192``: `PREFIX_CASES`) give each request a cached prefix of
+``prefix`` tokens at page-size-1 slots in shuffled order of a bf16 pool (the Gluon prefix
+specialization against the Triton kernel with ``has_prefix=True``); their FLOPs count the
+prefix, ``4 * Hq * D * (len * prefix + len^2 / 2)`` a request (`prefill_gluon.attention_flops`).
+
 Llama-3-8B's attention shape (Hq 32, Hkv 8, D 128, bf16), plain causal prefills (no cached
 prefix) of ``CASES``: 1 x 8,190, 4 x 2,048, 16 x 512 and 2 x 4,096 tokens, for the Gluon
 configurations of ``VARIANTS`` (``--variants``; the first is the default). Per case, first
@@ -42,44 +48,71 @@ from attnserve.attention.triton_ops.extend_attention import extend_attention_fwd
 from attnserve.attention.triton_ops.prefill_gluon import (  # noqa: E402
     DEFAULT_CONFIG,
     GluonPrefillConfig,
-    causal_flops,
+    attention_flops,
     gluon_prefill_fwd,
 )
 from attnserve.bench.results import cuda_run_metadata, write_result  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 CASES = {"1x8190": (8190, 1), "4x2048": (2048, 4), "16x512": (512, 16), "2x4096": (4096, 2)}
+PREFIX_CASES = ("1x4096+4096", "4x2048+2048", "1x8192+8192")
 # Gluon configurations timed: the default (key tiles of 128, a 2-deep K/V ring: FA3's choice for
 # D 128), a 3-deep ring (224 KB of shared memory), 64-key tiles with a 3-deep ring
 VARIANTS = {"gluon": DEFAULT_CONFIG, "gluon-s3": GluonPrefillConfig(stages=3),
             "gluon-n64s3": GluonPrefillConfig(block_n=64, stages=3)}
 
 
-def build_case(n: int, bs: int, seed: int = 0) -> dict:
+def parse_case(name: str) -> tuple:
+    """``(bs, prefix, len)`` of a case name ``<bs>x<len>`` or ``<bs>x<prefix>+<len>``."""
+    if name in CASES:
+        return CASES[name][1], 0, CASES[name][0]
+    bs, rest = name.split("x")
+    prefix, n = rest.split("+") if "+" in rest else (0, rest)
+    return int(bs), int(prefix), int(n)
+
+
+def build_case(n: int, bs: int, seed: int = 0, prefix: int = 0) -> dict:
     g = torch.Generator(device="cuda").manual_seed(seed)
     t = n * bs
-    mk = lambda h: torch.randn(t, h, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
-    q, k, v = mk(HQ), mk(HKV), mk(HKV)
+    mk = lambda rows, h: torch.randn(rows, h, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v = mk(t, HQ), mk(t, HKV), mk(t, HKV)
     qo = torch.arange(bs + 1, device="cuda", dtype=torch.int32) * n
-    return dict(q=q, k=k, v=v, qo=qo, starts=qo[:-1].clone(), lens=torch.full((bs,), n, device="cuda",
-                dtype=torch.int32), zeros=torch.zeros(bs + 1, device="cuda", dtype=torch.int32),
-                buf=torch.zeros(1, HKV, D, device="cuda", dtype=torch.bfloat16), n=n, bs=bs,
-                o=torch.empty_like(q))
+    c = dict(q=q, k=k, v=v, qo=qo, starts=qo[:-1].clone(), lens=torch.full((bs,), n, device="cuda",
+             dtype=torch.int32), zeros=torch.zeros(bs + 1, device="cuda", dtype=torch.int32),
+             buf=torch.zeros(1, HKV, D, device="cuda", dtype=torch.bfloat16), n=n, bs=bs, prefix=prefix,
+             o=torch.empty_like(q))
+    if prefix:  # page-size-1 slots of a pool with 64 spare slots, shuffled
+        slots = bs * prefix + 64
+        c.update(k_buf=mk(slots, HKV), v_buf=mk(slots, HKV),
+                 kv=torch.arange(bs + 1, device="cuda", dtype=torch.int32) * prefix,
+                 idx=torch.randperm(slots, device="cuda", generator=g)[:bs * prefix].to(torch.int32))
+    return c
 
 
 def run_triton(c: dict) -> None:
+    if c["prefix"]:
+        extend_attention_fwd(c["q"], c["k"], c["v"], c["o"], c["k_buf"], c["v_buf"], c["qo"], c["kv"], c["idx"],
+                             None, True, None, c["n"], D ** -0.5, has_prefix=True)
+        return
     extend_attention_fwd(c["q"], c["k"], c["v"], c["o"], c["buf"], c["buf"], c["qo"], c["zeros"], c["zeros"][:1],
                          None, True, None, c["n"], D ** -0.5, has_prefix=False)
 
 
 def run_gluon(c: dict, cfg: GluonPrefillConfig = DEFAULT_CONFIG) -> None:
+    if c["prefix"]:
+        gluon_prefill_fwd(c["q"], c["k"], c["v"], c["o"], None, None, c["n"], D ** -0.5, qo_indptr=c["qo"],
+                          config=cfg, k_buffer=c["k_buf"], v_buffer=c["v_buf"], kv_indptr=c["kv"],
+                          kv_indices=c["idx"])
+        return
     gluon_prefill_fwd(c["q"], c["k"], c["v"], c["o"], c["starts"], c["lens"], c["n"], D ** -0.5, config=cfg)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated '<bs>x<len>' cases (default {list(CASES)})")
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help=f"comma-separated '<bs>x<len>' or '<bs>x<prefix>+<len>' cases (default {list(CASES)}; "
+                         f"with a prefix e.g. {list(PREFIX_CASES)})")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated of {list(VARIANTS)}")
     ap.add_argument("--hang-s", type=float, default=120.0, help="abort if the first Gluon launch takes longer")
     ap.add_argument("--out", default="benchmarks/results")
@@ -87,6 +120,7 @@ def main(argv=None) -> int:
     import os
 
     os.environ["ATTNSERVE_EXTEND_GLUON"] = "0"  # the Triton side must be the Triton kernel
+    os.environ.pop("ATTNSERVE_EXTEND_GLUON_PREFIX", None)
     t0 = time.perf_counter()
     from attnserve.bench.offline_random import measure_device_rates
 
@@ -95,8 +129,8 @@ def main(argv=None) -> int:
     variants = [x for x in args.variants.split(",") if x]
     res = {"matmul_bf16_tflops": mm / 1e12, "shape": dict(hq=HQ, hkv=HKV, d=D, dtype="bfloat16"), "cases": {}}
     for name in [x for x in args.cases.split(",") if x]:
-        bs, n = CASES[name][::-1] if name in CASES else map(int, name.split("x"))  # any "<bs>x<len>"
-        c = build_case(n, bs)
+        bs, prefix, n = parse_case(name)
+        c = build_case(n, bs, prefix=prefix)
         run_triton(c)
         torch.cuda.synchronize()
         o_tr = c["o"].clone()
@@ -132,26 +166,26 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             for k, fn in runs.items():
                 times[k].append(graph_us(lambda: fn(c), calls=5))
-        flops = causal_flops([n] * bs, HQ, D)
+        flops = attention_flops([n] * bs, [prefix] * bs, HQ, D)
         for k, ts in times.items():
             us = statistics.median(ts)
             rows[k].update(us=us, rounds_us=ts, tflops=flops / (us * 1e-6) / 1e12, pct_matmul=100 * flops / (us * 1e-6) / mm)
         for k, r in rows.items():
             if "us" in r and k != "triton":
                 r["speedup_vs_triton"] = rows["triton"]["us"] / r["us"]
-        res["cases"][name] = dict(n=n, bs=bs, flops=flops, rows=rows)
+        res["cases"][name] = dict(n=n, bs=bs, prefix=prefix, flops=flops, rows=rows)
         line = " | ".join(f"{k} {r['us']:.1f} us {r['tflops']:.0f} TFLOP/s" for k, r in rows.items() if "us" in r)
         print(f"{name}: {line} ({time.perf_counter() - t0:.0f} s)", flush=True)
         del c
         torch.cuda.empty_cache()
     res.update(cuda_run_metadata("prefill-gluon", t0))
-    print(f"{'case':8s} " + " ".join(f"{k + ' us':>16s} {'TF/s':>5s}" for k in ["triton", *variants]))
+    print(f"{'case':12s} " + " ".join(f"{k + ' us':>16s} {'TF/s':>5s}" for k in ["triton", *variants]))
     for name, cs in res["cases"].items():
         cells = []
         for k in ["triton", *variants]:
             r = cs["rows"][k]
             cells.append(f"{r.get('us', math.nan):16.1f} {r.get('tflops', math.nan):5.0f}")
-        print(f"{name:8s} " + " ".join(cells), flush=True)
+        print(f"{name:12s} " + " ".join(cells), flush=True)
     write_result(res, args.out, "prefill-gluon", "cuda")
     return 0
 

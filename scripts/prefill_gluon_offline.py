@@ -4,6 +4,8 @@
 
 Compiles `prefill_gluon_kernel._prefill_fwd_kernel` through Triton for sm_90a (bf16, group
 4, the JIT's 16-divisibility of pointers and strides assumed) for each configuration below,
+and the cached-prefix specialization `prefill_gluon_prefix_kernel._prefill_prefix_fwd_kernel`
+(``--prefix``: also its cp.async gathers, their 16-byte width and the mbarrier arrivals),
 then runs ``ptxas -v`` and prints registers, spills, shared memory, the TMA descriptors'
 boxes, PTX counts (wgmma, wgmma waits, TMA loads, mbarrier waits, setmaxnreg) and any
 ptxas warning (e.g. wgmma serialization). Install the device's Triton with ``pip install
@@ -24,6 +26,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from attnserve.attention.triton_ops.prefill_gluon import DEFAULT_CONFIG, GluonPrefillConfig
 from attnserve.attention.triton_ops.prefill_gluon_kernel import _prefill_fwd_kernel
+from attnserve.attention.triton_ops.prefill_gluon_prefix_kernel import _prefill_prefix_fwd_kernel
 
 CONFIGS = {
     "default 128x128 s2": DEFAULT_CONFIG,
@@ -64,6 +67,38 @@ def compile_config(cfg: GluonPrefillConfig, group: int = 4, from_indptr: bool = 
                           options=dict(num_warps=4, num_stages=1, maxnreg=cfg.maxnreg))
 
 
+def compile_prefix_config(cfg: GluonPrefillConfig, group: int = 4, idx_ty: str = "*i32", dtype: str = "bf16"):
+    """The cached-prefix specialization (`prefill_gluon_prefix_kernel`), strides 16-divisible."""
+    fn = _prefill_prefix_fwd_kernel
+    names = fn.arg_names
+    sw = repr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    const = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                 CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs)
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in const:
+            sig[n] = "constexpr"
+        elif n == "q_desc":
+            sig[n] = f"tensordesc<{dtype}[{cfg.block_m // 2}, 128],{sw}>"
+        elif n in ("k_desc", "v_desc"):
+            sig[n] = f"tensordesc<{dtype}[{cfg.block_n}, 128],{sw}>"
+        elif n in ("out_ptr", "k_buf_ptr", "v_buf_ptr"):
+            sig[n] = f"*{dtype}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in ("qo_indptr_ptr", "kv_indptr_ptr", "kv_indices_ptr"):
+            sig[n] = idx_ty
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n == "qk_scale":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+            if n.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=1, maxnreg=cfg.maxnreg))
+
+
 def ptxas_verbose(ptx: str, ptxas: str) -> str:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
@@ -75,11 +110,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ptxas", help="ptxas for the -v report (default: Triton's)")
     ap.add_argument("--dump", help="write each config's PTX and TTGIR here")
+    ap.add_argument("--prefix", action="store_true", help="only the cached-prefix specialization")
     args = ap.parse_args(argv)
     from triton import knobs
 
     ptxas = args.ptxas or knobs.nvidia.ptxas.path
     print(f"triton {triton.__version__}, ptxas {ptxas}", flush=True)
+    if args.prefix:
+        return prefix_report(ptxas, args.dump)
     for label, cfg in CONFIGS.items():
         try:
             k = compile_config(cfg)
@@ -112,6 +150,38 @@ def main(argv=None) -> int:
             print(f"{label:22s} compiled, spill stores {spill}", flush=True)
         except Exception as e:
             print(f"{label:22s} COMPILE ERROR {type(e).__name__}: {str(e)[:2000]}", flush=True)
+    return 0
+
+
+def prefix_report(ptxas: str, dump=None) -> int:
+    """Registers, spills, shared memory and the gather / barrier instruction counts of the
+    cached-prefix specialization, per configuration and launch variant."""
+    runs = [("prefix default", DEFAULT_CONFIG, {}), ("prefix 128x64 s3", GluonPrefillConfig(block_n=64, stages=3), {}),
+            ("prefix group 1", DEFAULT_CONFIG, dict(group=1)), ("prefix group 8", DEFAULT_CONFIG, dict(group=8)),
+            ("prefix int64 idx", DEFAULT_CONFIG, dict(idx_ty="*i64")), ("prefix fp16", DEFAULT_CONFIG, dict(dtype="fp16"))]
+    for label, cfg, kw in runs:
+        try:
+            k = compile_prefix_config(cfg, **kw)
+        except Exception as e:  # report, go on
+            print(f"{label:22s} COMPILE ERROR {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            continue
+        ptx = k.asm["ptx"]
+        if dump:
+            slug = re.sub(r"\W+", "_", label)
+            open(f"{dump}/{slug}.ptx", "w").write(ptx)
+        out = ptxas_verbose(ptx, ptxas)
+        regs = re.findall(r"Used (\d+) registers", out)
+        spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+        counts = {x: len(re.findall(p, ptx)) for x, p in (
+            ("wgmma", r"wgmma\.mma_async"), ("tma", r"cp\.async\.bulk\.tensor"),
+            ("cp.async16", r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10"),
+            ("cp.async.mbar", r"cp\.async\.mbarrier\.arrive\.noinc"), ("fence.proxy", r"fence\.proxy\.async"),
+            ("setmaxnreg", r"setmaxnreg"))}
+        nregs = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
+        print(f"{label:22s} regs {regs} spills {spill} shared {k.metadata.shared} setmaxnreg {nregs} "
+              + " ".join(f"{x} {n}" for x, n in counts.items()), flush=True)
+        for w in [ln.strip() for ln in out.splitlines() if "arning" in ln]:
+            print(f"    ptxas: {w}", flush=True)
     return 0
 
 

@@ -132,3 +132,75 @@ def test_fwd_rejects_unsupported_inputs():
     lens = torch.tensor([300], dtype=torch.int32)
     with pytest.raises(ValueError, match="unsupported"):
         pg.gluon_prefill_fwd(q, k, v, o, lens * 0, lens, 300, 0.1)
+
+
+def test_attention_flops_with_prefix():
+    # 4 * Hq * D * (E * P + E^2 / 2): 1 x (4096 prefix + 4096 new), 32 heads
+    assert pg.attention_flops([4096], [4096], 32) == 4 * 32 * 128 * (4096 * 4096 + 4096 * 4096 / 2)
+    assert pg.attention_flops([3, 5], [0, 0], 2, 64) == pg.causal_flops([3, 5], 2, 64)
+    assert pg.attention_flops([1, 2], [7, 0], 1, 1) == 4 * (1 * 7 + 0.5) + 4 * (0 + 2)
+
+
+def _cache(slots=50, hkv=8, d=128, dtype=torch.bfloat16):
+    return torch.zeros(slots, hkv, d, dtype=dtype)
+
+
+def test_supported_predicate_with_prefix():
+    q, k, v, o = _inputs()
+    sm90 = dict(capability=(9, 0), has_prefix=True)
+    kb, vb = _cache(), _cache()
+    assert pg.gluon_prefill_supported(q, k, v, o, k_buffer=kb, v_buffer=vb, **sm90)
+    assert not pg.gluon_prefill_supported(q, k, v, o, **sm90)  # no buffers
+    assert not pg.gluon_prefill_supported(q, k, v, o, k_buffer=kb, v_buffer=None, **sm90)
+    assert not pg.gluon_prefill_supported(q, k, v, o, k_buffer=kb, v_buffer=vb, k_scale=0.5, **sm90)
+    assert not pg.gluon_prefill_supported(q, k, v, o, k_buffer=kb, v_buffer=vb, v_scale=2.0, **sm90)
+    # fp8 or fp16 cache with bf16 q, wrong head count or head dim
+    f8 = getattr(torch, "float8_e4m3fn", torch.float16)
+    assert not pg.gluon_prefill_supported(q, k, v, o, k_buffer=kb.to(f8), v_buffer=vb.to(f8), **sm90)
+    assert not pg.gluon_prefill_supported(q, k, v, o, k_buffer=kb.half(), v_buffer=vb.half(), **sm90)
+    assert not pg.gluon_prefill_supported(q, k, v, o, k_buffer=_cache(hkv=4), v_buffer=_cache(hkv=4), **sm90)
+    assert not pg.gluon_prefill_supported(q, k, v, o, k_buffer=_cache(d=64), v_buffer=_cache(d=64), **sm90)
+    # K and V halves of one [slots, 2, Hkv, D] pool are fine; a slot stride of 4 bytes is not
+    kv = torch.zeros(50, 2, 8, 128, dtype=torch.bfloat16)
+    assert pg.gluon_prefill_supported(q, k, v, o, k_buffer=kv[:, 0], v_buffer=kv[:, 1], **sm90)
+    odd = torch.zeros(50 * 8 * 128 + 2, dtype=torch.bfloat16)[2:].view(50, 8, 128)  # base 4-byte aligned
+    assert not pg.gluon_prefill_supported(q, k, v, o, k_buffer=odd, v_buffer=vb, **sm90)
+    # the other limits still apply with a prefix
+    assert not pg.gluon_prefill_supported(q, k, v, o, k_buffer=kb, v_buffer=vb, sliding_window_size=64, **sm90)
+    assert not pg.gluon_prefill_supported(q, k, v, o, k_buffer=kb, v_buffer=vb, capability=(8, 0), has_prefix=True)
+    # without has_prefix the buffers are not looked at
+    assert pg.gluon_prefill_supported(q, k, v, o, k_buffer=kb.half(), capability=(9, 0))
+
+
+def test_prefix_switch(monkeypatch):
+    from attnserve.attention.triton_ops.extend_attention import _use_gluon_prefill
+
+    monkeypatch.delenv(pg.GLUON_PREFILL_ENV, raising=False)
+    monkeypatch.delenv(pg.GLUON_PREFILL_PREFIX_ENV, raising=False)
+    # prefixes: off by default whatever the length or the main switch
+    assert not pg.gluon_prefill_enabled(8190, has_prefix=True)
+    monkeypatch.setenv(pg.GLUON_PREFILL_ENV, "1")
+    assert not pg.gluon_prefill_enabled(8190, has_prefix=True)
+    assert pg.gluon_prefill_enabled(8190)  # plain prefills unaffected
+    # on: the main switch / the length rule on the new tokens decide, as for plain prefills
+    monkeypatch.setenv(pg.GLUON_PREFILL_PREFIX_ENV, "1")
+    assert pg.gluon_prefill_enabled(1, has_prefix=True)
+    monkeypatch.delenv(pg.GLUON_PREFILL_ENV)
+    assert not pg.gluon_prefill_enabled(pg.GLUON_PREFILL_MIN_LEN - 1, has_prefix=True)
+    assert pg.gluon_prefill_enabled(pg.GLUON_PREFILL_MIN_LEN, has_prefix=True)
+    assert not pg.gluon_prefill_enabled(8190, batch_invariant=True, has_prefix=True)
+    monkeypatch.setenv(pg.GLUON_PREFILL_ENV, "0")
+    assert not pg.gluon_prefill_enabled(8190, has_prefix=True)
+    monkeypatch.setenv(pg.GLUON_PREFILL_PREFIX_ENV, "0")
+    monkeypatch.setenv(pg.GLUON_PREFILL_ENV, "1")
+    assert not pg.gluon_prefill_enabled(8190, has_prefix=True)
+    # CPU tensors: switched on, still not taken
+    monkeypatch.setenv(pg.GLUON_PREFILL_PREFIX_ENV, "1")
+    assert not _use_gluon_prefill(*_inputs(), True, None, 0.0, -1, 8190, False, True, _cache(), _cache())
+
+
+def test_fwd_with_prefix_needs_indices():
+    q, k, v, o = _inputs()
+    qo = torch.tensor([0, 300], dtype=torch.int32)
+    with pytest.raises(ValueError):  # CPU tensors: unsupported before the index check
+        pg.gluon_prefill_fwd(q, k, v, o, None, None, 300, 0.1, qo_indptr=qo, k_buffer=_cache(), v_buffer=_cache())

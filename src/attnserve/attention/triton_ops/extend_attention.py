@@ -240,18 +240,22 @@ def _extend_fwd_kernel(
 
 
 def _use_gluon_prefill(q_extend, k_extend, v_extend, o_extend, is_causal, custom_mask, logit_cap,
-                       sliding_window_size, max_len_extend: int = 0, batch_invariant: bool = False) -> bool:
-    """The Gluon kernel for this plain causal prefill (`prefill_gluon.gluon_prefill_enabled`:
+                       sliding_window_size, max_len_extend: int = 0, batch_invariant: bool = False,
+                       has_prefix: bool = False, k_buffer=None, v_buffer=None, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> bool:
+    """The Gluon kernel for this causal prefill (`prefill_gluon.gluon_prefill_enabled`:
     ``ATTNSERVE_EXTEND_GLUON``, else by ``max_len_extend``, never for ``batch_invariant``
-    launches by default) where `prefill_gluon.gluon_prefill_supported` (sm_90). Its bits differ
-    from this kernel's (other tiles), within bf16 rounding."""
+    launches by default; with ``has_prefix`` only under ``ATTNSERVE_EXTEND_GLUON_PREFIX``)
+    where `prefill_gluon.gluon_prefill_supported` (sm_90; a prefix needs a 16-bit cache of
+    scale 1). Its bits differ from this kernel's (other tiles), within bf16 rounding."""
     from attnserve.attention.triton_ops.prefill_gluon import gluon_prefill_enabled, gluon_prefill_supported
 
-    if not gluon_prefill_enabled(max_len_extend, batch_invariant):
+    if not gluon_prefill_enabled(max_len_extend, batch_invariant, has_prefix=bool(has_prefix)):
         return False
     return gluon_prefill_supported(q_extend, k_extend, v_extend, o_extend, is_causal=bool(is_causal),
-                                   has_prefix=False, custom_mask=custom_mask, logit_cap=float(logit_cap),
-                                   sliding_window_size=-1 if sliding_window_size is None else int(sliding_window_size))
+                                   has_prefix=bool(has_prefix), custom_mask=custom_mask, logit_cap=float(logit_cap),
+                                   sliding_window_size=-1 if sliding_window_size is None else int(sliding_window_size),
+                                   k_buffer=k_buffer, v_buffer=v_buffer, k_scale=k_scale, v_scale=v_scale)
 
 
 def _new_token_descriptors(k_extend: torch.Tensor, v_extend: torch.Tensor, block_n: int, interpret: bool):
@@ -341,7 +345,9 @@ def extend_attention_fwd(
             plain causal prefills on sm_90 (bf16/fp16, D 128, no window / cap / mask,
             ``has_prefix=False``) whose longest request has >= ``GLUON_PREFILL_MIN_LEN``
             tokens run the Gluon kernel (`prefill_gluon.gluon_prefill_fwd`); the switch
-            ``ATTNSERVE_EXTEND_GLUON`` (1 / 0) overrides the length rule.
+            ``ATTNSERVE_EXTEND_GLUON`` (1 / 0) overrides the length rule. With
+            ``has_prefix`` (a 16-bit cache, scales 1) the same rule applies only while
+            ``ATTNSERVE_EXTEND_GLUON_PREFIX`` is on (default off).
         has_prefix: False promises that no request has a cached prefix (a plain prefill:
             ``kv_indptr`` all zeros); the prefix stage is then compiled out and the
             buffers are not read, and the default config has no separate prefix tile.
@@ -417,13 +423,17 @@ def extend_attention_fwd(
         raise ValueError("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
     if bs == 0 or t == 0 or max_len_extend <= 0:
         return o_extend
-    if config is None and not interpret and not has_prefix and _use_gluon_prefill(
+    if config is None and not interpret and _use_gluon_prefill(
             q_extend, k_extend, v_extend, o_extend, is_causal, custom_mask, logit_cap, sliding_window_size,
-            int(max_len_extend), bool(batch_invariant)):
+            int(max_len_extend), bool(batch_invariant), bool(has_prefix), k_buffer, v_buffer, k_scale, v_scale):
         from attnserve.attention.triton_ops.prefill_gluon import gluon_prefill_fwd
 
+        if not has_prefix:
+            return gluon_prefill_fwd(q_extend, k_extend, v_extend, o_extend, None, None, int(max_len_extend),
+                                     float(sm_scale), qo_indptr=qo_indptr)
         return gluon_prefill_fwd(q_extend, k_extend, v_extend, o_extend, None, None, int(max_len_extend),
-                                 float(sm_scale), qo_indptr=qo_indptr)
+                                 float(sm_scale), qo_indptr=qo_indptr, k_buffer=k_buffer, v_buffer=v_buffer,
+                                 kv_indptr=kv_indptr, kv_indices=kv_indices)
 
     if config is None:
         cuda = q_extend.device.type == "cuda" and not interpret

@@ -2,10 +2,14 @@
 FlashAttention-3 (Shah et al., "FlashAttention-3: Fast and Accurate Attention with Asynchrony
 and Low-precision", 2024; read for the algorithm, not copied).
 
-Scope: plain prefills (no cached prefix) of a ragged batch, bf16 / fp16, head dim 128,
-``Hq % Hkv == 0``, causal, no sliding window, logit cap or custom mask (those keep the
-Triton extend kernel, `extend_attention`). Request ``b`` owns rows ``extend_start_loc[b] ..
-+ extend_seq_lens[b]`` of ``q_extend`` / ``k_extend`` / ``v_extend`` / ``o_extend``.
+Scope: prefills of a ragged batch, bf16 / fp16, head dim 128, ``Hq % Hkv == 0``, causal, no
+sliding window, logit cap or custom mask (those keep the Triton extend kernel,
+`extend_attention`). Request ``b`` owns rows ``extend_start_loc[b] .. + extend_seq_lens[b]``
+of ``q_extend`` / ``k_extend`` / ``v_extend`` / ``o_extend``. With ``k_buffer`` /
+``v_buffer`` given (a 16-bit paged KV cache, scales 1), request ``b`` also attends to its
+cached prefix, the token slots ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` (any page
+size): a separate specialization, `prefill_gluon_prefix_kernel`, whose loader gathers those
+rows by cp.async after the new-token tiles (the plain kernel is unchanged).
 
 One program (a CTA of 3 warpgroups) computes 128 query rows of one request and one query
 head: grid ``(Hq, bs, cdiv(max_len_extend, 128))``, the query tiles with the most keys
@@ -36,6 +40,10 @@ GLUON_PREFILL_ENV = "ATTNSERVE_EXTEND_GLUON"
 #: kernel. H100, Llama-3-8B heads (`benchmarks/prefill_gluon_bench.py`, 2026-11-27): Gluon /
 #: Triton default 1.25x at 1 x 8,190 and 2 x 4,096, 1.14x at 4 x 2,048, 0.96x at 16 x 512.
 GLUON_PREFILL_MIN_LEN = 1024
+#: launches with a cached prefix take the Gluon kernel only with this switch on (default off
+#: until measured); the length rule then applies to the new tokens (``max_len_extend``: the
+#: prefix lengths live on the device and the route must not read them)
+GLUON_PREFILL_PREFIX_ENV = "ATTNSERVE_EXTEND_GLUON_PREFIX"
 _LOG2E = 1.4426950408889634
 
 
@@ -82,19 +90,22 @@ class GluonPrefillConfig:
 DEFAULT_CONFIG = GluonPrefillConfig()
 
 
-def gluon_prefill_enabled(max_len_extend: int = 0, batch_invariant: bool = False) -> bool:
-    """Whether the extend kernel's plain causal prefills on sm_90 run `gluon_prefill_fwd`.
+def gluon_prefill_enabled(max_len_extend: int = 0, batch_invariant: bool = False, has_prefix: bool = False) -> bool:
+    """Whether the extend kernel's causal prefills on sm_90 run `gluon_prefill_fwd`.
 
     ``ATTNSERVE_EXTEND_GLUON`` (read at every call): set, it decides (`env_options.env_flag`:
     on unless ``0`` / ``off`` / ...); unset or empty (auto), a launch whose longest request has
-    ``max_len_extend >= GLUON_PREFILL_MIN_LEN`` tokens takes it, unless ``batch_invariant``
+    ``max_len_extend >= GLUON_PREFILL_MIN_LEN`` new tokens takes it, unless ``batch_invariant``
     (``--enable-deterministic-inference``: the kernel must not depend on the rest of the batch,
-    and the length rule does).
+    and the length rule does). ``has_prefix`` launches (cached prefixes) need
+    ``ATTNSERVE_EXTEND_GLUON_PREFIX`` on as well (default off), then follow the same rule.
     """
     import os
 
     from attnserve.env_options import env_flag
 
+    if has_prefix and not env_flag(GLUON_PREFILL_PREFIX_ENV, default=False):
+        return False
     if os.environ.get(GLUON_PREFILL_ENV, "").strip():
         return env_flag(GLUON_PREFILL_ENV)
     return not batch_invariant and int(max_len_extend) >= GLUON_PREFILL_MIN_LEN
@@ -120,18 +131,45 @@ def causal_flops(seq_lens, num_q_heads: int, head_dim: int = 128) -> float:
     return float(sum(4 * num_q_heads * head_dim * int(n) * int(n) / 2 for n in seq_lens))
 
 
+def attention_flops(ext_lens, prefix_lens, num_q_heads: int, head_dim: int = 128) -> float:
+    """FLOPs of causal attention over a cached prefix: a request of ``E`` new tokens over ``P``
+    prefix keys does ``4 * Hq * D * (E * P + E^2 / 2)`` (every new token sees all ``P`` prefix
+    keys, then the causal half of its own; `causal_flops` for ``P = 0``)."""
+    return float(sum(4 * num_q_heads * head_dim * (int(e) * int(p) + int(e) * int(e) / 2)
+                     for e, p in zip(ext_lens, prefix_lens)))
+
+
+def _cache_ok(buf, like: torch.Tensor, hkv: int) -> bool:
+    """A paged cache ``[num_slots, Hkv, 128]`` in q's dtype whose 256-byte rows cp.async can
+    read 16 bytes at a time (base, slot and head strides 16-byte aligned, dims contiguous)."""
+    if buf is None or buf.dim() != 3 or buf.dtype != like.dtype or tuple(buf.shape[1:]) != (hkv, 128):
+        return False
+    e = buf.element_size()
+    return (buf.stride(2) == 1 and buf.data_ptr() % 16 == 0 and (buf.stride(0) * e) % 16 == 0
+            and (buf.stride(1) * e) % 16 == 0 and buf.device == like.device)
+
+
 def gluon_prefill_supported(q_extend: torch.Tensor, k_extend: torch.Tensor, v_extend: torch.Tensor,
                             o_extend: torch.Tensor, *, is_causal: bool = True, has_prefix: bool = False,
                             custom_mask=None, logit_cap: float = 0.0, sliding_window_size: int = -1,
-                            capability=None) -> bool:
+                            capability=None, k_buffer: Optional[torch.Tensor] = None,
+                            v_buffer: Optional[torch.Tensor] = None, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> bool:
     """Whether `gluon_prefill_fwd` can compute this launch: a CUDA device of compute
     capability 9.0 (``capability``: given, or read from q's device), q/k/v/o of one 16-bit
-    dtype (bf16 / fp16), head dim 128 for q, k, v and o, ``Hq % Hkv == 0``, causal, no cached
-    prefix, custom mask, logit cap or sliding window, and TMA-readable q / k / v (each head's
-    128 values contiguous and heads packed: ``stride(2) == 1``, ``stride(1) == 128``; rows and
-    base 16-byte aligned). Never raises; False for anything else (e.g. CPU tensors)."""
+    dtype (bf16 / fp16), head dim 128 for q, k, v and o, ``Hq % Hkv == 0``, causal, no
+    custom mask, logit cap or sliding window, and TMA-readable q / k / v (each head's 128
+    values contiguous and heads packed: ``stride(2) == 1``, ``stride(1) == 128``; rows and
+    base 16-byte aligned). ``has_prefix`` (a cached prefix) also needs ``k_buffer`` /
+    ``v_buffer`` ``[num_slots, Hkv, 128]`` in q's dtype with 16-byte aligned base and strides
+    and scales 1 (fp8 caches keep the Triton kernel). Never raises; False for anything else
+    (e.g. CPU tensors)."""
     try:
-        if not is_causal or has_prefix or custom_mask is not None or logit_cap > 0:
+        if not is_causal or custom_mask is not None or logit_cap > 0:
+            return False
+        if has_prefix and (float(k_scale) != 1.0 or float(v_scale) != 1.0
+                           or not _cache_ok(k_buffer, q_extend, k_extend.shape[1])
+                           or not _cache_ok(v_buffer, q_extend, k_extend.shape[1])):
             return False
         if sliding_window_size is not None and sliding_window_size >= 0:
             return False
@@ -162,8 +200,12 @@ def gluon_prefill_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_extend: 
                       o_extend: torch.Tensor, extend_start_loc: Optional[torch.Tensor],
                       extend_seq_lens: Optional[torch.Tensor], max_len_extend: int, sm_scale: float, *,
                       qo_indptr: Optional[torch.Tensor] = None,
-                      config: Optional[GluonPrefillConfig] = None) -> torch.Tensor:
-    """Causal attention of each request's new tokens over each other (no prefix).
+                      config: Optional[GluonPrefillConfig] = None,
+                      k_buffer: Optional[torch.Tensor] = None, v_buffer: Optional[torch.Tensor] = None,
+                      kv_indptr: Optional[torch.Tensor] = None,
+                      kv_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of each request's new tokens over each other and, with ``k_buffer``
+    given, over its cached prefix first.
 
     Args:
         q_extend: ``[T, Hq, 128]``; k_extend / v_extend: ``[T, Hkv, 128]`` (bf16 or fp16, one
@@ -175,16 +217,26 @@ def gluon_prefill_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_extend: 
         max_len_extend: host int >= every length (sets the grid; no device read).
         sm_scale: softmax scale (host float).
         config: launch parameters (default `DEFAULT_CONFIG`).
+        k_buffer / v_buffer: the paged cache ``[num_slots, Hkv, 128]`` in q's dtype (scale 1),
+            or None (no prefix: the plain kernel). With them: ``kv_indptr`` int32 / int64
+            ``[>= bs + 1]`` and ``kv_indices`` (int32 / int64 token slots): request ``b``'s
+            prefix is ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` (keys before its new
+            tokens, all visible to them); ``qo_indptr`` is required.
 
     Returns ``o_extend``. No host synchronisation (CUDA-graph capturable: the TMA descriptors
     are kernel parameters built on the host from fixed addresses).
 
     Raises:
         ValueError: unsupported inputs (`gluon_prefill_supported` is False) or an invalid
-            config, or neither start/length tensors nor ``qo_indptr``.
+            config, or neither start/length tensors nor ``qo_indptr``; a prefix without
+            ``qo_indptr``, ``kv_indptr`` and ``kv_indices``.
     """
-    if not gluon_prefill_supported(q_extend, k_extend, v_extend, o_extend):
+    has_prefix = k_buffer is not None or v_buffer is not None
+    if not gluon_prefill_supported(q_extend, k_extend, v_extend, o_extend, has_prefix=has_prefix,
+                                   k_buffer=k_buffer, v_buffer=v_buffer):
         raise ValueError("gluon_prefill_fwd: unsupported inputs (needs sm_90, bf16/fp16, D 128, TMA-aligned q/k/v)")
+    if has_prefix and (qo_indptr is None or kv_indptr is None or kv_indices is None):
+        raise ValueError("gluon_prefill_fwd with a prefix needs qo_indptr, kv_indptr and kv_indices")
     cfg = (config or DEFAULT_CONFIG).validate()
     if qo_indptr is not None:
         starts, lens, from_indptr = qo_indptr, qo_indptr, True
@@ -209,6 +261,20 @@ def gluon_prefill_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_extend: 
 
     def desc(x, rows):
         return TensorDescriptor(x, [x.shape[0], x.shape[1] * d], [x.stride(0), 1], [rows, d], sw)
+
+    if has_prefix:
+        from attnserve.attention.triton_ops.prefill_gluon_prefix_kernel import _prefill_prefix_fwd_kernel
+
+        _prefill_prefix_fwd_kernel[(hq, bs, n_m)](
+            desc(q_extend, cfg.block_m // 2), desc(k_extend, cfg.block_n), desc(v_extend, cfg.block_n),
+            o_extend, qo_indptr, k_buffer, v_buffer, kv_indptr, kv_indices,
+            o_extend.stride(0), o_extend.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+            v_buffer.stride(0), v_buffer.stride(1), float(sm_scale) * _LOG2E, n_m,
+            GROUP=hq // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+            CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+            num_warps=4, num_stages=1, maxnreg=cfg.maxnreg,
+        )
+        return o_extend
 
     _prefill_fwd_kernel[(hq, bs, n_m)](
         desc(q_extend, cfg.block_m // 2), desc(k_extend, cfg.block_n), desc(v_extend, cfg.block_n),
