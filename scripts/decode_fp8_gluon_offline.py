@@ -12,7 +12,6 @@ device's Triton with ``pip install --no-deps --target <dir> triton==3.6.0``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
@@ -20,11 +19,9 @@ import tempfile
 from collections import Counter
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
 
 from attnserve.attention.triton_ops.decode_fp8_gluon_kernel import _fp8_decode_stage1_kernel
-from offline_ptxas import ptxas_report
+from offline_ptxas import compile_sm90a, ptx_counts, ptxas_parser, ptxas_path, ptxas_report, try_compile
 
 CASES = [  # (group, block_n, num_buf, pairs)
     (4, 64, 4, True), (4, 64, 4, False), (4, 64, 3, True), (4, 128, 3, True), (4, 128, 2, True),
@@ -33,28 +30,13 @@ CASES = [  # (group, block_n, num_buf, pairs)
 
 
 def compile_case(group: int, block_n: int, num_buf: int, pairs: bool, num_warps: int = 4):
-    fn = _fp8_decode_stage1_kernel
-    names = fn.arg_names
     hp = max(8, triton.next_power_of_2(group))
     const = dict(GROUP=group, HP=hp, BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT_ALIGN=128, V_SCALED=True, PAIRS=pairs,
                  SAME_STRIDE=True)
-    ptr_ty = dict(q_ptr="*bf16", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", kv_indptr_ptr="*i32", kv_indices_ptr="*i32",
-                  num_kv_splits_ptr="*i32", logits_ptr="*fp32", lse_ptr="*fp32", o_ptr="*bf16")
-    sig, attrs = {}, {}
-    for i, n in enumerate(names):
-        if n in const:
-            sig[n] = "constexpr"
-        elif n in ptr_ty:
-            sig[n] = ptr_ty[n]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n in ("qk_scale", "v_scale"):
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-            if n.startswith("stride"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=1))
+    types = dict(q_ptr="*bf16", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", kv_indptr_ptr="*i32", kv_indices_ptr="*i32",
+                 num_kv_splits_ptr="*i32", logits_ptr="*fp32", lse_ptr="*fp32", o_ptr="*bf16", qk_scale="fp32",
+                 v_scale="fp32")
+    return compile_sm90a(_fp8_decode_stage1_kernel, const, types, dict(num_warps=num_warps, num_stages=1), gluon=True)
 
 
 def loop_mix(ptx: str, ptxas: str) -> str:
@@ -84,20 +66,15 @@ def loop_mix(ptx: str, ptxas: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ptxas", help="ptxas for the -v report (default: Triton's)")
+    ap = ptxas_parser(__doc__)
     ap.add_argument("--dump", help="write each case's PTX and TTGIR here")
     args = ap.parse_args(argv)
-    from triton import knobs
-
-    ptxas = args.ptxas or knobs.nvidia.ptxas.path
+    ptxas = ptxas_path(args.ptxas)
     print(f"triton {triton.__version__}, ptxas {ptxas}", flush=True)
     for group, block_n, num_buf, pairs in CASES:
         label = f"group {group:2d} keys {block_n:3d} buffers {num_buf} pairs {int(pairs)}"
-        try:
-            k = compile_case(group, block_n, num_buf, pairs)
-        except Exception as e:  # report, go on with the next case
-            print(f"{label}: COMPILE ERROR {type(e).__name__}: {str(e)[:3000]}", flush=True)
+        k = try_compile(lambda: compile_case(group, block_n, num_buf, pairs), f"{label}:", max_chars=3000)
+        if k is None:
             continue
         ptx = k.asm["ptx"]
         if args.dump:
@@ -108,12 +85,12 @@ def main(argv=None) -> int:
         smem = k.metadata.shared
         by_regs = 65536 // (128 * max(1, int(regs or 255)))
         by_smem = (227 * 1024) // max(1, smem + 1024)  # + 1 KB the driver reserves per block
-        counts = {x: len(re.findall(p, ptx)) for x, p in (
+        counts = ptx_counts(ptx, (
             ("cp.async", r"cp\.async\.c[ag]\.shared"), ("wait_group", r"cp\.async\.wait_group"),
             ("mma", r"mma\.sync"), ("cvt.e4m3x2", r"cvt\.rn\.f16x2\.e4m3x2"), ("bar.sync", r"bar\.sync"),
-            ("ld.shared", r"ld\.shared"), ("ldmatrix", r"ldmatrix"), ("st.shared", r"st\.shared"))}
+            ("ld.shared", r"ld\.shared"), ("ldmatrix", r"ldmatrix"), ("st.shared", r"st\.shared")))
         print(f"{label}: regs {regs} spills {spill} shared {smem} B programs/SM {min(by_regs, by_smem, 16)} "
-              f"(regs {by_regs}, smem {by_smem}) PTX " + " ".join(f"{x} {n}" for x, n in counts.items()), flush=True)
+              f"(regs {by_regs}, smem {by_smem}) PTX " + counts, flush=True)
         print(f"    {loop_mix(ptx, ptxas)}", flush=True)
     return 0
 

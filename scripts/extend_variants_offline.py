@@ -15,18 +15,12 @@ K+V descriptors at 3 stages) is listed with the error. Install the device's Trit
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
-import io
-import re
 import sys
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-from offline_ptxas import ptxas_report
+from offline_ptxas import compile_sm90a, ptx_counts, ptxas_parser, ptxas_path, ptxas_report, try_compile
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
 from extend_long_sweep import CANDIDATES  # noqa: E402
@@ -46,36 +40,27 @@ def compile_variant(cfg, has_prefix: bool, buf_ty: str = "*bf16", prefix_f16: bo
                  HAS_PREFIX_START=False, K_SCALED=False, V_SCALED=False, PREFIX_F16=prefix_f16, HAS_PREFIX=has_prefix,
                  EVEN_DK=True, EVEN_DPE=True, EVEN_DV=True, COMPUTE_FP32=False, DOT_PREC=None,
                  K_DESC=k_desc, V_DESC=v_desc)
-    sig, attrs = {}, {}
-    for i, n in enumerate(names):
-        if n in const:
-            sig[n] = "constexpr"
-        elif n in ("k_ext_desc", "v_ext_desc") and (k_desc or v_desc):
-            sig[n] = f"tensordesc<bf16[{cfg.block_n}, 128]>"
-        elif n.endswith("_ptr") or n.endswith("_desc"):
-            typed = ("q_ptr", "k_ext_ptr", "v_ext_ptr", "o_ptr")
-            sig[n] = (buf_ty if n in ("k_buf_ptr", "v_buf_ptr") else "*bf16" if n in typed else "*u8" if n == "mask_ptr"
-                      else "*i64" if n == "mask_indptr_ptr" else "*i32")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n in ("sm_scale", "logit_cap", "k_scale", "v_scale"):
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-            if n.startswith("stride"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    typed = ("q_ptr", "k_ext_ptr", "v_ext_ptr", "o_ptr")
+    types = {"sm_scale": "fp32", "logit_cap": "fp32", "k_scale": "fp32", "v_scale": "fp32"}
+    ptrs = [n for n in names if (n.endswith("_ptr") or n.endswith("_desc")) and n not in const
+            and not (n in ("k_ext_desc", "v_ext_desc") and (k_desc or v_desc))]
+    for n in ptrs:
+        types[n] = (buf_ty if n in ("k_buf_ptr", "v_buf_ptr") else "*bf16" if n in typed else "*u8" if n == "mask_ptr"
+                    else "*i64" if n == "mask_indptr_ptr" else "*i32")
+    if k_desc or v_desc:
+        desc = f"tensordesc<bf16[{cfg.block_n}, 128]>"
+        types.update(k_ext_desc=desc, v_ext_desc=desc)
+    divisible = set(ptrs) | {n for n in names if n.startswith("stride")}
+    return compile_sm90a(fn, const, types, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), divisible)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ptxas", help="ptxas for the -v report (default: Triton's)")
+    ap = ptxas_parser(__doc__)
     ap.add_argument("--fp8-pool", action="store_true", help="also the prefix stage over an fp8 (e4m3) pool")
     args = ap.parse_args(argv)
     from triton import knobs
 
-    ptxas = args.ptxas or knobs.nvidia.ptxas.path
+    ptxas = ptxas_path(args.ptxas)
     print(f"triton {triton.__version__}, Triton's ptxas {knobs.nvidia.ptxas.path} ({knobs.nvidia.ptxas.version}); "
           f"report ptxas {ptxas}")
     default = m.extend_config(128, 128, m.torch.bfloat16, has_prefix=False)
@@ -90,19 +75,15 @@ def main(argv=None) -> int:
              ("sm90 default > 2048", long, False, "*bf16", False)]
     runs += [(name, dataclasses.replace(default, **kw), False, "*bf16", False) for name, kw in CANDIDATES.items() if kw]
     for label, cfg, has_prefix, buf_ty, prefix_f16 in runs:
-        try:
-            with contextlib.redirect_stdout(io.StringIO()):  # Triton prints the whole PTX on a ptxas crash
-                k = compile_variant(cfg, has_prefix, buf_ty, prefix_f16)
-        except Exception as e:  # ptxas crashes are reported, not fatal
-            print(f"{label:28s} COMPILE ERROR {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+        k = try_compile(lambda: compile_variant(cfg, has_prefix, buf_ty, prefix_f16), f"{label:28s}", first_line=True,
+                        quiet=True)  # ptxas crashes are reported, not fatal
+        if k is None:
             continue
         ptx = k.asm["ptx"]
         regs, spill = ptxas_report(ptx, ptxas)
-        counts = {x: len(re.findall(p, ptx)) for x, p in (("wgmma", r"wgmma\.mma_async"), ("wait", r"wgmma\.wait_group"),
-                                                          ("tma", r"cp\.async\.bulk\.tensor"),
-                                                          ("cp.async", r"cp\.async\.c[ag]"))}
-        print(f"{label:28s} regs {regs or '?'} spills {spill or '?'} "
-              f"shared {k.metadata.shared} " + " ".join(f"{x} {n}" for x, n in counts.items()), flush=True)
+        counts = ptx_counts(ptx, (("wgmma", r"wgmma\.mma_async"), ("wait", r"wgmma\.wait_group"),
+                                  ("tma", r"cp\.async\.bulk\.tensor"), ("cp.async", r"cp\.async\.c[ag]")))
+        print(f"{label:28s} regs {regs or '?'} spills {spill or '?'} shared {k.metadata.shared} " + counts, flush=True)
     return 0
 
 

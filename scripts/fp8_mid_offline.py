@@ -17,20 +17,14 @@ A compile error is listed, not fatal. Install the device's Triton with ``pip ins
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
-import io
 import os
-import re
 import sys
 import time
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-from offline_ptxas import ptxas_report
+from offline_ptxas import compile_sm90a, ptx_counts, ptxas_parser, ptxas_path, ptxas_report, try_compile
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
 
@@ -54,21 +48,9 @@ def compile_fp8_mid(cfg, gated: bool):
     types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*fp32",
              "y_ptr": "*bf16", "wk_ptr": "*fp32" if split else "*bf16", "cnt_ptr": "*i32" if split else "*bf16",
              "w_desc": f"tensordesc<fp8e4nv[{cfg.block_n}, {cfg.block_k}]>" if cfg.use_tma else "*fp8e4nv"}
-    sig, attrs = {}, {}
-    for i, n in enumerate(names):
-        if n in const:
-            sig[n] = "constexpr"
-        elif n in types:
-            sig[n] = types[n]
-            if not types[n].startswith("tensordesc"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[n] = "i32"
-            if n in ("N", "K", "stride_xm", "stride_ym"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    ptrs = [n for n in names if n in types and not types[n].startswith("tensordesc")]
+    divisible = set(ptrs) | {"N", "K", "stride_xm", "stride_ym"}
+    return compile_sm90a(fn, const, types, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), divisible)
 
 
 def configs(wide: bool):
@@ -90,25 +72,19 @@ def configs(wide: bool):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ptxas", help="ptxas for the -v report (default: Triton's)")
+    ap = ptxas_parser(__doc__)
     ap.add_argument("--wide", action="store_true", help="the wide sweep's candidates instead of the defaults")
     ap.add_argument("--ptx-dir", help="write each PTX here")
     args = ap.parse_args(argv)
-    from triton import knobs
-
-    ptxas = args.ptxas or knobs.nvidia.ptxas.path
+    ptxas = ptxas_path(args.ptxas)
     print(f"triton {triton.__version__}, ptxas {ptxas}; W8A8, M = {M}", flush=True)
     t_all, ok = time.perf_counter(), 0
     for name, gated, cfg in configs(args.wide):
         label = (f"{name} {cfg.block_n}x{cfg.block_k}/{cfg.num_warps}w{cfg.num_stages}s/sk{cfg.split_k}"
                  f"{'/tma' if cfg.use_tma else ''}")
         t0 = time.perf_counter()
-        try:
-            with contextlib.redirect_stdout(io.StringIO()):
-                k = compile_fp8_mid(cfg, gated)
-        except Exception as e:  # ptxas / resource errors are reported, not fatal
-            print(f"{label:34s} COMPILE ERROR {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+        k = try_compile(lambda: compile_fp8_mid(cfg, gated), f"{label:34s}", first_line=True, quiet=True)
+        if k is None:  # ptxas / resource errors are reported, not fatal
             continue
         secs = time.perf_counter() - t0
         ok += 1
@@ -118,12 +94,11 @@ def main(argv=None) -> int:
             with open(os.path.join(args.ptx_dir, label.replace(" ", "_").replace("/", "_") + ".ptx"), "w") as f:
                 f.write(ptx)
         regs, spill = ptxas_report(ptx, ptxas)
-        counts = {x: len(re.findall(p, ptx)) for x, p in (
+        counts = ptx_counts(ptx, (
             ("wgmma", r"wgmma\.mma_async"), ("mma", r"\bmma\.sync"), ("tma", r"cp\.async\.bulk\.tensor"),
-            ("atom", r"\batom\.|\bred\."), ("st.global", r"st\.global"))}
+            ("atom", r"\batom\.|\bred\."), ("st.global", r"st\.global")))
         print(f"{label:34s} regs {regs or '?'} spills {spill or '?'} "
-              f"shared {k.metadata.shared} compile {secs:.1f}s " + " ".join(f"{x} {n}" for x, n in counts.items()),
-              flush=True)
+              f"shared {k.metadata.shared} compile {secs:.1f}s " + counts, flush=True)
     print(f"{ok} compiled in {time.perf_counter() - t_all:.0f} s", flush=True)
     return 0
 

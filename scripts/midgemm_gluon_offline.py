@@ -14,9 +14,6 @@ its error.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import os
 import re
 import subprocess
@@ -24,10 +21,8 @@ import sys
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 
-from offline_ptxas import ptxas_report
+from offline_ptxas import compile_sm90a, ptx_counts, ptxas_parser, ptxas_path, ptxas_report, try_compile
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
 from midgemm_gluon import CANDIDATES, GATED_CANDIDATES, M_VALUES  # noqa: E402
@@ -41,34 +36,19 @@ def compile_config(cfg, m: int, has_bias: bool = True, pdl: bool = False, gated:
 
     m1, m2 = mg.m_pieces(m)
     lay = repr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    fn = kern._gluon_mid_gemm_kernel
-    names = fn.arg_names
     const = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M1=m1, BLOCK_M2=max(m2, 16), HAS_M2=m2 > 0,
                  NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, HAS_BIAS=has_bias, USE_PDL=pdl,
                  CONSUMER_REGS=mg.REGISTER_PLAN[cfg.num_consumers][1],
                  LOADER_REGS=mg.REGISTER_PLAN[cfg.num_consumers][2], GATED=gated, ACT=0)
-    sig, attrs = {}, {}
-    for i, n in enumerate(names):
-        if n in const:
-            sig[n] = "constexpr"
-        elif n == "w_desc":
-            sig[n] = f"tensordesc<bf16[{cfg.wg_rows}, 64],{lay}>"
-        elif n == "x1_desc":
-            sig[n] = f"tensordesc<bf16[{m1}, 64],{lay}>"
-        elif n == "x2_desc":
-            sig[n] = f"tensordesc<bf16[{m2 or m1}, 64],{lay}>"
-        elif n.endswith("_ptr"):
-            sig[n] = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}.get(n, "*bf16")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[n] = "i32"
-            if n in ("N", "K", "stride_ym"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    fn = kern._gluon_mid_gemm_kernel
+    types = dict(w_desc=f"tensordesc<bf16[{cfg.wg_rows}, 64],{lay}>", x1_desc=f"tensordesc<bf16[{m1}, 64],{lay}>",
+                 x2_desc=f"tensordesc<bf16[{m2 or m1}, 64],{lay}>")
+    ptrs = [n for n in fn.arg_names if n.endswith("_ptr") and n not in const]
+    types.update({n: {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}.get(n, "*bf16") for n in ptrs})
     opts = dict(num_warps=4, num_stages=1)
     if mg.REGISTER_PLAN[cfg.num_consumers][0]:
         opts["maxnreg"] = mg.REGISTER_PLAN[cfg.num_consumers][0]
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return compile_sm90a(fn, const, types, opts, divisible=set(ptrs) | {"N", "K", "stride_ym"}, gluon=True)
 
 
 def k_loop_spills(cubin: bytes, cuobjdump: str) -> int:
@@ -98,13 +78,10 @@ def k_loop_spills(cubin: bytes, cuobjdump: str) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ptxas", help="ptxas for the -v report (default: Triton's)")
+    ap = ptxas_parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="only M 144 and the first two candidates")
     args = ap.parse_args(argv)
-    from triton import knobs
-
-    ptxas = args.ptxas or knobs.nvidia.ptxas.path
+    ptxas = ptxas_path(args.ptxas)
     cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
     print(f"triton {triton.__version__}, ptxas {ptxas}", flush=True)
     ms = (144,) if args.quick else tuple(M_VALUES) + (17, 33, 200)  # the benchmark's and the tests' M values
@@ -121,23 +98,20 @@ def main(argv=None) -> int:
                 continue
             for pdl in (False, True):
                 label = f"{name:22s} M {m1}+{m2} s{fit.num_stages} pdl {int(pdl)}"
-                try:
-                    with contextlib.redirect_stdout(io.StringIO()):
-                        k = compile_config(fit, m, pdl=pdl, gated=gated)
-                except Exception as e:  # reported, not fatal
+                k = try_compile(lambda: compile_config(fit, m, pdl=pdl, gated=gated), label, quiet=True)
+                if k is None:
                     bad += 1
-                    print(f"{label} COMPILE ERROR {type(e).__name__}: {str(e)[:2000]}", flush=True)
                     continue
                 ptx = k.asm["ptx"]
                 regs, spill = ptxas_report(ptx, ptxas)
-                counts = {x: len(re.findall(p, ptx)) for x, p in (
+                counts = ptx_counts(ptx, (
                     ("wgmma", r"wgmma\.mma_async"), ("tma", r"cp\.async\.bulk\.tensor"),
                     ("atom", r"\b(?:atom|red)\.global"), ("setmaxnreg", r"setmaxnreg"),
-                    ("gdc", r"griddepcontrol"))}
+                    ("gdc", r"griddepcontrol")))
                 loop_spill = k_loop_spills(k.asm["cubin"], cuobjdump)
                 bad += loop_spill > 0
                 print(f"{label} regs {regs or '?'} spills {spill or '?'} loop_spill {loop_spill} shared "
-                      f"{k.metadata.shared} " + " ".join(f"{x} {n}" for x, n in counts.items()), flush=True)
+                      f"{k.metadata.shared} " + counts, flush=True)
     print(f"{bad} compile errors or K loops with spills", flush=True)
     return int(bad > 0)
 

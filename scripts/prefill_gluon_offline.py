@@ -14,19 +14,15 @@ ptxas warning (e.g. wgmma serialization). Install the device's Triton with ``pip
 
 from __future__ import annotations
 
-import argparse
 import re
-import subprocess
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
 
 from attnserve.attention.triton_ops.prefill_gluon import DEFAULT_CONFIG, GluonPrefillConfig
 from attnserve.attention.triton_ops.prefill_gluon_kernel import _prefill_fwd_kernel
 from attnserve.attention.triton_ops.prefill_gluon_prefix_kernel import _prefill_prefix_fwd_kernel
+from offline_ptxas import compile_sm90a, ptx_counts, ptxas_parser, ptxas_path, ptxas_verbose, try_compile
 
 CONFIGS = {
     "default 128x128 s2": DEFAULT_CONFIG,
@@ -35,94 +31,46 @@ CONFIGS = {
 }
 
 
+def _descriptors(cfg: GluonPrefillConfig, dtype: str):
+    """Signature types of the Q / K / V TMA descriptors (Q: 64-row boxes, K / V: ``block_n``)."""
+    sw = repr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    kv = f"tensordesc<{dtype}[{cfg.block_n}, 128],{sw}>"
+    return dict(q_desc=f"tensordesc<{dtype}[{cfg.block_m // 2}, 128],{sw}>", k_desc=kv, v_desc=kv)
+
+
+def _options(cfg: GluonPrefillConfig):
+    return dict(num_warps=4, num_stages=1, maxnreg=cfg.maxnreg)
+
+
 def compile_config(cfg: GluonPrefillConfig, group: int = 4, from_indptr: bool = False, idx_ty: str = "*i32",
                    dtype: str = "bf16"):
-    fn = _prefill_fwd_kernel
-    names = fn.arg_names
-    sw = repr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     const = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, FROM_INDPTR=from_indptr,
                  CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs)
-    sig, attrs = {}, {}
-    for i, n in enumerate(names):
-        if n in const:
-            sig[n] = "constexpr"
-        elif n == "q_desc":
-            sig[n] = f"tensordesc<{dtype}[{cfg.block_m // 2}, 128],{sw}>"
-        elif n in ("k_desc", "v_desc"):
-            sig[n] = f"tensordesc<{dtype}[{cfg.block_n}, 128],{sw}>"
-        elif n == "out_ptr":
-            sig[n] = f"*{dtype}"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n in ("start_ptr", "len_ptr"):
-            sig[n] = idx_ty
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n == "qk_scale":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-            if n.startswith("stride"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, num_stages=1, maxnreg=cfg.maxnreg))
+    types = dict(_descriptors(cfg, dtype), out_ptr=f"*{dtype}", start_ptr=idx_ty, len_ptr=idx_ty, qk_scale="fp32")
+    return compile_sm90a(_prefill_fwd_kernel, const, types, _options(cfg), gluon=True)
 
 
 def compile_prefix_config(cfg: GluonPrefillConfig, group: int = 4, idx_ty: str = "*i32", dtype: str = "bf16"):
     """The cached-prefix specialization (`prefill_gluon_prefix_kernel`), strides 16-divisible."""
-    fn = _prefill_prefix_fwd_kernel
-    names = fn.arg_names
-    sw = repr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     const = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                  CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs)
-    sig, attrs = {}, {}
-    for i, n in enumerate(names):
-        if n in const:
-            sig[n] = "constexpr"
-        elif n == "q_desc":
-            sig[n] = f"tensordesc<{dtype}[{cfg.block_m // 2}, 128],{sw}>"
-        elif n in ("k_desc", "v_desc"):
-            sig[n] = f"tensordesc<{dtype}[{cfg.block_n}, 128],{sw}>"
-        elif n in ("out_ptr", "k_buf_ptr", "v_buf_ptr"):
-            sig[n] = f"*{dtype}"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n in ("qo_indptr_ptr", "kv_indptr_ptr", "kv_indices_ptr"):
-            sig[n] = idx_ty
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n == "qk_scale":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-            if n.startswith("stride"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, num_stages=1, maxnreg=cfg.maxnreg))
-
-
-def ptxas_verbose(ptx: str, ptxas: str) -> str:
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    return subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", f.name + ".o"],
-                          capture_output=True, text=True).stderr
+    types = dict(_descriptors(cfg, dtype), out_ptr=f"*{dtype}", k_buf_ptr=f"*{dtype}", v_buf_ptr=f"*{dtype}",
+                 qo_indptr_ptr=idx_ty, kv_indptr_ptr=idx_ty, kv_indices_ptr=idx_ty, qk_scale="fp32")
+    return compile_sm90a(_prefill_prefix_fwd_kernel, const, types, _options(cfg), gluon=True)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ptxas", help="ptxas for the -v report (default: Triton's)")
+    ap = ptxas_parser(__doc__)
     ap.add_argument("--dump", help="write each config's PTX and TTGIR here")
     ap.add_argument("--prefix", action="store_true", help="only the cached-prefix specialization")
     args = ap.parse_args(argv)
-    from triton import knobs
-
-    ptxas = args.ptxas or knobs.nvidia.ptxas.path
+    ptxas = ptxas_path(args.ptxas)
     print(f"triton {triton.__version__}, ptxas {ptxas}", flush=True)
     if args.prefix:
         return prefix_report(ptxas, args.dump)
     for label, cfg in CONFIGS.items():
-        try:
-            k = compile_config(cfg)
-        except Exception as e:  # report, go on with the next config
-            print(f"{label:22s} COMPILE ERROR {type(e).__name__}: {str(e)[:2000]}", flush=True)
+        k = try_compile(lambda: compile_config(cfg), f"{label:22s}")
+        if k is None:
             continue
         ptx = k.asm["ptx"]
         if args.dump:
@@ -133,23 +81,20 @@ def main(argv=None) -> int:
         regs = re.findall(r"Used (\d+) registers", out)
         spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
         warn = [ln.strip() for ln in out.splitlines() if "arning" in ln]
-        counts = {x: len(re.findall(p, ptx)) for x, p in (
+        counts = ptx_counts(ptx, (
             ("wgmma", r"wgmma\.mma_async"), ("wait", r"wgmma\.wait_group"), ("tma", r"cp\.async\.bulk\.tensor"),
-            ("mbar.wait", r"mbarrier\.try_wait"), ("setmaxnreg", r"setmaxnreg"))}
+            ("mbar.wait", r"mbarrier\.try_wait"), ("setmaxnreg", r"setmaxnreg")))
         print(f"{label:22s} regs {regs} spills {spill} shared {k.metadata.shared} "
-              f"tma boxes {[m.get('block_size') for m in (k.metadata.tensordesc_meta or [])]} "
-              + " ".join(f"{x} {n}" for x, n in counts.items()), flush=True)
+              f"tma boxes {[m.get('block_size') for m in (k.metadata.tensordesc_meta or [])]} " + counts, flush=True)
         for w in warn:
             print(f"    ptxas: {w}", flush=True)
     # the other launches `gluon_prefill_fwd` makes: MHA / group 8, qo_indptr (int64), fp16
     for label, kw in (("group 1", dict(group=1)), ("group 8", dict(group=8)),
                       ("qo_indptr int64", dict(from_indptr=True, idx_ty="*i64")), ("fp16", dict(dtype="fp16"))):
-        try:
-            k = compile_config(DEFAULT_CONFIG, **kw)
+        k = try_compile(lambda: compile_config(DEFAULT_CONFIG, **kw), f"{label:22s}")
+        if k is not None:
             spill = re.findall(r"(\d+) bytes spill stores", ptxas_verbose(k.asm["ptx"], ptxas))
             print(f"{label:22s} compiled, spill stores {spill}", flush=True)
-        except Exception as e:
-            print(f"{label:22s} COMPILE ERROR {type(e).__name__}: {str(e)[:2000]}", flush=True)
     return 0
 
 
@@ -160,10 +105,8 @@ def prefix_report(ptxas: str, dump=None) -> int:
             ("prefix group 1", DEFAULT_CONFIG, dict(group=1)), ("prefix group 8", DEFAULT_CONFIG, dict(group=8)),
             ("prefix int64 idx", DEFAULT_CONFIG, dict(idx_ty="*i64")), ("prefix fp16", DEFAULT_CONFIG, dict(dtype="fp16"))]
     for label, cfg, kw in runs:
-        try:
-            k = compile_prefix_config(cfg, **kw)
-        except Exception as e:  # report, go on
-            print(f"{label:22s} COMPILE ERROR {type(e).__name__}: {str(e)[:2000]}", flush=True)
+        k = try_compile(lambda: compile_prefix_config(cfg, **kw), f"{label:22s}")
+        if k is None:
             continue
         ptx = k.asm["ptx"]
         if dump:
@@ -172,14 +115,14 @@ def prefix_report(ptxas: str, dump=None) -> int:
         out = ptxas_verbose(ptx, ptxas)
         regs = re.findall(r"Used (\d+) registers", out)
         spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
-        counts = {x: len(re.findall(p, ptx)) for x, p in (
+        counts = ptx_counts(ptx, (
             ("wgmma", r"wgmma\.mma_async"), ("tma", r"cp\.async\.bulk\.tensor"),
             ("cp.async16", r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10"),
             ("cp.async.mbar", r"cp\.async\.mbarrier\.arrive\.noinc"), ("fence.proxy", r"fence\.proxy\.async"),
-            ("setmaxnreg", r"setmaxnreg"))}
+            ("setmaxnreg", r"setmaxnreg")))
         nregs = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
-        print(f"{label:22s} regs {regs} spills {spill} shared {k.metadata.shared} setmaxnreg {nregs} "
-              + " ".join(f"{x} {n}" for x, n in counts.items()), flush=True)
+        print(f"{label:22s} regs {regs} spills {spill} shared {k.metadata.shared} setmaxnreg {nregs} " + counts,
+              flush=True)
         for w in [ln.strip() for ln in out.splitlines() if "arning" in ln]:
             print(f"    ptxas: {w}", flush=True)
     return 0

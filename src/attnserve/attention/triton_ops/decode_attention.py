@@ -69,6 +69,7 @@ from attnserve.attention.triton_ops.decode_splits import (  # noqa: F401  (re-ex
     device_num_sms,
 )
 from attnserve.attention.triton_ops.decode_merge import decode_stage2
+from attnserve.attention.triton_ops.fp8_pairs_asm import E4M3X2_TO_F16X2, E5M2X2_TO_F16X2
 from attnserve.pdl import pdl_enabled
 from attnserve.pdl_triton import gdc_launch_dependents, gdc_wait
 from attnserve.mem_cache.kv_quant import FP8_DTYPES, check_scale
@@ -96,6 +97,10 @@ def _saturate_to_f16(x):
     return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
 
+_E4M3X2_ASM = tl.constexpr(E4M3X2_TO_F16X2)
+_E5M2X2_ASM = tl.constexpr(E5M2X2_TO_F16X2)
+
+
 @triton.jit
 def _fp8_pairs_to_f16(vp, E5M2: tl.constexpr):
     """Split int16 pairs of fp8 values (byte 0: column 2c, byte 1: column 2c+1) into two
@@ -104,16 +109,14 @@ def _fp8_pairs_to_f16(vp, E5M2: tl.constexpr):
     (loaded with ``ldmatrix.trans``) these are rows k, k+1 of one column, so one ``prmt``
     regroups the four bytes into (row k, row k+1) pairs per fp8 column and one
     ``cvt.rn.f16x2.e4m3x2`` per pair converts them (PTX ISA, sm_89+; e5m2 is fp16's upper
-    byte, so a ``prmt`` with zero low bytes is its exact conversion)."""
+    byte, so a ``prmt`` with zero low bytes is its exact conversion; the asm text is
+    `fp8_pairs_asm`'s)."""
     if E5M2:
         ve, vo = tl.inline_asm_elementwise(
-            "prmt.b32 $0, $2, 0, 0x2404;\n\tprmt.b32 $1, $2, 0, 0x3414;",
-            "=r,=r,r", [vp], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+            _E5M2X2_ASM, "=r,=r,r", [vp], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
     else:
         ve, vo = tl.inline_asm_elementwise(
-            "{\n\t.reg .b32 t;\n\t.reg .b16 lo, hi;\n\tprmt.b32 t, $2, 0, 0x3120;\n\tmov.b32 {lo, hi}, t;"
-            "\n\tcvt.rn.f16x2.e4m3x2 $0, lo;\n\tcvt.rn.f16x2.e4m3x2 $1, hi;\n\t}",
-            "=r,=r,r", [vp], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+            _E4M3X2_ASM, "=r,=r,r", [vp], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
     return ve, vo
 
 

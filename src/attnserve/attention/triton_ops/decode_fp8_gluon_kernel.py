@@ -45,6 +45,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from attnserve.attention.triton_ops.fp8_pairs_asm import E4M3X2_TO_F16X2
+
 __all__: list[str] = []  # kernel-internal; the public names are `decode_fp8_gluon`'s
 
 D = gl.constexpr(128)  # head size (K and V), bytes per fp8 row
@@ -61,6 +63,7 @@ RING = gl.constexpr(gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, or
 # the same ring seen as int16 pairs of adjacent columns (same bytes: 16-byte vectors, same XOR)
 RING16 = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
 LN2 = gl.constexpr(0.6931471805599453)
+E4M3X2_ASM = gl.constexpr(E4M3X2_TO_F16X2)
 
 
 @gluon.jit
@@ -71,11 +74,9 @@ def _pairs_to_f16(x):
     K dimension: bytes (a0, a1, b0, b1). One ``prmt`` regroups them into (a0, b0) and (a1, b1)
     and one ``cvt.rn.f16x2.e4m3x2`` each converts them (PTX ISA, sm_89+), so ``lo`` holds
     every pair's byte 0 and ``hi`` its byte 1 at the pair's position (the asm of
-    `decode_attention._fp8_pairs_to_f16`, e4m3 branch)."""
+    `decode_attention._fp8_pairs_to_f16`, e4m3 branch: `fp8_pairs_asm.E4M3X2_TO_F16X2`)."""
     lo, hi = gl.inline_asm_elementwise(
-        "{\n\t.reg .b32 t;\n\t.reg .b16 lo, hi;\n\tprmt.b32 t, $2, 0, 0x3120;\n\tmov.b32 {lo, hi}, t;"
-        "\n\tcvt.rn.f16x2.e4m3x2 $0, lo;\n\tcvt.rn.f16x2.e4m3x2 $1, hi;\n\t}",
-        "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+        E4M3X2_ASM, "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
     return lo, hi
 
 

@@ -1,5 +1,5 @@
-"""The Gluon causal prefill kernel's entry (`prefill_gluon`): program indexing, shared memory,
-barriers and the partition launch. The partitions are `prefill_gluon_partitions`'s; the
+"""The Gluon causal prefill kernel's entry (`prefill_gluon`): program indexing and the partition launch.
+The partitions and the shared-memory / barrier setup are `prefill_gluon_partitions`'s; the
 host side, the schedule and the budgets are described in `prefill_gluon`. Gluon is
 experimental; written against Triton 3.6 and imported only when used.
 """
@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from attnserve.attention.triton_ops.prefill_gluon_partitions import HALF_M, HEAD_D, _consumer, _loader
+from attnserve.attention.triton_ops.prefill_gluon_partitions import HALF_M, HEAD_D, _alloc_ring, _consumer, _loader
 
 __all__: list[str] = []
 
@@ -34,28 +33,8 @@ def _prefill_fwd_kernel(
     m0 = mb * BLOCK_M
     if m0 < ext_len:
         n_tiles = (gl.minimum(m0 + BLOCK_M, ext_len) + BLOCK_N - 1) // BLOCK_N
-        sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         dtype: gl.constexpr = q_desc.dtype
-        q_s = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_D], sw)
-        k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], sw)
-        v_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], sw)
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_ready, count=1)
-        for s in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(s), count=1)
-            mbarrier.init(v_ready.index(s), count=1)
-            mbarrier.init(k_free.index(s), count=2)  # one arrive per consumer warpgroup
-            mbarrier.init(v_free.index(s), count=2)
-        mbarrier.init(sched.index(0), count=1)
-        mbarrier.init(sched.index(1), count=1)
-        fence_async_shared()
-        gl.thread_barrier()
-        bars = (q_ready, k_ready, v_ready, k_free, v_free, sched)
+        q_s, k_s, v_s, bars = _alloc_ring(dtype, BLOCK_N, STAGES, 1)
         out = out_ptr + start.to(gl.int64) * stride_ot + h * stride_oh
         gl.warp_specialize([
             (_consumer, (q_s, k_s, v_s, bars, n_tiles, m0, ext_len, out, stride_ot, qk_scale, 0, BLOCK_N, STAGES)),
