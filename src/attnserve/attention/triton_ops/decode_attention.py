@@ -321,18 +321,16 @@ def _fp8_gluon_route(q, k_buffer, v_buffer, kv_indptr, kv_indices, num_kv_splits
     (`gluon_fp8_decode_supported`), int32 indices and 16-byte aligned K/V rows."""
     import os
 
-    from attnserve.attention.triton_ops.decode_fp8_gluon import (FP8_GLUON_ENV, _layout_ok, gluon_config_from_env,
-                                                                 gluon_fp8_decode_supported)
+    from attnserve.attention.triton_ops.decode_fp8_gluon import (FP8_GLUON_ENV, gluon_config_from_env,
+                                                                 gluon_fp8_decode_supported, gluon_fp8_operands_ok)
 
     cfg = gluon_config_from_env(os.environ.get(FP8_GLUON_ENV))
     if cfg is None or q.device.type != "cuda":
         return None
-    if any(t.dtype != torch.int32 for t in (kv_indptr, kv_indices, num_kv_splits)):
-        return None
     ok = gluon_fp8_decode_supported(
         q.dtype, k_buffer.dtype, k_buffer.shape[2], v_buffer.shape[2], q.shape[1], k_buffer.shape[1],
         float(logit_cap), torch.cuda.get_device_capability(q.device), batch_invariant=batch_invariant,
-    ) and _layout_ok(q, k_buffer, v_buffer)
+    ) and gluon_fp8_operands_ok(q, k_buffer, v_buffer, kv_indptr, kv_indices, num_kv_splits)
     return cfg if ok else None
 
 

@@ -21,12 +21,13 @@ from typing import Optional, Tuple
 
 import torch
 
+from attnserve.env_options import OFF_VALUES
+
 #: environment switch read at every call (`gluon_config_from_env`): unset, empty or an off
 #: value: off; ``1`` / ``true`` / ``on`` / ``yes``: `DEFAULT_CONFIG`; ``<block_n>x<buffers>``
 #: (e.g. ``64x3``, ``128x2``), optionally with ``-bytes`` (``pairs=False``): that tile
 FP8_GLUON_ENV = "ATTNSERVE_DECODE_FP8_GLUON"
 _ON_VALUES = ("1", "true", "on", "yes")
-_OFF_VALUES = ("", "0", "false", "off", "no")
 #: opt-in shared memory per block on H100 / H200 (bytes)
 _HOPPER_SMEM = 227 * 1024
 #: largest GQA group (query heads per KV head) the kernel takes (MMA N = 16 at most)
@@ -92,7 +93,7 @@ def gluon_config_from_env(raw: Optional[str]) -> Optional[GluonFp8DecodeConfig]:
             of a valid `GluonFp8DecodeConfig`.
     """
     v = (raw or "").strip().lower()
-    if v in _OFF_VALUES:
+    if not v or v in OFF_VALUES:
         return None
     if v in _ON_VALUES:
         return DEFAULT_CONFIG
@@ -132,8 +133,12 @@ def gluon_fp8_decode_supported(
     return num_q_heads // num_kv_heads <= MAX_GROUP
 
 
-def _layout_ok(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> bool:
-    """16-byte aligned K/V rows (cp.async of 16 B) and contiguous last dimensions."""
+def gluon_fp8_operands_ok(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                          kv_indptr: torch.Tensor, kv_indices: torch.Tensor, num_kv_splits: torch.Tensor) -> bool:
+    """The tensor layout `gluon_fp8_decode_stage1` needs: int32 ``kv_indptr`` / ``kv_indices`` /
+    ``num_kv_splits``, contiguous last dimensions, and 16-byte aligned K/V rows (cp.async of 16 B)."""
+    if any(t.dtype != torch.int32 for t in (kv_indptr, kv_indices, num_kv_splits)):
+        return False
     for t in (k_buffer, v_buffer):
         if t.stride(2) != 1 or t.stride(0) % 16 or t.stride(1) % 16 or t.data_ptr() % 16:
             return False
@@ -178,10 +183,9 @@ def gluon_fp8_decode_stage1(
     bs, hq, _ = q.shape
     hkv = k_buffer.shape[1]
     group = hq // hkv
-    if kv_indptr.dtype != torch.int32 or kv_indices.dtype != torch.int32 or num_kv_splits.dtype != torch.int32:
-        raise ValueError("the Gluon fp8 decode kernel takes int32 kv_indptr / kv_indices / num_kv_splits")
-    if not _layout_ok(q, k_buffer, v_buffer):
-        raise ValueError("k_buffer / v_buffer rows must be contiguous and 16-byte aligned")
+    if not gluon_fp8_operands_ok(q, k_buffer, v_buffer, kv_indptr, kv_indices, num_kv_splits):
+        raise ValueError("the Gluon fp8 decode kernel takes int32 kv_indptr / kv_indices / num_kv_splits and "
+                         "contiguous, 16-byte aligned k_buffer / v_buffer rows")
     if bs == 0:
         return
     hp = 8 if group <= 8 else 16

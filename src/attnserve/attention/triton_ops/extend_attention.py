@@ -428,12 +428,9 @@ def extend_attention_fwd(
             int(max_len_extend), bool(batch_invariant), bool(has_prefix), k_buffer, v_buffer, k_scale, v_scale):
         from attnserve.attention.triton_ops.prefill_gluon import gluon_prefill_fwd
 
-        if not has_prefix:
-            return gluon_prefill_fwd(q_extend, k_extend, v_extend, o_extend, None, None, int(max_len_extend),
-                                     float(sm_scale), qo_indptr=qo_indptr)
+        prefix = dict(k_buffer=k_buffer, v_buffer=v_buffer, kv_indptr=kv_indptr, kv_indices=kv_indices)
         return gluon_prefill_fwd(q_extend, k_extend, v_extend, o_extend, None, None, int(max_len_extend),
-                                 float(sm_scale), qo_indptr=qo_indptr, k_buffer=k_buffer, v_buffer=v_buffer,
-                                 kv_indptr=kv_indptr, kv_indices=kv_indices)
+                                 float(sm_scale), qo_indptr=qo_indptr, **(prefix if has_prefix else {}))
 
     if config is None:
         cuda = q_extend.device.type == "cuda" and not interpret

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from attnserve.models.layers.mid_gemm import MAX_MID_M, m_pieces
+from attnserve.models.layers.skinny_gemm import SKINNY_ACTIVATIONS
 
 __all__ = [
     "GluonMidGemmConfig",
@@ -53,8 +54,8 @@ CHUNK = 64
 #: maxnreg (a 3-consumer, 16-warp form at 128 failed to compile: a wgmma needed 154), so a consumer's
 #: code really has 168. One consumer: ptxas's own choice (8 warps, <= 255 a thread; 192 of them accumulators).
 REGISTER_PLAN = {1: (None, 240, 24, 192), 2: (168, 240, 24, 160)}
-#: gate activations of `gluon_mid_linear_gated` (the kernel's ``ACT``; `skinny_gemm`'s names)
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+#: gate activations of `gluon_mid_linear_gated` (the kernel's ``ACT``): `skinny_gemm`'s table
+ACTIVATIONS = SKINNY_ACTIVATIONS
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -135,8 +136,7 @@ class GluonMidGemmConfig:
 def fit_stages(config: GluonMidGemmConfig, m: int, gated: bool = False) -> Optional[GluonMidGemmConfig]:
     """``config`` with as many of its stages as fit shared memory at ``m`` rows (>= 2), or
     None when it cannot run there (accumulators over the register plan, or no ring fits)."""
-    while config.num_stages > 2 and config.smem_bytes(m, gated) > SMEM_LIMIT:
-        config = replace(config, num_stages=config.num_stages - 1)
+    config = _trim_stages(config, m, gated)
     try:
         config.validate(m, gated)
     except ValueError:
@@ -151,9 +151,14 @@ def default_gluon_config(m: int, gated: bool = False) -> GluonMidGemmConfig:
     cfg = GluonMidGemmConfig(block_n=128, block_k=64, num_stages=6, num_consumers=2)
     if gated and cfg.acc_regs(m, gated) > REGISTER_PLAN[2][3]:
         cfg = GluonMidGemmConfig(block_n=64, block_k=64, num_stages=6, num_consumers=1)
-    while cfg.num_stages > 2 and cfg.smem_bytes(m, gated) > SMEM_LIMIT:
-        cfg = GluonMidGemmConfig(cfg.block_n, cfg.block_k, cfg.num_stages - 1, cfg.num_consumers)
-    return cfg
+    return _trim_stages(cfg, m, gated)
+
+
+def _trim_stages(config: GluonMidGemmConfig, m: int, gated: bool) -> GluonMidGemmConfig:
+    """``config`` with stages dropped (down to 2) until its ring fits shared memory at ``m`` rows."""
+    while config.num_stages > 2 and config.smem_bytes(m, gated) > SMEM_LIMIT:
+        config = replace(config, num_stages=config.num_stages - 1)
+    return config
 
 
 def stream_k_segments(n_tiles: int, k_steps: int, grid: int) -> List[List[Tuple[int, int, int]]]:
