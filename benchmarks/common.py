@@ -6,9 +6,11 @@ on ``sys.path``, so they ``from common import ...``) and use only attnserve's pu
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import statistics
-from typing import Callable, Dict, Sequence
+from typing import Callable, Dict, Iterator, Optional, Sequence
 
 import torch
 
@@ -187,3 +189,22 @@ def run_ranks(rank_main: Callable, world_size: int, args) -> object:
     if bad:
         raise SystemExit(f"a rank failed: exit codes {bad}")
     return result
+
+
+@contextlib.contextmanager
+def env_set(name: str, value: Optional[str]) -> Iterator[None]:
+    """Environment variable ``name`` set to ``value`` (None: unset) inside the block, restored
+    (or removed again) after it: for switches the kernels read at every launch."""
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+

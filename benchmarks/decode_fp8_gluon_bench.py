@@ -20,14 +20,12 @@ Expected to take well under 3 minutes on an H100 (the Gluon kernel's compile is 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
-import os
 
 import torch
 
 from attnserve.bench.results import write_result
-from common import bench_graph
+from common import bench_graph, env_set
 
 #: (label, batch, context or (lo, hi) uniform lengths)
 CASES = [("144x800", 144, 800), ("256x[200,1800]", 256, (200, 1800)), ("64x640", 64, 640), ("8x4096", 8, 4096),
@@ -39,22 +37,6 @@ ATOL = RTOL = 2e-2  # bf16 outputs, fp16 dots (tests/gpu/test_decode_fp8_gluon_g
 DEVICE = "cuda"
 #: timed paths: name -> value of ATTNSERVE_DECODE_FP8_GLUON (None: the Triton fp8 kernel)
 PATHS = {"triton": None, "gluon": "1", "gluon-64x3": "64x3", "gluon-128x2": "128x2", "gluon-64x4-bytes": "64x4-bytes"}
-
-
-@contextlib.contextmanager
-def _env(name: str, value):
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def _reference(q, k, v, indptr, indices, rows_b):
@@ -106,7 +88,7 @@ def run(quick: bool = False) -> tuple:
         sample = sorted({0, bs // 2, bs - 1} | set(range(0, bs, max(1, bs // 5))))[:8]
         ref = _reference(q, k, v, indptr, indices, sample)
         for path, flag in PATHS.items():
-            with _env(FP8_GLUON_ENV, flag):
+            with env_set(FP8_GLUON_ENV, flag):
                 routed = _fp8_gluon_route(q, k, v, indptr, indices, splits, 0.0, False) is not None
                 call(path)
             torch.cuda.synchronize()
@@ -121,7 +103,7 @@ def run(quick: bool = False) -> tuple:
                 row["error"] = "correctness or routing check failed: not timed"
             else:
                 try:
-                    with _env(FP8_GLUON_ENV, flag):  # read while the graph is captured
+                    with env_set(FP8_GLUON_ENV, flag):  # read while the graph is captured
                         us = bench_graph([lambda p=path: call(p)])
                     row.update(graph_us=us, kv_gbs=kv_bytes / us / 1e3,
                                share_of_copy_rate=kv_bytes / (us * 1e-6) / copy_bps)

@@ -30,14 +30,12 @@ Writes ``<out>/<device>-decode-fp8-variants-<date>.json``. Takes about a minute 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
-import os
 
 import torch
 
 from attnserve.bench.results import write_result
-from common import bench_graph
+from common import bench_graph, env_set
 
 #: (label, batch, context or (lo, hi) uniform lengths)
 CASES = [("144x800", 144, 800), ("64x640", 64, 640), ("256x[200,1800]", 256, (200, 1800)), ("8x4096", 8, 4096),
@@ -49,22 +47,6 @@ DEVICE = "cuda"
 
 #: the row of each dtype's default tiles launched with PDL at every batch (``ATTNSERVE_DECODE_PDL_ALL``)
 PDL_ROW = "pdl-all"
-
-
-@contextlib.contextmanager
-def _env(name: str, value):
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def run(variants, quick: bool = False, bf16_variants=(), pdl_rows: bool = True) -> tuple:
@@ -95,8 +77,8 @@ def run(variants, quick: bool = False, bf16_variants=(), pdl_rows: bool = True) 
             q, k, v, lens, indptr, indices, total = inputs[kv_name]
             kv_bytes = total * HKV * D * 2 * k.element_size()
             tile = None if variant == PDL_ROW else variant
-            with _env(FP8_TILE_ENV if kv_name == "fp8_e4m3" else BF16_TILE_ENV, tile), \
-                    _env(PDL_ALL_ENV, "1" if variant == PDL_ROW else None):
+            with env_set(FP8_TILE_ENV if kv_name == "fp8_e4m3" else BF16_TILE_ENV, tile), \
+                    env_set(PDL_ALL_ENV, "1" if variant == PDL_ROW else None):
                 cfg = decode_config(D, HQ // HKV, dtype, max_shared_mem=smem, device_name=name, batch_size=bs,
                                     num_kv_heads=HKV, num_sms=sms)
             splits = torch.empty(bs, dtype=torch.int32, device=DEVICE)
