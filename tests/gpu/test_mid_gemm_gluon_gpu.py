@@ -52,6 +52,7 @@ from attnserve.models.layers.mid_gemm_gluon import (
     gluon_mid_linear,
     launch_geometry,
 )
+from gate_reference import gate_act_ref
 from numeric_bounds import dot_product_bound
 
 pytestmark = pytest.mark.cuda
@@ -236,11 +237,6 @@ GATED_CONFIGS = {
 }
 
 
-def _act(g, activation):
-    if activation == "silu":
-        return g / (1.0 + torch.exp(-g))
-    return 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
-
 
 def _check_gated(y, x, w, activation, b=None, what=""):
     """Bound: the accumulation errors ``e_g``, ``e_u`` of gate and up (as `_Ref`) propagate as
@@ -249,9 +245,9 @@ def _check_gated(y, x, w, activation, b=None, what=""):
     full = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
     i = w.shape[0] // 2
     g, u = full[:, :i], full[:, i:]
-    ref = _act(g, activation) * u
+    ref = gate_act_ref(g, activation) * u
     e = dot_product_bound(x, w, b, implementations=1)
-    bound = 1.2 * u.abs() * e[:, :i] + _act(g, activation).abs() * e[:, i:] + (HALF_ULP + 1e-6) * ref.abs() + 1e-30
+    bound = 1.2 * u.abs() * e[:, :i] + gate_act_ref(g, activation).abs() * e[:, i:] + (HALF_ULP + 1e-6) * ref.abs() + 1e-30
     assert y.shape == ref.shape and torch.isfinite(y).all(), f"{what}: shape or non-finite output"
     ratio = ((y.double() - ref).abs() / bound).max().item()
     assert ratio <= 1.0, f"{what}: max |delta| / bound = {ratio:.3f}"

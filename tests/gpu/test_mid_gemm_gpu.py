@@ -35,6 +35,7 @@ from attnserve.models.layers.mid_gemm import (
     table_file_name,
     table_key,
 )
+from gate_reference import gate_act_ref
 from numeric_bounds import dot_product_bound
 from call_spy import LaunchSpy
 
@@ -66,19 +67,14 @@ def _check_linear(y, x, w, b=None):
     assert ratio <= 1.0, f"max |delta| / bound = {ratio:.3f}"
 
 
-def _act(g, activation):
-    if activation == "silu":
-        return g / (1.0 + torch.exp(-g))
-    return 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
-
 
 def _check_gated(y, x, w, activation, b=None):
     full = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
     i = w.shape[0] // 2
     g, u = full[:, :i], full[:, i:]
-    ref = _act(g, activation) * u
+    ref = gate_act_ref(g, activation) * u
     e = dot_product_bound(x, w, b, implementations=1)
-    bound = 1.2 * u.abs() * e[:, :i] + _act(g, activation).abs() * e[:, i:] + (HALF_ULP + 1e-6) * ref.abs() + 1e-30
+    bound = 1.2 * u.abs() * e[:, :i] + gate_act_ref(g, activation).abs() * e[:, i:] + (HALF_ULP + 1e-6) * ref.abs() + 1e-30
     ratio = ((y.double() - ref).abs() / bound).max().item()
     assert ratio <= 1.0, f"max |delta| / bound = {ratio:.3f}"
 

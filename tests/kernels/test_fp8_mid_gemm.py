@@ -40,6 +40,7 @@ from attnserve.models.layers.quantization.fp8_mid_gemm import (
     fp8_mid_supported,
 )
 from attnserve.models.layers.quantization.fp8_utils import dequantize, quantize_per_row, quantize_per_tensor
+from gate_reference import gate_act_ref
 from numeric_bounds import FLOAT32_U, assert_within
 
 BF16_ULP = 2.0**-7
@@ -59,11 +60,6 @@ def _bound_terms(a64, w64, b64):
     mag = a64.abs() @ w64.abs().T + (b64.abs() if b64 is not None else 0.0)
     return ref, gamma * mag
 
-
-def _act(g, activation):
-    if activation == "silu":
-        return g / (1.0 + torch.exp(-g))
-    return 0.5 * g * (1.0 + torch.tanh((2.0 / torch.pi) ** 0.5 * (g + 0.044715 * g**3)))
 
 
 CASES = [  # mode, m, n, k, per_tensor, bias, activation, config
@@ -98,8 +94,8 @@ def test_fp8_mid_linear_matches_float64(gen, device, mode, m, n, k, per_tensor, 
     ref, e = _bound_terms(a64, w64, b.double().cpu() if bias else None)
     if activation:
         g, u = ref[:, :cols], ref[:, cols:]
-        ref = _act(g, activation) * u
-        bound = 1.2 * u.abs() * e[:, :cols] + _act(g, activation).abs() * e[:, cols:]
+        ref = gate_act_ref(g, activation) * u
+        bound = 1.2 * u.abs() * e[:, :cols] + gate_act_ref(g, activation).abs() * e[:, cols:]
         bound = bound + (BF16_ULP + 1e-6) * ref.abs()
     else:
         bound = e + BF16_ULP * ref.abs()

@@ -41,6 +41,7 @@ from attnserve.models.layers.mid_gemm import (
     table_file_name,
     table_key,
 )
+from gate_reference import gate_act_ref
 from numeric_bounds import assert_within, dot_product_bound
 from call_spy import LaunchSpy
 
@@ -53,11 +54,6 @@ def _inputs(gen, m, n, k, device, bias):
     b = torch.randn(n, generator=gen).to(torch.bfloat16).to(device) if bias else None
     return x, w, b
 
-
-def _act(g, activation):
-    if activation == "silu":
-        return g / (1.0 + torch.exp(-g))
-    return 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
 
 
 @pytest.mark.parametrize("m,n,k,cfg,bias", [
@@ -86,10 +82,10 @@ def test_mid_linear_gated_matches_float64(gen, device, m, activation, cfg, bias)
     assert y.shape == (m, n // 2) and y.dtype == torch.bfloat16
     full = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
     g, u = full[:, : n // 2], full[:, n // 2:]
-    ref = _act(g, activation) * u
+    ref = gate_act_ref(g, activation) * u
     e = dot_product_bound(x, w, b, implementations=1)
     eg, eu = e[:, : n // 2], e[:, n // 2:]
-    bound = 1.2 * u.abs() * eg + _act(g, activation).abs() * eu + (BF16_ULP + 1e-6) * ref.abs() + 1e-30
+    bound = 1.2 * u.abs() * eg + gate_act_ref(g, activation).abs() * eu + (BF16_ULP + 1e-6) * ref.abs() + 1e-30
     assert_within(y.cpu(), ref.cpu(), bound.cpu(), f"mid_linear_gated {activation} m={m}")
 
 
