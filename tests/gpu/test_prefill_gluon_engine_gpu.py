@@ -1,5 +1,6 @@
-"""The Gluon prefill over a cached prefix inside the engine (sm_90; `prefill_gluon`, opt-in
-``ATTNSERVE_EXTEND_GLUON_PREFIX=1``): the check that gates making that route the default.
+"""The Gluon prefill over a cached prefix inside the engine (sm_90; `prefill_gluon`, on by
+default, ``ATTNSERVE_EXTEND_GLUON_PREFIX=0`` off): the check that made that route the default
+(first H100 run 2026-11-27: passed within the bounds below).
 
 Two engine-level paths reach it: the second and later chunks of a prompt longer than
 ``--chunked-prefill-size`` (the prefix is the request's own earlier chunks), and a radix-cache

@@ -177,9 +177,10 @@ def test_prefix_fp16_peaked_int64_fused_pool():
 
 
 def test_extend_attention_prefix_switch(monkeypatch):
-    """``ATTNSERVE_EXTEND_GLUON_PREFIX=1``: `extend_attention_fwd` with ``has_prefix`` runs the
-    Gluon kernel (the direct call's bits) for new-token lengths >= the length rule; unset, or
-    short extends: the Triton kernel (other bits). (Scales != 1: the CPU test of the predicate.)"""
+    """By default (and with ``ATTNSERVE_EXTEND_GLUON_PREFIX=1``) `extend_attention_fwd` with
+    ``has_prefix`` runs the Gluon kernel (the direct call's bits) for new-token lengths >= the
+    length rule; switched off (``0``), or short extends: the Triton kernel (other bits).
+    (Scales != 1: the CPU test of the predicate.)"""
     from attnserve.attention.triton_ops.prefill_gluon import GLUON_PREFILL_MIN_LEN
 
     reqs = [(1000, 2048), (4096, 333)]
@@ -188,7 +189,9 @@ def test_extend_attention_prefix_switch(monkeypatch):
     gl_out = _gluon(c, sm_scale).clone()
     monkeypatch.delenv("ATTNSERVE_EXTEND_GLUON", raising=False)
     monkeypatch.delenv("ATTNSERVE_EXTEND_GLUON_PREFIX", raising=False)
-    assert not torch.equal(_extend(c, sm_scale), gl_out)  # default: prefixes keep Triton
+    assert torch.equal(_extend(c, sm_scale), gl_out)  # default: prefixes take Gluon
+    monkeypatch.setenv("ATTNSERVE_EXTEND_GLUON_PREFIX", "0")
+    assert not torch.equal(_extend(c, sm_scale), gl_out)
     monkeypatch.setenv("ATTNSERVE_EXTEND_GLUON_PREFIX", "1")
     assert torch.equal(_extend(c, sm_scale), gl_out)
     assert c["max_e"] >= GLUON_PREFILL_MIN_LEN

@@ -177,11 +177,15 @@ def test_prefix_switch(monkeypatch):
 
     monkeypatch.delenv(pg.GLUON_PREFILL_ENV, raising=False)
     monkeypatch.delenv(pg.GLUON_PREFILL_PREFIX_ENV, raising=False)
-    # prefixes: off by default whatever the length or the main switch
+    # prefixes: on by default, by the length rule on the new tokens
+    assert pg.gluon_prefill_enabled(8190, has_prefix=True)
+    assert not pg.gluon_prefill_enabled(pg.GLUON_PREFILL_MIN_LEN - 1, has_prefix=True)
+    # switched off: never, whatever the length or the main switch; plain prefills unaffected
+    monkeypatch.setenv(pg.GLUON_PREFILL_PREFIX_ENV, "0")
     assert not pg.gluon_prefill_enabled(8190, has_prefix=True)
     monkeypatch.setenv(pg.GLUON_PREFILL_ENV, "1")
     assert not pg.gluon_prefill_enabled(8190, has_prefix=True)
-    assert pg.gluon_prefill_enabled(8190)  # plain prefills unaffected
+    assert pg.gluon_prefill_enabled(8190)
     # on: the main switch / the length rule on the new tokens decide, as for plain prefills
     monkeypatch.setenv(pg.GLUON_PREFILL_PREFIX_ENV, "1")
     assert pg.gluon_prefill_enabled(1, has_prefix=True)

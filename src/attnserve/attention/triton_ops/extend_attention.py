@@ -245,7 +245,7 @@ def _use_gluon_prefill(q_extend, k_extend, v_extend, o_extend, is_causal, custom
                        v_scale: float = 1.0) -> bool:
     """The Gluon kernel for this causal prefill (`prefill_gluon.gluon_prefill_enabled`:
     ``ATTNSERVE_EXTEND_GLUON``, else by ``max_len_extend``, never for ``batch_invariant``
-    launches by default; with ``has_prefix`` only under ``ATTNSERVE_EXTEND_GLUON_PREFIX``)
+    launches by default; with ``has_prefix`` unless ``ATTNSERVE_EXTEND_GLUON_PREFIX`` is off)
     where `prefill_gluon.gluon_prefill_supported` (sm_90; a prefix needs a 16-bit cache of
     scale 1). Its bits differ from this kernel's (other tiles), within bf16 rounding."""
     from attnserve.attention.triton_ops.prefill_gluon import gluon_prefill_enabled, gluon_prefill_supported
@@ -346,8 +346,8 @@ def extend_attention_fwd(
             ``has_prefix=False``) whose longest request has >= ``GLUON_PREFILL_MIN_LEN``
             tokens run the Gluon kernel (`prefill_gluon.gluon_prefill_fwd`); the switch
             ``ATTNSERVE_EXTEND_GLUON`` (1 / 0) overrides the length rule. With
-            ``has_prefix`` (a 16-bit cache, scales 1) the same rule applies only while
-            ``ATTNSERVE_EXTEND_GLUON_PREFIX`` is on (default off).
+            ``has_prefix`` (a 16-bit cache, scales 1) the same rule applies unless
+            ``ATTNSERVE_EXTEND_GLUON_PREFIX`` is off (default on).
         has_prefix: False promises that no request has a cached prefix (a plain prefill:
             ``kv_indptr`` all zeros); the prefix stage is then compiled out and the
             buffers are not read, and the default config has no separate prefix tile.

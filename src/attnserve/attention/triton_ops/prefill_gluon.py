@@ -40,9 +40,11 @@ GLUON_PREFILL_ENV = "ATTNSERVE_EXTEND_GLUON"
 #: kernel. H100, Llama-3-8B heads (`benchmarks/prefill_gluon_bench.py`, 2026-11-27): Gluon /
 #: Triton default 1.25x at 1 x 8,190 and 2 x 4,096, 1.14x at 4 x 2,048, 0.96x at 16 x 512.
 GLUON_PREFILL_MIN_LEN = 1024
-#: launches with a cached prefix take the Gluon kernel only with this switch on (default off
-#: until measured); the length rule then applies to the new tokens (``max_len_extend``: the
-#: prefix lengths live on the device and the route must not read them)
+#: launches with a cached prefix take the Gluon kernel unless this switch is off (``0``); the
+#: length rule then applies to the new tokens (``max_len_extend``: the prefix lengths live on
+#: the device and the route must not read them). H100 (2026-11-27): 1.12-1.14x the Triton
+#: kernel at 4,096 / 2,048-token prefixes; issue 33's long-prompt workload, prefill share
+#: Qwen3-0.6B 0.70 -> 0.77, Llama-3-8B 0.88 -> 0.93 (benchmarks/NOTES.md)
 GLUON_PREFILL_PREFIX_ENV = "ATTNSERVE_EXTEND_GLUON_PREFIX"
 _LOG2E = 1.4426950408889634
 
@@ -97,14 +99,14 @@ def gluon_prefill_enabled(max_len_extend: int = 0, batch_invariant: bool = False
     on unless ``0`` / ``off`` / ...); unset or empty (auto), a launch whose longest request has
     ``max_len_extend >= GLUON_PREFILL_MIN_LEN`` new tokens takes it, unless ``batch_invariant``
     (``--enable-deterministic-inference``: the kernel must not depend on the rest of the batch,
-    and the length rule does). ``has_prefix`` launches (cached prefixes) need
-    ``ATTNSERVE_EXTEND_GLUON_PREFIX`` on as well (default off), then follow the same rule.
+    and the length rule does). ``has_prefix`` launches (cached prefixes) follow the same rule unless
+    ``ATTNSERVE_EXTEND_GLUON_PREFIX`` is off (default on).
     """
     import os
 
     from attnserve.env_options import env_flag
 
-    if has_prefix and not env_flag(GLUON_PREFILL_PREFIX_ENV, default=False):
+    if has_prefix and not env_flag(GLUON_PREFILL_PREFIX_ENV, default=True):
         return False
     if os.environ.get(GLUON_PREFILL_ENV, "").strip():
         return env_flag(GLUON_PREFILL_ENV)
