@@ -119,6 +119,9 @@ class ForwardBatch:
         spec_info: speculative-decoding metadata (custom masks, draft tokens) or None.
         sampling_info: engine-side sampling state, opaque to the attention layer.
         capture_hidden_mode: unused placeholder for speculative decoding heads.
+        mla_prefix_plan: MLA models' decision for an extend step with cached prefixes,
+            made by the first layer (`attention.mla_expanded_prefix`): None undecided,
+            False absorbed, else the `ExpandedPrefixPlan`.
     """
 
     forward_mode: ForwardMode
@@ -140,6 +143,7 @@ class ForwardBatch:
     attn_backend: Optional["AttentionBackend"] = None
     spec_info: Any = None
     sampling_info: Any = None
+    mla_prefix_plan: Any = None
 
     @property
     def device(self) -> torch.device:

@@ -219,3 +219,14 @@ def test_128_head_mla_at_1024_running_requests_counts_its_workspace(caplog):
     print("workspace MiB", ws.numel() / 2**20)
     outs = _generate(engine, _prompts(1024, 5, lo=3, hi=20), max_new=3)
     assert all(len(o) == 3 for o in outs)
+
+
+@pytest.mark.parametrize("setting", ["0", "1"])
+def test_expanded_prefix_switch_matches_torch_native(monkeypatch, setting):
+    """Chunked prefill of long prompts (every chunk after the first extends over cached
+    prefixes): the triton_mla backend with the prefixes absorbed (``0``) or expanded per head
+    (``1``, `mla_expanded_prefix`) gives torch_native's greedy tokens, with CUDA graphs."""
+    monkeypatch.setenv("ATTNSERVE_MLA_EXPANDED_PREFIX", setting)
+    prompts = _prompts(7, 11, lo=130, hi=600)
+    ref = _generate(_engine(attention_backend="torch_native", disable_cuda_graph=True), prompts)
+    assert _generate(_engine(attention_backend="triton_mla"), prompts) == ref

@@ -342,3 +342,47 @@ def test_deepseek_tiny_model_triton_matches_torch_native(page_size):
     for i, (a, b) in enumerate(zip(ref, got)):
         assert a.shape == b.shape
         assert_within(b, a, forward_bound(a, terms), f"deepseek-v2-tiny triton vs torch_native, step {i}")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_deepseek_tiny_expanded_prefix_matches_absorbed(monkeypatch, page_size):
+    """Extend steps over cached prefixes in the expanded form (the prefixes' latent rows
+    up-projected per head, `mla_expanded_prefix`) give the logits of the absorbed form, on
+    both backends: a chunked prompt next to a fresh one, then two prompts both over prefixes."""
+    from attnserve.model_loader.loader import load_model
+
+    loaded = load_model("deepseek-v2-tiny", load_format="dummy", device=DEVICE, seed=5)
+    mc = loaded.model_config
+    steps = [(ForwardMode.EXTEND, [19, 0], [(3, 22), ()]), (ForwardMode.EXTEND, [6, 11], [(40, 46), (9, 20)]),
+             (ForwardMode.EXTEND, [4, 3], [(70, 74), (80, 83)])]
+
+    def run(make_backend, setting):
+        monkeypatch.setenv("ATTNSERVE_MLA_EXPANDED_PREFIX", setting)
+        case = LatentBatch([0, 0], page_size, num_layers=mc.num_hidden_layers, seed=11, r=mc.kv_lora_rank,
+                           rope=mc.qk_rope_head_dim, room=64)
+        backend = make_backend(case)
+        outs, plans = [], []
+        for mode, new, id_ranges in steps:
+            active = [i for i, n in enumerate(new) if n]
+            rows_all, case.rows = case.rows, [case.rows[i] for i in active]
+            loc, prefix = case.grow([new[i] for i in active])
+            ids = [t for i in active for t in range(*id_ranges[i])]
+            fb = ForwardBatch.init_new(mode, ids, case.rows, prefix, [new[i] for i in active], loc, case.r2t,
+                                       case.pool, backend, DEVICE)
+            backend.init_forward_metadata(fb)
+            outs.append(loaded.model.compute_logits(loaded.model(fb.input_ids, fb.positions, fb)))
+            plans.append(fb.mla_prefix_plan)
+            case.rows = rows_all
+        return outs, plans
+
+    native = lambda case: TorchNativeAttnBackend(_config(case.pool, case.r2t, mc.num_attention_heads))  # noqa: E731
+    triton = lambda case: _triton(case.pool, case.r2t, mc.num_attention_heads)  # noqa: E731
+    ref, ref_plans = run(native, "0")
+    assert ref_plans[1:] == [False, False]  # switched off: absorbed
+    terms = mla_terms(mc.hf_config, 19 + 6 + 4)
+    for make in (native, triton):
+        got, plans = run(make, "1")
+        assert plans[0] is None  # no prefix: plain expanded, no plan
+        assert [p.num_tokens for p in plans[1:]] == [19, 25 + 11]
+        for i, (a, b) in enumerate(zip(ref, got)):
+            assert_within(b, a, forward_bound(a, terms), f"expanded prefix vs absorbed, step {i}")

@@ -10,9 +10,12 @@ its "MLA" and "MHA" DeepSeek paths):
   the latent and attends over the cached prefix and the new tokens in the latent pool.
   Used for decode and for every extend with a cached prefix.
 * the **expanded layer** (``H`` KV heads, ``nope + rope`` / ``v_head_dim``): per-head K/V
-  the model up-projected for the new tokens only; the model has stored the latent itself.
-  Allowed only when no request of the step has a cached prefix (a plain prefill), where
-  it is cheaper than the absorbed form (head dims 192/128 instead of 576/512).
+  the model up-projected for the new tokens; the model has stored the latent itself.
+  Without ``prefix_kv`` allowed only when no request of the step has a cached prefix (a
+  plain prefill); with it (`mla_expanded_prefix.ExpandedPrefix`: the cached prefixes'
+  latent rows up-projected by the model as well) on any plain extend step. Cheaper than the
+  absorbed form where the step has many more (query, key) pairs than prefix tokens (head
+  dims 192/128 instead of 576/512).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def check_prefix_free(layer, fb: ForwardBatch, backend: str) -> None:
     if any(fb.extend_prefix_lens_cpu):
         raise ValueError(
             f"{backend}: MLA layer {layer.layer_id} called with expanded per-head K/V on a step whose requests "
-            "have cached prefixes; use the latent layer (absorbed queries) when any prefix is cached"
+            "have cached prefixes; use the latent layer (absorbed queries) when any prefix is cached, "
+            "or pass the prefixes expanded as prefix_kv"
         )
 

@@ -240,22 +240,26 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = torch.matmul(probs, vf.transpose(1, 2))  # [bs, Hkv, group, Dv]
         return out.reshape(bs, layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
-    def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs):
+    def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True,
+                       prefix_kv=None, **kwargs):
         if self.config.is_mla:
             if is_latent_layer(layer, self.config):
                 k = k.view(-1, 1, layer.qk_head_dim)
                 v = k[..., : layer.v_head_dim]
             else:
-                check_prefix_free(layer, forward_batch, self.name)
-                return self._run_new_tokens(q, k, v, layer, forward_batch)
+                if prefix_kv is None:
+                    check_prefix_free(layer, forward_batch, self.name)
+                return self._run_new_tokens(q, k, v, layer, forward_batch, prefix_kv)
         return self._run(q, k, v, layer, forward_batch, save_kv_cache)
 
-    def _run_new_tokens(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
-        """Extend whose keys are only the step's new tokens (MLA's expanded layer on a step
-        without cached prefixes; nothing is read from or written to the pool).
+    def _run_new_tokens(self, q, k, v, layer, fb: ForwardBatch, prefix_kv=None) -> torch.Tensor:
+        """Extend whose keys are the step's new tokens and, with ``prefix_kv``
+        (`mla_expanded_prefix.ExpandedPrefix`), the cached prefixes the model expanded (MLA's
+        expanded layer; nothing is read from or written to the pool).
 
         Args:
-            q: ``[T, Hq * Dk]``; k: ``[T, Hkv, Dk]``; v: ``[T, Hkv, Dv]``.
+            q: ``[T, Hq * Dk]``; k: ``[T, Hkv, Dk]``; v: ``[T, Hkv, Dv]``; ``prefix_kv.k`` /
+            ``.v`` ``[P, Hkv, Dk / Dv]`` at offsets ``prefix_kv.plan.kv_indptr``.
 
         Returns:
             ``[T, Hq * Dv]`` in ``q``'s dtype; causal (or ``spec_info.custom_mask``),
@@ -267,16 +271,22 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         spec = fb.spec_info
         custom_mask = spec.custom_mask if spec is not None else None
+        bounds = prefix_kv.plan.kv_indptr.tolist() if prefix_kv is not None else None
         start = 0
         for i, ext in enumerate(fb.extend_seq_lens_cpu):
-            pos = torch.arange(ext, device=q.device)
+            sl = slice(start, start + ext)
+            ki, vi, p = k[sl], v[sl], 0
+            if bounds is not None and bounds[i + 1] > bounds[i]:
+                rows = slice(bounds[i], bounds[i + 1])
+                p = bounds[i + 1] - bounds[i]
+                ki, vi = torch.cat([prefix_kv.k[rows], ki]), torch.cat([prefix_kv.v[rows], vi])
+            q_pos = torch.arange(p, p + ext, device=q.device)
             mask = None
             if custom_mask is not None:
                 off = int(spec.mask_indptr[i])
                 mask = custom_mask[off : off + ext * ext].view(ext, ext)
-            sl = slice(start, start + ext)
-            o = attention_reference(q[sl], k[sl], v[sl], pos, pos, layer.scaling, layer.logit_cap,
-                                    layer.sliding_window_size, mask)
+            o = attention_reference(q[sl], ki, vi, q_pos, torch.arange(p + ext, device=q.device), layer.scaling,
+                                    layer.logit_cap, layer.sliding_window_size, mask)
             out[sl] = o.to(out.dtype)
             start += ext
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)

@@ -285,15 +285,15 @@ class TritonAttnBackend(AttentionBackend):
                             pool.get_value_buffer(layer.layer_id), self.forward_metadata)
 
     def _extend(self, q, k, v, layer, k_buffer, v_buffer, md: TritonForwardMetadata,
-                kv_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+                kv_indices: Optional[torch.Tensor] = None, kv_indptr: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the extend kernel: new tokens ``k``/``v`` ``[T, Hkv, D]``, prefix from the
-        buffers through the step's (or the given) indices; ``[T, Hq * Dv]``."""
+        buffers through the step's (or the given) CSR; ``[T, Hq * Dv]``."""
         from attnserve.attention.triton_ops.extend_attention import extend_attention_fwd
 
         hq, dv = layer.tp_q_head_num, layer.v_head_dim
         q3 = q.view(-1, hq, layer.qk_head_dim)
         o = q.new_empty(q3.shape[0], hq, dv)
-        kv_indptr, start = md.kv_indptr, None
+        kv_indptr, start = (md.kv_indptr if kv_indptr is None else kv_indptr), None
         kv_indices = md.kv_indices if kv_indices is None else kv_indices
         win = self._window_of(layer, md)
         if win is not None:

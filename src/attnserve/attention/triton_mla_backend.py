@@ -8,7 +8,9 @@
   ``Dk = kv_lora_rank + rope``, ``Dv = kv_lora_rank``, values a view of the key rows),
   through the same prefix indices the ``triton`` backend builds.
 * EXTEND without any cached prefix (expanded layer): the extend kernel over the new
-  tokens' per-head K/V only (`attnserve.attention.mla_paths`).
+  tokens' per-head K/V only (`attnserve.attention.mla_paths`); with cached prefixes that
+  the model expanded too (``prefix_kv``, `attnserve.attention.mla_expanded_prefix`), over
+  those rows as the prefix.
 
 The split workspace is allocated once at construction for ``config.max_batch_size``
 requests; `workspace_bytes` lets the model runner count it before sizing the KV pool.
@@ -86,9 +88,12 @@ class TritonMLAAttnBackend(TritonAttnBackend):
             pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, None)
         return self.mla.forward(q, layer, pool, self.forward_metadata)
 
-    def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs):
+    def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True,
+                       prefix_kv=None, **kwargs):
         """Latent layer: absorbed attention over the latent pool (``v`` ignored). Expanded
-        layer: new tokens only; a step with a cached prefix is a ValueError."""
+        layer: the new tokens, plus the cached prefixes when the model passes them
+        expanded (``prefix_kv``, `mla_expanded_prefix.ExpandedPrefix`); a step with a
+        cached prefix and no ``prefix_kv`` is a ValueError."""
         fb = forward_batch
         pool = fb.token_to_kv_pool
         md = self.forward_metadata
@@ -98,9 +103,13 @@ class TritonMLAAttnBackend(TritonAttnBackend):
                 pool.set_kv_buffer(layer, fb.out_cache_loc, k, None)
             return self._extend(q, k, k[..., : layer.v_head_dim], layer, pool.get_key_buffer(layer.layer_id),
                                 pool.get_value_buffer(layer.layer_id), md)
-        check_prefix_free(layer, fb, self.name)
         k3 = k.view(-1, layer.tp_k_head_num, layer.qk_head_dim)
         v3 = v.view(-1, layer.tp_v_head_num, layer.v_head_dim)
+        if prefix_kv is not None:
+            plan = prefix_kv.plan
+            return self._extend(q, k3, v3, layer, prefix_kv.k, prefix_kv.v, md, kv_indices=plan.kv_indices,
+                                kv_indptr=plan.kv_indptr)
+        check_prefix_free(layer, fb, self.name)
         return self._extend(q, k3, v3, layer, k3, v3, md)  # no prefix: the buffers are never read
 
     # ---- CUDA graphs -------------------------------------------------------------------

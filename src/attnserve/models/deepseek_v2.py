@@ -16,7 +16,8 @@ The KV cache (`MLATokenToKVPool`) stores only ``[c_kv | k_pe]`` (kv_lora_rank + 
 token, 576 for the real models). Two ways to attend (`attnserve.attention.mla_paths`; the
 choice is SGLang's for its Triton MLA backend):
 
-* **Absorbed** (decode, and every extend where some request has a cached prefix):
+* **Absorbed** (decode, and extends with cached prefixes that the expanded form below does
+  not take):
   ``W_UK`` is folded into the query (``q_nope W_UK`` -> ``[T, H, kv_lora_rank]``) and
   ``W_UV`` into the output, so attention runs directly on the latent cache: the layer
   ``attn_mqa`` has one KV head of width ``kv_lora_rank + rope``, values = its first
@@ -26,6 +27,9 @@ choice is SGLang's for its Triton MLA backend):
   up-projected from this step's ``c_kv`` and attended with ``Dk = nope + rope``, ``Dv =
   v_head_dim`` through ``attn_mha`` (smaller head dims than the absorbed form); the model
   stores the latent itself (``set_mla_kv_buffer``) and calls with ``save_kv_cache=False``.
+  Extend steps with cached prefixes take it too where `mla_expanded_prefix`'s cost rule
+  says so (chunked prefill of many prompts, long prompts after a cache hit): the prefixes'
+  latent rows are up-projected as well and passed as ``prefix_kv``.
 
 RoPE layout (checked against transformers 5's modeling_deepseek_v2/_v3): DeepSeek rotates
 interleaved channel pairs ``(2i, 2i+1)`` (GPT-J style, ``is_neox_style=False``). V2 keeps
@@ -53,7 +57,7 @@ from torch import nn
 from attnserve.attention.radix_attention import RadixAttention
 from attnserve.distributed.group import TPGroup
 from attnserve.distributed.partition import q_head_range
-from attnserve.forward_batch import ForwardBatch
+from attnserve.forward_batch import ForwardBatch, ForwardMode
 from attnserve.models.base import CausalLM, DecoderModel
 from attnserve.models.layers.linear import Linear
 from attnserve.models.layers.parallel import ColumnParallelLinear, RowParallelLinear
@@ -163,11 +167,42 @@ class DeepseekV2AttentionMLA(nn.Module):
         c_kv = self.kv_a_layernorm(latent[:, :r])
         q_pe, k_pe = self.rotary_emb(positions, q[..., nope:], latent[:, r:])  # [T, H, rope], [T, rope]
         mode = fb.forward_mode
-        if mode.is_decode_or_idle() or any(fb.extend_prefix_lens_cpu):
+        if mode.is_decode_or_idle():
             out = self._absorbed(q[..., :nope], q_pe, torch.cat([c_kv, k_pe], dim=-1), fb)
-        else:
+        elif not any(fb.extend_prefix_lens_cpu):
             out = self._expanded(q[..., :nope], q_pe, c_kv, k_pe, fb)
+        else:
+            plan = self._prefix_plan(fb)
+            if plan is None:
+                out = self._absorbed(q[..., :nope], q_pe, torch.cat([c_kv, k_pe], dim=-1), fb)
+            else:
+                out = self._expanded(q[..., :nope], q_pe, c_kv, k_pe, fb, self._expanded_prefix(plan, fb))
         return self.o_proj(out)
+
+    def _prefix_plan(self, fb: ForwardBatch):
+        """The step's `ExpandedPrefixPlan` when its cached prefixes go the expanded way
+        (`mla_expanded_prefix`: plain EXTEND steps where the cost rule says so), else None;
+        decided by the first MLA layer and cached on ``fb`` for the others."""
+        from attnserve.attention.mla_expanded_prefix import expanded_prefix_worthwhile, plan_expanded_prefix
+
+        if fb.mla_prefix_plan is None:
+            ok = (fb.forward_mode == ForwardMode.EXTEND and fb.spec_info is None and fb.req_to_token_pool is not None
+                  and expanded_prefix_worthwhile(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, self.num_heads,
+                                                 self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
+                                                 self.v_head_dim, self.kv_b_proj.weight.element_size()))
+            fb.mla_prefix_plan = (plan_expanded_prefix(fb.extend_prefix_lens_cpu, fb.req_pool_indices,
+                                                       fb.req_to_token_pool.req_to_token, fb.extend_prefix_lens)
+                                  if ok else False)
+        return fb.mla_prefix_plan or None
+
+    def _expanded_prefix(self, plan, fb: ForwardBatch):
+        """Per-head K / V of the cached prefixes (`mla_expanded_prefix.ExpandedPrefix`)."""
+        from attnserve.attention.mla_expanded_prefix import ExpandedPrefix, gather_prefix_latent
+
+        latent = gather_prefix_latent(fb.token_to_kv_pool.get_key_buffer(self.attn_mqa.layer_id), plan,
+                                      self.attn_mqa.k_scale, self.kv_b_proj.weight.dtype)
+        k, v = self._expand(latent[:, : self.kv_lora_rank], latent[:, self.kv_lora_rank :])
+        return ExpandedPrefix(k, v, plan)
 
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Attention over the latent cache (decode, and extend with cached prefixes): the
@@ -181,14 +216,16 @@ class DeepseekV2AttentionMLA(nn.Module):
         out = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, r] x [H, r, v] -> [H, T, v]
         return out.transpose(0, 1).reshape(t, h * self.v_head_dim)
 
-    def _expanded(self, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch) -> torch.Tensor:
-        """Prefill without cached prefixes: per-head K/V of the new tokens (cheaper head
-        dims than the absorbed form); the latent is stored here. ``[T, H * v_head_dim]``."""
+    def _expanded(self, q_nope, q_pe, c_kv, k_pe, fb: ForwardBatch, prefix=None) -> torch.Tensor:
+        """Per-head K/V of the new tokens (cheaper head dims than the absorbed form) and,
+        with ``prefix`` (`ExpandedPrefix`), of the cached prefixes; the latent is stored
+        here. ``[T, H * v_head_dim]``."""
         t, h = q_nope.shape[0], self.num_heads
         fb.token_to_kv_pool.set_mla_kv_buffer(self.attn_mqa, fb.out_cache_loc, c_kv.unsqueeze(1), k_pe.unsqueeze(1))
         q = torch.cat([q_nope, q_pe], dim=-1)
         k, v = self._expand(c_kv, k_pe)
-        o = self.attn_mha(q.view(t, -1), k, v, fb, save_kv_cache=False)
+        kwargs = {} if prefix is None else {"prefix_kv": prefix}
+        o = self.attn_mha(q.view(t, -1), k, v, fb, save_kv_cache=False, **kwargs)
         return o.view(t, h * self.v_head_dim)
 
 
