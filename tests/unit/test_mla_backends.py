@@ -305,6 +305,29 @@ def test_expanded_extend_without_prefix_both_backends():
             layer(q[:3].reshape(3, -1), k[:3], v[:3], fb, save_kv_cache=False)
 
 
+def _model_steps(loaded, page_size, seed, make_backend, steps):
+    """Run ``loaded`` (an MLA model) over ``steps`` of ``(mode, new tokens per request, token-id
+    ranges)`` on a fresh `LatentBatch` of two requests with the backend ``make_backend(case)``
+    builds: ``(logits per step, ForwardBatch.mla_prefix_plan per step)``."""
+    mc = loaded.model_config
+    case = LatentBatch([0, 0], page_size, num_layers=mc.num_hidden_layers, seed=seed, r=mc.kv_lora_rank,
+                       rope=mc.qk_rope_head_dim, room=64)
+    backend = make_backend(case)
+    outs, plans = [], []
+    for mode, new, id_ranges in steps:
+        active = [i for i, n in enumerate(new) if n]
+        rows_all, case.rows = case.rows, [case.rows[i] for i in active]
+        loc, prefix = case.grow([new[i] for i in active])
+        ids = [t for i in active for t in range(*id_ranges[i])]
+        fb = ForwardBatch.init_new(mode, ids, case.rows, prefix, [new[i] for i in active], loc, case.r2t,
+                                   case.pool, backend, DEVICE)
+        backend.init_forward_metadata(fb)
+        outs.append(loaded.model.compute_logits(loaded.model(fb.input_ids, fb.positions, fb)))
+        plans.append(fb.mla_prefix_plan)
+        case.rows = rows_all
+    return outs, plans
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_deepseek_tiny_model_triton_matches_torch_native(page_size):
     """Chunked prefill (expanded first chunk, then latent extend over the cached prefix) then batched decode of the
@@ -314,24 +337,11 @@ def test_deepseek_tiny_model_triton_matches_torch_native(page_size):
     loaded = load_model("deepseek-v2-tiny", load_format="dummy", device=DEVICE, seed=3)
     mc = loaded.model_config
 
+    steps = [(ForwardMode.EXTEND, [21, 0], [(3, 24), ()]), (ForwardMode.EXTEND, [5, 7], [(40, 45), (9, 16)])]
+    steps += [(ForwardMode.DECODE, [1, 1], [(50 + i, 51 + i), (60 + i, 61 + i)]) for i in range(3)]
+
     def run(make_backend):
-        case = LatentBatch([0, 0], page_size, num_layers=mc.num_hidden_layers, seed=9, r=mc.kv_lora_rank,
-                           rope=mc.qk_rope_head_dim, room=64)
-        backend = make_backend(case)
-        steps = [(ForwardMode.EXTEND, [21, 0], [(3, 24), ()]), (ForwardMode.EXTEND, [5, 7], [(40, 45), (9, 16)])]
-        steps += [(ForwardMode.DECODE, [1, 1], [(50 + i, 51 + i), (60 + i, 61 + i)]) for i in range(3)]
-        outs = []
-        for mode, new, id_ranges in steps:
-            active = [i for i, n in enumerate(new) if n]
-            rows_all, case.rows = case.rows, [case.rows[i] for i in active]
-            loc, prefix = case.grow([new[i] for i in active])
-            ids = [t for i in active for t in range(*id_ranges[i])]
-            fb = ForwardBatch.init_new(mode, ids, case.rows, prefix, [new[i] for i in active], loc, case.r2t,
-                                       case.pool, backend, DEVICE)
-            backend.init_forward_metadata(fb)
-            outs.append(loaded.model.compute_logits(loaded.model(fb.input_ids, fb.positions, fb)))
-            case.rows = rows_all
-        return outs
+        return _model_steps(loaded, page_size, 9, make_backend, steps)[0]
 
     ref = run(lambda case: TorchNativeAttnBackend(_config(case.pool, case.r2t, mc.num_attention_heads)))
     got = run(lambda case: _triton(case.pool, case.r2t, mc.num_attention_heads))
@@ -358,22 +368,7 @@ def test_deepseek_tiny_expanded_prefix_matches_absorbed(monkeypatch, page_size):
 
     def run(make_backend, setting):
         monkeypatch.setenv("ATTNSERVE_MLA_EXPANDED_PREFIX", setting)
-        case = LatentBatch([0, 0], page_size, num_layers=mc.num_hidden_layers, seed=11, r=mc.kv_lora_rank,
-                           rope=mc.qk_rope_head_dim, room=64)
-        backend = make_backend(case)
-        outs, plans = [], []
-        for mode, new, id_ranges in steps:
-            active = [i for i, n in enumerate(new) if n]
-            rows_all, case.rows = case.rows, [case.rows[i] for i in active]
-            loc, prefix = case.grow([new[i] for i in active])
-            ids = [t for i in active for t in range(*id_ranges[i])]
-            fb = ForwardBatch.init_new(mode, ids, case.rows, prefix, [new[i] for i in active], loc, case.r2t,
-                                       case.pool, backend, DEVICE)
-            backend.init_forward_metadata(fb)
-            outs.append(loaded.model.compute_logits(loaded.model(fb.input_ids, fb.positions, fb)))
-            plans.append(fb.mla_prefix_plan)
-            case.rows = rows_all
-        return outs, plans
+        return _model_steps(loaded, page_size, 11, make_backend, steps)
 
     native = lambda case: TorchNativeAttnBackend(_config(case.pool, case.r2t, mc.num_attention_heads))  # noqa: E731
     triton = lambda case: _triton(case.pool, case.r2t, mc.num_attention_heads)  # noqa: E731
