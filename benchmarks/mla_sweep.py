@@ -58,6 +58,16 @@ SHAPES = [
     dict(name="h128_b32_kv4096", bs=32, heads=128, kv_len=4096, page=PAGE),
     dict(name="h128_b32_kv16384", bs=32, heads=128, kv_len=16384, page=PAGE),
     dict(name="h16_b128_kv4096", bs=128, heads=16, kv_len=4096, page=PAGE),
+    # a mixed workload's decode batches on DeepSeek-V2-Lite (16 heads): short contexts, the
+    # engine's default page of 1 token against 64
+    dict(name="h16_b144_kv800_p1", bs=144, heads=16, kv_len=800, page=1),
+    dict(name="h16_b144_kv800", bs=144, heads=16, kv_len=800, page=PAGE),
+    dict(name="h16_b256_kv800_p1", bs=256, heads=16, kv_len=800, page=1),
+    dict(name="h16_b256_kv800", bs=256, heads=16, kv_len=800, page=PAGE),
+    # long contexts at the engine's page of 1
+    dict(name="h16_b128_kv4096_p1", bs=128, heads=16, kv_len=4096, page=1),
+    dict(name="h16_b32_kv4096_p1", bs=32, heads=16, kv_len=4096, page=1),
+    dict(name="h16_b8_kv16384_p1", bs=8, heads=16, kv_len=16384, page=1),
 ]
 CHECK_LENS = [1, 200, 1000, 2047]  # the small float64-checked batch
 _DEV = "cuda"
@@ -121,6 +131,12 @@ def sweep_configs() -> List[Dict]:
         ("ref_v1_h16_n128_w8_s2", _c(16, 128, 8, 2), 1),
         ("default", None, 1),
         ("v1_h16_n64_w4_s2", _c(16, 64, 4, 2), 1),
+        # pointer-path (page-1) candidates: deeper rings, smaller tiles, more programs per SM
+        ("v1_h16_n64_w4_s3", _c(16, 64, 4, 3), 1),
+        ("v1_h16_n32_w4_s4", _c(16, 32, 4, 4), 1),
+        ("v1_h16_n32_w4_s5", _c(16, 32, 4, 5), 1),
+        ("v1_h16_n64_w4_s2_splits2x", _c(16, 64, 4, 2), 2),
+        ("v1_h16_n128_w8_s2_splits2x", _c(16, 128, 8, 2), 2),
         ("peel_h16_n128_w8_s2", _c(16, 128, 8, 2, peel_tail=True), 1),
         ("tma_h16_n64_w8_s2", _c(16, 64, 8, 2, **tma), 1),
         ("tma_h16_n64_w8_s3", _c(16, 64, 8, 3, **tma), 1),
