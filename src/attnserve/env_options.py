@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
-__all__ = ["env_bytes", "env_flag"]
+__all__ = ["env_bytes", "env_flag", "env_int"]
 
 #: values that turn a switch off (any case, surrounding spaces ignored)
 OFF_VALUES = ("0", "false", "no", "off")
@@ -43,3 +43,23 @@ def env_bytes(name: str, unit: int, *, positive: bool = False,
         units = {1 << 10: "KiB", 1 << 20: "MiB"}.get(unit, f"{unit}-byte units")
         raise ValueError(f"{name}={raw!r}: expected a number {what} of {units}")
     return int(value * unit)
+
+
+def env_int(name: str, default: int, lo: int, hi: int, note: str = "") -> int:
+    """The integer variable ``name`` gives (read at every call, so one process can time
+    several values), ``default`` when it is unset or empty.
+
+    Raises:
+        ValueError: set but not an integer in ``lo..hi``, naming the variable, the range and
+            ``note`` (what a value means).
+    """
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}={raw!r}: expected an integer in {lo}..{hi}" + (f" ({note})" if note else ""))
+    return value

@@ -40,3 +40,19 @@ def test_env_flag(monkeypatch):
     assert env_flag("X_SWITCH", default=False)
     monkeypatch.setenv("X_SWITCH", "off")
     assert not env_flag("X_SWITCH", default=False)
+
+
+def test_env_int(monkeypatch):
+    from attnserve.env_options import env_int
+
+    monkeypatch.delenv("ATTNSERVE_TEST_INT", raising=False)
+    assert env_int("ATTNSERVE_TEST_INT", 7, 0, 10) == 7
+    monkeypatch.setenv("ATTNSERVE_TEST_INT", " ")
+    assert env_int("ATTNSERVE_TEST_INT", 7, 0, 10) == 7
+    for raw, want in (("0", 0), ("10", 10), (" 3 ", 3)):
+        monkeypatch.setenv("ATTNSERVE_TEST_INT", raw)
+        assert env_int("ATTNSERVE_TEST_INT", 7, 0, 10) == want
+    for raw in ("11", "-1", "2.5", "x"):
+        monkeypatch.setenv("ATTNSERVE_TEST_INT", raw)
+        with pytest.raises(ValueError, match=r"ATTNSERVE_TEST_INT=.*0\.\.10 \(what it means\)"):
+            env_int("ATTNSERVE_TEST_INT", 7, 0, 10, "what it means")

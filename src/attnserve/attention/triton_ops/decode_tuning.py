@@ -165,16 +165,9 @@ def batch_merge_heads() -> int:
     Raises:
         ValueError: the variable is not an int >= 1.
     """
-    raw = os.environ.get(MERGE_HEADS_ENV, "").strip()
-    if not raw:
-        return BATCH_MERGE_HEADS
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{MERGE_HEADS_ENV}={raw!r}: expected an int >= 1 (1 = one stage-2 program per head)")
-    return value
+    from attnserve.env_options import env_int
+
+    return env_int(MERGE_HEADS_ENV, BATCH_MERGE_HEADS, 1, 1 << 16, "1 = one stage-2 program per head")
 
 
 def decode_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: bool = False,

@@ -33,7 +33,6 @@ stay W8A16 (their shares are 0.8 - 0.9 and an activation quantisation costs two 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -54,12 +53,9 @@ def fp8_w8a8_min_slots() -> int:
     Raises:
         ValueError: a value that is not an integer in ``0..2**20``.
     """
-    raw = os.environ.get(W8A8_MIN_SLOTS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_W8A8_MIN_SLOTS
-    if not raw.isdigit() or int(raw) > _MAX_MIN_SLOTS:
-        raise ValueError(f"{W8A8_MIN_SLOTS_ENV} must be an integer in 0..{_MAX_MIN_SLOTS}, got {raw!r}")
-    return int(raw)
+    from attnserve.env_options import env_int
+
+    return env_int(W8A8_MIN_SLOTS_ENV, DEFAULT_W8A8_MIN_SLOTS, 0, _MAX_MIN_SLOTS)
 
 
 @functools.lru_cache(maxsize=16)

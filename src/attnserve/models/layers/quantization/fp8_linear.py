@@ -66,14 +66,10 @@ def w8a16_max_m() -> int:
     Raises:
         ValueError: a value that is not an integer in 0..128.
     """
-    raw = os.environ.get("ATTNSERVE_FP8_W8A16_MAX_M", "").strip()
-    if not raw:
-        return MAX_SKINNY_M
+    from attnserve.env_options import env_int
     from attnserve.models.layers.skinny_gemm import MAX_SKINNY_FP8_M
 
-    if not raw.isdigit() or int(raw) > MAX_SKINNY_FP8_M:
-        raise ValueError(f"ATTNSERVE_FP8_W8A16_MAX_M must be an integer in 0..{MAX_SKINNY_FP8_M}, got {raw!r}")
-    return int(raw)
+    return env_int("ATTNSERVE_FP8_W8A16_MAX_M", MAX_SKINNY_M, 0, MAX_SKINNY_FP8_M)
 
 
 def _param(t: torch.Tensor, **attrs) -> nn.Parameter:
