@@ -20,6 +20,9 @@
 #   gaps      benchmarks/profile_engine_gaps.py: GPU busy / idle and kernel classes over a window of
 #             the engine loop on the mixed 256-request workload (GAPS_MODELS, GAPS_ARGS e.g.
 #             --kv-cache-dtype fp8_e4m3), and its GPU test
+#   mla       DeepSeek-V2-Lite (MLA + MoE): the mixed 256-request workload once per MLA_TILES entry
+#             ("default" or block_h,block_n,num_warps,num_stages for ATTNSERVE_MLA_DECODE_TILE), then
+#             the engine-window profile of its decode steps (profile_engine_gaps.py)
 #   sampling  benchmarks/sampling_extras_gpu.py: decode step with logprobs (top 5) / penalties / logit
 #             bias + min_tokens on all 64 requests vs none, Llama-3-8B shape (issue 35; SAMPLING_ARGS)
 #   bash scripts/gpu_engine_bench.sh roofline [loop spec fp8]
@@ -82,6 +85,16 @@ for what in "${@:-roofline}"; do
         --decode-window 400 40 --prefill-window 0 10 --no-baseline --out "$OUT" ${GAPS_ARGS:-} 2>&1 \
         | grep -v INFO | tee -a "$OUT/gaps.log" | tail -45
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gaps_gpu.py 2>&1 | tail -3 ;;
-    *) echo "unknown mode $what (roofline longprompt step prefill moe loop spec fp8 profile serving sampling gaps)"; exit 2 ;;
+    mla)
+      for tile in ${MLA_TILES:-default 16,32,4,5}; do
+        t=$tile; [ "$tile" = default ] && t=""
+        ATTNSERVE_MLA_DECODE_TILE=$t timeout "${MLA_TIMEOUT:-150}" $offline --tag "mixed-mla-tile-${tile//,/-}" \
+          --models deepseek-v2-lite --num-prompts 256 --random-input-len 1024 --random-output-len 1024 \
+          --random-range-ratio 0.098 2>&1 | grep -v INFO | grep share | sed "s/^/[$tile] /"
+      done
+      timeout "${GAPS_TIMEOUT:-300}" python3 benchmarks/profile_engine_gaps.py --models deepseek-v2-lite \
+        --num-prompts 256 --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.098 \
+        --decode-window 400 40 --prefill-window 0 5 --no-baseline --out "$OUT" 2>&1 | grep -v INFO | tail -40 ;;
+    *) echo "unknown mode $what (roofline longprompt step prefill moe mla loop spec fp8 profile serving sampling gaps)"; exit 2 ;;
   esac
 done

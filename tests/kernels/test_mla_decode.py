@@ -506,3 +506,18 @@ def test_variant_tma_padded_dims_bf16():
     case = make_case([33, 90, 64], 16, 16, torch.bfloat16, d_c=48, d_r=8, seed=43)
     o, lse = run_kernel(case, 16, 2, 2, config=_variant("tma"))
     check(case, o, lse, torch.bfloat16)
+
+
+def test_tile_override_parsing(monkeypatch):
+    """``ATTNSERVE_MLA_DECODE_TILE`` (engine A/B runs): four integers, or a clear error."""
+    from attnserve.attention.triton_ops.mla_decode import MLA_DECODE_TILE_ENV, mla_tile_override
+
+    monkeypatch.delenv(MLA_DECODE_TILE_ENV, raising=False)
+    assert mla_tile_override() is None
+    monkeypatch.setenv(MLA_DECODE_TILE_ENV, " 16, 32,4,5 ")
+    cfg = mla_tile_override()
+    assert (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages) == (16, 32, 4, 5)
+    for bad in ("16,32,4", "16,24,4,5", "8,32,4,5", "16,32,x,5", "16,32,0,5"):
+        monkeypatch.setenv(MLA_DECODE_TILE_ENV, bad)
+        with pytest.raises(ValueError, match=MLA_DECODE_TILE_ENV):
+            mla_tile_override()

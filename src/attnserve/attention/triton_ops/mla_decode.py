@@ -187,10 +187,41 @@ def _token_rows(kv_buffer: torch.Tensor, width: int) -> torch.Tensor:
         raise ValueError(f"kv_buffer {tuple(kv_buffer.shape)} cannot be viewed as token rows: {e}") from None
 
 
+#: ``block_h,block_n,num_warps,num_stages`` of the 16-bit default (A/B runs of the engine; the
+#: pointer kernel's tiles, e.g. ``16,32,4,5``); unset: `mla_decode_config`'s pick
+MLA_DECODE_TILE_ENV = "ATTNSERVE_MLA_DECODE_TILE"
+
+
+def mla_tile_override() -> Optional[MLADecodeConfig]:
+    """The tiles ``ATTNSERVE_MLA_DECODE_TILE`` sets (read at every call), or None.
+
+    Raises:
+        ValueError: not four comma-separated integers (powers of two >= 16 for the first two).
+    """
+    import os
+
+    raw = os.environ.get(MLA_DECODE_TILE_ENV, "").strip()
+    if not raw:
+        return None
+    parts = raw.split(",")
+    ok = len(parts) == 4 and all(p.strip().isdigit() and int(p) > 0 for p in parts)
+    if ok:
+        bh, bn, warps, stages = (int(p) for p in parts)
+        ok = all(x >= 16 and x & (x - 1) == 0 for x in (bh, bn))
+    if not ok:
+        raise ValueError(f"{MLA_DECODE_TILE_ENV}={raw!r}: expected block_h,block_n,num_warps,num_stages "
+                         "(block_h and block_n powers of two >= 16), e.g. 16,32,4,5")
+    return MLADecodeConfig(block_h=bh, block_n=bn, num_warps=warps, num_stages=stages)
+
+
 def _default_config(q_nope: torch.Tensor, d_r: int, interpret: bool) -> MLADecodeConfig:
-    """`mla_decode_config` for the shape, with the device's opt-in shared memory per block."""
+    """`mla_decode_config` for the shape, with the device's opt-in shared memory per block
+    (`mla_tile_override` first, off the interpreter)."""
     smem = None
     if not interpret:  # torch caches the properties; older torch lacks the field
+        override = mla_tile_override()
+        if override is not None:
+            return override
         smem = getattr(torch.cuda.get_device_properties(q_nope.device), "shared_memory_per_block_optin", None)
     return mla_decode_config(q_nope.shape[1], q_nope.shape[2], d_r, q_nope.dtype, interpret=interpret,
                              max_shared_mem=smem)
