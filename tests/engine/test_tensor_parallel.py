@@ -91,6 +91,25 @@ def test_random_models_tp2_match_tp1(no_orphans, model, page_size):
         llm.engine.shutdown()
 
 
+def test_mla_expanded_prefix_tp2_matches_tp1(no_orphans, monkeypatch):
+    """DeepSeek-V2 tiny with 16-token prefill chunks and the prefixes forced into the expanded
+    MLA form (``ATTNSERVE_MLA_EXPANDED_PREFIX=1``, inherited by the spawned rank): each rank
+    up-projects its own heads of the prefixes; greedy tokens equal tp 1's in the absorbed form."""
+    kw = dict(model="deepseek-v2-tiny", load_format="dummy", max_total_tokens=2048, max_running_requests=8,
+              chunked_prefill_size=16)
+    prompts = [list(range(10, 60)), [7] * 11, list(range(100, 137))]
+    monkeypatch.setenv("ATTNSERVE_MLA_EXPANDED_PREFIX", "0")
+    one = LLM(**kw)
+    want = _tokens(one.generate(prompts, GREEDY))
+    del one
+    monkeypatch.setenv("ATTNSERVE_MLA_EXPANDED_PREFIX", "1")
+    llm = LLM(tp_size=2, **kw)
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY)) == want
+    finally:
+        llm.engine.shutdown()
+
+
 def test_prefill_overlap_tp2_matches_tp1(no_orphans, monkeypatch):
     """``ATTNSERVE_TP_OVERLAP_MIN_HALF_MB=0`` (inherited by the spawned rank): every forward of
     two or more tokens sends its all-reduces in two token halves, overlapped with the other
