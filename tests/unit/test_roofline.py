@@ -139,3 +139,37 @@ def test_from_runner_counts_experts_apart():
     assert (rm.moe_layers, rm.num_experts, rm.top_k, rm.expert_params) == (sparse, 8, 2, per_expert)
     assert rm.params == total - model.model.embed_tokens.weight.numel() - sparse * 8 * per_expert
     assert rm.expert_bytes == per_expert * 4
+
+
+def test_capacity_floor_hand_computed():
+    """`roofline_capacity.capacity_decode_s`: request a (isl 10, osl 3, footprint 13) and b
+    (isl 4, osl 1, footprint 5) on the toy model at the first test's rates."""
+    from attnserve.bench.roofline_capacity import capacity_decode_s
+
+    # a pool that holds both: the rule's decode floor (2.896 + 2.704 + 2.768)
+    s, steps = capacity_decode_s(TOY, [10, 4], [3, 1], BW, F, max_total_tokens=18)
+    assert (s, steps) == (pytest.approx(8.368), 3)
+    # 13 tokens: a alone (ctx 10, 11, 12: 2.64 + 2.704 + 2.768), then b (ctx 4: (2000 + 256) / 1000)
+    one_at_a_time = 2.64 + 2.704 + 2.768 + 2.256
+    s, steps = capacity_decode_s(TOY, [10, 4], [3, 1], BW, F, max_total_tokens=13)
+    assert (s, steps) == (pytest.approx(one_at_a_time), 4)
+    # a one-request cap does the same with any pool
+    s, _ = capacity_decode_s(TOY, [10, 4], [3, 1], BW, F, max_total_tokens=10**6, max_running_requests=1)
+    assert s == pytest.approx(one_at_a_time)
+    # b first: b then a (FCFS); a request larger than the pool runs alone
+    s, _ = capacity_decode_s(TOY, [4, 10], [1, 3], BW, F, max_total_tokens=6)
+    assert s == pytest.approx(one_at_a_time)
+    with pytest.raises(ValueError, match="max_total_tokens"):
+        capacity_decode_s(TOY, [10], [3], BW, F, max_total_tokens=0)
+
+
+def test_capacity_floor_equals_the_rule_when_everything_fits():
+    from attnserve.bench.roofline_capacity import capacity_decode_s
+
+    isl, osl = random_lengths(64, 300, 200, 0.1, seed=3)
+    rule = workload_roofline(TOY, isl, osl, BW, F)
+    s, steps = capacity_decode_s(TOY, isl, osl, BW, F, max_total_tokens=sum(isl) + sum(osl))
+    assert s == pytest.approx(rule.decode_s) and steps == rule.decode_steps
+    # half the pool: more steps, a higher floor (the weights are read for fewer tokens a step)
+    s_half, steps_half = capacity_decode_s(TOY, isl, osl, BW, F, max_total_tokens=(sum(isl) + sum(osl)) // 2)
+    assert steps_half > steps and s_half > s

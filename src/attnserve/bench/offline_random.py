@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import torch
 
 from attnserve.bench.roofline import RooflineModel, random_lengths, workload_roofline
+from attnserve.bench.roofline_capacity import capacity_decode_s
 
 
 def measure_device_rates() -> Dict[str, float]:
@@ -138,10 +139,15 @@ def bench_random(model: str, num_prompts: int, input_len: int, output_len: int, 
             rm = RooflineModel.from_runner(runner)
             floor = workload_roofline(rm, isl, osl, rates["copy_bytes_per_s"], rates["matmul_flops_per_s"],
                                       rates.get("fp8_matmul_flops_per_s"))
+            cap_decode, _ = capacity_decode_s(rm, isl, osl, rates["copy_bytes_per_s"], rates["matmul_flops_per_s"],
+                                              limits.max_total_tokens, limits.max_running_requests,
+                                              rates.get("fp8_matmul_flops_per_s"))
             row.update(roofline_s=floor.roofline_s, roofline_prefill_s=floor.prefill_s,
                        roofline_decode_s=floor.decode_s, roofline_share=floor.roofline_s / res["wall_s"],
                        roofline_serial_s=floor.roofline_serial_s,
                        serial_share=floor.roofline_serial_s / res["wall_s"],
+                       roofline_capacity_s=floor.prefill_s + cap_decode,
+                       capacity_share=(floor.prefill_s + cap_decode) / res["wall_s"],
                        prefill_share=floor.prefill_s / res["prefill_wall_s"],
                        decode_share=floor.decode_s / max(res["wall_s"] - res["prefill_wall_s"], 1e-9),
                        params=rm.params, weight_bytes=rm.weight_bytes)
@@ -153,7 +159,9 @@ def bench_random(model: str, num_prompts: int, input_len: int, output_len: int, 
 def format_row(row: dict) -> str:
     share = "n/a" if row["roofline_share"] is None else (
         f"{row['roofline_share']:.2f} (prefill {row['prefill_share']:.2f}, decode {row['decode_share']:.2f}; "
-        f"serial floor {row['serial_share']:.2f})")
+        f"serial floor {row['serial_share']:.2f}"
+        + (f"; capacity floor {row['capacity_share']:.2f}"
+           if row.get("capacity_share") and row["capacity_share"] > 1.005 * row["roofline_share"] else "") + ")")
     floor = "n/a" if row["roofline_s"] is None else f"{row['roofline_s']:.2f}"
     return (f"{row['model']:12s} {row['kv_cache_dtype']:13s} n={row['num_prompts']:4d} "
             f"in<={row['random_input_len']} out<={row['random_output_len']} R={row['random_range_ratio']} "

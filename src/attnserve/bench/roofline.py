@@ -138,30 +138,64 @@ def workload_roofline(model: RooflineModel, input_lens: Sequence[int], output_le
     Raises:
         ValueError: mismatched lengths or non-positive rates.
     """
-    isl = np.asarray(input_lens, dtype=np.float64)
-    osl = np.asarray(output_lens, dtype=np.int64)
-    if isl.shape != osl.shape:
-        raise ValueError(f"{isl.size} input lengths but {osl.size} output lengths")
-    if copy_bytes_per_s <= 0 or matmul_flops_per_s <= 0:
-        raise ValueError("the copy and matmul rates must be > 0")
-    attn = model.num_layers * model.num_q_heads * model.head_dim
-    # seconds per token of the linears: FP8 parameters at F8 where it is known, the rest at F
-    fp8 = model.fp8_params if fp8_matmul_flops_per_s else 0
-    linear_s = 2.0 * ((model.active_params - fp8) / matmul_flops_per_s
-                      + (fp8 / fp8_matmul_flops_per_s if fp8 else 0.0))
-    prefill = float(np.sum(linear_s * isl + 2.0 * attn * isl * isl / matmul_flops_per_s))
+    isl, osl = lengths_arrays(input_lens, output_lens)
+    rates = StepRates.of(model, copy_bytes_per_s, matmul_flops_per_s, fp8_matmul_flops_per_s)
+    prefill = float(np.sum(rates.linear_s * isl + 2.0 * rates.attn * isl * isl / matmul_flops_per_s))
     steps = int(osl.max()) if osl.size else 0
     decode = serial = 0.0
     for s in range(steps):
         running = osl > s
-        n = int(running.sum())
-        ctx = float(np.sum(isl[running] + s))
-        weights_mem = model.step_weight_bytes(n) / copy_bytes_per_s
-        kv_mem = ctx * model.kv_bytes_per_token / copy_bytes_per_s
-        linear_flops, attn_flops = linear_s * n, 4.0 * attn * ctx / matmul_flops_per_s
-        decode += max(weights_mem + kv_mem, linear_flops + attn_flops)
-        serial += max(kv_mem, attn_flops) + max(weights_mem, linear_flops)
+        step, step_serial = rates.step(int(running.sum()), float(np.sum(isl[running] + s)))
+        decode += step
+        serial += step_serial
     return Roofline(prefill_s=prefill, decode_s=decode, decode_steps=steps, decode_serial_s=serial)
+
+
+def lengths_arrays(input_lens: Sequence[int], output_lens: Sequence[int]):
+    """``(isl float64, osl int64)`` arrays of a workload; ValueError on mismatched lengths."""
+    isl = np.asarray(input_lens, dtype=np.float64)
+    osl = np.asarray(output_lens, dtype=np.int64)
+    if isl.shape != osl.shape:
+        raise ValueError(f"{isl.size} input lengths but {osl.size} output lengths")
+    return isl, osl
+
+
+@dataclass(frozen=True)
+class StepRates:
+    """A model's decode-step cost at the measured rates (module docstring).
+
+    Attributes:
+        model: the `RooflineModel`; copy / flops: ``BW`` and ``F``.
+        linear_s: seconds of linear FLOPs per token (FP8 parameters at ``F8`` where known).
+        attn: ``L * Hq * D``.
+    """
+
+    model: RooflineModel
+    copy: float
+    flops: float
+    linear_s: float
+    attn: int
+
+    @classmethod
+    def of(cls, model: RooflineModel, copy_bytes_per_s: float, matmul_flops_per_s: float,
+           fp8_matmul_flops_per_s: Optional[float] = None) -> "StepRates":
+        """Raises ValueError on non-positive rates."""
+        if copy_bytes_per_s <= 0 or matmul_flops_per_s <= 0:
+            raise ValueError("the copy and matmul rates must be > 0")
+        fp8 = model.fp8_params if fp8_matmul_flops_per_s else 0
+        linear_s = 2.0 * ((model.active_params - fp8) / matmul_flops_per_s
+                          + (fp8 / fp8_matmul_flops_per_s if fp8 else 0.0))
+        return cls(model, copy_bytes_per_s, matmul_flops_per_s, linear_s,
+                   model.num_layers * model.num_q_heads * model.head_dim)
+
+    def step(self, n: int, ctx: float):
+        """``(floor, serial floor)`` seconds of a decode step of ``n`` requests holding
+        ``ctx`` tokens of context in all."""
+        weights_mem = self.model.step_weight_bytes(n) / self.copy
+        kv_mem = ctx * self.model.kv_bytes_per_token / self.copy
+        linear_flops, attn_flops = self.linear_s * n, 4.0 * self.attn * ctx / self.flops
+        return (max(weights_mem + kv_mem, linear_flops + attn_flops),
+                max(kv_mem, attn_flops) + max(weights_mem, linear_flops))
 
 
 def random_lengths(num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int):
