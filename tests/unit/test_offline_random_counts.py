@@ -36,8 +36,8 @@ def test_a_row_with_rates_reports_both_floors():
 def test_a_row_reports_the_capacity_floor():
     """With a pool of 64 tokens for 4 requests of up to 24 + 12 tokens, they cannot all decode
     at once: the row's capacity floor (`bench.roofline_capacity`) is above the rule's floor and
-    `format_row` names it; the same row with room for all equals the rule."""
-    from attnserve.bench.offline_random import bench_random, format_row
+    `format_row` names it, `capacity_note` explains it; the same row with room for all equals the rule."""
+    from attnserve.bench.offline_random import bench_random, capacity_note, format_row
 
     # memory-bound steps (the matmul 1,000x the copy rate): fewer requests a step, more steps
     rates = {"copy_bytes_per_s": 1e9, "matmul_flops_per_s": 1e12}
@@ -47,7 +47,9 @@ def test_a_row_reports_the_capacity_floor():
     assert tight["roofline_capacity_s"] > tight["roofline_s"] > 0
     assert tight["capacity_share"] == tight["roofline_capacity_s"] / tight["wall_s"]
     assert f"capacity floor {tight['capacity_share']:.2f}" in format_row(tight)
+    note = capacity_note(tight)
+    assert note is not None and "64-token KV pool" in note and f"{tight['roofline_capacity_s']:.2f} s" in note
     roomy = bench_random("llama-tiny", 4, 24, 12, 0.5, 0, rates, device="cpu", context_length=128,
                          warmup_output_len=2, max_total_tokens=1024)
     assert roomy["roofline_capacity_s"] == roomy["roofline_s"]
-    assert "capacity floor" not in format_row(roomy)
+    assert "capacity floor" not in format_row(roomy) and capacity_note(roomy) is None

@@ -173,6 +173,19 @@ def format_row(row: dict) -> str:
             f"retractions {row['retractions']})")
 
 
+def capacity_note(row: dict) -> Optional[str]:
+    """A hint for a row whose KV pool cannot hold its workload (capacity floor more than 5%
+    above the rule's floor, `attnserve.bench.roofline_capacity`), else None."""
+    cap, floor = row.get("roofline_capacity_s"), row.get("roofline_s")
+    if not cap or not floor or cap <= 1.05 * floor:
+        return None
+    tokens = row["input_tokens"] + row["output_tokens"]
+    return (f"{row['model']}: the workload's {tokens:,} tokens do not fit the {row['max_total_tokens']:,}-token KV pool, "
+            f"so requests decode in smaller batches than the roofline assumes (capacity floor {cap:.2f} s, rule "
+            f"{floor:.2f} s); a larger pool (--kv-cache-dtype fp8_e4m3, --quantization fp8, --mem-fraction-static) "
+            "raises the batch")
+
+
 def main_random(args) -> int:
     """``--dataset random`` (see the module docstring); writes ``<out>/<device>-offline-<date>.json``."""
     import datetime as dt
@@ -208,6 +221,8 @@ def main_random(args) -> int:
                     row = dict(bench_random(m, args.num_prompts, args.random_input_len, args.random_output_len,
                                             args.random_range_ratio, args.seed, rates, kv_dtype, **common), dp_size=1)
                     print(format_row(row), flush=True)
+                    if capacity_note(row):
+                        print(capacity_note(row), flush=True)
                 rows.append(row)
     add_speedups(rows)
     for row in rows:
