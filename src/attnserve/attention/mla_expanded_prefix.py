@@ -5,9 +5,9 @@ form (`mla_paths`): queries ``[q_nope W_UK | q_pe]`` against the latent cache, h
 ``kv_lora_rank + rope`` / ``kv_lora_rank`` (576 / 512 for DeepSeek-V2/V3). One request left
 over from the previous prefill chunk (a cached prefix of a few hundred tokens) then moved
 every other prompt of the chunk to that form too, at 3.4x the attention FLOPs of the expanded
-form (``nope + rope`` / ``v_head_dim``, 192 / 128) and with a slower kernel: on an H100 the
-mixed 256-request workload of DeepSeek-V2-Lite spent 144 ms of a 531 ms prefill in attention
-(`benchmarks/NOTES.md`, 2026-11-27).
+form (``nope + rope`` / ``v_head_dim``, 192 / 128) and with a slower kernel: on an H100 a
+64-prompt prefill of DeepSeek-V2-Lite (36,546 tokens in five chunks) spent 144 ms of 531 ms in
+attention; 39 ms in this form (`benchmarks/NOTES.md`, 2026-11-27).
 
 The expanded form extends to cached prefixes by up-projecting the prefix's latent rows to
 per-head K / V once per layer (``kv_b_proj``, as SGLang's FlashAttention-3 MLA backend does for

@@ -3,9 +3,9 @@
 `roofline.workload_roofline` (issue 33's rule) lets every request decode from step 0, so its
 floor assumes a KV pool that holds the whole workload. A model whose weights leave little
 memory cannot run that way: on an 80 GB H100, Qwen3-30B-A3B's 61 GB of bf16 weights leave
-~94k KV tokens, so 256 requests of up to 2,048 tokens decode ~75 at a time, each step reads
-the experts for fewer tokens, and no engine reaches the rule's floor (share 0.46,
-`benchmarks/NOTES.md`). This **capacity floor** (a diagnostic beside the rule, like the serial
+~112k KV tokens, so 256 requests of up to 2,048 tokens decode ~75 at a time, each step reads
+the experts for fewer tokens, and no engine reaches the rule's floor (share 0.46; 0.84 of this
+floor, `benchmarks/NOTES.md`). This **capacity floor** (a diagnostic beside the rule, like the serial
 floor) runs the same per-step cost (`roofline.StepRates`) over the batches an ideal scheduler
 with that pool could run: requests are admitted first come, first served while their whole
 footprint (prompt + every output token) fits ``max_total_tokens`` and fewer than
