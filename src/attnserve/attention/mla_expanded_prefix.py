@@ -34,6 +34,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from attnserve.env_options import OFF_VALUES
+
 __all__ = [
     "EXPANDED_PREFIX_ENV",
     "EXPANSION_WEIGHT",
@@ -93,7 +95,8 @@ def expanded_prefix_worthwhile(prefix_lens: Sequence[int], extend_lens: Sequence
     expanded iff ``S * 2 * ((2 r + rope) - (nope + rope + v)) >= EXPANSION_WEIGHT * P * 2 r
     (nope + v)`` (FLOPs a head; ``r`` = ``kv_lora_rank``) and the expanded prefix fits
     `MAX_EXPANDED_PREFIX_BYTES`. ``setting`` (default: ``ATTNSERVE_MLA_EXPANDED_PREFIX``):
-    ``"0"`` never, ``"1"`` always (size cap still applies), empty the rule.
+    an off value (`env_options.OFF_VALUES`: ``0`` / ``off`` / ...) never, any other
+    non-empty value (``1``) always (size cap still applies), empty the rule.
 
     Args:
         prefix_lens / extend_lens: host ints per request (cached / new tokens).
@@ -102,7 +105,7 @@ def expanded_prefix_worthwhile(prefix_lens: Sequence[int], extend_lens: Sequence
     if setting is None:
         setting = os.environ.get(EXPANDED_PREFIX_ENV, "")
     setting = setting.strip().lower()
-    if setting in ("0", "off", "false", "no"):
+    if setting in OFF_VALUES:
         return False
     p_total = int(sum(prefix_lens))
     if p_total == 0:

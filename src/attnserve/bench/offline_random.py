@@ -221,8 +221,9 @@ def main_random(args) -> int:
                     row = dict(bench_random(m, args.num_prompts, args.random_input_len, args.random_output_len,
                                             args.random_range_ratio, args.seed, rates, kv_dtype, **common), dp_size=1)
                     print(format_row(row), flush=True)
-                    if capacity_note(row):
-                        print(capacity_note(row), flush=True)
+                    note = capacity_note(row)
+                    if note:
+                        print(note, flush=True)
                 rows.append(row)
     add_speedups(rows)
     for row in rows:
