@@ -222,6 +222,9 @@ def test_fused_producers_match_unfused_mlp(monkeypatch):
     from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, enable_fused_producers
 
     monkeypatch.setenv("ATTNSERVE_FP8_FUSED_PRODUCERS", "0")  # loaded unmarked; marked below
+    # gate_up on the row-wise GEMM in both runs, so the two differ only by the producers' fusion
+    # (the folded-scale route rounds its SiLU input elsewhere: its own test below)
+    monkeypatch.setenv("ATTNSERVE_FP8_FOLDED_GATE_SCALES", "0")
     loaded = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False,
                         quantization="fp8", dtype=torch.bfloat16, device="cuda")
     layer = loaded.model.model.layers[0]
@@ -239,6 +242,48 @@ def test_fused_producers_match_unfused_mlp(monkeypatch):
             outs.append(layer.mlp.forward(normed).float())
     for plain, fused in zip(outs[:2], outs[2:]):
         assert (plain - fused).abs().max() <= 2e-2 * plain.abs().max()  # bf16 ulps and rare quantiser ties
+
+
+@pytest.mark.parametrize("m", [24, 144, 300, 512, 513, 2048])
+def test_folded_gate_up_scales_match_rowwise_and_float64(m, monkeypatch):
+    """A marked ``gate_up`` (its SiLU-and-mul quantised for ``down_proj``) on the tensor-wise
+    GEMM with the scales folded into the SiLU-and-mul kernel (up to ``FOLDED_GATE_MAX_M``
+    rows; larger batches stay row-wise) gives the row-wise GEMM's
+    `Fp8Activation` (``ATTNSERVE_FP8_FOLDED_GATE_SCALES=0``) and, dequantised, the float64
+    SwiGLU of the dequantised operands within e4m3's rounding of the output (2**-4 relative
+    to the row's largest value, the step of a quantised e4m3 value near the top)."""
+    from attnserve.model_loader.loader import load_model
+    from attnserve.models.layers.quantization import fp8_kernels
+    from attnserve.models.layers.quantization.fused_inputs import Fp8Activation
+
+    loaded = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False,
+                        quantization="fp8", dtype=torch.bfloat16, device="cuda")
+    gate_up = loaded.model.model.layers[0].mlp.gate_up_proj
+    assert gate_up.fp8_output
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, gate_up.in_features, device="cuda", generator=g, dtype=torch.bfloat16)
+    xq, xs = quantize_activation(x)
+    calls = []
+    real = fp8_kernels.silu_and_mul_quant_fp8
+    monkeypatch.setattr(fp8_kernels, "silu_and_mul_quant_fp8",
+                        lambda *a, **kw: calls.append(kw.get("row_scale") is not None) or real(*a, **kw))
+    outs = {}
+    for folded in ("1", "0"):
+        monkeypatch.setenv("ATTNSERVE_FP8_FOLDED_GATE_SCALES", folded)
+        out = gate_up.forward_gated(Fp8Activation(xq, xs, x.dtype), "silu")
+        assert isinstance(out, Fp8Activation) and out.q.shape == (m, gate_up.out_features // 2)
+        outs[folded] = dequantize(out.q, out.scale).double()
+    from attnserve.models.layers.quantization.fp8_linear import FOLDED_GATE_MAX_M
+
+    # the folded route (decode batches up to FOLDED_GATE_MAX_M rows), then the row-wise GEMM's
+    assert calls == [m <= FOLDED_GATE_MAX_M, False]
+    full = dequantize(xq, xs).double() @ dequantize(gate_up.weight, gate_up.weight_scale).double().t()
+    half = full.shape[1] // 2
+    ref = torch.nn.functional.silu(full[:, :half]) * full[:, half:]
+    bound = 2 ** -4 * ref.abs().amax(dim=1, keepdim=True)
+    for folded, y in outs.items():
+        assert ((y - ref).abs() <= bound).all(), folded
+    assert ((outs["1"] - outs["0"]).abs() <= 2 * bound).all()  # each within half a step of ref
 
 
 # ---- opt-in W8A16 one-row variants (`fp8_gemv`, ATTNSERVE_FP8_GEMV) ----

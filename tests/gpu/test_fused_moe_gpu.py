@@ -133,3 +133,25 @@ def test_tuned_tables_of_this_gpu(t):
         key = min(data["configs"], key=lambda k: abs(int(k) - t))
         out = fused_experts_triton(x, w13, w2, w, ids, config=data["configs"][key])
         _check(out, x, w13, w2, w, ids)
+
+
+@pytest.mark.parametrize("rows", [1, 144, 3000])
+def test_float32_router_logits_from_one_gemm(rows):
+    """DeepSeek's router (`MoEGate` with ``float32_logits``) on CUDA: one bf16 GEMM with a float32
+    output. Reference: float64 product of the same bf16 operands; the float32 result carries only
+    float32 accumulation error over K = 2048 terms (relative ~1e-6), so 1e-5 x max |ref| fails if
+    the product were rounded through bf16 (2**-9). Its top-k must match the cast form's."""
+    from attnserve.models.layers.moe.sparse_block import MoEGate
+
+    gate = MoEGate(64, 2048, torch.bfloat16, float32_logits=True).to(DEV)
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(64, 2048, device=DEV, generator=g) * 0.02)
+    x = torch.randn(rows, 2048, device=DEV, generator=g).to(torch.bfloat16)
+    out = gate.forward(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, 64)
+    ref = x.double() @ gate.weight.double().T
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < 1e-5, err
+    cast = torch.nn.functional.linear(x.float(), gate.weight.float())
+    assert (out.topk(6).indices.sort().values == cast.topk(6).indices.sort().values).float().mean() > 0.999

@@ -305,6 +305,17 @@ def test_fused_producer_quant_matches_unfused_interpreter(monkeypatch):
         assert q.shape == (2, 300) and s.shape == (2, 1)
         torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
         assert (q.float() != q_ref.float()).float().mean() <= 0.01
+        # an unscaled product with its token and channel scales applied in the kernel
+        rs, cs = torch.rand(2, 1, generator=g) + 0.5, torch.rand(600, generator=g) + 0.5
+        q_sc, s_sc = silu_and_mul_quant_fp8(gu, row_scale=rs, col_scale=cs)
+        q_ref_sc, s_ref_sc = quantize_activation(silu_and_mul(gu * (rs * cs)))
+        torch.testing.assert_close(s_sc, s_ref_sc, rtol=1e-6, atol=0)
+        assert (q_sc.float() != q_ref_sc.float()).float().mean() <= 0.01
+        assert not torch.allclose(s_sc, s)  # the scales were applied
+    with pytest.raises(ValueError, match="given together"):
+        silu_and_mul_quant_fp8(gu, row_scale=torch.ones(2, 1))
+    with pytest.raises(ValueError, match="given together"):
+        silu_and_mul_quant_fp8(gu, row_scale=torch.ones(3, 1), col_scale=torch.ones(600))
 
 
 def test_fused_producers_marked_and_prequantized_input_path(monkeypatch):

@@ -52,6 +52,14 @@ class MoEGate(Linear):
     ``DeepseekV2TopkRouter.forward`` / ``DeepseekV3TopkRouter.forward``); otherwise in the
     model dtype through `Linear` (the skinny GEMM for decode batches on CUDA), then cast:
     Mixtral and Qwen3-MoE apply their softmax in float32 to model-dtype logits.
+
+    On CUDA, half-precision ``x`` and ``weight`` of one dtype take the float32 product as one
+    tensor-core GEMM with a float32 output (``torch.mm(..., out_dtype=torch.float32)``): a
+    bf16 x bf16 product is exact in float32 and the sum is accumulated in float32, so this is
+    HF's float32 product up to summation order, without the two casts and the float32 SIMT
+    GEMM of ``F.linear(x.float(), weight.float())`` (three kernels a MoE layer in each
+    DeepSeek decode step; benchmarks/NOTES.md, session 2026-11-27 tenth). CPUs, float32
+    weights and a PyTorch without ``out_dtype`` keep the cast form.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, dtype: torch.dtype, correction_bias: bool = False,
@@ -64,7 +72,14 @@ class MoEGate(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.float32_logits:
-            return torch.nn.functional.linear(x.float(), self.weight.float())
+            w = self.weight
+            if x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16):
+                try:
+                    return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(
+                        *x.shape[:-1], w.shape[0])
+                except (TypeError, RuntimeError, NotImplementedError):
+                    pass  # no out_dtype for this build or device: the cast form below
+            return torch.nn.functional.linear(x.float(), w.float())
         return self.matmul(x, None).float()
 
 

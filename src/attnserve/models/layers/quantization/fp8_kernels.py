@@ -220,22 +220,37 @@ def fused_add_rmsnorm_quant_fp8(x: torch.Tensor, residual: torch.Tensor, weight:
     return q, s
 
 
-def silu_and_mul_quant_fp8(x: torch.Tensor, out_dtype: Optional[torch.dtype] = None
+def silu_and_mul_quant_fp8(x: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+                           row_scale: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None
                            ) -> Tuple[torch.Tensor, torch.Tensor]:
     """`quantize_activation` of ``silu(gate) * up`` for ``x [M, 2I]`` = ``[gate | up]``, in
     one launch; the product is rounded to ``out_dtype`` (default ``x``'s) first, as
     `fused_kernels.silu_and_mul` stores it.
+
+    ``row_scale`` (float32, ``M`` values, e.g. ``[M, 1]``) and ``col_scale`` (float32 ``[2I]``),
+    given together, say that ``x`` is an unscaled FP8 product (``q_x @ q_w^T`` from a
+    tensor-wise ``_scaled_mm`` with unit scales): its entry ``(m, j)`` is multiplied by
+    ``row_scale[m] * col_scale[j]`` (float32) before the SiLU-and-mul, which is where a
+    row-wise-scaled GEMM would have applied them.
 
     Returns:
         ``(q [M, I] e4m3, s [M, 1] float32)``.
 
     Raises:
         ValueError: ``x`` not 2-D with an even number of columns and unit column stride,
-            or a device without Triton.
+            a device without Triton, or only one of the scales / scales of the wrong size.
     """
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1 or not _use_triton(x):
         raise ValueError(f"silu_and_mul_quant_fp8: x {tuple(x.shape)} strides {x.stride()} on {x.device}: need "
                          "2-D [M, 2I] with unit column stride on CUDA (or TRITON_INTERPRET=1)")
+    has_scales = row_scale is not None or col_scale is not None
+    if has_scales and (row_scale is None or col_scale is None or row_scale.numel() != x.shape[0]
+                       or col_scale.numel() != x.shape[1] or row_scale.dtype != torch.float32
+                       or col_scale.dtype != torch.float32):
+        raise ValueError(f"silu_and_mul_quant_fp8: row_scale / col_scale must be given together as float32 with "
+                         f"{x.shape[0]} and {x.shape[1]} values, got "
+                         f"{None if row_scale is None else (tuple(row_scale.shape), row_scale.dtype)} / "
+                         f"{None if col_scale is None else (tuple(col_scale.shape), col_scale.dtype)}")
     m, i = x.shape[0], x.shape[1] // 2
     q = torch.empty((m, i), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
@@ -248,7 +263,10 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, out_dtype: Optional[torch.dtype] = N
     one_pass = i <= SILU_QUANT_ONE_PASS_MAX
     block = _next_pow2(i) if one_pass else 4096
     out_name = str(out_dtype or x.dtype).rsplit(".", 1)[-1]
-    kt._silu_mul_quant_kernel[(m,)](x, q, s, i, x.stride(0), q.stride(0), OUT_DTYPE=kt.TL_DTYPES[out_name],
+    rs = row_scale.reshape(-1).contiguous() if has_scales else s  # a placeholder pointer when unused
+    cs = col_scale.reshape(-1).contiguous() if has_scales else s
+    kt._silu_mul_quant_kernel[(m,)](x, q, s, i, x.stride(0), q.stride(0), rs, cs, OUT_DTYPE=kt.TL_DTYPES[out_name],
                                     BLOCK=block, FP8_MAX=FP8_E4M3_MAX, EPS=SCALE_MIN * FP8_E4M3_MAX,
-                                    ONE_PASS=one_pass, num_warps=max(4, min(16, block // 512)) if one_pass else 8)
+                                    ONE_PASS=one_pass, HAS_SCALES=has_scales,
+                                    num_warps=max(4, min(16, block // 512)) if one_pass else 8)
     return q, s

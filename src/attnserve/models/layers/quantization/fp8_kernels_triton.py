@@ -143,12 +143,15 @@ def _silu_mul(g, u):
 
 
 @triton.jit
-def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, I, stride_x, stride_q, OUT_DTYPE: tl.constexpr,
+def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, I, stride_x, stride_q, rs_ptr, cs_ptr, OUT_DTYPE: tl.constexpr,
                            BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr,
-                           ONE_PASS: tl.constexpr = False):
+                           ONE_PASS: tl.constexpr = False, HAS_SCALES: tl.constexpr = False):
     """Grid ``(M,)``: ``y = silu(g) * u`` of ``x [M, 2I]`` = ``[g | u]`` (float32 math,
     rounded to ``OUT_DTYPE`` as the unfused kernel stores it), then per-token e4m3 ``q
     [M, I]`` and ``s[row]``.
+
+    HAS_SCALES: ``x`` is an unscaled FP8 product; ``g`` and ``u`` are first multiplied by
+    the row's ``rs[row]`` and their columns' ``cs[col]`` / ``cs[I + col]`` (float32).
 
     ONE_PASS (requires ``BLOCK >= I``): the whole row's ``y`` stays in registers between
     its amax and its quantisation, so ``x`` is read once and ``y`` computed once. Otherwise
@@ -161,6 +164,10 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, I, stride_x, stride_q, OUT_DTYPE
         mask = offs < I
         g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_row + I + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SCALES:
+            rs = tl.load(rs_ptr + row)
+            g = g * (rs * tl.load(cs_ptr + offs, mask=mask, other=0.0))
+            u = u * (rs * tl.load(cs_ptr + I + offs, mask=mask, other=0.0))
         y = _silu_mul(g, u).to(OUT_DTYPE).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(y), axis=0), EPS) / FP8_MAX
         q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
@@ -173,6 +180,10 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, I, stride_x, stride_q, OUT_DTYPE
         mask = cols < I
         g = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_row + I + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SCALES:
+            rs = tl.load(rs_ptr + row)
+            g = g * (rs * tl.load(cs_ptr + cols, mask=mask, other=0.0))
+            u = u * (rs * tl.load(cs_ptr + I + cols, mask=mask, other=0.0))
         y = _silu_mul(g, u).to(OUT_DTYPE).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(y))
     scale = tl.maximum(tl.max(amax, axis=0), EPS) / FP8_MAX
@@ -181,6 +192,10 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, I, stride_x, stride_q, OUT_DTYPE
         mask = cols < I
         g = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_row + I + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SCALES:
+            rs = tl.load(rs_ptr + row)
+            g = g * (rs * tl.load(cs_ptr + cols, mask=mask, other=0.0))
+            u = u * (rs * tl.load(cs_ptr + I + cols, mask=mask, other=0.0))
         y = _silu_mul(g, u).to(OUT_DTYPE).to(tl.float32)
         q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
