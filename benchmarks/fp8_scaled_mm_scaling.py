@@ -16,7 +16,10 @@ launches is host-bound at small M (``fp8_rowwise_engine`` below 256 rows: its pa
 it 65-120 µs where its GEMM alone is ``fp8_rowwise`` at the padded M). Weights rotate over enough copies that small-M rows read DRAM,
 not L2. Timing: CUDA events around ``iters`` back-to-back calls, median of ``reps``.
 
-Usage: ``PYTHONPATH=src python benchmarks/fp8_scaled_mm_scaling.py --out $OUT [--ms 64,144,2048,8192]``
+``--accuracy``: each form's error against the float64 product of the same e4m3 operands
+(`accuracy_rows`), fast accumulation off and on, beside the FP8 quantisation's own error.
+
+Usage: ``PYTHONPATH=src python benchmarks/fp8_scaled_mm_scaling.py --out $OUT [--ms 64,144,2048,8192] [--accuracy]``
 """
 
 from __future__ import annotations
@@ -111,15 +114,52 @@ def rows_for(name: str, m: int, split: int = 1) -> dict:
     return res
 
 
+def accuracy_rows(m: int = 256) -> list:
+    """Error of ``_scaled_mm`` (row-wise and tensor-wise scales, fast accumulation off and on)
+    against the float64 product of the same dequantised e4m3 operands, on each linear: max and
+    RMS error over max and RMS |ref|. For scale, ``quant_rms_rel``: the FP8 quantisation's own
+    error (float64 product of the unquantised bf16 operands against ``ref``)."""
+    from attnserve.models.layers.quantization.fp8_utils import dequantize, quantize_per_row
+
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(m)
+    one = torch.tensor(1.0, device="cuda")
+    for name, (n, k) in LINEARS.items():
+        x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        xq, xs = quantize_per_row(x)
+        wq, ws = quantize_per_row(w)
+        xs, ws = xs.reshape(m, 1).float(), ws.reshape(-1).float()
+        ref = dequantize(xq, xs).double() @ dequantize(wq, ws).double().t()
+        exact = x.double() @ w.double().t()
+        row = {"linear": name, "m": m, "n": n, "k": k,
+               "quant_rms_rel": float((exact - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())}
+        for fast in (False, True):
+            tag = "fastacc" if fast else "exact_accum"
+            yr = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.float32,
+                                  use_fast_accum=fast).double()
+            yt = torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.float32,
+                                  use_fast_accum=fast).double() * xs.double() * ws.double().view(1, -1)
+            for form, y in (("rowwise", yr), ("tensorwise", yt)):
+                err = y - ref
+                row[f"{form}_{tag}_max_rel"] = float(err.abs().max() / ref.abs().max())
+                row[f"{form}_{tag}_rms_rel"] = float(err.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+        rows.append(row)
+        print(" ".join(f"{k_}={v:.3g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()), flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ms", default="17,32,48,72,96,120,136,144,160,200,232,256,320,512,1024,4096,8192")
     ap.add_argument("--linears", default=",".join(LINEARS))
+    ap.add_argument("--accuracy", action="store_true",
+                    help="also the error of each form (fast accumulation off / on) against float64, 256 rows")
     ap.add_argument("--split", type=int, default=1,
                     help="also time each GEMM as this many GEMMs over column blocks (e.g. 2: gate | up)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    ms = [int(v) for v in args.ms.split(",")]
+    ms = [int(v) for v in args.ms.split(",")] if args.ms else []
     import triton
 
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -132,10 +172,11 @@ def main(argv=None):
             rows.append(r)
             print(" ".join(f"{k}={v}" for k, v in r.items() if not k.endswith("_error") and k not in ("n", "k")),
                   *(f"{k}={v}" for k, v in r.items() if k.endswith("_error")), flush=True)
+    accuracy = accuracy_rows() if args.accuracy else []
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "fp8_scaled_mm_scaling.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            json.dump({"meta": meta, "rows": rows, "accuracy": accuracy}, f, indent=1)
 
 
 if __name__ == "__main__":
