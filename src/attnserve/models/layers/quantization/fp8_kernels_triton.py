@@ -143,6 +143,19 @@ def _silu_mul(g, u):
 
 
 @triton.jit
+def _load_gate_up(x_row, rs_ptr, cs_ptr, row, cols, mask, I, HAS_SCALES: tl.constexpr):
+    """The gate and up values of row ``x_row`` at ``cols`` as float32, times ``rs[row] *
+    cs[col]`` / ``rs[row] * cs[I + col]`` with HAS_SCALES (`_silu_mul_quant_kernel`)."""
+    g = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_row + I + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALES:
+        rs = tl.load(rs_ptr + row)
+        g = g * (rs * tl.load(cs_ptr + cols, mask=mask, other=0.0))
+        u = u * (rs * tl.load(cs_ptr + I + cols, mask=mask, other=0.0))
+    return g, u
+
+
+@triton.jit
 def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, I, stride_x, stride_q, rs_ptr, cs_ptr, OUT_DTYPE: tl.constexpr,
                            BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr,
                            ONE_PASS: tl.constexpr = False, HAS_SCALES: tl.constexpr = False):
@@ -162,12 +175,7 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, I, stride_x, stride_q, rs_ptr, c
     x_row = x_ptr + row * stride_x
     if ONE_PASS:
         mask = offs < I
-        g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_row + I + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SCALES:
-            rs = tl.load(rs_ptr + row)
-            g = g * (rs * tl.load(cs_ptr + offs, mask=mask, other=0.0))
-            u = u * (rs * tl.load(cs_ptr + I + offs, mask=mask, other=0.0))
+        g, u = _load_gate_up(x_row, rs_ptr, cs_ptr, row, offs, mask, I, HAS_SCALES)
         y = _silu_mul(g, u).to(OUT_DTYPE).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(y), axis=0), EPS) / FP8_MAX
         q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
@@ -178,24 +186,14 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, I, stride_x, stride_q, rs_ptr, c
     for k0 in range(0, I, BLOCK):
         cols = k0 + offs
         mask = cols < I
-        g = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_row + I + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SCALES:
-            rs = tl.load(rs_ptr + row)
-            g = g * (rs * tl.load(cs_ptr + cols, mask=mask, other=0.0))
-            u = u * (rs * tl.load(cs_ptr + I + cols, mask=mask, other=0.0))
+        g, u = _load_gate_up(x_row, rs_ptr, cs_ptr, row, cols, mask, I, HAS_SCALES)
         y = _silu_mul(g, u).to(OUT_DTYPE).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(y))
     scale = tl.maximum(tl.max(amax, axis=0), EPS) / FP8_MAX
     for k0 in range(0, I, BLOCK):
         cols = k0 + offs
         mask = cols < I
-        g = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_row + I + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SCALES:
-            rs = tl.load(rs_ptr + row)
-            g = g * (rs * tl.load(cs_ptr + cols, mask=mask, other=0.0))
-            u = u * (rs * tl.load(cs_ptr + I + cols, mask=mask, other=0.0))
+        g, u = _load_gate_up(x_row, rs_ptr, cs_ptr, row, cols, mask, I, HAS_SCALES)
         y = _silu_mul(g, u).to(OUT_DTYPE).to(tl.float32)
         q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
