@@ -12,7 +12,10 @@
   (wall - prefill-only wall) / decode steps, the engine's own per-step cost as a user sees it.
   ``--repeats N`` times both runs N times and takes each one's median (the same pull
   configuration gave 2.24 / 2.46 / 2.66 ms at tp 4 batch 1 in three single runs on four
-  H100s, 2026-11-27); ``--output-len`` sets the new tokens.
+  H100s, 2026-11-27); ``--output-len`` sets the new tokens. ``decode_ms_per_step_in_run``
+  times the decode steps inside the full run itself (`run_with_decode_timing`), so the
+  prefill-only run's noise stays out of it: on four H100s (2026-11-28) one configuration's
+  derived step time ranged 3.57-4.70 ms at 64 requests while its full runs' walls moved 6%.
   Floor: one GPU's share of the weight bytes read at the copy bandwidth measured here.
 * Large model: Llama-3-70B shape at ``--big-tp`` (70B in bf16 needs >= 2 H200s), 1 request.
 * ``--step-broadcast shm gloo``: every tp > 1 decode run once per path of rank 0's step
@@ -187,6 +190,34 @@ def kernel_profile(llm, prompts, steps: int, top: int = 25) -> dict:
     return res
 
 
+def run_with_decode_timing(llm, prompts, params):
+    """Generate ``prompts`` to completion, stepping the engine here: ``(wall_s, decode_s,
+    decode_steps)`` where ``decode_s`` runs from the first moment every request holds a token
+    (the prefill done) to the end, and ``decode_steps`` counts the scheduler's decode steps in
+    that span. Unlike the difference of a full run and a separate prefill-only run, the two
+    ends come from one run, so run-to-run noise of the prefill does not enter (2026-11-28: at
+    tp 4 that noise moved the derived step time by up to 0.7 ms). The last launched step may
+    still be on the GPU at the first end (overlap): a one-step edge."""
+    engine = llm.engine
+    for ids in prompts:
+        engine.check_prompt(ids, params)
+    t0 = time.perf_counter()
+    reqs = [engine.add_request(ids, params) for ids in prompts]
+    t_first, steps_first = None, 0
+    while any(not r.finished for r in reqs):
+        engine.step()
+        if t_first is None and all(r.output_ids for r in reqs):
+            t_first, steps_first = time.perf_counter(), engine.scheduler.stats.num_decode_steps
+    engine.scheduler.flush()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t_end = time.perf_counter()
+    for r in reqs:
+        engine.scheduler.forget(r.rid)
+    t_first = t_end if t_first is None else t_first
+    return t_end - t0, t_end - t_first, engine.scheduler.stats.num_decode_steps - steps_first
+
+
 def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadcast=None, tp_sample=None,
                  allreduce_fusion=None, fusion_mode=None, profile_steps=0, repeats=1, env=None, **extra):
     from attnserve.engine.sampling_params import SamplingParams
@@ -223,6 +254,7 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
             sp1 = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
             llm.generate(prompts, sp)  # warm-up
             runs = {"prefill": [], "full": []}
+            in_run = []  # (decode seconds, decode steps) of each full run, timed inside it
             for _ in range(max(repeats, 1)):  # prefill-only and full runs alternate; medians below
                 for name, params in (("prefill", sp1), ("full", sp)):
                     llm.engine.scheduler.flush_prefix_cache()
@@ -230,7 +262,11 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
                     counts0 = (0, 0) if sender is None else (sender.local_steps, sender.ids_broadcasts)
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    llm.generate(prompts, params)
+                    if name == "full":
+                        _, dec_s, dec_steps = run_with_decode_timing(llm, prompts, params)
+                        in_run.append(1e3 * dec_s / max(dec_steps, 1))
+                    else:
+                        llm.generate(prompts, params)
                     torch.cuda.synchronize()
                     runs[name].append((time.perf_counter() - t0, llm.engine.scheduler.stats))
             # the median run of each (the full run's stats and counts are its last run's)
@@ -249,13 +285,15 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
                    "prefill_runs_s": [t for t, _ in runs["prefill"]],
                    "wall_s": wall, "prefill_s": times["prefill"][0], "decode_steps": stats.num_decode_steps,
                    "decode_ms_per_step": 1e3 * (wall - times["prefill"][0]) / steps,
+                   "decode_ms_per_step_in_run": sorted(in_run)[len(in_run) // 2],
+                   "decode_ms_per_step_in_run_all": in_run,
                    "output_tokens_per_s": n * output_len / wall, "host_ms_per_step": stats.host_ms_per_decode_step,
                    "tp_send_ms_per_step": stats.tp_send_ms_per_step,
                    "weight_bytes_per_gpu": weight_bytes}
             rows.append(row)
             print(f"{model} tp {tp} ({path}, {sample_mode} sampling, fusion {kernel if fusion_on else 'off'}) n {n} "
                   f"env {env or '-'}: "
-                  f"{row['decode_ms_per_step']:.2f} ms/step, "
+                  f"{row['decode_ms_per_step']:.2f} ms/step ({row['decode_ms_per_step_in_run']:.2f} in-run), "
                   f"{row['output_tokens_per_s']:.0f} tok/s, prefill {row['prefill_s']:.4f} s, host {row['host_ms_per_step']:.2f} ms "
                   f"(step broadcast {row['tp_send_ms_per_step']:.2f})", flush=True)
             if profile_steps:
