@@ -21,7 +21,7 @@
 #   overlap: the tp prefill all-reduce overlap on / off / off with a 64 MiB two-shot ceiling (medians of 3),
 #   then its float32 GPU token test (~4 min on four GPUs).
 #   tp: Llama-3-8B tp 1 / 2 / 4, batch 1 and 64, all-reduce fusion on and off, rank 0's kernel
-#   profile; big: the Llama-3-70B shape at tp 4.
+#   profile (TP_REPEATS timed runs per row, default 1); big: the Llama-3-70B shape at tp 4.
 # The dp test and replicas import the server (fastapi): run with carry [".whl/serving"].
 set -u
 STAGES=${STAGES:-tests pushtests twoshottests allreduce tp big push bigpush overlap dp}
@@ -63,7 +63,7 @@ if [ "$ngpu" -ge 4 ]; then tps="1 2 4"; big="--big-tp 4"; fi
 if stage tp; then
 # shellcheck disable=SC2086
 timeout "${TP_LIMIT:-300}" python3 benchmarks/tp_decode.py --tp $tps --requests 1 64 --step-broadcast shm \
-  --allreduce-fusion on off --profile --skip-identity --out "$OUT" > "$OUT/tp_decode.log" 2>&1
+  --allreduce-fusion on off --profile --repeats "${TP_REPEATS:-1}" --skip-identity --out "$OUT" > "$OUT/tp_decode.log" 2>&1
 echo "tp_decode rc=$?"
 grep -E "ms/step|profile:" "$OUT/tp_decode.log" | tail -30
 fi
