@@ -32,8 +32,10 @@ import time
 
 import torch
 
-#: Llama-3-8B linears at tp 1: name -> (N, K)
-LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+from fp8_bench import SHAPES
+
+#: Llama-3-8B linears at tp 1: name -> (N, K) (`fp8_bench.SHAPES`)
+LINEARS = {name: (n, k) for name, n, k in SHAPES["llama-3-8b"]}
 L2_BYTES = 50 << 20
 
 

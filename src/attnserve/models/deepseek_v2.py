@@ -166,17 +166,15 @@ class DeepseekV2AttentionMLA(nn.Module):
         latent = self.kv_a_proj_with_mqa(hidden_states)
         c_kv = self.kv_a_layernorm(latent[:, :r])
         q_pe, k_pe = self.rotary_emb(positions, q[..., nope:], latent[:, r:])  # [T, H, rope], [T, rope]
-        mode = fb.forward_mode
-        if mode.is_decode_or_idle():
-            out = self._absorbed(q[..., :nope], q_pe, torch.cat([c_kv, k_pe], dim=-1), fb)
-        elif not any(fb.extend_prefix_lens_cpu):
-            out = self._expanded(q[..., :nope], q_pe, c_kv, k_pe, fb)
-        else:
+        expanded, prefix = not fb.forward_mode.is_decode_or_idle(), None
+        if expanded and any(fb.extend_prefix_lens_cpu):  # cached prefixes: expanded only where they pay
             plan = self._prefix_plan(fb)
-            if plan is None:
-                out = self._absorbed(q[..., :nope], q_pe, torch.cat([c_kv, k_pe], dim=-1), fb)
-            else:
-                out = self._expanded(q[..., :nope], q_pe, c_kv, k_pe, fb, self._expanded_prefix(plan, fb))
+            expanded = plan is not None
+            prefix = self._expanded_prefix(plan, fb) if expanded else None
+        if expanded:
+            out = self._expanded(q[..., :nope], q_pe, c_kv, k_pe, fb, prefix)
+        else:
+            out = self._absorbed(q[..., :nope], q_pe, torch.cat([c_kv, k_pe], dim=-1), fb)
         return self.o_proj(out)
 
     def _prefix_plan(self, fb: ForwardBatch):

@@ -289,14 +289,15 @@ class Fp8LinearMethod:
                 q, s = quantize_activation(y)
                 return Fp8Activation(q, s, x.dtype)
             return y
-        if (fp8_out and bias is None and x.q.shape[0] <= FOLDED_GATE_MAX_M and _scaled_mm_ok(x.q, n, k)
+        mm_ok = _scaled_mm_ok(x.q, n, k)
+        if (fp8_out and bias is None and x.q.shape[0] <= FOLDED_GATE_MAX_M and mm_ok
                 and env_flag(FOLDED_GATE_SCALES_ENV)):
             # the tensor-wise GEMM with unit scales, the token and channel scales applied by the
             # SiLU-and-mul that reads its output (see `_folded_gate_up`)
             out = self._folded_gate_up(layer, x)
             if out is not None:
                 return out
-        if _scaled_mm_ok(x.q, n, k):
+        if mm_ok:
             y = scaled_mm_rowwise(x.q, x.scale, layer.weight, layer.weight_scale, x.dtype)
             if bias is not None:
                 y = y + bias
