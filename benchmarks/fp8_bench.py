@@ -22,7 +22,9 @@ with ``fp8``'s); ``fp8-unfused-producers`` (``ATTNSERVE_FP8_FUSED_PRODUCERS=0``;
 2026-11-27 is on: add-RMSNorm and
 SiLU-and-mul emit FP8 for the W8A8 linears, `fused_inputs`); ``fp8-rowwise-gate-up``
 (``ATTNSERVE_FP8_FOLDED_GATE_SCALES=0``: ``gate_up`` on the row-wise ``_scaled_mm``, as before
-2026-11-28); ``fp8-fast-accum`` (``ATTNSERVE_FP8_FAST_ACCUM=1``); ``fp8-next`` (both):
+2026-11-28); ``fp8-exact-accum`` (``ATTNSERVE_FP8_FAST_ACCUM=0``: ``_scaled_mm`` with exact
+float32 accumulation, the default until 2026-11-28); ``fp8-next`` (``fp8-w8a16-64`` with the
+fused producers):
 
 * ``decode_step_ms`` / ``decode_step_bs64_ms`` / ``decode_step_bs48_ms`` / ``decode_step_bs144_ms``: the captured
   decode graph at batch 1 / 64 / 48 / 144,
@@ -112,8 +114,8 @@ ENGINE_VARIANTS = {
     # a marked gate_up on the row-wise `_scaled_mm` again (the default folds its scales into
     # the SiLU-and-mul after a tensor-wise GEMM, `Fp8LinearMethod._folded_gate_up`)
     "fp8-rowwise-gate-up": {"ATTNSERVE_FP8_FOLDED_GATE_SCALES": "0"},
-    # Hopper's fast FP8 accumulation in every `_scaled_mm` (opt-in; vLLM's CUTLASS default)
-    "fp8-fast-accum": {"ATTNSERVE_FP8_FAST_ACCUM": "1"},
+    # every `_scaled_mm` without Hopper's fast FP8 accumulation (the default uses it, as vLLM's CUTLASS)
+    "fp8-exact-accum": {"ATTNSERVE_FP8_FAST_ACCUM": "0"},
     # `_scaled_mm` without its row padding (`fp8_linear.scaled_mm_padded_rows`); decode rows only
     "fp8-nopad": {"ATTNSERVE_FP8_SCALED_MM_PAD": "0"},
     # plain causal prefills on the Triton extend kernel instead of the Gluon one (`prefill_gluon`)

@@ -23,9 +23,9 @@
 #   mla       DeepSeek-V2-Lite (MLA + MoE): the mixed 256-request workload once per MLA_TILES entry
 #             ("default" or block_h,block_n,num_warps,num_stages for ATTNSERVE_MLA_DECODE_TILE), then
 #             the engine-window profile of its decode steps (profile_engine_gaps.py)
-#   fp8accum  FP8 weights with Hopper's fast accumulation (ATTNSERVE_FP8_FAST_ACCUM=1, issue 37): the FP8
-#             linear and mid-route GPU tests with it on, then fp8_bench.py's engine rows bf16 / fp8 /
-#             fp8-fast-accum in one process (FP8ACCUM_VARIANTS)
+#   fp8accum  FP8 weights with and without Hopper's fast accumulation (issue 37; on by default,
+#             ATTNSERVE_FP8_FAST_ACCUM=0 off): the FP8 GPU tests (linears, mid route, mid GEMM, fused MoE),
+#             then fp8_bench.py's engine rows bf16 / fp8 / fp8-exact-accum in one process (FP8ACCUM_VARIANTS)
 #   sampling  benchmarks/sampling_extras_gpu.py: decode step with logprobs (top 5) / penalties / logit
 #             bias + min_tokens on all 64 requests vs none, Llama-3-8B shape (issue 35; SAMPLING_ARGS)
 #   bash scripts/gpu_engine_bench.sh roofline [loop spec fp8]
@@ -80,10 +80,10 @@ for what in "${@:-roofline}"; do
         timeout "${SERVING_TIMEOUT:-280}" bash scripts/serving_vs_offline.sh "$OUT" "$shape" ${SERVING_MODES:-on}
       done ;;
     fp8accum)
-      ATTNSERVE_FP8_FAST_ACCUM=1 timeout "${FP8ACCUM_TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_fp8_mid_route_gpu.py 2>&1 | tee "$OUT/fp8accum_tests.log" | tail -8
+      timeout "${FP8ACCUM_TEST_TIMEOUT:-420}" python3 -m pytest -q -rf -p no:cacheprovider tests/gpu/test_fp8_linear_gpu.py \
+        tests/gpu/test_fp8_mid_route_gpu.py tests/gpu/test_fp8_mid_gemm_gpu.py tests/gpu/test_fused_moe_fp8_gpu.py 2>&1 | tee "$OUT/fp8accum_tests.log" | tail -8
       timeout "${FP8ACCUM_TIMEOUT:-300}" python3 benchmarks/fp8_bench.py --parts engine \
-        --variants ${FP8ACCUM_VARIANTS:-bf16,fp8,fp8-fast-accum} --out "$OUT/fp8_bench_engine_fast_accum.json" 2>&1 \
+        --variants ${FP8ACCUM_VARIANTS:-bf16,fp8,fp8-exact-accum} --out "$OUT/fp8_bench_engine_fast_accum.json" 2>&1 \
         | grep -v INFO | tail -2 ;;
     sampling)
       timeout "${SAMPLING_TIMEOUT:-500}" python3 benchmarks/sampling_extras_gpu.py --out "$OUT" ${SAMPLING_ARGS:-} 2>&1 \

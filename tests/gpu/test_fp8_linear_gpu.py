@@ -288,7 +288,7 @@ def test_folded_gate_up_scales_match_rowwise_and_float64(m, monkeypatch):
 
 @pytest.mark.parametrize("m", [144, 300])
 def test_fast_accumulation_within_its_bound(m, monkeypatch):
-    """``ATTNSERVE_FP8_FAST_ACCUM=1`` (opt-in): the W8A8 path with Hopper's fast accumulation
+    """``ATTNSERVE_FP8_FAST_ACCUM=1`` (the default): the W8A8 path with Hopper's fast accumulation
     against the float64 product of the dequantised operands. Bound per element: the bf16
     output's rounding (2**-8 relative) plus, for partial sums that keep ~13 mantissa bits over
     K / 32 tensor-core steps (DeepSeek-V3, arXiv:2412.19437, section 3.3.2: "around 14 bits"),
