@@ -244,6 +244,10 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
     fusion_on = custom_on and rt.tp.custom_all_reduce.fusion is not None
     kernel = rt.tp.custom_all_reduce.fusion.mode if fusion_on else "none"
     two_shot_min = rt.tp.custom_all_reduce.fusion.two_shot.min_bytes if kernel == "twoshot" else None
+    cal = rt.tp.custom_all_reduce.calibration if custom_on else None
+    calibration = None if cal is None else {"sizes": cal.sizes, "two_shot_us": cal.two_shot_us,
+                                            "nccl_us": cal.nccl_us, "ceiling": cal.ceiling}
+    two_shot_max = rt.tp.custom_all_reduce.config.two_shot_max_bytes if custom_on else None
     rows = []
     try:
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model_runner.model.parameters())
@@ -278,7 +282,8 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
             row = {"model": model, "tp": tp, "requests": n, "step_broadcast": path, "tp_sample": sample_mode,
                    "custom_all_reduce_on": custom_on, "allreduce_fusion": allreduce_fusion or "none",
                    "allreduce_fusion_on": fusion_on, "allreduce_fusion_mode": kernel,
-                   "two_shot_min_bytes": two_shot_min,
+                   "two_shot_min_bytes": two_shot_min, "two_shot_max_bytes": two_shot_max,
+                   "allreduce_calibration": calibration,
                    "local_sample_steps": counts[0], "ids_broadcast_steps": counts[1], "input_len": input_len,
                    "output_len": output_len,
                    "repeats": max(repeats, 1), "wall_runs_s": [t for t, _ in runs["full"]],

@@ -4,7 +4,8 @@ Two ranks run in child processes (`init_rank`, as the engine starts them). For t
 ``a + b`` is rounded once whatever the order, so the custom result must equal NCCL's bit
 for bit: float32 and bfloat16, sizes from 1 element to the two-shot limit, views at an
 offset, 2-D activations, eagerly and replayed from a captured CUDA graph (with an NCCL-sized
-message in the same graph). Then tp 2 greedy tokens with the custom all-reduce on equal
+message in the same graph), up to the two-shot ceiling that the start-up measurement chose
+(`all_reduce_calibration`; both ranks must choose the same one by its rule). Then tp 2 greedy tokens with the custom all-reduce on equal
 tp 1's and tp 2's with ``disable_custom_all_reduce``.
 
 The fused all-reduce + residual add + RMSNorm (`distributed.fused_all_reduce`) runs on
@@ -102,7 +103,11 @@ for dtype in (torch.float32, torch.bfloat16):
                               equal=bool(torch.equal(o, nccl(s)))))
     del g
 torch.cuda.synchronize()
-json.dump(dict(config=[cfg.one_shot_max_bytes, cfg.two_shot_max_bytes], eager=eager, graph=graph), open(out, "w"))
+c = custom.calibration
+calibration = None if c is None else dict(sizes=c.sizes, two=c.two_shot_us, nccl=c.nccl_us,
+                                          default=c.default_ceiling, ceiling=c.ceiling)
+json.dump(dict(config=[cfg.one_shot_max_bytes, cfg.two_shot_max_bytes], eager=eager, graph=graph,
+               calibration=calibration), open(out, "w"))
 dist.barrier(group=tp.cpu_group)
 print("RANK_DONE", rank, flush=True)
 import os; os._exit(0)  # no NCCL teardown at interpreter exit (as engine/tp/worker.py)
@@ -158,10 +163,22 @@ def test_custom_all_reduce_matches_nccl_eager_and_in_graphs(tmp_path):
 
     port = free_port()
     _run_ranks(RANK_SCRIPT, lambda r: [str(r), str(port), str(tmp_path / f"rank{r}.json")], 2, 300)
+    from attnserve.distributed.all_reduce_calibration import candidate_sizes, pick_two_shot_ceiling
+    from attnserve.distributed.custom_all_reduce import default_config
+
+    cals = []
     for r in range(2):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         one, two = res["config"]
         assert 0 < one <= two
+        # the two-shot ceiling was measured at start-up (the default), from the slowest rank's times
+        cal = res["calibration"]
+        assert cal is not None and cal["default"] == default_config(2).two_shot_max_bytes
+        assert cal["sizes"] == candidate_sizes(cal["default"]) and len(cal["two"]) == len(cal["sizes"])
+        assert all(t > 0 for t in cal["two"] + cal["nccl"])
+        assert two == cal["ceiling"] == pick_two_shot_ceiling(cal["default"], cal["sizes"], cal["two"], cal["nccl"])
+        print("CALIBRATION", r, cal)
+        cals.append(cal)
         bad = [c for c in res["eager"] + res["graph"] if not c["equal"]]
         assert bad == [], bad[:10]
         assert all(c["inplace"] for c in res["eager"])
@@ -178,6 +195,7 @@ def test_custom_all_reduce_matches_nccl_eager_and_in_graphs(tmp_path):
                     n *= d
                 if c["dtype"] == dtype and c["offset"] == 0 and n * es <= two and (n * es % 16 == 0 or n * es <= one):
                     assert c["algo"] != "nccl", c
+    assert cals[0] == cals[1]  # every rank chose from the same gathered times
 
 
 def _llm_run(tp, disable, fusion_off=False, dtype="float32", **env):

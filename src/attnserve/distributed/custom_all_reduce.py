@@ -13,7 +13,8 @@ allocation a signal pad for device-side barriers) and runs PyTorch's built-in ke
 * **two-shot** (``torch.ops.symm_mem.two_shot_all_reduce_out``): copy in, barrier, each rank
   reduces its ``1/W`` slice of all buffers (reduce-scatter), barrier, every rank gathers the
   reduced slices (all-gather): ``2 (W-1)/W`` of the message per rank, two barrier rounds.
-* **NCCL** above ``two_shot_max_bytes``, for dtypes the kernels lack (only float32 and
+* **NCCL** above ``two_shot_max_bytes`` (measured against two-shot at start-up up to 64 MiB,
+  `all_reduce_calibration`: hosts of one kind differ threefold in NCCL's large-message rate), for dtypes the kernels lack (only float32 and
   bfloat16 are built), for non-contiguous inputs, and wherever symmetric memory or peer
   access is missing (CPU / gloo, one GPU, several nodes, an old torch): `select_algorithm`.
 
@@ -214,6 +215,8 @@ class CustomAllReduce:
             ``FUSED``: fused all-reduce + add + RMSNorm launches.
         fusion: the fused kernel's `FusedAllReduce` (None: off, ``--disable-allreduce-fusion``
             or its start-up probe failed).
+        calibration: the start-up measurement that set ``config.two_shot_max_bytes``
+            (`all_reduce_calibration.Calibration`; None: the thresholds were not measured here).
     """
 
     rank: int
@@ -224,6 +227,7 @@ class CustomAllReduce:
     scratch: torch.Tensor
     calls: Dict[str, int] = field(default_factory=lambda: {ONE_SHOT: 0, TWO_SHOT: 0, NCCL: 0, FUSED: 0})
     fusion: Optional[Any] = None
+    calibration: Optional[Any] = None
 
     def select(self, x: torch.Tensor) -> str:
         """`select_algorithm` for ``x``."""
@@ -258,10 +262,17 @@ class CustomAllReduce:
             ops.one_shot_all_reduce_out(sym, "sum", self.group_name, out)
             flat.copy_(out[:n])
             return True
-        sym = self._view(x.dtype, n)
-        sym.copy_(flat)
-        ops.two_shot_all_reduce_out(sym, "sum", self.group_name, flat)
+        self.two_shot_in_place(flat)
         return True
+
+    def two_shot_in_place(self, x: torch.Tensor) -> None:
+        """The two-shot kernel on ``x`` in place, whatever the thresholds (the caller checks
+        `select_algorithm`'s conditions: a dense, 16-byte aligned message of a supported dtype
+        that fits the buffer; `all_reduce_calibration.measure` times it)."""
+        flat = x.view(-1)
+        sym = self._view(x.dtype, flat.numel())
+        sym.copy_(flat)
+        torch.ops.symm_mem.two_shot_all_reduce_out(sym, "sum", self.group_name, flat)
 
     def fused_all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                      eps: float, weight_offset: float = 0.0) -> Optional[torch.Tensor]:
@@ -307,7 +318,9 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
         device: this rank's CUDA device.
         disable: ``--disable-custom-all-reduce``.
         config: thresholds (default: `config_from_env`, i.e. `default_config` unless
-            ``ATTNSERVE_TWO_SHOT_MAX_MB`` is set).
+            ``ATTNSERVE_TWO_SHOT_MAX_MB`` is set; without that variable, and unless
+            ``ATTNSERVE_ALLREDUCE_CALIBRATE=0``, the two-shot ceiling is then measured up to
+            64 MiB on this host, `all_reduce_calibration`, and the buffer sized for 64 MiB).
         disable_fusion: ``--disable-allreduce-fusion`` (no `CustomAllReduce.fusion`). Else
             the fused kernel is compiled and probed on every rank, and turned off on all of
             them (a warning) when any rank fails; which kernel (pull, push or twoshot) is read
@@ -320,6 +333,7 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
     """
     import torch.distributed as dist
 
+    from attnserve.distributed.all_reduce_calibration import CALIBRATION_MAX_BYTES, calibration_wanted
     from attnserve.distributed.fused_all_reduce_push import PULL, TWOSHOT, fusion_mode_from_env
     from attnserve.distributed.fused_all_reduce_two_shot import two_shot_min_bytes
 
@@ -340,14 +354,25 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
     reason = agree(reason, cpu_group, rank)
     custom = None
     level = logging.INFO
+    measured = config is None and calibration_wanted(world_size)
+    if config is None:
+        config = config_from_env(world_size)
     if reason is None:
+        built = config  # with a measurement to come, the buffer holds any ceiling it may choose
+        if measured:
+            built = CustomAllReduceConfig(config.one_shot_max_bytes, max(config.two_shot_max_bytes,
+                                                                         CALIBRATION_MAX_BYTES))
         try:
-            custom = _build(rank, world_size, device_group, cpu_group, device, config or config_from_env(world_size),
+            custom = _build(rank, world_size, device_group, cpu_group, device, built,
                             fusion=not disable_fusion, fusion_mode=fusion_mode, two_shot_min=two_shot_min)
         except Exception as e:  # a torch whose symmetric memory cannot start here; RendezvousSkew
             reason = f"symmetric memory failed: {type(e).__name__}: {e}"
         reason = agree(reason, cpu_group, rank)
         level = logging.WARNING  # available here, yet not for this engine: say so louder
+        if reason is None:
+            custom.config = config
+            if measured:
+                _calibrate(custom, device_group, cpu_group)
     if reason is not None:
         if rank == 0:
             logger.log(level, "custom all-reduce off (%s): NCCL carries every all-reduce", reason)
@@ -368,6 +393,32 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
                     "NCCL above; fused all-reduce + RMSNorm %s", world_size, c.one_shot_max_bytes // 1024,
                     c.two_shot_max_bytes // 1024, fusion)
     return custom
+
+
+def _calibrate(custom: CustomAllReduce, device_group: Any, cpu_group: Any) -> None:
+    """Set ``custom.config``'s two-shot ceiling by measurement (`all_reduce_calibration`); on a
+    failure on any rank every rank keeps the default ceiling (a warning)."""
+    from attnserve.distributed.all_reduce_calibration import calibrate
+
+    why, cal = None, None
+    try:
+        cal = calibrate(custom, device_group, cpu_group, custom.config.two_shot_max_bytes)
+    except Exception as e:  # e.g. out of memory for the 64 MiB test messages
+        why = f"{type(e).__name__}: {e}"
+    why = agree(why, cpu_group, custom.rank)
+    custom.calls.update({k: 0 for k in custom.calls})
+    if why is not None or cal is None:
+        if why is not None and custom.rank == 0:
+            logger.warning("all-reduce calibration failed (%s): two-shot up to the default %d KB", why,
+                           custom.config.two_shot_max_bytes // 1024)
+        return
+    custom.calibration = cal
+    custom.config = CustomAllReduceConfig(custom.config.one_shot_max_bytes, cal.ceiling)
+    if custom.rank == 0:
+        table = ", ".join(f"{s >> 20} MiB {t:.0f}/{n:.0f} µs" for s, t, n in zip(cal.sizes, cal.two_shot_us,
+                                                                              cal.nccl_us))
+        logger.info("all-reduce calibration (two-shot / NCCL, slowest rank): %s -> two-shot up to %d KB", table,
+                    cal.ceiling // 1024)
 
 
 def _start_fusion(custom: CustomAllReduce, cpu_group: Any) -> Optional[str]:
