@@ -11,7 +11,9 @@ SiLU-and-mul and RoPE kernels).
 Rows: for each linear and each M, µs and TFLOP/s of bf16 ``torch.mm``, ``_scaled_mm`` row-wise
 (as called, and as the engine calls it: `fp8_linear.scaled_mm_rowwise`, rows padded) and
 tensor-wise (bf16 output), and with ``--split S`` each as ``S`` GEMMs over column blocks;
-``*_fastacc``: ``use_fast_accum=True``. Caveat: the timing is eager, so a row made of several
+``*_fastacc``: ``use_fast_accum=True``; ``graph_*`` (fast accumulation, timed in a CUDA graph):
+the engine's padded row-wise GEMM, the folded ``down_proj`` form (tensor-wise GEMM with unit
+scales in float32 or bf16, then `fp8_kernels.scale_rows_cols`) and its GEMM alone. Caveat: the timing is eager, so a row made of several
 launches is host-bound at small M (``fp8_rowwise_engine`` below 256 rows: its pad copies make
 it 65-120 µs where its GEMM alone is ``fp8_rowwise`` at the padded M). Weights rotate over enough copies that small-M rows read DRAM,
 not L2. Timing: CUDA events around ``iters`` back-to-back calls, median of ``reps``.
@@ -55,6 +57,29 @@ def _time_us(fn, n_copies: int, iters: int = 20, reps: int = 5) -> float:
     return statistics.median(out)
 
 
+def _time_graph_us(fn, n_copies: int, iters: int = 20, reps: int = 5) -> float:
+    """`_time_us` for a form of several launches: ``iters`` calls captured in one CUDA graph
+    (as the engine's decode graphs run them), replayed ``reps`` times; median µs per call."""
+    for i in range(3):
+        fn(i % n_copies)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(iters):
+            fn(i % n_copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        out.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(out)
+
+
 def rows_for(name: str, m: int, split: int = 1) -> dict:
     from attnserve.models.layers.quantization.fp8_linear import scaled_mm_rowwise
 
@@ -86,6 +111,24 @@ def rows_for(name: str, m: int, split: int = 1) -> dict:
         "fp8_tensorwise": lambda i: torch._scaled_mm(x8, w8[i].t(), scale_a=sa_t, scale_b=sb_t,
                                                      out_dtype=torch.bfloat16),
     }
+    # in CUDA graphs: the row-wise GEMM as the engine pads it, and the folded form of `down_proj`
+    # (`Fp8LinearMethod._folded_down`): a tensor-wise GEMM with unit scales (float32 or bf16 out),
+    # then `scale_rows_cols` applies the token and channel scales
+    from attnserve.models.layers.quantization.fp8_kernels import scale_rows_cols
+
+    one = torch.tensor(1.0, device=dev)
+    sb_vec = sb_row.view(-1).contiguous()
+    graphed = {
+        "graph_rowwise_engine": lambda i: scaled_mm_rowwise(x8, sa_row, w8[i], sb_vec, torch.bfloat16),
+        "graph_folded_f32": lambda i: scale_rows_cols(
+            torch._scaled_mm(x8, w8[i].t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=True),
+            sa_row, sb_vec, torch.bfloat16),
+        "graph_folded_bf16": lambda i: scale_rows_cols(
+            torch._scaled_mm(x8, w8[i].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True),
+            sa_row, sb_vec, torch.bfloat16),
+        "graph_tensorwise_f32": lambda i: torch._scaled_mm(x8, w8[i].t(), scale_a=one, scale_b=one,
+                                                           out_dtype=torch.float32, use_fast_accum=True),
+    }
     if split > 1 and n % split == 0:  # the same product as `split` GEMMs over column blocks (gate | up halves)
         nb = n // split
         blocks = [[w[j * nb:(j + 1) * nb] for j in range(split)] for w in w8]  # row blocks of [N, K]: contiguous
@@ -107,6 +150,11 @@ def rows_for(name: str, m: int, split: int = 1) -> dict:
             res[f"{label}_us"] = round(us, 2)
             res[f"{label}_tflops"] = round(flops / us / 1e6, 1)
         except Exception as exc:  # an unsupported scaling mode on this build: say so in the row
+            res[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    for label, fn in graphed.items():
+        try:
+            res[f"{label}_us"] = round(_time_graph_us(fn, copies), 2)
+        except Exception as exc:
             res[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:200]
     # the two fp8 forms must agree once the scales are folded out (same products, same order class)
     ref = torch._scaled_mm(x8, w8[0].t(), scale_a=torch.tensor(1.0, device=dev), scale_b=torch.tensor(1.0, device=dev),

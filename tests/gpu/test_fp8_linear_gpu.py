@@ -225,6 +225,7 @@ def test_fused_producers_match_unfused_mlp(monkeypatch):
     # gate_up on the row-wise GEMM in both runs, so the two differ only by the producers' fusion
     # (the folded-scale route rounds its SiLU input elsewhere: its own test below)
     monkeypatch.setenv("ATTNSERVE_FP8_FOLDED_GATE_SCALES", "0")
+    monkeypatch.setenv("ATTNSERVE_FP8_FOLDED_DOWN_SCALES", "0")  # likewise down_proj (its own test below)
     loaded = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False,
                         quantization="fp8", dtype=torch.bfloat16, device="cuda")
     layer = loaded.model.model.layers[0]
@@ -284,6 +285,45 @@ def test_folded_gate_up_scales_match_rowwise_and_float64(m, monkeypatch):
     for folded, y in outs.items():
         assert ((y - ref).abs() <= bound).all(), folded
     assert ((outs["1"] - outs["0"]).abs() <= 2 * bound).all()  # each within half a step of ref
+
+
+@pytest.mark.parametrize("m", [24, 65, 144, 256, 257, 512, 2048])
+def test_folded_down_scales_match_rowwise_and_float64(m, monkeypatch):
+    """A marked ``down_proj`` (input: the SiLU-and-mul's `Fp8Activation`) on the tensor-wise
+    GEMM with unit scales and `scale_rows_cols` after it (up to ``FOLDED_DOWN_MAX_M`` rows;
+    larger batches stay row-wise): against the float64 product of the dequantised operands
+    within one bf16 rounding (2**-8 relative) plus fast accumulation's term (13-bit partial
+    sums over K / 32 tensor-core steps, as `test_fast_accumulation_within_its_bound`), for
+    both routes; and the two routes within twice that of each other."""
+    from attnserve.model_loader.loader import load_model
+    from attnserve.models.layers.quantization import fp8_kernels
+    from attnserve.models.layers.quantization.fp8_linear import FOLDED_DOWN_MAX_M
+    from attnserve.models.layers.quantization.fused_inputs import Fp8Activation
+
+    loaded = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False,
+                        quantization="fp8", dtype=torch.bfloat16, device="cuda")
+    down = loaded.model.model.layers[0].mlp.down_proj
+    assert down.fp8_folded_scales
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, down.in_features, device="cuda", generator=g, dtype=torch.bfloat16)
+    xq, xs = quantize_activation(x)
+    calls = []
+    real = fp8_kernels.scale_rows_cols
+    monkeypatch.setattr(fp8_kernels, "scale_rows_cols", lambda *a, **kw: calls.append(m) or real(*a, **kw))
+    outs = {}
+    for folded in ("1", "0"):
+        monkeypatch.setenv("ATTNSERVE_FP8_FOLDED_DOWN_SCALES", folded)
+        y = down(Fp8Activation(xq, xs, x.dtype))
+        assert y.dtype == torch.bfloat16 and y.shape == (m, down.out_features)
+        outs[folded] = y.double()
+    assert len(calls) == (1 if m <= FOLDED_DOWN_MAX_M else 0)  # the folded route at decode batches only
+    xd, wd = dequantize(xq, xs).double(), dequantize(down.weight, down.weight_scale).double()
+    ref = xd @ wd.t()
+    k = down.in_features
+    bound = 2 ** -8 * ref.abs() + (k / 32) * 2 ** -13 * (xd.abs() @ wd.abs().t()) + 1e-6 * ref.abs().max()
+    for folded, y in outs.items():
+        assert ((y - ref).abs() <= bound).all(), folded
+    assert ((outs["1"] - outs["0"]).abs() <= 2 * bound).all()
 
 
 @pytest.mark.parametrize("m", [144, 300])

@@ -318,6 +318,40 @@ def test_fused_producer_quant_matches_unfused_interpreter(monkeypatch):
         silu_and_mul_quant_fp8(gu, row_scale=torch.ones(3, 1), col_scale=torch.ones(600))
 
 
+@pytest.mark.parametrize("interpret", [True, False])
+def test_scale_rows_cols(interpret, monkeypatch):
+    """`scale_rows_cols` (the epilogue of the folded ``down_proj``): ``x * rs[m] * cs[n]`` in
+    float32, rounded once to the output dtype, for float32 and bf16 inputs, ragged sizes
+    (N not a multiple of the 1,024-column block), a strided input; the Triton kernel under
+    the interpreter and the PyTorch fallback; argument errors."""
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from attnserve.models.layers.quantization.fp8_kernels import scale_rows_cols
+
+    g = torch.Generator().manual_seed(11)
+    for m, n, src, out in [(3, 1000, torch.float32, torch.bfloat16), (5, 2100, torch.bfloat16, torch.bfloat16),
+                           (1, 16, torch.float32, torch.float16), (0, 64, torch.float32, torch.bfloat16)]:
+        x = (torch.randn(m, n + 8, generator=g) * 300)[:, :n].to(src)  # row stride n + 8
+        rs, cs = torch.rand(m, 1, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-2
+        y = scale_rows_cols(x, rs, cs, out)
+        want = (x.double() * rs.double() * cs.double())
+        assert y.dtype == out and y.shape == (m, n) and y.is_contiguous()
+        # one rounding to the output dtype: half an ulp (2**-8 relative for bf16, 2**-11 for fp16,
+        # whose subnormals below 2**-14 have a fixed step of 2**-24); the interpreter truncates
+        # (a whole ulp); plus the float32 products' own rounding (2**-21 relative, generous)
+        half_ulp = (2 ** -8 if out == torch.bfloat16 else 2 ** -11) * (2 if interpret else 1)
+        floor = 2 ** -24 if out == torch.float16 else 0.0
+        assert ((y.double() - want).abs() <= (half_ulp + 2 ** -21) * want.abs() + floor).all(), (m, n, src, out)
+    with pytest.raises(ValueError, match="float32 row_scale of 2"):
+        scale_rows_cols(torch.ones(2, 4), torch.ones(3, 1), torch.ones(4), torch.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        scale_rows_cols(torch.ones(2, 4), torch.ones(2, 1, dtype=torch.float64), torch.ones(4), torch.bfloat16)
+    with pytest.raises(ValueError, match="unit column stride"):
+        scale_rows_cols(torch.ones(4, 2).t(), torch.ones(2, 1), torch.ones(4), torch.bfloat16)
+
+
 def test_fused_producers_marked_and_prequantized_input_path(monkeypatch):
     """By default (and with ``ATTNSERVE_FP8_FUSED_PRODUCERS=1``) both norms and ``gate_up``
     of every plain Llama layer are marked, with ``=0`` none; a linear given its input
@@ -332,8 +366,9 @@ def test_fused_producers_marked_and_prequantized_input_path(monkeypatch):
     loaded = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False, quantization="fp8")
     for layer in loaded.model.model.layers:
         assert layer.input_layernorm.fp8_output and layer.post_attention_layernorm.fp8_output
-        assert layer.mlp.gate_up_proj.fp8_output
+        assert layer.mlp.gate_up_proj.fp8_output and layer.mlp.down_proj.fp8_folded_scales
     assert not loaded.model.model.norm.fp8_output
+    assert not any(getattr(m, "fp8_folded_scales", False) for m in off.model.modules())
     down = loaded.model.model.layers[0].mlp.down_proj
     x = torch.randn(20, down.in_features, generator=torch.Generator().manual_seed(2))
     q, s = quantize_activation(x)

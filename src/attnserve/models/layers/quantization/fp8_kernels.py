@@ -4,6 +4,8 @@
   ``1 x group`` run (one launch; no host synchronisation, CUDA-graph capturable);
 * `fused_add_rmsnorm_quant_fp8`, `silu_and_mul_quant_fp8` -- the producers of an FP8
   linear's input with the per-token quantisation fused (CUDA / interpreter only);
+* `scale_rows_cols` -- an unscaled FP8 product times its token and channel scales (the
+  epilogue of a tensor-wise ``_scaled_mm`` run with unit scales);
 * `scaled_fp8_gemm` -- ``(A_q * s_a) @ (B_q * s_b)^T`` with per-token or per-group
   activation scales and per-tensor, per-channel or 128 x 128 block weight scales.
 
@@ -270,3 +272,46 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, out_dtype: Optional[torch.dtype] = N
                                     ONE_PASS=one_pass, HAS_SCALES=has_scales,
                                     num_warps=max(4, min(16, block // 512)) if one_pass else 8)
     return q, s
+
+
+#: columns per program of `scale_rows_cols`
+SCALE_ROWS_COLS_BLOCK = 1024
+
+
+def scale_rows_cols(x: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """``x * (row_scale[m] * col_scale[n])`` for an unscaled FP8 product ``x [M, N]`` (float32
+    or 16-bit, e.g. ``q_x @ q_w^T`` from a tensor-wise ``_scaled_mm`` with unit scales), in
+    float32 and rounded once to ``out_dtype``: what a row-wise-scaled GEMM returns. One
+    launch on CUDA (or under ``TRITON_INTERPRET=1``), PyTorch elsewhere.
+
+    Args:
+        x: ``[M, N]`` with unit column stride.
+        row_scale: float32, ``M`` values (e.g. ``[M, 1]`` per-token scales).
+        col_scale: float32, ``N`` values (per-channel weight scales).
+        out_dtype: dtype of the result.
+
+    Returns:
+        ``[M, N]`` in ``out_dtype``, contiguous.
+
+    Raises:
+        ValueError: ``x`` not 2-D with unit column stride, or scales of the wrong size or dtype.
+    """
+    if x.dim() != 2 or (x.numel() and x.stride(1) != 1):
+        raise ValueError(f"scale_rows_cols: x {tuple(x.shape)} strides {x.stride()}: need 2-D with unit column stride")
+    m, n = x.shape
+    if (row_scale.numel() != m or col_scale.numel() != n or row_scale.dtype != torch.float32
+            or col_scale.dtype != torch.float32):
+        raise ValueError(f"scale_rows_cols: need float32 row_scale of {m} and col_scale of {n} values, got "
+                         f"{tuple(row_scale.shape)} {row_scale.dtype} / {tuple(col_scale.shape)} {col_scale.dtype}")
+    if not _use_triton(x):
+        return (x.float() * (row_scale.reshape(m, 1) * col_scale.reshape(1, n))).to(out_dtype)
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    from attnserve.models.layers.quantization import fp8_kernels_triton as kt
+
+    kt._scale_rows_cols_kernel[(m, cdiv(n, SCALE_ROWS_COLS_BLOCK))](
+        x, row_scale.reshape(-1).contiguous(), col_scale.reshape(-1).contiguous(), y, n, x.stride(0), y.stride(0),
+        BLOCK_N=SCALE_ROWS_COLS_BLOCK, num_warps=4)
+    return y

@@ -7,6 +7,8 @@
 * `_add_rmsnorm_quant_kernel` / `_silu_mul_quant_kernel`: the producers of the FP8 linears'
   inputs (fused add-RMSNorm; SiLU-and-mul) with the per-token quantisation fused, so the
   16-bit activation is never written and read back (a launch and ``M x K x 4`` bytes saved).
+* `_scale_rows_cols_kernel`: ``y = x * (rs[row] * cs[col])`` for an unscaled FP8 product ``x``
+  (a tensor-wise ``_scaled_mm`` with unit scales), rounded once to ``y``'s dtype.
 * `_scaled_fp8_gemm_kernel`: ``C = (A_q * s_a) @ (B_q * s_b)^T`` for e4m3 ``A [M, K]`` and
   ``B [N, K]`` (``nn.Linear`` layout). The ``K`` loop steps ``BLOCK_K`` (= the scale group
   along ``K``, 128) at a time; each step's ``tl.dot`` (float32 accumulate) is multiplied by
@@ -198,3 +200,15 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, I, stride_x, stride_q, rs_ptr, c
         q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _scale_rows_cols_kernel(x_ptr, rs_ptr, cs_ptr, y_ptr, N, stride_x, stride_y, BLOCK_N: tl.constexpr):
+    """Grid ``(M, cdiv(N, BLOCK_N))``: ``y[row, cols] = x[row, cols] * (rs[row] * cs[cols])``
+    in float32, stored in ``y``'s dtype (`fp8_kernels.scale_rows_cols`)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(rs_ptr + row) * tl.load(cs_ptr + cols, mask=mask, other=0.0)
+    tl.store(y_ptr + row * stride_y + cols, (x * scale).to(y_ptr.dtype.element_ty), mask=mask)

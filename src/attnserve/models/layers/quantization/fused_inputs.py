@@ -10,7 +10,8 @@ e4m3 values and scales itself, as an `Fp8Activation`, and the linear takes them 
   add-RMSNorm, with a residual) -> `fp8_kernels.fused_add_rmsnorm_quant_fp8`, for
   ``gate_up_proj`` / ``qkv_proj``;
 * the ``gate_up_proj`` (its SiLU-and-mul) -> `fp8_kernels.silu_and_mul_quant_fp8`, for
-  ``down_proj``.
+  ``down_proj``, which is marked ``fp8_folded_scales``: at decode batches it runs the
+  tensor-wise GEMM and applies the scales after it (`fp8_linear.Fp8LinearMethod._folded_down`).
 
 `enable_fused_producers` marks the producers whose every consumer qualifies (exact
 `LlamaDecoderLayer` / `LlamaAttention` / `LlamaMLP` classes, dynamic per-token activations,
@@ -96,5 +97,6 @@ def enable_fused_producers(model: nn.Module) -> int:
             count += 1
             if _w8a8_per_token(mlp.down_proj):
                 mlp.gate_up_proj.fp8_output = True
+                mlp.down_proj.fp8_folded_scales = True  # its scales after a tensor-wise GEMM (fp8_linear)
                 count += 1
     return count
