@@ -12,7 +12,7 @@ Rows: for each linear and each M, µs and TFLOP/s of bf16 ``torch.mm``, ``_scale
 (as called, and as the engine calls it: `fp8_linear.scaled_mm_rowwise`, rows padded) and
 tensor-wise (bf16 output), and with ``--split S`` each as ``S`` GEMMs over column blocks;
 ``*_fastacc``: ``use_fast_accum=True``; ``graph_*`` (fast accumulation, timed in a CUDA graph):
-the engine's padded row-wise GEMM, the folded ``down_proj`` form (tensor-wise GEMM with unit
+the engine's padded row-wise GEMM and the unpadded one, the folded ``down_proj`` form (tensor-wise GEMM with unit
 scales in float32 or bf16, then `fp8_kernels.scale_rows_cols`) and its GEMM alone. Caveat: the timing is eager, so a row made of several
 launches is host-bound at small M (``fp8_rowwise_engine`` below 256 rows: its pad copies make
 it 65-120 µs where its GEMM alone is ``fp8_rowwise`` at the padded M). Weights rotate over enough copies that small-M rows read DRAM,
@@ -120,6 +120,8 @@ def rows_for(name: str, m: int, split: int = 1) -> dict:
     sb_vec = sb_row.view(-1).contiguous()
     graphed = {
         "graph_rowwise_engine": lambda i: scaled_mm_rowwise(x8, sa_row, w8[i], sb_vec, torch.bfloat16),
+        "graph_rowwise": lambda i: torch._scaled_mm(x8, w8[i].t(), scale_a=sa_row, scale_b=sb_row,
+                                                    out_dtype=torch.bfloat16, use_fast_accum=True),
         "graph_folded_f32": lambda i: scale_rows_cols(
             torch._scaled_mm(x8, w8[i].t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=True),
             sa_row, sb_vec, torch.bfloat16),

@@ -447,13 +447,17 @@ def test_fp8_gemv_env_routes_linear(monkeypatch):
                     reason="row-wise torch._scaled_mm needs sm 90")
 @pytest.mark.parametrize("m", [64, 65, 100, 144, 255])
 def test_scaled_mm_rowwise_padded_rows_match_float64(m, monkeypatch):
-    """`scaled_mm_rowwise` pads 64 < M < 256 rows to a multiple of 128: each row equals the
+    """`scaled_mm_rowwise` pads 64 < M < 256 rows to a multiple of 128 (large weights; the
+    size floor is lowered here): each row equals the
     float64 product of its dequantised operands (one bf16 rounding), padded or not, and the
     result is a contiguous [M, N] tensor."""
     from attnserve.models.layers.quantization.fp8_linear import (SCALED_MM_PAD_ENV, scaled_mm_padded_rows,
                                                                  scaled_mm_rowwise)
 
+    from attnserve.models.layers.quantization import fp8_linear
+
     monkeypatch.setenv("ATTNSERVE_FP8_FAST_ACCUM", "0")  # the bound below is exact float32 accumulation's
+    monkeypatch.setattr(fp8_linear, "PAD_MIN_WEIGHT_ELEMENTS", 0)  # pad this small weight too
     g = torch.Generator(device="cuda").manual_seed(m)
     n, k = 1024, 2048
     x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)

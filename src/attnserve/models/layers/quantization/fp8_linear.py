@@ -133,15 +133,27 @@ def fp8_fast_accum() -> bool:
     return env_flag(FAST_ACCUM_ENV, default=True)
 
 
-def scaled_mm_padded_rows(m: int) -> int:
-    """Rows `scaled_mm_rowwise` hands ``torch._scaled_mm`` for ``m`` rows: ``m`` rounded up
-    to a multiple of 128 when ``64 < m < 256``, else ``m``.
+#: smallest weight (``N * K`` elements) whose row-wise ``_scaled_mm`` `scaled_mm_padded_rows` pads
+PAD_MIN_WEIGHT_ELEMENTS = 32 << 20
 
-    Why (one H100, CUDA graphs, Llama-3-8B projections, per-token x per-channel scales;
-    ``benchmarks/NOTES.md`` 2026-11-27): cuBLASLt's row-wise FP8 kernels are as fast at 128
-    rows as at 64 and fast at 256, but at 144 rows they are 1.2-1.6x slower than at 256
-    (µs at 128 / 144 / 256: qkv 14.7 / 21.0 / 15.2, gate_up 53.8 / 87.4 / 72.0, down 37.1 /
-    50.0 / 37.2). Padding costs one copy of ``x`` (``m x K`` bytes)."""
+
+def scaled_mm_padded_rows(m: int, weight_elements: Optional[int] = None) -> int:
+    """Rows `scaled_mm_rowwise` hands ``torch._scaled_mm`` for ``m`` rows of a weight of
+    ``weight_elements`` (``N * K``; None: unknown, treated as large): ``m`` rounded up to a
+    multiple of 128 when ``64 < m < 256`` and the weight has at least
+    `PAD_MIN_WEIGHT_ELEMENTS`, else ``m``.
+
+    Why (one H100, Llama-3-8B projections, per-token x per-channel scales): an earlier sweep
+    (``benchmarks/NOTES.md`` 2026-11-27) found cuBLASLt's row-wise FP8 kernels slower at 144
+    rows than at 256 on ``gate_up`` and ``down`` (µs at 128 / 144 / 256: 53.8 / 87.4 / 72.0 and
+    37.1 / 50.0 / 37.2). On the small projections, timed in CUDA graphs with fast
+    accumulation (2026-11-28, ``benchmarks/results/h100-80gb-hbm3-fp8-scaled-mm-qkv-o-padding-2026-11-28.json``),
+    padding only adds its copies: qkv (25M elements) 14.4 unpadded vs 19.2 µs padded at 144
+    rows, o (17M) 13.6 vs 17.8, and the 144-request decode step went 8.55 -> 8.30 ms without
+    it (``gate_up`` and ``down`` took their folded routes there). Hence the size rule; the pad
+    costs one copy of ``x`` (``m x K`` bytes)."""
+    if weight_elements is not None and weight_elements < PAD_MIN_WEIGHT_ELEMENTS:
+        return m
     if 64 < m < 256 and m % 128 and env_flag(SCALED_MM_PAD_ENV):
         return -(-m // 128) * 128
     return m
@@ -152,11 +164,11 @@ def scaled_mm_rowwise(q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tens
     """``torch._scaled_mm(q, weight^T)`` with row-wise scales, ``[M, N]`` in ``out_dtype``.
 
     ``q`` e4m3 ``[M, K]``, ``scale_a`` float32 ``[M, 1]``, ``weight`` e4m3 ``[N, K]``,
-    ``weight_scale`` float32 ``[N]``. Rows are padded to `scaled_mm_padded_rows` (the pad
+    ``weight_scale`` float32 ``[N]``. Rows are padded to `scaled_mm_padded_rows` (large weights; the pad
     rows' values are never read back: a GEMM's output row depends on its own input row only)
     and the result is the first ``M`` rows, a contiguous view."""
     m, k = q.shape
-    mp = scaled_mm_padded_rows(m)
+    mp = scaled_mm_padded_rows(m, weight.numel())
     if mp != m:
         qp = q.new_empty((mp, k))
         qp[:m].copy_(q)
