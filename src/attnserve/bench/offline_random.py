@@ -156,12 +156,20 @@ def bench_random(model: str, num_prompts: int, input_len: int, output_len: int, 
         llm.shutdown()  # gives back the GPU memory for the next row's engine
 
 
+#: `format_row` prints the capacity share when the pool's floor is this far above the rule's
+#: (a 0.5% difference shows at two decimals of the share)
+CAPACITY_SHOWN_ABOVE = 1.005
+#: `capacity_note` explains the gap when it is this large (a gap the user should act on)
+CAPACITY_NOTE_ABOVE = 1.05
+
+
 def format_row(row: dict) -> str:
     share = "n/a" if row["roofline_share"] is None else (
         f"{row['roofline_share']:.2f} (prefill {row['prefill_share']:.2f}, decode {row['decode_share']:.2f}; "
         f"serial floor {row['serial_share']:.2f}"
         + (f"; capacity floor {row['capacity_share']:.2f}"
-           if row.get("capacity_share") and row["capacity_share"] > 1.005 * row["roofline_share"] else "") + ")")
+           if row.get("capacity_share") and row["capacity_share"] > CAPACITY_SHOWN_ABOVE * row["roofline_share"]
+           else "") + ")")
     floor = "n/a" if row["roofline_s"] is None else f"{row['roofline_s']:.2f}"
     return (f"{row['model']:12s} {row['kv_cache_dtype']:13s} n={row['num_prompts']:4d} "
             f"in<={row['random_input_len']} out<={row['random_output_len']} R={row['random_range_ratio']} "
@@ -174,10 +182,10 @@ def format_row(row: dict) -> str:
 
 
 def capacity_note(row: dict) -> Optional[str]:
-    """A hint for a row whose KV pool cannot hold its workload (capacity floor more than 5%
-    above the rule's floor, `attnserve.bench.roofline_capacity`), else None."""
+    """A hint for a row whose KV pool cannot hold its workload (capacity floor more than
+    `CAPACITY_NOTE_ABOVE` times the rule's floor, `attnserve.bench.roofline_capacity`), else None."""
     cap, floor = row.get("roofline_capacity_s"), row.get("roofline_s")
-    if not cap or not floor or cap <= 1.05 * floor:
+    if not cap or not floor or cap <= CAPACITY_NOTE_ABOVE * floor:
         return None
     tokens = row["input_tokens"] + row["output_tokens"]
     return (f"{row['model']}: the workload's {tokens:,} tokens do not fit the {row['max_total_tokens']:,}-token KV pool, "
