@@ -22,6 +22,8 @@
 #   then its float32 GPU token test (~4 min on four GPUs).
 #   tp: Llama-3-8B tp 1 / 2 / 4, batch 1 and 64, all-reduce fusion on and off, rank 0's kernel
 #   profile (TP_REPEATS timed runs per row, default 1); big: the Llama-3-70B shape at tp 4.
+# Every tp engine measures its two-shot all-reduce ceiling at start-up (all_reduce_calibration; the
+# tp rows record the times and the ceiling; ATTNSERVE_ALLREDUCE_CALIBRATE=0 keeps the table's default).
 # The dp test and replicas import the server (fastapi): run with carry [".whl/serving"].
 set -u
 STAGES=${STAGES:-tests pushtests twoshottests allreduce tp big push bigpush overlap dp}
