@@ -71,6 +71,7 @@ def test_calibrate_takes_the_slowest_rank(monkeypatch):
     monkeypatch.setattr(dist, "all_gather_object", fake_gather)
     monkeypatch.setattr(cal, "_time_calls", lambda fn, x, align, calls: 1.0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
     class FakeCustom:
         buffer = torch.empty(0)
