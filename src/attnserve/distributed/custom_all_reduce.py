@@ -14,9 +14,10 @@ allocation a signal pad for device-side barriers) and runs PyTorch's built-in ke
   reduces its ``1/W`` slice of all buffers (reduce-scatter), barrier, every rank gathers the
   reduced slices (all-gather): ``2 (W-1)/W`` of the message per rank, two barrier rounds.
 * **NCCL** above ``two_shot_max_bytes`` (measured against two-shot at start-up up to 64 MiB,
-  `all_reduce_calibration`: hosts of one kind differ threefold in NCCL's large-message rate), for dtypes the kernels lack (only float32 and
-  bfloat16 are built), for non-contiguous inputs, and wherever symmetric memory or peer
-  access is missing (CPU / gloo, one GPU, several nodes, an old torch): `select_algorithm`.
+  `all_reduce_calibration`: hosts of one kind differ threefold in NCCL's large-message rate),
+  for dtypes the kernels lack (only float32 and bfloat16 are built), for non-contiguous
+  inputs, and wherever symmetric memory or peer access is missing (CPU / gloo, one GPU,
+  several nodes, an old torch): `select_algorithm`.
 
 The ops read no host state after the rendezvous, so they are captured in CUDA graphs (the
 decode graphs of ``engine/cuda_graph_runner.py``); every rank must issue the same sequence of
