@@ -11,7 +11,8 @@ SiLU-and-mul and RoPE kernels).
 Rows: for each linear and each M, µs and TFLOP/s of bf16 ``torch.mm``, ``_scaled_mm`` row-wise
 (as called, and as the engine calls it: `fp8_linear.scaled_mm_rowwise`, rows padded) and
 tensor-wise (bf16 output), and with ``--split S`` each as ``S`` GEMMs over column blocks;
-``*_fastacc``: ``use_fast_accum=True``; ``graph_*`` (fast accumulation, timed in a CUDA graph):
+``*_fastacc``: ``use_fast_accum=True``; ``graph_*`` (fast accumulation, timed in a CUDA graph
+that cycles through the weight copies, `common.bench_graph`):
 the engine's padded row-wise GEMM and the unpadded one, the folded ``down_proj`` form (tensor-wise GEMM with unit
 scales in float32 or bf16, then `fp8_kernels.scale_rows_cols`) and its GEMM alone. Caveat: the timing is eager, so a row made of several
 launches is host-bound at small M (``fp8_rowwise_engine`` below 256 rows: its pad copies make
@@ -27,6 +28,7 @@ Usage: ``PYTHONPATH=src python benchmarks/fp8_scaled_mm_scaling.py --out $OUT [-
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -34,6 +36,7 @@ import time
 
 import torch
 
+from common import bench_graph
 from fp8_bench import SHAPES
 
 #: Llama-3-8B linears at tp 1: name -> (N, K) (`fp8_bench.SHAPES`)
@@ -51,29 +54,6 @@ def _time_us(fn, n_copies: int, iters: int = 20, reps: int = 5) -> float:
         start.record()
         for i in range(iters):
             fn(i % n_copies)
-        end.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(out)
-
-
-def _time_graph_us(fn, n_copies: int, iters: int = 20, reps: int = 5) -> float:
-    """`_time_us` for a form of several launches: ``iters`` calls captured in one CUDA graph
-    (as the engine's decode graphs run them), replayed ``reps`` times; median µs per call."""
-    for i in range(3):
-        fn(i % n_copies)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(iters):
-            fn(i % n_copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
         end.record()
         torch.cuda.synchronize()
         out.append(start.elapsed_time(end) * 1e3 / iters)
@@ -155,7 +135,8 @@ def rows_for(name: str, m: int, split: int = 1) -> dict:
             res[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:200]
     for label, fn in graphed.items():
         try:
-            res[f"{label}_us"] = round(_time_graph_us(fn, copies), 2)
+            res[f"{label}_us"] = round(bench_graph([functools.partial(fn, i) for i in range(copies)],
+                                                   min_calls=20, replays=5), 2)
         except Exception as exc:
             res[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:200]
     # the two fp8 forms must agree once the scales are folded out (same products, same order class)

@@ -356,11 +356,9 @@ class Fp8LinearMethod:
         inside a graph capture)."""
         from attnserve.models.layers.quantization.fp8_kernels import silu_and_mul_quant_fp8
 
-        unit = self._unit_scale(x.q.device)
-        if unit is None:
+        raw = self._unscaled_product(layer, x, torch.bfloat16)
+        if raw is None:
             return None
-        raw = torch._scaled_mm(x.q, layer.weight.t(), scale_a=unit, scale_b=unit, out_dtype=torch.bfloat16,
-                               use_fast_accum=fp8_fast_accum())
         q, s = silu_and_mul_quant_fp8(raw, x.dtype, row_scale=x.scale, col_scale=layer.weight_scale)
         return Fp8Activation(q, s, x.dtype)
 
@@ -380,12 +378,20 @@ class Fp8LinearMethod:
         (first call inside a graph capture)."""
         from attnserve.models.layers.quantization.fp8_kernels import scale_rows_cols
 
+        raw = self._unscaled_product(layer, x, FOLDED_DOWN_RAW_DTYPE)
+        if raw is None:
+            return None
+        return scale_rows_cols(raw, x.scale, layer.weight_scale, x.dtype)
+
+    def _unscaled_product(self, layer: nn.Module, x: Fp8Activation, out_dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """``q_x @ q_w^T`` in ``out_dtype`` from a tensor-wise ``_scaled_mm`` with unit scales
+        (the folded routes apply the token and channel scales after it); None when no unit scale
+        can be made (first call inside a graph capture, `_unit_scale`)."""
         unit = self._unit_scale(x.q.device)
         if unit is None:
             return None
-        raw = torch._scaled_mm(x.q, layer.weight.t(), scale_a=unit, scale_b=unit, out_dtype=FOLDED_DOWN_RAW_DTYPE,
-                               use_fast_accum=fp8_fast_accum())
-        return scale_rows_cols(raw, x.scale, layer.weight_scale, x.dtype)
+        return torch._scaled_mm(x.q, layer.weight.t(), scale_a=unit, scale_b=unit, out_dtype=out_dtype,
+                                use_fast_accum=fp8_fast_accum())
 
     def _reference(self, layer: nn.Module, x2: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         q, sa = self._quantize_input(layer, x2)
