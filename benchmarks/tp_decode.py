@@ -48,6 +48,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import gc
 import os
@@ -245,8 +246,7 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
     kernel = rt.tp.custom_all_reduce.fusion.mode if fusion_on else "none"
     two_shot_min = rt.tp.custom_all_reduce.fusion.two_shot.min_bytes if kernel == "twoshot" else None
     cal = rt.tp.custom_all_reduce.calibration if custom_on else None
-    calibration = None if cal is None else {"sizes": cal.sizes, "two_shot_us": cal.two_shot_us,
-                                            "nccl_us": cal.nccl_us, "ceiling": cal.ceiling}
+    calibration = None if cal is None else dataclasses.asdict(cal)
     two_shot_max = rt.tp.custom_all_reduce.config.two_shot_max_bytes if custom_on else None
     rows = []
     try:
@@ -258,7 +258,7 @@ def decode_steps(model, tp, requests, input_len=512, output_len=128, step_broadc
             sp1 = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
             llm.generate(prompts, sp)  # warm-up
             runs = {"prefill": [], "full": []}
-            in_run = []  # (decode seconds, decode steps) of each full run, timed inside it
+            in_run = []  # ms per decode step of each full run, timed inside it
             for _ in range(max(repeats, 1)):  # prefill-only and full runs alternate; medians below
                 for name, params in (("prefill", sp1), ("full", sp)):
                     llm.engine.scheduler.flush_prefix_cache()
