@@ -1,6 +1,6 @@
 """FP8 linears (issue 37) against bf16 on one GPU, dummy weights, both in the same run.
 
-``PYTHONPATH=src python benchmarks/fp8_bench.py [--out FILE.json] [--model llama-3-8b] [--sweep [wide]]
+``PYTHONPATH=src python benchmarks/fp8_bench.py [--out FILE.json] [--model llama-3-8b|mistral-7b|qwen2.5-7b|qwen3-0.6b] [--sweep [wide]]
 [--parts engine,producers,gemm] [--variants bf16,fp8,...] [--ms 1,16,64,256,8192] [--budget-s 150]``
 
 ``--sweep wide`` replaces the GEMM rows by the FP8 mid GEMM's wide W8A8 tile sweep at the
@@ -92,7 +92,12 @@ import torch.nn.functional as F
 
 from common import bench_graph
 
-SHAPES = {"llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]}
+#: model -> its projections (name, N, K) of one layer (config.json of each HF release); the
+#: engine rows run any of them (Qwen2.5-7B: biased qkv; Mistral-7B: Llama-3-8B's GEMMs)
+SHAPES = {"llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+          "qwen2.5-7b": [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)],
+          "qwen3-0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)]}
+SHAPES["mistral-7b"] = SHAPES["llama-3-8b"]
 ROTATE_BYTES = 200 * 2**20
 #: engine variant -> environment it runs under (see the module doc)
 ENGINE_VARIANTS = {

@@ -11,7 +11,9 @@
 #            caches, against their defaults; TILES_ARGS e.g. --quick) and their GPU test
 #   gather   benchmarks/kv_gather_granularity.py (gathered 128 B vs 256 B KV rows against the copy rate:
 #            is the fp8-KV decode gap a DRAM granularity limit?)
-#   bash scripts/gpu_kernel_bench.sh kernels [decode ragged batch fp8 tiles gather]
+#   layout   benchmarks/gemm_weight_layout.py (decode-size bf16 GEMMs with the weight [N, K] as today,
+#            stored [K, N], or as the GEMM's M operand: does cuBLAS pick a faster kernel?)
+#   bash scripts/gpu_kernel_bench.sh kernels [decode ragged batch fp8 tiles gather layout]
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -30,6 +32,8 @@ for what in "${@:-kernels}"; do
       | tee "$OUT/tiles.log" | tail -40
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_fp8_tiles_gpu.py 2>&1 | tail -3 ;;
     gather) timeout 200 python3 benchmarks/kv_gather_granularity.py --out "$OUT" 2>&1 | tee "$OUT/gather.log" | tail -8 ;;
-    *) echo "unknown mode $what (kernels decode ragged batch fp8 tiles gather)"; exit 2 ;;
+    layout) timeout 200 python3 benchmarks/gemm_weight_layout.py --out "$OUT/gemm-weight-layout.json" 2>&1 \
+      | tee "$OUT/layout.log" | tail -45 ;;
+    *) echo "unknown mode $what (kernels decode ragged batch fp8 tiles gather layout)"; exit 2 ;;
   esac
 done

@@ -352,6 +352,60 @@ def test_scale_rows_cols(interpret, monkeypatch):
         scale_rows_cols(torch.ones(4, 2).t(), torch.ones(2, 1), torch.ones(4), torch.bfloat16)
 
 
+# name -> per layer: (input_layernorm marked, post_attention_layernorm marked, down_proj folded)
+_FAMILY_MARKS = {
+    "qwen3-tiny": [(True, True, True)] * 2,
+    "mistral-tiny": [(True, True, True)] * 2,
+    "qwen2-tiny": [(True, True, True)] * 2,  # its q/k/v bias is added after the GEMM as before
+    "qwen3-moe-tiny": [(True, True, True), (True, False, False)],  # layer 1's MoE block is not marked
+    "deepseek-v2-moe-tiny": [(False, True, True), (False, False, False)],  # MLA is not; the dense MLP is
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FAMILY_MARKS))
+def test_fused_producers_marked_by_forward_not_exact_class(name):
+    """Subclasses that keep Llama's decoder-layer, attention and MLP ``forward`` get the
+    fused quantisers and the folded ``down_proj`` as Llama does (`enable_fused_producers`);
+    MoE blocks and MLA do not. A biased ``qkv_proj`` (Qwen2) given its input quantised by
+    the norm computes what it computes from the 16-bit input (CPU: the reference path)."""
+    from attnserve.models.layers.quantization.fused_inputs import Fp8Activation
+
+    loaded = load_model(name, load_format="dummy", load_tokenizer=False, progress=False, quantization="fp8")
+    marks = [(layer.input_layernorm.fp8_output, layer.post_attention_layernorm.fp8_output,
+              getattr(layer.mlp, "down_proj", None) is not None and layer.mlp.down_proj.fp8_folded_scales)
+             for layer in loaded.model.model.layers]
+    assert marks == _FAMILY_MARKS[name]
+    if name == "qwen2-tiny":
+        qkv = loaded.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.bias is not None
+        x = torch.randn(20, qkv.in_features, generator=torch.Generator().manual_seed(3))
+        q, s = quantize_activation(x)
+        assert torch.equal(qkv(Fp8Activation(q, s, x.dtype)), qkv(x))
+
+
+def test_fused_producers_skip_layers_that_override_forward():
+    """A decoder layer whose class overrides ``forward`` may use a norm's output elsewhere:
+    none of its producers is marked (the other layers still are)."""
+    from attnserve.models.layers.quantization.fused_inputs import enable_fused_producers
+    from attnserve.models.llama import LlamaDecoderLayer
+
+    class OwnForward(LlamaDecoderLayer):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    loaded = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False, quantization="fp8")
+    layers = loaded.model.model.layers
+    for layer in layers:
+        for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.gate_up_proj):
+            module.fp8_output = False
+        layer.mlp.down_proj.fp8_folded_scales = False
+    layers[0].__class__ = OwnForward
+    assert enable_fused_producers(loaded.model) == 3  # layer 1's two norms and gate_up
+    assert not (layers[0].input_layernorm.fp8_output or layers[0].post_attention_layernorm.fp8_output
+                or layers[0].mlp.down_proj.fp8_folded_scales)
+    assert layers[1].input_layernorm.fp8_output and layers[1].mlp.down_proj.fp8_folded_scales
+
+
 def test_fused_producers_marked_and_prequantized_input_path(monkeypatch):
     """By default (and with ``ATTNSERVE_FP8_FUSED_PRODUCERS=1``) both norms and ``gate_up``
     of every plain Llama layer are marked, with ``=0`` none; a linear given its input

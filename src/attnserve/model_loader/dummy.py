@@ -227,6 +227,11 @@ DUMMY_MODEL_CONFIGS["gemma-2-9b"] = dict(
     final_logit_softcapping=30.0, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=8192,
     hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
 )
+# few-MB Qwen2 (q/k/v bias, layer 1 windowed) and Mistral (windowed) for FP8 and engine tests
+DUMMY_MODEL_CONFIGS["qwen2-tiny"] = dict(
+    DUMMY_MODEL_CONFIGS["llama-tiny"], use_sliding_window=True, sliding_window=64, max_window_layers=1,
+)
+DUMMY_MODEL_CONFIGS["mistral-tiny"] = dict(DUMMY_MODEL_CONFIGS["llama-tiny"], sliding_window=64)
 
 #: named shapes that are not Llama: name -> (transformers config class, architecture)
 _DUMMY_CONFIG_CLASSES: Dict[str, Any] = {
@@ -243,6 +248,8 @@ _DUMMY_CONFIG_CLASSES: Dict[str, Any] = {
     "mixtral-8x7b": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2.5-7b": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral-7b": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2-tiny": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral-tiny": ("MistralConfig", "MistralForCausalLM"),
     "phi-3-mini": ("Phi3Config", "Phi3ForCausalLM"),
     "gemma-2-9b": ("Gemma2Config", "Gemma2ForCausalLM"),
 }

@@ -6,16 +6,16 @@ A W8A8 linear (`Fp8LinearMethod` on the ``_scaled_mm`` path, batches of more tha
 which reads the activation its producer has just written. Here the producer emits the
 e4m3 values and scales itself, as an `Fp8Activation`, and the linear takes them as they are:
 
-* a Llama decoder layer's ``post_attention_layernorm`` / ``input_layernorm`` (fused
+* a Llama-form decoder layer's ``post_attention_layernorm`` / ``input_layernorm`` (fused
   add-RMSNorm, with a residual) -> `fp8_kernels.fused_add_rmsnorm_quant_fp8`, for
   ``gate_up_proj`` / ``qkv_proj``;
 * the ``gate_up_proj`` (its SiLU-and-mul) -> `fp8_kernels.silu_and_mul_quant_fp8`, for
   ``down_proj``, which is marked ``fp8_folded_scales``: at decode batches it runs the
   tensor-wise GEMM and applies the scales after it (`fp8_linear.Fp8LinearMethod._folded_down`).
 
-`enable_fused_producers` marks the producers whose every consumer qualifies (exact
-`LlamaDecoderLayer` / `LlamaAttention` / `LlamaMLP` classes, dynamic per-token activations,
-per-channel or per-tensor weights). At run time a marked producer emits FP8 only for CUDA
+`enable_fused_producers` marks the producers whose every consumer qualifies (decoder
+layers, attention and MLP that keep Llama's ``forward``, so Qwen2 / Qwen3 / Mistral too;
+dynamic per-token activations, per-channel or per-tensor weights). At run time a marked producer emits FP8 only for CUDA
 inputs of more than ``w8a16_max_m()`` rows with fused kernels on; otherwise it returns the
 16-bit tensor as before, so decode batches keep the W8A16 kernel. The results are those of
 the unfused path (same roundings; the quantisers agree up to rare ties).
@@ -71,28 +71,49 @@ def emits_fp8(x: torch.Tensor, enabled: bool) -> bool:
     return x.shape[0] > w8a16_max_m()
 
 
-def _w8a8_per_token(linear: nn.Module) -> bool:
+def _w8a8_per_token(linear: nn.Module, allow_bias: bool = False) -> bool:
+    """A linear on `Fp8LinearMethod` with dynamic per-token activation scales (a bias only
+    with ``allow_bias``: the pre-quantised path adds it as the plain path does)."""
     from attnserve.models.layers.quantization.fp8_linear import Fp8LinearMethod
 
     method = getattr(linear, "quant_method", None)
     return (isinstance(method, Fp8LinearMethod) and method.config.activation_scheme == "dynamic"
-            and getattr(linear, "input_scale", None) is None and linear.bias is None)
+            and getattr(linear, "input_scale", None) is None and (allow_bias or linear.bias is None))
+
+
+def _keeps_forward(module: nn.Module, base: type, forwards) -> bool:
+    """Whether ``module`` is a ``base`` whose class runs one of ``forwards`` (its own
+    ``forward`` is not overridden by anything else)."""
+    return isinstance(module, base) and type(module).forward in forwards
 
 
 def enable_fused_producers(model: nn.Module) -> int:
     """Mark the producers of `Fp8Activation` in ``model`` (see the module doc); returns
-    how many were marked (0 for models without plain Llama layers or FP8 linears)."""
-    from attnserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    how many were marked (0 for models without Llama-form layers or FP8 linears).
 
+    A layer qualifies by what its ``forward`` does, not by its exact class: a
+    `LlamaDecoderLayer` subclass that keeps Llama's ``forward`` (Qwen2, Qwen3, Mistral,
+    Mixtral, Qwen3-MoE, DeepSeek's dense layers) passes ``input_layernorm``'s output to its
+    attention and ``post_attention_layernorm``'s to its MLP and nowhere else. The attention
+    qualifies when its ``forward`` is `LlamaAttention`'s or `Qwen3Attention`'s (both hand
+    their input to ``qkv_proj`` alone), the MLP when it is a `LlamaMLP` that keeps
+    ``forward``. MoE blocks and MLA are not marked; nor are linears with a static input
+    scale or block-scaled weights, nor an MLP with biases (`_w8a8_per_token`; a biased
+    ``qkv_proj``, as Qwen2's, is).
+    """
+    from attnserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    from attnserve.models.qwen3 import Qwen3Attention
+
+    attention_forwards = (LlamaAttention.forward, Qwen3Attention.forward)
     count = 0
     for layer in model.modules():
-        if type(layer) is not LlamaDecoderLayer:
+        if not _keeps_forward(layer, LlamaDecoderLayer, (LlamaDecoderLayer.forward,)):
             continue
         attn, mlp = layer.self_attn, layer.mlp
-        if type(attn) is LlamaAttention and _w8a8_per_token(attn.qkv_proj):
+        if _keeps_forward(attn, LlamaAttention, attention_forwards) and _w8a8_per_token(attn.qkv_proj, allow_bias=True):
             layer.input_layernorm.fp8_output = True
             count += 1
-        if type(mlp) is LlamaMLP and _w8a8_per_token(mlp.gate_up_proj):
+        if _keeps_forward(mlp, LlamaMLP, (LlamaMLP.forward,)) and _w8a8_per_token(mlp.gate_up_proj):
             layer.post_attention_layernorm.fp8_output = True
             count += 1
             if _w8a8_per_token(mlp.down_proj):
