@@ -287,25 +287,29 @@ def test_folded_gate_up_scales_match_rowwise_and_float64(m, monkeypatch):
     assert ((outs["1"] - outs["0"]).abs() <= 2 * bound).all()  # each within half a step of ref
 
 
-@pytest.mark.parametrize("m", [24, 65, 144, 256, 257, 512, 2048])
-def test_folded_down_scales_match_rowwise_and_float64(m, monkeypatch):
-    """A marked ``down_proj`` (input: the SiLU-and-mul's `Fp8Activation`) on the tensor-wise
-    GEMM with unit scales and `scale_rows_cols` after it (up to ``FOLDED_DOWN_MAX_M`` rows;
-    larger batches stay row-wise): against the float64 product of the dequantised operands
-    within one bf16 rounding (2**-8 relative) plus fast accumulation's term (13-bit partial
-    sums over K / 32 tensor-core steps, as `test_fast_accumulation_within_its_bound`), for
-    both routes; and the two routes within twice that of each other."""
+@pytest.mark.parametrize("proj,m", [("down", m) for m in (24, 65, 144, 256, 257, 512, 2048)]
+                         + [("o", m) for m in (72, 144, 200, 201, 512)])
+def test_folded_scales_match_rowwise_and_float64(proj, m, monkeypatch):
+    """A marked ``down_proj`` (input: the SiLU-and-mul's `Fp8Activation`) or ``o_proj``
+    (input: 16-bit, quantised per token by the linear) on the tensor-wise GEMM with unit
+    scales and `scale_rows_cols` after it (up to ``FOLDED_DOWN_MAX_M`` / ``FOLDED_O_MAX_M``
+    rows; larger batches stay row-wise): against the float64 product of the dequantised
+    operands within one bf16 rounding (2**-8 relative) plus fast accumulation's term (13-bit
+    partial sums over K / 32 tensor-core steps, as `test_fast_accumulation_within_its_bound`),
+    for both routes; and the two routes within twice that of each other."""
     from attnserve.model_loader.loader import load_model
     from attnserve.models.layers.quantization import fp8_kernels
-    from attnserve.models.layers.quantization.fp8_linear import FOLDED_DOWN_MAX_M
+    from attnserve.models.layers.quantization.fp8_linear import FOLDED_DOWN_MAX_M, FOLDED_O_MAX_M
     from attnserve.models.layers.quantization.fused_inputs import Fp8Activation
 
     loaded = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False,
                         quantization="fp8", dtype=torch.bfloat16, device="cuda")
-    down = loaded.model.model.layers[0].mlp.down_proj
-    assert down.fp8_folded_scales
+    layer = loaded.model.model.layers[0]
+    linear = layer.mlp.down_proj if proj == "down" else layer.self_attn.o_proj
+    max_m = FOLDED_DOWN_MAX_M if proj == "down" else FOLDED_O_MAX_M
+    assert linear.fp8_folded_max_m == max_m
     g = torch.Generator(device="cuda").manual_seed(m)
-    x = torch.randn(m, down.in_features, device="cuda", generator=g, dtype=torch.bfloat16)
+    x = torch.randn(m, linear.in_features, device="cuda", generator=g, dtype=torch.bfloat16)
     xq, xs = quantize_activation(x)
     calls = []
     real = fp8_kernels.scale_rows_cols
@@ -313,13 +317,13 @@ def test_folded_down_scales_match_rowwise_and_float64(m, monkeypatch):
     outs = {}
     for folded in ("1", "0"):
         monkeypatch.setenv("ATTNSERVE_FP8_FOLDED_DOWN_SCALES", folded)
-        y = down(Fp8Activation(xq, xs, x.dtype))
-        assert y.dtype == torch.bfloat16 and y.shape == (m, down.out_features)
+        y = linear(Fp8Activation(xq, xs, x.dtype) if proj == "down" else x)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, linear.out_features)
         outs[folded] = y.double()
-    assert len(calls) == (1 if m <= FOLDED_DOWN_MAX_M else 0)  # the folded route at decode batches only
-    xd, wd = dequantize(xq, xs).double(), dequantize(down.weight, down.weight_scale).double()
+    assert len(calls) == (1 if m <= max_m else 0)  # the folded route at decode batches only
+    xd, wd = dequantize(xq, xs).double(), dequantize(linear.weight, linear.weight_scale).double()
     ref = xd @ wd.t()
-    k = down.in_features
+    k = linear.in_features
     bound = 2 ** -8 * ref.abs() + (k / 32) * 2 ** -13 * (xd.abs() @ wd.abs().t()) + 1e-6 * ref.abs().max()
     for folded, y in outs.items():
         assert ((y - ref).abs() <= bound).all(), folded

@@ -352,27 +352,33 @@ def test_scale_rows_cols(interpret, monkeypatch):
         scale_rows_cols(torch.ones(4, 2).t(), torch.ones(2, 1), torch.ones(4), torch.bfloat16)
 
 
-# name -> per layer: (input_layernorm marked, post_attention_layernorm marked, down_proj folded)
+# name -> per layer: (input_layernorm marked, rows o_proj folds, post_attention_layernorm marked,
+# rows down_proj folds); FOLDED_O_MAX_M = 200, FOLDED_DOWN_MAX_M = 256
 _FAMILY_MARKS = {
-    "qwen3-tiny": [(True, True, True)] * 2,
-    "mistral-tiny": [(True, True, True)] * 2,
-    "qwen2-tiny": [(True, True, True)] * 2,  # its q/k/v bias is added after the GEMM as before
-    "qwen3-moe-tiny": [(True, True, True), (True, False, False)],  # layer 1's MoE block is not marked
-    "deepseek-v2-moe-tiny": [(False, True, True), (False, False, False)],  # MLA is not; the dense MLP is
+    "qwen3-tiny": [(True, 200, True, 256)] * 2,
+    "mistral-tiny": [(True, 200, True, 256)] * 2,
+    "qwen2-tiny": [(True, 200, True, 256)] * 2,  # its q/k/v bias is added after the GEMM as before
+    "qwen3-moe-tiny": [(True, 200, True, 256), (True, 200, False, 0)],  # layer 1's MoE block is not marked
+    "deepseek-v2-moe-tiny": [(False, 0, True, 256), (False, 0, False, 0)],  # MLA is not; the dense MLP is
 }
 
 
 @pytest.mark.parametrize("name", sorted(_FAMILY_MARKS))
 def test_fused_producers_marked_by_forward_not_exact_class(name):
     """Subclasses that keep Llama's decoder-layer, attention and MLP ``forward`` get the
-    fused quantisers and the folded ``down_proj`` as Llama does (`enable_fused_producers`);
-    MoE blocks and MLA do not. A biased ``qkv_proj`` (Qwen2) given its input quantised by
-    the norm computes what it computes from the 16-bit input (CPU: the reference path)."""
+    fused quantisers and the folded ``o_proj`` / ``down_proj`` as Llama does
+    (`enable_fused_producers`); MoE blocks and MLA do not. A biased ``qkv_proj`` (Qwen2)
+    given its input quantised by the norm computes what it computes from the 16-bit input
+    (CPU: the reference path)."""
     from attnserve.models.layers.quantization.fused_inputs import Fp8Activation
 
     loaded = load_model(name, load_format="dummy", load_tokenizer=False, progress=False, quantization="fp8")
-    marks = [(layer.input_layernorm.fp8_output, layer.post_attention_layernorm.fp8_output,
-              getattr(layer.mlp, "down_proj", None) is not None and layer.mlp.down_proj.fp8_folded_scales)
+
+    def folded(module, name):
+        return getattr(getattr(module, name, None), "fp8_folded_max_m", 0)
+
+    marks = [(layer.input_layernorm.fp8_output, folded(layer.self_attn, "o_proj"),
+              layer.post_attention_layernorm.fp8_output, folded(layer.mlp, "down_proj"))
              for layer in loaded.model.model.layers]
     assert marks == _FAMILY_MARKS[name]
     if name == "qwen2-tiny":
@@ -398,12 +404,12 @@ def test_fused_producers_skip_layers_that_override_forward():
     for layer in layers:
         for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.gate_up_proj):
             module.fp8_output = False
-        layer.mlp.down_proj.fp8_folded_scales = False
+        layer.mlp.down_proj.fp8_folded_max_m = layer.self_attn.o_proj.fp8_folded_max_m = 0
     layers[0].__class__ = OwnForward
-    assert enable_fused_producers(loaded.model) == 3  # layer 1's two norms and gate_up
+    assert enable_fused_producers(loaded.model) == 4  # layer 1's two norms, o_proj and gate_up
     assert not (layers[0].input_layernorm.fp8_output or layers[0].post_attention_layernorm.fp8_output
-                or layers[0].mlp.down_proj.fp8_folded_scales)
-    assert layers[1].input_layernorm.fp8_output and layers[1].mlp.down_proj.fp8_folded_scales
+                or layers[0].mlp.down_proj.fp8_folded_max_m or layers[0].self_attn.o_proj.fp8_folded_max_m)
+    assert layers[1].input_layernorm.fp8_output and layers[1].mlp.down_proj.fp8_folded_max_m
 
 
 def test_fused_producers_marked_and_prequantized_input_path(monkeypatch):
@@ -420,9 +426,10 @@ def test_fused_producers_marked_and_prequantized_input_path(monkeypatch):
     loaded = load_model("llama-tiny", load_format="dummy", load_tokenizer=False, progress=False, quantization="fp8")
     for layer in loaded.model.model.layers:
         assert layer.input_layernorm.fp8_output and layer.post_attention_layernorm.fp8_output
-        assert layer.mlp.gate_up_proj.fp8_output and layer.mlp.down_proj.fp8_folded_scales
+        assert layer.mlp.gate_up_proj.fp8_output and layer.mlp.down_proj.fp8_folded_max_m
+        assert layer.self_attn.o_proj.fp8_folded_max_m and not getattr(layer.self_attn.qkv_proj, "fp8_folded_max_m", 0)
     assert not loaded.model.model.norm.fp8_output
-    assert not any(getattr(m, "fp8_folded_scales", False) for m in off.model.modules())
+    assert not any(getattr(m, "fp8_folded_max_m", False) for m in off.model.modules())
     down = loaded.model.model.layers[0].mlp.down_proj
     x = torch.randn(20, down.in_features, generator=torch.Generator().manual_seed(2))
     q, s = quantize_activation(x)

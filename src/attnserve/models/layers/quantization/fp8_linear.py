@@ -105,7 +105,12 @@ FOLDED_GATE_SCALES_ENV = "ATTNSERVE_FP8_FOLDED_GATE_SCALES"
 FOLDED_GATE_MAX_M = 512
 #: most rows that take `Fp8LinearMethod._folded_down` (see its doc)
 FOLDED_DOWN_MAX_M = 256
-#: ``ATTNSERVE_FP8_FOLDED_DOWN_SCALES=0`` keeps the row-wise ``_scaled_mm`` for a marked ``down_proj``
+#: most rows that take the folded route on an attention ``o_proj`` (see `Fp8LinearMethod._folded_down`)
+FOLDED_O_MAX_M = 200
+#: ``ATTNSERVE_FP8_FOLDED_O_SCALES=0`` (read at load) leaves ``o_proj`` on the row-wise ``_scaled_mm``
+FOLDED_O_SCALES_ENV = "ATTNSERVE_FP8_FOLDED_O_SCALES"
+#: ``ATTNSERVE_FP8_FOLDED_DOWN_SCALES=0`` keeps the row-wise ``_scaled_mm`` for every linear marked
+#: ``fp8_folded_max_m`` (``down_proj``, ``o_proj``)
 FOLDED_DOWN_SCALES_ENV = "ATTNSERVE_FP8_FOLDED_DOWN_SCALES"
 #: dtype of the unscaled product `Fp8LinearMethod._folded_down` asks cuBLASLt for (float32:
 #: the result is rounded once, by `scale_rows_cols`, as the row-wise GEMM rounds it)
@@ -157,6 +162,15 @@ def scaled_mm_padded_rows(m: int, weight_elements: Optional[int] = None) -> int:
     if 64 < m < 256 and m % 128 and env_flag(SCALED_MM_PAD_ENV):
         return -(-m // 128) * 128
     return m
+
+
+def folded_max_m(layer: nn.Module) -> int:
+    """Most rows for which ``layer`` takes the folded route (`Fp8LinearMethod._folded_down`):
+    its ``fp8_folded_max_m`` mark (`fused_inputs.enable_fused_producers`: `FOLDED_DOWN_MAX_M`
+    on a ``down_proj``, `FOLDED_O_MAX_M` on an ``o_proj``), 0 when unmarked or with
+    ``ATTNSERVE_FP8_FOLDED_DOWN_SCALES=0`` (read at every call)."""
+    rows = int(getattr(layer, "fp8_folded_max_m", 0))
+    return rows if rows and env_flag(FOLDED_DOWN_SCALES_ENV) else 0
 
 
 def scaled_mm_rowwise(q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -272,6 +286,11 @@ class Fp8LinearMethod:
         y = fp8_mid_apply(layer, x2, bias, activation, workspace=self.workspace)  # None outside its route
         if y is not None:
             return y.reshape(*shape, y.shape[-1])
+        if (activation is None and bias is None and layer.input_scale is None and 1 <= m <= folded_max_m(layer)
+                and _on_gpu_path(x2) and _scaled_mm_ok(x2, n, k)):
+            q, sa = quantize_activation(x2)  # then the folded route (a marked o_proj)
+            y = self._apply_prequantized(layer, Fp8Activation(q, sa, x2.dtype), None, None)
+            return y.reshape(*shape, n)
         if not _on_gpu_path(x2):
             y = self._reference(layer, x2, bias)
         elif m == 0:
@@ -319,8 +338,7 @@ class Fp8LinearMethod:
             out = self._folded_gate_up(layer, x)
             if out is not None:
                 return out
-        if (activation is None and bias is None and getattr(layer, "fp8_folded_scales", False) and mm_ok
-                and x.q.shape[0] <= FOLDED_DOWN_MAX_M and env_flag(FOLDED_DOWN_SCALES_ENV)):
+        if activation is None and bias is None and mm_ok and x.q.shape[0] <= folded_max_m(layer):
             y = self._folded_down(layer, x)
             if y is not None:
                 return y
@@ -374,8 +392,12 @@ class Fp8LinearMethod:
         200 44.1 / 32.1, 256 37.6 / 34.6, 320 39.1 / 38.6, 512 43.1 / 48.1
         (benchmarks/results/h100-80gb-hbm3-fp8-scaled-mm-down-folded-2026-11-28.json); hence
         up to `FOLDED_DOWN_MAX_M` rows. A bf16 product would save ~0.5 µs and round twice.
-        The 144-request decode step went 8.95 -> 8.52 ms. None when no unit scale can be made
-        (first call inside a graph capture)."""
+        The 144-request decode step went 8.95 -> 8.52 ms. An ``o_proj`` (4,096 x 4,096; its
+        16-bit input quantised by `apply` first) takes the same route up to `FOLDED_O_MAX_M`
+        rows: row-wise / folded 13.7 / 11.1 µs at 72 rows, 13.6 / 11.6 at 144, 13.9 / 13.6 at
+        200, 13.9 / 14.3 at 232 (...-fp8-scaled-mm-qkv-o-padding-2026-11-28.json; ``qkv``
+        loses from 96 rows, so it stays row-wise). None when no unit scale can be made (first
+        call inside a graph capture)."""
         from attnserve.models.layers.quantization.fp8_kernels import scale_rows_cols
 
         raw = self._unscaled_product(layer, x, FOLDED_DOWN_RAW_DTYPE)

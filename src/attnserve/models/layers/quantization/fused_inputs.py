@@ -10,8 +10,12 @@ e4m3 values and scales itself, as an `Fp8Activation`, and the linear takes them 
   add-RMSNorm, with a residual) -> `fp8_kernels.fused_add_rmsnorm_quant_fp8`, for
   ``gate_up_proj`` / ``qkv_proj``;
 * the ``gate_up_proj`` (its SiLU-and-mul) -> `fp8_kernels.silu_and_mul_quant_fp8`, for
-  ``down_proj``, which is marked ``fp8_folded_scales``: at decode batches it runs the
+  ``down_proj``, which is marked ``fp8_folded_max_m``: at decode batches it runs the
   tensor-wise GEMM and applies the scales after it (`fp8_linear.Fp8LinearMethod._folded_down`).
+
+The attention's ``o_proj`` (its input is the attention output, 16-bit) is marked
+``fp8_folded_max_m`` too: it quantises its input as before, then takes the same route
+(``ATTNSERVE_FP8_FOLDED_O_SCALES=0``, read at load, leaves it unmarked).
 
 `enable_fused_producers` marks the producers whose every consumer qualifies (decoder
 layers, attention and MLP that keep Llama's ``forward``, so Qwen2 / Qwen3 / Mistral too;
@@ -101,6 +105,8 @@ def enable_fused_producers(model: nn.Module) -> int:
     scale or block-scaled weights, nor an MLP with biases (`_w8a8_per_token`; a biased
     ``qkv_proj``, as Qwen2's, is).
     """
+    from attnserve.env_options import env_flag
+    from attnserve.models.layers.quantization.fp8_linear import FOLDED_DOWN_MAX_M, FOLDED_O_MAX_M, FOLDED_O_SCALES_ENV
     from attnserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
     from attnserve.models.qwen3 import Qwen3Attention
 
@@ -110,14 +116,18 @@ def enable_fused_producers(model: nn.Module) -> int:
         if not _keeps_forward(layer, LlamaDecoderLayer, (LlamaDecoderLayer.forward,)):
             continue
         attn, mlp = layer.self_attn, layer.mlp
-        if _keeps_forward(attn, LlamaAttention, attention_forwards) and _w8a8_per_token(attn.qkv_proj, allow_bias=True):
-            layer.input_layernorm.fp8_output = True
-            count += 1
+        if _keeps_forward(attn, LlamaAttention, attention_forwards):
+            if _w8a8_per_token(attn.qkv_proj, allow_bias=True):
+                layer.input_layernorm.fp8_output = True
+                count += 1
+            if _w8a8_per_token(attn.o_proj) and env_flag(FOLDED_O_SCALES_ENV):
+                attn.o_proj.fp8_folded_max_m = FOLDED_O_MAX_M  # quantised, then the folded route
+                count += 1
         if _keeps_forward(mlp, LlamaMLP, (LlamaMLP.forward,)) and _w8a8_per_token(mlp.gate_up_proj):
             layer.post_attention_layernorm.fp8_output = True
             count += 1
             if _w8a8_per_token(mlp.down_proj):
                 mlp.gate_up_proj.fp8_output = True
-                mlp.down_proj.fp8_folded_scales = True  # its scales after a tensor-wise GEMM (fp8_linear)
+                mlp.down_proj.fp8_folded_max_m = FOLDED_DOWN_MAX_M  # its scales after a tensor-wise GEMM
                 count += 1
     return count
