@@ -63,7 +63,7 @@ def test_calibrate_takes_the_slowest_rank(monkeypatch):
                 [(110.0, 320.0), (200.0, 520.0)]]   # rank 1
 
     def fake_gather(out, obj, group=None):
-        out[:] = per_rank
+        out[:] = [None, None] if obj is None else per_rank  # the message's agreement, then the times
 
     import torch.distributed as dist
 
@@ -85,3 +85,22 @@ def test_calibrate_takes_the_slowest_rank(monkeypatch):
     assert got.sizes == sizes and got.default_ceiling == 16 * MIB
     assert got.ceiling == 32 * MIB  # 110 <= 0.95 x 320; 580 > 0.95 x 600
     assert cal.calibrate(FakeCustom(), None, None, 64 * MIB) is None  # nothing above the default
+
+
+def test_a_rank_without_memory_for_the_message_fails_every_rank_before_any_timing(monkeypatch):
+    """When one rank cannot allocate the test message, `measure` raises on every rank (the
+    agreement over the CPU group) before any collective on the devices is timed."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_object",
+                        lambda out, obj, group=None: out.__setitem__(slice(None), [obj, "OutOfMemoryError: 64 MiB"]))
+    timed = []
+    monkeypatch.setattr(cal, "_time_calls", lambda fn, x, align, calls: timed.append(x.numel()) or 1.0)
+
+    class FakeCustom:
+        buffer = torch.empty(0)
+
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] could not allocate the 64 MiB.*OutOfMemoryError"):
+        cal.measure(FakeCustom(), None, None, cal.candidate_sizes(16 * MIB))
+    assert timed == []

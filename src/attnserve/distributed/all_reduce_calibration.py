@@ -122,13 +122,41 @@ def _time_calls(fn, x: torch.Tensor, align, calls: int) -> float:
     return start.elapsed_time(end) * 1e3 / calls
 
 
+def agreed_message(nbytes: int, device: torch.device, cpu_group: Any) -> torch.Tensor:
+    """A bfloat16 message of ``nbytes`` (ones) on ``device``, returned once every rank of
+    ``cpu_group`` has allocated its own: the ranks agree over the CPU group before any
+    collective on the devices, so an allocation that fails on one rank raises on all of them
+    instead of leaving the others waiting in an NCCL call that rank never makes.
+
+    Raises:
+        RuntimeError: on every rank, naming the ranks that could not allocate it.
+    """
+    import torch.distributed as dist
+
+    try:
+        x, err = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device), None
+    except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
+        x, err = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    every: list = [None] * dist.get_world_size(cpu_group)
+    dist.all_gather_object(every, err, group=cpu_group)
+    failed = {rank: e for rank, e in enumerate(every) if e is not None}
+    if failed:
+        raise RuntimeError(f"rank(s) {sorted(failed)} could not allocate the {nbytes >> 20} MiB calibration "
+                           f"message ({next(iter(failed.values()))})")
+    return x
+
+
 def measure(custom: Any, device_group: Any, cpu_group: Any, sizes: Sequence[int],
             calls: int = CALIBRATION_CALLS) -> tuple:
-    """Time two-shot and NCCL on bfloat16 messages of ``sizes`` bytes; a collective of the
-    group (every rank calls it with the same sizes).
+    """Time two-shot and NCCL on bfloat16 messages of ``sizes`` bytes (views of one message
+    of the largest size, `agreed_message`); a collective of the group (every rank calls it
+    with the same sizes).
 
     Returns:
         ``(two_shot_us, nccl_us)``: per size, the slowest rank's µs per call.
+
+    Raises:
+        RuntimeError: on every rank, when any rank could not allocate the message.
     """
     import torch.distributed as dist
 
@@ -141,11 +169,12 @@ def measure(custom: Any, device_group: Any, cpu_group: Any, sizes: Sequence[int]
     def nccl(x):
         dist.all_reduce(x, group=device_group)
 
+    message = agreed_message(max(sizes), device, cpu_group)
     mine = []
     for size in sizes:
-        x = torch.ones(size // 2, dtype=torch.bfloat16, device=device)
+        x = message[: size // 2]
         mine.append((_time_calls(custom.two_shot_in_place, x, align, calls), _time_calls(nccl, x, align, calls)))
-        del x
+    del x, message
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # the test messages' blocks go back before the KV pool is sized from free memory
     every: list = [None] * dist.get_world_size(cpu_group)
