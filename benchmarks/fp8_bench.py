@@ -103,6 +103,8 @@ ROTATE_BYTES = 200 * 2**20
 #: engine variant -> environment it runs under (see the module doc)
 ENGINE_VARIANTS = {
     "bf16": {},
+    # bf16 with the projection weights stored K-major (`weight_layout`; the Triton decode GEMMs decline them)
+    "bf16-kn": {"ATTNSERVE_WEIGHT_LAYOUT": "kn"},
     "fp8": {},
     "fp8-16bit-tiles": {"ATTNSERVE_FP8_SKINNY_TABLE": "0", "ATTNSERVE_FP8_GEMV": "skinny"},
     "fp8-w8a16-64": {"ATTNSERVE_FP8_W8A16_MAX_M": "64"},

@@ -73,6 +73,12 @@ class ModelRunner:
         self.extra_kv_bytes_per_token = int(extra_kv_bytes_per_token)
         self.draft_of = draft_of
         set_fused_kernels(self.model, not server_args.disable_fused_kernels)
+        if self.device.type == "cuda":
+            from attnserve.models.layers.weight_layout import apply_weight_layout
+
+            relaid = apply_weight_layout(self.model)  # opt-in experiment (ATTNSERVE_WEIGHT_LAYOUT=kn)
+            if relaid:
+                logger.info("%d projection weights stored K-major (ATTNSERVE_WEIGHT_LAYOUT=kn)", relaid)
         if self.device.type == "cpu":
             from attnserve.engine.host_malloc import tune_glibc_malloc
 
