@@ -19,10 +19,11 @@ The attention's ``o_proj`` (its input is the attention output, 16-bit) is marked
 
 `enable_fused_producers` marks the producers whose every consumer qualifies (decoder
 layers, attention and MLP that keep Llama's ``forward``, so Qwen2 / Qwen3 / Mistral too;
-dynamic per-token activations, per-channel or per-tensor weights). At run time a marked producer emits FP8 only for CUDA
-inputs of more than ``w8a16_max_m()`` rows with fused kernels on; otherwise it returns the
-16-bit tensor as before, so decode batches keep the W8A16 kernel. The results are those of
-the unfused path (same roundings; the quantisers agree up to rare ties).
+dynamic per-token activations, per-channel or per-tensor weights). At run time a marked
+producer emits FP8 only for CUDA inputs of more than ``w8a16_max_m()`` rows with fused
+kernels on; otherwise it returns the 16-bit tensor as before, so decode batches keep the
+W8A16 kernel. The results are those of the unfused path (same roundings; the quantisers
+agree up to rare ties).
 
 Measured on an H100 (``benchmarks/fp8_bench.py``, 2026-11-27, Llama-3-8B shape, µs per
 call at 8192 rows): add-RMSNorm + quantise 126.9 -> 81.4, SiLU-and-mul + quantise 386.8 ->
