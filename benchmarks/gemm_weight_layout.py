@@ -28,11 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from common import bench_graph, copy_bandwidth_gbs
+from fp8_bench import SHAPES as MODEL_SHAPES
 
-SHAPES = {
-    "llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
-    "qwen3-0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)],
-}
+#: the projections of one layer of each model timed here (`fp8_bench.SHAPES`)
+SHAPES = {name: MODEL_SHAPES[name] for name in ("llama-3-8b", "qwen3-0.6b")}
 ROTATE_BYTES = 200 * 2**20
 LAYOUTS = ("nk", "kn", "nk-swap")
 
