@@ -49,7 +49,8 @@ import torch
 HQ, HKV, HEAD_DIM = 32, 8, 128
 MAX_KV_SPLITS = 32  # ours: DEFAULT_NUM_KV_SPLITS of the backend config
 SGLANG_MAX_KV_SPLITS = 8  # SGLang: --triton-attention-num-kv-splits default
-CASES = ("ragged64", "ragged256", "tail64", "tail256", "64x1K", "64x8K", "8x32K", "256x2K")
+CASES = ("ragged64", "ragged256", "tail64", "tail256", "64x1K", "64x8K", "8x32K", "256x2K",
+         "mixed100", "mixed400", "mixed700")
 #: split-count variants of ours: name -> (rule, compute_num_kv_splits kwargs, grid waves)
 VARIANTS = {
     "head": ("floor-uncapped", {}, 4),  # counts and grid before issue 33 (issue 21's whole-wave floor)
@@ -62,6 +63,11 @@ VARIANTS = {
     "rag0.25-g8": ("new", {"ragged_factor": 0.25}, 8),
     "rag0.5-g16": ("new", {"ragged_factor": 0.5}, 16),
     "rag0.5-g32": ("new", {"ragged_factor": 0.5}, 32),
+    "rag0.75-g16": ("new", {"ragged_factor": 0.75}, 16),
+    "rag1.0-g16": ("new", {"ragged_factor": 1.0}, 16),
+    "rag1.5-g16": ("new", {"ragged_factor": 1.5}, 16),
+    "rag2.0-g16": ("new", {"ragged_factor": 2.0}, 16),
+    "rag3.0-g16": ("new", {"ragged_factor": 3.0}, 16),
     "floor-g8": ("new", {"ragged_factor": 0.0}, 8),  # empty-program cost: same counts, larger grid
     "floor-g16": ("new", {"ragged_factor": 0.0}, 16),
 }
@@ -148,11 +154,25 @@ def sglang_num_kv_splits(fn, seq_lens64, out, uneven, num_sms, hq=HQ, hkv=HKV):
 
 
 # -------------------------------------------------------------------------------- cases
+def mixed_step_lens(step: int, gen: torch.Generator, num_prompts: int = 256, low: int = 100,
+                    high: int = 1024):
+    """The running batch of `bench.offline`'s random workload (issue 33's mixed rows: 256
+    prompts, input and output lengths uniform in [100, 1024]) at decode step ``step``, as its
+    roofline counts it (every request decodes from step 0): ``isl + step`` keys for each
+    request whose output is longer than ``step`` tokens."""
+    isl = torch.randint(low, high + 1, (num_prompts,), generator=gen)
+    osl = torch.randint(low, high + 1, (num_prompts,), generator=gen)
+    return (isl + step)[osl > step].tolist()
+
+
 def case_lens(name: str, gen: torch.Generator, smoke: bool = False):
     """Request lengths of a case: ``ragged<bs>`` uniform in [128, 8192]; ``tail<bs>``
-    log-normal, median 1,024, sigma 1, clipped to [128, 32768]; ``<bs>x<len>`` equal."""
+    log-normal, median 1,024, sigma 1, clipped to [128, 32768]; ``<bs>x<len>`` equal;
+    ``mixed<step>`` the mixed workload's batch at that decode step (`mixed_step_lens`)."""
     if smoke:
         return {"ragged64": [3, 70, 300, 129, 64], "tail64": [5, 17, 40, 600], "64x1K": [96] * 4}[name]
+    if name.startswith("mixed"):
+        return mixed_step_lens(int(name[5:]), gen)
     if name.startswith("ragged"):
         return torch.randint(128, 8193, (int(name[6:]),), generator=gen).tolist()
     if name.startswith("tail"):

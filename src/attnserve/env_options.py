@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
-__all__ = ["env_bytes", "env_flag", "env_int"]
+__all__ = ["env_bytes", "env_flag", "env_float", "env_int"]
 
 #: values that turn a switch off (any case, surrounding spaces ignored)
 OFF_VALUES = ("0", "false", "no", "off")
@@ -45,6 +45,21 @@ def env_bytes(name: str, unit: int, *, positive: bool = False,
     return int(value * unit)
 
 
+def _env_number(name: str, default, lo, hi, note: str, parse, what: str):
+    """``parse`` of variable ``name`` (read at every call), ``default`` when unset or empty;
+    a ValueError naming the variable, ``what`` it should be, the range and ``note`` otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = parse(raw)
+    except ValueError:
+        value = None
+    if value is None or not lo <= value <= hi:  # NaN fails both comparisons
+        raise ValueError(f"{name}={raw!r}: expected {what} in {lo}..{hi}" + (f" ({note})" if note else ""))
+    return value
+
+
 def env_int(name: str, default: int, lo: int, hi: int, note: str = "") -> int:
     """The integer variable ``name`` gives (read at every call, so one process can time
     several values), ``default`` when it is unset or empty.
@@ -53,13 +68,15 @@ def env_int(name: str, default: int, lo: int, hi: int, note: str = "") -> int:
         ValueError: set but not an integer in ``lo..hi``, naming the variable, the range and
             ``note`` (what a value means).
     """
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = lo - 1
-    if not lo <= value <= hi:
-        raise ValueError(f"{name}={raw!r}: expected an integer in {lo}..{hi}" + (f" ({note})" if note else ""))
-    return value
+    return _env_number(name, default, lo, hi, note, int, "an integer")
+
+
+def env_float(name: str, default: float, lo: float, hi: float, note: str = "") -> float:
+    """The number variable ``name`` gives (read at every call), ``default`` when it is unset
+    or empty.
+
+    Raises:
+        ValueError: set but not a number in ``lo..hi``, naming the variable, the range and
+            ``note`` (what a value means).
+    """
+    return _env_number(name, default, lo, hi, note, float, "a number")

@@ -68,14 +68,15 @@ def test_ragged_batch_splits_long_requests(device):
     """64 requests on an H100 (132 SMs, 8 KV heads), 48 x 2000 + 16 x 5000 tokens:
     T = 176,000, mean 2,750 (the longest is 1.8x the mean: ragged), U = 132 * 4 // 8 = 66,
     t = cdiv(T, U) = 2,667 so the whole-wave rule gives every request 1 split; the ragged
-    unit is 0.5 * 2,750 = 1,375: round(5000 / 1375) = 4, round(2000 / 1375) = 1; the grid
-    axis is cdiv(132 * 16, 64 * 8) = 5 (16 waves, the default), at least 3 (2 at 4 waves)."""
+    unit is 1.0 * 2,750 (the default factor): round(5000 / 2750) = 2, round(2000 / 2750) = 1;
+    at factor 0.5 (unit 1,375) 4 and 1; the grid axis is cdiv(132 * 16, 64 * 8) = 5 (16 waves,
+    the default), at least 3 (2 at 4 waves)."""
     lens = [2000] * 48 + [5000] * 16
     assert _old_floor(lens, 32) == [1] * 64
     assert decode_grid_splits(64, KV_HEADS, 32, H100_SMS) == 5
-    assert _splits(lens, device) == [1] * 48 + [4] * 16
-    assert _splits(lens, device, grid_waves=4) == [1] * 48 + [3] * 16
-    assert _splits(lens, device, ragged_factor=1.0) == [1] * 48 + [2] * 16  # round(5000 / 2750) = 2
+    assert _splits(lens, device) == [1] * 48 + [2] * 16
+    assert _splits(lens, device, ragged_factor=0.5) == [1] * 48 + [4] * 16
+    assert _splits(lens, device, ragged_factor=0.5, grid_waves=4) == [1] * 48 + [3] * 16
     assert _splits(lens, device, ragged_factor=0.0) == [1] * 64  # the whole-wave rule alone
 
 

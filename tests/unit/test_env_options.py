@@ -1,5 +1,5 @@
-"""`env_bytes` (sizes from environment variables in units, and the errors of bad values) and
-`env_flag` (on/off switches)."""
+"""`env_bytes` (sizes from environment variables in units, and the errors of bad values),
+`env_flag` (on/off switches), `env_int` and `env_float` (numbers in a range)."""
 
 import pytest
 
@@ -42,17 +42,36 @@ def test_env_flag(monkeypatch):
     assert not env_flag("X_SWITCH", default=False)
 
 
-def test_env_int(monkeypatch):
-    from attnserve.env_options import env_int
+@pytest.mark.parametrize("kind", ["int", "float"])
+def test_env_int_and_float(kind, monkeypatch):
+    from attnserve.env_options import env_float, env_int
 
-    monkeypatch.delenv("ATTNSERVE_TEST_INT", raising=False)
-    assert env_int("ATTNSERVE_TEST_INT", 7, 0, 10) == 7
-    monkeypatch.setenv("ATTNSERVE_TEST_INT", " ")
-    assert env_int("ATTNSERVE_TEST_INT", 7, 0, 10) == 7
-    for raw, want in (("0", 0), ("10", 10), (" 3 ", 3)):
-        monkeypatch.setenv("ATTNSERVE_TEST_INT", raw)
-        assert env_int("ATTNSERVE_TEST_INT", 7, 0, 10) == want
-    for raw in ("11", "-1", "2.5", "x"):
-        monkeypatch.setenv("ATTNSERVE_TEST_INT", raw)
-        with pytest.raises(ValueError, match=r"ATTNSERVE_TEST_INT=.*0\.\.10 \(what it means\)"):
-            env_int("ATTNSERVE_TEST_INT", 7, 0, 10, "what it means")
+    fn, good, bad, rng = {
+        "int": (env_int, (("0", 0), ("10", 10), (" 3 ", 3)), ("11", "-1", "2.5", "x"), r"0\.\.10"),
+        "float": (env_float, (("0", 0.0), (" 1.25 ", 1.25), ("10", 10.0)), ("10.01", "-0.1", "nan", "x"),
+                  r"0\.\.10"),
+    }[kind]
+    monkeypatch.delenv("ATTNSERVE_TEST_NUM", raising=False)
+    assert fn("ATTNSERVE_TEST_NUM", 7, 0, 10) == 7
+    monkeypatch.setenv("ATTNSERVE_TEST_NUM", " ")
+    assert fn("ATTNSERVE_TEST_NUM", 7, 0, 10) == 7
+    for raw, want in good:
+        monkeypatch.setenv("ATTNSERVE_TEST_NUM", raw)
+        assert fn("ATTNSERVE_TEST_NUM", 7, 0, 10) == want
+    for raw in bad:
+        monkeypatch.setenv("ATTNSERVE_TEST_NUM", raw)
+        with pytest.raises(ValueError, match=rf"ATTNSERVE_TEST_NUM=.*{rng} \(what it means\)"):
+            fn("ATTNSERVE_TEST_NUM", 7, 0, 10, "what it means")
+
+
+def test_ragged_factor_from_env(monkeypatch):
+    """The triton backend's ragged factor: the module default unless the variable names another."""
+    from attnserve.attention.triton_ops import decode_splits
+
+    monkeypatch.delenv(decode_splits.RAGGED_FACTOR_ENV, raising=False)
+    assert decode_splits.ragged_factor_from_env() == decode_splits._RAGGED_FACTOR
+    monkeypatch.setenv(decode_splits.RAGGED_FACTOR_ENV, "1.0")
+    assert decode_splits.ragged_factor_from_env() == 1.0
+    monkeypatch.setenv(decode_splits.RAGGED_FACTOR_ENV, "-1")
+    with pytest.raises(ValueError, match="ATTNSERVE_DECODE_RAGGED_FACTOR"):
+        decode_splits.ragged_factor_from_env()

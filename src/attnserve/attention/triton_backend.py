@@ -172,6 +172,9 @@ class TritonAttnBackend(AttentionBackend):
         self.max_kv_splits = config.num_kv_splits
         self.split_tile_size = config.split_tile_size
         self.num_sms = config.resolved_num_sms()
+        from attnserve.attention.triton_ops.decode_splits import ragged_factor_from_env
+
+        self.ragged_factor = ragged_factor_from_env()
         self.max_total_num_tokens = config.max_total_num_tokens
         self.forward_metadata: Optional[TritonForwardMetadata] = None
         self.graph: Optional[TritonGraphBuffers] = None
@@ -184,7 +187,7 @@ class TritonAttnBackend(AttentionBackend):
         small = SMALL_SPLIT_TOKENS if small_batch_rule_enabled() and not self.deterministic else 0
         compute_num_kv_splits(seq_lens, out, self.max_kv_splits, self.num_sms, self.num_kv_heads,
                               deterministic=self.deterministic, split_tile_size=self.split_tile_size,
-                              small_split_tokens=small)
+                              small_split_tokens=small, ragged_factor=self.ragged_factor)
 
     def _build_indices(self, req_pool_indices, lens, start=None, indptr_out=None, indices_out=None, total=None):
         from attnserve.attention.triton_ops.kv_indices import create_kv_indices

@@ -37,11 +37,13 @@ _SPLIT_WAVES = 4  # whole-wave budget of stage-1 programs for equal-length batch
 _GRID_WAVES = 16  # the split grid axis holds at least this many waves of programs ...
 _MIN_GRID_SPLITS = 3  # ... and at least this many programs per request
 _MIN_SPLIT_TOKENS = 128  # never cut a request into splits shorter than this (non-deterministic mode)
-_RAGGED_FACTOR = 0.5  # ragged batches: one split per this fraction of the mean length
+_RAGGED_FACTOR = 1.0  # ragged batches: one split per this multiple of the mean length (see below)
 # A batch is ragged when its longest request is >= 5/4 of the mean (SGLang's Triton backend
 # treats lengths within 0.8x of the longest as equal, `get_num_kv_splits_triton`).
 _RAGGED_NUM = tl.constexpr(5)
 _RAGGED_DEN = tl.constexpr(4)
+#: environment override of `_RAGGED_FACTOR` for the triton backend (`ragged_factor_from_env`)
+RAGGED_FACTOR_ENV = "ATTNSERVE_DECODE_RAGGED_FACTOR"
 #: small batches (`compute_num_kv_splits`'s ``small_split_tokens``): keys per split when every
 #: request's one-tile splits fit in one wave of stage-1 programs (the 16-bit tile of
 #: `decode_tuning.decode_config` on an H100 / H200; fp8 tiles round splits up to theirs)
@@ -58,6 +60,19 @@ def _split_bounds(kv_len, num_splits, max_splits, ALIGN: tl.constexpr):
     per = tl.cdiv(kv_len, num_splits)
     per = tl.maximum(tl.cdiv(per, ALIGN) * ALIGN, ALIGN)
     return per, tl.cdiv(kv_len, per)
+
+
+def ragged_factor_from_env() -> float:
+    """`compute_num_kv_splits`'s ``ragged_factor`` for the triton backend: `_RAGGED_FACTOR`,
+    or the number in ``ATTNSERVE_DECODE_RAGGED_FACTOR`` (0 turns the ragged rule off; read
+    when a backend is built, so an engine A/B needs one process per value).
+
+    Raises:
+        ValueError: the variable is not a number in 0..64.
+    """
+    from attnserve.env_options import env_float
+
+    return env_float(RAGGED_FACTOR_ENV, _RAGGED_FACTOR, 0.0, 64.0, "0 = no ragged rule")
 
 
 def device_num_sms(device: torch.device) -> int:
@@ -164,8 +179,16 @@ def compute_num_kv_splits(
       ``min_split_tokens``), so requests longer than the mean get proportionally more
       splits and short ones one; otherwise ``r[i] = 0``. (Under the whole-wave rule alone a
       request of ``1.99 t`` tokens stays one program twice the size of the others and the
-      batch waits for it, issue 33. A factor of 0.5 beat 0.25 and 1.0 on the H100 runs of
-      `benchmarks/decode_ragged.py`.)
+      batch waits for it, issue 33.) The factor is 1.0 (`_RAGGED_FACTOR`): at 0.5, the first
+      choice (it beat 0.25 and 1.0 on a 4-wave grid), every request of the mixed workload's
+      decode batches (`benchmarks/decode_ragged.py`'s ``mixed<step>`` cases: 95-255 requests of
+      200-1,722 keys) got ~2 splits whose program overhead cost 1-3.5%; at 1.0 on the 16-wave
+      grid they get one, and only requests well above the mean are cut. One H100, µs at 0.5 /
+      1.0 / 1.5: mixed100 256.1 / 247.2 / 246.2, mixed400 265.4 / 259.4 / 259.4, mixed700
+      184.0 / 181.8 / 181.9, tail256 592.5 / 583.6 / 580.6, ragged256 1510.0 / 1500.2 / 1529.5,
+      tail64 191.3 / 190.0 / 185.8, ragged64 408.9 / 413.9 / 450.4, equal lengths within 0.1%
+      (benchmarks/results/h100-80gb-hbm3-decode-ragged-factor-sweep-2026-11-28.json). 1.5 loses
+      10% on 64 long requests (one program each, 1.3 waves).
     * ``num_kv_splits[i] = clamp(max(f[i], r[i]), 1, min(G, max_kv_splits))``: never more
       splits than stage 1 has programs for the request (more would only be serialised), so
       every split is its own program and ``sum(num_kv_splits) <= bs * G``, the grid's
