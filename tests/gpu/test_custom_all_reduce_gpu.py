@@ -8,14 +8,14 @@ message in the same graph), up to the two-shot ceiling that the start-up measure
 (`all_reduce_calibration`; both ranks must choose the same one by its rule). Then tp 2 greedy tokens with the custom all-reduce on equal
 tp 1's and tp 2's with ``disable_custom_all_reduce``.
 
-The fused all-reduce + residual add + RMSNorm (`distributed.fused_all_reduce`) runs on
+The pull-mode fused all-reduce + residual add + RMSNorm (`distributed.fused_all_reduce`) runs on
 ``min(4, GPUs)`` ranks against the unfused path (``all_reduce``, then ``fused_add_rmsnorm``):
 bit-exact, both summing in rank order with one rounding per add, for 1 row up to the
 one-shot limit (and one row over it, where the fallback runs), hidden 4096 and 5120,
 float32 and bfloat16, eagerly and replayed from a CUDA graph among plain all-reduces; then
-tp 2 engines' greedy tokens with the fusion on equal those with it off.
+tp 2 engines' greedy tokens with the fusion on (the default push kernel) equal those with it off.
 
-The push-mode ("Lamport") kernel (``ATTNSERVE_ALLREDUCE_FUSION_MODE=push``,
+The push-mode ("Lamport") kernel (the default; ``ATTNSERVE_ALLREDUCE_FUSION_MODE=push``,
 `distributed.fused_all_reduce_push`) runs on 2 and on 4 ranks against the pull kernel and the
 unfused path (one-shot ``all_reduce`` then ``fused_add_rmsnorm``), bit for bit up to the sign
 of a zero (the only documented difference, checked on ``-0.0`` partials): 1, 3, 64 and 200
@@ -347,7 +347,7 @@ def test_fused_all_reduce_add_rmsnorm_matches_unfused_eager_and_in_graphs(tmp_pa
     world = min(4, torch.cuda.device_count())
     port = free_port()
     _run_ranks(FUSED_RANK_SCRIPT, lambda r: [str(r), str(world), str(port), str(tmp_path / f"rank{r}.json")],
-               world, 400)
+               world, 400, ATTNSERVE_ALLREDUCE_FUSION_MODE="pull")
     for r in range(world):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         print(f"rank {r} of {world}: {len(res['eager'])} eager cases, {len(res['graph'])} graph cases, "

@@ -133,8 +133,9 @@ def test_lamport_region_layout_and_sentinels():
 
 
 def test_fusion_mode_from_env():
-    assert fp.fusion_mode_from_env({}) == "pull"
-    assert fp.fusion_mode_from_env({fp.FUSION_MODE_ENV: ""}) == "pull"
+    assert fp.fusion_mode_from_env({}) == "push"
+    assert fp.fusion_mode_from_env({fp.FUSION_MODE_ENV: ""}) == "push"
+    assert fp.fusion_mode_from_env({fp.FUSION_MODE_ENV: " Pull "}) == "pull"
     assert fp.fusion_mode_from_env({fp.FUSION_MODE_ENV: "Push"}) == "push"
     with pytest.raises(ValueError, match="ATTNSERVE_ALLREDUCE_FUSION_MODE='lamport'"):
         fp.fusion_mode_from_env({fp.FUSION_MODE_ENV: "lamport"})

@@ -5,9 +5,16 @@ flag in every peer's buffer, waits for its own flags and then *reads* every peer
 NVLink: a flag round trip and a remote-read round trip per call. Here each rank *stores* its
 rows straight into every rank's buffer and polls its own buffer until the data is there: the
 data itself is the signal (the one-shot "Lamport" all-reduce of TensorRT-LLM and its fused
-all-reduce + RMSNorm; algorithm studied there, the code is our own). Selected with
-``ATTNSERVE_ALLREDUCE_FUSION_MODE=push`` (`fusion_mode_from_env`, read once when the custom
-all-reduce starts); the default ``pull`` is the pull kernel.
+all-reduce + RMSNorm; algorithm studied there, the code is our own). The default
+(`fusion_mode_from_env`, read once when the custom all-reduce starts);
+``ATTNSERVE_ALLREDUCE_FUSION_MODE=pull`` runs the pull kernel instead.
+
+Why the default (four H200s, NV18 between every pair, Llama-3-8B shape, decode steps timed
+inside full runs, ``benchmarks/tp_decode.py --allreduce-fusion-mode push pull``,
+``benchmarks/results/h200x4-tp-push-pull-in-run-2026-11-28.json``): ms a step push / pull at
+tp 4, 64 requests 3.22 / 3.41 (two processes each, spread 0.01 ms), batch 1 2.00 / 2.00;
+tp 2, 64 requests 4.23 / 4.34, batch 1 2.85 / 2.84. Per call, 64 rows of 4,096 bfloat16
+(512 KB) on those GPUs: push 11.2 µs, pull 14.6 (``h200x4-fused-allreduce-twoshot-2026-11-27.json``).
 
 Layout (`LamportRegion`, past the pull kernel's region of every rank's symmetric buffer):
 ``[2 dtypes (float32, bfloat16)][3 phases][W source slots][slot_bytes]``. Every element of
@@ -71,6 +78,8 @@ PUSH = "push"
 #: the pull kernel below `fused_all_reduce_two_shot.two_shot_min_bytes`, the two-shot kernel from it
 TWOSHOT = "twoshot"
 FUSION_MODES = (PULL, PUSH, TWOSHOT)
+#: the mode when the variable is unset (see the module docstring for the measurement)
+DEFAULT_MODE = PUSH
 #: phases of the Lamport region (see the module docstring)
 PHASES = 3
 #: int64 counters of the push kernel: epoch, programs finished, previous call's 16-byte vectors, its
@@ -86,14 +95,14 @@ _SENTINELS = {
 
 
 def fusion_mode_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
-    """``ATTNSERVE_ALLREDUCE_FUSION_MODE``: ``pull`` (default, unset or empty), ``push`` or
+    """``ATTNSERVE_ALLREDUCE_FUSION_MODE``: ``push`` (default, unset or empty), ``pull`` or
     ``twoshot`` (`fused_all_reduce_two_shot`).
 
     Raises:
         ValueError: any other value.
     """
     env = os.environ if environ is None else environ
-    mode = (env.get(FUSION_MODE_ENV) or PULL).strip().lower()
+    mode = (env.get(FUSION_MODE_ENV) or DEFAULT_MODE).strip().lower()
     if mode not in FUSION_MODES:
         raise ValueError(f"{FUSION_MODE_ENV}={env.get(FUSION_MODE_ENV)!r}: expected one of {FUSION_MODES}")
     return mode
