@@ -15,6 +15,9 @@ inside full runs, ``benchmarks/tp_decode.py --allreduce-fusion-mode push pull``,
 tp 4, 64 requests 3.22 / 3.41 (two processes each, spread 0.01 ms), batch 1 2.00 / 2.00;
 tp 2, 64 requests 4.23 / 4.34, batch 1 2.85 / 2.84. Per call, 64 rows of 4,096 bfloat16
 (512 KB) on those GPUs: push 11.2 µs, pull 14.6 (``h200x4-fused-allreduce-twoshot-2026-11-27.json``).
+Where push loses: rows of 8,192 at 1 and 8 rows, 9.37 / 8.61 and 9.80 / 9.75 µs push / pull in that
+table (1 MB at 64 rows: 17.6 / 19.0), i.e. ~0.12 ms more per Llama-3-70B tp-4 step at batch 1
+(160 calls, ~1%); a per-call choice by row width would keep both, not built yet.
 
 Layout (`LamportRegion`, past the pull kernel's region of every rank's symmetric buffer):
 ``[2 dtypes (float32, bfloat16)][3 phases][W source slots][slot_bytes]``. Every element of
