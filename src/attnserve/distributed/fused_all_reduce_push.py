@@ -5,7 +5,7 @@ flag in every peer's buffer, waits for its own flags and then *reads* every peer
 NVLink: a flag round trip and a remote-read round trip per call. Here each rank *stores* its
 rows straight into every rank's buffer and polls its own buffer until the data is there: the
 data itself is the signal (the one-shot "Lamport" all-reduce of TensorRT-LLM and its fused
-all-reduce + RMSNorm; algorithm studied there, the code is our own). The default
+all-reduce + RMSNorm; algorithm studied there, the code is our own). It is the default kernel
 (`fusion_mode_from_env`, read once when the custom all-reduce starts);
 ``ATTNSERVE_ALLREDUCE_FUSION_MODE=pull`` runs the pull kernel instead.
 
