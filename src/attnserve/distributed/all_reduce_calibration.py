@@ -122,27 +122,24 @@ def _time_calls(fn, x: torch.Tensor, align, calls: int) -> float:
     return start.elapsed_time(end) * 1e3 / calls
 
 
-def agreed_message(nbytes: int, device: torch.device, cpu_group: Any) -> torch.Tensor:
+def agreed_message(nbytes: int, device: torch.device, cpu_group: Any, rank: int) -> torch.Tensor:
     """A bfloat16 message of ``nbytes`` (ones) on ``device``, returned once every rank of
-    ``cpu_group`` has allocated its own: the ranks agree over the CPU group before any
+    ``cpu_group`` has allocated its own: the ranks agree (`custom_all_reduce.agree`) before any
     collective on the devices, so an allocation that fails on one rank raises on all of them
     instead of leaving the others waiting in an NCCL call that rank never makes.
 
     Raises:
-        RuntimeError: on every rank, naming the ranks that could not allocate it.
+        RuntimeError: on every rank, naming the first rank that could not allocate it.
     """
-    import torch.distributed as dist
+    from attnserve.distributed.custom_all_reduce import agree
 
     try:
         x, err = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device), None
     except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
         x, err = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    every: list = [None] * dist.get_world_size(cpu_group)
-    dist.all_gather_object(every, err, group=cpu_group)
-    failed = {rank: e for rank, e in enumerate(every) if e is not None}
-    if failed:
-        raise RuntimeError(f"rank(s) {sorted(failed)} could not allocate the {nbytes >> 20} MiB calibration "
-                           f"message ({next(iter(failed.values()))})")
+    why = agree(err, cpu_group, rank)
+    if why is not None:
+        raise RuntimeError(f"could not allocate the {nbytes >> 20} MiB calibration message ({why})")
     return x
 
 
@@ -169,7 +166,7 @@ def measure(custom: Any, device_group: Any, cpu_group: Any, sizes: Sequence[int]
     def nccl(x):
         dist.all_reduce(x, group=device_group)
 
-    message = agreed_message(max(sizes), device, cpu_group)
+    message = agreed_message(max(sizes), device, cpu_group, custom.rank)
     mine = []
     for size in sizes:
         x = message[: size // 2]
