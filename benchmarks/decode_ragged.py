@@ -154,15 +154,17 @@ def sglang_num_kv_splits(fn, seq_lens64, out, uneven, num_sms, hq=HQ, hkv=HKV):
 
 
 # -------------------------------------------------------------------------------- cases
-def mixed_step_lens(step: int, gen: torch.Generator, num_prompts: int = 256, low: int = 100,
-                    high: int = 1024):
-    """The running batch of `bench.offline`'s random workload (issue 33's mixed rows: 256
-    prompts, input and output lengths uniform in [100, 1024]) at decode step ``step``, as its
-    roofline counts it (every request decodes from step 0): ``isl + step`` keys for each
-    request whose output is longer than ``step`` tokens."""
-    isl = torch.randint(low, high + 1, (num_prompts,), generator=gen)
-    osl = torch.randint(low, high + 1, (num_prompts,), generator=gen)
-    return (isl + step)[osl > step].tolist()
+def mixed_step_lens(step: int, num_prompts: int = 256, input_len: int = 1024, output_len: int = 1024,
+                    range_ratio: float = 0.098, seed: int = 0):
+    """The running batch of `bench.offline`'s random workload (issue 33's mixed rows, its
+    lengths from `bench.roofline.random_lengths` with that row's arguments) at decode step
+    ``step``, as its roofline counts it (`bench.roofline.workload_roofline`: every request
+    decodes from step 0): ``isl + step`` keys for each request whose output is longer than
+    ``step`` tokens."""
+    from attnserve.bench.roofline import random_lengths
+
+    isl, osl = random_lengths(num_prompts, input_len, output_len, range_ratio, seed)
+    return [i + step for i, o in zip(isl, osl) if o > step]
 
 
 def case_lens(name: str, gen: torch.Generator, smoke: bool = False):
@@ -172,7 +174,7 @@ def case_lens(name: str, gen: torch.Generator, smoke: bool = False):
     if smoke:
         return {"ragged64": [3, 70, 300, 129, 64], "tail64": [5, 17, 40, 600], "64x1K": [96] * 4}[name]
     if name.startswith("mixed"):
-        return mixed_step_lens(int(name[5:]), gen)
+        return mixed_step_lens(int(name[5:]))
     if name.startswith("ragged"):
         return torch.randint(128, 8193, (int(name[6:]),), generator=gen).tolist()
     if name.startswith("tail"):
