@@ -15,6 +15,10 @@ Spawns one process per GPU (NCCL device group, gloo CPU group, NVLink multicast 
   (``allreduce_bench._time_graph``);
 * ``unfused_us``: PyTorch's one-shot all-reduce then ``fused_add_rmsnorm`` (two launches), the
   path without fusion;
+* ``push_s<k>_us`` for each ``--push-splits k``: the push kernel with rows cut into at most
+  ``k`` programs (``ATTNSERVE_PUSH_ROW_SPLITS=k``; ``push_s1`` is one program a row), with
+  ``push_s<k>_splits`` the programs a row it used and ``push_s<k>_equals_pull`` its bits check
+  (at two ranks the kernel keeps one program a row whatever ``k``: `fused_all_reduce_push.row_splits`);
 * ``push_equals_pull`` / ``twoshot_equals_pull``: one eager call of each on the same inputs
   gave the pull kernel's bits (push: up to the sign of zeros; two-shot: exactly), on every rank;
 * ``twoshot_speedup``: ``pull_us / twoshot_us`` (above 1: two-shot is faster; the size where it
@@ -26,6 +30,7 @@ Prints a table per world size and writes ``<out>/<device>-fused-allreduce-<date>
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -51,6 +56,7 @@ def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
     from common import init_rank
     from attnserve.distributed.custom_all_reduce import CustomAllReduceConfig, init_custom_all_reduce
     from attnserve.distributed.fused_all_reduce import fused_all_reduce_add_rmsnorm
+    from attnserve.distributed.fused_all_reduce_push import row_splits
     from attnserve.distributed.fused_all_reduce_two_shot import fused_all_reduce_add_rmsnorm_two_shot
     from attnserve.models.layers.fused_kernels import fused_add_rmsnorm
 
@@ -92,8 +98,14 @@ def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
                                                                          f2.counters[2:], rank, f2.two_shot),
                 "unfused": lambda: (custom.all_reduce(x), fused_add_rmsnorm(x, res, w, eps, 0.0)),
             }
+            capped = {f"push_s{k}": dataclasses.replace(f.lamport, max_row_splits=k) for k in args.push_splits}
+            for name, lam in capped.items():
+                fns[name] = (lambda lam: lambda: fused_all_reduce_add_rmsnorm(
+                    x, res, w, eps, 0.0, f.buffer_ptrs, f.counters, rank, f.region, lamport=lam))(lam)
             row = {"hidden": hidden, "rows": rows, "bytes": rows * hidden * 2}
-            for mode in MODES:
+            for name, lam in capped.items():
+                row[f"{name}_splits"] = row_splits(rows, hidden, lam.max_row_splits, world_size)[0]
+            for mode in MODES + tuple(capped):
                 dist.barrier(group=cpu_group)
                 torch.cuda.synchronize()
                 row[f"{mode}_us"] = _time_graph(fns[mode], refill, args.calls, args.replays)
@@ -109,6 +121,15 @@ def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
             ok = bool(torch.equal(o_pull, o_push) and torch.equal(r_pull, r_push)
                       and torch.equal(_bits(o_pull)[nz], _bits(o_push)[nz]))
             ok2 = bool(torch.equal(_bits(o_pull), _bits(o_two)) and torch.equal(_bits(r_pull), _bits(r_two)))
+            for name, lam in capped.items():
+                r_k = res_src.clone()
+                o_k = fused_all_reduce_add_rmsnorm(xe, r_k, w, eps, 0.0, f.buffer_ptrs, f.counters, rank, f.region,
+                                                   lamport=lam)
+                ok_k = bool(torch.equal(o_pull, o_k) and torch.equal(r_pull, r_k)
+                            and torch.equal(_bits(o_pull)[nz], _bits(o_k)[nz]))
+                every = [None] * world_size
+                dist.all_gather_object(every, ok_k, group=cpu_group)
+                row[f"{name}_equals_pull"] = all(every)
             flags = [None] * world_size
             dist.all_gather_object(flags, (ok, ok2), group=cpu_group)
             row["push_equals_pull"] = all(a for a, _ in flags)
@@ -119,7 +140,9 @@ def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
             if rank == 0:
                 print(f"W {world_size} hidden {hidden:5d} rows {rows:4d}: pull {row['pull_us']:7.2f} us  push "
                       f"{row['push_us']:7.2f} us  twoshot {row['twoshot_us']:7.2f} us  unfused "
-                      f"{row['unfused_us']:7.2f} us  equal {row['push_equals_pull']} {row['twoshot_equals_pull']}",
+                      f"{row['unfused_us']:7.2f} us  equal {row['push_equals_pull']} {row['twoshot_equals_pull']}"
+                      + "".join(f"  {n} ({row[n + '_splits']}) {row[n + '_us']:.2f}"
+                                f"{'' if row[n + '_equals_pull'] else ' DIFF'}" for n in capped),
                       flush=True)
     if rank == 0:
         queue.put(rows_out)
@@ -136,6 +159,8 @@ def main() -> int:
     p.add_argument("--world-size", type=int, nargs="+", default=[torch.cuda.device_count()])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 128, 256])
     p.add_argument("--calls", type=int, default=48, help="fused launches per timed graph")
+    p.add_argument("--push-splits", type=int, nargs="*", default=[1, 2, 4, 8, 16],
+                   help="caps on the programs a row of the push kernel (one column each)")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args()
@@ -158,7 +183,8 @@ def main() -> int:
                   f"{r['twoshot_us']:8.2f} {r['unfused_us']:8.2f} {r['push_speedup']:9.2f} "
                   f"{r['twoshot_speedup']:10.2f} {str(r['push_equals_pull']):>5} {str(r['twoshot_equals_pull']):>5}")
     write_result(result, args.out, "fused-allreduce")
-    ok = all(r["push_equals_pull"] for rows in result["worlds"].values() for r in rows)
+    ok = all(r["push_equals_pull"] and all(r[f"push_s{k}_equals_pull"] for k in args.push_splits)
+             for rows in result["worlds"].values() for r in rows)
     ok2 = all(r["twoshot_equals_pull"] for rows in result["worlds"].values() for r in rows)
     print("push == pull (bits, up to zero signs):", "PASS" if ok else "FAIL")
     print("twoshot == pull (bits):", "PASS" if ok2 else "FAIL")

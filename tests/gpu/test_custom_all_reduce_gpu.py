@@ -19,7 +19,8 @@ The push-mode ("Lamport") kernel (the default; ``ATTNSERVE_ALLREDUCE_FUSION_MODE
 `distributed.fused_all_reduce_push`) runs on 2 and on 4 ranks against the pull kernel and the
 unfused path (one-shot ``all_reduce`` then ``fused_add_rmsnorm``), bit for bit up to the sign
 of a zero (the only documented difference, checked on ``-0.0`` partials): 1, 3, 64 and 200
-rows, hidden 4096 and 8192, float32 and bfloat16, eagerly and from a CUDA graph of mixed
+rows, hidden 4096, 5120 and 8192, float32 and bfloat16 (up to 64 rows the default cuts each row
+into several programs, `fused_all_reduce_push.row_splits`), eagerly and from a CUDA graph of mixed
 sizes and dtypes replayed with new inputs (the three phases rotate and every slot is cleared
 and reused); then tp 2 engines' greedy tokens in push mode equal those in pull mode.
 """
@@ -430,7 +431,7 @@ def case(x, res, w, off, **info):
 
 eager, graph = [], []
 for dtype in (torch.float32, torch.bfloat16):
-    for hidden in (4096, 8192):
+    for hidden in (4096, 5120, 8192):  # 5120: a row in 5 programs of 1024 columns (flags vector of 8)
         for rows in (1, 3, 64, 200, 2):  # large then small then large again: the clear's sizes change
             off = 1.0 if rows == 3 else 0.0
             x = rand((rows, hidden), dtype, scale=4.0)
@@ -495,7 +496,7 @@ for round_ in range(4):
 del g
 torch.cuda.synchronize()
 json.dump(dict(world=world, eager=eager, graph=graph, fused_calls=custom.calls[FUSED],
-               counters=f.counters.tolist()), open(out, "w"))
+               counters=f.counters[:5].tolist(), row_splits=f.lamport.max_row_splits), open(out, "w"))
 dist.barrier(group=tp.cpu_group)
 print("RANK_DONE", rank, flush=True)
 import os; os._exit(0)
@@ -519,10 +520,11 @@ def test_push_fused_all_reduce_matches_pull_and_unfused(tmp_path, world):
         zeros = [c["zero_sign"] for c in res["eager"] if c.get("zeros")]
         print(f"PUSH world {world} rank {r}: {len(res['eager'])} eager + {len(res['graph'])} graph cases, "
               f"{len(cases) - len(bad)} equal to pull and unfused, {res['fused_calls']} push launches, "
-              f"counters {res['counters']}, -0.0 residuals push/pull {zeros}: {'PASS' if not bad else 'FAIL'}",
+              f"counters {res['counters']}, rows cut into <= {res['row_splits']} programs, -0.0 residuals "
+              f"push/pull {zeros}: {'PASS' if not bad else 'FAIL'}",
               flush=True)
         failures += [(r, c) for c in bad]
-        assert len(res["eager"]) == 2 * 2 * 5 + 2 and len(res["graph"]) == 4 * 6
+        assert len(res["eager"]) == 2 * 3 * 5 + 2 and len(res["graph"]) == 4 * 6
         for z in zeros:  # pull keeps -0 + -0 = -0 where push sums +0.0: the documented difference
             assert z["push_neg"] == 0 and z["pull_neg"] == 16, z
     assert failures == [], failures[:10]

@@ -61,12 +61,34 @@ CALLS = [(torch.bfloat16, 3), (torch.float32, 5), (torch.bfloat16, 1), (torch.bf
          (torch.bfloat16, 2)]
 
 
-@interpreter
-def test_push_matches_pull_and_restores_sentinels_over_calls(monkeypatch):
-    world, hidden, offset = 3, 32, 0.0
-    monkeypatch.setattr(far, "MAX_PROGRAMS", 2)  # rows strided over 2 programs; the clear too
-    max_bytes = 5 * hidden * 4
-    lam = LamportRegion.after(1000, max_bytes, world)
+def _run_call(args, world, splits):
+    """One call on every simulated rank, interleaved as GPUs would run it (see the module doc)."""
+    outs = [None] * world
+    if splits == 1:
+        for r in range(world - 1):
+            fp._launch(*args(r), stage=1)
+        outs[world - 1] = fp.fused_all_reduce_add_rmsnorm_push(*args(world - 1))  # the GPU path
+        for r in range(world - 1):
+            outs[r] = fp._launch(*args(r), stage=2)
+        return outs
+    # split rows: a program also waits for the other programs of its row (a later program
+    # under the interpreter), so every stage runs on every rank before the next one
+    for r in range(world):
+        fp._launch(*args(r), stage=1)
+    for r in range(world):
+        fp._launch(*args(r), stage=2)
+    for r in range(world):
+        outs[r] = fp._launch(*args(r), stage=3)
+    return outs
+
+
+def _check_calls(world, hidden, calls, max_splits, want_splits):
+    """Run ``calls`` ((dtype, rows) each) through the push kernel on ``world`` simulated ranks;
+    every call must give the pull kernel's bits (up to zero signs), leave the counters and each
+    region as the protocol says, and cut its rows as ``want_splits`` (one per call) says."""
+    offset = 0.0
+    max_bytes = max(rows for _, rows in calls) * hidden * 4
+    lam = LamportRegion.after(1000, max_bytes, world, max_splits)
     bufs = [torch.zeros(lam.end, dtype=torch.uint8) for _ in range(world)]
     for b in bufs:
         lam.fill_sentinels(b)
@@ -75,30 +97,31 @@ def test_push_matches_pull_and_restores_sentinels_over_calls(monkeypatch):
     counters = [torch.zeros(fp.PUSH_COUNTERS, dtype=torch.int64) for _ in range(world)]
     gen = torch.Generator().manual_seed(11)
     zero_sign_seen = False
-    for epoch, (dtype, rows) in enumerate(CALLS, start=1):
+    for epoch, (dtype, rows) in enumerate(calls, start=1):
+        splits = fp.row_splits(rows, hidden, max_splits, world)[0]
+        assert splits == want_splits[epoch - 1], (epoch, splits)
         xs = [(torch.randn(rows, hidden, generator=gen) * 4).to(dtype) for _ in range(world)]
         residual = torch.randn(rows, hidden, generator=gen).to(dtype)
         w = torch.randn(hidden, generator=gen).to(dtype)
         if epoch == 2:  # -0.0 partials: pushed as +0.0; an all -0.0 sum plus a -0.0 residual
             for x in xs:
                 x[0, :4] = -0.0
-                x[1, 5] = -0.0
+                x[rows - 1, 5] = -0.0
             residual[0, :4] = -0.0
         want_out, want_res = _pull(world, xs, residual, w, offset, max_bytes)
-        outs, ress = [None] * world, [residual.clone() for _ in range(world)]
+        ress = [residual.clone() for _ in range(world)]
         args = lambda r: (xs[r], ress[r], w, EPS, offset, ptrs, counters[r], r, lam)  # noqa: E731
-        for r in range(world - 1):
-            fp._launch(*args(r), stage=1)
-        outs[world - 1] = fp.fused_all_reduce_add_rmsnorm_push(*args(world - 1))  # the GPU path
-        for r in range(world - 1):
-            outs[r] = fp._launch(*args(r), stage=2)
+        outs = _run_call(args, world, splits)
         phase = epoch % 3
         for r in range(world):
             assert _same_up_to_zero_sign(outs[r], want_out), (epoch, r)
             assert _same_up_to_zero_sign(ress[r], want_res), (epoch, r)
             n_vec = (rows * hidden * dtype.itemsize + 15) // 16
             word = -(1 << 31) if dtype == torch.float32 else -(1 << 31) | (1 << 15)
-            assert counters[r].tolist() == [epoch, 0, n_vec, lam.slot_offset(dtype, phase, 0), word]
+            assert counters[r][:fp.CALL_COUNTERS].tolist() == [epoch, 0, n_vec, lam.slot_offset(dtype, phase, 0), word]
+            assert not bool(counters[r][fp.CALL_COUNTERS:fp.ROW_FLAGS_AT].any())  # the gap to the flags' line
+            if splits > 1:  # this call's programs raised their flags
+                assert counters[r][fp.ROW_FLAGS_AT:fp.ROW_FLAGS_AT + rows * splits].tolist() == [epoch] * (rows * splits)
         if epoch == 2:
             # pull: -0 + -0 + -0 + (-0) = -0; push: +0 throughout (the only difference)
             assert bool((_bits(want_res[0, :4]) == _bits(torch.tensor(-0.0))).all())
@@ -114,6 +137,51 @@ def test_push_matches_pull_and_restores_sentinels_over_calls(monkeypatch):
         for r in range(world):
             assert torch.equal(bufs[r][lam.offset:], want_img), (epoch, r)
     assert zero_sign_seen
+
+
+@interpreter
+def test_push_matches_pull_and_restores_sentinels_over_calls(monkeypatch):
+    monkeypatch.setattr(far, "MAX_PROGRAMS", 2)  # rows strided over 2 programs; the clear too
+    _check_calls(3, 32, CALLS, 1, [1] * len(CALLS))
+
+
+@interpreter
+def test_split_rows_match_pull_between_one_program_calls(monkeypatch):
+    """Hidden 80 in programs of 32 columns (3 a row, the last one past the row's end: the flags'
+    power-of-two vector is masked) at 1 and 2 rows, 2 a row at 3 rows, one a row at 5 rows (8 programs
+    at most): the two kernels share the phases, the clear and the counters."""
+    monkeypatch.setattr(far, "MAX_PROGRAMS", 8)
+    monkeypatch.setattr(fp, "MIN_SPLIT_COLS", 16)
+    calls = [(torch.bfloat16, 1), (torch.float32, 3), (torch.bfloat16, 5), (torch.bfloat16, 2),
+             (torch.float32, 1), (torch.bfloat16, 3)]
+    _check_calls(3, 80, calls, 4, [3, 2, 1, 3, 3, 2])
+
+
+def test_row_splits():
+    """The programs a row: powers of two of columns, capped by the setting, the programs and the
+    width; never at two ranks."""
+    assert fp.row_splits(1, 8192, 8, 4) == (8, 1024)
+    assert fp.row_splits(1, 4096, 16, 4) == (16, 256)
+    assert fp.row_splits(8, 4096, 8, 3) == (8, 512)
+    assert fp.row_splits(64, 4096, 8, 4) == (2, 2048)  # 128 programs at most
+    assert fp.row_splits(65, 4096, 8, 4) == (1, 4096)
+    assert fp.row_splits(1, 5120, 8, 8) == (5, 1024)  # the last chunk ends at 8,192 > 5,120
+    assert fp.row_splits(1, 4096, 1, 4) == (1, 4096)
+    assert fp.row_splits(1, 300, 8, 4) == (1, 512)  # fewer than two chunks of 256 columns
+    assert fp.row_splits(1, 4096, 6, 4) == (4, 1024)  # rounded down to a power of two
+    assert fp.row_splits(1, 8192, 8, 2) == (1, 8192)  # two ranks: one program a row
+
+
+def test_row_splits_from_env(monkeypatch):
+    monkeypatch.delenv(fp.ROW_SPLITS_ENV, raising=False)
+    assert fp.row_splits_from_env() == fp.DEFAULT_ROW_SPLITS
+    for raw, want in ((" 4 ", 4), ("1", 1), ("", fp.DEFAULT_ROW_SPLITS)):
+        monkeypatch.setenv(fp.ROW_SPLITS_ENV, raw)
+        assert fp.row_splits_from_env() == want
+    for bad in ("0", "-2", "two", "1.5", "1000"):
+        monkeypatch.setenv(fp.ROW_SPLITS_ENV, bad)
+        with pytest.raises(ValueError, match="ATTNSERVE_PUSH_ROW_SPLITS"):
+            fp.row_splits_from_env()
 
 
 def test_lamport_region_layout_and_sentinels():

@@ -329,19 +329,21 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
             and in twoshot mode its threshold (`fused_all_reduce_two_shot.two_shot_min_bytes`).
     Raises:
         ValueError: ``ATTNSERVE_ALLREDUCE_FUSION_MODE`` is not ``pull``, ``push`` or ``twoshot``,
-            or ``ATTNSERVE_TWO_SHOT_FUSED_MIN_KB`` is bad (on every rank alike, before any
-            collective: the ranks inherit one environment).
+            or ``ATTNSERVE_TWO_SHOT_FUSED_MIN_KB`` / ``ATTNSERVE_PUSH_ROW_SPLITS`` is bad (on every
+            rank alike, before any collective: the ranks inherit one environment).
     """
     import torch.distributed as dist
 
     from attnserve.distributed.all_reduce_calibration import CALIBRATION_MAX_BYTES, calibration_wanted
-    from attnserve.distributed.fused_all_reduce_push import PULL, TWOSHOT, fusion_mode_from_env
+    from attnserve.distributed.fused_all_reduce_push import (PULL, PUSH, TWOSHOT, fusion_mode_from_env,
+                                                             row_splits_from_env)
     from attnserve.distributed.fused_all_reduce_two_shot import two_shot_min_bytes
 
     if world_size < 2:
         return None
     fusion_mode = PULL if disable_fusion else fusion_mode_from_env()
     two_shot_min = two_shot_min_bytes(world_size) if fusion_mode == TWOSHOT else None
+    max_row_splits = row_splits_from_env() if fusion_mode == PUSH else 1
     if disable:
         logger.info("custom all-reduce off (--disable-custom-all-reduce): NCCL carries every all-reduce")
         return None
@@ -365,7 +367,8 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
                                                                          CALIBRATION_MAX_BYTES))
         try:
             custom = _build(rank, world_size, device_group, cpu_group, device, built,
-                            fusion=not disable_fusion, fusion_mode=fusion_mode, two_shot_min=two_shot_min)
+                            fusion=not disable_fusion, fusion_mode=fusion_mode, two_shot_min=two_shot_min,
+                            max_row_splits=max_row_splits)
         except Exception as e:  # a torch whose symmetric memory cannot start here; RendezvousSkew
             reason = f"symmetric memory failed: {type(e).__name__}: {e}"
         reason = agree(reason, cpu_group, rank)
@@ -379,6 +382,8 @@ def init_custom_all_reduce(rank: int, world_size: int, device_group: Any, cpu_gr
             logger.log(level, "custom all-reduce off (%s): NCCL carries every all-reduce", reason)
         return None
     fusion = "off (--disable-allreduce-fusion)" if disable_fusion else f"on ({fusion_mode})"
+    if fusion_mode == PUSH:
+        fusion = f"on (push, rows cut into up to {max_row_splits} programs)"
     if two_shot_min is not None:
         fusion = f"on (twoshot from {two_shot_min // 1024} KB, pull below)"
     if custom.fusion is not None:
@@ -468,7 +473,7 @@ def _start_fusion(custom: CustomAllReduce, cpu_group: Any) -> Optional[str]:
 
 def _build(rank: int, world_size: int, device_group: Any, cpu_group: Any, device: torch.device,
            config: CustomAllReduceConfig, fusion: bool = False, fusion_mode: str = "pull",
-           two_shot_min: Optional[int] = None) -> CustomAllReduce:
+           two_shot_min: Optional[int] = None, max_row_splits: int = 1) -> CustomAllReduce:
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # no NVLink multicast object at the rendezvous
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -480,7 +485,7 @@ def _build(rank: int, world_size: int, device_group: Any, cpu_group: Any, device
     region = FusedRegion.after(config.buffer_bytes, config.one_shot_max_bytes, world_size) if fusion else None
     lamport = None
     if region is not None and fusion_mode == PUSH:
-        lamport = LamportRegion.after(region.end, config.one_shot_max_bytes, world_size)
+        lamport = LamportRegion.after(region.end, config.one_shot_max_bytes, world_size, max_row_splits)
     two_shot = None
     if region is not None and fusion_mode == TWOSHOT:
         two_shot = TwoShotRegion.after(region.end, config.one_shot_max_bytes, world_size,

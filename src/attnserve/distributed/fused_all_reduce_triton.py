@@ -48,11 +48,18 @@ def add_rmsnorm_row(acc, res_ptr, out_ptr, w, off, cols, mask, n_cols, eps):
     r_val = tl.load(res_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)
     s = (acc + r_val).to(dtype)
     tl.store(res_ptr + off + cols, s, mask=mask)
-    s = s.to(tl.float32)
+    rmsnorm_row_store(s.to(tl.float32), out_ptr, w, off, cols, mask, n_cols, eps)
+
+
+@triton.jit
+def rmsnorm_row_store(s, out_ptr, w, off, cols, store_mask, n_cols, eps):
+    """``out[row, cols] = rmsnorm(s) * w`` where ``store_mask``: ``s`` is the whole new residual
+    row in float32 (zeros past ``n_cols``), the float32 arithmetic of ``_fused_add_rmsnorm_kernel``.
+    The push kernel's split-row variant stores only its own columns of the row it normalises."""
     mean_sq = tl.sum(s * s, axis=0) / n_cols
     rstd = 1.0 / tl.sqrt(mean_sq + eps)
     y = s * rstd * w
-    tl.store(out_ptr + off + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + off + cols, y.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit
