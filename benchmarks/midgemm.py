@@ -4,7 +4,8 @@
 
 For the decode projections of Llama-3-8B (qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x
 4096 gated, down 4096 x 14336) and Qwen3-0.6B (qkv 4096 x 1024, o 1024 x 2048, gate_up
-6144 x 1024 gated, down 1024 x 3072), bfloat16, at M in ``--ms`` (default 32 64 96 128 144
+6144 x 1024 gated, down 1024 x 3072), or one rank's shards of Llama-3-8B at tp 2 / tp 4
+(``--models llama-3-8b-tp2 llama-3-8b-tp4``), bfloat16, at M in ``--ms`` (default 32 64 96 128 144
 192 256):
 
 * ``cublas``: ``F.linear(x, W)`` (gated: + the act-and-mul kernel, `silu_and_mul`);
@@ -72,6 +73,11 @@ MODELS = {
                    ("o", 4096, 4096, False)],
     "qwen3-0.6b": [("gate_up", 6144, 1024, True), ("down", 1024, 3072, False), ("qkv", 4096, 1024, False),
                    ("o", 1024, 2048, False)],
+    # one rank's shards of Llama-3-8B under tensor parallelism (column-parallel N / tp, row-parallel K / tp)
+    "llama-3-8b-tp2": [("gate_up", 14336, 4096, True), ("down", 4096, 7168, False), ("qkv", 3072, 4096, False),
+                       ("o", 4096, 2048, False)],
+    "llama-3-8b-tp4": [("gate_up", 7168, 4096, True), ("down", 4096, 3584, False), ("qkv", 1536, 4096, False),
+                       ("o", 4096, 1024, False)],
 }
 DEFAULT_MS = [32, 64, 96, 128, 144, 192, 256]
 DTYPE = torch.bfloat16
