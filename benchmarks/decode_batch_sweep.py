@@ -1,6 +1,6 @@
 """Large-batch decode attention tuning: stage-1 tiles, residency and split counts.
 
-``PYTHONPATH=src python benchmarks/decode_batch_sweep.py [--out DIR] [--quick]``
+``PYTHONPATH=src python benchmarks/decode_batch_sweep.py [--out DIR] [--quick | --tp-shards]``
 
 `decode_config` was tuned at batch 1 and 8 (``decode_sweep.py``), where a request's few
 programs must each stream fast. In the random workload of ``bench.offline`` the decode
@@ -29,7 +29,9 @@ import torch
 from attnserve.bench.results import write_result
 from common import bench_graph
 
-SHAPES = {"llama-3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}
+SHAPES = {"llama-3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128),
+          # one rank's heads of Llama-3-8B under tensor parallelism
+          "llama-3-8b-tp2": (16, 4, 128), "llama-3-8b-tp4": (8, 2, 128)}
 #: (shape, batch, context or (lo, hi) uniform lengths, KV dtypes)
 CASES = [
     ("llama-3-8b", 64, 800, ("bf16",)),
@@ -40,6 +42,19 @@ CASES = [
     ("llama-3-8b", 256, (200, 1800), ("bf16", "fp8_e4m3")),
 ]
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+#: ``--tp-shards``: (shape, batch, context) with the engine's split rule at each minimum split length
+TP_CASES = [
+    ("llama-3-8b-tp4", 64, 576),  # tp_decode.py's 64 requests of 512 + 128 keys, mid-run
+    ("llama-3-8b-tp4", 64, (512, 640)),
+    ("llama-3-8b-tp4", 144, 800),
+    ("llama-3-8b-tp4", 256, (200, 1800)),
+    ("llama-3-8b-tp2", 64, 576),
+    ("llama-3-8b", 64, 576),  # tp 1: the control
+    ("llama-3-8b", 8, 4096),
+    ("llama-3-8b", 1, 8192),
+]
+MIN_SPLIT_TOKENS = (128, 256, 384, 512, 1024)
+ROTATE_BYTES = 256 << 20
 
 
 def _case(hq, hkv, d, bs, ctx, dtype, gen):
@@ -145,20 +160,77 @@ def sweep(quick: bool = False, max_kv_splits: int = 16) -> list:
     return rows, ceil
 
 
+def tp_shard_sweep() -> list:
+    """``--tp-shards``: stage 1 + 2 under a CUDA graph as the triton backend launches them
+    (`decode_config` chosen by the kernel, `compute_num_kv_splits` with the backend's small-batch
+    rule and ragged factor) for `TP_CASES`, at each ``min_split_tokens`` of `MIN_SPLIT_TOKENS`
+    (the first is the default, `decode_splits._MIN_SPLIT_TOKENS`). The question: one rank of a
+    tp 4 engine has 2 KV heads, so the whole-wave rule's units (``num_sms * waves / Hkv``) are 4x
+    tp 1's and a 64 x 576 batch is cut into ~140-key splits; do fewer, longer splits stream faster?"""
+    from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_attention_fwd
+    from attnserve.attention.triton_ops.decode_splits import SMALL_SPLIT_TOKENS
+    from attnserve.attention.backend_config import DEFAULT_NUM_KV_SPLITS
+    from common import measure_ceilings
+
+    ceil = measure_ceilings()
+    copy_bps = ceil["copy_tbps"] * 1e12
+    print(f"copy rate {ceil['copy_tbps']:.3f} TB/s", flush=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    max_kv_splits = DEFAULT_NUM_KV_SPLITS
+    for shape, bs, ctx in TP_CASES:
+        hq, hkv, d = SHAPES[shape]
+        q, k, v, lens, indptr, indices, total = _case(hq, hkv, d, bs, ctx, torch.bfloat16, gen)
+        kv_bytes = total * hkv * d * 2 * k.element_size()
+        # copies of the KV cycled through the graph, >= ROTATE_BYTES in all, so that the L2
+        # (50 MB on an H200) never holds a call's KV as it would not in a 32-layer step
+        kvs = [(k, v)] + [(k.clone(), v.clone()) for _ in range(-(-ROTATE_BYTES // kv_bytes) - 1)]
+        logits = torch.empty(bs, hq, max_kv_splits, d, device="cuda")
+        lse = torch.empty(bs, hq, max_kv_splits, device="cuda")
+        ref = None
+        line = []
+        for min_tokens in MIN_SPLIT_TOKENS:
+            splits = torch.empty(bs, dtype=torch.int32, device="cuda")
+            compute_num_kv_splits(lens, splits, max_kv_splits, sms, hkv, small_split_tokens=SMALL_SPLIT_TOKENS,
+                                  min_split_tokens=min_tokens)
+            o = torch.empty(bs, hq, d, device="cuda", dtype=torch.bfloat16)
+
+            calls = [(lambda kk, vv: lambda: decode_attention_fwd(q, kk, vv, o, indptr, indices, logits, lse, splits,
+                                                                  max_kv_splits, d ** -0.5))(kk, vv) for kk, vv in kvs]
+            calls[0]()
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = o.float().clone()
+            us = bench_graph(calls)
+            row = {"shape": shape, "bs": bs, "context": list(ctx) if isinstance(ctx, tuple) else ctx,
+                   "min_split_tokens": min_tokens, "mean_splits": float(splits.float().mean()), "graph_us": us,
+                   "share_of_copy_rate": kv_bytes / (us * 1e-6) / copy_bps,
+                   "max_abs_diff_vs_default": float((o.float() - ref).abs().max())}
+            rows.append(row)
+            line.append(f"{min_tokens}: {us:6.1f} us ({row['share_of_copy_rate']:.2f}, {row['mean_splits']:.1f} splits)")
+        print(f"{shape:15s} bs={bs:3d} ctx={ctx}: " + "  ".join(line), flush=True)
+        del q, k, v, kvs, logits, lse
+        torch.cuda.empty_cache()
+    return rows, ceil
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true", help="the first two cases only")
+    ap.add_argument("--tp-shards", action="store_true",
+                    help="instead: split lengths for one rank's heads at tp 2 / tp 4 (tp_shard_sweep)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("decode_batch_sweep needs a CUDA GPU")
     import triton
 
-    rows, ceil = sweep(args.quick)
+    rows, ceil = tp_shard_sweep() if args.tp_shards else sweep(args.quick)
     result = {"benchmark": "decode_batch_sweep", "date": dt.date.today().isoformat(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "cuda": torch.version.cuda, "ceilings": ceil, "rows": rows}
-    write_result(result, args.out, "decode-batch-sweep")
+    write_result(result, args.out, "decode-tp-shard-splits" if args.tp_shards else "decode-batch-sweep")
     return 0
 
 
