@@ -1,6 +1,6 @@
 """Large-batch decode attention tuning: stage-1 tiles, residency and split counts.
 
-``PYTHONPATH=src python benchmarks/decode_batch_sweep.py [--out DIR] [--quick | --tp-shards]``
+``PYTHONPATH=src python benchmarks/decode_batch_sweep.py [--out DIR] [--quick | --tp-shards | --tp-tiles]``
 
 `decode_config` was tuned at batch 1 and 8 (``decode_sweep.py``), where a request's few
 programs must each stream fast. In the random workload of ``bench.offline`` the decode
@@ -15,7 +15,15 @@ reads ``sum(lens) * Hkv * D * 2`` bytes of K and V.
 Shapes: Llama-3-8B (Hq 32, Hkv 8, D 128) and Qwen3-0.6B (Hq 16, Hkv 8, D 128); KV slots
 are whole requests in a shuffled order (prefill allocates a prompt's slots together).
 Every config's output is checked against the default config's (max |diff| recorded).
+Each timed graph cycles through copies of the KV (>= 256 MB in all), so the L2 does not hold
+a call's KV (it would hold one tp-4 rank's 38 MB at 64 x 576 keys otherwise).
 Writes ``<out>/<device>-decode-batch-sweep-<date>.json``.
+
+``--tp-shards`` (`tp_shard_sweep`): the engine's split rule at several minimum split lengths on one
+rank's heads at tp 2 / tp 4 (and tp 1 controls); ``--tp-tiles``: this tile sweep, with split-wave
+budgets 1-8, on one tp-4 rank's heads (`TP_TILE_CASES`). JSON tags ``decode-tp-shard-splits`` /
+``decode-tp-tiles``. ``--stages-ab`` (`stages_ab`): the engine's tile against it at 2 stages
+(``decode-stages-ab``).
 """
 
 from __future__ import annotations
@@ -53,7 +61,12 @@ TP_CASES = [
     ("llama-3-8b", 8, 4096),
     ("llama-3-8b", 1, 8192),
 ]
+#: ``--tp-tiles``: `sweep`'s tile x split-wave grid on one tp-4 rank's heads
+TP_TILE_CASES = [("llama-3-8b-tp4", 64, 576, ("bf16",)), ("llama-3-8b-tp4", 144, 800, ("bf16",))]
 MIN_SPLIT_TOKENS = (128, 256, 384, 512, 1024)
+#: ``--stages-ab``: the engine's stage-1 config against the same with 2 stages, at tp 1 / 2 / 4 heads
+STAGES_AB_CASES = [(shape, bs, ctx) for shape in ("llama-3-8b", "llama-3-8b-tp2", "llama-3-8b-tp4")
+                   for bs, ctx in ((1, 576), (8, 4096), (64, 576), (64, 800), (144, 800), (256, (200, 1800)))]
 ROTATE_BYTES = 256 << 20
 
 
@@ -80,13 +93,19 @@ def _case(hq, hkv, d, bs, ctx, dtype, gen):
     return q, k, v, lens, compute_kv_indptr(lens), indices, total
 
 
+def _rotated(k, v, kv_bytes: int) -> list:
+    """``[(k, v), copies...]``: >= ROTATE_BYTES of KV in all, cycled through a timed graph so that
+    the L2 (50 MB on an H200) never holds a call's KV, as it would not in a 32-layer step."""
+    return [(k, v)] + [(k.clone(), v.clone()) for _ in range(-(-ROTATE_BYTES // kv_bytes) - 1)]
+
+
 def _configs(dtype_name: str):
     if dtype_name == "bf16":
         return itertools.product((64, 128), (2, 3, 4), (4, 8))
     return itertools.product((128, 256), (2, 3, 4), (4, 8))
 
 
-def sweep(quick: bool = False, max_kv_splits: int = 16) -> list:
+def sweep(quick: bool = False, max_kv_splits: int = 16, cases=None, waves_grid=(4, 8, 16)) -> list:
     from attnserve.attention.triton_ops.decode_attention import (
         DecodeConfig,
         compute_num_kv_splits,
@@ -102,29 +121,32 @@ def sweep(quick: bool = False, max_kv_splits: int = 16) -> list:
     sms, smem, name = props.multi_processor_count, props.shared_memory_per_block_optin, torch.cuda.get_device_name()
     gen = torch.Generator().manual_seed(0)
     rows = []
-    cases = CASES[:2] if quick else CASES
+    if cases is None:
+        cases = CASES[:2] if quick else CASES
     for shape, bs, ctx, dtypes in cases:
         hq, hkv, d = SHAPES[shape]
         for dname in dtypes:
             dtype = DTYPES[dname]
             q, k, v, lens, indptr, indices, total = _case(hq, hkv, d, bs, ctx, dtype, gen)
             kv_bytes = total * hkv * d * 2 * k.element_size()
+            kvs = _rotated(k, v, kv_bytes)
             logits = torch.empty(bs, hq, max_kv_splits, d, device="cuda")
             lse = torch.empty(bs, hq, max_kv_splits, device="cuda")
             base = decode_config(d, hq // hkv, dtype, max_shared_mem=smem, device_name=name)
             ref = None
             case_rows = []
             for (block_n, stages, warps), waves in itertools.product(
-                    [(base.block_n, base.num_stages, base.num_warps)] + list(_configs(dname)), (4, 8, 16)):
+                    [(base.block_n, base.num_stages, base.num_warps)] + list(_configs(dname)), waves_grid):
                 cfg = DecodeConfig(block_n=block_n, block_h=base.block_h, num_warps=warps, num_stages=stages,
                                    v_pairs=base.v_pairs)
                 splits = torch.empty(bs, dtype=torch.int32, device="cuda")
                 compute_num_kv_splits(lens, splits, max_kv_splits, sms, hkv, waves=waves)
                 o = torch.empty(bs, hq, d, device="cuda", dtype=torch.bfloat16)
 
-                def call():
-                    decode_attention_fwd(q, k, v, o, indptr, indices, logits, lse, splits, max_kv_splits,
-                                         d ** -0.5, config=cfg)
+                calls = [(lambda kk, vv: lambda: decode_attention_fwd(
+                    q, kk, vv, o, indptr, indices, logits, lse, splits, max_kv_splits, d ** -0.5, config=cfg))(kk, vv)
+                    for kk, vv in kvs]
+                call = calls[0]
 
                 row = {"shape": shape, "bs": bs, "context": list(ctx) if isinstance(ctx, tuple) else ctx,
                        "kv_dtype": dname, "block_n": block_n, "num_stages": stages, "num_warps": warps,
@@ -140,7 +162,7 @@ def sweep(quick: bool = False, max_kv_splits: int = 16) -> list:
                     if ref is None:
                         ref = o.float().clone()
                     row["max_abs_diff_vs_default"] = float((o.float() - ref).abs().max())
-                    us = bench_graph([call])
+                    us = bench_graph(calls)
                     row["graph_us"] = us
                     row["kv_gbs"] = kv_bytes / us / 1e3
                     row["share_of_copy_rate"] = kv_bytes / (us * 1e-6) / copy_bps
@@ -155,7 +177,7 @@ def sweep(quick: bool = False, max_kv_splits: int = 16) -> list:
                   f"({best['share_of_copy_rate']:.3f}) block_n {best['block_n']} stages {best['num_stages']} "
                   f"warps {best['num_warps']} waves {best['split_waves']}", flush=True)
             rows.extend(case_rows)
-            del q, k, v, logits, lse
+            del q, k, v, kvs, logits, lse
             torch.cuda.empty_cache()
     return rows, ceil
 
@@ -183,9 +205,7 @@ def tp_shard_sweep() -> list:
         hq, hkv, d = SHAPES[shape]
         q, k, v, lens, indptr, indices, total = _case(hq, hkv, d, bs, ctx, torch.bfloat16, gen)
         kv_bytes = total * hkv * d * 2 * k.element_size()
-        # copies of the KV cycled through the graph, >= ROTATE_BYTES in all, so that the L2
-        # (50 MB on an H200) never holds a call's KV as it would not in a 32-layer step
-        kvs = [(k, v)] + [(k.clone(), v.clone()) for _ in range(-(-ROTATE_BYTES // kv_bytes) - 1)]
+        kvs = _rotated(k, v, kv_bytes)
         logits = torch.empty(bs, hq, max_kv_splits, d, device="cuda")
         lse = torch.empty(bs, hq, max_kv_splits, device="cuda")
         ref = None
@@ -215,22 +235,90 @@ def tp_shard_sweep() -> list:
     return rows, ceil
 
 
+def stages_ab() -> list:
+    """``--stages-ab``: stage 1 + 2 (graph, KV rotated, the engine's split rule) with the config
+    the engine picks (`decode_config` with the batch, KV heads and SMs) against the same config at
+    2 stages, on `STAGES_AB_CASES` (bf16 KV). Question: the tp-4 tile sweep found 2 stages of
+    128-key tiles 13-23% faster than the small-batch tile's 3 on one rank's 2 KV heads; for which
+    head counts and batches does that hold?"""
+    from dataclasses import replace
+
+    from attnserve.attention.backend_config import DEFAULT_NUM_KV_SPLITS
+    from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_attention_fwd
+    from attnserve.attention.triton_ops.decode_splits import SMALL_SPLIT_TOKENS
+    from attnserve.attention.triton_ops.decode_tuning import decode_config
+    from common import measure_ceilings
+
+    ceil = measure_ceilings()
+    copy_bps = ceil["copy_tbps"] * 1e12
+    props = torch.cuda.get_device_properties(0)
+    sms, smem, name = props.multi_processor_count, props.shared_memory_per_block_optin, torch.cuda.get_device_name()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    max_kv_splits = DEFAULT_NUM_KV_SPLITS
+    for shape, bs, ctx in STAGES_AB_CASES:
+        hq, hkv, d = SHAPES[shape]
+        q, k, v, lens, indptr, indices, total = _case(hq, hkv, d, bs, ctx, torch.bfloat16, gen)
+        kv_bytes = total * hkv * d * 2 * k.element_size()
+        kvs = _rotated(k, v, kv_bytes)
+        logits = torch.empty(bs, hq, max_kv_splits, d, device="cuda")
+        lse = torch.empty(bs, hq, max_kv_splits, device="cuda")
+        splits = torch.empty(bs, dtype=torch.int32, device="cuda")
+        compute_num_kv_splits(lens, splits, max_kv_splits, sms, hkv, small_split_tokens=SMALL_SPLIT_TOKENS)
+        engine = decode_config(d, hq // hkv, torch.bfloat16, max_shared_mem=smem, device_name=name, batch_size=bs,
+                               num_kv_heads=hkv, num_sms=sms)
+        row = {"shape": shape, "bs": bs, "context": list(ctx) if isinstance(ctx, tuple) else ctx,
+               "mean_splits": float(splits.float().mean()),
+               "engine_tile": [engine.block_n, engine.num_stages, engine.num_warps]}
+        outs = {}
+        for tag, cfg in (("engine", engine), ("stages2", replace(engine, num_stages=2))):
+            o = torch.empty(bs, hq, d, device="cuda", dtype=torch.bfloat16)
+            calls = [(lambda kk, vv: lambda: decode_attention_fwd(q, kk, vv, o, indptr, indices, logits, lse, splits,
+                                                                  max_kv_splits, d ** -0.5, config=cfg))(kk, vv)
+                     for kk, vv in kvs]
+            calls[0]()
+            torch.cuda.synchronize()
+            outs[tag] = o.float().clone()
+            us = bench_graph(calls)
+            row[f"{tag}_us"] = us
+            row[f"{tag}_share"] = kv_bytes / (us * 1e-6) / copy_bps
+        row["max_abs_diff"] = float((outs["engine"] - outs["stages2"]).abs().max())
+        row["speedup"] = row["engine_us"] / row["stages2_us"]
+        rows.append(row)
+        print(f"{shape:15s} bs={bs:3d} ctx={ctx}: engine {tuple(row['engine_tile'])} {row['engine_us']:7.1f} us "
+              f"({row['engine_share']:.2f})  2 stages {row['stages2_us']:7.1f} us ({row['stages2_share']:.2f})  "
+              f"x{row['speedup']:.2f}  splits {row['mean_splits']:.1f}", flush=True)
+        del q, k, v, kvs, logits, lse
+        torch.cuda.empty_cache()
+    return rows, ceil
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true", help="the first two cases only")
     ap.add_argument("--tp-shards", action="store_true",
                     help="instead: split lengths for one rank's heads at tp 2 / tp 4 (tp_shard_sweep)")
+    ap.add_argument("--tp-tiles", action="store_true", help="instead: the tile sweep on TP_TILE_CASES")
+    ap.add_argument("--stages-ab", action="store_true", help="instead: the engine's tile vs 2 stages (stages_ab)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("decode_batch_sweep needs a CUDA GPU")
     import triton
 
-    rows, ceil = tp_shard_sweep() if args.tp_shards else sweep(args.quick)
+    if args.tp_shards:
+        rows, ceil = tp_shard_sweep()
+    elif args.stages_ab:
+        rows, ceil = stages_ab()
+    else:
+        rows, ceil = sweep(args.quick, cases=TP_TILE_CASES, waves_grid=(1, 2, 4, 8)) if args.tp_tiles \
+            else sweep(args.quick)
     result = {"benchmark": "decode_batch_sweep", "date": dt.date.today().isoformat(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "cuda": torch.version.cuda, "ceilings": ceil, "rows": rows}
-    write_result(result, args.out, "decode-tp-shard-splits" if args.tp_shards else "decode-batch-sweep")
+    tag = ("decode-tp-shard-splits" if args.tp_shards else "decode-tp-tiles" if args.tp_tiles
+           else "decode-stages-ab" if args.stages_ab else "decode-batch-sweep")
+    write_result(result, args.out, tag)
     return 0
 
 

@@ -99,3 +99,27 @@ def test_bf16_tile_variant_matches_reference(variant, gen, paged):
                                k_scale=1.0, v_scale=1.0, config=cfg)
     assert ns.max() > 1
     _check(out, ref, torch.bfloat16)
+
+
+def test_few_kv_heads_take_two_stages_on_h200_only(monkeypatch):
+    """`decode_tuning.FEW_KV_HEADS`: a 16-bit cache of head size 128 with <= 4 KV heads takes 2
+    stages below the batch tiles on an H200 (measured there), and nothing else changes: 8 KV
+    heads, the H100, fp8 caches, other head sizes, the batch tile and the switch off keep theirs."""
+    monkeypatch.delenv(dtn.FEW_KV_HEADS_ENV, raising=False)
+    h200 = "NVIDIA H200"
+
+    def cfg(hkv, name=h200, bs=64, dtype=torch.bfloat16, d=128):
+        return decode_config(d, 4, dtype, max_shared_mem=SMEM, device_name=name, batch_size=bs, num_kv_heads=hkv,
+                             num_sms=SMS)
+
+    for hkv in (1, 2, 4):
+        c = cfg(hkv)
+        assert (c.block_n, c.num_stages, c.num_warps) == (128, 2, 4), hkv
+        assert c == dtn.replace(cfg(hkv, name=H100), num_stages=2)  # only the stages differ from the H100's
+    assert cfg(8).num_stages == 3 and cfg(2, name=H100).num_stages == 3
+    assert cfg(2, dtype=torch.float8_e4m3fn).num_stages == cfg(2, dtype=torch.float8_e4m3fn, name=H100).num_stages
+    assert cfg(2, d=64).num_stages == cfg(2, d=64, name=H100).num_stages
+    big_bs = dtn.BATCH_PROGRAMS_PER_SM * SMS // 2
+    assert (cfg(2, bs=big_bs).block_n, cfg(2, bs=big_bs).num_stages) == dtn.BATCH_TILE[:2]
+    monkeypatch.setenv(dtn.FEW_KV_HEADS_ENV, "0")
+    assert cfg(2).num_stages == 3

@@ -66,6 +66,13 @@ BATCH_PROGRAMS_PER_SM = 8
 #: (block_n, num_stages, num_warps, maxnreg) of stage 1 for a 16-bit cache at >= BATCH_PROGRAMS_PER_SM
 #: programs per SM (the layout of `FP8_TILE_VARIANTS`; maxnreg 0: no cap)
 BATCH_TILE = (128, 2, 4, 0)
+#: a 16-bit cache of head size 128 with at most this many KV heads (per rank) takes 2 stages below
+#: the batch tiles on `FEW_KV_HEADS_DEVICES` (`_tile_config`; ``ATTNSERVE_DECODE_FEW_KV_HEADS=0`` turns it off)
+FEW_KV_HEADS = 4
+#: device names (``torch.cuda.get_device_name`` substrings) where the few-KV-heads rule was measured to gain
+FEW_KV_HEADS_DEVICES = ("H200",)
+#: environment switch of the few-KV-heads rule (read at every `decode_config` call)
+FEW_KV_HEADS_ENV = "ATTNSERVE_DECODE_FEW_KV_HEADS"
 #: (block_n, num_stages, num_warps, maxnreg) of stage 1 for an fp8 cache on an H100 / H200 at that
 #: many programs (V pairs): two K/V buffers with registers capped at 168, so 3 programs fit an SM
 #: (the ``db128r168`` variant). H100, Llama-3-8B heads, `benchmarks/decode_fp8_variants.py`, two runs
@@ -229,6 +236,18 @@ def _tile_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: boo
     keys 374.0 -> 370.3 (bf16), 215.3 -> 209.4 (e4m3); 256 x 800 within 0.2%. At 64 x 800
     (3.9 programs per SM) no tile beat the small-batch one by more than 0.5%.
 
+    Few KV heads (one rank's heads under tensor parallelism, or models such as Qwen2.5-7B with 4):
+    below the batch tiles, 2 stages instead of 3 where ``num_kv_heads <= FEW_KV_HEADS``, head size
+    128, a 16-bit cache, on `FEW_KV_HEADS_DEVICES`. Measured on an H200 (``decode_batch_sweep.py
+    --stages-ab``, stage 1 + 2 in CUDA graphs with the KV rotated past the L2, the engine's split
+    rule; ``results/h200-decode-stages-ab-2026-11-28.json``), µs 3 -> 2 stages, same bits: 2 KV
+    heads (Llama-3-8B at tp 4) 8 x 4K 18.7 -> 16.4, 64 x 576 19.7 -> 18.6, 64 x 800 24.3 -> 21.8,
+    144 x 800 49.2 -> 38.2, 256 x [200, 1800] 83.7 -> 84.3, batch 1 6.0 -> 6.0; 4 KV heads (tp 2)
+    1.03-1.08x at every batch from 8; 8 KV heads (tp 1) 2 stages *lose* 4-10% (8 x 4K 41.6 -> 43.2,
+    64 x 800 62.5 -> 69.1), so the rule stops at 4. Not measured on an H100 (where the 2026-11-27
+    sweep above kept 3 stages at 8 heads), so H100s keep 3. End to end on one H200 (Qwen2.5-7B
+    shape, 4 KV heads, `bench.offline`'s random workload, one run each): 11.07 -> 11.01 s.
+
     Measured on an H100 (benchmarks/decode_sweep.py, 2026-11-21, bf16, d 64 and 128, bs 1/8,
     contexts 512/4096, inside CUDA graphs): 128-key tiles with 3 stages are within 7% of
     the best of 72 configurations in every case, and 16-26% faster than 64-key tiles with
@@ -263,7 +282,11 @@ def _tile_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: boo
         # other GPUs with the shared memory: fp8 tiles are half the bytes, 5 stages keep as much
         # in flight (H100 before session 12, e4m3, d 128, benchmarks/fp8_decode_sweep.py: bs 64
         # x 8K 430 -> 408 us, 8 x 32K 261 -> 244 us; 256-key byte tiles were slower)
-        return DecodeConfig(block_n=128, block_h=block_h, num_warps=4, num_stages=5 if dtype in FP8_DTYPES else 3)
+        if dtype in FP8_DTYPES:
+            return DecodeConfig(block_n=128, block_h=block_h, num_warps=4, num_stages=5)
+        few = (head_dim == 128 and 0 < num_kv_heads <= FEW_KV_HEADS and env_flag(FEW_KV_HEADS_ENV)
+               and any(name in device_name for name in FEW_KV_HEADS_DEVICES))
+        return DecodeConfig(block_n=128, block_h=block_h, num_warps=4, num_stages=2 if few else 3)
     block_n = 32 if (wide or is_hip) else 64
     if head_dim > 256:
         block_n = 16
