@@ -228,7 +228,8 @@ def tp_shard_sweep() -> list:
                    "share_of_copy_rate": kv_bytes / (us * 1e-6) / copy_bps,
                    "max_abs_diff_vs_default": float((o.float() - ref).abs().max())}
             rows.append(row)
-            line.append(f"{min_tokens}: {us:6.1f} us ({row['share_of_copy_rate']:.2f}, {row['mean_splits']:.1f} splits)")
+            line.append(f"{min_tokens}: {us:6.1f} us ({row['share_of_copy_rate']:.2f}, "
+                        f"{row['mean_splits']:.1f} splits)")
         print(f"{shape:15s} bs={bs:3d} ctx={ctx}: " + "  ".join(line), flush=True)
         del q, k, v, kvs, logits, lse
         torch.cuda.empty_cache()

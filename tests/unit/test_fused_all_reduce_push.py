@@ -121,7 +121,8 @@ def _check_calls(world, hidden, calls, max_splits, want_splits):
             assert counters[r][:fp.CALL_COUNTERS].tolist() == [epoch, 0, n_vec, lam.slot_offset(dtype, phase, 0), word]
             assert not bool(counters[r][fp.CALL_COUNTERS:fp.ROW_FLAGS_AT].any())  # the gap to the flags' line
             if splits > 1:  # this call's programs raised their flags
-                assert counters[r][fp.ROW_FLAGS_AT:fp.ROW_FLAGS_AT + rows * splits].tolist() == [epoch] * (rows * splits)
+                flags = counters[r][fp.ROW_FLAGS_AT:fp.ROW_FLAGS_AT + rows * splits]
+                assert flags.tolist() == [epoch] * (rows * splits)
         if epoch == 2:
             # pull: -0 + -0 + -0 + (-0) = -0; push: +0 throughout (the only difference)
             assert bool((_bits(want_res[0, :4]) == _bits(torch.tensor(-0.0))).all())

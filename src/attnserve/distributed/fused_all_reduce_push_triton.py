@@ -172,10 +172,10 @@ def _lamport_split_rows_kernel(
 
     Steps 1-3 of the one-program-per-row kernel on the program's columns (push, clear, wait
     until one ``[W_P2, CHUNK]`` tile of all ranks' columns holds no sentinel, sum them in rank
-    order from 1-D loads, residual add, stored in place); then it raises its flag, waits for the flags of its row's other programs,
-    loads the whole new residual row and normalises it with `rmsnorm_row_store`, storing its
-    own columns only: every program of a row computes the same sum of squares in the same
-    order, the one the pull kernel computes. ``STAGE`` (CPU tests): ``1`` push, ``2`` up to the
+    order from 1-D loads, residual add, stored in place); then it raises its flag, waits for the
+    flags of its row's other programs, loads the whole new residual row and normalises it with
+    `rmsnorm_row_store`, storing its own columns only: every program of a row computes the same
+    sum of squares in the same order, the one the pull kernel computes. ``STAGE`` (CPU tests): ``1`` push, ``2`` up to the
     flag, ``3`` the rest, each launched for every rank in turn; ``0`` everything (GPUs).
     """
     pid = tl.program_id(0)
