@@ -175,8 +175,9 @@ def _lamport_split_rows_kernel(
     order from 1-D loads, residual add, stored in place); then it raises its flag, waits for the
     flags of its row's other programs, loads the whole new residual row and normalises it with
     `rmsnorm_row_store`, storing its own columns only: every program of a row computes the same
-    sum of squares in the same order, the one the pull kernel computes. ``STAGE`` (CPU tests): ``1`` push, ``2`` up to the
-    flag, ``3`` the rest, each launched for every rank in turn; ``0`` everything (GPUs).
+    sum of squares in the same order, the one the pull kernel computes. ``STAGE`` (CPU tests):
+    ``1`` push, ``2`` up to the flag, ``3`` the rest, each launched for every rank in turn; ``0``
+    everything (GPUs).
     """
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
