@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -70,7 +72,7 @@ STAGES_AB_CASES = [(shape, bs, ctx) for shape in ("llama-3-8b", "llama-3-8b-tp2"
 ROTATE_BYTES = 256 << 20
 
 
-def _case(hq, hkv, d, bs, ctx, dtype, gen):
+def _case(hq, hkv, d, bs, ctx, dtype, gen, device="cuda"):
     from attnserve.attention.triton_ops.kv_indices import compute_kv_indptr
 
     if isinstance(ctx, tuple):
@@ -85,11 +87,11 @@ def _case(hq, hkv, d, bs, ctx, dtype, gen):
     for i in order.tolist():
         starts[i] = pos
         pos += int(lens[i])
-    indices = torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in zip(starts, lens)]).to("cuda", torch.int32)
-    k = torch.randn(total + 1, hkv, d, generator=gen).to("cuda", torch.bfloat16).to(dtype)
-    v = torch.randn(total + 1, hkv, d, generator=gen).to("cuda", torch.bfloat16).to(dtype)
-    q = torch.randn(bs, hq, d, generator=gen).to("cuda", torch.bfloat16)
-    lens = lens.to("cuda")
+    indices = torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in zip(starts, lens)]).to(device, torch.int32)
+    k = torch.randn(total + 1, hkv, d, generator=gen).to(device, torch.bfloat16).to(dtype)
+    v = torch.randn(total + 1, hkv, d, generator=gen).to(device, torch.bfloat16).to(dtype)
+    q = torch.randn(bs, hq, d, generator=gen).to(device, torch.bfloat16)
+    lens = lens.to(device)
     return q, k, v, lens, compute_kv_indptr(lens), indices, total
 
 
@@ -99,6 +101,42 @@ def _rotated(k, v, kv_bytes: int) -> list:
     return [(k, v)] + [(k.clone(), v.clone()) for _ in range(-(-ROTATE_BYTES // kv_bytes) - 1)]
 
 
+@dataclass
+class _Buffers:
+    """One case's decode inputs (`_case`), its KV copies (`_rotated`) and the split scratch."""
+
+    hq: int
+    hkv: int
+    d: int
+    q: torch.Tensor
+    kvs: list
+    lens: torch.Tensor
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    kv_bytes: int
+    logits: torch.Tensor
+    lse: torch.Tensor
+    max_kv_splits: int
+
+    def calls(self, o: torch.Tensor, splits: torch.Tensor, config=None) -> list:
+        """Stage 1 + 2 into ``o``, one call per KV copy (`bench_graph` cycles through them)."""
+        from attnserve.attention.triton_ops.decode_attention import decode_attention_fwd
+
+        return [functools.partial(decode_attention_fwd, self.q, k, v, o, self.indptr, self.indices, self.logits,
+                                  self.lse, splits, self.max_kv_splits, self.d ** -0.5, config=config)
+                for k, v in self.kvs]
+
+
+def _buffers(shape: str, bs: int, ctx, dtype, gen, max_kv_splits: int, device="cuda") -> _Buffers:
+    """`_Buffers` of `SHAPES` [shape] for ``bs`` requests of ``ctx`` keys (an int, or uniform in ``(lo, hi)``)."""
+    hq, hkv, d = SHAPES[shape]
+    q, k, v, lens, indptr, indices, total = _case(hq, hkv, d, bs, ctx, dtype, gen, device)
+    kv_bytes = total * hkv * d * 2 * k.element_size()
+    return _Buffers(hq, hkv, d, q, _rotated(k, v, kv_bytes), lens, indptr, indices, kv_bytes,
+                    torch.empty(bs, hq, max_kv_splits, d, device=device), torch.empty(bs, hq, max_kv_splits,
+                                                                                     device=device), max_kv_splits)
+
+
 def _configs(dtype_name: str):
     if dtype_name == "bf16":
         return itertools.product((64, 128), (2, 3, 4), (4, 8))
@@ -106,12 +144,7 @@ def _configs(dtype_name: str):
 
 
 def sweep(quick: bool = False, max_kv_splits: int = 16, cases=None, waves_grid=(4, 8, 16)) -> list:
-    from attnserve.attention.triton_ops.decode_attention import (
-        DecodeConfig,
-        compute_num_kv_splits,
-        decode_attention_fwd,
-        decode_config,
-    )
+    from attnserve.attention.triton_ops.decode_attention import DecodeConfig, compute_num_kv_splits, decode_config
     from common import measure_ceilings
 
     ceil = measure_ceilings()
@@ -124,14 +157,10 @@ def sweep(quick: bool = False, max_kv_splits: int = 16, cases=None, waves_grid=(
     if cases is None:
         cases = CASES[:2] if quick else CASES
     for shape, bs, ctx, dtypes in cases:
-        hq, hkv, d = SHAPES[shape]
         for dname in dtypes:
             dtype = DTYPES[dname]
-            q, k, v, lens, indptr, indices, total = _case(hq, hkv, d, bs, ctx, dtype, gen)
-            kv_bytes = total * hkv * d * 2 * k.element_size()
-            kvs = _rotated(k, v, kv_bytes)
-            logits = torch.empty(bs, hq, max_kv_splits, d, device="cuda")
-            lse = torch.empty(bs, hq, max_kv_splits, device="cuda")
+            case = _buffers(shape, bs, ctx, dtype, gen, max_kv_splits)
+            hq, hkv, d, kv_bytes = case.hq, case.hkv, case.d, case.kv_bytes
             base = decode_config(d, hq // hkv, dtype, max_shared_mem=smem, device_name=name)
             ref = None
             case_rows = []
@@ -140,13 +169,9 @@ def sweep(quick: bool = False, max_kv_splits: int = 16, cases=None, waves_grid=(
                 cfg = DecodeConfig(block_n=block_n, block_h=base.block_h, num_warps=warps, num_stages=stages,
                                    v_pairs=base.v_pairs)
                 splits = torch.empty(bs, dtype=torch.int32, device="cuda")
-                compute_num_kv_splits(lens, splits, max_kv_splits, sms, hkv, waves=waves)
+                compute_num_kv_splits(case.lens, splits, max_kv_splits, sms, hkv, waves=waves)
                 o = torch.empty(bs, hq, d, device="cuda", dtype=torch.bfloat16)
-
-                calls = [(lambda kk, vv: lambda: decode_attention_fwd(
-                    q, kk, vv, o, indptr, indices, logits, lse, splits, max_kv_splits, d ** -0.5, config=cfg))(kk, vv)
-                    for kk, vv in kvs]
-                call = calls[0]
+                calls = case.calls(o, splits, cfg)
 
                 row = {"shape": shape, "bs": bs, "context": list(ctx) if isinstance(ctx, tuple) else ctx,
                        "kv_dtype": dname, "block_n": block_n, "num_stages": stages, "num_warps": warps,
@@ -157,7 +182,7 @@ def sweep(quick: bool = False, max_kv_splits: int = 16, cases=None, waves_grid=(
                        and r["split_waves"] == waves for r in case_rows):
                     continue
                 try:
-                    call()
+                    calls[0]()
                     torch.cuda.synchronize()
                     if ref is None:
                         ref = o.float().clone()
@@ -177,7 +202,7 @@ def sweep(quick: bool = False, max_kv_splits: int = 16, cases=None, waves_grid=(
                   f"({best['share_of_copy_rate']:.3f}) block_n {best['block_n']} stages {best['num_stages']} "
                   f"warps {best['num_warps']} waves {best['split_waves']}", flush=True)
             rows.extend(case_rows)
-            del q, k, v, kvs, logits, lse
+            del case
             torch.cuda.empty_cache()
     return rows, ceil
 
@@ -189,9 +214,9 @@ def tp_shard_sweep() -> list:
     (the first is the default, `decode_splits._MIN_SPLIT_TOKENS`). The question: one rank of a
     tp 4 engine has 2 KV heads, so the whole-wave rule's units (``num_sms * waves / Hkv``) are 4x
     tp 1's and a 64 x 576 batch is cut into ~140-key splits; do fewer, longer splits stream faster?"""
-    from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_attention_fwd
-    from attnserve.attention.triton_ops.decode_splits import SMALL_SPLIT_TOKENS
     from attnserve.attention.backend_config import DEFAULT_NUM_KV_SPLITS
+    from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits
+    from attnserve.attention.triton_ops.decode_splits import SMALL_SPLIT_TOKENS
     from common import measure_ceilings
 
     ceil = measure_ceilings()
@@ -202,22 +227,15 @@ def tp_shard_sweep() -> list:
     rows = []
     max_kv_splits = DEFAULT_NUM_KV_SPLITS
     for shape, bs, ctx in TP_CASES:
-        hq, hkv, d = SHAPES[shape]
-        q, k, v, lens, indptr, indices, total = _case(hq, hkv, d, bs, ctx, torch.bfloat16, gen)
-        kv_bytes = total * hkv * d * 2 * k.element_size()
-        kvs = _rotated(k, v, kv_bytes)
-        logits = torch.empty(bs, hq, max_kv_splits, d, device="cuda")
-        lse = torch.empty(bs, hq, max_kv_splits, device="cuda")
+        case = _buffers(shape, bs, ctx, torch.bfloat16, gen, max_kv_splits)
         ref = None
         line = []
         for min_tokens in MIN_SPLIT_TOKENS:
             splits = torch.empty(bs, dtype=torch.int32, device="cuda")
-            compute_num_kv_splits(lens, splits, max_kv_splits, sms, hkv, small_split_tokens=SMALL_SPLIT_TOKENS,
-                                  min_split_tokens=min_tokens)
-            o = torch.empty(bs, hq, d, device="cuda", dtype=torch.bfloat16)
-
-            calls = [(lambda kk, vv: lambda: decode_attention_fwd(q, kk, vv, o, indptr, indices, logits, lse, splits,
-                                                                  max_kv_splits, d ** -0.5))(kk, vv) for kk, vv in kvs]
+            compute_num_kv_splits(case.lens, splits, max_kv_splits, sms, case.hkv,
+                                  small_split_tokens=SMALL_SPLIT_TOKENS, min_split_tokens=min_tokens)
+            o = torch.empty(bs, case.hq, case.d, device="cuda", dtype=torch.bfloat16)
+            calls = case.calls(o, splits)
             calls[0]()
             torch.cuda.synchronize()
             if ref is None:
@@ -225,13 +243,13 @@ def tp_shard_sweep() -> list:
             us = bench_graph(calls)
             row = {"shape": shape, "bs": bs, "context": list(ctx) if isinstance(ctx, tuple) else ctx,
                    "min_split_tokens": min_tokens, "mean_splits": float(splits.float().mean()), "graph_us": us,
-                   "share_of_copy_rate": kv_bytes / (us * 1e-6) / copy_bps,
+                   "share_of_copy_rate": case.kv_bytes / (us * 1e-6) / copy_bps,
                    "max_abs_diff_vs_default": float((o.float() - ref).abs().max())}
             rows.append(row)
             line.append(f"{min_tokens}: {us:6.1f} us ({row['share_of_copy_rate']:.2f}, "
                         f"{row['mean_splits']:.1f} splits)")
         print(f"{shape:15s} bs={bs:3d} ctx={ctx}: " + "  ".join(line), flush=True)
-        del q, k, v, kvs, logits, lse
+        del case
         torch.cuda.empty_cache()
     return rows, ceil
 
@@ -245,7 +263,7 @@ def stages_ab() -> list:
     from dataclasses import replace
 
     from attnserve.attention.backend_config import DEFAULT_NUM_KV_SPLITS
-    from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits, decode_attention_fwd
+    from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits
     from attnserve.attention.triton_ops.decode_splits import SMALL_SPLIT_TOKENS
     from attnserve.attention.triton_ops.decode_tuning import decode_config
     from common import measure_ceilings
@@ -258,14 +276,10 @@ def stages_ab() -> list:
     rows = []
     max_kv_splits = DEFAULT_NUM_KV_SPLITS
     for shape, bs, ctx in STAGES_AB_CASES:
-        hq, hkv, d = SHAPES[shape]
-        q, k, v, lens, indptr, indices, total = _case(hq, hkv, d, bs, ctx, torch.bfloat16, gen)
-        kv_bytes = total * hkv * d * 2 * k.element_size()
-        kvs = _rotated(k, v, kv_bytes)
-        logits = torch.empty(bs, hq, max_kv_splits, d, device="cuda")
-        lse = torch.empty(bs, hq, max_kv_splits, device="cuda")
+        case = _buffers(shape, bs, ctx, torch.bfloat16, gen, max_kv_splits)
+        hq, hkv, d = case.hq, case.hkv, case.d
         splits = torch.empty(bs, dtype=torch.int32, device="cuda")
-        compute_num_kv_splits(lens, splits, max_kv_splits, sms, hkv, small_split_tokens=SMALL_SPLIT_TOKENS)
+        compute_num_kv_splits(case.lens, splits, max_kv_splits, sms, hkv, small_split_tokens=SMALL_SPLIT_TOKENS)
         engine = decode_config(d, hq // hkv, torch.bfloat16, max_shared_mem=smem, device_name=name, batch_size=bs,
                                num_kv_heads=hkv, num_sms=sms)
         row = {"shape": shape, "bs": bs, "context": list(ctx) if isinstance(ctx, tuple) else ctx,
@@ -274,22 +288,20 @@ def stages_ab() -> list:
         outs = {}
         for tag, cfg in (("engine", engine), ("stages2", replace(engine, num_stages=2))):
             o = torch.empty(bs, hq, d, device="cuda", dtype=torch.bfloat16)
-            calls = [(lambda kk, vv: lambda: decode_attention_fwd(q, kk, vv, o, indptr, indices, logits, lse, splits,
-                                                                  max_kv_splits, d ** -0.5, config=cfg))(kk, vv)
-                     for kk, vv in kvs]
+            calls = case.calls(o, splits, cfg)
             calls[0]()
             torch.cuda.synchronize()
             outs[tag] = o.float().clone()
             us = bench_graph(calls)
             row[f"{tag}_us"] = us
-            row[f"{tag}_share"] = kv_bytes / (us * 1e-6) / copy_bps
+            row[f"{tag}_share"] = case.kv_bytes / (us * 1e-6) / copy_bps
         row["max_abs_diff"] = float((outs["engine"] - outs["stages2"]).abs().max())
         row["speedup"] = row["engine_us"] / row["stages2_us"]
         rows.append(row)
         print(f"{shape:15s} bs={bs:3d} ctx={ctx}: engine {tuple(row['engine_tile'])} {row['engine_us']:7.1f} us "
               f"({row['engine_share']:.2f})  2 stages {row['stages2_us']:7.1f} us ({row['stages2_share']:.2f})  "
               f"x{row['speedup']:.2f}  splits {row['mean_splits']:.1f}", flush=True)
-        del q, k, v, kvs, logits, lse
+        del case
         torch.cuda.empty_cache()
     return rows, ceil
 
