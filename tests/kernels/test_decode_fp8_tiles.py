@@ -6,6 +6,8 @@ float64 reference over the fp8-rounded cache (under the CPU interpreter only the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -115,7 +117,7 @@ def test_few_kv_heads_take_two_stages_on_h200_only(monkeypatch):
     for hkv in (1, 2, 4):
         c = cfg(hkv)
         assert (c.block_n, c.num_stages, c.num_warps) == (128, 2, 4), hkv
-        assert c == dtn.replace(cfg(hkv, name=H100), num_stages=2)  # only the stages differ from the H100's
+        assert c == dataclasses.replace(cfg(hkv, name=H100), num_stages=2)  # only the stages differ from the H100's
     assert cfg(8).num_stages == 3 and cfg(2, name=H100).num_stages == 3
     assert cfg(2, dtype=torch.float8_e4m3fn).num_stages == cfg(2, dtype=torch.float8_e4m3fn, name=H100).num_stages
     assert cfg(2, d=64).num_stages == cfg(2, d=64, name=H100).num_stages
