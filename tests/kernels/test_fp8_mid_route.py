@@ -160,16 +160,20 @@ def test_default_route_picks_rows_shapes_devices(test_device_table, monkeypatch)
 
 def test_default_tables_by_device(monkeypatch):
     """The shipped default: the H100 80GB HBM3 routes exactly the four Llama-3-8B
-    projections at 33..64 rows; an H200, an unknown GPU and the CPU route nothing."""
+    projections at 33..64 rows, the H200 its qkv and gate_up (its o and down keep the
+    folded ``_scaled_mm`` routes); an unknown GPU and the CPU route nothing."""
     monkeypatch.delenv(mid.FP8_MID_ENV, raising=False)
-    assert set(mid.FP8_MID_DEFAULT_W8A8) == {"NVIDIA_H100_80GB_HBM3"}
+    assert set(mid.FP8_MID_DEFAULT_W8A8) == {"NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"}
     assert set(mid.FP8_MID_DEFAULT_W8A8["NVIDIA_H100_80GB_HBM3"]) == LLAMA_8B
+    h200 = {mid.table_key(6144, 4096, False), mid.table_key(28672, 4096, True)}
+    assert set(mid.FP8_MID_DEFAULT_W8A8["NVIDIA_H200"]) == h200
     assert mid.fp8_mid_device_tag(torch.device("cpu")) is None
     assert mid.fp8_mid_route(48, 4096, 4096, False, torch.device("cpu")) is None
     shapes = [(6144, 4096, False), (4096, 4096, False), (28672, 4096, True), (4096, 14336, False)]
-    for tag, expect in (("NVIDIA_H100_80GB_HBM3", True), ("NVIDIA_H200", False), ("NVIDIA_A100-SXM4-80GB", False)):
+    for tag, listed in (("NVIDIA_H100_80GB_HBM3", LLAMA_8B), ("NVIDIA_H200", h200), ("NVIDIA_A100-SXM4-80GB", set())):
         monkeypatch.setattr(mid, "fp8_mid_device_tag", lambda device, t=tag: t)
         for n, k, gated in shapes:
+            expect = mid.table_key(n, k, gated) in listed
             for m in (32, 33, 64, 65):
                 route = mid.fp8_mid_route(m, n, k, gated, torch.device("cpu"))
                 assert (route is not None) == (expect and 33 <= m <= 64), (tag, n, k, m)

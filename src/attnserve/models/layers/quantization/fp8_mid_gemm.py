@@ -20,8 +20,9 @@ then the optional bias and gate (``[gate | up]`` weight, SiLU / GELU-tanh), outp
 
 * unset / ``auto`` (the default): W8A8 for ``33 <= M <= 64`` rows (`DEFAULT_MIN_M` ..
   `DEFAULT_MAX_M`) of the weight shapes measured faster than ``_scaled_mm`` on this GPU
-  (`FP8_MID_DEFAULT_W8A8`: exact ``[N, K]`` per device; H100 80GB HBM3 only, the
-  Llama-3-8B projections); everything else keeps ``_scaled_mm``. Measured on one H100
+  (`FP8_MID_DEFAULT_W8A8`: exact ``[N, K]`` per device; H100 80GB HBM3: the four
+  Llama-3-8B projections, H200: its ``qkv`` and ``gate_up``); everything else keeps
+  ``_scaled_mm``. Measured on one H100
   (``fp8_bench.py --parts gemm --sweep``, CUDA-graph replay over rotating weights, µs at 64
   rows, ``_scaled_mm`` on producer-quantised rows vs this kernel's best tile on the same):
   qkv 15.4 / 14.3, o 13.9 / 12.7, gate_up 54.9 / 47.8 (SiLU-and-mul fused here; ``_scaled_mm``
@@ -134,14 +135,24 @@ FP8_MID_MODE_OVERRIDES: Dict[str, Dict[str, Dict[int, tuple]]] = {
 #: sweep of 2026-11-27 (``fp8_bench.py --parts gemm --sweep wide --ms 64``, 99 tiles,
 #: ``benchmarks/results/h100-80gb-hbm3-fp8-mid-wide-sweep-m64-2026-11-27.json``, split-K on the
 #: persistent workspace) moved gate_up to 3 stages (47.9 -> 47.0 µs) and down to a 256-wide K
-#: step, 3 splits (27.5 -> 27.2); qkv and o kept their tiles (14.4, 11.5 µs). Other GPUs
-#: (H200 included: not measured) and shapes: no entry, ``_scaled_mm``.
+#: step, 3 splits (27.5 -> 27.2); qkv and o kept their tiles (14.4, 11.5 µs). H200: the same
+#: wide sweep (2026-11-28, ``benchmarks/results/h200-fp8-mid-wide-sweep-m64-2026-11-28.json``,
+#: µs ``_scaled_mm`` row-wise / best tile) qkv 14.5 / 12.5, o 13.8 / 10.4, gate_up 45.5 / 33.9,
+#: down 37.0 / 21.6; but there (no entry until then) ``o`` and ``down`` already ran the folded
+#: tensor-wise routes of `Fp8LinearMethod`, and ``gate_up`` the folded GEMM plus the SiLU-and-mul
+#: quantiser (32.9 + 6.6 µs in the 64-request step's profile), so only ``qkv`` and ``gate_up``
+#: are listed (engine A/B in benchmarks/NOTES.md, 2026-11-28 sixteenth). Other GPUs and
+#: shapes: no entry, ``_scaled_mm``.
 FP8_MID_DEFAULT_W8A8: Dict[str, Dict[str, tuple]] = {
     "NVIDIA_H100_80GB_HBM3": {
         table_key(6144, 4096, False): (64, 128, 4, 4, 1),
         table_key(4096, 4096, False): (64, 128, 4, 4, 2),
         table_key(28672, 4096, True): (64, 128, 4, 3, 1),
         table_key(4096, 14336, False): (64, 256, 4, 3, 3),
+    },
+    "NVIDIA_H200": {
+        table_key(6144, 4096, False): (64, 128, 4, 6, 2, True),
+        table_key(28672, 4096, True): (64, 128, 4, 4, 1),
     },
 }
 
