@@ -1,6 +1,7 @@
 """fp8-KV paged decode: the default V-pairs tiles against the opt-in ones, in one GPU run.
 
-``PYTHONPATH=src python benchmarks/decode_fp8_variants.py [--out DIR] [--variants a,b] [--bf16-variants a,b] [--quick]``
+``PYTHONPATH=src python benchmarks/decode_fp8_variants.py [--out DIR] [--variants a,b] [--bf16-variants a,b] [--quick]
+[--more-cases] [--no-pdl-rows]``
 
 Why (benchmarks/NOTES.md, "fp8-KV decode: offline instruction analysis (2026-11-27)"): with
 Triton 3.6 the default fp8 tiles (256 keys / 3 stages, 128 / 4 for big batches) keep one
@@ -40,6 +41,10 @@ from common import bench_graph, env_set
 #: (label, batch, context or (lo, hi) uniform lengths)
 CASES = [("144x800", 144, 800), ("64x640", 64, 640), ("256x[200,1800]", 256, (200, 1800)), ("8x4096", 8, 4096),
          ("1x8192", 1, 8192), ("32x2048", 32, 2048), ("16x[100,1024]", 16, (100, 1024))]
+#: ``--more-cases``: batches between the small-batch and the batch tiles (where the H200 sweep of
+#: 2026-11-28 found 64-key tiles faster at 64 x 800)
+MORE_CASES = [("64x512", 64, 512), ("96x800", 96, 800), ("128x640", 128, 640), ("32x800", 32, 800),
+              ("48x[100,2000]", 48, (100, 2000)), ("112x[100,2000]", 112, (100, 2000))]
 HQ, HKV, D = 32, 8, 128
 MAX_KV_SPLITS = 32  # DEFAULT_NUM_KV_SPLITS of the triton backend
 DEVICE = "cuda"
@@ -49,7 +54,7 @@ DEVICE = "cuda"
 PDL_ROW = "pdl-all"
 
 
-def run(variants, quick: bool = False, bf16_variants=(), pdl_rows: bool = True) -> tuple:
+def run(variants, quick: bool = False, bf16_variants=(), pdl_rows: bool = True, more_cases: bool = False) -> tuple:
     from decode_batch_sweep import _case
 
     from attnserve.attention.backend_config import DEFAULT_SPLIT_TILE_SIZE
@@ -66,7 +71,7 @@ def run(variants, quick: bool = False, bf16_variants=(), pdl_rows: bool = True) 
     print(f"{name}: copy rate {ceil['copy_tbps']:.3f} TB/s; variants {variants}", flush=True)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for label, bs, ctx in CASES[:2] if quick else CASES:
+    for label, bs, ctx in (CASES[:2] if quick else CASES) + (MORE_CASES if more_cases else []):
         ref, inputs = {}, {}
         for kv_name, variant in ([("bf16", None), ("fp8_e4m3", None)] + [("fp8_e4m3", v) for v in variants]
                                  + [("bf16", v) for v in bf16_variants]
@@ -137,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bf16-variants", default=",".join(BF16_TILE_VARIANTS),
                     help=f"comma-separated names of BF16_TILE_VARIANTS (default: all, {sorted(BF16_TILE_VARIANTS)})")
     ap.add_argument("--quick", action="store_true", help="the first two cases only")
+    ap.add_argument("--more-cases", action="store_true", help="also MORE_CASES (batches of 32-128 requests)")
+    ap.add_argument("--no-pdl-rows", action="store_true", help="without the pdl-all rows")
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     bf16_variants = [v for v in args.bf16_variants.split(",") if v]
@@ -148,7 +155,7 @@ def main(argv=None) -> int:
         raise SystemExit("decode_fp8_variants needs a CUDA GPU")
     import triton
 
-    rows, ceil = run(variants, args.quick, bf16_variants)
+    rows, ceil = run(variants, args.quick, bf16_variants, not args.no_pdl_rows, args.more_cases)
     result = {"benchmark": "decode_fp8_variants", "date": dt.date.today().isoformat(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "cuda": torch.version.cuda, "ceilings": ceil, "heads": [HQ, HKV, D], "max_kv_splits": MAX_KV_SPLITS,

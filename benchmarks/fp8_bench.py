@@ -24,7 +24,9 @@ SiLU-and-mul emit FP8 for the W8A8 linears, `fused_inputs`); ``fp8-rowwise-gate-
 (``ATTNSERVE_FP8_FOLDED_GATE_SCALES=0``: ``gate_up`` on the row-wise ``_scaled_mm``, as before
 2026-11-28); ``fp8-rowwise-down`` (``ATTNSERVE_FP8_FOLDED_DOWN_SCALES=0``: ``down_proj`` on the
 row-wise ``_scaled_mm``, as before 2026-11-28's folded route); ``fp8-rowwise-o`` (``ATTNSERVE_FP8_FOLDED_O_SCALES=0``: ``o_proj`` on the row-wise
-``_scaled_mm``, as before its folded route); ``fp8-exact-accum`` (``ATTNSERVE_FP8_FAST_ACCUM=0``: ``_scaled_mm`` with exact
+``_scaled_mm``, as before its folded route); ``fp8-lazy-off`` (``ATTNSERVE_FP8_LAZY_SCALES=0``: the folded
+``o_proj`` / ``down_proj`` launch `scale_rows_cols` themselves, as before their scales were left to the
+reading add-RMSNorm; decode batches only); ``fp8-exact-accum`` (``ATTNSERVE_FP8_FAST_ACCUM=0``: ``_scaled_mm`` with exact
 float32 accumulation, the default until 2026-11-28); ``fp8-next`` (``fp8-w8a16-64`` with the
 fused producers):
 
@@ -129,6 +131,9 @@ ENGINE_VARIANTS = {
     "fp8-rowwise-o": {"ATTNSERVE_FP8_FOLDED_O_SCALES": "0"},
     # every `_scaled_mm` without Hopper's fast FP8 accumulation (the default uses it, as vLLM's CUTLASS)
     "fp8-exact-accum": {"ATTNSERVE_FP8_FAST_ACCUM": "0"},
+    # the folded o_proj / down_proj scaling their outputs themselves (`fused_inputs`, "Lazy scales",
+    # the default: the reading add-RMSNorm applies the scales); decode batches only
+    "fp8-lazy-off": {"ATTNSERVE_FP8_LAZY_SCALES": "0"},
     # `_scaled_mm` without its row padding (`fp8_linear.scaled_mm_padded_rows`); decode rows only
     "fp8-nopad": {"ATTNSERVE_FP8_SCALED_MM_PAD": "0"},
     # plain causal prefills on the Triton extend kernel instead of the Gluon one (`prefill_gluon`)
@@ -139,7 +144,7 @@ ENGINE_VARIANTS = {
 DECODE_ONLY = ("fp8-16bit-tiles", "fp8-gemv-skinny", "fp8-gemv-f32", "fp8-gemv-f16x2", "fp8-gemv-dot16", "fp8-nopad",
                "fp8-rowwise-down")
 #: engine variants without the 8192-token prefill row (their change is decode-only)
-NO_PREFILL = ("fp8-w8a16-64", "fp8-mid-w8a16", "fp8-mid-w8a8", "fp8-mid-off", "fp8-rowwise-o")
+NO_PREFILL = ("fp8-w8a16-64", "fp8-mid-w8a16", "fp8-mid-w8a8", "fp8-mid-off", "fp8-rowwise-o", "fp8-lazy-off")
 
 
 def _legacy_eager_ms(fn, iters=30):

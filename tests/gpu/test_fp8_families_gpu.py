@@ -40,7 +40,7 @@ def test_marked_family_layer_matches_unfused(name, m, monkeypatch):
     from attnserve.models.layers.quantization import fp8_kernels
     from attnserve.models.layers.quantization.fp8_linear import FOLDED_DOWN_MAX_M
     from attnserve.models.layers.quantization.fp8_utils import dequantize
-    from attnserve.models.layers.quantization.fused_inputs import Fp8Activation
+    from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, ScaledProduct
 
     layers = {marked: _load(name, monkeypatch, marked) for marked in (False, True)}
     assert torch.equal(layers[False].mlp.down_proj.weight, layers[True].mlp.down_proj.weight)
@@ -55,7 +55,10 @@ def test_marked_family_layer_matches_unfused(name, m, monkeypatch):
         attn_in, _ = layer.input_layernorm.forward(x, r.clone())
         mlp_in, _ = layer.post_attention_layernorm.forward(x, r.clone())
         assert isinstance(attn_in, Fp8Activation) == marked and isinstance(mlp_in, Fp8Activation) == marked
-        outs[marked] = (layer.self_attn.qkv_proj.forward(attn_in).float(), layer.mlp.forward(mlp_in).float())
+        mlp_out = layer.mlp.forward(mlp_in)
+        if isinstance(mlp_out, ScaledProduct):  # lazy scales: applied by the reading norm (`fused_inputs`)
+            mlp_out = mlp_out.materialize()
+        outs[marked] = (layer.self_attn.qkv_proj.forward(attn_in).float(), mlp_out.float())
         if not marked:
             act = layer.mlp.gate_up_proj.forward_gated(mlp_in, "silu")
             inputs = (attn_in.float(), act.float())

@@ -318,3 +318,32 @@ def test_pdl_switch_off_launches_plainly(monkeypatch):
     assert spy.launches[0]["USE_PDL"] is False and "launch_pdl" not in spy.launches[0]
     assert spy.launches[0]["PREFETCH_LINES"] == 0
     torch.testing.assert_close(y, mid_linear(x, w, config=_plain(config)), rtol=0, atol=0)
+
+
+def test_shipped_table_entries_match_float64():
+    """Every kernel entry of the table shipped for this GPU (`mid_gemm.package_table_dir`; none
+    for GPUs without one: skipped) at its own row count, plain or gated as its key says,
+    against the float64 product within the bounds above. (The sweep that wrote the table
+    checked each candidate against cuBLAS; this keeps the shipped JSON honest after edits.)"""
+    import os
+
+    from attnserve.models.layers.mid_gemm import _read_table, package_table_dir
+
+    path = os.path.join(str(package_table_dir()), table_file_name(torch.cuda.get_device_name(), torch.bfloat16))
+    table = _read_table(path)
+    if table is None:
+        pytest.skip(f"no shipped bf16 mid GEMM table for {torch.cuda.get_device_name()}")
+    ran = 0
+    for key, rows in table.items():
+        fields = dict(part.split("=") for part in key.split(","))
+        n, k, gated = int(fields["N"]), int(fields["K"]), fields["gated"] == "1"
+        for m, cfg in rows:
+            if cfg is None:
+                continue
+            x, w, _ = _inputs(m, n, k, seed=m + n + k)
+            if gated:
+                _check_gated(mid_linear_gated(x, w, "silu", config=cfg), x, w, "silu")
+            else:
+                _check_linear(mid_linear(x, w, config=cfg), x, w)
+            ran += 1
+    assert ran > 0

@@ -123,6 +123,10 @@ BF16_TILE_VARIANTS = {
     "db128": (128, 5, 4, 0),
     "db64": (64, 5, 4, 0),
     "tb64": (64, 7, 4, 0),
+    # 64 keys at 2 / 4 stages: the best tiles of an H200 sweep at 64 x 800 and 144 x 800
+    # (``decode_batch_sweep.py --quick``, 2026-11-28)
+    "sb64": (64, 2, 4, 0),
+    "qb64": (64, 4, 4, 0),
 }
 
 

@@ -13,6 +13,7 @@ from attnserve.models.layers.fused_kernels import (
     FusedKernelUser,
     rmsnorm,
 )
+from attnserve.models.layers.quantization.fused_inputs import ScaledProduct
 
 
 class RMSNorm(nn.Module, FusedKernelUser):
@@ -62,7 +63,10 @@ class RMSNorm(nn.Module, FusedKernelUser):
         """Normalise ``x``; with ``residual``, first add it (pre-norm residual stream).
 
         Args:
-            x: ``[..., hidden_size]``.
+            x: ``[..., hidden_size]``, or a folded FP8 linear's `ScaledProduct`
+                (`fused_inputs`, "Lazy scales"): a norm that quantises its output
+                (``fp8_output``) applies its scales in its own kernel, any other
+                materialises it first.
             residual: optional tensor of the same shape. When given, ``s = x + residual``
                 is formed and ``(norm(s), s)`` is returned, so that a decoder layer carries
                 the un-normalised residual stream to the next block.
@@ -72,6 +76,18 @@ class RMSNorm(nn.Module, FusedKernelUser):
             On the fused (CUDA) path the sum is written into ``residual`` in place and that
             tensor is returned.
         """
+        if isinstance(x, ScaledProduct):  # a folded FP8 linear's unscaled output (`fused_inputs`)
+            if residual is not None and self.fp8_output and self.use_fused and x.raw.is_cuda:
+                from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, emits_fp8
+
+                if emits_fp8(x.raw, self.fused_weight_offset is not None) and x.raw.shape == residual.shape:
+                    from attnserve.models.layers.quantization.fp8_kernels import fused_add_rmsnorm_quant_fp8
+
+                    q, s = fused_add_rmsnorm_quant_fp8(x.raw, residual, self.weight, self.variance_epsilon,
+                                                       self.fused_weight_offset, row_scale=x.row_scale,
+                                                       col_scale=x.col_scale)
+                    return Fp8Activation(q, s, x.dtype), residual
+            x = x.materialize()
         if self.use_fused and x.is_cuda:
             if residual is None:
                 return rmsnorm(x, self.weight, self.variance_epsilon, self.fused_weight_offset)
@@ -110,6 +126,8 @@ class RMSNorm(nn.Module, FusedKernelUser):
         kernel when the custom all-reduce's one-shot path takes the message; otherwise
         ``tp.all_reduce`` then `forward`, as everywhere else).
         """
+        if isinstance(x_partial, ScaledProduct):
+            x_partial = x_partial.materialize()
         if (self.use_fused and x_partial.is_cuda and not self.fp8_output and self.fused_weight_offset is not None
                 and fused_add_rmsnorm_supported(x_partial, residual)):
             return tp.fused_all_reduce_add_rmsnorm(x_partial, residual, self.weight, self.variance_epsilon,

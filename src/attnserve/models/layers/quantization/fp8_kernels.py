@@ -183,7 +183,8 @@ def scaled_fp8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s
 
 
 def fused_add_rmsnorm_quant_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                                weight_offset: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+                                weight_offset: float = 0.0, row_scale: Optional[torch.Tensor] = None,
+                                col_scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``residual += x`` in place, then `quantize_activation` of ``rmsnorm(residual)``, in
     one launch (`fused_kernels.fused_add_rmsnorm` followed by `quantize_activation`, with
     the same roundings: the sum and the normalised row are rounded to ``residual``'s dtype
@@ -193,18 +194,29 @@ def fused_add_rmsnorm_quant_fp8(x: torch.Tensor, residual: torch.Tensor, weight:
         x, residual: ``[M, N]`` float16/bfloat16/float32 of one dtype, unit stride along
             ``N``; ``residual`` is overwritten.
         weight: ``[N]`` norm weight; ``eps``, ``weight_offset`` as `fused_kernels.rmsnorm`.
+        row_scale, col_scale: given together (float32, ``M`` and ``N`` values), ``x`` is an
+            unscaled FP8 product of any float dtype (a tensor-wise ``_scaled_mm`` with unit
+            scales) and is taken as `scale_rows_cols` ``(x, row_scale, col_scale,
+            residual.dtype)``, bit for bit, without that launch.
 
     Returns:
         ``(q [M, N] e4m3, s [M, 1] float32)``.
 
     Raises:
-        ValueError: shapes, dtypes or strides that do not fit, or a device without Triton
-            (CPU outside the interpreter).
+        ValueError: shapes, dtypes or strides that do not fit (or only one of the scales),
+            or a device without Triton (CPU outside the interpreter).
     """
-    if x.dim() != 2 or x.shape != residual.shape or x.dtype != residual.dtype or weight.shape != (x.shape[1],):
+    has_scales = row_scale is not None or col_scale is not None
+    if (x.dim() != 2 or x.shape != residual.shape or (x.dtype != residual.dtype and not has_scales)
+            or weight.shape != (x.shape[1],)):
         raise ValueError(f"fused_add_rmsnorm_quant_fp8: x {tuple(x.shape)} {x.dtype}, residual "
                          f"{tuple(residual.shape)} {residual.dtype}, weight {tuple(weight.shape)}: need 2-D x and "
                          "residual of one shape and dtype and a [N] weight")
+    if has_scales and (row_scale is None or col_scale is None or row_scale.numel() != x.shape[0]
+                       or col_scale.numel() != x.shape[1] or row_scale.dtype != torch.float32
+                       or col_scale.dtype != torch.float32):
+        raise ValueError(f"fused_add_rmsnorm_quant_fp8: row_scale / col_scale must be given together as float32 "
+                         f"with {x.shape[0]} and {x.shape[1]} values")
     if x.stride(1) != 1 or residual.stride(1) != 1 or not _use_triton(x):
         raise ValueError("fused_add_rmsnorm_quant_fp8: needs unit stride along N and CUDA (or TRITON_INTERPRET=1)")
     m, n = x.shape
@@ -215,9 +227,11 @@ def fused_add_rmsnorm_quant_fp8(x: torch.Tensor, residual: torch.Tensor, weight:
     from attnserve.models.layers.quantization import fp8_kernels_triton as kt
 
     block = _next_pow2(n)
+    rs = row_scale.reshape(-1).contiguous() if has_scales else s  # a placeholder pointer when unused
+    cs = col_scale.reshape(-1).contiguous() if has_scales else s
     kt._add_rmsnorm_quant_kernel[(m,)](x, residual, weight.contiguous(), q, s, n, x.stride(0), residual.stride(0),
-                                       q.stride(0), float(eps), float(weight_offset), BLOCK=block,
-                                       FP8_MAX=FP8_E4M3_MAX, EPS=SCALE_MIN * FP8_E4M3_MAX,
+                                       q.stride(0), float(eps), float(weight_offset), rs, cs, BLOCK=block,
+                                       FP8_MAX=FP8_E4M3_MAX, EPS=SCALE_MIN * FP8_E4M3_MAX, HAS_SCALES=has_scales,
                                        num_warps=max(1, min(16, block // 512)))  # the unfused norm's warps
     return q, s
 

@@ -6,7 +6,9 @@
   row is walked in ``BLOCK`` chunks twice (amax, then quantise), so any ``K`` works.
 * `_add_rmsnorm_quant_kernel` / `_silu_mul_quant_kernel`: the producers of the FP8 linears'
   inputs (fused add-RMSNorm; SiLU-and-mul) with the per-token quantisation fused, so the
-  16-bit activation is never written and read back (a launch and ``M x K x 4`` bytes saved).
+  16-bit activation is never written and read back (a launch and ``M x K x 4`` bytes saved);
+  the first can also apply `_scale_rows_cols_kernel`'s scaling to its input (a folded
+  ``o_proj`` / ``down_proj`` output, `fused_inputs.ScaledProduct`).
 * `_scale_rows_cols_kernel`: ``y = x * (rs[row] * cs[col])`` for an unscaled FP8 product ``x``
   (a tensor-wise ``_scaled_mm`` with unit scales), rounded once to ``y``'s dtype.
 * `_scaled_fp8_gemm_kernel`: ``C = (A_q * s_a) @ (B_q * s_b)^T`` for e4m3 ``A [M, K]`` and
@@ -115,15 +117,23 @@ def _scaled_fp8_gemm_kernel(
 
 @triton.jit
 def _add_rmsnorm_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, N, stride_x, stride_r, stride_q, eps, w_offset,
-                              BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr):
+                              rs_ptr, cs_ptr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr,
+                              HAS_SCALES: tl.constexpr = False):
     """Grid ``(M,)``, the whole row in registers (``BLOCK >= N``): ``r += x`` (rounded to
     ``r``'s dtype, stored), ``y = r / sqrt(mean(r^2) + eps) * (w + w_offset)`` rounded to
     ``r``'s dtype (as the unfused norm stores it), then ``y``'s per-token e4m3 ``q`` and
-    scale ``s[row]`` as `_act_quant_kernel`."""
+    scale ``s[row]`` as `_act_quant_kernel`.
+
+    HAS_SCALES: ``x`` is an unscaled FP8 product; it is first scaled and rounded as
+    `_scale_rows_cols_kernel` stores it, ``(x * (rs[row] * cs[col]))`` in float32 rounded to
+    ``r``'s dtype, so the result is that kernel's followed by this one's, bit for bit."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALES:
+        scale = tl.load(rs_ptr + row) * tl.load(cs_ptr + offs, mask=mask, other=0.0)
+        x = (x * scale).to(r_ptr.dtype.element_ty).to(tl.float32)
     r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     h = (x + r).to(r_ptr.dtype.element_ty)
     tl.store(r_ptr + row * stride_r + offs, h, mask=mask)

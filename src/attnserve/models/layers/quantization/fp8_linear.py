@@ -57,7 +57,7 @@ from attnserve.models.layers.quantization.fp8_utils import (
     cdiv,
     dequantize,
 )
-from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, emits_fp8
+from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, ScaledProduct, emits_fp8
 from attnserve.models.layers.split_k_workspace import SplitKWorkspace
 from attnserve.triton_env import triton_interpreting
 
@@ -300,7 +300,9 @@ class Fp8LinearMethod:
                                          use_fast_accum=fp8_fast_accum())
                 elif activation is None and bias is None and layer.input_scale is None and m <= folded_max_m(layer):
                     # a marked o_proj: the folded route (None on a graph capture's first call)
-                    y = self._folded_down(layer, Fp8Activation(q, sa, x2.dtype))
+                    y = self._folded_down(layer, Fp8Activation(q, sa, x2.dtype), lazy=x.dim() == 2)
+                    if isinstance(y, ScaledProduct):
+                        return y
                 if y is None:
                     y = scaled_mm_rowwise(q, sa, layer.weight, layer.weight_scale, torch.bfloat16)
                 y = y.to(x2.dtype)
@@ -379,7 +381,7 @@ class Fp8LinearMethod:
         q, s = silu_and_mul_quant_fp8(raw, x.dtype, row_scale=x.scale, col_scale=layer.weight_scale)
         return Fp8Activation(q, s, x.dtype)
 
-    def _folded_down(self, layer: nn.Module, x: Fp8Activation) -> Optional[torch.Tensor]:
+    def _folded_down(self, layer: nn.Module, x: Fp8Activation, lazy: bool = True):
         """A ``down_proj`` marked by `fused_inputs.enable_fused_producers` (its input is the
         SiLU-and-mul's `Fp8Activation`): the unscaled product ``q_x @ q_w^T`` from a
         tensor-wise ``_scaled_mm`` with unit scales, in `FOLDED_DOWN_RAW_DTYPE`, then
@@ -396,12 +398,16 @@ class Fp8LinearMethod:
         rows: row-wise / folded 13.7 / 11.1 µs at 72 rows, 13.6 / 11.6 at 144, 13.9 / 13.6 at
         200, 13.9 / 14.3 at 232 (...-fp8-scaled-mm-qkv-o-padding-2026-11-28.json; ``qkv``
         loses from 96 rows, so it stays row-wise). None when no unit scale can be made (first
-        call inside a graph capture)."""
+        call inside a graph capture). A layer marked ``fp8_lazy_output`` returns the product and
+        its scales as a `ScaledProduct` instead (with ``lazy``), for the norm that reads it
+        (`fused_inputs`, "Lazy scales")."""
         from attnserve.models.layers.quantization.fp8_kernels import scale_rows_cols
 
         raw = self._unscaled_product(layer, x, FOLDED_DOWN_RAW_DTYPE)
         if raw is None:
             return None
+        if lazy and getattr(layer, "fp8_lazy_output", False):
+            return ScaledProduct(raw, x.scale, layer.weight_scale, x.dtype)
         return scale_rows_cols(raw, x.scale, layer.weight_scale, x.dtype)
 
     def _unscaled_product(self, layer: nn.Module, x: Fp8Activation, out_dtype: torch.dtype) -> Optional[torch.Tensor]:

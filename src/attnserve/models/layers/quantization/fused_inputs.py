@@ -17,6 +17,15 @@ The attention's ``o_proj`` (its input is the attention output, 16-bit) is marked
 ``fp8_folded_max_m`` too: it quantises its input as before, then takes the same route
 (``ATTNSERVE_FP8_FOLDED_O_SCALES=0``, read at load, leaves it unmarked).
 
+**Lazy scales** (``ATTNSERVE_FP8_LAZY_SCALES=0``, read at load, turns them off): a folded
+``o_proj`` / ``down_proj`` at tp 1 whose output goes straight into a fused add-RMSNorm
+(`lazy_scale_consumers` checks who reads it) is also marked ``fp8_lazy_output``: its folded
+route returns the unscaled product and its scales as a `ScaledProduct` instead of launching
+`fp8_kernels.scale_rows_cols`, and the norm (`norm.RMSNorm.forward`) applies them in its own
+kernel (`fp8_kernels.fused_add_rmsnorm_quant_fp8` with ``row_scale`` / ``col_scale``), bit
+for bit as the two launches did; a norm that does not quantise (the final one) calls
+`ScaledProduct.materialize` first. Two launches fewer a layer.
+
 `enable_fused_producers` marks the producers whose every consumer qualifies (decoder
 layers, attention and MLP that keep Llama's ``forward``, so Qwen2 / Qwen3 / Mistral too;
 dynamic per-token activations, per-channel or per-tensor weights). At run time a marked
@@ -39,6 +48,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from attnserve.env_options import env_flag
+
 
 @dataclass
 class Fp8Activation:
@@ -57,6 +68,35 @@ class Fp8Activation:
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
+
+
+@dataclass
+class ScaledProduct:
+    """A folded FP8 linear's output whose row and column scales are still to be applied
+    (marked ``fp8_lazy_output``, see the module doc); its value is `materialize` ().
+
+    Attributes:
+        raw: ``[M, N]`` unscaled product ``q_x @ q_w^T`` (float32).
+        row_scale: float32 ``[M, 1]`` (the input's per-token scales).
+        col_scale: float32 ``[N]`` (the weight's per-channel scales).
+        dtype: the 16-bit dtype of the value.
+    """
+
+    raw: torch.Tensor
+    row_scale: torch.Tensor
+    col_scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.raw.shape
+
+    def materialize(self) -> torch.Tensor:
+        """``raw * (row_scale[m] * col_scale[n])`` in float32, rounded once to ``dtype``
+        (`fp8_kernels.scale_rows_cols`)."""
+        from attnserve.models.layers.quantization.fp8_kernels import scale_rows_cols
+
+        return scale_rows_cols(self.raw, self.row_scale, self.col_scale, self.dtype)
 
 
 def fused_producers_requested() -> bool:
@@ -106,7 +146,6 @@ def enable_fused_producers(model: nn.Module) -> int:
     scale or block-scaled weights, nor an MLP with biases (`_w8a8_per_token`; a biased
     ``qkv_proj``, as Qwen2's, is).
     """
-    from attnserve.env_options import env_flag
     from attnserve.models.layers.quantization.fp8_linear import FOLDED_DOWN_MAX_M, FOLDED_O_MAX_M, FOLDED_O_SCALES_ENV
     from attnserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
     from attnserve.models.qwen3 import Qwen3Attention
@@ -131,4 +170,55 @@ def enable_fused_producers(model: nn.Module) -> int:
                 mlp.gate_up_proj.fp8_output = True
                 mlp.down_proj.fp8_folded_max_m = FOLDED_DOWN_MAX_M  # its scales after a tensor-wise GEMM
                 count += 1
+    if env_flag(LAZY_SCALES_ENV):
+        for linear in lazy_scale_consumers(model):
+            linear.fp8_lazy_output = True
     return count
+
+
+#: environment switch of the lazy scales (read at load; ``0`` leaves every linear unmarked)
+LAZY_SCALES_ENV = "ATTNSERVE_FP8_LAZY_SCALES"
+
+
+def _plain_norm(norm: nn.Module) -> bool:
+    """An `RMSNorm` that keeps its class's ``forward`` (which takes a `ScaledProduct`)."""
+    from attnserve.models.layers.norm import RMSNorm
+
+    return isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward
+
+
+def lazy_scale_consumers(model: nn.Module) -> list:
+    """The folded linears of ``model`` (``fp8_folded_max_m`` set) whose output may stay a
+    `ScaledProduct`: at tp 1, in a decoder layer that keeps `LlamaDecoderLayer`'s ``forward``
+    with plain `RMSNorm` s, ``o_proj`` (read by that layer's ``post_attention_layernorm``)
+    and ``down_proj`` when what reads the block output is known: the next layer's
+    ``input_layernorm`` (a layer of the same kind) or, after the last layer, the final norm
+    of a model that keeps `DecoderModel`'s ``forward``. Anything else keeps its tensor."""
+    from attnserve.models.base import DecoderModel
+    from attnserve.models.llama import LlamaDecoderLayer
+
+    def llama_form(layer) -> bool:
+        return (_keeps_forward(layer, LlamaDecoderLayer, (LlamaDecoderLayer.forward,))
+                and not (layer.input_partial or layer.attn_output_partial or layer.mlp_output_partial)
+                and _plain_norm(layer.input_layernorm) and _plain_norm(layer.post_attention_layernorm))
+
+    def folded_tp1(linear) -> bool:
+        tp = getattr(linear, "tp", None)
+        return bool(getattr(linear, "fp8_folded_max_m", 0)) and (tp is None or tp.size == 1)
+
+    out = []
+    for dm in model.modules():
+        if not isinstance(dm, DecoderModel):
+            continue
+        layers = list(dm.layers)
+        last_ok = type(dm).forward is DecoderModel.forward and _plain_norm(dm.norm)
+        for i, layer in enumerate(layers):
+            if not llama_form(layer):
+                continue
+            o_proj, down = getattr(layer.self_attn, "o_proj", None), getattr(layer.mlp, "down_proj", None)
+            if folded_tp1(o_proj):
+                out.append(o_proj)
+            reader_ok = llama_form(layers[i + 1]) if i + 1 < len(layers) else last_ok
+            if reader_ok and folded_tp1(down):
+                out.append(down)
+    return out
