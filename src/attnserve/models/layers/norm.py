@@ -80,7 +80,8 @@ class RMSNorm(nn.Module, FusedKernelUser):
             if residual is not None and self.fp8_output and self.use_fused and x.raw.is_cuda:
                 from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, emits_fp8
 
-                if emits_fp8(x.raw, self.fused_weight_offset is not None) and x.raw.shape == residual.shape:
+                if (emits_fp8(x.raw, self.fused_weight_offset is not None) and x.raw.shape == residual.shape
+                        and residual.stride(-1) == 1):
                     from attnserve.models.layers.quantization.fp8_kernels import fused_add_rmsnorm_quant_fp8
 
                     q, s = fused_add_rmsnorm_quant_fp8(x.raw, residual, self.weight, self.variance_epsilon,
