@@ -139,10 +139,10 @@ def run_model(model: str, positions: int, device: str = "cpu", variants=VARIANTS
     return rows
 
 
-def _forward_fn(model: str, dtype: str, positions: int, device: str):
-    """Load ``model`` unquantised; returns ``(loaded, ids, forward)`` where ``forward()`` is
-    the teacher-forced float32 logits ``[positions + 1, V]`` of the model as it stands."""
-    from attnserve.bench.kv_accuracy import TEXT, teacher_forced_logits
+def _load_runner(model: str, dtype: str, positions: int, device: str):
+    """Load ``model`` unquantised; returns ``(loaded, ids, runner)``: the first ``positions + 1``
+    token ids of the evaluation text and a `ModelRunner` whose pool holds at least 1,024 tokens."""
+    from attnserve.bench.kv_accuracy import TEXT
     from attnserve.engine.model_runner import ModelRunner
     from attnserve.model_loader.loader import load_model
     from attnserve.server_args import ServerArgs
@@ -154,7 +154,15 @@ def _forward_fn(model: str, dtype: str, positions: int, device: str):
     ids = loaded.tokenizer(TEXT)["input_ids"][:positions + 1]
     if len(ids) < positions + 1:
         raise ValueError(f"the text has only {len(ids)} tokens for {model}; ask for fewer positions")
-    runner = ModelRunner(args, loaded)
+    return loaded, ids, ModelRunner(args, loaded)
+
+
+def _forward_fn(model: str, dtype: str, positions: int, device: str):
+    """`_load_runner`; returns ``(loaded, ids, forward)`` where ``forward()`` is the
+    teacher-forced float32 logits ``[positions + 1, V]`` of the model as it stands."""
+    from attnserve.bench.kv_accuracy import teacher_forced_logits
+
+    loaded, ids, runner = _load_runner(model, dtype, positions, device)
     return loaded, ids, lambda: teacher_forced_logits(runner, ids)
 
 

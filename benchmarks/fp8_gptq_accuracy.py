@@ -14,7 +14,7 @@ unchanged (the same e4m3 values and per-row float32 scales, amax / 448), so ever
 would serve such weights at the same speed: only the load (a calibration pass and one
 ``K x K`` Cholesky per linear) would cost.
 
-Here: the model is loaded once in bf16 (`fp8_accuracy._forward_fn`). One EXTEND over
+Here: the model is loaded once in bf16 (`fp8_accuracy._load_runner`). One EXTEND over
 ``--calib-tokens`` tokens of a calibration text that the evaluation never sees (this
 repository's README, English prose and tables; sequences of `CALIB_CHUNK` tokens) records
 each linear's ``H`` (the bf16 model's inputs: one shot, not layer by layer). Each linear is then rounded both ways
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import time
 from typing import Dict
@@ -110,13 +111,15 @@ def calibration_ids(tokenizer, n: int):
 
 def run(model: str, positions: int, calib_tokens: int, damp: float = 0.01) -> Dict:
     import fp8_schemes as fs
-    from fp8_accuracy import _forward_fn, perplexity, perplexity_ratio_se
+    from fp8_accuracy import _load_runner, perplexity, perplexity_ratio_se
 
     from attnserve.bench.kv_accuracy import compare, teacher_forced_logits
 
-    loaded, ids, forward = _forward_fn(model, "bfloat16", positions, "cpu")
-    # the runner `_forward_fn`'s closure holds (it evaluates on the text's ids; calibration runs on others)
-    runner = dict(zip(forward.__code__.co_freevars, (c.cell_contents for c in forward.__closure__)))["runner"]
+    loaded, ids, runner = _load_runner(model, "bfloat16", positions, "cpu")
+
+    def forward():
+        return teacher_forced_logits(runner, ids)
+
     lins = fs.linears(loaded.model)
     base = forward()
     t0 = time.perf_counter()
@@ -169,8 +172,6 @@ def main(argv=None) -> int:
         result["models"][model] = run(model, args.positions, args.calib_tokens, args.damp)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"cpu-fp8-gptq-accuracy-{result['date']}.json")
-    import json
-
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")
