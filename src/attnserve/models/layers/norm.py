@@ -13,7 +13,7 @@ from attnserve.models.layers.fused_kernels import (
     FusedKernelUser,
     rmsnorm,
 )
-from attnserve.models.layers.quantization.fused_inputs import ScaledProduct
+from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, ScaledProduct, emits_fp8
 
 
 class RMSNorm(nn.Module, FusedKernelUser):
@@ -78,8 +78,6 @@ class RMSNorm(nn.Module, FusedKernelUser):
         """
         if isinstance(x, ScaledProduct):  # a folded FP8 linear's unscaled output (`fused_inputs`)
             if residual is not None and self.fp8_output and self.use_fused and x.raw.is_cuda:
-                from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, emits_fp8
-
                 if (emits_fp8(x.raw, self.fused_weight_offset is not None) and x.raw.shape == residual.shape
                         and residual.stride(-1) == 1):
                     from attnserve.models.layers.quantization.fp8_kernels import fused_add_rmsnorm_quant_fp8
@@ -93,15 +91,12 @@ class RMSNorm(nn.Module, FusedKernelUser):
             if residual is None:
                 return rmsnorm(x, self.weight, self.variance_epsilon, self.fused_weight_offset)
             if fused_add_rmsnorm_supported(x, residual):
-                if self.fp8_output:
-                    from attnserve.models.layers.quantization.fused_inputs import Fp8Activation, emits_fp8
+                if self.fp8_output and emits_fp8(x, self.fused_weight_offset is not None):
+                    from attnserve.models.layers.quantization.fp8_kernels import fused_add_rmsnorm_quant_fp8
 
-                    if emits_fp8(x, self.fused_weight_offset is not None):
-                        from attnserve.models.layers.quantization.fp8_kernels import fused_add_rmsnorm_quant_fp8
-
-                        q, s = fused_add_rmsnorm_quant_fp8(x, residual, self.weight, self.variance_epsilon,
-                                                           self.fused_weight_offset)
-                        return Fp8Activation(q, s, x.dtype), residual
+                    q, s = fused_add_rmsnorm_quant_fp8(x, residual, self.weight, self.variance_epsilon,
+                                                       self.fused_weight_offset)
+                    return Fp8Activation(q, s, x.dtype), residual
                 out = fused_add_rmsnorm_unchecked(x, residual, self.weight, self.variance_epsilon,
                                                   self.fused_weight_offset)
                 return out, residual
