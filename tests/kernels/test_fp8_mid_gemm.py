@@ -90,18 +90,66 @@ def test_fp8_mid_linear_matches_float64(gen, device, mode, m, n, k, per_tensor, 
         a64 = x.double().cpu()
     cols = n // 2 if activation else n
     assert y.shape == (m, cols) and y.dtype == torch.bfloat16 and y.is_contiguous()
+    ref, bound = _reference_and_bound(a64, wq, ws, b.double().cpu() if bias else None, activation)
+    assert_within(y.double().cpu(), ref, bound, f"fp8_mid_linear {mode} m={m} {cfg}")
+    # not vacuous: a missing K step or a wrong scale moves outputs by ~|y|
+    assert float(bound.max()) < 0.05 * float(ref.abs().max())
+
+
+def _reference_and_bound(a64, wq, ws, b64, activation):
+    """float64 ``(reference, element-wise bound)`` of the module doc for the dequantised
+    activations ``a64`` and the e4m3 weight ``wq`` with its scales ``ws``."""
     w64 = dequantize(wq.cpu(), ws.cpu()).double()
-    ref, e = _bound_terms(a64, w64, b.double().cpu() if bias else None)
+    ref, e = _bound_terms(a64, w64, b64)
     if activation:
+        cols = ref.shape[1] // 2
         g, u = ref[:, :cols], ref[:, cols:]
         ref = gate_act_ref(g, activation) * u
         bound = 1.2 * u.abs() * e[:, :cols] + gate_act_ref(g, activation).abs() * e[:, cols:]
         bound = bound + (BF16_ULP + 1e-6) * ref.abs()
     else:
         bound = e + BF16_ULP * ref.abs()
-    assert_within(y.double().cpu(), ref, bound + 1e-30, f"fp8_mid_linear {mode} m={m} {cfg}")
-    # not vacuous: a missing K step or a wrong scale moves outputs by ~|y|
-    assert float(bound.max()) < 0.05 * float(ref.abs().max())
+    return ref, bound + 1e-30
+
+
+PDL_CASES = [  # mode, m, n, k, activation, config (the plain one; its PDL twin adds pdl / prefetch)
+    ("w8a8", 33, 48, 96, None, MidGemmConfig(block_n=32, block_k=32)),
+    ("w8a16", 17, 64, 160, "silu", MidGemmConfig(block_n=32, block_k=64, split_k=2)),
+    # 3 K steps over 4 splits: the last program's range is empty (its peeled step adds zeros)
+    ("w8a8", 20, 64, 96, None, MidGemmConfig(block_n=32, block_k=32, split_k=4)),
+    ("w8a8", 33, 80, 96, "gelu_tanh", MidGemmConfig(block_n=32, block_k=32, split_k=3)),
+]
+
+
+@pytest.mark.parametrize("mode,m,n,k,activation,cfg", PDL_CASES,
+                         ids=["w8a8-plain", "w8a16-silu-split2", "w8a8-split4-empty-range", "w8a8-gelu-split3"])
+def test_pdl_form_matches_plain_kernel(gen, device, mode, m, n, k, activation, cfg):
+    """The PDL form (first ``K`` step peeled, weight tiles loaded before the wait, L2 hints;
+    on a GPU also launched with PDL behind a producer kernel) gives the plain kernel's bits:
+    same accumulation order. With split-K the GPU's atomics add in any order, so there the
+    two agree to the float32 accumulation bound instead."""
+    import dataclasses
+
+    wq, ws = _weights(gen, n, k, False, device)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(device)
+    twin = dataclasses.replace(cfg, pdl=True, prefetch=2)
+
+    def run(c):
+        xin = x * 1.0  # a producer kernel right before the GEMM (the PDL launch overlaps it)
+        if mode == "w8a8":
+            q, s = quantize_activation(xin)
+            return fp8_mid_linear(q, wq, ws, None, activation, x_scale=s, out_dtype=torch.bfloat16, config=c)
+        return fp8_mid_linear(xin, wq, ws, None, activation, config=c)
+
+    plain, pdl = run(cfg), run(twin)
+    if cfg.split_k == 1 or device.type == "cpu":
+        assert torch.equal(plain, pdl)
+    else:
+        a64 = (dequantize(*quantize_activation(x)) if mode == "w8a8" else x).double().cpu()
+        ref, bound = _reference_and_bound(a64, wq, ws, None, activation)
+        for y, name in ((plain, "plain"), (pdl, "pdl")):
+            assert_within(y.double().cpu(), ref, bound, f"{name} {cfg}")
+    assert float(plain.double().abs().max()) > 0  # not vacuous
 
 
 def test_default_config_and_rejects_bad_input(gen, device):
@@ -192,3 +240,21 @@ def test_linear_routing_by_env(monkeypatch, device):
     monkeypatch.setenv("ATTNSERVE_FP8_MID_GEMM", "w4a16")
     with pytest.raises(ValueError, match="ATTNSERVE_FP8_MID_GEMM"):
         layer(x)
+
+
+def test_table_rows_with_pdl_fields():
+    """A table row's optional 7th / 8th fields give ``pdl`` / ``prefetch`` (absent: plain); the
+    PDL form keeps a stage of shared memory for its peeled first step; ``pdl`` with split-K
+    validates only for the FP8 kernel (its workspace is not zeroed by a launch right before)."""
+    from attnserve.models.layers.quantization.fp8_mid_gemm import _config_from_row
+
+    plain = _config_from_row((64, 128, 4, 6, 2, True), 64, 4096, False, "w8a8")
+    assert (plain.pdl, plain.prefetch, plain.use_tma) == (False, 0, True)
+    twin = _config_from_row((64, 128, 4, 6, 2, True, True, 3), 64, 4096, False, "w8a8")
+    assert (twin.pdl, twin.prefetch, twin.split_k) == (True, 3, 2)
+    per_stage = (64 + sum(m_pieces(64))) * 128
+    assert (twin.num_stages + 1) * per_stage <= SMEM_BUDGET and twin.num_stages <= plain.num_stages
+    assert _config_from_row((64, 128, 4, 4, 1, False, False, 3), 64, 4096, False, "w8a8").prefetch == 0
+    with pytest.raises(ValueError, match="pdl needs split_k"):
+        twin.validate()
+    twin.validate(pdl_with_split_k=True)

@@ -132,8 +132,9 @@ class MidGemmConfig:
             interpreter), else pointer loads.
         pdl: launch with programmatic dependent launch (`attnserve.pdl`): the first ``K``
             step's weight tile is loaded while the kernel before (which writes ``x``) still
-            runs. Only with ``split_k == 1`` (the split-K workspace and counters are written by
-            memsets launched right before the kernel). Used only where `pdl.pdl_enabled`
+            runs. The bf16 kernel: only with ``split_k == 1`` (its split-K workspace and
+            counters are written by memsets launched right before the kernel); the FP8 one
+            (`fp8_mid_gemm`) with any ``split_k``. Used only where `pdl.pdl_enabled`
             (Hopper+, ``ATTNSERVE_PDL`` not 0); elsewhere the plain kernel runs. A per-shape
             choice: PDL is not a gain everywhere (the skinny ``tl.dot`` form lost with it).
         prefetch: with ``pdl``, also hint the L2 to fetch the weight of this many further
@@ -150,8 +151,11 @@ class MidGemmConfig:
     pdl: bool = False
     prefetch: int = 0
 
-    def validate(self) -> None:
-        """Raise ValueError when the kernel cannot be compiled with these parameters."""
+    def validate(self, pdl_with_split_k: bool = False) -> None:
+        """Raise ValueError when the kernel cannot be compiled with these parameters.
+        ``pdl_with_split_k``: the caller's split-K buffers are not zeroed by a launch right
+        before the kernel (the FP8 mid GEMM's persistent `SplitKWorkspace`), so ``pdl`` may
+        combine with ``split_k > 1``."""
         problems = []
         if not _is_pow2(self.block_n) or not _is_pow2(self.block_k) or self.block_n < 16 or self.block_k < 16:
             problems.append("block_n and block_k must be powers of two >= 16")
@@ -159,7 +163,7 @@ class MidGemmConfig:
             problems.append("num_warps must be a power of two in 1..16")
         if self.num_stages < 1 or self.split_k < 1:
             problems.append("num_stages and split_k must be >= 1")
-        if self.pdl and self.split_k != 1:
+        if self.pdl and self.split_k != 1 and not pdl_with_split_k:
             problems.append("pdl needs split_k == 1 (split-K writes a workspace zeroed just before the kernel)")
         if self.prefetch < 0 or (self.prefetch and not self.pdl):
             problems.append("prefetch must be >= 0 and needs pdl")

@@ -99,6 +99,29 @@ def _load_w(w_ptr, w_desc, row0, k0, rows_end, K, BLOCK_N: tl.constexpr, BLOCK_K
 
 
 @triton.jit
+def _pdl_first_weights(w_ptr, w_desc, n0, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       USE_TMA: tl.constexpr, GATED: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+                       LINE_ELEMS: tl.constexpr, INTERPRET: tl.constexpr):
+    """The PDL form's prologue (this kernel's and `fp8_mid_gemm_triton`'s): the weight tile(s)
+    of the ``K`` step at ``k0`` (gate rows ``n0 ..`` and, GATED, up rows ``N + n0 ..``; without
+    GATED the second is the first), L2 hints of the next ``PREFETCH_LINES`` lines of
+    ``LINE_ELEMS`` elements of those rows, then ``gdc_wait`` for the kernel before. Only
+    weight bytes are read before the wait. INTERPRET: the loads alone."""
+    w_rows = 2 * N if GATED else N
+    w = _load_w(w_ptr, w_desc, n0, k0, N, K, BLOCK_N, BLOCK_K, USE_TMA)
+    wu = w
+    if GATED:
+        wu = _load_w(w_ptr, w_desc, N + n0, k0, w_rows, K, BLOCK_N, BLOCK_K, USE_TMA)
+    if not INTERPRET:
+        if PREFETCH_LINES > 0:
+            _prefetch_rows_l2(w_ptr, n0, k0 + BLOCK_K, N, K, BLOCK_N, PREFETCH_LINES, LINE_ELEMS)
+            if GATED:
+                _prefetch_rows_l2(w_ptr, N + n0, k0 + BLOCK_K, w_rows, K, BLOCK_N, PREFETCH_LINES, LINE_ELEMS)
+        gdc_wait()
+    return w, wu
+
+
+@triton.jit
 def _epilogue(acc1, acc2, u1, u2, b_ptr, y_ptr, stride_ym, n0, M, N, BLOCK_N: tl.constexpr,
               BLOCK_M1: tl.constexpr, BLOCK_M2: tl.constexpr, HAS_M2: tl.constexpr, HAS_BIAS: tl.constexpr,
               GATED: tl.constexpr, ACT: tl.constexpr):
@@ -235,16 +258,8 @@ def _mid_gemm_kernel(
         # Before the wait only the weight (the first step's tile(s), the L2 prefetches);
         # x, which the kernel before this one writes, is read after it. The loop below
         # (the remaining steps) is the plain one, pipelined as usual.
-        w = _load_w(w_ptr, w_desc, n0, k_lo, N, K, BLOCK_N, BLOCK_K, USE_TMA)
-        wu = w
-        if GATED:
-            wu = _load_w(w_ptr, w_desc, N + n0, k_lo, w_rows, K, BLOCK_N, BLOCK_K, USE_TMA)
-        if not INTERPRET:
-            if PREFETCH_LINES > 0:
-                _prefetch_rows_l2(w_ptr, n0, k_lo + BLOCK_K, N, K, BLOCK_N, PREFETCH_LINES, 64)
-                if GATED:
-                    _prefetch_rows_l2(w_ptr, N + n0, k_lo + BLOCK_K, w_rows, K, BLOCK_N, PREFETCH_LINES, 64)
-            gdc_wait()
+        w, wu = _pdl_first_weights(w_ptr, w_desc, n0, k_lo, N, K, BLOCK_N, BLOCK_K, USE_TMA, GATED, PREFETCH_LINES,
+                                   64, INTERPRET)
         acc1, acc2, u1, u2 = _k_step(acc1, acc2, u1, u2, w, wu, x_ptr, stride_xm, k_lo, M, K, BLOCK_K, BLOCK_M1,
                                      BLOCK_M2, HAS_M2, DOT_UPCAST, GATED)
         k_start = k_lo + BLOCK_K

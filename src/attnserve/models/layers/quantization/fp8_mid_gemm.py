@@ -41,6 +41,12 @@ weight) returns ``act(gate) * up`` from the epilogue; `Fp8LinearMethod` then qua
 token for ``down_proj`` (`quantize_activation`) where ``_scaled_mm`` would run the fused
 SiLU-and-mul quantiser.
 
+**PDL form** (``MidGemmConfig.pdl`` / ``prefetch``, any split-K; a table tuple's 7th / 8th
+fields): the first ``K`` step's weight tiles are loaded, and the L2 hinted, while the kernel
+before it still runs (`attnserve.pdl`; same bits). Opt-in per tile and in no default entry:
+timed behind the real producers on one H200 it gained at most 0.5 µs a call and lost on
+``down`` (``benchmarks/fp8_routes.py``, benchmarks/NOTES.md 2026-11-28, seventeenth).
+
 **Configs**: `FP8_MID_TABLE`, by weight shape class (`fp8_mid_shape_class`) and ``M``
 bucket (smallest of 32 / 64 / 128 / 256 at least ``M``), with `FP8_MID_MODE_OVERRIDES`
 per mode; ``benchmarks/fp8_bench.py --parts gemm --sweep`` times `fp8_mid_candidates`
@@ -61,9 +67,10 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from attnserve.models.layers.mid_gemm import MAX_MID_M, MIN_MID_M, MidGemmConfig, m_pieces, table_key
+from attnserve.models.layers.mid_gemm import MAX_MID_M, MIN_MID_M, MidGemmConfig, _next_pow2, m_pieces, table_key
 from attnserve.models.layers.skinny_gemm import SKINNY_ACTIVATIONS
 from attnserve.models.layers.split_k_workspace import SplitKWorkspace
+from attnserve.pdl import pdl_enabled
 from attnserve.triton_env import triton_interpreting
 
 __all__ = [
@@ -99,7 +106,8 @@ M_BUCKETS = (32, 64, 128, 256)
 #: the rest left to the epilogue's layout conversion)
 SMEM_BUDGET = 160 * 1024
 
-#: shape class -> M bucket -> (block_n, block_k, num_warps, num_stages, split_k[, use_tma]). Unmeasured
+#: shape class -> M bucket -> (block_n, block_k, num_warps, num_stages, split_k[, use_tma[, pdl[,
+#: prefetch]]]) (`_config_from_row`; ``pdl``: the kernel's PDL form, ``prefetch``: its L2 hints). Unmeasured
 #: starting points (2026-11-27), chosen so that a projection launches >= 2 CTAs per H100 SM:
 #: o (4096 x 4096): 64 column blocks x 4; qkv (6144 x 4096): 96 x 3; down (4096 x 14336):
 #: 64 x 8; gate_up (2 x 14336 x 4096, a program reads gate and up tiles): 224 x 2. From 128
@@ -128,7 +136,7 @@ FP8_MID_MODE_OVERRIDES: Dict[str, Dict[str, Dict[int, tuple]]] = {
 }
 #: the default route (`fp8_mid_route`, W8A8, `DEFAULT_MIN_M` .. `DEFAULT_MAX_M` rows): CUDA
 #: device tag (`tuned_configs.device_name_tag`) -> weight shape (`mid_gemm.table_key`: all
-#: ``N`` rows, ``2I`` gated) -> (block_n, block_k, num_warps, num_stages, split_k), only
+#: ``N`` rows, ``2I`` gated) -> a `FP8_MID_TABLE`-style tuple, only
 #: where the kernel beat ``_scaled_mm`` on producer-quantised rows. H100 80GB HBM3, Llama-3-8B
 #: projections, measured at 64 rows (sweep JSON above; µs ``_scaled_mm`` / this tile): qkv
 #: 15.4 / 14.3, o 13.9 / 12.7, gate_up 54.9 / 47.8 (gate fused), down 37.9 / 29.3. The wide
@@ -213,19 +221,22 @@ def _bucket(m: int) -> int:
 
 
 def _fit_stages(cfg: MidGemmConfig, m: int, gated: bool, x_itemsize: int) -> MidGemmConfig:
-    """``cfg`` with ``num_stages`` lowered until the K loop's buffers fit `SMEM_BUDGET`."""
+    """``cfg`` with ``num_stages`` lowered until the K loop's buffers fit `SMEM_BUDGET` (with
+    ``pdl``, one stage's worth is kept for the peeled first step's operands)."""
     m1, m2 = m_pieces(m)
     per_stage = ((2 if gated else 1) * cfg.block_n + (m1 + m2) * x_itemsize) * cfg.block_k
-    stages = max(1, min(cfg.num_stages, SMEM_BUDGET // per_stage))
+    stages = max(1, min(cfg.num_stages, SMEM_BUDGET // per_stage - int(cfg.pdl)))
     return dataclasses.replace(cfg, num_stages=stages)
 
 
 def _config_from_row(row: tuple, m: int, k: int, gated: bool, mode: str) -> MidGemmConfig:
-    """A table tuple -> config, ``block_k`` capped at ``next_pow2(k)``, stages fitted."""
-    bn, bk, warps, stages, split, *tma = row
+    """A table tuple ``(block_n, block_k, warps, stages, split_k[, use_tma[, pdl[, prefetch]]])``
+    -> config, ``block_k`` capped at ``next_pow2(k)``, stages fitted (``prefetch`` only with ``pdl``)."""
+    bn, bk, warps, stages, split, *rest = row
+    tma, pdl, prefetch = (list(rest) + [False, False, 0])[:3]
     bk = max(32, min(bk, 1 << max(k - 1, 0).bit_length()))
     cfg = MidGemmConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split,
-                        use_tma=bool(tma and tma[0]))
+                        use_tma=bool(tma), pdl=bool(pdl), prefetch=int(prefetch) if pdl else 0)
     return _fit_stages(cfg, m, gated, 1 if mode == "w8a8" else 2)
 
 
@@ -381,12 +392,16 @@ def fp8_mid_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     n = rows // 2 if gated else rows
     if config is None:
         config = fp8_mid_config(m, rows, k, "w8a8" if w8a8 else "w8a16", gated)
-    config.validate()
+    config.validate(pdl_with_split_k=True)
     dtype = out_dtype if w8a8 else x.dtype
     m1, m2 = m_pieces(m)
     out = torch.empty((m, n), dtype=dtype, device=x.device)
     interpret = x.device.type == "cpu"
     use_tma = bool(config.use_tma) and not interpret
+    # the interpreter runs the PDL form's peeled first step (without the griddepcontrol and
+    # prefetch instructions) and launches plainly; a GPU uses it only where PDL is on
+    use_pdl = bool(config.pdl) and (interpret or pdl_enabled(x.device))
+    prefetch_lines = _next_pow2(-(-config.prefetch * config.block_k // 128)) if use_pdl and config.prefetch else 0
     blocks = -(-n // config.block_n)
     if config.split_k > 1:  # float32 workspace [M, rows] then int32 counters, all zero
         need = m * rows + blocks
@@ -411,7 +426,9 @@ def fp8_mid_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
         SPLIT_K=config.split_k, USE_TMA=use_tma, UPCAST=interpret, W8A8=w8a8,
         WS_PER_TENSOR=weight_scale.numel() == 1 and rows > 1, HAS_BIAS=bias is not None, GATED=gated,
         ACT=SKINNY_ACTIVATIONS[activation] if gated else 0,
+        USE_PDL=use_pdl, PREFETCH_LINES=prefetch_lines, INTERPRET=interpret,
         num_warps=config.num_warps, num_stages=1 if interpret else config.num_stages,
+        **({"launch_pdl": True} if use_pdl and not interpret else {}),
     )
     return out
 

@@ -38,8 +38,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attnserve.models.layers.mid_gemm_triton import (_epilogue, _load_w, _load_x, _split_k_publish,
-                                                     _split_k_range, _split_k_read)
+from attnserve.models.layers.mid_gemm_triton import (_epilogue, _load_w, _load_x, _pdl_first_weights,
+                                                     _split_k_publish, _split_k_range, _split_k_read)
+from attnserve.pdl_triton import gdc_launch_dependents
 
 
 @triton.jit
@@ -126,7 +127,8 @@ def _fp8_mid_gemm_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_M2: tl.constexpr,
     HAS_M2: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
     W8A8: tl.constexpr, WS_PER_TENSOR: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-    ACT: tl.constexpr,
+    ACT: tl.constexpr, USE_PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
+    INTERPRET: tl.constexpr = False,
 ):
     """Grid ``(cdiv(N, BLOCK_N) * SPLIT_K,)``; ``y [M, N]`` (gated: ``w`` ``[2N, K]``).
 
@@ -138,7 +140,18 @@ def _fp8_mid_gemm_kernel(
     BLOCK_M1 + BLOCK_M2 * HAS_M2`` (``BLOCK_M2 >= 16`` even without HAS_M2). SPLIT_K > 1:
     ``wk`` float32 zeros ``[M, N or 2N]`` and ``cnt`` int32 zeros ``[cdiv(N, BLOCK_N)]``,
     both all zero again when the kernel ends.
+
+    USE_PDL (programmatic dependent launch, `attnserve.pdl`; any SPLIT_K): the program lets
+    the next kernel launch, loads its first ``K`` step's weight tile(s), hints the L2 to
+    fetch the next ``PREFETCH_LINES`` 128-byte lines of each of its weight rows (0: none),
+    then waits for the kernel before it and only then reads ``x``, ``xs``, the workspace or
+    the counters, or writes anything. A program whose split-K range is empty multiplies the
+    masked (zero) first tile, adding exact zeros. INTERPRET (the Triton interpreter): the
+    same steps without the wait, the launch signal and the prefetches.
     """
+    if USE_PDL:
+        if not INTERPRET:
+            gdc_launch_dependents()
     pid_n, k_lo, k_hi = _split_k_range(tl.program_id(0), K, SPLIT_K, BLOCK_K)
     n0 = pid_n * BLOCK_N
     w_rows = 2 * N if GATED else N
@@ -146,7 +159,22 @@ def _fp8_mid_gemm_kernel(
     u1 = tl.zeros((BLOCK_N, BLOCK_M1), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_M2), dtype=tl.float32)
     u2 = tl.zeros((BLOCK_N, BLOCK_M2), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_start = k_lo
+    if USE_PDL:
+        # before the wait only weight bytes: the first step's tile(s) and the L2 hints
+        w0, wu0 = _pdl_first_weights(w_ptr, w_desc, n0, k_lo, N, K, BLOCK_N, BLOCK_K, USE_TMA, GATED, PREFETCH_LINES,
+                                     128, INTERPRET)
+        x1 = _load_x(x_ptr, stride_xm, 0, k_lo, M, K, BLOCK_M1, BLOCK_K)
+        acc1 = _dot_acc(w0, x1, acc1, W8A8, BLOCK_K, UPCAST)
+        if GATED:
+            u1 = _dot_acc(wu0, x1, u1, W8A8, BLOCK_K, UPCAST)
+        if HAS_M2:
+            x2 = _load_x(x_ptr, stride_xm, BLOCK_M1, k_lo, M, K, BLOCK_M2, BLOCK_K)
+            acc2 = _dot_acc(w0, x2, acc2, W8A8, BLOCK_K, UPCAST)
+            if GATED:
+                u2 = _dot_acc(wu0, x2, u2, W8A8, BLOCK_K, UPCAST)
+        k_start = k_lo + BLOCK_K
+    for k0 in range(k_start, k_hi, BLOCK_K):
         w = _load_w(w_ptr, w_desc, n0, k0, N, K, BLOCK_N, BLOCK_K, USE_TMA)
         x1 = _load_x(x_ptr, stride_xm, 0, k0, M, K, BLOCK_M1, BLOCK_K)
         acc1 = _dot_acc(w, x1, acc1, W8A8, BLOCK_K, UPCAST)
