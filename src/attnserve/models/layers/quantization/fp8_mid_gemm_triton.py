@@ -55,6 +55,24 @@ def _dot_acc(w_tile, x_tile, acc, W8A8: tl.constexpr, BLOCK_K: tl.constexpr, UPC
 
 
 @triton.jit
+def _fp8_k_step(acc1, acc2, u1, u2, w, wu, x_ptr, stride_xm, k0, M, K, BLOCK_K: tl.constexpr, BLOCK_M1: tl.constexpr,
+                BLOCK_M2: tl.constexpr, HAS_M2: tl.constexpr, W8A8: tl.constexpr, UPCAST: tl.constexpr,
+                GATED: tl.constexpr):
+    """One ``K`` step from column ``k0``: the weight tile ``w`` (and, GATED, the up tile ``wu``)
+    times the activation pieces, added into the float32 accumulators."""
+    x1 = _load_x(x_ptr, stride_xm, 0, k0, M, K, BLOCK_M1, BLOCK_K)
+    acc1 = _dot_acc(w, x1, acc1, W8A8, BLOCK_K, UPCAST)
+    if GATED:
+        u1 = _dot_acc(wu, x1, u1, W8A8, BLOCK_K, UPCAST)
+    if HAS_M2:
+        x2 = _load_x(x_ptr, stride_xm, BLOCK_M1, k0, M, K, BLOCK_M2, BLOCK_K)
+        acc2 = _dot_acc(w, x2, acc2, W8A8, BLOCK_K, UPCAST)
+        if GATED:
+            u2 = _dot_acc(wu, x2, u2, W8A8, BLOCK_K, UPCAST)
+    return acc1, acc2, u1, u2
+
+
+@triton.jit
 def _scaled(acc, ws_ptr, xs_ptr, stride_xs, row0, rows_end, m0, M, W8A8: tl.constexpr,
             WS_PER_TENSOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """``acc [BLOCK_N, BLOCK_M]`` times the weight scale of rows ``row0 ..`` (and, W8A8, the
@@ -164,28 +182,16 @@ def _fp8_mid_gemm_kernel(
         # before the wait only weight bytes: the first step's tile(s) and the L2 hints
         w0, wu0 = _pdl_first_weights(w_ptr, w_desc, n0, k_lo, N, K, BLOCK_N, BLOCK_K, USE_TMA, GATED, PREFETCH_LINES,
                                      128, INTERPRET)
-        x1 = _load_x(x_ptr, stride_xm, 0, k_lo, M, K, BLOCK_M1, BLOCK_K)
-        acc1 = _dot_acc(w0, x1, acc1, W8A8, BLOCK_K, UPCAST)
-        if GATED:
-            u1 = _dot_acc(wu0, x1, u1, W8A8, BLOCK_K, UPCAST)
-        if HAS_M2:
-            x2 = _load_x(x_ptr, stride_xm, BLOCK_M1, k_lo, M, K, BLOCK_M2, BLOCK_K)
-            acc2 = _dot_acc(w0, x2, acc2, W8A8, BLOCK_K, UPCAST)
-            if GATED:
-                u2 = _dot_acc(wu0, x2, u2, W8A8, BLOCK_K, UPCAST)
+        acc1, acc2, u1, u2 = _fp8_k_step(acc1, acc2, u1, u2, w0, wu0, x_ptr, stride_xm, k_lo, M, K, BLOCK_K,
+                                         BLOCK_M1, BLOCK_M2, HAS_M2, W8A8, UPCAST, GATED)
         k_start = k_lo + BLOCK_K
     for k0 in range(k_start, k_hi, BLOCK_K):
         w = _load_w(w_ptr, w_desc, n0, k0, N, K, BLOCK_N, BLOCK_K, USE_TMA)
-        x1 = _load_x(x_ptr, stride_xm, 0, k0, M, K, BLOCK_M1, BLOCK_K)
-        acc1 = _dot_acc(w, x1, acc1, W8A8, BLOCK_K, UPCAST)
+        wu = w
         if GATED:
             wu = _load_w(w_ptr, w_desc, N + n0, k0, w_rows, K, BLOCK_N, BLOCK_K, USE_TMA)
-            u1 = _dot_acc(wu, x1, u1, W8A8, BLOCK_K, UPCAST)
-        if HAS_M2:
-            x2 = _load_x(x_ptr, stride_xm, BLOCK_M1, k0, M, K, BLOCK_M2, BLOCK_K)
-            acc2 = _dot_acc(w, x2, acc2, W8A8, BLOCK_K, UPCAST)
-            if GATED:
-                u2 = _dot_acc(wu, x2, u2, W8A8, BLOCK_K, UPCAST)
+        acc1, acc2, u1, u2 = _fp8_k_step(acc1, acc2, u1, u2, w, wu, x_ptr, stride_xm, k0, M, K, BLOCK_K, BLOCK_M1,
+                                         BLOCK_M2, HAS_M2, W8A8, UPCAST, GATED)
     if SPLIT_K == 1:
         _finish(acc1, acc2, u1, u2, ws_ptr, xs_ptr, b_ptr, y_ptr, stride_xs, stride_ym, n0, M, N, BLOCK_N,
                 BLOCK_M1, BLOCK_M2, HAS_M2, W8A8, WS_PER_TENSOR, HAS_BIAS, GATED, ACT)
