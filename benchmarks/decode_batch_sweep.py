@@ -23,7 +23,8 @@ Writes ``<out>/<device>-decode-batch-sweep-<date>.json``.
 rank's heads at tp 2 / tp 4 (and tp 1 controls); ``--tp-tiles``: this tile sweep, with split-wave
 budgets 1-8, on one tp-4 rank's heads (`TP_TILE_CASES`). JSON tags ``decode-tp-shard-splits`` /
 ``decode-tp-tiles``. ``--stages-ab`` (`stages_ab`): the engine's tile against it at 2 stages
-(``decode-stages-ab``).
+(``decode-stages-ab``). ``--head-shapes`` (`head_shape_sweep`): tiles with K's head split or
+whole on Phi-3-mini's heads (``decode-head-shapes``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ from common import bench_graph
 
 SHAPES = {"llama-3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128),
           # one rank's heads of Llama-3-8B under tensor parallelism
-          "llama-3-8b-tp2": (16, 4, 128), "llama-3-8b-tp4": (8, 2, 128)}
+          "llama-3-8b-tp2": (16, 4, 128), "llama-3-8b-tp4": (8, 2, 128),
+          # MHA with a head size that is not a power of two (Phi-3-mini / Phi-3.5-mini)
+          "phi-3-mini": (32, 32, 96)}
 #: (shape, batch, context or (lo, hi) uniform lengths, KV dtypes)
 CASES = [
     ("llama-3-8b", 64, 800, ("bf16",)),
@@ -69,6 +72,9 @@ MIN_SPLIT_TOKENS = (128, 256, 384, 512, 1024)
 #: ``--stages-ab``: the engine's stage-1 config against the same with 2 stages, at tp 1 / 2 / 4 heads
 STAGES_AB_CASES = [(shape, bs, ctx) for shape in ("llama-3-8b", "llama-3-8b-tp2", "llama-3-8b-tp4")
                    for bs, ctx in ((1, 576), (8, 4096), (64, 576), (64, 800), (144, 800), (256, (200, 1800)))]
+#: ``--head-shapes``: (shape, batch, context) cases of `head_shape_sweep`
+HEAD_SHAPE_CASES = [("phi-3-mini", bs, ctx) for bs, ctx in ((1, 2048), (8, 4096), (32, 800), (96, 800), (144, 800),
+                                                             (256, (200, 1800)))]
 ROTATE_BYTES = 256 << 20
 
 
@@ -254,6 +260,31 @@ def tp_shard_sweep() -> list:
     return rows, ceil
 
 
+def _engine_cases(cases):
+    """For each ``(shape, bs, ctx)`` of ``cases`` (bf16 KV) yields ``(shape, bs, ctx, case, splits,
+    engine)``: the `_Buffers`, the engine's split counts (`compute_num_kv_splits` with the
+    small-batch rule, `DEFAULT_NUM_KV_SPLITS` at most) and the stage-1 config the engine picks for
+    that batch (`decode_config` with the batch, KV heads and SMs). Frees the case afterwards."""
+    from attnserve.attention.backend_config import DEFAULT_NUM_KV_SPLITS
+    from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits
+    from attnserve.attention.triton_ops.decode_splits import SMALL_SPLIT_TOKENS
+    from attnserve.attention.triton_ops.decode_tuning import decode_config
+
+    props = torch.cuda.get_device_properties(0)
+    sms, smem, name = props.multi_processor_count, props.shared_memory_per_block_optin, torch.cuda.get_device_name()
+    gen = torch.Generator().manual_seed(0)
+    for shape, bs, ctx in cases:
+        case = _buffers(shape, bs, ctx, torch.bfloat16, gen, DEFAULT_NUM_KV_SPLITS)
+        splits = torch.empty(bs, dtype=torch.int32, device="cuda")
+        compute_num_kv_splits(case.lens, splits, DEFAULT_NUM_KV_SPLITS, sms, case.hkv,
+                              small_split_tokens=SMALL_SPLIT_TOKENS)
+        engine = decode_config(case.d, case.hq // case.hkv, torch.bfloat16, max_shared_mem=smem, device_name=name,
+                               batch_size=bs, num_kv_heads=case.hkv, num_sms=sms)
+        yield shape, bs, ctx, case, splits, engine
+        del case
+        torch.cuda.empty_cache()
+
+
 def stages_ab() -> list:
     """``--stages-ab``: stage 1 + 2 (graph, KV rotated, the engine's split rule) with the config
     the engine picks (`decode_config` with the batch, KV heads and SMs) against the same config at
@@ -262,26 +293,13 @@ def stages_ab() -> list:
     head counts and batches does that hold?"""
     from dataclasses import replace
 
-    from attnserve.attention.backend_config import DEFAULT_NUM_KV_SPLITS
-    from attnserve.attention.triton_ops.decode_attention import compute_num_kv_splits
-    from attnserve.attention.triton_ops.decode_splits import SMALL_SPLIT_TOKENS
-    from attnserve.attention.triton_ops.decode_tuning import decode_config
     from common import measure_ceilings
 
     ceil = measure_ceilings()
     copy_bps = ceil["copy_tbps"] * 1e12
-    props = torch.cuda.get_device_properties(0)
-    sms, smem, name = props.multi_processor_count, props.shared_memory_per_block_optin, torch.cuda.get_device_name()
-    gen = torch.Generator().manual_seed(0)
     rows = []
-    max_kv_splits = DEFAULT_NUM_KV_SPLITS
-    for shape, bs, ctx in STAGES_AB_CASES:
-        case = _buffers(shape, bs, ctx, torch.bfloat16, gen, max_kv_splits)
-        hq, hkv, d = case.hq, case.hkv, case.d
-        splits = torch.empty(bs, dtype=torch.int32, device="cuda")
-        compute_num_kv_splits(case.lens, splits, max_kv_splits, sms, hkv, small_split_tokens=SMALL_SPLIT_TOKENS)
-        engine = decode_config(d, hq // hkv, torch.bfloat16, max_shared_mem=smem, device_name=name, batch_size=bs,
-                               num_kv_heads=hkv, num_sms=sms)
+    for shape, bs, ctx, case, splits, engine in _engine_cases(STAGES_AB_CASES):
+        hq, d = case.hq, case.d
         row = {"shape": shape, "bs": bs, "context": list(ctx) if isinstance(ctx, tuple) else ctx,
                "mean_splits": float(splits.float().mean()),
                "engine_tile": [engine.block_n, engine.num_stages, engine.num_warps]}
@@ -302,7 +320,57 @@ def stages_ab() -> list:
               f"({row['engine_share']:.2f})  2 stages {row['stages2_us']:7.1f} us ({row['stages2_share']:.2f})  "
               f"x{row['speedup']:.2f}  splits {row['mean_splits']:.1f}", flush=True)
         del case
-        torch.cuda.empty_cache()
+    return rows, ceil
+
+
+def head_shape_sweep() -> list:
+    """``--head-shapes``: on `HEAD_SHAPE_CASES` (bf16 KV, the engine's split rule, graphs with the
+    KV rotated), the engine's stage-1 config against every (block_n, stages, warps) of a grid, each
+    with K's head read as main + remainder tiles (the default) and as one padded tile
+    (``DecodeConfig.whole_dk``). Question: why Phi-3-mini's stage 1 (32 KV heads of 96) streams at
+    0.69 of copy in a decode step at 96 x 800 where Mistral-7B's (8 of 128) reaches 0.85."""
+    from dataclasses import replace
+
+    from common import measure_ceilings
+
+    ceil = measure_ceilings()
+    copy_bps = ceil["copy_tbps"] * 1e12
+    rows = []
+    grid = list(itertools.product((32, 64, 128), (2, 3, 4, 5), (4, 8), (False, True)))
+    for shape, bs, ctx, case, splits, engine in _engine_cases(HEAD_SHAPE_CASES):
+        hq, d = case.hq, case.d
+        ref = None
+        case_rows = []
+        for block_n, stages, warps, whole in [(engine.block_n, engine.num_stages, engine.num_warps, engine.whole_dk)] + grid:
+            if any((r["block_n"], r["num_stages"], r["num_warps"], r["whole_dk"]) == (block_n, stages, warps, whole)
+                   for r in case_rows):
+                continue
+            cfg = replace(engine, block_n=block_n, num_stages=stages, num_warps=warps, whole_dk=whole)
+            row = {"shape": shape, "bs": bs, "context": list(ctx) if isinstance(ctx, tuple) else ctx,
+                   "mean_splits": float(splits.float().mean()), "block_n": block_n, "num_stages": stages,
+                   "num_warps": warps, "whole_dk": whole, "engine": not case_rows}
+            o = torch.empty(bs, hq, d, device="cuda", dtype=torch.bfloat16)
+            try:
+                calls = case.calls(o, splits, cfg)
+                calls[0]()
+                torch.cuda.synchronize()
+                if ref is None:
+                    ref = o.float().clone()
+                row["max_abs_diff_vs_engine"] = float((o.float() - ref).abs().max())
+                us = bench_graph(calls)
+                row["graph_us"] = us
+                row["share_of_copy_rate"] = case.kv_bytes / (us * 1e-6) / copy_bps
+            except Exception as e:  # noqa: BLE001 - a config that does not fit is a result
+                row["error"] = f"{type(e).__name__}: {e}"[:200]
+            case_rows.append(row)
+        ok = sorted((r for r in case_rows if "graph_us" in r), key=lambda r: r["graph_us"])
+        eng = case_rows[0]
+        print(f"{shape:11s} bs={bs:3d} ctx={ctx}: engine {engine.block_n}/{engine.num_stages}/{engine.num_warps} "
+              f"{eng.get('graph_us', float('nan')):7.1f} us ({eng.get('share_of_copy_rate', 0):.2f}); best: " +
+              "; ".join(f"{r['block_n']}/{r['num_stages']}/{r['num_warps']}{' whole' if r['whole_dk'] else ''} "
+                        f"{r['graph_us']:.1f} ({r['share_of_copy_rate']:.2f})" for r in ok[:4]), flush=True)
+        rows.extend(case_rows)
+        del case
     return rows, ceil
 
 
@@ -314,6 +382,8 @@ def main(argv=None) -> int:
                     help="instead: split lengths for one rank's heads at tp 2 / tp 4 (tp_shard_sweep)")
     ap.add_argument("--tp-tiles", action="store_true", help="instead: the tile sweep on TP_TILE_CASES")
     ap.add_argument("--stages-ab", action="store_true", help="instead: the engine's tile vs 2 stages (stages_ab)")
+    ap.add_argument("--head-shapes", action="store_true",
+                    help="instead: tiles and whole / split K heads on Phi-3-mini's heads (head_shape_sweep)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("decode_batch_sweep needs a CUDA GPU")
@@ -323,6 +393,8 @@ def main(argv=None) -> int:
         rows, ceil = tp_shard_sweep()
     elif args.stages_ab:
         rows, ceil = stages_ab()
+    elif args.head_shapes:
+        rows, ceil = head_shape_sweep()
     else:
         rows, ceil = sweep(args.quick, cases=TP_TILE_CASES, waves_grid=(1, 2, 4, 8)) if args.tp_tiles \
             else sweep(args.quick)
@@ -330,7 +402,8 @@ def main(argv=None) -> int:
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "cuda": torch.version.cuda, "ceilings": ceil, "rows": rows}
     tag = ("decode-tp-shard-splits" if args.tp_shards else "decode-tp-tiles" if args.tp_tiles
-           else "decode-stages-ab" if args.stages_ab else "decode-batch-sweep")
+           else "decode-stages-ab" if args.stages_ab else "decode-head-shapes" if args.head_shapes
+           else "decode-batch-sweep")
     write_result(result, args.out, tag)
     return 0
 

@@ -1,6 +1,7 @@
 """Long causal prefill through the extend kernel: the default config against its candidates.
 
-``PYTHONPATH=src python benchmarks/extend_long_sweep.py [--rounds 3] [--only NAME,...] [--cases NAME,...] [--out DIR]``
+``PYTHONPATH=src python benchmarks/extend_long_sweep.py [--rounds 3] [--only NAME,...] [--cases NAME,...]
+[--shape llama-3-8b|phi-3-mini] [--out DIR]``
 
 Issue 37's prefill target: the Llama-3-8B shape (Hq 32, Hkv 8, D 128, bf16) spends ~42 ms of an
 8,190-token FP8 prefill in `_extend_fwd_kernel` (~418 TFLOP/s). This run times, in one process
@@ -30,6 +31,10 @@ causal block (exactly ``n * (n + 1) / 2``; the convention drops the diagonal's `
 8,190-token request: 0.549 TFLOP a layer, 17.6 TFLOP over 32 layers. ``tflops`` = FLOPs / time;
 ``pct_matmul`` = that over the bf16 8192^3 ``torch.matmul`` rate measured in the same run.
 
+``--shape phi-3-mini`` (Hq 32, Hkv 32, D 96) times `PHI3_CANDIDATES` instead: the same tiles with
+K's head of 96 read as 64 + 32 (the default) or whole, padded to 128 (``ExtendConfig.whole_dk``);
+the JSON's kind is then ``extend-long-sweep-phi-3-mini``.
+
 Writes ``<out>/<device>-extend-long-sweep-<date>.json`` (date, device, torch / triton / CUDA
 versions, the matmul rate, every round) and prints one table. About 2-3 minutes on an H100,
 most of it compiling the candidates (``--budget-s`` stops adding candidates after that many
@@ -55,7 +60,8 @@ from kernel_timings import graph_us  # noqa: E402
 from attnserve.attention.triton_ops.extend_attention import ExtendConfig, extend_attention_fwd, extend_config  # noqa: E402
 from attnserve.bench.results import cuda_run_metadata, write_result  # noqa: E402
 
-HQ, HKV, D = 32, 8, 128
+#: --shape -> (Hq, Hkv, D)
+SHAPES = {"llama-3-8b": (32, 8, 128), "phi-3-mini": (32, 32, 96)}
 DEVICE = "cuda"
 # name -> ExtendConfig fields over the default (128, 64, 8, 3) for D 128 bf16
 CANDIDATES = {
@@ -74,19 +80,31 @@ CANDIDATES = {
     "64x64x4x2+desc": dict(block_m=64, num_warps=4, num_stages=2, kv_desc="kv"),
     "64x32x4x3": dict(block_m=64, block_n=32, num_warps=4),
 }
+# --shape phi-3-mini: name -> ExtendConfig fields over (128, 64, 8, 3)
+PHI3_CANDIDATES = {
+    "old-default": dict(),
+    "whole": dict(whole_dk=True),
+    "128x64x8x2+whole": dict(num_stages=2, whole_dk=True),
+    "64x64x4x3": dict(block_m=64, num_warps=4),
+    "64x64x4x3+whole": dict(block_m=64, num_warps=4, whole_dk=True),
+    "64x32x4x3+whole": dict(block_m=64, block_n=32, num_warps=4, whole_dk=True),
+    "128x32x8x3+whole": dict(block_n=32, whole_dk=True),
+}
 # name -> (new tokens per request, prefix tokens per request, requests)
 CASES = {"1x8190": (8190, 0, 1), "4x2048": (2048, 0, 4), "16x512": (512, 0, 16), "1x4096+4096": (4096, 4096, 1),
          "1x2560": (2560, 0, 1), "1x3072": (3072, 0, 1), "1x4096": (4096, 0, 1)}
 DEFAULT_CASES = ("1x8190", "4x2048", "16x512", "1x4096+4096")
 
 
-def case_flops(n: int, p: int, bs: int) -> float:
+def case_flops(n: int, p: int, bs: int, shape: str = "llama-3-8b") -> float:
     """Causal attention FLOPs of ``bs`` requests of ``n`` new tokens over ``p`` cached ones."""
-    return bs * 4 * HQ * D * (n * p + n * n / 2)
+    hq, _, d = SHAPES[shape]
+    return bs * 4 * hq * d * (n * p + n * n / 2)
 
 
-def build_case(n: int, p: int, bs: int, page: int = 16, seed: int = 0) -> dict:
-    """Seeded bf16 inputs; the prefix (if any) on random pages of ``page`` slots."""
+def build_case(n: int, p: int, bs: int, page: int = 16, seed: int = 0, shape: str = "llama-3-8b") -> dict:
+    """Seeded bf16 inputs of `SHAPES` [shape]; the prefix (if any) on random pages of ``page`` slots."""
+    HQ, HKV, D = SHAPES[shape]
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     t = n * bs
     q = torch.randn(t, HQ, D, device=DEVICE, dtype=torch.bfloat16, generator=g)
@@ -105,12 +123,12 @@ def build_case(n: int, p: int, bs: int, page: int = 16, seed: int = 0) -> dict:
     qo = torch.arange(bs + 1, device=DEVICE, dtype=torch.int32) * n
     kv_indptr = torch.arange(bs + 1, device=DEVICE, dtype=torch.int32) * p
     return dict(q=q, k=k, v=v, kb=kb, vb=vb, qo=qo, kv_indptr=kv_indptr, kv_indices=kv_indices, n=n, p=p,
-                o=torch.empty_like(q))
+                o=torch.empty_like(q), d=D)
 
 
 def launch(c: dict, config) -> None:
     extend_attention_fwd(c["q"], c["k"], c["v"], c["o"], c["kb"], c["vb"], c["qo"], c["kv_indptr"],
-                         c["kv_indices"], None, True, None, c["n"], D ** -0.5, config=config,
+                         c["kv_indices"], None, True, None, c["n"], c["d"] ** -0.5, config=config,
                          has_prefix=c["p"] > 0)
 
 
@@ -120,24 +138,30 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
     ap.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated case names of {list(CASES)}")
     ap.add_argument("--budget-s", type=float, default=200.0, help="add no candidate after this many seconds")
+    ap.add_argument("--shape", default="llama-3-8b", choices=list(SHAPES))
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
+    table = PHI3_CANDIDATES if args.shape == "phi-3-mini" else CANDIDATES
+    head_dim = SHAPES[args.shape][2]
     t0 = time.perf_counter()
     from attnserve.bench.offline_random import measure_device_rates
 
     mm = measure_device_rates()["matmul_flops_per_s"]
     print(f"bf16 8192^3 matmul: {mm / 1e12:.0f} TFLOP/s", flush=True)
-    names = [x for x in args.only.split(",") if x] or list(CANDIDATES)
-    unknown = [x for x in names if x not in CANDIDATES]
+    names = [x for x in args.only.split(",") if x] or list(table)
+    unknown = [x for x in names if x not in table]
     if unknown:
-        raise SystemExit(f"unknown candidates {unknown}; known: {list(CANDIDATES)}")
-    res = {"matmul_bf16_tflops": mm / 1e12, "candidates": {k: CANDIDATES[k] for k in names}, "cases": {},
-           "skipped_for_budget": []}
+        raise SystemExit(f"unknown candidates {unknown}; known: {list(table)}")
+    res = {"matmul_bf16_tflops": mm / 1e12, "shape": args.shape, "candidates": {k: table[k] for k in names},
+           "cases": {}, "skipped_for_budget": []}
     for case_name in [x for x in args.cases.split(",") if x]:
         n, p, bs = CASES[case_name]
-        c = build_case(n, p, bs)
-        old = extend_config(D, D, torch.bfloat16, has_prefix=p > 0)  # no device or length: the old default
-        default = extend_config(D, D, torch.bfloat16, has_prefix=p > 0, max_len_extend=n,
+        c = build_case(n, p, bs, shape=args.shape)
+        if args.shape == "phi-3-mini":  # the tiles before the whole-K rule, K as 64 + 32
+            old = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, block_n_prefix=128 if p else None)
+        else:  # no device or length: the old default
+            old = extend_config(head_dim, head_dim, torch.bfloat16, has_prefix=p > 0)
+        default = extend_config(head_dim, head_dim, torch.bfloat16, has_prefix=p > 0, max_len_extend=n,
                                 capability=torch.cuda.get_device_capability())  # as extend_attention_fwd asks
         launch(c, None)
         torch.cuda.synchronize()
@@ -149,7 +173,7 @@ def main(argv=None) -> int:
             if time.perf_counter() - t0 > args.budget_s:
                 res["skipped_for_budget"].append(f"{case_name}/{name}")
                 continue
-            cfg = dataclasses.replace(old, **CANDIDATES[name])
+            cfg = dataclasses.replace(old, **table[name])
             row = rows[name] = dict(config=dataclasses.asdict(cfg))
             try:
                 c["o"].fill_(float("nan"))
@@ -171,7 +195,7 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             for name, cfg in configs.items():
                 times[name].append(graph_us(lambda: launch(c, cfg), calls=5))
-        flops = case_flops(n, p, bs)
+        flops = case_flops(n, p, bs, args.shape)
         for name, ts in times.items():
             us = statistics.median(ts)
             rows[name].update(us=us, rounds_us=ts, tflops=flops / (us * 1e-6) / 1e12,
@@ -193,7 +217,7 @@ def main(argv=None) -> int:
     except Exception as e:  # older / newer Triton without these knobs
         res["ptxas"] = repr(e)[:200]
     print_table(res)
-    write_result(res, args.out, "extend-long-sweep", "cuda")
+    write_result(res, args.out, "extend-long-sweep" + ("" if args.shape == "llama-3-8b" else f"-{args.shape}"), "cuda")
     return 0
 
 

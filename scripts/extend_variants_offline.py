@@ -23,23 +23,27 @@ import triton
 from offline_ptxas import compile_sm90a, ptx_counts, ptxas_parser, ptxas_path, ptxas_report, try_compile
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
-from extend_long_sweep import CANDIDATES  # noqa: E402
+from extend_long_sweep import CANDIDATES, PHI3_CANDIDATES  # noqa: E402
 
 import attnserve.attention.triton_ops.extend_attention as m  # noqa: E402
 
 
-def compile_variant(cfg, has_prefix: bool, buf_ty: str = "*bf16", prefix_f16: bool = False):
+def compile_variant(cfg, has_prefix: bool, buf_ty: str = "*bf16", prefix_f16: bool = False, d: int = 128,
+                    group: int = 4):
     """Triton's compile of `_extend_fwd_kernel` for sm_90a as a launch of ``cfg`` (``buf_ty``: the
-    paged K/V pool's element type, ``"*bf16"`` or ``"*fp8e4nv"``; ``prefix_f16``: fp16 prefix dots)."""
+    paged K/V pool's element type, ``"*bf16"`` or ``"*fp8e4nv"``; ``prefix_f16``: fp16 prefix dots;
+    ``d``: the head size of K and V, ``group``: query heads per KV head)."""
     fn = m._extend_fwd_kernel
     names = fn.arg_names
     k_desc, v_desc = (not has_prefix and "k" in cfg.kv_desc), (not has_prefix and "v" in cfg.kv_desc)
-    const = dict(GROUP=4, DK=128, DV=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                 BLOCK_NP=cfg.block_n_prefix or cfg.block_n, BLOCK_D=128, BLOCK_DPE=0, BLOCK_DV=128,
+    block_d, block_dpe = m._k_dims(d, cfg.whole_dk)
+    block_dv = max(16, triton.next_power_of_2(d))
+    const = dict(GROUP=group, DK=d, DV=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                 BLOCK_NP=cfg.block_n_prefix or cfg.block_n, BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=block_dv,
                  IS_CAUSAL=True, HAS_MASK=False, PREFIX_MASK=False, HAS_WINDOW=False, HAS_CAP=False,
                  HAS_PREFIX_START=False, K_SCALED=False, V_SCALED=False, PREFIX_F16=prefix_f16, HAS_PREFIX=has_prefix,
-                 EVEN_DK=True, EVEN_DPE=True, EVEN_DV=True, COMPUTE_FP32=False, DOT_PREC=None,
-                 K_DESC=k_desc, V_DESC=v_desc)
+                 EVEN_DK=block_d <= d, EVEN_DPE=block_d + block_dpe == d, EVEN_DV=block_dv == d, COMPUTE_FP32=False,
+                 DOT_PREC=None, K_DESC=k_desc, V_DESC=v_desc)
     typed = ("q_ptr", "k_ext_ptr", "v_ext_ptr", "o_ptr")
     types = {"sm_scale": "fp32", "logit_cap": "fp32", "k_scale": "fp32", "v_scale": "fp32"}
     ptrs = [n for n in names if (n.endswith("_ptr") or n.endswith("_desc")) and n not in const
@@ -57,6 +61,9 @@ def compile_variant(cfg, has_prefix: bool, buf_ty: str = "*bf16", prefix_f16: bo
 def main(argv=None) -> int:
     ap = ptxas_parser(__doc__)
     ap.add_argument("--fp8-pool", action="store_true", help="also the prefix stage over an fp8 (e4m3) pool")
+    ap.add_argument("--phi3", action="store_true",
+                    help="instead: Phi-3-mini's heads (D 96, group 1), extend_long_sweep's PHI3_CANDIDATES, "
+                         "plain and over a prefix")
     args = ap.parse_args(argv)
     from triton import knobs
 
@@ -74,9 +81,15 @@ def main(argv=None) -> int:
     runs += [("sm90 default <= 2048", short, False, "*bf16", False),
              ("sm90 default > 2048", long, False, "*bf16", False)]
     runs += [(name, dataclasses.replace(default, **kw), False, "*bf16", False) for name, kw in CANDIDATES.items() if kw]
+    d, group = 128, 4
+    if args.phi3:
+        d, group = 96, 1
+        base = m.extend_config(96, 96, m.torch.bfloat16, has_prefix=True)
+        runs = [(f"{name}{', prefix' if pre else ''}", dataclasses.replace(base, **kw), pre, "*bf16", False)
+                for name, kw in PHI3_CANDIDATES.items() for pre in (False, True)]
     for label, cfg, has_prefix, buf_ty, prefix_f16 in runs:
-        k = try_compile(lambda: compile_variant(cfg, has_prefix, buf_ty, prefix_f16), f"{label:28s}", first_line=True,
-                        quiet=True)  # ptxas crashes are reported, not fatal
+        k = try_compile(lambda: compile_variant(cfg, has_prefix, buf_ty, prefix_f16, d, group), f"{label:28s}",
+                        first_line=True, quiet=True)  # ptxas crashes are reported, not fatal
         if k is None:
             continue
         ptx = k.asm["ptx"]

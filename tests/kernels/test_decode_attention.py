@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from attnserve.attention.triton_ops.decode_attention import DecodeConfig, decode_attention_fwd
+from attnserve.attention.triton_ops.decode_attention import DecodeConfig, decode_attention_fwd, decode_config
 from attnserve.attention.triton_ops.decode_splits import compute_num_kv_splits
 from attnserve.attention.triton_ops.decode_tuning import batch_merge_heads
 from attnserve.attention.triton_ops.kv_indices import compute_kv_indptr, create_kv_indices
@@ -99,6 +99,40 @@ def test_decode_head_dims(dk, dv, hq, hkv, shared, gen, paged, device):
     out, ref, _ = _run(gen, paged, device, lens=[33, 150], hq=hq, hkv=hkv, dk=dk, dv=dv, dtype=torch.float32,
                        page_size=4, shared_kv=shared)
     _check(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("dk,hq,hkv", [(96, 4, 4), (80, 4, 2)])
+def test_decode_whole_dk_tile(dk, hq, hkv, gen, paged, device):
+    """``DecodeConfig.whole_dk``: K's odd head size read as one masked power-of-two tile
+    (96 -> 128) instead of main + remainder tiles, against the reference."""
+    cfg = DecodeConfig(block_n=32, block_h=16, num_warps=4, num_stages=2, whole_dk=True)
+    out, ref, _ = _run(gen, paged, device, lens=[1, 45, 130], hq=hq, hkv=hkv, dk=dk, dv=dk, dtype=torch.float32,
+                       page_size=4, logit_cap=3.0, config=cfg)
+    _check(out, ref, torch.float32)
+
+
+def test_whole_dk_rule_takes_head_size_96_on_big_shared_memory(monkeypatch):
+    """`decode_tuning.WHOLE_DK_TILE`: a 16-bit cache of head size 96 on a GPU with the big shared
+    memory reads K whole with the 32-key / 5-stage tile at every batch; fp8 caches, other head
+    sizes, small shared memory and the switch off keep the tiles they had."""
+    from attnserve.attention.triton_ops import decode_tuning as dtn
+
+    monkeypatch.delenv(dtn.WHOLE_DK_ENV, raising=False)
+
+    def cfg(d=96, dtype=torch.bfloat16, bs=96, smem=227 * 1024, group=1):
+        return decode_config(d, group, dtype, max_shared_mem=smem, device_name="NVIDIA H200", batch_size=bs,
+                             num_kv_heads=32, num_sms=132)
+
+    for bs in (0, 1, 32, 96, 256):
+        c = cfg(bs=bs)
+        assert c.whole_dk and (c.block_n, c.num_stages, c.num_warps, c.maxnreg) == dtn.WHOLE_DK_TILE, bs
+    assert cfg(group=4).whole_dk
+    assert not any(c.whole_dk for c in (cfg(dtype=torch.float8_e4m3fn), cfg(d=128), cfg(d=80), cfg(d=64),
+                                        cfg(smem=100 * 1024)))
+    monkeypatch.setenv(dtn.WHOLE_DK_ENV, "0")
+    off_small, off_batch = cfg(bs=1), cfg(bs=256)
+    assert not off_small.whole_dk and (off_small.block_n, off_small.num_stages) == (128, 3)
+    assert not off_batch.whole_dk and (off_batch.block_n, off_batch.num_stages) == dtn.BATCH_TILE[:2]
 
 
 @pytest.mark.parametrize("dk,dv", [(64, 64), (80, 80), (576, 512)])

@@ -155,3 +155,39 @@ def test_launcher_passes_host_values_and_interpreter_runs_as_before(gen, device,
         s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
         ref[a:b] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv)
     torch.testing.assert_close(o.cpu().double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_whole_dk_rule_for_head_size_96(monkeypatch):
+    """`extend_tuning._whole_dk`: K and V heads of 96 read K whole on a GPU when the launch
+    has a cached-prefix stage (sm_90 or not), plain prefills keep the split; other head sizes,
+    unequal K / V sizes and ``ATTNSERVE_WHOLE_DK=0`` keep the split; the interpreter's and
+    fp32's small tiles never take it."""
+    from attnserve.attention.triton_ops.decode_tuning import WHOLE_DK_ENV
+
+    monkeypatch.delenv(WHOLE_DK_ENV, raising=False)
+    bf16 = torch.bfloat16
+    for has_prefix in (False, True):
+        for cap in (None, (9, 0), (8, 0)):
+            cfg = extend_config(96, 96, bf16, has_prefix=has_prefix, capability=cap, max_len_extend=700)
+            assert cfg.whole_dk == has_prefix, (has_prefix, cap)
+    assert not extend_config(128, 128, bf16, has_prefix=True).whole_dk
+    assert not extend_config(96, 64, bf16, has_prefix=True).whole_dk
+    assert not extend_config(80, 80, bf16, has_prefix=True).whole_dk
+    assert not extend_config(96, 96, bf16, interpret=True).whole_dk
+    assert not extend_config(96, 96, torch.float32).whole_dk
+    before = extend_config(96, 96, bf16, has_prefix=True)
+    monkeypatch.setenv(WHOLE_DK_ENV, "0")
+    after = extend_config(96, 96, bf16, has_prefix=True)
+    assert not after.whole_dk and dataclasses.replace(after, whole_dk=True) == before
+
+
+@pytest.mark.parametrize("has_prefix", [False, True])
+def test_extend_whole_dk_matches_reference(has_prefix, gen, paged, device):
+    """A head of 96 read whole (masked to 128) against the float64 reference, under the
+    interpreter (plain and over a cached prefix)."""
+    from test_extend_attention import _check, _run
+
+    cfg = ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, block_n_prefix=32, whole_dk=True)
+    _, ref, (out,) = _run(gen, paged, device, prefix=[0, 40] if has_prefix else [0, 0], ext=[33, 20], hq=4, hkv=2,
+                          dk=96, dv=96, variants=(cfg,), has_prefix=has_prefix)
+    _check(out, ref, torch.float32)

@@ -88,6 +88,12 @@ def _split_dims(d: int):
     return main, pe
 
 
+def _k_dims(d: int, whole: bool):
+    """``(BLOCK_D, BLOCK_DPE)`` for a K head of size ``d``: `_split_dims`, or with ``whole`` one
+    tile of the next power of two (its tail masked) and no remainder tile."""
+    return (max(16, triton.next_power_of_2(d)), 0) if whole else _split_dims(d)
+
+
 @triton.jit
 def _saturate_to_f16(x):
     """``x`` (bf16, fp16 or fp32) as fp16, clamped to fp16's finite range (+-65504) so that a
@@ -489,7 +495,7 @@ def decode_attention_fwd(
                       split_align=gluon_cfg.split_align, merge_block=cfg.merge_block,
                       num_warps=cfg.stage2_warps, use_pdl=False, merge_heads=cfg.merge_heads)
         return o
-    block_d, block_dpe = _split_dims(dk)
+    block_d, block_dpe = _k_dims(dk, cfg.whole_dk)
     block_dv = max(16, triton.next_power_of_2(dv))
     compute_fp32 = interpret
     dot_prec = "ieee" if (compute_fp32 or q.dtype == torch.float32) else None

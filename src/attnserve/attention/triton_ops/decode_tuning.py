@@ -35,7 +35,9 @@ class DecodeConfig:
     ``maxnreg`` launch option, PTX ``.maxnreg``; 0 = the compiler's choice, the default and
     the only value the default tiles use); merge_heads: query heads per stage-2 program
     (`decode_merge`; 1 = one program per (request, head), the only value outside the batch
-    tiles).
+    tiles); whole_dk: a K head size that is not a power of two is read as one tile of the
+    next power of two, its tail masked (96 -> 128), instead of a power-of-two main tile and a
+    remainder tile with their own gathers and dots (96 -> 64 + 32, `_split_dims`).
     """
 
     block_n: int
@@ -48,6 +50,7 @@ class DecodeConfig:
     pdl: bool = False
     maxnreg: int = 0
     merge_heads: int = 1
+    whole_dk: bool = False
 
 
 #: (block_n, num_stages, num_warps) of stage 1 for an fp8 cache on an H100 / H200 below the batch
@@ -73,6 +76,21 @@ FEW_KV_HEADS = 4
 FEW_KV_HEADS_DEVICES = ("H200",)
 #: environment switch of the few-KV-heads rule (read at every `decode_config` call)
 FEW_KV_HEADS_ENV = "ATTNSERVE_DECODE_FEW_KV_HEADS"
+#: head sizes whose 16-bit cache takes `WHOLE_DK_TILE` on GPUs with the big shared memory (`_tile_config`)
+WHOLE_DK_HEAD_SIZES = (96,)
+#: (block_n, num_stages, num_warps, maxnreg) of stage 1 for those head sizes, K read as one padded
+#: tile (``DecodeConfig.whole_dk``), at every batch size. H200, Phi-3-mini heads (32 KV heads of 96),
+#: stage 1 + 2 in CUDA graphs with the KV rotated past the L2, the engine's split rule
+#: (``decode_batch_sweep.py --head-shapes``, ``results/h200-decode-head-shapes-2026-11-28.json``),
+#: µs, the tile before (128 keys, 3 stages below the batch tiles and 2 at them; K as 64 + 32) -> this:
+#: 1 x 2048 18.0 -> 14.8, 8 x 4096 114.4 -> 109.3, 32 x 800 104.9 -> 88.8, 96 x 800 321.5 -> 255.6,
+#: 144 x 800 482.3 -> 372.3, 256 x [200, 1800] 985.2 -> 820.1 (0.70-0.73 -> 0.84-0.90 of copy at 32-256
+#: requests). Reading K whole alone gave most of it (the same old tiles: 270.3 at 96 x 800, 819.5 at
+#: 256); the 32-key / 5-stage tile (two K/V buffers) the rest. Not measured on an H100.
+WHOLE_DK_TILE = (32, 5, 4, 0)
+#: environment switch of the whole-K rule of decode and extend (read at every `decode_config` /
+#: `extend_tuning.extend_config` call; ``0`` turns it off)
+WHOLE_DK_ENV = "ATTNSERVE_WHOLE_DK"
 #: (block_n, num_stages, num_warps, maxnreg) of stage 1 for an fp8 cache on an H100 / H200 at that
 #: many programs (V pairs): two K/V buffers with registers capped at 168, so 3 programs fit an SM
 #: (the ``db128r168`` variant). H100, Llama-3-8B heads, `benchmarks/decode_fp8_variants.py`, two runs
@@ -252,6 +270,9 @@ def _tile_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: boo
     sweep above kept 3 stages at 8 heads), so H100s keep 3. End to end on one H200 (Qwen2.5-7B
     shape, 4 KV heads, `bench.offline`'s random workload, one run each): 11.07 -> 11.01 s.
 
+    Head size 96 (Phi-3-mini, Phi-3.5-mini) with a 16-bit cache: `WHOLE_DK_TILE` at every batch,
+    K read whole (``ATTNSERVE_WHOLE_DK=0`` turns it off); measurements at the constant.
+
     Measured on an H100 (benchmarks/decode_sweep.py, 2026-11-21, bf16, d 64 and 128, bs 1/8,
     contexts 512/4096, inside CUDA graphs): 128-key tiles with 3 stages are within 7% of
     the best of 72 configurations in every case, and 16-26% faster than 64-key tiles with
@@ -270,6 +291,10 @@ def _tile_config(head_dim: int, group_size: int, dtype: torch.dtype, is_hip: boo
             block_n, stages, warps, maxnreg = variant
             return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=warps, num_stages=stages,
                                 v_pairs=fp8_hopper, maxnreg=maxnreg)
+        if head_dim in WHOLE_DK_HEAD_SIZES and dtype not in FP8_DTYPES and env_flag(WHOLE_DK_ENV):
+            block_n, stages, warps, maxnreg = WHOLE_DK_TILE
+            return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=warps, num_stages=stages,
+                                maxnreg=maxnreg, whole_dk=True)
         programs = batch_size * num_kv_heads * _head_blocks(block_h, group_size)
         if _at_batch_tiles(programs, num_sms) and (fp8_hopper or dtype not in FP8_DTYPES):
             block_n, stages, warps, maxnreg = FP8_HOPPER_BATCH_TILE if fp8_hopper else BATCH_TILE

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnserve.attention.triton_ops.decode_attention import _saturate_to_f16, _split_dims
+from attnserve.attention.triton_ops.decode_attention import _k_dims, _saturate_to_f16
 from attnserve.attention.triton_ops.extend_runs import _attn_run, _attn_run_desc, _load_tile, _runs
 from attnserve.attention.triton_ops.extend_tuning import (  # noqa: F401  (re-exported)
     EXTEND_CONFIG_ENV,
@@ -440,7 +440,7 @@ def extend_attention_fwd(
                                capability=torch.cuda.get_device_capability(q_extend.device) if cuda else None,
                                batch_invariant=batch_invariant)
     cfg = config
-    block_d, block_dpe = _split_dims(dk)
+    block_d, block_dpe = _k_dims(dk, cfg.whole_dk)
     block_dv = max(16, triton.next_power_of_2(dv))
     num_m_blocks = triton.cdiv(int(max_len_extend), cfg.block_m)
     compute_fp32 = interpret

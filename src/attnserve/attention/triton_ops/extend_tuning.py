@@ -73,6 +73,10 @@ class ExtendConfig:
     ignored. Triton 3.6's ptxas (12.8) crashed (SIGSEGV at -O2 / -O3) compiling "kv" with 3
     stages offline and on the H100; "k", "v", and "kv" with 2 or 4 stages compiled, and
     ptxas 13.0 compiled all (scripts/extend_variants_offline.py).
+
+    ``whole_dk``: a ``Dk`` that is not a power of two is read as one tile of the next power
+    of two, its tail masked (96 -> 128), instead of a main and a remainder tile with a dot
+    each (96 -> 64 + 32; `decode_attention._split_dims`), as `DecodeConfig.whole_dk`.
     """
 
     block_m: int
@@ -81,6 +85,7 @@ class ExtendConfig:
     num_stages: int
     block_n_prefix: Optional[int] = None
     kv_desc: str = ""
+    whole_dk: bool = False
 
 
 #: longest extend (tokens) of a plain causal prefill that takes `SM90_SHORT` on sm_90
@@ -175,10 +180,33 @@ def extend_config(
                       and head_dim == v_head_dim == 128 and dtype in (torch.bfloat16, torch.float16))
         if plain_sm90 and extend_defaults() == "new":
             cfg = sm90_plain_prefill_config(max_len_extend, batch_invariant)
+        if has_prefix and _whole_dk(head_dim, v_head_dim):
+            cfg = dataclasses.replace(cfg, whole_dk=True)
         return _env_override(cfg)
     if d <= 256:
         return ExtendConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)  # 255 regs, 160 KB
     return ExtendConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)  # MLA 576/512
+
+
+def _whole_dk(head_dim: int, v_head_dim: int) -> bool:
+    """Whether a launch with a cached-prefix stage reads K's head whole (`ExtendConfig.whole_dk`):
+    a head size of `decode_tuning.WHOLE_DK_HEAD_SIZES` for K and V, unless ``ATTNSERVE_WHOLE_DK=0``.
+
+    Why: with K as 64 + 32, Triton 3.6's ptxas (12.8) crashes (SIGSEGV) compiling the kernel
+    with the cached-prefix stage for head size 96 (Phi-3-mini: offline sm_90a,
+    ``scripts/extend_variants_offline.py --phi3``, and on an H200), so such a model failed
+    its first prefill over a cached prefix (the engine test of
+    ``tests/gpu/test_decode_head_sizes_gpu.py`` with ``ATTNSERVE_WHOLE_DK=0``: ptxas SIGSEGV on
+    an H200); the whole tile compiles. Plain prefills keep the
+    split, which was faster there (H200, Phi-3-mini heads, ``extend_long_sweep.py --shape
+    phi-3-mini``, ``results/h200-extend-long-sweep-phi-3-mini-2026-11-28.json``, µs split /
+    whole: 16 x 512 190 / 201, 4 x 2048 365 / 391, 1 x 8190 1091 / 1203; 4,096 new tokens over
+    4,096 cached, whole: 1039).
+    """
+    from attnserve.attention.triton_ops.decode_tuning import WHOLE_DK_ENV, WHOLE_DK_HEAD_SIZES
+    from attnserve.env_options import env_flag
+
+    return head_dim == v_head_dim and head_dim in WHOLE_DK_HEAD_SIZES and env_flag(WHOLE_DK_ENV)
 
 
 def _env_override(cfg: ExtendConfig) -> ExtendConfig:
