@@ -122,9 +122,9 @@ def test_head_size_96_whole_and_split_agree_in_graph(monkeypatch):
 @pytest.mark.parametrize("hq,hkv", [(32, 32), (32, 8)])
 def test_head_size_96_extend_matches_float64(hq, hkv, has_prefix, monkeypatch):
     """The extend kernel at head size 96 through its default path, plain and over a cached
-    prefix on 16-slot pages: a launch with the prefix stage reads K whole (with K as 64 + 32
-    that stage crashed Triton 3.6's ptxas), a plain one keeps the split, and the output
-    matches float64."""
+    prefix on 16-slot pages, no sliding window: a launch with the prefix stage reads K whole
+    (with K as 64 + 32 that stage crashed Triton 3.6's ptxas), a plain one keeps the split,
+    and the output matches float64."""
     from test_triton_kernels_gpu import EXT_LENS, EXT_PREFIX, REL_TOL, _extend, _rel_err
 
     from attnserve.attention.triton_ops import extend_tuning
@@ -147,11 +147,11 @@ def test_head_size_96_extend_matches_float64(hq, hkv, has_prefix, monkeypatch):
 
 
 def test_head_size_96_engine_serves_prefix_hits_in_bf16(tmp_path_factory):
-    """A tiny random Phi-3 with heads of 96 (Phi-3-mini's size) in bf16 on the Triton backend:
-    chunked prefills (32-token chunks) and a second batch that hits the cached prefix run the
-    extend kernel's cached-prefix stage at head size 96 (which with K as 64 + 32 crashed
-    Triton 3.6's ptxas). Every request completes with its tokens and the second batch is
-    served from the cache."""
+    """A tiny random Phi-3 with heads of 96 (Phi-3-mini's size) and no sliding window, in bf16
+    on the Triton backend: chunked prefills (32-token chunks) and a second batch that hits the
+    cached prefix run the extend kernel's cached-prefix stage at head size 96 (which with K as
+    64 + 32 crashed Triton 3.6's ptxas). Every request completes with its tokens and the
+    second batch is served from the cache."""
     import os
     import random
     import sys

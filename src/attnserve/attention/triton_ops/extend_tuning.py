@@ -193,14 +193,16 @@ def _whole_dk(head_dim: int, v_head_dim: int) -> bool:
     a head size of `decode_tuning.WHOLE_DK_HEAD_SIZES` for K and V, unless ``ATTNSERVE_WHOLE_DK=0``.
 
     Why: with K as 64 + 32, Triton 3.6's ptxas (12.8) crashes (SIGSEGV) compiling the kernel
-    with the cached-prefix stage for head size 96 (Phi-3-mini: offline sm_90a,
-    ``scripts/extend_variants_offline.py --phi3``, and on an H200), so such a model failed
-    its first prefill over a cached prefix (the engine test of
-    ``tests/gpu/test_decode_head_sizes_gpu.py`` with ``ATTNSERVE_WHOLE_DK=0``: ptxas SIGSEGV on
-    an H200); the whole tile compiles. Plain prefills keep the
-    split, which was faster there (H200, Phi-3-mini heads, ``extend_long_sweep.py --shape
-    phi-3-mini``, ``results/h200-extend-long-sweep-phi-3-mini-2026-11-28.json``, µs split /
-    whole: 16 x 512 190 / 201, 4 x 2048 365 / 391, 1 x 8190 1091 / 1203; 4,096 new tokens over
+    with the cached-prefix stage for head size 96 without a sliding window (offline sm_90a,
+    ``scripts/family_kernels_offline.py``, and on an H200: the engine test of
+    ``tests/gpu/test_decode_head_sizes_gpu.py`` with ``ATTNSERVE_WHOLE_DK=0``), so such a model
+    failed its first prefill over a cached prefix; the whole tile compiles. Phi-3-mini's and
+    Phi-3.5-mini's HF configs set ``sliding_window`` (2047 / 262144), and their windowed launch
+    compiled with the split too (offline); they now read K whole as well (255 registers, 56 bytes
+    of spills offline, against none split; not timed on a GPU). Plain prefills keep the split,
+    which was faster there (H200, Phi-3-mini heads without a window, ``extend_long_sweep.py
+    --shape phi-3-mini``, ``results/h200-extend-long-sweep-phi-3-mini-2026-11-28.json``, µs split
+    / whole: 16 x 512 190 / 201, 4 x 2048 365 / 391, 1 x 8190 1091 / 1203; 4,096 new tokens over
     4,096 cached, whole: 1039).
     """
     from attnserve.attention.triton_ops.decode_tuning import WHOLE_DK_ENV, WHOLE_DK_HEAD_SIZES
