@@ -24,7 +24,8 @@ rank's heads at tp 2 / tp 4 (and tp 1 controls); ``--tp-tiles``: this tile sweep
 budgets 1-8, on one tp-4 rank's heads (`TP_TILE_CASES`). JSON tags ``decode-tp-shard-splits`` /
 ``decode-tp-tiles``. ``--stages-ab`` (`stages_ab`): the engine's tile against it at 2 stages
 (``decode-stages-ab``). ``--head-shapes`` (`head_shape_sweep`): tiles with K's head split or
-whole on Phi-3-mini's heads (``decode-head-shapes``).
+whole on Phi-3-mini's heads (``decode-head-shapes``; ``--kv-dtype fp8_e4m3``: over an e4m3 cache,
+``decode-head-shapes-fp8_e4m3``).
 """
 
 from __future__ import annotations
@@ -260,8 +261,8 @@ def tp_shard_sweep() -> list:
     return rows, ceil
 
 
-def _engine_cases(cases):
-    """For each ``(shape, bs, ctx)`` of ``cases`` (bf16 KV) yields ``(shape, bs, ctx, case, splits,
+def _engine_cases(cases, dtype=torch.bfloat16):
+    """For each ``(shape, bs, ctx)`` of ``cases`` (a ``dtype`` KV cache) yields ``(shape, bs, ctx, case, splits,
     engine)``: the `_Buffers`, the engine's split counts (`compute_num_kv_splits` with the
     small-batch rule, `DEFAULT_NUM_KV_SPLITS` at most) and the stage-1 config the engine picks for
     that batch (`decode_config` with the batch, KV heads and SMs). Frees the case afterwards."""
@@ -274,11 +275,11 @@ def _engine_cases(cases):
     sms, smem, name = props.multi_processor_count, props.shared_memory_per_block_optin, torch.cuda.get_device_name()
     gen = torch.Generator().manual_seed(0)
     for shape, bs, ctx in cases:
-        case = _buffers(shape, bs, ctx, torch.bfloat16, gen, DEFAULT_NUM_KV_SPLITS)
+        case = _buffers(shape, bs, ctx, dtype, gen, DEFAULT_NUM_KV_SPLITS)
         splits = torch.empty(bs, dtype=torch.int32, device="cuda")
         compute_num_kv_splits(case.lens, splits, DEFAULT_NUM_KV_SPLITS, sms, case.hkv,
                               small_split_tokens=SMALL_SPLIT_TOKENS)
-        engine = decode_config(case.d, case.hq // case.hkv, torch.bfloat16, max_shared_mem=smem, device_name=name,
+        engine = decode_config(case.d, case.hq // case.hkv, dtype, max_shared_mem=smem, device_name=name,
                                batch_size=bs, num_kv_heads=case.hkv, num_sms=sms)
         yield shape, bs, ctx, case, splits, engine
         del case
@@ -323,11 +324,11 @@ def stages_ab() -> list:
     return rows, ceil
 
 
-def head_shape_sweep() -> list:
-    """``--head-shapes``: on `HEAD_SHAPE_CASES` (bf16 KV, the engine's split rule, graphs with the
-    KV rotated), the engine's stage-1 config against every (block_n, stages, warps) of a grid, each
-    with K's head read as main + remainder tiles (the default) and as one padded tile
-    (``DecodeConfig.whole_dk``). Question: why Phi-3-mini's stage 1 (32 KV heads of 96) streams at
+def head_shape_sweep(kv_dtype: str = "bf16") -> list:
+    """``--head-shapes``: on `HEAD_SHAPE_CASES` (a ``kv_dtype`` cache, a `DTYPES` key; the engine's
+    split rule, graphs with the KV rotated), the engine's stage-1 config against every (block_n,
+    stages, warps) of a grid, each with K's head read as main + remainder tiles and as one padded
+    tile (``DecodeConfig.whole_dk``). Question: why Phi-3-mini's stage 1 (32 KV heads of 96) streams at
     0.69 of copy in a decode step at 96 x 800 where Mistral-7B's (8 of 128) reaches 0.85."""
     from dataclasses import replace
 
@@ -337,17 +338,19 @@ def head_shape_sweep() -> list:
     copy_bps = ceil["copy_tbps"] * 1e12
     rows = []
     grid = list(itertools.product((32, 64, 128), (2, 3, 4, 5), (4, 8), (False, True)))
-    for shape, bs, ctx, case, splits, engine in _engine_cases(HEAD_SHAPE_CASES):
+    for shape, bs, ctx, case, splits, engine in _engine_cases(HEAD_SHAPE_CASES, DTYPES[kv_dtype]):
         hq, d = case.hq, case.d
         ref = None
         case_rows = []
-        for block_n, stages, warps, whole in [(engine.block_n, engine.num_stages, engine.num_warps, engine.whole_dk)] + grid:
+        engine_tile = (engine.block_n, engine.num_stages, engine.num_warps, engine.whole_dk)
+        for block_n, stages, warps, whole in [engine_tile] + grid:
             if any((r["block_n"], r["num_stages"], r["num_warps"], r["whole_dk"]) == (block_n, stages, warps, whole)
                    for r in case_rows):
                 continue
             cfg = replace(engine, block_n=block_n, num_stages=stages, num_warps=warps, whole_dk=whole)
             row = {"shape": shape, "bs": bs, "context": list(ctx) if isinstance(ctx, tuple) else ctx,
-                   "mean_splits": float(splits.float().mean()), "block_n": block_n, "num_stages": stages,
+                   "kv_dtype": kv_dtype, "mean_splits": float(splits.float().mean()), "block_n": block_n,
+                   "num_stages": stages,
                    "num_warps": warps, "whole_dk": whole, "engine": not case_rows}
             o = torch.empty(bs, hq, d, device="cuda", dtype=torch.bfloat16)
             try:
@@ -384,6 +387,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stages-ab", action="store_true", help="instead: the engine's tile vs 2 stages (stages_ab)")
     ap.add_argument("--head-shapes", action="store_true",
                     help="instead: tiles and whole / split K heads on Phi-3-mini's heads (head_shape_sweep)")
+    ap.add_argument("--kv-dtype", default="bf16", choices=list(DTYPES), help="the KV cache of --head-shapes")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("decode_batch_sweep needs a CUDA GPU")
@@ -394,7 +398,7 @@ def main(argv=None) -> int:
     elif args.stages_ab:
         rows, ceil = stages_ab()
     elif args.head_shapes:
-        rows, ceil = head_shape_sweep()
+        rows, ceil = head_shape_sweep(args.kv_dtype)
     else:
         rows, ceil = sweep(args.quick, cases=TP_TILE_CASES, waves_grid=(1, 2, 4, 8)) if args.tp_tiles \
             else sweep(args.quick)
@@ -402,7 +406,8 @@ def main(argv=None) -> int:
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "cuda": torch.version.cuda, "ceilings": ceil, "rows": rows}
     tag = ("decode-tp-shard-splits" if args.tp_shards else "decode-tp-tiles" if args.tp_tiles
-           else "decode-stages-ab" if args.stages_ab else "decode-head-shapes" if args.head_shapes
+           else "decode-stages-ab" if args.stages_ab
+           else "decode-head-shapes" + ("" if args.kv_dtype == "bf16" else f"-{args.kv_dtype}") if args.head_shapes
            else "decode-batch-sweep")
     write_result(result, args.out, tag)
     return 0

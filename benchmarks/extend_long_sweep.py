@@ -33,7 +33,10 @@ causal block (exactly ``n * (n + 1) / 2``; the convention drops the diagonal's `
 
 ``--shape phi-3-mini`` (Hq 32, Hkv 32, D 96) times `PHI3_CANDIDATES` instead: the same tiles with
 K's head of 96 read as 64 + 32 (the default) or whole, padded to 128 (``ExtendConfig.whole_dk``);
-the JSON's kind is then ``extend-long-sweep-phi-3-mini``.
+the JSON's kind is then ``extend-long-sweep-phi-3-mini``. ``--shape gemma-2-9b`` / ``gemma3-270m``
+(head size 256, with the models' logit cap and sliding window, `SHAPE_LAUNCH`) time
+`HEAD256_CANDIDATES` over their default tiles (their FLOPs still count the whole causal block, so
+TFLOP/s overstate the windowed long cases: compare µs).
 
 Writes ``<out>/<device>-extend-long-sweep-<date>.json`` (date, device, torch / triton / CUDA
 versions, the matmul rate, every round) and prints one table. About 2-3 minutes on an H100,
@@ -61,7 +64,12 @@ from attnserve.attention.triton_ops.extend_attention import ExtendConfig, extend
 from attnserve.bench.results import cuda_run_metadata, write_result  # noqa: E402
 
 #: --shape -> (Hq, Hkv, D)
-SHAPES = {"llama-3-8b": (32, 8, 128), "phi-3-mini": (32, 32, 96)}
+SHAPES = {"llama-3-8b": (32, 8, 128), "phi-3-mini": (32, 32, 96), "gemma-2-9b": (16, 8, 256),
+          "gemma3-270m": (4, 1, 256)}
+#: --shape -> the launch's logit cap and sliding window (``sliding_window_size``), as the model's layers
+#: pass them
+SHAPE_LAUNCH = {"gemma-2-9b": dict(logit_cap=50.0, sliding_window_size=4095),
+                "gemma3-270m": dict(sliding_window_size=511)}
 DEVICE = "cuda"
 # name -> ExtendConfig fields over the default (128, 64, 8, 3) for D 128 bf16
 CANDIDATES = {
@@ -89,6 +97,16 @@ PHI3_CANDIDATES = {
     "64x64x4x3+whole": dict(block_m=64, num_warps=4, whole_dk=True),
     "64x32x4x3+whole": dict(block_m=64, block_n=32, num_warps=4, whole_dk=True),
     "128x32x8x3+whole": dict(block_n=32, whole_dk=True),
+}
+# --shape gemma-2-9b / gemma3-270m (head size 256): name -> ExtendConfig fields over their default
+# (64, 64, 8, 2), which spills there with the models' window / cap (offline sm_90a, Triton 3.6, plain /
+# prefix launch, spill bytes: Gemma-2 204 / 76-80, Gemma 3 72 / 80-84; scripts/family_kernels_offline.py).
+# The same offline: 64x32x8x2 and 32x32x4x2 spill nothing, 128x32x8x2 0-4 bytes, 32x64x4x2 24-64
+HEAD256_CANDIDATES = {
+    "64x32x8x2": dict(block_n=32),
+    "32x64x4x2": dict(block_m=32, num_warps=4),
+    "32x32x4x2": dict(block_m=32, block_n=32, num_warps=4),
+    "128x32x8x2": dict(block_m=128, block_n=32),
 }
 # name -> (new tokens per request, prefix tokens per request, requests)
 CASES = {"1x8190": (8190, 0, 1), "4x2048": (2048, 0, 4), "16x512": (512, 0, 16), "1x4096+4096": (4096, 4096, 1),
@@ -123,13 +141,13 @@ def build_case(n: int, p: int, bs: int, page: int = 16, seed: int = 0, shape: st
     qo = torch.arange(bs + 1, device=DEVICE, dtype=torch.int32) * n
     kv_indptr = torch.arange(bs + 1, device=DEVICE, dtype=torch.int32) * p
     return dict(q=q, k=k, v=v, kb=kb, vb=vb, qo=qo, kv_indptr=kv_indptr, kv_indices=kv_indices, n=n, p=p,
-                o=torch.empty_like(q), d=D)
+                o=torch.empty_like(q), d=D, launch=SHAPE_LAUNCH.get(shape, {}))
 
 
 def launch(c: dict, config) -> None:
     extend_attention_fwd(c["q"], c["k"], c["v"], c["o"], c["kb"], c["vb"], c["qo"], c["kv_indptr"],
                          c["kv_indices"], None, True, None, c["n"], c["d"] ** -0.5, config=config,
-                         has_prefix=c["p"] > 0)
+                         has_prefix=c["p"] > 0, **c["launch"])
 
 
 def main(argv=None) -> int:
@@ -141,7 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="llama-3-8b", choices=list(SHAPES))
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
-    table = PHI3_CANDIDATES if args.shape == "phi-3-mini" else CANDIDATES
+    table = {"phi-3-mini": PHI3_CANDIDATES, "gemma-2-9b": HEAD256_CANDIDATES,
+             "gemma3-270m": HEAD256_CANDIDATES}.get(args.shape, CANDIDATES)
     head_dim = SHAPES[args.shape][2]
     t0 = time.perf_counter()
     from attnserve.bench.offline_random import measure_device_rates

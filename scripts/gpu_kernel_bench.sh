@@ -15,7 +15,10 @@
 #            is the fp8-KV decode gap a DRAM granularity limit?)
 #   layout   benchmarks/gemm_weight_layout.py (decode-size bf16 GEMMs with the weight [N, K] as today,
 #            stored [K, N], or as the GEMM's M operand: does cuBLAS pick a faster kernel?)
-#   bash scripts/gpu_kernel_bench.sh kernels [decode ragged batch fp8 routes tiles gather layout]
+#   heads    head sizes other than 128: decode stage-1 tiles at Phi-3-mini's 96 over an e4m3 cache
+#            (decode_batch_sweep.py --head-shapes --kv-dtype fp8_e4m3) and extend tiles at 256 with Gemma's
+#            cap and window (extend_long_sweep.py --shape gemma-2-9b / gemma3-270m)
+#   bash scripts/gpu_kernel_bench.sh kernels [decode ragged batch fp8 routes tiles gather layout heads]
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -35,6 +38,12 @@ for what in "${@:-kernels}"; do
     tiles) timeout "${TILES_TIMEOUT:-200}" python3 benchmarks/decode_fp8_variants.py --out "$OUT" ${TILES_ARGS:-} 2>&1 \
       | tee "$OUT/tiles.log" | tail -40
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_fp8_tiles_gpu.py 2>&1 | tail -3 ;;
+    heads) timeout "${HEADS_TIMEOUT:-200}" python3 benchmarks/decode_batch_sweep.py --head-shapes \
+      --kv-dtype fp8_e4m3 --out "$OUT" 2>&1 | tee "$OUT/heads-decode-fp8.log" | grep phi-3
+      for shape in gemma-2-9b gemma3-270m; do
+        timeout "${HEADS_TIMEOUT:-200}" python3 benchmarks/extend_long_sweep.py --shape "$shape" --out "$OUT" 2>&1 \
+          | tee "$OUT/heads-extend-$shape.log" | tail -12
+      done ;;
     gather) timeout 200 python3 benchmarks/kv_gather_granularity.py --out "$OUT" 2>&1 | tee "$OUT/gather.log" | tail -8 ;;
     layout) timeout 200 python3 benchmarks/gemm_weight_layout.py --out "$OUT/gemm-weight-layout.json" 2>&1 \
       | tee "$OUT/layout.log" | tail -45 ;;
