@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Optional
 
 import triton
 
@@ -29,21 +30,29 @@ import attnserve.attention.triton_ops.extend_attention as m  # noqa: E402
 
 
 def compile_variant(cfg, has_prefix: bool, buf_ty: str = "*bf16", prefix_f16: bool = False, d: int = 128,
-                    group: int = 4):
-    """Triton's compile of `_extend_fwd_kernel` for sm_90a as a launch of ``cfg`` (``buf_ty``: the
-    paged K/V pool's element type, ``"*bf16"`` or ``"*fp8e4nv"``; ``prefix_f16``: fp16 prefix dots;
-    ``d``: the head size of K and V, ``group``: query heads per KV head)."""
+                    group: int = 4, *, dv: Optional[int] = None, mask: bool = False, window: bool = False,
+                    cap: bool = False, kv_scaled: bool = False):
+    """Triton's compile of `_extend_fwd_kernel` for sm_90a as `extend_attention_fwd` launches ``cfg``.
+
+    ``buf_ty``: the paged K/V pool's element type, ``"*bf16"`` or ``"*fp8e4nv"``; ``prefix_f16``:
+    fp16 prefix dots; ``d`` / ``dv``: the head sizes of K and V (``dv`` defaults to ``d``);
+    ``group``: query heads per KV head; ``mask``: a custom mask (tree verification, not causal);
+    ``window`` / ``cap``: a sliding window / logit cap; ``kv_scaled``: the pool's K / V scales are
+    not 1. TMA descriptors of the new tokens (``cfg.kv_desc``) apply to plain runs only, as in the
+    launcher; both descriptor arguments are then descriptors, else pointers (its dummy tensors)."""
+    dv = d if dv is None else dv
     fn = m._extend_fwd_kernel
     names = fn.arg_names
-    k_desc, v_desc = (not has_prefix and "k" in cfg.kv_desc), (not has_prefix and "v" in cfg.kv_desc)
     block_d, block_dpe = m._k_dims(d, cfg.whole_dk)
-    block_dv = max(16, triton.next_power_of_2(d))
-    const = dict(GROUP=group, DK=d, DV=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+    block_dv = max(16, triton.next_power_of_2(dv))
+    plain_run = not mask and not cap and block_dpe == 0 and block_dv == dv and not has_prefix
+    k_desc, v_desc = (plain_run and "k" in cfg.kv_desc), (plain_run and "v" in cfg.kv_desc)
+    const = dict(GROUP=group, DK=d, DV=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                  BLOCK_NP=cfg.block_n_prefix or cfg.block_n, BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=block_dv,
-                 IS_CAUSAL=True, HAS_MASK=False, PREFIX_MASK=False, HAS_WINDOW=False, HAS_CAP=False,
-                 HAS_PREFIX_START=False, K_SCALED=False, V_SCALED=False, PREFIX_F16=prefix_f16, HAS_PREFIX=has_prefix,
-                 EVEN_DK=block_d <= d, EVEN_DPE=block_d + block_dpe == d, EVEN_DV=block_dv == d, COMPUTE_FP32=False,
-                 DOT_PREC=None, K_DESC=k_desc, V_DESC=v_desc)
+                 IS_CAUSAL=not mask, HAS_MASK=mask, PREFIX_MASK=mask, HAS_WINDOW=window, HAS_CAP=cap,
+                 HAS_PREFIX_START=False, K_SCALED=kv_scaled, V_SCALED=kv_scaled, PREFIX_F16=prefix_f16,
+                 HAS_PREFIX=has_prefix, EVEN_DK=block_d <= d, EVEN_DPE=block_d + block_dpe == d,
+                 EVEN_DV=block_dv == dv, COMPUTE_FP32=False, DOT_PREC=None, K_DESC=k_desc, V_DESC=v_desc)
     typed = ("q_ptr", "k_ext_ptr", "v_ext_ptr", "o_ptr")
     types = {"sm_scale": "fp32", "logit_cap": "fp32", "k_scale": "fp32", "v_scale": "fp32"}
     ptrs = [n for n in names if (n.endswith("_ptr") or n.endswith("_desc")) and n not in const
@@ -52,7 +61,7 @@ def compile_variant(cfg, has_prefix: bool, buf_ty: str = "*bf16", prefix_f16: bo
         types[n] = (buf_ty if n in ("k_buf_ptr", "v_buf_ptr") else "*bf16" if n in typed else "*u8" if n == "mask_ptr"
                     else "*i64" if n == "mask_indptr_ptr" else "*i32")
     if k_desc or v_desc:
-        desc = f"tensordesc<bf16[{cfg.block_n}, 128]>"
+        desc = f"tensordesc<bf16[{cfg.block_n}, {d}]>"
         types.update(k_ext_desc=desc, v_ext_desc=desc)
     divisible = set(ptrs) | {n for n in names if n.startswith("stride")}
     return compile_sm90a(fn, const, types, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), divisible)

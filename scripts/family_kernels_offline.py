@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from extend_variants_offline import compile_variant
 from offline_ptxas import compile_sm90a, ptxas_parser, ptxas_path, ptxas_report, try_compile
 
 import attnserve.attention.triton_ops.decode_attention as da  # noqa: E402
@@ -63,51 +64,22 @@ FAMILIES = {
     "gemma-2-9b": Family(16, 8, 256, 256, logit_cap=50.0, window=True),
     "deepseek-v2-lite-expanded": Family(16, 16, 192, 128),  # MLA prefill in the expanded form
 }
-_PTR_TYPES = {"q_ptr": "*bf16", "k_ext_ptr": "*bf16", "v_ext_ptr": "*bf16", "o_ptr": "*bf16", "mask_ptr": "*u8",
-              "mask_indptr_ptr": "*i64", "logits_ptr": "*fp32", "lse_ptr": "*fp32"}
-
-
-def _types(fn, const, pool_ty: str, pool_names) -> dict:
-    types = {}
-    for n in fn.arg_names:
-        if n in const:
-            continue
-        if n.endswith("_ptr") or n.endswith("_desc"):
-            types[n] = pool_ty if n in pool_names else _PTR_TYPES.get(n, "*i32")
-        elif n in ("sm_scale", "logit_cap", "k_scale", "v_scale"):
-            types[n] = "fp32"
-    return types
+#: decode stage 1's pointer arguments other than the cache (the rest are int32 metadata)
+_PTR_TYPES = {"q_ptr": "*bf16", "o_ptr": "*bf16", "logits_ptr": "*fp32", "lse_ptr": "*fp32"}
 
 
 def compile_extend(f: Family, kind: str, pool: str):
     """`_extend_fwd_kernel` as `extend_attention_fwd` launches it for ``kind`` ("plain-short",
-    "plain-long", "prefix", "mask") over a ``pool`` ("bf16" / "e4m3") cache."""
+    "plain-long", "prefix", "mask") over a ``pool`` ("bf16" / "e4m3") cache, with the tiles
+    `extend_config` picks (`extend_variants_offline.compile_variant` builds the launch)."""
     has_prefix, mask = kind in ("prefix", "mask"), kind == "mask"
     max_len = 4096 if kind == "plain-long" else 512
     cfg = ea.extend_config(f.dk, f.dv, torch.bfloat16, has_custom_mask=mask, has_prefix=has_prefix,
                            is_causal=not mask, max_len_extend=max_len, capability=(9, 0))
-    block_d, block_dpe = da._k_dims(f.dk, cfg.whole_dk)
-    block_dv = max(16, triton.next_power_of_2(f.dv))
-    plain_run = not mask and f.logit_cap <= 0 and block_dpe == 0 and block_dv == f.dv and not has_prefix
-    k_desc = bool(cfg.kv_desc) and plain_run and "k" in cfg.kv_desc
-    v_desc = bool(cfg.kv_desc) and plain_run and "v" in cfg.kv_desc
     fp8 = pool == "e4m3"
-    const = dict(GROUP=f.hq // f.hkv, DK=f.dk, DV=f.dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                 BLOCK_NP=cfg.block_n_prefix or cfg.block_n, BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=block_dv,
-                 IS_CAUSAL=not mask, HAS_MASK=mask, PREFIX_MASK=mask, HAS_WINDOW=f.window, HAS_CAP=f.logit_cap > 0,
-                 HAS_PREFIX_START=False, K_SCALED=fp8, V_SCALED=fp8, PREFIX_F16=fp8, HAS_PREFIX=has_prefix,
-                 EVEN_DK=block_d <= f.dk, EVEN_DPE=block_d + block_dpe == f.dk, EVEN_DV=block_dv == f.dv,
-                 COMPUTE_FP32=False, DOT_PREC=None, K_DESC=k_desc, V_DESC=v_desc)
-    fn = ea._extend_fwd_kernel
-    types = _types(fn, const, "*fp8e4nv" if fp8 else "*bf16", ("k_buf_ptr", "v_buf_ptr"))
-    for name, on in (("k_ext_desc", k_desc), ("v_ext_desc", v_desc)):
-        if on:
-            types[name] = f"tensordesc<bf16[{cfg.block_n}, {f.dk}]>"
-        else:
-            types.pop(name, None)
-    divisible = {n for n in types if types[n].startswith("*")} | {n for n in fn.arg_names if n.startswith("stride")}
     label = f"{cfg.block_m}x{cfg.block_n}x{cfg.num_warps}x{cfg.num_stages}" + (" whole" if cfg.whole_dk else "")
-    return label, compile_sm90a(fn, const, types, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), divisible)
+    return label, compile_variant(cfg, has_prefix, "*fp8e4nv" if fp8 else "*bf16", fp8, f.dk, f.hq // f.hkv,
+                                  dv=f.dv, mask=mask, window=f.window, cap=f.logit_cap > 0, kv_scaled=fp8)
 
 
 def compile_decode(f: Family, batch: str, pool: str):
@@ -127,11 +99,10 @@ def compile_decode(f: Family, batch: str, pool: str):
                  V_SCALED=fp8, COMPUTE_FP32=False, DOT_PREC=None, F16_DOT=fp8, V_PAIRS=v_pairs, E5M2=False,
                  USE_PDL=cfg.pdl)
     fn = da._decode_stage1_kernel
-    types = _types(fn, const, "*fp8e4nv" if fp8 else "*bf16", ("k_ptr", "v_ptr"))
+    types = {n: _PTR_TYPES.get(n, "*i32") for n in fn.arg_names if n.endswith("_ptr")}
     types["k_ptr"] = "*fp8e4nv" if fp8 else "*bf16"
     types["v_ptr"] = "*i16" if v_pairs else types["k_ptr"]
-    for n in ("sm_scale", "logit_cap", "v_scale"):
-        types[n] = "fp32"
+    types.update(sm_scale="fp32", logit_cap="fp32", v_scale="fp32")
     divisible = {n for n in types if types[n].startswith("*")} | {
         n for n in fn.arg_names if n.startswith("stride") and n != "stride_ls"}
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)

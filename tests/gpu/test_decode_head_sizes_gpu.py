@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from test_decode_small_batch_gpu import _lens, _paged_slots, _reference
+from test_extend_defaults_gpu import spy  # noqa: F401  (the fixture: the configs extend launches picked)
 
 from attnserve.attention.triton_ops import decode_tuning as dtn
 from attnserve.attention.triton_ops.decode_attention import decode_attention_fwd, decode_config
@@ -120,29 +121,17 @@ def test_head_size_96_whole_and_split_agree_in_graph(monkeypatch):
 
 @pytest.mark.parametrize("has_prefix", [False, True])
 @pytest.mark.parametrize("hq,hkv", [(32, 32), (32, 8)])
-def test_head_size_96_extend_matches_float64(hq, hkv, has_prefix, monkeypatch):
+def test_head_size_96_extend_matches_float64(hq, hkv, has_prefix, spy, monkeypatch):
     """The extend kernel at head size 96 through its default path, plain and over a cached
     prefix on 16-slot pages, no sliding window: a launch with the prefix stage reads K whole
     (with K as 64 + 32 that stage crashed Triton 3.6's ptxas), a plain one keeps the split,
-    and the output matches float64."""
+    and the output matches float64. ``spy``: the configs the launches picked."""
     from test_triton_kernels_gpu import EXT_LENS, EXT_PREFIX, REL_TOL, _extend, _rel_err
 
-    from attnserve.attention.triton_ops import extend_tuning
-
     monkeypatch.delenv(dtn.WHOLE_DK_ENV, raising=False)
-    used = []
-    real = extend_tuning.extend_config
-
-    def spy(*a, **k):
-        used.append(real(*a, **k))
-        return used[-1]
-
-    import attnserve.attention.triton_ops.extend_attention as ea
-
-    monkeypatch.setattr(ea, "extend_config", spy)
     prefix = EXT_PREFIX if has_prefix else [0] * len(EXT_PREFIX)
     o, ref = _extend(prefix, EXT_LENS, 16, hq, hkv, 96, seed=hq + hkv + has_prefix, has_prefix=has_prefix)
-    assert used and used[-1].whole_dk == has_prefix
+    assert spy and spy[-1].whole_dk == has_prefix
     assert _rel_err(o, ref) < REL_TOL
 
 

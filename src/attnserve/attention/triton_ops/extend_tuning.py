@@ -59,6 +59,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from attnserve.attention.triton_ops.decode_tuning import WHOLE_DK_ENV, WHOLE_DK_HEAD_SIZES
+from attnserve.env_options import env_flag
+
 
 @dataclass(frozen=True)
 class ExtendConfig:
@@ -205,9 +208,6 @@ def _whole_dk(head_dim: int, v_head_dim: int) -> bool:
     / whole: 16 x 512 190 / 201, 4 x 2048 365 / 391, 1 x 8190 1091 / 1203; 4,096 new tokens over
     4,096 cached, whole: 1039).
     """
-    from attnserve.attention.triton_ops.decode_tuning import WHOLE_DK_ENV, WHOLE_DK_HEAD_SIZES
-    from attnserve.env_options import env_flag
-
     return head_dim == v_head_dim and head_dim in WHOLE_DK_HEAD_SIZES and env_flag(WHOLE_DK_ENV)
 
 
