@@ -155,10 +155,10 @@ def main() -> None:
     p.add_argument("--tag", default="", help="appended to the JSON's name (e.g. an NCCL environment variant)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args()
-    if args.world_size < 2 or torch.cuda.device_count() < args.world_size:
-        raise SystemExit(f"needs {max(2, args.world_size)} GPUs, found {torch.cuda.device_count()}")
+    from common import check_world_size, run_ranks
+
+    check_world_size(args.world_size)
     t0 = time.perf_counter()
-    from common import run_ranks
     from attnserve.bench.results import cuda_run_metadata, write_result
 
     rows = run_ranks(_rank_main, args.world_size, args)

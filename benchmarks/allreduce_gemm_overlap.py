@@ -25,7 +25,9 @@ Result (two H200s, 2026-11-28, ``results/h200x2-allreduce-gemm-overlap-carveout-
 carveout does not reach these GEMMs: 8 GEMMs of 16,384 x 4,096 x 14,336 took 21.9 ms with none
 and 23.1 ms with 66 of 132 SMs "left free" (a compute-bound GEMM on half the SMs would take
 twice as long), so the ``both`` times move only with run-to-run noise (hidden share -0.3 to
-1.2 between neighbouring rows). A tp 2 engine with the carveout around its overlapped prefill
+1.2 between neighbouring rows). PyTorch applies the carveout in its cuBLASLt path only
+(``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``), hence ``--blas``: each carveout is timed under
+each preferred BLAS library. A tp 2 engine with the carveout around its overlapped prefill
 (prototype, not kept) ran its 64 x 512 prefill in 0.474 / 0.472 / 0.485 / 0.474 s (overlap
 off / on / on + 16 SMs / on + 32 SMs).
 """
@@ -97,18 +99,20 @@ def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
         main.wait_stream(side)
 
     rows = []
-    for text in args.carveouts:
+    for blas, text in [(b, c) for b in args.blas for c in args.carveouts]:
+        torch.backends.cuda.preferred_blas_library(blas)
         torch._C._set_sm_carveout_experimental(_carveout_value(text))
-        row = {"carveout": text}
+        row = {"blas": blas, "carveout": text}
         for name, fn in (("gemm_ms", gemms), ("ar_ms", ar_side), ("both_ms", both)):
             dist.barrier(group=cpu_group)
             row[name] = _timed(fn, args.reps)
         row["hidden_share"] = (row["gemm_ms"] + row["ar_ms"] - row["both_ms"]) / min(row["gemm_ms"], row["ar_ms"])
         rows.append(row)
         if rank == 0:
-            print(f"carveout {text:>5}: gemm {row['gemm_ms']:8.3f} ms  all-reduce {row['ar_ms']:8.3f} ms  "
+            print(f"{blas:>8} carveout {text:>5}: gemm {row['gemm_ms']:8.3f} ms  all-reduce {row['ar_ms']:8.3f} ms  "
                   f"both {row['both_ms']:8.3f} ms  hidden {row['hidden_share']:.2f}", flush=True)
     torch._C._set_sm_carveout_experimental(None)
+    torch.backends.cuda.preferred_blas_library("default")
     if rank == 0:
         queue.put(rows)
     dist.barrier(group=cpu_group)
@@ -125,13 +129,15 @@ def main() -> None:
     p.add_argument("--ars", type=int, default=4)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--linear", action="store_true", help="F.linear instead of torch.mm(out=)")
+    p.add_argument("--blas", nargs="+", default=["cublas", "cublaslt"],
+                   help="torch.backends.cuda.preferred_blas_library values to time (the carveout needs cublaslt)")
     p.add_argument("--carveouts", nargs="+", default=["none", "8", "16", "24", "32"])
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args()
-    if args.world_size < 2 or torch.cuda.device_count() < args.world_size:
-        raise SystemExit(f"needs {max(2, args.world_size)} GPUs, found {torch.cuda.device_count()}")
+    from common import check_world_size, run_ranks
+
+    check_world_size(args.world_size)
     t0 = time.perf_counter()
-    from common import run_ranks
     from attnserve.bench.results import cuda_run_metadata, write_result
 
     rows = run_ranks(_rank_main, args.world_size, args)

@@ -157,6 +157,13 @@ def init_rank(rank: int, world_size: int, port: int):
     return device, group, cpu_group
 
 
+def check_world_size(world_size: int) -> None:
+    """Exit with a message unless ``world_size`` is at least 2 and that many GPUs are visible
+    (the multi-GPU benchmarks' first check)."""
+    if world_size < 2 or torch.cuda.device_count() < world_size:
+        raise SystemExit(f"needs {max(2, world_size)} GPUs, found {torch.cuda.device_count()}")
+
+
 def run_ranks(rank_main: Callable, world_size: int, args) -> object:
     """Spawn ``world_size`` processes running ``rank_main(rank, world_size, port, args,
     queue)`` (each calls `init_rank` with the port), and return the one object a rank puts

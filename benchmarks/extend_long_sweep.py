@@ -98,15 +98,16 @@ PHI3_CANDIDATES = {
     "64x32x4x3+whole": dict(block_m=64, block_n=32, num_warps=4, whole_dk=True),
     "128x32x8x3+whole": dict(block_n=32, whole_dk=True),
 }
-# --shape gemma-2-9b / gemma3-270m (head size 256): name -> ExtendConfig fields over their default
-# (64, 64, 8, 2), which spills there with the models' window / cap (offline sm_90a, Triton 3.6, plain /
-# prefix launch, spill bytes: Gemma-2 204 / 76-80, Gemma 3 72 / 80-84; scripts/family_kernels_offline.py).
-# The same offline: 64x32x8x2 and 32x32x4x2 spill nothing, 128x32x8x2 0-4 bytes, 32x64x4x2 24-64
+# --shape gemma-2-9b / gemma3-270m (head size 256): name -> ExtendConfig fields over their default,
+# `extend_tuning.HEAD256_TILE` (128, 32, 8, 2) since 2026-11-28, when this sweep measured it 1.31-1.75x
+# the old (64, 64, 8, 2) on one H200 (results/h200-extend-long-sweep-{gemma-2-9b,gemma3-270m}-2026-11-28.json;
+# the old tile spilled 72-204 bytes with the models' window / cap offline, this one 0-4;
+# scripts/family_kernels_offline.py). The others lost 3-20% to the old tile except 32x64x4x2 (+3-22%).
 HEAD256_CANDIDATES = {
-    "64x32x8x2": dict(block_n=32),
-    "32x64x4x2": dict(block_m=32, num_warps=4),
-    "32x32x4x2": dict(block_m=32, block_n=32, num_warps=4),
-    "128x32x8x2": dict(block_m=128, block_n=32),
+    "64x64x8x2 (old)": dict(block_m=64, block_n=64),
+    "64x32x8x2": dict(block_m=64),
+    "32x64x4x2": dict(block_m=32, block_n=64, num_warps=4),
+    "32x32x4x2": dict(block_m=32, num_warps=4),
 }
 # name -> (new tokens per request, prefix tokens per request, requests)
 CASES = {"1x8190": (8190, 0, 1), "4x2048": (2048, 0, 4), "16x512": (512, 0, 16), "1x4096+4096": (4096, 4096, 1),

@@ -82,3 +82,25 @@ def test_extend_descriptors_are_built_on_this_gpu():
     assert _new_token_descriptors(k, k, 64, False) is not None
     assert _new_token_descriptors(k_view, k_view, 64, False) is not None
 
+
+
+@pytest.mark.parametrize("window,logit_cap", [(4095, 50.0), (511, 30.0), (-1, 0.0)])
+@pytest.mark.parametrize("has_prefix", [False, True])
+def test_head_256_default_tile(window, logit_cap, has_prefix, monkeypatch):
+    """Head size 256 (Gemma 2 / Gemma 3) with a sliding window and a logit cap: the launch's own
+    default (`extend_tuning.HEAD256_TILE`) against float64 and within bf16 rounding of the old
+    tile (``ATTNSERVE_EXTEND_DEFAULTS=old``), plain ragged prefills and over paged prefixes."""
+    from attnserve.attention.triton_ops import extend_tuning as tun
+
+    prefix = EXT_PREFIX if has_prefix else [0] * len(EXT_LENS)
+    seed = 60 + (window % 97) + int(logit_cap) + 7 * has_prefix
+    monkeypatch.delenv(tun.EXTEND_CONFIG_ENV, raising=False)
+    monkeypatch.delenv(tun.EXTEND_DEFAULTS_ENV, raising=False)
+    o, ref = _extend(prefix, EXT_LENS, 16, 8, 4, 256, seed=seed, window=window, logit_cap=logit_cap,
+                     has_prefix=has_prefix)
+    assert _rel_err(o, ref) <= REL_TOL
+    monkeypatch.setenv(tun.EXTEND_DEFAULTS_ENV, "old")
+    o_old, _ = _extend(prefix, EXT_LENS, 16, 8, 4, 256, seed=seed, window=window, logit_cap=logit_cap,
+                       has_prefix=has_prefix)
+    assert _rel_err(o_old, ref) <= REL_TOL
+    assert _rel_err(o, o_old.double()) <= 4e-3

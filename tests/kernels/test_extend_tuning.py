@@ -78,10 +78,29 @@ def test_everything_else_keeps_the_old_defaults(n):
     assert _plain(n, dtype=torch.float32) == ExtendConfig(32, 32, 4, 1)
     assert _plain(n, has_custom_mask=True) == ExtendConfig(64, 64, 8, 2)
     assert _plain(n, is_hip=True) == ExtendConfig(64, 64, 4, 1)
-    assert _plain(n, dk=256, dv=256) == ExtendConfig(64, 64, 8, 2)
+    assert _plain(n, dk=256, dv=256, has_custom_mask=True) == ExtendConfig(64, 64, 8, 2)
     # callers that pass neither device nor length (benchmarks, old call sites)
     assert extend_config(128, 128, torch.bfloat16, has_prefix=False) == OLD_PLAIN
     assert extend_config(128, 128, torch.bfloat16) == OLD_PREFIX
+
+
+@pytest.mark.parametrize("has_prefix", [False, True])
+def test_head_256_tile(monkeypatch, has_prefix):
+    """Heads of 129-256: 128 query rows x 32-key tiles on any CUDA GPU and length, plain or over
+    a prefix; custom masks and ``ATTNSERVE_EXTEND_DEFAULTS=old`` keep the old 64 x 64 tile; the
+    interpreter, fp32 and ROCm keep theirs."""
+    for cap in (H100, (8, 0), None):
+        for n in (16, 512, 8190, None):
+            for dk, dv in ((256, 256), (192, 192), (192, 128)):
+                assert _plain(n, dk=dk, dv=dv, capability=cap, has_prefix=has_prefix) == \
+                    tun.HEAD256_TILE == ExtendConfig(128, 32, 8, 2)
+    assert _plain(512, dk=256, dv=256, has_prefix=has_prefix, has_custom_mask=True) == tun.HEAD256_OLD
+    assert _plain(512, dk=256, dv=256, has_prefix=has_prefix, dtype=torch.float32) == ExtendConfig(32, 32, 4, 1)
+    assert _plain(512, dk=256, dv=256, has_prefix=has_prefix, is_hip=True) == ExtendConfig(64, 32, 4, 1)
+    assert _plain(512, dk=256, dv=256, has_prefix=has_prefix, interpret=True).block_m == 32
+    assert _plain(512, dk=576, dv=512, has_prefix=has_prefix) == ExtendConfig(32, 32, 8, 2)  # MLA, unchanged
+    monkeypatch.setenv(EXTEND_DEFAULTS_ENV, "old")
+    assert _plain(512, dk=256, dv=256, has_prefix=has_prefix) == tun.HEAD256_OLD == ExtendConfig(64, 64, 8, 2)
 
 
 def test_interpreter_config_is_unchanged_by_the_rule():

@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attnserve.models.layers.tp_prefill_overlap import (TP_OVERLAP_ENV, TP_OVERLAP_MIN_HALF_ENV,
+from attnserve.models.layers import tp_prefill_overlap as ovl
+from attnserve.models.layers.tp_prefill_overlap import (TP_OVERLAP_CARVEOUT_ENV, TP_OVERLAP_ENV,
+                                                        TP_OVERLAP_MIN_HALF_ENV, gemm_sm_carveout,
                                                         overlap_min_half_bytes, tp_overlap_applies)
 
 TP = SimpleNamespace(size=2, device_group=object())
@@ -42,3 +44,45 @@ def test_threshold_switch_and_links(monkeypatch):
         monkeypatch.setenv(TP_OVERLAP_MIN_HALF_ENV, bad)
         with pytest.raises(ValueError, match=TP_OVERLAP_MIN_HALF_ENV):
             overlap_min_half_bytes(TP)
+
+
+def test_gemm_sm_carveout_sets_and_restores(monkeypatch):
+    """``ATTNSERVE_TP_OVERLAP_SM_CARVEOUT``: unset or 0 and CPU tensors change nothing; on a CUDA
+    device the block runs with cuBLASLt preferred and the carveout set, and both are restored after
+    it, also when the block raises; a negative or non-integer value is refused, naming the
+    variable. (The CUDA calls are recorded, not made: this build may lack cuBLASLt.)"""
+    calls = []
+    state = {"blas": "cublas"}
+
+    def blas(backend=None):
+        if backend is not None:
+            calls.append(("blas", backend))
+            state["blas"] = backend
+        return state["blas"]
+
+    monkeypatch.setattr(ovl.torch.backends.cuda, "preferred_blas_library", blas)
+    monkeypatch.setattr(ovl.torch._C, "_set_sm_carveout_experimental", lambda n: calls.append(("carveout", n)))
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv(TP_OVERLAP_CARVEOUT_ENV, raising=False)
+    with gemm_sm_carveout(cuda):
+        pass
+    monkeypatch.setenv(TP_OVERLAP_CARVEOUT_ENV, "0")
+    with gemm_sm_carveout(cuda):
+        pass
+    monkeypatch.setenv(TP_OVERLAP_CARVEOUT_ENV, "32")
+    with gemm_sm_carveout(torch.device("cpu")):
+        pass
+    assert calls == []
+    with gemm_sm_carveout(cuda):
+        assert calls == [("blas", "cublaslt"), ("carveout", 32)]
+    assert calls[2:] == [("carveout", None), ("blas", "cublas")] and state["blas"] == "cublas"
+    calls.clear()
+    with pytest.raises(KeyError):
+        with gemm_sm_carveout(cuda):
+            raise KeyError("inside")
+    assert calls[-2:] == [("carveout", None), ("blas", "cublas")]
+    for bad in ("-1", "many"):
+        monkeypatch.setenv(TP_OVERLAP_CARVEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=TP_OVERLAP_CARVEOUT_ENV):
+            with gemm_sm_carveout(cuda):
+                pass

@@ -46,8 +46,10 @@ a request's bits must not depend on the longest request of its batch; they get `
 the old default's bits). fp16 takes the rule as bf16 (the same MMA shapes and bytes; timed
 in bf16 only).
 
-Environment: ``ATTNSERVE_EXTEND_DEFAULTS=old`` restores the old defaults (A/B timing; read
-at every call); ``ATTNSERVE_EXTEND_CONFIG`` replaces whatever was picked (`_env_override`).
+Head sizes 129-256 take `HEAD256_TILE` (measurements at its definition).
+
+Environment: ``ATTNSERVE_EXTEND_DEFAULTS=old`` restores the old defaults, including the head-256
+tile (A/B timing; read at every call); ``ATTNSERVE_EXTEND_CONFIG`` replaces whatever was picked (`_env_override`).
 """
 
 from __future__ import annotations
@@ -98,6 +100,21 @@ SM90_SHORT_MAX_LEN = 2048
 SM90_SHORT = ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=3)
 #: longer plain causal prefills on sm_90: the old default's tiles, K through a TMA descriptor
 SM90_LONG = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, kv_desc="k")
+
+#: head sizes 129-256 (Gemma 2 / Gemma 3: 256): 128 query rows against 32-key tiles, 8 warps, 2
+#: stages. One H200 (Triton 3.6, bf16, ``benchmarks/extend_long_sweep.py --shape gemma-2-9b`` /
+#: ``gemma3-270m``: the models' heads, logit cap and sliding window;
+#: ``results/h200-extend-long-sweep-{gemma-2-9b,gemma3-270m}-2026-11-28.json``), µs against
+#: `HEAD256_OLD`: Gemma-2-9B 1 x 8,190 2758 -> 1573 (1.75x), 4 x 2,048 1034 -> 611, 16 x 512
+#: 375 -> 244, 4,096 new over 4,096 cached 2482 -> 1498; Gemma 3 270M 1.31-1.39x on the same
+#: cases. Offline (sm_90a, ``scripts/family_kernels_offline.py``) the old tile spilled 72-204
+#: bytes with the cap and window, this one 0-4. Other bits than the old tile (keys summed in tiles
+#: of 32): relative L2 difference ~1e-3, bf16 rounding. Custom masks (not timed) keep the old
+#: tile; ``ATTNSERVE_EXTEND_DEFAULTS=old`` restores it everywhere. The H100 has the same SMs and
+#: shared memory; it was not timed there.
+HEAD256_TILE = ExtendConfig(block_m=128, block_n=32, num_warps=8, num_stages=2)
+#: the head-256 tile before 2026-11-28 (255 registers, 160 KB of shared memory)
+HEAD256_OLD = ExtendConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
 
 EXTEND_CONFIG_ENV = "ATTNSERVE_EXTEND_CONFIG"
 EXTEND_DEFAULTS_ENV = "ATTNSERVE_EXTEND_DEFAULTS"
@@ -187,7 +204,9 @@ def extend_config(
             cfg = dataclasses.replace(cfg, whole_dk=True)
         return _env_override(cfg)
     if d <= 256:
-        return ExtendConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)  # 255 regs, 160 KB
+        if has_custom_mask or extend_defaults() == "old":
+            return HEAD256_OLD
+        return HEAD256_TILE
     return ExtendConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)  # MLA 576/512
 
 

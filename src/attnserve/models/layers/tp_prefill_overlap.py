@@ -25,24 +25,57 @@ run the custom kernels on the compute stream, which cannot overlap), or at least
 ``ATTNSERVE_TP_OVERLAP_MIN_HALF_MB`` MiB where that is set. It is opt-in
 (``ATTNSERVE_TP_PREFILL_OVERLAP=1``): on four H200s it took a 64 x 512 prefill from 0.361 to
 0.337 s, but on four H100s it made it slower (0.577-0.611 s off, 0.674-0.695 s on, two runs
-each; ``benchmarks/NOTES.md``, 2026-11-27). NCCL sums each half on its own, so the bits may differ from one all-reduce of
+each; ``benchmarks/NOTES.md``, 2026-11-27).
+
+NCCL's CTAs and cuBLAS's compete for SMs. ``ATTNSERVE_TP_OVERLAP_SM_CARVEOUT=N`` runs the
+overlapped MLPs on cuBLASLt with ``N`` SMs left free (`gemm_sm_carveout`). Four H200s, 64 x 512
+prefill at tp 4, two runs each (s): overlap off 0.383 / 0.404, on 0.401 / 0.381, on with 24 SMs
+free 0.383 / 0.373, with 32 0.353 / 0.366 (``benchmarks/results/h200x4-tp4-8b-prefill-overlap-carveout-2026-11-28.json``).
+That is -7 to -9% at 32 SMs, but this host's earlier overlap-off runs spread 0.344-0.404 s, so it
+stays opt-in until an interleaved A/B settles it. NCCL sums each half on its own, so the bits may differ from one all-reduce of
 the whole message (the ring's order per element depends on the chunking); at two ranks a sum
 of two terms is the same either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
-from attnserve.env_options import env_bytes, env_flag
+from attnserve.env_options import env_bytes, env_flag, env_int
 
-__all__ = ["TP_OVERLAP_ENV", "TP_OVERLAP_MIN_HALF_ENV", "overlap_min_half_bytes", "tp_overlap_applies",
-           "overlapped_layer_forward"]
+__all__ = ["TP_OVERLAP_CARVEOUT_ENV", "TP_OVERLAP_ENV", "TP_OVERLAP_MIN_HALF_ENV", "gemm_sm_carveout",
+           "overlap_min_half_bytes", "tp_overlap_applies", "overlapped_layer_forward"]
 
 TP_OVERLAP_ENV = "ATTNSERVE_TP_PREFILL_OVERLAP"
 TP_OVERLAP_MIN_HALF_ENV = "ATTNSERVE_TP_OVERLAP_MIN_HALF_MB"
+TP_OVERLAP_CARVEOUT_ENV = "ATTNSERVE_TP_OVERLAP_SM_CARVEOUT"
+
+
+@contextlib.contextmanager
+def gemm_sm_carveout(device: torch.device):
+    """Leave ``ATTNSERVE_TP_OVERLAP_SM_CARVEOUT`` SMs free of the GEMMs issued inside (0 or
+    unset: nothing changes), so that NCCL's CTAs on the side stream run beside them.
+
+    PyTorch's carveout (``torch._C._set_sm_carveout_experimental``) reaches cuBLAS only through
+    cuBLASLt, where it sets ``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`` (PyTorch's
+    ``aten/src/ATen/cuda/CUDABlas.cpp``); plain cuBLAS ignores it (two H200s, 2026-11-28), so the
+    preferred BLAS library is switched to cuBLASLt for the block and restored after it.
+    """
+    carveout = env_int(TP_OVERLAP_CARVEOUT_ENV, 0, 0, 4096)
+    if carveout <= 0 or device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(carveout)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 def overlap_min_half_bytes(tp: Any) -> int:
@@ -125,7 +158,8 @@ def overlapped_layer_forward(layer: Any, positions: torch.Tensor, hidden_states:
     for part, h, work in zip(parts, halves, works):
         work.wait()  # the compute stream waits for this half's sum only
         y, r = layer.post_attention_layernorm.forward(part, residual[h])
-        m = layer.mlp.forward(y)  # partial sums
+        with gemm_sm_carveout(y.device):  # NCCL sums the other half meanwhile
+            m = layer.mlp.forward(y)  # partial sums
         outs.append((m, _all_reduce_async(m, tp)))
         res.append(r)
     for _, work in outs:
