@@ -2,7 +2,7 @@
 
 ``PYTHONPATH=src python benchmarks/tp_decode.py --tp 1 2 [--big-tp 2] [--skip-identity] [--tp-sample local broadcast]
 [--allreduce-fusion on off] [--profile] [--repeats 3] [--output-len 128]
-[--env-variants NAME=V[,NAME=V] ...]``
+[--env-variants NAME=V[,NAME=V] ...] [--variant-rounds N]``
 
 * Identity: Llama-3-8B shape, dummy weights, **float32** (bf16 rounding differs between an
   all-reduce of partial sums and one matmul, and random weights give near-tied logits),
@@ -37,7 +37,9 @@
   mode). ``--tp`` with no sizes runs only ``--big-tp``.
 * ``--env-variants``: every decode configuration once per variant, the variant's environment
   variables set in its fresh process (e.g. ``ATTNSERVE_GEMV_L2_PREFETCH_MB=0`` against ``=16``);
-  rows record them as ``env``.
+  rows record them as ``env``. ``--variant-rounds N`` runs the variants in turn N times (A B A B ...)
+  and adds ``variant_summary`` (`variant_summary`: each variant's medians over the rounds): one
+  process per variant left the A/Bs of 2026-11-28 within the run-to-run spread of the prefill.
 * ``--profile``: per decode row, rank 0's kernels under ``torch.profiler`` (CUDA activity):
   a prefill-only run (its kernels are reported too, in total: ``profile.prefill_kernels``)
   and a run of ``--profile-steps`` more decode steps, the difference
@@ -52,6 +54,7 @@ import dataclasses
 import datetime as dt
 import gc
 import os
+import statistics
 import sys
 import time
 
@@ -91,6 +94,24 @@ def parse_env_variant(text: str) -> dict:
             raise ValueError(f"--env-variants item {item!r}: expected NAME=VALUE")
         env[name] = value
     return env
+
+
+def variant_summary(rows) -> list:
+    """Per (model, tp, requests, env) of ``rows`` (decode rows with ``env``): the medians over
+    the rounds of ``prefill_s``, ``wall_s``, ``decode_ms_per_step_in_run`` and
+    ``output_tokens_per_s``, with each round's values (``*_runs``), in first-seen order."""
+    groups: dict = {}
+    for row in rows:
+        key = (row["model"], row["tp"], row["requests"], tuple(sorted(row.get("env", {}).items())))
+        groups.setdefault(key, []).append(row)
+    out = []
+    for (model, tp, requests, env), rs in groups.items():
+        s = {"model": model, "tp": tp, "requests": requests, "env": dict(env), "rounds": len(rs)}
+        for k in ("prefill_s", "wall_s", "decode_ms_per_step_in_run", "output_tokens_per_s"):
+            s[k + "_runs"] = [r[k] for r in rs]
+            s[k] = statistics.median(s[k + "_runs"])
+        out.append(s)
+    return out
 
 
 def in_fresh_process(fn, *args, **kwargs):
@@ -335,6 +356,10 @@ def main(argv=None) -> int:
     ap.add_argument("--env-variants", nargs="+", default=[], metavar="NAME=V[,NAME=V]",
                     help="run every decode configuration once per variant, with these environment "
                          "variables set in its process (rows record them as 'env')")
+    ap.add_argument("--variant-rounds", type=int, default=1,
+                    help="with --env-variants: run the variants in turn this many times (fresh processes: "
+                         "A B A B ...), so a drift of the GPU's clock over the run falls on every variant; "
+                         "'variant_summary' gives each variant's medians over the rounds")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed prefill-only / full runs per row; the row reports each one's median run")
     ap.add_argument("--output-len", type=int, default=128, help="decode tokens per request (input: 512)")
@@ -362,18 +387,25 @@ def main(argv=None) -> int:
                  for ts in args.tp_sample for fu in args.allreduce_fusion for fm in modes(fu)]
     variants = [parse_env_variant(v) for v in args.env_variants] or [{}]
     for model, tp, requests, sb, ts, fu, fm in runs:
-        for env in variants:
-            rows = in_fresh_process(decode_steps, model, tp, requests, step_broadcast=sb, tp_sample=ts,
-                                    allreduce_fusion=fu, fusion_mode=fm,
-                                    profile_steps=args.profile_steps if args.profile else 0,
-                                    repeats=args.repeats, output_len=args.output_len, env=env,
-                                    disable_custom_all_reduce=args.disable_custom_all_reduce)
-            for row in rows:
-                row["env"] = env
-            res["decode"] += rows
-        for row in res["decode"]:
-            row["weights_floor_ms"] = row["weight_bytes_per_gpu"] / (copy * 1e9) * 1e3
-        write_result(res, args.out, "tp", "cuda")
+        for rnd in range(max(1, args.variant_rounds)):
+            for env in variants:
+                rows = in_fresh_process(decode_steps, model, tp, requests, step_broadcast=sb, tp_sample=ts,
+                                        allreduce_fusion=fu, fusion_mode=fm,
+                                        profile_steps=args.profile_steps if args.profile else 0,
+                                        repeats=args.repeats, output_len=args.output_len, env=env,
+                                        disable_custom_all_reduce=args.disable_custom_all_reduce)
+                for row in rows:
+                    row["env"], row["variant_round"] = env, rnd
+                res["decode"] += rows
+                for row in res["decode"]:
+                    row["weights_floor_ms"] = row["weight_bytes_per_gpu"] / (copy * 1e9) * 1e3
+                write_result(res, args.out, "tp", "cuda")
+    if args.variant_rounds > 1:
+        res["variant_summary"] = variant_summary(res["decode"])
+        for s in res["variant_summary"]:
+            print(f"summary {s['model']} tp {s['tp']} n {s['requests']} env {s['env']}: over {s['rounds']} rounds "
+                  f"prefill {s['prefill_s']:.4f} s, wall {s['wall_s']:.4f} s, "
+                  f"{s['decode_ms_per_step_in_run']:.3f} ms/step in-run", flush=True)
     res["total_s"] = time.perf_counter() - t0
     write_result(res, args.out, "tp", "cuda")
     return 0

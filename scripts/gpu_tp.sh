@@ -5,7 +5,7 @@
 # shared-memory and gloo step broadcast; Llama-3-70B at tp 4), then bench.offline's random
 # workload at dp 1 and dp = number of GPUs. Partial JSON survives a cut-off run.
 #   bash scripts/gpu_tp.sh          env: TP_LIMIT (s, default 300), DP_PROMPTS (default 1024)
-#   STAGES="tests pushtests twoshottests allreduce tp big push bigpush overlap dp" (default all) runs a subset: one
+#   STAGES="tests pushtests twoshottests allreduce tp big push bigpush overlap carveout dp" (default all) runs a subset: one
 #   device call is 10 minutes at most, so on 4 GPUs run "tests" (~5 min on four H100s), "pushtests",
 #   "twoshottests", "tp" (~5 min), "allreduce big", "push", "bigpush" and "dp" as separate calls.
 #   pushtests: the push-mode fused all-reduce GPU tests (2 and 4 ranks, tp 2 engine tokens), which
@@ -19,14 +19,15 @@
 #   messages of at least ATTNSERVE_TWO_SHOT_FUSED_MIN_KB, default 256, from 3 GPUs) and PUSH_ARGS
 #   (e.g. --profile) narrow or widen those two.
 #   overlap: the tp prefill all-reduce overlap on / off / off with a 64 MiB two-shot ceiling (medians of 3),
-#   then its float32 GPU token test (~4 min on four GPUs).
+#   then its float32 GPU token test (~4 min on four GPUs). carveout: the overlap with CARVEOUT_SMS (32) SMs
+#   left to NCCL against no overlap, CARVEOUT_ROUNDS (3) alternating rounds (~5 min on four GPUs).
 #   tp: Llama-3-8B tp 1 / 2 / 4, batch 1 and 64, all-reduce fusion on and off, rank 0's kernel
 #   profile (TP_REPEATS timed runs per row, default 1); big: the Llama-3-70B shape at tp 4.
 # Every tp engine measures its two-shot all-reduce ceiling at start-up (all_reduce_calibration; the
 # tp rows record the times and the ceiling; ATTNSERVE_ALLREDUCE_CALIBRATE=0 keeps the table's default).
 # The dp test and replicas import the server (fastapi): run with carry [".whl/serving"].
 set -u
-STAGES=${STAGES:-tests pushtests twoshottests allreduce tp big push bigpush overlap dp}
+STAGES=${STAGES:-tests pushtests twoshottests allreduce tp big push bigpush overlap carveout dp}
 stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -110,6 +111,16 @@ done
 timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_tp_gpu.py -k prefill_overlap \
   > "$OUT/tests_overlap.log" 2>&1
 echo "overlap test rc=$?"; grep -E "^OVERLAP|passed|failed" "$OUT/tests_overlap.log" | tail -3
+fi
+if stage carveout; then
+# the tp prefill overlap with 32 SMs left to NCCL (cuBLASLt) against no overlap, Llama-3-8B at tp = all GPUs,
+# 64 x 512: three rounds of A B in fresh processes (~5 minutes on four GPUs), medians per variant
+timeout "${CARVEOUT_LIMIT:-540}" python3 benchmarks/tp_decode.py --tp "$ngpu" --requests 64 --repeats 2 \
+  --step-broadcast shm --skip-identity --variant-rounds "${CARVEOUT_ROUNDS:-3}" \
+  --env-variants ATTNSERVE_TP_PREFILL_OVERLAP=0 \
+  "ATTNSERVE_TP_PREFILL_OVERLAP=1,ATTNSERVE_TP_OVERLAP_SM_CARVEOUT=${CARVEOUT_SMS:-32}" \
+  --out "$OUT/carveout" > "$OUT/tp_carveout.log" 2>&1
+echo "carveout rc=$?"; grep -E "^summary" "$OUT/tp_carveout.log"
 fi
 if stage dp; then
 timeout 540 python3 -m attnserve.bench.offline --dataset random --load-format dummy --device cuda \

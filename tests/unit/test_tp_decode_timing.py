@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from attnserve.engine.llm import LLM
 from attnserve.engine.sampling_params import SamplingParams
 
@@ -34,3 +36,23 @@ def test_decode_span_timed_inside_one_run():
         assert [o.token_ids for o in llm.generate(prompts, sp)] == ref  # nothing left behind
     finally:
         llm.shutdown()
+
+
+def test_variant_summary_takes_each_variants_median_over_rounds():
+    """Rows of two variants in three alternating rounds (and one row of another request count):
+    one summary per (model, tp, requests, env), medians of its rounds, rounds listed in order."""
+    variant_summary = _tp_decode().variant_summary
+    rows = []
+    for rnd, (a, b) in enumerate([(0.40, 0.35), (0.38, 0.37), (0.50, 0.36)]):
+        for env, prefill in (({"X": "0"}, a), ({"X": "1", "Y": "2"}, b)):
+            rows.append(dict(model="m", tp=4, requests=64, env=env, prefill_s=prefill, wall_s=prefill + 1.0,
+                             decode_ms_per_step_in_run=3.0 + rnd, output_tokens_per_s=100.0 * (rnd + 1)))
+    rows.append(dict(model="m", tp=4, requests=1, env={"X": "0"}, prefill_s=0.02, wall_s=0.3,
+                     decode_ms_per_step_in_run=2.0, output_tokens_per_s=400.0))
+    out = variant_summary(rows)
+    assert [(s["requests"], s["env"], s["rounds"]) for s in out] == [
+        (64, {"X": "0"}, 3), (64, {"X": "1", "Y": "2"}, 3), (1, {"X": "0"}, 1)]
+    assert out[0]["prefill_s"] == 0.40 and out[0]["prefill_s_runs"] == [0.40, 0.38, 0.50]
+    assert out[1]["prefill_s"] == 0.36 and out[1]["wall_s"] == pytest.approx(1.36)
+    assert out[0]["decode_ms_per_step_in_run"] == 4.0 and out[1]["output_tokens_per_s"] == 200.0
+    assert out[2]["prefill_s"] == 0.02
