@@ -20,6 +20,7 @@ import torch
 from attnserve.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: F401 (re-export)
 from attnserve.mem_cache.kv_quant import is_fp8, quantize_kv
 from attnserve.mem_cache.store_kv import KVStoreTarget, fused_kernels_available, store_kv
+from attnserve.mem_cache.zeroed_memory import zeroed
 
 
 class ReqToTokenPool:
@@ -212,10 +213,9 @@ class MHATokenToKVPool(KVCache):
         self.layer_num = layer_num
         self.device = torch.device(device)
         rows = size + page_size
-        self.k_buffer = [torch.zeros((rows, head_num, head_dim), dtype=dtype, device=self.device) for _ in range(layer_num)]
-        self.v_buffer = [
-            torch.zeros((rows, head_num, self.v_head_dim), dtype=dtype, device=self.device) for _ in range(layer_num)
-        ]
+        # zero-filled (a padded or masked read must not meet NaN garbage); on the CPU lazily (`zeroed`)
+        self.k_buffer = [zeroed((rows, head_num, head_dim), dtype, self.device) for _ in range(layer_num)]
+        self.v_buffer = [zeroed((rows, head_num, self.v_head_dim), dtype, self.device) for _ in range(layer_num)]
         self.use_fused_store = bool(use_fused_store) and self.device.type == "cuda" and fused_kernels_available()
 
     def buffers(self) -> list:
@@ -295,9 +295,7 @@ class MLATokenToKVPool(KVCache):
         self.head_dim = kv_lora_rank + qk_rope_head_dim
         self.v_head_dim = kv_lora_rank
         rows = size + page_size
-        self.kv_buffer = [
-            torch.zeros((rows, 1, self.head_dim), dtype=dtype, device=self.device) for _ in range(layer_num)
-        ]
+        self.kv_buffer = [zeroed((rows, 1, self.head_dim), dtype, self.device) for _ in range(layer_num)]
         self.use_fused_store = bool(use_fused_store) and self.device.type == "cuda" and fused_kernels_available()
 
     def buffers(self) -> list:
