@@ -19,8 +19,6 @@ the largest size below which the custom paths beat NCCL. Writes
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import os
 import statistics
 import sys
@@ -147,24 +145,21 @@ def suggest(rows, slack: float = 1.05) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, default=min(2, torch.cuda.device_count()))
+    from common import check_world_size, multi_gpu_parser, multi_gpu_result, run_ranks
+
+    p = multi_gpu_parser(__doc__, 2)
     p.add_argument("--calls", type=int, default=48, help="all-reduces per timed graph / eager loop")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--min-bytes", type=int, default=0, help="time only the sizes from this many bytes up")
     p.add_argument("--tag", default="", help="appended to the JSON's name (e.g. an NCCL environment variant)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args()
-    from common import check_world_size, run_ranks
-
     check_world_size(args.world_size)
     t0 = time.perf_counter()
-    from attnserve.bench.results import cuda_run_metadata, write_result
+    from attnserve.bench.results import write_result
 
     rows = run_ranks(_rank_main, args.world_size, args)
-    result = cuda_run_metadata("allreduce", t0)
-    result.update({"world_size": args.world_size, "dtype": "bfloat16", "calls": args.calls, "replays": args.replays,
-                   "nccl": ".".join(map(str, torch.cuda.nccl.version())), "date": dt.date.today().isoformat(),
+    result = multi_gpu_result("allreduce", t0, args.world_size)
+    result.update({"dtype": "bfloat16", "calls": args.calls, "replays": args.replays,
                    "env": {k: os.environ.get(k) for k in ENV_KEYS},
                    "rows": rows, "suggested": suggest(rows)})
     print(f"{'bytes':>10}  " + "  ".join(f"{a + ' graph':>15}" for a in ALGOS) + "  " +

@@ -34,8 +34,6 @@ off / on / on + 16 SMs / on + 32 SMs).
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import os
 import statistics
 import sys
@@ -120,8 +118,9 @@ def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, default=min(2, torch.cuda.device_count()))
+    from common import check_world_size, multi_gpu_parser, multi_gpu_result, run_ranks
+
+    p = multi_gpu_parser(__doc__, 2)
     p.add_argument("--tokens", type=int, default=8192, help="rows of the GEMM and of the all-reduce message")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--gemm-n", type=int, default=7168, help="GEMM output columns (Llama-3-8B gate_up at tp 4)")
@@ -132,19 +131,14 @@ def main() -> None:
     p.add_argument("--blas", nargs="+", default=["cublas", "cublaslt"],
                    help="torch.backends.cuda.preferred_blas_library values to time (the carveout needs cublaslt)")
     p.add_argument("--carveouts", nargs="+", default=["none", "8", "16", "24", "32"])
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args()
-    from common import check_world_size, run_ranks
-
     check_world_size(args.world_size)
     t0 = time.perf_counter()
-    from attnserve.bench.results import cuda_run_metadata, write_result
+    from attnserve.bench.results import write_result
 
     rows = run_ranks(_rank_main, args.world_size, args)
-    result = cuda_run_metadata("allreduce_gemm_overlap", t0)
-    result.update({"world_size": args.world_size, "date": dt.date.today().isoformat(),
-                   "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-                   "tokens": args.tokens, "hidden": args.hidden, "gemm_n": args.gemm_n, "gemms": args.gemms,
+    result = multi_gpu_result("allreduce_gemm_overlap", t0, args.world_size)
+    result.update({"tokens": args.tokens, "hidden": args.hidden, "gemm_n": args.gemm_n, "gemms": args.gemms,
                    "ars": args.ars, "message_mib": args.tokens * args.hidden * 2 / 2 ** 20,
                    "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "NCCL_MIN_NCHANNELS",
                                                           "NCCL_MAX_NCHANNELS", "NCCL_PROTO")},

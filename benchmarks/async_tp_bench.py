@@ -30,8 +30,6 @@ the largest |value|). Writes ``<out>/<device>-x<world>-async-tp-<date>.json``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import os
 import statistics
 import sys
 import time
@@ -127,8 +125,9 @@ def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, default=min(4, torch.cuda.device_count()))
+    from common import check_world_size, multi_gpu_parser, multi_gpu_result, run_ranks
+
+    p = multi_gpu_parser(__doc__, 4)
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 8192])
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
@@ -136,13 +135,10 @@ def main() -> None:
     p.add_argument("--kv-dim", type=int, default=1024, help="KV heads x head size (all ranks)")
     p.add_argument("--layers", type=int, default=4, help="layer calls per timed run")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args()
-    from common import check_world_size, run_ranks
-
     check_world_size(args.world_size)
     t0 = time.perf_counter()
-    from attnserve.bench.results import cuda_run_metadata, write_result
+    from attnserve.bench.results import write_result
 
     rows = []
     for tokens in args.tokens:
@@ -150,9 +146,8 @@ def main() -> None:
             raise SystemExit(f"--tokens {tokens} is not a multiple of the world size {args.world_size}")
         sub = argparse.Namespace(**{**vars(args), "tokens": tokens})
         rows.append(run_ranks(_rank_main, args.world_size, sub))
-    result = cuda_run_metadata("async_tp_bench", t0)
-    result.update({"world_size": args.world_size, "date": dt.date.today().isoformat(),
-                   "nccl": ".".join(map(str, torch.cuda.nccl.version())), "hidden": args.hidden,
+    result = multi_gpu_result("async_tp_bench", t0, args.world_size)
+    result.update({"hidden": args.hidden,
                    "intermediate": args.intermediate, "q_dim": args.q_dim, "kv_dim": args.kv_dim,
                    "layers": args.layers, "rows": rows})
     write_result(result, args.out, f"x{args.world_size}-async-tp")

@@ -157,6 +157,31 @@ def init_rank(rank: int, world_size: int, port: int):
     return device, group, cpu_group
 
 
+def multi_gpu_parser(doc: str, default_world_size: int):
+    """The multi-GPU benchmarks' argument parser: ``doc`` as its description, ``--world-size``
+    (default: ``default_world_size`` or the GPUs seen, whichever is fewer) and ``--out`` (default
+    ``benchmarks/results``); each benchmark adds its own arguments."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=min(default_world_size, torch.cuda.device_count()))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    return p
+
+
+def multi_gpu_result(benchmark: str, t0: float, world_size: int) -> dict:
+    """The head of a multi-GPU benchmark's JSON: `cuda_run_metadata` (device, versions, ``total_s``
+    since ``t0``) with ``world_size``, ``date`` and the NCCL version."""
+    import datetime as dt
+
+    from attnserve.bench.results import cuda_run_metadata
+
+    result = cuda_run_metadata(benchmark, t0)
+    result.update({"world_size": world_size, "date": dt.date.today().isoformat(),
+                   "nccl": ".".join(map(str, torch.cuda.nccl.version()))})
+    return result
+
+
 def check_world_size(world_size: int) -> None:
     """Exit with a message unless ``world_size`` is at least 2 and that many GPUs are visible
     (the multi-GPU benchmarks' first check)."""

@@ -150,6 +150,28 @@ def _configs(dtype_name: str):
     return itertools.product((128, 256), (2, 3, 4), (4, 8))
 
 
+def _time_config(row: dict, make_calls, o: torch.Tensor, ref, kv_bytes: int, copy_bps: float, diff_key: str):
+    """One stage-1 config of a sweep into ``row``: ``make_calls()`` (the graphed launches writing
+    ``o``) run once, ``row[diff_key]`` = max |o - ref| (``ref``: the first config's output, taken
+    here when None), then ``graph_us``, ``kv_gbs`` and ``share_of_copy_rate`` of ``kv_bytes``
+    against ``copy_bps``; a config that does not compile or fit records ``error`` instead.
+    Returns ``ref``."""
+    try:
+        calls = make_calls()
+        calls[0]()
+        torch.cuda.synchronize()
+        if ref is None:
+            ref = o.float().clone()
+        row[diff_key] = float((o.float() - ref).abs().max())
+        us = bench_graph(calls)
+        row["graph_us"] = us
+        row["kv_gbs"] = kv_bytes / us / 1e3
+        row["share_of_copy_rate"] = kv_bytes / (us * 1e-6) / copy_bps
+    except Exception as e:  # noqa: BLE001 - a config that does not fit is a result
+        row["error"] = f"{type(e).__name__}: {e}"[:200]
+    return ref
+
+
 def sweep(quick: bool = False, max_kv_splits: int = 16, cases=None, waves_grid=(4, 8, 16)) -> list:
     from attnserve.attention.triton_ops.decode_attention import DecodeConfig, compute_num_kv_splits, decode_config
     from common import measure_ceilings
@@ -178,8 +200,6 @@ def sweep(quick: bool = False, max_kv_splits: int = 16, cases=None, waves_grid=(
                 splits = torch.empty(bs, dtype=torch.int32, device="cuda")
                 compute_num_kv_splits(case.lens, splits, max_kv_splits, sms, hkv, waves=waves)
                 o = torch.empty(bs, hq, d, device="cuda", dtype=torch.bfloat16)
-                calls = case.calls(o, splits, cfg)
-
                 row = {"shape": shape, "bs": bs, "context": list(ctx) if isinstance(ctx, tuple) else ctx,
                        "kv_dtype": dname, "block_n": block_n, "num_stages": stages, "num_warps": warps,
                        "split_waves": waves, "mean_splits": float(splits.float().mean()),
@@ -188,18 +208,8 @@ def sweep(quick: bool = False, max_kv_splits: int = 16, cases=None, waves_grid=(
                 if any(r["block_n"] == block_n and r["num_stages"] == stages and r["num_warps"] == warps
                        and r["split_waves"] == waves for r in case_rows):
                     continue
-                try:
-                    calls[0]()
-                    torch.cuda.synchronize()
-                    if ref is None:
-                        ref = o.float().clone()
-                    row["max_abs_diff_vs_default"] = float((o.float() - ref).abs().max())
-                    us = bench_graph(calls)
-                    row["graph_us"] = us
-                    row["kv_gbs"] = kv_bytes / us / 1e3
-                    row["share_of_copy_rate"] = kv_bytes / (us * 1e-6) / copy_bps
-                except Exception as e:  # noqa: BLE001 - a config that does not fit is a result
-                    row["error"] = f"{type(e).__name__}: {e}"[:200]
+                ref = _time_config(row, functools.partial(case.calls, o, splits, cfg), o, ref, kv_bytes, copy_bps,
+                                   "max_abs_diff_vs_default")
                 case_rows.append(row)
             ok = [r for r in case_rows if "graph_us" in r]
             best = min(ok, key=lambda r: r["graph_us"])
@@ -353,18 +363,8 @@ def head_shape_sweep(kv_dtype: str = "bf16") -> list:
                    "num_stages": stages,
                    "num_warps": warps, "whole_dk": whole, "engine": not case_rows}
             o = torch.empty(bs, hq, d, device="cuda", dtype=torch.bfloat16)
-            try:
-                calls = case.calls(o, splits, cfg)
-                calls[0]()
-                torch.cuda.synchronize()
-                if ref is None:
-                    ref = o.float().clone()
-                row["max_abs_diff_vs_engine"] = float((o.float() - ref).abs().max())
-                us = bench_graph(calls)
-                row["graph_us"] = us
-                row["share_of_copy_rate"] = case.kv_bytes / (us * 1e-6) / copy_bps
-            except Exception as e:  # noqa: BLE001 - a config that does not fit is a result
-                row["error"] = f"{type(e).__name__}: {e}"[:200]
+            ref = _time_config(row, functools.partial(case.calls, o, splits, cfg), o, ref, case.kv_bytes, copy_bps,
+                               "max_abs_diff_vs_engine")
             case_rows.append(row)
         ok = sorted((r for r in case_rows if "graph_us" in r), key=lambda r: r["graph_us"])
         eng = case_rows[0]

@@ -396,9 +396,8 @@ def main(argv=None) -> int:
                                         disable_custom_all_reduce=args.disable_custom_all_reduce)
                 for row in rows:
                     row["env"], row["variant_round"] = env, rnd
-                res["decode"] += rows
-                for row in res["decode"]:
                     row["weights_floor_ms"] = row["weight_bytes_per_gpu"] / (copy * 1e9) * 1e3
+                res["decode"] += rows
                 write_result(res, args.out, "tp", "cuda")
     if args.variant_rounds > 1:
         res["variant_summary"] = variant_summary(res["decode"])
