@@ -3,12 +3,14 @@ shape's prefill share of the roofline was 0.32 on the H100).
 
 ``PYTHONPATH=src python benchmarks/profile_prefill.py [--model qwen3-0.6b] [--num-prompts 256]
 [--random-input-len 1024] [--random-range-ratio 0.098] [--chunked-prefill-size 8192] [--quantization fp8]
-[--out DIR]``
+[--host-stacks N] [--out DIR]``
 
 Builds the engine with default flags (dummy weights, CUDA), prefills the random dataset's
 prompts once (``max_new_tokens=1``) to warm up, then again under ``torch.profiler`` (CPU and
 CUDA activity). Reports the wall time, the sum of GPU kernel time (``busy_s``; wall minus
-busy is time the GPU waited on the host), and the kernels with the most GPU time, as JSON
+busy is time the GPU waited on the host), the kernels with the most GPU time and, with
+``--host-stacks N``, the N host ops with the most self CPU time by input shapes and Python
+call site (`host_call_sites`), as JSON
 ``<out>/<device>-profile-prefill-<date>.json``.
 """
 
@@ -48,6 +50,27 @@ def idle_gaps(events, top: int = 20, min_us: float = 5.0) -> dict:
     return {"span_s": (end - t0) / 1e6, "idle_s": idle / 1e6, "longest": found[:top]}
 
 
+def host_call_sites(prof, top: int, frames: int = 5) -> list:
+    """The ``top`` (host op, input shapes, call site) groups with the most self CPU time; a
+    call site is the innermost ``frames`` Python frames outside torch that enclose the op
+    (the profiler must have run with ``with_stack`` and ``record_shapes``: Python frames
+    are then events of their own, parents of the ops they call)."""
+    groups = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or ".py(" in e.name or not e.name.startswith(("aten::", "cuda")):
+            continue
+        chain, q = [], e.cpu_parent
+        while q is not None and len(chain) < frames:
+            if ".py(" in q.name and "torch/" not in q.name:
+                chain.append(q.name[-90:])
+            q = q.cpu_parent
+        g = groups[(e.name[:80], str(e.input_shapes)[:160], tuple(chain))]
+        g[0] += 1
+        g[1] += e.self_cpu_time_total / 1e6
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"name": n, "shapes": sh, "stack": list(st), "calls": c, "self_cpu_s": t} for (n, sh, st), (c, t) in rows]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-0.6b")
@@ -57,6 +80,9 @@ def main() -> int:
     ap.add_argument("--chunked-prefill-size", type=int, default=None)
     ap.add_argument("--quantization", default=None, choices=[None, "fp8"], help="weight quantization (issue 37)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--host-stacks", type=int, default=0, metavar="N",
+                    help="also record Python stacks and report the N host ops with the most self CPU time "
+                         "by call site (5 frames), with their input shapes")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     from attnserve.engine.llm import LLM
@@ -74,7 +100,8 @@ def main() -> int:
     llm.engine.scheduler.flush_prefix_cache()
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, with_stack=args.host_stacks > 0,
+                                record_shapes=args.host_stacks > 0) as prof:
         t0 = time.perf_counter()
         llm.generate(prompts, sp)
         torch.cuda.synchronize()
@@ -97,12 +124,14 @@ def main() -> int:
     host_ops = sorted(((e.key[:120], e.count, e.self_cpu_time_total / 1e6) for e in prof.key_averages()),
                       key=lambda r: -r[2])[: args.top]
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[: args.top]
+    host_sites = host_call_sites(prof, args.host_stacks) if args.host_stacks > 0 else []
     result = {"benchmark": "profile-prefill", "date": dt.date.today().isoformat(), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "model": args.model, "quantization": args.quantization, "num_prompts": args.num_prompts,
               "input_tokens": sum(isl), "chunked_prefill_size": llm.engine.server_args.chunked_prefill_size,
               "wall_s_profiled": wall, "wall_s": wall_unprofiled, "busy_s": busy,
               "kernels": [{"name": n, "launches": c, "gpu_s": s} for n, (c, s) in top], "gaps": gaps,
-              "host_ops": [{"name": n, "calls": c, "self_cpu_s": s} for n, c, s in host_ops]}
+              "host_ops": [{"name": n, "calls": c, "self_cpu_s": s} for n, c, s in host_ops],
+              "host_call_sites": host_sites}
     print(f"{args.model}: {sum(isl)} prompt tokens, wall {wall_unprofiled:.3f} s (profiled {wall:.3f}), "
           f"GPU busy {busy:.3f} s", flush=True)
     for n, (c, s) in top:
@@ -113,6 +142,12 @@ def main() -> int:
     print("host ops by self CPU time:", flush=True)
     for n, c, s in host_ops:
         print(f"  {s * 1e3:9.2f} ms  x{c:6d}  {n}", flush=True)
+    if host_sites:
+        print("host ops by call site:", flush=True)
+        for h in host_sites:
+            print(f"  {h['self_cpu_s'] * 1e3:9.2f} ms  x{h['calls']:5d}  {h['name']}  {h['shapes']}", flush=True)
+            for f in h["stack"]:
+                print(f"        {f}", flush=True)
     write_result(result, args.out, "profile-prefill", "cuda")
     llm.shutdown()
     return 0

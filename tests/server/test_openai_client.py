@@ -38,6 +38,36 @@ def test_completion_and_token_id_prompt(oai, server):
     assert r2.choices[0].text == r.choices[0].text and r2.usage.prompt_tokens == len(ids)
 
 
+def test_batch_of_prompts_answers_each_in_order(oai, server):
+    prompts = ["The capital of France is", "The capital of Italy is", "One, two, three,"]
+    singles = [oai.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    r = oai.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [s.choices[0].text for s in singles]
+    assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles) == 18
+    # token-id batches with n choices: prompt p's choices at p * n .. p * n + n - 1, echo per prompt
+    ids = [server.engine.tokenizer.encode(p) for p in prompts[:2]]
+    r2 = oai.completions.create(model=MODEL, prompt=ids, max_tokens=3, n=2, temperature=0, echo=True)
+    assert [c.index for c in r2.choices] == [0, 1, 2, 3]
+    for i, c in enumerate(r2.choices):
+        assert c.text.startswith(prompts[i // 2]), (i, c.text)
+        assert c.text[len(prompts[i // 2]):] == singles[i // 2].choices[0].text[:len(c.text) - len(prompts[i // 2])]
+    assert r2.usage.prompt_tokens == sum(len(x) for x in ids) and r2.usage.completion_tokens == 12
+    # streamed: every chunk names its choice; each choice's text and one finish_reason per choice
+    chunks = list(oai.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    texts, finals = ["", "", ""], [[], [], []]
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finals[c.index].append(c.finish_reason)
+    assert texts == [c.text for c in r.choices]
+    assert finals == [[c.finish_reason] for c in r.choices]
+    assert chunks[-1].usage.completion_tokens == 18
+
+
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_stream_equals_non_stream(oai, kind):
     kw = dict(model=MODEL, max_tokens=16, temperature=0)

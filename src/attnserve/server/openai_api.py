@@ -6,7 +6,8 @@ and sampling parameters), tokenizes it in a worker thread, submits it to the
 `EngineLoop`, waits for the engine to accept it (so a full queue is a 503 before any
 byte is streamed), then either streams server-sent events (``data: {...}\\n\\n`` ...
 ``data: [DONE]\\n\\n``) or collects the whole completion. A client that disconnects, while
-streaming or while waiting for a non-streamed answer, aborts its request.
+streaming or while waiting for a non-streamed answer, aborts its request. The completions
+handler (one prompt or a batch) is `attnserve.server.completion_api.create_completion`.
 
 This module imports FastAPI; only `attnserve.server.launch` imports it, lazily, so the
 engine works without the server dependencies. Handlers never touch the model, the
@@ -32,9 +33,8 @@ from attnserve.server.chat_output import chat_output, finish_reason
 from attnserve.server.engine_loop import EngineLoop, RequestStream, StreamEvent, SubmitCommand
 from attnserve.server.errors import APIError, error_body
 from attnserve.server.grammar_request import has_grammar_fields, request_grammar
-from attnserve.server.logprob_format import CompletionLogprobsBuilder, TokenTexts, chat_logprobs
+from attnserve.server.logprob_format import TokenTexts, chat_logprobs
 from attnserve.server.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_STOP_LEN,
     MAX_STOP_SEQUENCES,
     ChatChoice,
@@ -43,9 +43,7 @@ from attnserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatResponseMessage,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
     ModelCard,
     ModelList,
     UsageInfo,
@@ -220,42 +218,44 @@ def _sampling_params(ctx: ServingContext, body, prompt_len: int, max_tokens: Opt
         raise APIError(400, str(e), param, "invalid_value") from e
 
 
-def _echo_text(ctx: ServingContext, body, prompt_ids: List[int]) -> Optional[str]:
-    """The prompt as a completion's ``echo`` repeats it (a token-id prompt decoded), or None."""
-    if not body.echo:
-        return None
-    if isinstance(body.prompt, str):
-        return body.prompt
-    tok = ctx.engine.tokenizer
-    return tok.decode(prompt_ids, skip_special_tokens=False) if tok is not None else ""
-
-
 def _raise_engine_error(ev: StreamEvent) -> None:
     """Raise the `APIError` (status, message, code, type) of an event whose ``error`` is set."""
     e = ev.error
     raise APIError(e.status, e.message, None, e.code, e.type)
 
 
-async def _submit_choices(ctx: ServingContext, rid: str, prompt_ids: List[int], sp, n: int,
+def choice_ids(rid: str, num_prompts: int, n: int) -> List[str]:
+    """Engine request ids of a request's choices, prompt by prompt: ``rid`` for one choice,
+    ``rid-{i}`` for the ``n`` choices of one prompt, ``rid-{p}`` / ``rid-{p}-{i}`` in a batch
+    of prompts."""
+    if num_prompts == 1:
+        return [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+    return [f"{rid}-{p}" if n == 1 else f"{rid}-{p}-{i}" for p in range(num_prompts) for i in range(n)]
+
+
+async def _submit_choices(ctx: ServingContext, rid: str, prompts: List[Tuple[List[int], Any]], n: int,
                           arrival: float, stream_tokens: bool = True) -> List[Tuple[str, RequestStream]]:
-    """Submit the ``n`` choices of one request together (ids ``rid``, or ``rid-0`` ...
-    ``rid-{n-1}``; a seeded request's choice i uses seed + i, so the choices differ but the
-    response is reproducible) and wait until the engine accepted every one. Submitted in
-    one go, the choices reach the scheduler together, so it can compute the shared prompt
-    once and let the others read it from the prefix cache. ``stream_tokens`` False: the
-    client waits for the whole answer (`SubmitCommand.stream_tokens`).
+    """Submit the ``n`` choices of each ``(prompt ids, SamplingParams)`` of one request
+    together (ids from `choice_ids`, prompt by prompt; a seeded request's choice i uses
+    seed + i, so the choices differ but the response is reproducible) and wait until the
+    engine accepted every one. Submitted in one go, the choices reach the scheduler
+    together, so it can compute a shared prompt once and let the others read it from the
+    prefix cache. ``stream_tokens`` False: the client waits for the whole answer
+    (`SubmitCommand.stream_tokens`).
 
     Raises:
         APIError: 503 when the waiting queue is full or the server is shutting down, 400
-            when the engine refuses the prompt; every choice is aborted first.
+            when the engine refuses a prompt; every choice is aborted first.
     """
     choices: List[Tuple[str, RequestStream]] = []
-    for i in range(n):
-        crid = rid if n == 1 else f"{rid}-{i}"
-        csp = sp if i == 0 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + i)
-        stream = RequestStream()
-        ctx.loop.submit(SubmitCommand(crid, prompt_ids, csp, stream, arrival, stream_tokens=stream_tokens))
-        choices.append((crid, stream))
+    crids = iter(choice_ids(rid, len(prompts), n))
+    for prompt_ids, sp in prompts:
+        for i in range(n):
+            crid = next(crids)
+            csp = sp if i == 0 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + i)
+            stream = RequestStream()
+            ctx.loop.submit(SubmitCommand(crid, prompt_ids, csp, stream, arrival, stream_tokens=stream_tokens))
+            choices.append((crid, stream))
     try:
         firsts = [await stream.get() for _, stream in choices]
     except BaseException:  # cancelled (client gone): abort whatever was accepted
@@ -342,11 +342,12 @@ async def _collect(request, ctx: ServingContext, choices: List[Tuple[str, Reques
                 ctx.loop.abort(rid)
 
 
-def _usage(prompt_tokens: int, finals: List[StreamEvent]) -> UsageInfo:
-    """One usage for all choices: the prompt counted once, every choice's tokens, and the
-    prompt tokens the request as a whole found cached (its first choice computed the rest)."""
-    return UsageInfo.of(prompt_tokens, sum(f.completion_tokens for f in finals),
-                        min(f.cached_tokens for f in finals))
+def _usage(prompt_lens: List[int], finals: List[StreamEvent]) -> UsageInfo:
+    """One usage for all choices: each prompt counted once, every choice's tokens, and the
+    prompt tokens each prompt found cached as a whole (its first choice computed the rest)."""
+    n = len(finals) // len(prompt_lens)
+    cached = sum(min(f.cached_tokens for f in finals[p * n:(p + 1) * n]) for p in range(len(prompt_lens)))
+    return UsageInfo.of(sum(prompt_lens), sum(f.completion_tokens for f in finals), cached)
 
 
 def _sse(obj) -> str:
@@ -420,6 +421,8 @@ def _sse_response(ctx: ServingContext, rids: List[str], gen):
 # ---- routes --------------------------------------------------------------------------------
 def build_router():
     """The API routes; they read ``request.app.state.ctx`` (a `ServingContext`)."""
+    from attnserve.server.completion_api import create_completion  # it imports this module's helpers
+
     router = APIRouter()
 
     @router.get("/health")
@@ -462,58 +465,7 @@ def build_router():
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        ctx: ServingContext = request.app.state.ctx
-        arrival = time.perf_counter()
-        _check_model_and_options(ctx, body)
-        if isinstance(body.prompt, str):  # the tokenizer may take a while: off the event loop
-            prompt_ids = await run_in_threadpool(_prompt_ids, ctx, body.prompt)
-        else:  # token ids: only checked (tens of us); a worker-thread hop would queue the burst behind it
-            prompt_ids = _prompt_ids(ctx, body.prompt)
-        grammar = await run_in_threadpool(request_grammar, body) if has_grammar_fields(body) else None
-        sp = _sampling_params(ctx, body, len(prompt_ids), body.requested_max_tokens(), "prompt",
-                              DEFAULT_COMPLETION_MAX_TOKENS, grammar)
-        rid = new_id("cmpl")
-        choices = await _submit_choices(ctx, rid, prompt_ids, sp, body.n or 1, arrival, bool(body.stream))
-        model, created = ctx.model_name, now_s()  # one `created` for every chunk of the response
-        echo = _echo_text(ctx, body, prompt_ids)
-        texts = TokenTexts(ctx.engine.tokenizer) if body.logprobs is not None else None
-        if body.stream:
-            builders = [CompletionLogprobsBuilder(texts) if texts else None for _ in choices]
-            echoed = [echo is None] * len(choices)
-            # a model without a tokenizer makes no text: an empty chunk marks each report of new tokens
-            tokenless, reported = ctx.engine.tokenizer is None, [0] * len(choices)
-
-            def chunk(i, text, reason, ev=None):
-                entries, lp = list((ev and ev.logprobs) or ()), None
-                if reason is None and not echoed[i]:  # the prompt (and its logprobs) first
-                    echoed[i] = True
-                    text, entries = echo + (text or ""), list(ev.prompt_logprobs or ()) + entries
-                new_tokens = ev is not None and ev.completion_tokens > reported[i]
-                if new_tokens:
-                    reported[i] = ev.completion_tokens
-                if reason is None and not text and not entries and not (tokenless and new_tokens):
-                    return None
-                if builders[i] is not None and (entries or reason is None):
-                    lp = builders[i].build(entries)
-                return CompletionResponse(id=rid, model=model, created=created, choices=[
-                    CompletionChoice(index=i, text=text or "", logprobs=lp, finish_reason=reason)])
-
-            def usage(finals):
-                if not body.include_usage:
-                    return None
-                return CompletionResponse(id=rid, model=model, created=created, choices=[],
-                                          usage=_usage(len(prompt_ids), finals))
-
-            return _sse_response(ctx, [r for r, _ in choices], _stream_events(ctx, choices, chunk, usage))
-        finals = await _collect(request, ctx, choices)
-        return CompletionResponse(
-            id=rid, model=model, created=created,
-            choices=[CompletionChoice(index=i, text=(echo or "") + f.text, finish_reason=f.finish_reason,
-                                      logprobs=CompletionLogprobsBuilder(texts).build(
-                                          list(f.prompt_logprobs or ()) + f.logprobs) if texts else None)
-                     for i, f in enumerate(finals)],
-            usage=_usage(len(prompt_ids), finals),
-        )
+        return await create_completion(body, request)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -529,7 +481,7 @@ def build_router():
             grammar = await run_in_threadpool(request_grammar, body) if has_grammar_fields(body) else None
         sp = _sampling_params(ctx, body, len(prompt_ids), body.requested_max_tokens(), "messages", None, grammar)
         rid = new_id("chatcmpl")
-        choices = await _submit_choices(ctx, rid, prompt_ids, sp, body.n or 1, arrival, bool(body.stream))
+        choices = await _submit_choices(ctx, rid, [(prompt_ids, sp)], body.n or 1, arrival, bool(body.stream))
         model, created = ctx.model_name, now_s()  # one `created` for every chunk of the response
         texts = TokenTexts(ctx.engine.tokenizer) if body.logprobs else None
         if body.stream:
@@ -556,7 +508,7 @@ def build_router():
                 if not body.include_usage:
                     return None
                 return ChatCompletionChunk(id=rid, model=model, created=created, choices=[],
-                                           usage=_usage(len(prompt_ids), finals))
+                                           usage=_usage([len(prompt_ids)], finals))
 
             first = [ChatCompletionChunk(id=rid, model=model, created=created,
                                          choices=[ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
@@ -571,7 +523,7 @@ def build_router():
                                 finish_reason=finish_reason(f.finish_reason, messages[i][1]),
                                 logprobs=chat_logprobs(f.logprobs, texts) if texts else None)
                      for i, f in enumerate(finals)],
-            usage=_usage(len(prompt_ids), finals),
+            usage=_usage([len(prompt_ids)], finals),
         )
 
     return router

@@ -67,6 +67,8 @@ MAX_STOP_LEN = 256
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: Most parallel samples (``n``) of one request.
 MAX_N = 16
+#: most prompts in one ``/v1/completions`` batch (OpenAI's limit for a prompt array)
+MAX_COMPLETION_PROMPTS = 2048
 #: Most accepted ``stop_token_ids``.
 MAX_STOP_TOKEN_IDS = 64
 #: Seeds must fit a 64-bit generator state (``torch.Generator.manual_seed``).
@@ -163,11 +165,14 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: ``prompt`` is one string or one list of token ids. Without
-    ``max_tokens`` a completion stops after `DEFAULT_COMPLETION_MAX_TOKENS` tokens, or
+    """``POST /v1/completions``: ``prompt`` is one string, one list of token ids, or a batch
+    of either (a list of strings or a list of token-id lists, at most
+    `MAX_COMPLETION_PROMPTS`), as OpenAI's API takes it; a batch of ``P`` prompts answers
+    ``P * n`` choices, prompt ``p``'s ``n`` choices at indices ``p * n .. p * n + n - 1``.
+    Without ``max_tokens`` a completion stops after `DEFAULT_COMPLETION_MAX_TOKENS` tokens, or
     earlier where the context or the KV pool ends."""
 
-    prompt: Union[StrictStr, List[StrictInt]]
+    prompt: Union[StrictStr, List[StrictInt], List[StrictStr], List[List[StrictInt]]]
     max_tokens: Optional[StrictInt] = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
     #: the prompt's text first in the choice's text (and its logprobs, with ``logprobs``)
     echo: Optional[StrictBool] = False
@@ -177,6 +182,21 @@ class CompletionRequest(_SamplingFields):
     suffix: Optional[StrictStr] = None
 
     known_extras: ClassVar[Mapping[str, KnownField]] = COMPLETION_FIELDS
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_batch_size(cls, v):
+        if isinstance(v, list) and v and not isinstance(v[0], int) and len(v) > MAX_COMPLETION_PROMPTS:
+            raise ValueError(f"a batch holds at most {MAX_COMPLETION_PROMPTS} prompts, got {len(v)}")
+        return v
+
+    def prompts(self) -> List[Union[str, List[int]]]:
+        """The request's prompts: ``[prompt]`` for one string or one token-id list (an empty
+        list included, which the tokenizer check refuses), else the batch itself."""
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]
+        return list(p)
 
     def logprob_params(self) -> Dict[str, Any]:
         """The logprob fields of `SamplingParams`."""

@@ -31,8 +31,10 @@ NCCL's CTAs and cuBLAS's compete for SMs. ``ATTNSERVE_TP_OVERLAP_SM_CARVEOUT=N``
 overlapped MLPs on cuBLASLt with ``N`` SMs left free (`gemm_sm_carveout`). Four H200s, 64 x 512
 prefill at tp 4, two runs each (s): overlap off 0.383 / 0.404, on 0.401 / 0.381, on with 24 SMs
 free 0.383 / 0.373, with 32 0.353 / 0.366 (``benchmarks/results/h200x4-tp4-8b-prefill-overlap-carveout-2026-11-28.json``).
-That is -7 to -9% at 32 SMs, but this host's earlier overlap-off runs spread 0.344-0.404 s, so it
-stays opt-in until an interleaved A/B settles it. NCCL sums each half on its own, so the bits may differ from one all-reduce of
+The interleaved A/B that followed (three rounds of fresh processes, off and 32 SMs free in turn,
+``...-tp4-8b-prefill-overlap-carveout-rounds-2026-11-28.json``) settled it: prefill medians 0.3725
+(off) / 0.3726 s, and the decode steps after it 3.31 / 3.41 ms in every round (not explained).
+It stays opt-in. NCCL sums each half on its own, so the bits may differ from one all-reduce of
 the whole message (the ring's order per element depends on the chunking); at two ranks a sum
 of two terms is the same either way.
 """
