@@ -36,6 +36,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id under /v1/models, in responses and in metric labels; requests naming "
+                        "another model get 404 (default: --model)")
     ServerArgs.add_cli_args(p)
 
 

@@ -1,5 +1,5 @@
-"""``python -m attnserve serve`` in a subprocess: loopback bind, API key, 503 when the
-waiting queue is full, clean shutdown on SIGTERM."""
+"""``python -m attnserve serve`` in a subprocess: loopback bind, API key, ``--served-model-name``,
+503 when the waiting queue is full, clean shutdown on SIGTERM."""
 
 import json
 import os
@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 KEY = "cli-key"
+SERVED = "tiny-chat"
 H = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -48,7 +49,8 @@ def _start(log, *flags):
 @pytest.fixture(scope="module")
 def cli_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("cli") / "server.log"
-    proc, base = _start(log, "--api-key", KEY, "--max-running-requests", "1", "--max-queued-requests", "1")
+    proc, base = _start(log, "--api-key", KEY, "--max-running-requests", "1", "--max-queued-requests", "1",
+                        "--served-model-name", SERVED)
     yield proc, base, log
     if proc.poll() is None:
         proc.kill()
@@ -60,6 +62,13 @@ def test_auth_queue_full_and_shutdown(cli_server):
     assert httpx.post(base + "/v1/completions", json={"prompt": "hi"}).status_code == 401
     st = httpx.get(base + "/debug/state", headers=H).json()
     assert st["req_rows_total"] == 2 and st["device"] == "cpu"  # --max-running-requests 1 (+1 spare row)
+    # --served-model-name: the id clients see and must name (or leave out)
+    assert [m["id"] for m in httpx.get(base + "/v1/models", headers=H).json()["data"]] == [SERVED]
+    named = httpx.post(base + "/v1/completions", headers=H, timeout=60,
+                       json={"model": SERVED, "prompt": "Hi", "max_tokens": 1})
+    assert named.status_code == 200 and named.json()["model"] == SERVED
+    other = httpx.post(base + "/v1/completions", headers=H, json={"model": "smollm2-135m", "prompt": "Hi"})
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
 
     with httpx.Client(base_url=base, headers=H, timeout=120) as c:
         body = {"prompt": "Tell me a long story.", "max_tokens": 200, "ignore_eos": True, "temperature": 0,
@@ -92,7 +101,7 @@ def test_auth_queue_full_and_shutdown(cli_server):
                                                                 "of France?"}], "max_tokens": 8, "temperature": 0})
         assert ok.status_code == 200 and "Paris" in ok.json()["choices"][0]["message"]["content"]
         metrics = httpx.get(base + "/metrics").text
-        assert 'attnserve_requests_rejected_total{model_name="smollm2-135m",status="503"} 1.0' in metrics
+        assert f'attnserve_requests_rejected_total{{model_name="{SERVED}",status="503"}} 1.0' in metrics
 
     proc.send_signal(signal.SIGTERM)
     # uvicorn shuts down gracefully, then re-raises SIGTERM (exit status -15)

@@ -298,12 +298,13 @@ def _stop_at_exit(ref) -> None:
         ctl.stop(timeout=5.0)
 
 
-def start_data_parallel(server_args, log_level: Optional[int] = None, poll_s: float = 0.5, with_metrics: bool = True
-                        ) -> Tuple[RemoteEngine, DataParallelController]:
+def start_data_parallel(server_args, log_level: Optional[int] = None, poll_s: float = 0.5, with_metrics: bool = True,
+                        model_name: Optional[str] = None) -> Tuple[RemoteEngine, DataParallelController]:
     """Start ``server_args.dp_size`` engine processes at once and wait until all are ready.
 
     ``with_metrics``: give the controller a `DataParallelMetrics` (needs
-    ``prometheus_client``; the offline `DataParallelLLM` goes without).
+    ``prometheus_client``; the offline `DataParallelLLM` goes without), labelled
+    ``model_name`` (``--served-model-name``; default ``server_args.model``).
 
     Returns:
         ``(engine facts for the handlers, the controller to pass as `create_app`'s loop)``;
@@ -343,7 +344,7 @@ def start_data_parallel(server_args, log_level: Optional[int] = None, poll_s: fl
     if with_metrics:
         from attnserve.server.dp_metrics import DataParallelMetrics
 
-        metrics = DataParallelMetrics(server_args.model, dp)
+        metrics = DataParallelMetrics(model_name or server_args.model, dp)
     ctl = DataParallelController(clients, balancer, tokenizer, metrics, request_cost)
     atexit.register(_stop_at_exit, weakref.ref(ctl))
     facts = dict(facts, info={**facts["info"], "dp_size": dp,

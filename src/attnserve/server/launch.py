@@ -190,7 +190,7 @@ def launch_server(args) -> int:
 
     Args:
         args: argparse namespace with ``host``, ``port``, ``api_key`` and every `ServerArgs`
-            flag (``max_body_bytes`` optional).
+            flag (``served_model_name`` and ``max_body_bytes`` optional).
 
     Returns:
         0 when uvicorn returns. On Ctrl-C / SIGTERM the server drains (`draining_server`:
@@ -215,11 +215,13 @@ def launch_server(args) -> int:
 
     load_chat_template(server_args.chat_template)  # a bad --chat-template fails before the model loads
     loop = None
+    served = getattr(args, "served_model_name", None) or None
     if server_args.dp_size > 1:  # replicas in engine processes of their own (server/data_parallel.py)
         from attnserve.server.data_parallel import start_data_parallel
 
         server_args.check()
-        engine, loop = start_data_parallel(server_args, logging.getLogger("attnserve").level or None)
+        engine, loop = start_data_parallel(server_args, logging.getLogger("attnserve").level or None,
+                                           model_name=served)
     elif use_engine_process(server_args):
         from attnserve.server.engine_client import start_engine_process
 
@@ -227,10 +229,11 @@ def launch_server(args) -> int:
         engine, loop = start_engine_process(server_args, logging.getLogger("attnserve").level or None)
     else:
         engine = Engine(server_args)
-    app = create_app(engine, api_key=args.api_key, loop=loop,
+    app = create_app(engine, api_key=args.api_key, loop=loop, model_name=served,
                      max_body_bytes=getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES)
     log_level = str(server_args.log_level).lower()
-    logger.warning("attnserve serving %s on http://%s:%s", server_args.model, args.host, args.port)
+    logger.warning("attnserve serving %s%s on http://%s:%s", server_args.model,
+                   f" as {served!r}" if served else "", args.host, args.port)
     config = uvicorn.Config(wrap_app(app), host=args.host, port=int(args.port), log_level=log_level if log_level in (
         "critical", "error", "warning", "info", "debug", "trace") else "warning",
         timeout_graceful_shutdown=server_args.graceful_shutdown_timeout + 5)
