@@ -43,6 +43,28 @@ def test_bad_prompts_leave_engine_untouched(llm):
     assert llm.generate(["Hello"], sp, chat=True)[0].finish_reason in ("stop", "length")
 
 
+def test_sampling_params_as_dicts(llm):
+    """SGLang's offline form: a dict of `SamplingParams` fields (or a list of them, one per
+    prompt) gives what the dataclass gives; a key that is no field, a list of the wrong
+    length or another type is a ValueError naming it, and nothing is enqueued."""
+    prompts = ["The capital of France is", "One, two,"]
+    want = llm.generate(prompts, SamplingParams(max_new_tokens=5, temperature=0.0))
+    got = llm.generate(prompts, {"max_new_tokens": 5, "temperature": 0.0})
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    per_prompt = llm.generate(prompts, [{"max_new_tokens": 2, "temperature": 0.0},
+                                        SamplingParams(max_new_tokens=5, temperature=0.0)])
+    assert per_prompt[0].token_ids == want[0].token_ids[:2] and per_prompt[1].token_ids == want[1].token_ids
+    with pytest.raises(ValueError, match="'max_tokens'"):
+        llm.generate(prompts, {"max_tokens": 5})
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
+        llm.generate(prompts, [{"max_new_tokens": 5}])
+    with pytest.raises(ValueError, match="got str"):
+        llm.generate(prompts, "greedy")
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate(prompts, {"temperature": -1.0})
+    assert not llm.engine.has_work()
+
+
 def test_server_args_reject_bad_flags():
     with pytest.raises(ValueError, match="page-size"):
         ServerArgs(page_size=0).check()

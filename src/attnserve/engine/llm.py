@@ -58,7 +58,7 @@ class LLM:
     def generate(
         self,
         prompts: Union[Prompt, Sequence[Prompt]],
-        sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+        sampling_params: Optional[Union[SamplingParams, Dict[str, Any], Sequence[Any]]] = None,
         chat: bool = False,
         use_tqdm: bool = False,
     ) -> List[GenerateOutput]:
@@ -67,7 +67,8 @@ class LLM:
         Args:
             prompts: a string, a list of token ids, or a list of either.
             sampling_params: one `SamplingParams` for all prompts or one per prompt
-                (default: ``SamplingParams()``).
+                (default: ``SamplingParams()``); a dict of its fields (SGLang's offline
+                form, e.g. ``{"temperature": 0, "max_new_tokens": 32}``) stands for one.
             chat: wrap each text prompt, as one user message, in the chat template (the
                 LLM's ``chat_template``, else the model's own). For whole conversations
                 and template options use `chat`.
@@ -84,11 +85,7 @@ class LLM:
         prompts = list(prompts)
         if not prompts:
             raise ValueError("the prompt list is empty")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        params = per_prompt_params(sampling_params, len(prompts), "prompts")
         if chat and self.chat_template is not None and any(isinstance(p, str) for p in prompts):
             token_lists = [self._render([{"role": "user", "content": p}], self.chat_template, None, False, None, None)
                            if isinstance(p, str) and p else self.engine.tokenize(p) for p in prompts]
@@ -99,7 +96,7 @@ class LLM:
     def chat(
         self,
         messages: Union[Sequence[Dict[str, Any]], Sequence[Sequence[Dict[str, Any]]]],
-        sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+        sampling_params: Optional[Union[SamplingParams, Dict[str, Any], Sequence[Any]]] = None,
         tools: Optional[List[Dict[str, Any]]] = None,
         chat_template: Optional[str] = None,
         add_generation_prompt: Optional[bool] = None,
@@ -112,7 +109,8 @@ class LLM:
         Args:
             messages: one conversation (a list of ``{"role", "content", ...}`` dicts) or a
                 list of conversations.
-            sampling_params: one for all conversations or one per conversation.
+            sampling_params: one for all conversations or one per conversation (a
+                `SamplingParams` or a dict of its fields, as in `generate`).
             tools: OpenAI-style tool definitions, rendered by the template's tool support.
             chat_template: a Jinja file or template text for this call (default: the
                 LLM's ``chat_template``, else the model's own).
@@ -143,11 +141,7 @@ class LLM:
         template = load_chat_template(chat_template) if chat_template is not None else self.chat_template
         token_lists = [self._render(list(c), template, add_generation_prompt, continue_final_message,
                                     chat_template_kwargs, tools) for c in convs]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(convs)
-        if len(params) != len(convs):
-            raise ValueError(f"{len(convs)} conversations but {len(params)} sampling params")
+        params = per_prompt_params(sampling_params, len(convs), "conversations")
         return self._run(token_lists, params, use_tqdm)
 
     def _render(self, conversation, template, add_generation_prompt, continue_final_message, kwargs, tools):
@@ -181,3 +175,38 @@ class LLM:
         for r in reqs:
             self.engine.scheduler.forget(r.rid)
         return outs
+
+
+def per_prompt_params(sampling_params: Any, count: int, what: str) -> List[SamplingParams]:
+    """``count`` `SamplingParams` from what `LLM.generate` / `LLM.chat` take: None (the
+    defaults), one `SamplingParams` or dict of its fields for every prompt, or a list or tuple
+    of them, one per prompt.
+
+    Raises:
+        ValueError: a dict with a key that is not a `SamplingParams` field (named), a list of
+            another length than ``count``, or anything else.
+    """
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, (list, tuple)):
+        params = [_one_params(p) for p in sampling_params]
+        if len(params) != count:
+            raise ValueError(f"{count} {what} but {len(params)} sampling params")
+        return params
+    return [_one_params(sampling_params)] * count
+
+
+def _one_params(p: Any) -> SamplingParams:
+    if isinstance(p, SamplingParams):
+        return p
+    if isinstance(p, dict):
+        import dataclasses
+
+        fields = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
+        unknown = sorted(str(k) for k in p if k not in fields)
+        if unknown:
+            raise ValueError(f"sampling_params: unknown field(s) {', '.join(map(repr, unknown))}; "
+                             f"SamplingParams takes {', '.join(sorted(fields))}")
+        return SamplingParams(**p)
+    raise ValueError(f"sampling_params must be a SamplingParams, a dict of its fields or a list of either, "
+                     f"got {type(p).__name__}")

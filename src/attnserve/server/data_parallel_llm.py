@@ -94,7 +94,8 @@ class DataParallelLLM:
 
         Args:
             prompts: texts or token-id lists.
-            sampling_params: one `SamplingParams` for all or one per prompt.
+            sampling_params: one `SamplingParams` (or dict of its fields) for all or one per
+                prompt, as `attnserve.engine.llm.LLM.generate` takes them.
             chat: wrap text prompts in the chat template.
 
         Raises:
@@ -104,10 +105,9 @@ class DataParallelLLM:
         """
         if self._closed:
             raise RuntimeError("the DataParallelLLM was shut down")
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(
-            prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        from attnserve.engine.llm import per_prompt_params
+
+        params = per_prompt_params(sampling_params, len(prompts), "prompts")
         ids = [self.engine.tokenize(p, chat=chat) for p in prompts]
         return self._call(self._generate(ids, params))
 
