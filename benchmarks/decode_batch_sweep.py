@@ -76,6 +76,8 @@ STAGES_AB_CASES = [(shape, bs, ctx) for shape in ("llama-3-8b", "llama-3-8b-tp2"
 #: ``--head-shapes``: (shape, batch, context) cases of `head_shape_sweep`
 HEAD_SHAPE_CASES = [("phi-3-mini", bs, ctx) for bs, ctx in ((1, 2048), (8, 4096), (32, 800), (96, 800), (144, 800),
                                                              (256, (200, 1800)))]
+#: ``--head-shapes --block-h1``: fewer cases of the same shape
+BLOCK_H1_CASES = [("phi-3-mini", bs, ctx) for bs, ctx in ((8, 4096), (96, 800), (144, 800))]
 ROTATE_BYTES = 256 << 20
 
 
@@ -334,12 +336,17 @@ def stages_ab() -> list:
     return rows, ceil
 
 
-def head_shape_sweep(kv_dtype: str = "bf16") -> list:
+def head_shape_sweep(kv_dtype: str = "bf16", block_h1: bool = False) -> list:
     """``--head-shapes``: on `HEAD_SHAPE_CASES` (a ``kv_dtype`` cache, a `DTYPES` key; the engine's
     split rule, graphs with the KV rotated), the engine's stage-1 config against every (block_n,
     stages, warps) of a grid, each with K's head read as main + remainder tiles and as one padded
     tile (``DecodeConfig.whole_dk``). Question: why Phi-3-mini's stage 1 (32 KV heads of 96) streams at
-    0.69 of copy in a decode step at 96 x 800 where Mistral-7B's (8 of 128) reaches 0.85."""
+    0.69 of copy in a decode step at 96 x 800 where Mistral-7B's (8 of 128) reaches 0.85.
+
+    ``block_h1`` (``--block-h1``; Phi-3's one query head per KV head): the grid instead runs the
+    per-head kernel without ``tl.dot`` (``block_h`` 1: the products and sums on the CUDA cores, no
+    16-row padding of one head; block_n 32 / 64 / 128, 2 / 4 stages, 2 / 4 warps) on
+    `BLOCK_H1_CASES`, against the engine's config."""
     from dataclasses import replace
 
     from common import measure_ceilings
@@ -347,20 +354,26 @@ def head_shape_sweep(kv_dtype: str = "bf16") -> list:
     ceil = measure_ceilings()
     copy_bps = ceil["copy_tbps"] * 1e12
     rows = []
-    grid = list(itertools.product((32, 64, 128), (2, 3, 4, 5), (4, 8), (False, True)))
-    for shape, bs, ctx, case, splits, engine in _engine_cases(HEAD_SHAPE_CASES, DTYPES[kv_dtype]):
+    if block_h1:
+        grid = list(itertools.product((32, 64, 128), (2, 4), (2, 4), (False, True)))
+    else:
+        grid = list(itertools.product((32, 64, 128), (2, 3, 4, 5), (4, 8), (False, True)))
+    for shape, bs, ctx, case, splits, engine in _engine_cases(BLOCK_H1_CASES if block_h1 else HEAD_SHAPE_CASES,
+                                                              DTYPES[kv_dtype]):
         hq, d = case.hq, case.d
         ref = None
         case_rows = []
         engine_tile = (engine.block_n, engine.num_stages, engine.num_warps, engine.whole_dk)
         for block_n, stages, warps, whole in [engine_tile] + grid:
-            if any((r["block_n"], r["num_stages"], r["num_warps"], r["whole_dk"]) == (block_n, stages, warps, whole)
-                   for r in case_rows):
+            block_h = 1 if block_h1 and case_rows else engine.block_h  # the first row is the engine's own
+            if any((r["block_n"], r["num_stages"], r["num_warps"], r["whole_dk"], r["block_h"])
+                   == (block_n, stages, warps, whole, block_h) for r in case_rows):
                 continue
-            cfg = replace(engine, block_n=block_n, num_stages=stages, num_warps=warps, whole_dk=whole)
+            cfg = replace(engine, block_n=block_n, num_stages=stages, num_warps=warps, whole_dk=whole,
+                          block_h=block_h)
             row = {"shape": shape, "bs": bs, "context": list(ctx) if isinstance(ctx, tuple) else ctx,
                    "kv_dtype": kv_dtype, "mean_splits": float(splits.float().mean()), "block_n": block_n,
-                   "num_stages": stages,
+                   "num_stages": stages, "block_h": block_h,
                    "num_warps": warps, "whole_dk": whole, "engine": not case_rows}
             o = torch.empty(bs, hq, d, device="cuda", dtype=torch.bfloat16)
             ref = _time_config(row, functools.partial(case.calls, o, splits, cfg), o, ref, case.kv_bytes, copy_bps,
@@ -371,7 +384,8 @@ def head_shape_sweep(kv_dtype: str = "bf16") -> list:
         print(f"{shape:11s} bs={bs:3d} ctx={ctx}: engine {engine.block_n}/{engine.num_stages}/{engine.num_warps} "
               f"{eng.get('graph_us', float('nan')):7.1f} us ({eng.get('share_of_copy_rate', 0):.2f}); best: " +
               "; ".join(f"{r['block_n']}/{r['num_stages']}/{r['num_warps']}{' whole' if r['whole_dk'] else ''} "
-                        f"{r['graph_us']:.1f} ({r['share_of_copy_rate']:.2f})" for r in ok[:4]), flush=True)
+                        f"h{r['block_h']} {r['graph_us']:.1f} ({r['share_of_copy_rate']:.2f}, "
+                        f"diff {r.get('max_abs_diff_vs_engine', 0):.2g})" for r in ok[:4]), flush=True)
         rows.extend(case_rows)
         del case
     return rows, ceil
@@ -388,6 +402,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-shapes", action="store_true",
                     help="instead: tiles and whole / split K heads on Phi-3-mini's heads (head_shape_sweep)")
     ap.add_argument("--kv-dtype", default="bf16", choices=list(DTYPES), help="the KV cache of --head-shapes")
+    ap.add_argument("--block-h1", action="store_true",
+                    help="with --head-shapes: the per-head kernel without tl.dot (block_h 1) on BLOCK_H1_CASES")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("decode_batch_sweep needs a CUDA GPU")
@@ -398,7 +414,7 @@ def main(argv=None) -> int:
     elif args.stages_ab:
         rows, ceil = stages_ab()
     elif args.head_shapes:
-        rows, ceil = head_shape_sweep(args.kv_dtype)
+        rows, ceil = head_shape_sweep(args.kv_dtype, args.block_h1)
     else:
         rows, ceil = sweep(args.quick, cases=TP_TILE_CASES, waves_grid=(1, 2, 4, 8)) if args.tp_tiles \
             else sweep(args.quick)
@@ -407,7 +423,8 @@ def main(argv=None) -> int:
               "cuda": torch.version.cuda, "ceilings": ceil, "rows": rows}
     tag = ("decode-tp-shard-splits" if args.tp_shards else "decode-tp-tiles" if args.tp_tiles
            else "decode-stages-ab" if args.stages_ab
-           else "decode-head-shapes" + ("" if args.kv_dtype == "bf16" else f"-{args.kv_dtype}") if args.head_shapes
+           else "decode-head-shapes" + ("" if args.kv_dtype == "bf16" else f"-{args.kv_dtype}")
+           + ("-block-h1" if args.block_h1 else "") if args.head_shapes
            else "decode-batch-sweep")
     write_result(result, args.out, tag)
     return 0
