@@ -54,6 +54,9 @@ def test_sampling_params_as_dicts(llm):
     per_prompt = llm.generate(prompts, [{"max_new_tokens": 2, "temperature": 0.0},
                                         SamplingParams(max_new_tokens=5, temperature=0.0)])
     assert per_prompt[0].token_ids == want[0].token_ids[:2] and per_prompt[1].token_ids == want[1].token_ids
+    sglang_names = llm.generate(prompts[:1], {"max_new_tokens": 5, "temperature": 0.0, "min_new_tokens": 5,
+                                              "sampling_seed": 3})
+    assert len(sglang_names[0].token_ids) == 5
     with pytest.raises(ValueError, match="'max_tokens'"):
         llm.generate(prompts, {"max_tokens": 5})
     with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):

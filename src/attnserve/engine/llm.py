@@ -177,10 +177,15 @@ class LLM:
         return outs
 
 
+#: SGLang's names in its ``sampling_params`` dicts that differ from `SamplingParams`' fields
+_SGLANG_NAMES = {"min_new_tokens": "min_tokens", "sampling_seed": "seed"}
+
+
 def per_prompt_params(sampling_params: Any, count: int, what: str) -> List[SamplingParams]:
     """``count`` `SamplingParams` from what `LLM.generate` / `LLM.chat` take: None (the
     defaults), one `SamplingParams` or dict of its fields for every prompt, or a list or tuple
-    of them, one per prompt.
+    of them, one per prompt. A dict may use SGLang's ``min_new_tokens`` and ``sampling_seed``
+    for ``min_tokens`` and ``seed``.
 
     Raises:
         ValueError: a dict with a key that is not a `SamplingParams` field (named), a list of
@@ -203,6 +208,7 @@ def _one_params(p: Any) -> SamplingParams:
         import dataclasses
 
         fields = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
+        p = {_SGLANG_NAMES.get(k, k): v for k, v in p.items()}
         unknown = sorted(str(k) for k in p if k not in fields)
         if unknown:
             raise ValueError(f"sampling_params: unknown field(s) {', '.join(map(repr, unknown))}; "
