@@ -115,6 +115,12 @@ def test_two_replicas_serve_64_mixed_requests(served):
     assert _metric(text, "attnserve_kv_slots_total") == sum(
         _metric(text, "attnserve_kv_slots_total", dp_rank=str(i)) for i in range(2)) > 0
     assert _metric(text, "attnserve_dp_replica_up", dp_rank="1") == 1
+    # /flush_cache reaches every replica: both prefix caches empty
+    assert sum(r["kv_slots_cached"] for r in httpx.get(served.base_url + "/debug/state").json()["replicas"]) > 0
+    assert httpx.post(served.base_url + "/flush_cache").status_code == 200
+    while any(r["kv_slots_cached"] for r in httpx.get(served.base_url + "/debug/state").json()["replicas"]):
+        assert time.monotonic() < deadline + 20
+        time.sleep(0.05)
 
 
 def test_a_killed_replica_fails_only_its_requests(served):

@@ -1,6 +1,6 @@
 """The native routes against the shared real server (`conftest.server`): /tokenize and
 /detokenize, SGLang's /generate (text, input_ids, batch, stream, logprobs), /health_generate,
-/get_model_info, the sglang: metric names, and bad input (400, the server keeps serving)."""
+/get_model_info, /flush_cache, the sglang: metric names, and bad input (400, the server keeps serving)."""
 
 import asyncio
 import json
@@ -238,3 +238,36 @@ def test_no_cors_headers_without_allowed_origins(server, client):
     pre = client.options("/generate", headers={"Origin": "http://example.test",
                                                "Access-Control-Request-Method": "POST"})
     assert "access-control-allow-origin" not in pre.headers
+
+
+def test_flush_cache_when_idle_and_refused_while_busy(server, client):
+    """``/flush_cache`` (GET or POST) empties the prefix cache of an idle server; while a
+    request runs it answers 400 ``requests_in_flight`` and the cache is kept."""
+    import time
+
+    def cached():
+        return client.get("/debug/state").json()["kv_slots_cached"]
+
+    def wait_for(pred):
+        deadline = time.monotonic() + 30
+        while not pred():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+    assert client.post("/generate", json={"text": PROMPT * 8, "sampling_params": GREEDY}).status_code == 200
+    wait_for(lambda: cached() > 0)
+    assert client.post("/flush_cache").status_code == 200
+    wait_for(lambda: cached() == 0)
+    assert client.post("/generate", json={"text": PROMPT * 8, "sampling_params": GREEDY}).status_code == 200
+    wait_for(lambda: cached() > 0)
+    body = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as long_stream:  # keeps a request running
+        assert long_stream.status_code == 200
+        next(ln for ln in long_stream.iter_lines() if ln.startswith("data: "))
+        wait_for(lambda: client.get("/debug/state").json()["running"] > 0)
+        r = client.get("/flush_cache")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "requests_in_flight", r.text
+    wait_for(lambda: client.get("/debug/state").json()["running"] == 0)  # leaving the stream aborted it
+    assert cached() > 0
+    assert client.get("/flush_cache").status_code == 200
+    wait_for(lambda: cached() == 0)

@@ -165,6 +165,10 @@ class _AbortCommand:
     rid: str
 
 
+class _FlushCacheCommand:
+    """Drop the prefix cache once the commands before it are handled (`EngineLoop.flush_cache`)."""
+
+
 @dataclass
 class _Live:
     """Loop-thread bookkeeping of one admitted request."""
@@ -303,6 +307,12 @@ class EngineLoop:
         """Abort ``rid`` (unknown or finished ids are ignored)."""
         self._commands.put(_AbortCommand(rid))
 
+    def flush_cache(self) -> bool:
+        """Ask the loop thread to drop the prefix cache (`Scheduler.flush_prefix_cache`: a no-op,
+        logged, while requests run or wait); True: the command was queued."""
+        self._commands.put(_FlushCacheCommand())
+        return True
+
     def state(self) -> Dict[str, Any]:
         """Snapshot taken by the loop thread after its last step (a fresh dict)."""
         return dict(self._state)
@@ -370,6 +380,9 @@ class EngineLoop:
                 pass
             elif isinstance(item, _AbortCommand):
                 self._abort(item.rid)
+            elif isinstance(item, _FlushCacheCommand):
+                if not self.engine.scheduler.flush_prefix_cache():
+                    logger.warning("flush_cache while requests run or wait; the prefix cache is kept")
             else:
                 self._add(item)
             try:

@@ -22,6 +22,11 @@ servers' shapes), SGLang's native ``/generate``, ``/health_generate`` and
   when the engine loop is dead, draining, failed the request, or took longer than
   ``ServingContext.health_generate_timeout_s``.
 * ``GET /get_model_info``: ``model_path``, ``tokenizer_path``, ``is_generation`` ...
+* ``GET`` / ``POST /flush_cache``: drop the prefix (radix) cache of the engine, or of every
+  data-parallel replica, as SGLang's route does (benchmarks call it between runs): 200 when
+  no request runs or waits, else 400 and the cache is kept (the check reads the last
+  published state; a request that arrives in between also keeps the cache, and the engine
+  logs it).
 
 Sources (facts only): SGLang's "Native APIs" and "Sampling Parameters" documentation and
 ``GenerateReqInput``; vLLM's ``/tokenize`` and ``/detokenize``.
@@ -391,4 +396,25 @@ def build_native_router():
     async def get_model_info_route(request: Request):
         return model_info(request.app.state.ctx)
 
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache_route(request: Request):
+        return flush_cache(request.app.state.ctx)
+
     return router
+
+
+def flush_cache(ctx):
+    """``/flush_cache`` (see the module docstring).
+
+    Raises:
+        APIError 400 ``requests_in_flight``: requests run or wait; 503: the engine cannot be
+            reached.
+    """
+    state = ctx.loop.state()
+    busy = int(state.get("running", 0)) + int(state.get("waiting", 0))
+    if busy:
+        raise APIError(400, f"the prefix cache was not flushed: {busy} requests are running or waiting; "
+                            "call /flush_cache when the server is idle", None, "requests_in_flight")
+    if ctx.loop.flush_cache() is False:
+        raise APIError(503, "the engine cannot be reached", None, "engine_dead")
+    return JSONResponse({"message": "Cache flushed."})
