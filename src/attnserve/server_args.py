@@ -19,6 +19,8 @@ DEFAULT_MODEL = "smollm2-135m"
 class ServerArgs:
     # model
     model: str = DEFAULT_MODEL
+    tokenizer_path: Optional[str] = None  # a tokenizer directory instead of the checkpoint's (or a dummy shape's)
+    trust_remote_code: bool = False  # transformers may run a tokenizer's own code (AutoTokenizer)
     load_format: str = "auto"  # auto | gguf | safetensors | dummy
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | float16 | bfloat16
     device: str = "auto"  # auto | cpu | cuda
@@ -242,6 +244,11 @@ class ServerArgs:
         a("--model", "--model-path", dest="model", default=d.model,
           help="packaged model name (smollm2-135m, gemma3-270m), a .gguf file, an HF directory, "
                "or with --load-format dummy a shape name (llama-3-8b)")
+        a("--tokenizer-path", default=None,
+          help="tokenizer directory to use instead of the checkpoint's; also gives a --load-format dummy shape "
+               "a tokenizer (its vocabulary must fit the model's)")
+        a("--trust-remote-code", action="store_true",
+          help="let transformers run the code a tokenizer directory ships (AutoTokenizer's trust_remote_code)")
         a("--load-format", default=d.load_format, choices=["auto", "gguf", "safetensors", "dummy"])
         a("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"])
         a("--device", default=d.device, choices=["auto", "cpu", "cuda"])

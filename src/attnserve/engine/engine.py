@@ -124,6 +124,8 @@ class Engine:
             device=server_args.resolved_device(),
             tp=tp,
             quantization=server_args.quantization,
+            tokenizer_path=server_args.tokenizer_path,
+            trust_remote_code=server_args.trust_remote_code,
         )
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.model_config

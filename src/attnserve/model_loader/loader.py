@@ -213,6 +213,8 @@ def load_model(
     seed: int = 0,
     tp: Any = None,
     quantization: Optional[str] = None,
+    tokenizer_path: Optional[str] = None,
+    trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Resolve ``model``, build its class for its architecture and fill its weights.
 
@@ -230,6 +232,9 @@ def load_model(
         quantization: ``"fp8"`` (``--quantization``): FP8 linears, quantised as each weight
             is read; a checkpoint with an FP8 ``quantization_config`` is FP8 without it
             (`attnserve.models.layers.quantization`).
+        tokenizer_path: load the tokenizer from this directory instead of the checkpoint
+            (``--tokenizer-path``; a dummy shape gets one too); ``trust_remote_code`` goes to
+            transformers for it and for an HF checkpoint's own.
 
     Raises:
         FileNotFoundError / ValueError: from `resolve_model`.
@@ -237,6 +242,7 @@ def load_model(
             or an unsupported architecture (the message lists the supported ones).
         ValueError: an unknown ``quantization`` or ``quant_method``, FP8 on a GPU below
             sm 89, FP8 MoE experts, or scales whose shapes do not fit their weights.
+        ValueError: a ``tokenizer_path`` whose vocabulary is larger than the model's.
     """
     from attnserve.model_loader.dummy import DUMMY_MODEL_CONFIGS, dummy_hf_config, init_dummy_weights
 
@@ -290,10 +296,17 @@ def load_model(
     module.eval()
 
     tokenizer = None
-    if load_tokenizer and source is not None:
+    if load_tokenizer and (source is not None or tokenizer_path):
         from attnserve.model_loader.tokenizer import get_tokenizer
 
-        tokenizer = get_tokenizer(source.model_path, gguf_file=source.gguf_file)
+        if tokenizer_path:
+            tokenizer = get_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
+            if len(tokenizer) > model_config.vocab_size:
+                raise ValueError(f"the tokenizer at {tokenizer_path!r} has {len(tokenizer)} tokens but {model!r} "
+                                 f"has a vocabulary of {model_config.vocab_size}; use the model's own tokenizer")
+        else:
+            tokenizer = get_tokenizer(source.model_path, gguf_file=source.gguf_file,
+                                      trust_remote_code=trust_remote_code)
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is not None and eos not in model_config.eos_token_ids:
             model_config.eos_token_ids = model_config.eos_token_ids + (int(eos),)

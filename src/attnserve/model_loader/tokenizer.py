@@ -5,14 +5,16 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 
-def get_tokenizer(model_path: str, gguf_file: Optional[str] = None) -> Any:
+def get_tokenizer(model_path: str, gguf_file: Optional[str] = None, trust_remote_code: bool = False) -> Any:
     """Load the tokenizer of an HF directory, or of a GGUF file inside ``model_path``.
 
     Args:
-        model_path: directory (HF checkpoint, or the directory holding the GGUF).
+        model_path: directory (HF checkpoint, tokenizer-only directory, or the directory
+            holding the GGUF).
         gguf_file: file name of the GGUF inside ``model_path`` (its embedded vocabulary
             and chat template are converted by transformers, needs ``gguf``, once per file:
             later loads read transformers' saved copy, `gguf_meta_cache`).
+        trust_remote_code: transformers' ``trust_remote_code`` for a directory (``--trust-remote-code``).
     """
     from transformers import AutoTokenizer
 
@@ -24,7 +26,7 @@ def get_tokenizer(model_path: str, gguf_file: Optional[str] = None) -> Any:
         return cached(os.path.join(model_path, gguf_file), "tokenizer",
                       lambda: AutoTokenizer.from_pretrained(model_path, gguf_file=gguf_file),
                       AutoTokenizer.from_pretrained)
-    return AutoTokenizer.from_pretrained(model_path)
+    return AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
 
 
 def apply_chat_template(tokenizer: Any, prompt: str) -> List[int]:
