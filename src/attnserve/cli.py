@@ -39,6 +39,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model id under /v1/models, in responses and in metric labels; requests naming "
                         "another model get 404 (default: --model)")
+    p.add_argument("--enable-metrics", action="store_true",
+                   help="taken for SGLang's launch commands: /metrics (Prometheus) is always served")
     ServerArgs.add_cli_args(p)
 
 

@@ -50,7 +50,7 @@ def _start(log, *flags):
 def cli_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("cli") / "server.log"
     proc, base = _start(log, "--api-key", KEY, "--max-running-requests", "1", "--max-queued-requests", "1",
-                        "--served-model-name", SERVED)
+                        "--served-model-name", SERVED, "--enable-metrics")
     yield proc, base, log
     if proc.poll() is None:
         proc.kill()
