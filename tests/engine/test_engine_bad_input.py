@@ -68,6 +68,25 @@ def test_sampling_params_as_dicts(llm):
     assert not llm.engine.has_work()
 
 
+def test_n_samples_per_prompt(llm):
+    """``n``: that many outputs per prompt, in a row (SGLang's order); greedy samples agree,
+    seeded ones differ from each other but repeat across calls; the engine alone refuses n > 1."""
+    prompts = ["The capital of France is", "One, two,"]
+    greedy = llm.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0.0, n=3))
+    assert len(greedy) == 6
+    assert [o.token_ids for o in greedy[:3]] == [greedy[0].token_ids] * 3
+    assert [o.token_ids for o in greedy[3:]] == [greedy[3].token_ids] * 3 and greedy[0].token_ids != greedy[3].token_ids
+    sp = {"max_new_tokens": 12, "temperature": 1.0, "seed": 7, "n": 4, "ignore_eos": True}
+    first = [o.token_ids for o in llm.generate(prompts[:1], sp)]
+    again = [o.token_ids for o in llm.generate(prompts[:1], sp)]
+    assert first == again and len(set(map(tuple, first))) > 1
+    with pytest.raises(ValueError, match="n must be"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="one sample per request"):
+        llm.engine.check_prompt([1, 2, 3], SamplingParams(n=2))
+    assert not llm.engine.has_work()
+
+
 def test_server_args_reject_bad_flags():
     with pytest.raises(ValueError, match="page-size"):
         ServerArgs(page_size=0).check()

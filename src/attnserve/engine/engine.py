@@ -196,13 +196,16 @@ class Engine:
         enqueueing, so nothing is silently truncated): an empty prompt, invalid sampling
         parameters (a grammar must parse and suit the engine: `attnserve.engine.constrained`),
         or prompt + ``max_new_tokens`` beyond what one request can ever hold
-        (`max_request_tokens`: the context length and the KV pool). RuntimeError after
-        `shutdown`."""
+        (`max_request_tokens`: the context length and the KV pool), ``n`` above 1. RuntimeError
+        after `shutdown`."""
         self.check_running()
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
         sampling_params.verify()
+        if sampling_params.n != 1:
+            raise ValueError(f"n={sampling_params.n}: the engine takes one sample per request; LLM.generate "
+                             "expands n, or submit n requests")
         self.scheduler.grammar.check(sampling_params, parse=True)  # a grammar this engine can serve
         self.scheduler.extras.check(sampling_params)  # logit_bias ids in the vocabulary; none under speculation
         ctx, pool = self.context_len, self.max_total_tokens

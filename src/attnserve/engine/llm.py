@@ -62,7 +62,8 @@ class LLM:
         chat: bool = False,
         use_tqdm: bool = False,
     ) -> List[GenerateOutput]:
-        """Run every prompt to completion; outputs are in prompt order.
+        """Run every prompt to completion; outputs are in prompt order (a prompt whose
+        params have ``n`` > 1 gives its ``n`` outputs in a row, as SGLang returns them).
 
         Args:
             prompts: a string, a list of token ids, or a list of either.
@@ -122,8 +123,8 @@ class LLM:
             chat_template_kwargs: extra template variables (e.g. ``enable_thinking``).
 
         Returns:
-            one `GenerateOutput` per conversation, in order (``prompt_token_ids`` is the
-            rendered conversation).
+            one `GenerateOutput` per conversation and sample (``n``), in order
+            (``prompt_token_ids`` is the rendered conversation).
 
         Raises:
             ValueError: an empty list, a conversation the template cannot render (the
@@ -152,7 +153,8 @@ class LLM:
                            chat_template_kwargs=kwargs, tools=tools).token_ids
 
     def _run(self, token_lists: List[List[int]], params: List[SamplingParams], use_tqdm: bool) -> List[GenerateOutput]:
-        """Check every prompt, enqueue them all, step until each is finished."""
+        """Check every prompt, enqueue them all (each ``n`` times), step until each is finished."""
+        token_lists, params = expand_samples(token_lists, params)
         for ids, p in zip(token_lists, params):
             self.engine.check_prompt(ids, p)
         reqs = [self.engine.add_request(ids, p) for ids, p in zip(token_lists, params)]
@@ -175,6 +177,21 @@ class LLM:
         for r in reqs:
             self.engine.scheduler.forget(r.rid)
         return outs
+
+
+def expand_samples(token_lists: List[List[int]], params: List[SamplingParams]) -> tuple:
+    """``(token lists, params)`` with each prompt repeated ``n`` times in a row, every copy
+    with ``n`` 1 and, when seeded, seed ``seed + i`` for sample ``i`` (so the samples differ
+    but the call is reproducible, as the server's ``n`` choices)."""
+    import dataclasses
+
+    out_ids, out_params = [], []
+    for ids, p in zip(token_lists, params):
+        for i in range(p.n):
+            out_ids.append(ids)
+            out_params.append(p if p.n == 1 else dataclasses.replace(
+                p, n=1, seed=None if p.seed is None else p.seed + i))
+    return out_ids, out_params
 
 
 #: SGLang's names in its ``sampling_params`` dicts that differ from `SamplingParams`' fields

@@ -53,6 +53,12 @@ class SamplingParams:
             ``logprobs`` or ``prompt_logprobs``).
         prompt_logprobs: return the logprobs of the prompt tokens (the first has none);
             such a request computes its whole prompt (no prefix-cache reuse).
+
+    Samples (SGLang's and vLLM's ``n``):
+        n: outputs per prompt (>= 1). `attnserve.engine.llm.LLM.generate` / ``chat`` run each
+            prompt ``n`` times (sample ``i`` seeded ``seed + i`` when ``seed`` is set; the
+            prompt's KV is computed once and shared through the prefix cache); the engine
+            itself takes one sample per request (`Engine.check_prompt` refuses ``n > 1``).
     """
 
     max_new_tokens: int = 128
@@ -77,6 +83,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    n: int = 1
     stop_strs: List[str] = field(init=False, default_factory=list)
 
     def __post_init__(self):
@@ -112,6 +119,8 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         from attnserve.engine.constrained.spec import check_fields
 
         check_fields(self)  # grammar fields: types, at most one

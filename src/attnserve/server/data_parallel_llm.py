@@ -95,7 +95,8 @@ class DataParallelLLM:
         Args:
             prompts: texts or token-id lists.
             sampling_params: one `SamplingParams` (or dict of its fields) for all or one per
-                prompt, as `attnserve.engine.llm.LLM.generate` takes them.
+                prompt, as `attnserve.engine.llm.LLM.generate` takes them (``n`` > 1: that many
+                outputs for the prompt, in a row).
             chat: wrap text prompts in the chat template.
 
         Raises:
@@ -105,10 +106,10 @@ class DataParallelLLM:
         """
         if self._closed:
             raise RuntimeError("the DataParallelLLM was shut down")
-        from attnserve.engine.llm import per_prompt_params
+        from attnserve.engine.llm import expand_samples, per_prompt_params
 
         params = per_prompt_params(sampling_params, len(prompts), "prompts")
-        ids = [self.engine.tokenize(p, chat=chat) for p in prompts]
+        ids, params = expand_samples([self.engine.tokenize(p, chat=chat) for p in prompts], params)
         return self._call(self._generate(ids, params))
 
     async def _generate(self, ids: List[List[int]], params) -> List[DPGenerateOutput]:
