@@ -180,17 +180,13 @@ class LLM:
 
 
 def expand_samples(token_lists: List[List[int]], params: List[SamplingParams]) -> tuple:
-    """``(token lists, params)`` with each prompt repeated ``n`` times in a row, every copy
-    with ``n`` 1 and, when seeded, seed ``seed + i`` for sample ``i`` (so the samples differ
-    but the call is reproducible, as the server's ``n`` choices)."""
-    import dataclasses
-
+    """``(token lists, params)`` with each prompt repeated ``n`` times in a row, copy ``i``
+    with `SamplingParams.sample` ``(i)``'s params."""
     out_ids, out_params = [], []
     for ids, p in zip(token_lists, params):
         for i in range(p.n):
             out_ids.append(ids)
-            out_params.append(p if p.n == 1 else dataclasses.replace(
-                p, n=1, seed=None if p.seed is None else p.seed + i))
+            out_params.append(p.sample(i))
     return out_ids, out_params
 
 

@@ -127,6 +127,16 @@ class SamplingParams:
         verify_controls(self)
         verify_logprob_params(self)
 
+    def sample(self, i: int) -> "SamplingParams":
+        """The params of sample ``i`` of this request (the rule of `LLM.generate`'s ``n`` and of
+        the server's ``n`` choices): ``n`` 1 and, when seeded, seed ``seed + i``, so the samples
+        differ but the call is reproducible. ``self`` itself where nothing changes."""
+        if self.n == 1 and (i == 0 or self.seed is None):
+            return self
+        import dataclasses
+
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+
     @property
     def has_logit_controls(self) -> bool:
         """Any penalty, logit bias or ``min_tokens`` (`attnserve.engine.penalties`)."""

@@ -94,7 +94,8 @@ async def create_completion(body: CompletionRequest, request):
     rid = new_id("cmpl")
     choices = await _submit_choices(ctx, rid, list(zip(prompt_ids, params)), n, arrival, bool(body.stream))
     model, created = ctx.model_name, now_s()  # one `created` for every chunk of the response
-    echoes = [echo_text(ctx, bool(body.echo), prompts[i // n], prompt_ids[i // n]) for i in range(len(choices))]
+    prompt_echoes = [echo_text(ctx, bool(body.echo), p, ids) for p, ids in zip(prompts, prompt_ids)]
+    echoes = [prompt_echoes[i // n] for i in range(len(choices))]  # decoded once per prompt, not per choice
     texts = TokenTexts(ctx.engine.tokenizer) if body.logprobs is not None else None
     prompt_lens = [len(ids) for ids in prompt_ids]
     if body.stream:

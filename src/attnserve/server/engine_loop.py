@@ -381,14 +381,18 @@ class EngineLoop:
             elif isinstance(item, _AbortCommand):
                 self._abort(item.rid)
             elif isinstance(item, _FlushCacheCommand):
-                if not self.engine.scheduler.flush_prefix_cache():
-                    logger.warning("flush_cache while requests run or wait; the prefix cache is kept")
+                self._flush_cache()
             else:
                 self._add(item)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _flush_cache(self) -> None:
+        """Drop the prefix cache (loop thread); kept, with a warning, while requests run or wait."""
+        if not self.engine.scheduler.flush_prefix_cache():
+            logger.warning("flush_cache while requests run or wait; the prefix cache is kept")
 
     def _add(self, cmd: SubmitCommand) -> None:
         from attnserve.engine.scheduler import QueueFullError

@@ -140,8 +140,7 @@ class ProcessEngineLoop(EngineLoop):
         elif kind == "flush_cache":
             from attnserve.engine.schedule_batch import SchedulerStats
 
-            if not self.engine.scheduler.flush_prefix_cache():
-                logger.warning("attnserve engine process: flush_cache while requests run; the cache is kept")
+            self._flush_cache()
             self.engine.scheduler.stats = SchedulerStats()
         else:
             logger.error("attnserve engine process: unknown command %r", kind)

@@ -18,7 +18,6 @@ size, tokenizer) and talk to the engine through the loop's queues.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -236,9 +235,9 @@ def choice_ids(rid: str, num_prompts: int, n: int) -> List[str]:
 async def _submit_choices(ctx: ServingContext, rid: str, prompts: List[Tuple[List[int], Any]], n: int,
                           arrival: float, stream_tokens: bool = True) -> List[Tuple[str, RequestStream]]:
     """Submit the ``n`` choices of each ``(prompt ids, SamplingParams)`` of one request
-    together (ids from `choice_ids`, prompt by prompt; a seeded request's choice i uses
-    seed + i, so the choices differ but the response is reproducible) and wait until the
-    engine accepted every one. Submitted in one go, the choices reach the scheduler
+    together (ids from `choice_ids`, prompt by prompt; choice i takes `SamplingParams.sample`
+    ``(i)``: seed + i when seeded, so the choices differ but the response is reproducible) and
+    wait until the engine accepted every one. Submitted in one go, the choices reach the scheduler
     together, so it can compute a shared prompt once and let the others read it from the
     prefix cache. ``stream_tokens`` False: the client waits for the whole answer
     (`SubmitCommand.stream_tokens`).
@@ -252,7 +251,7 @@ async def _submit_choices(ctx: ServingContext, rid: str, prompts: List[Tuple[Lis
     for prompt_ids, sp in prompts:
         for i in range(n):
             crid = next(crids)
-            csp = sp if i == 0 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + i)
+            csp = sp.sample(i)
             stream = RequestStream()
             ctx.loop.submit(SubmitCommand(crid, prompt_ids, csp, stream, arrival, stream_tokens=stream_tokens))
             choices.append((crid, stream))
