@@ -94,6 +94,21 @@ def test_server_args_reject_bad_flags():
         ServerArgs(disable_cuda_graph=True, cuda_graph_max_bs=8).check()
 
 
+def test_context_length_longer_than_the_models_is_refused():
+    """llama-tiny's RoPE tables end at 512 positions: a longer --context-length used to start
+    and then fail every long request with an IndexError (HTTP 500)."""
+    from attnserve.engine.engine import Engine
+
+    args = dict(model="llama-tiny", load_format="dummy", device="cpu", max_total_tokens=2048)
+    with pytest.raises(ValueError, match=r"--context-length 513 is longer than .*context of 512 tokens"):
+        Engine(ServerArgs(context_length=513, **args))
+    engine = Engine(ServerArgs(context_length=512, **args))  # the model's own length is fine
+    try:
+        assert engine.context_len == 512
+    finally:
+        engine.shutdown()
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "attnserve", "generate", *args], capture_output=True, text=True,
                           timeout=300)

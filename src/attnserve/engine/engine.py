@@ -69,6 +69,23 @@ class GenerateOutput:
         return out
 
 
+def check_context_length(server_args: ServerArgs) -> None:
+    """Refuse a ``--context-length`` longer than the model's own (``max_position_embeddings``):
+    its RoPE tables end there, so longer sequences would fail mid-request (SGLang refuses
+    the same by default).
+
+    Raises:
+        ValueError: naming both lengths and what to pass instead.
+    """
+    from attnserve.model_loader.loader import load_model_config
+
+    model_ctx = load_model_config(server_args.model, server_args.load_format).context_len
+    if server_args.context_length > model_ctx:
+        raise ValueError(f"--context-length {server_args.context_length} is longer than {server_args.model!r}'s "
+                         f"context of {model_ctx} tokens (max_position_embeddings); pass at most {model_ctx}, "
+                         "or leave it out to use the model's")
+
+
 class Engine:
     """A model with its KV cache, attention backend and scheduler.
 
@@ -88,6 +105,8 @@ class Engine:
         self.tp_runtime = None
         self._tp_finalizer = None
         self._tp_step_failure: Optional[str] = None
+        if server_args.context_length is not None:
+            check_context_length(server_args)
         tp = None
         if server_args.tp_size > 1:
             tp = self._start_tensor_parallel(server_args)
