@@ -81,8 +81,8 @@ def check_context_length(server_args: ServerArgs) -> None:
 
     model_ctx = load_model_config(server_args.model, server_args.load_format).context_len
     if server_args.context_length > model_ctx:
-        raise ValueError(f"--context-length {server_args.context_length} is longer than {server_args.model!r}'s "
-                         f"context of {model_ctx} tokens (max_position_embeddings); pass at most {model_ctx}, "
+        raise ValueError(f"--context-length {server_args.context_length} is longer than the context of "
+                         f"{server_args.model!r} ({model_ctx} tokens, its max_position_embeddings); pass at most {model_ctx}, "
                          "or leave it out to use the model's")
 
 
