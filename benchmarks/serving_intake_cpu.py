@@ -196,14 +196,11 @@ if os.environ.get(_TRACE_ENV):
 async def _burst(base_url: str, model: str, work, timeout: float):
     import asyncio
 
-    import httpx
+    from attnserve.bench.serving import client_session, send_one
 
-    from attnserve.bench.serving import send_one
-
-    limits = httpx.Limits(max_connections=len(work), max_keepalive_connections=64)
     starts = [0.0] * len(work)
     ends = [0.0] * len(work)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with client_session() as client:
         async def one(i, w):
             starts[i] = time.monotonic()
             r = await send_one(client, base_url, model, w, timeout)

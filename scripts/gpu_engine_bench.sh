@@ -16,7 +16,7 @@
 #   moe       bench.offline --dataset random, the mixed 256-request workload on the MoE shapes
 #             (deepseek-v2-lite, qwen3-30b-a3b; MOE_MODELS, MOE_ARGS e.g. --tp-size 2 for mixtral-8x7b)
 #   serving   scripts/serving_vs_offline.sh: the server path against the offline engine, both shapes
-#             (needs the server wheels carried in .whl/serving, see the device README)
+#             (needs the server wheels carried in .whl/serving: bash scripts/serving_wheels.sh)
 #   gaps      benchmarks/profile_engine_gaps.py: GPU busy / idle and kernel classes over a window of
 #             the engine loop on the mixed 256-request workload (GAPS_MODELS, GAPS_ARGS e.g.
 #             --kv-cache-dtype fp8_e4m3), and its GPU test
@@ -76,6 +76,10 @@ for what in "${@:-roofline}"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-serving .whl/serving/*.whl \
         > "$OUT/pip.log" 2>&1 || echo "no .whl/serving (carry it): the server cannot import fastapi"
       export PYTHONPATH=/tmp/site-serving:src:tests
+      # what `pip install attnserve[server,bench]` gives a user: without uvloop / httptools the HTTP
+      # process runs ~2x the CPU a request (NOTES, 2026-11-27) and the ratio measures the wheels
+      python3 -c "import uvloop, httptools, aiohttp, prometheus_client" 2>>"$OUT/pip.log" \
+        || { echo "serving: uvloop / httptools / aiohttp / prometheus_client missing from .whl/serving; see pip.log"; exit 3; }
       for shape in ${SERVING_SHAPES:-qwen3-0.6b llama-3-8b}; do
         timeout "${SERVING_TIMEOUT:-280}" bash scripts/serving_vs_offline.sh "$OUT" "$shape" ${SERVING_MODES:-on}
       done ;;

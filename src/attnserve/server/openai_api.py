@@ -446,9 +446,12 @@ def build_router():
     @router.get("/debug/state")
     async def debug_state(request: Request):
         """Engine snapshot (running/waiting requests, KV slots used/free/total ...) taken
-        by the loop thread after its last step, plus static facts about the server."""
+        by the loop thread after its last step, plus static facts about the server, and
+        ``event_loop``: the HTTP process's asyncio loop (``uvloop`` or ``asyncio``; uvicorn
+        takes uvloop when it is installed, which the ``server`` extra does)."""
         ctx: ServingContext = request.app.state.ctx
-        return {**(ctx.info or {}), **ctx.loop.state(), "engine_alive": ctx.loop.is_alive()}
+        event_loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
+        return {**(ctx.info or {}), **ctx.loop.state(), "engine_alive": ctx.loop.is_alive(), "event_loop": event_loop}
 
     @router.get("/v1/models")
     async def list_models(request: Request):
