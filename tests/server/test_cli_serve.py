@@ -1,6 +1,7 @@
 """``python -m attnserve serve`` in a subprocess: loopback bind, API key, ``--served-model-name``,
 503 when the waiting queue is full, clean shutdown on SIGTERM."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -62,6 +63,8 @@ def test_auth_queue_full_and_shutdown(cli_server):
     assert httpx.post(base + "/v1/completions", json={"prompt": "hi"}).status_code == 401
     st = httpx.get(base + "/debug/state", headers=H).json()
     assert st["req_rows_total"] == 2 and st["device"] == "cpu"  # --max-running-requests 1 (+1 spare row)
+    # uvicorn runs on uvloop when it is installed (the server extra installs it), and says so
+    assert st["event_loop"] == ("uvloop" if importlib.util.find_spec("uvloop") else "asyncio")
     # --served-model-name: the id clients see and must name (or leave out)
     assert [m["id"] for m in httpx.get(base + "/v1/models", headers=H).json()["data"]] == [SERVED]
     named = httpx.post(base + "/v1/completions", headers=H, timeout=60,
