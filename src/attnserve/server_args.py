@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 DEFAULT_MODEL = "smollm2-135m"
+#: ``--log-level`` values (the `logging` level names, case-insensitive)
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclass
@@ -141,8 +143,14 @@ class ServerArgs:
                 "--triton-attention-num-kv-splits and --triton-attention-split-tile-size must be >= 1, got "
                 f"{self.triton_attention_num_kv_splits} and {self.triton_attention_split_tile_size}"
             )
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
-            raise ValueError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1 and self.chunked_prefill_size != -1:
+            raise ValueError(f"--chunked-prefill-size must be >= 1, or -1 to prefill every prompt whole (SGLang's "
+                             f"'disabled'), got {self.chunked_prefill_size}")
+        if str(self.log_level).lower() not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"--context-length must be >= 1 (or left out for the model's own), got "
+                             f"{self.context_length}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"--max-total-tokens {self.max_total_tokens} is below one page ({self.page_size})")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
@@ -289,7 +297,7 @@ class ServerArgs:
           help="most requests in one step (default: KV pool tokens / 64, at most 1024; 64 on CPU)")
         a("--chunked-prefill-size", type=int, default=None,
           help="max prompt tokens prefilled per step (default: from the GPU's memory, 8192 on 80 GB cards; "
-               "8192 on CPU)")
+               "8192 on CPU); -1 prefills every prompt whole")
         a("--enable-mixed-chunk", action="store_true", help="prefill and decode in the same step")
         a("--max-queued-requests", type=int, default=None)
         a("--disable-radix-cache", action="store_true", help="no prefix caching across requests")
@@ -337,7 +345,7 @@ class ServerArgs:
           help="--dp-size > 1: how requests are spread; prefix_affinity is shortest_queue with requests that "
                "share a prompt prefix kept on one replica (its radix cache) while it is not overloaded")
         a("--random-seed", type=int, default=d.random_seed)
-        a("--log-level", default=d.log_level)
+        a("--log-level", default=d.log_level, type=str.lower, choices=LOG_LEVELS)
         a("--skip-server-warmup", action="store_true",
           help="start without compiling every kernel variant first (engine/warmup.py; CUDA only): faster start-up, "
                "slower first requests")

@@ -19,6 +19,8 @@ from attnserve.server_args import ServerArgs
         ({"top_k": -3}, "top_k"),
         ({"min_p": 2.0}, "min_p"),
         ({"stop": [""]}, "stop"),
+        ({"seed": 2**64}, "seed must fit in a signed 64-bit integer"),
+        ({"seed": 2**63 - 2, "n": 2}, "seed must fit"),  # sample 1's seed + 1 would overflow
     ],
 )
 def test_invalid_sampling_params(kwargs, match):

@@ -40,3 +40,12 @@ def test_cli_flags_reach_server_args():
     args = ServerArgs.from_cli_args(p.parse_args(["--tokenizer-path", "/tok", "--trust-remote-code"]))
     assert args.tokenizer_path == "/tok" and args.trust_remote_code is True
     assert ServerArgs().tokenizer_path is None and ServerArgs().trust_remote_code is False
+
+
+def test_a_missing_or_empty_tokenizer_directory_says_so(tmp_path):
+    from attnserve.model_loader.loader import load_model
+
+    with pytest.raises(FileNotFoundError, match="'/nonexistent/tok' is not a directory"):
+        load_model("qwen3-tiny", load_format="dummy", tokenizer_path="/nonexistent/tok")
+    with pytest.raises(ValueError, match=r"--tokenizer-path .*: no tokenizer could be loaded from it \(.+\)"):
+        load_model("qwen3-tiny", load_format="dummy", tokenizer_path=str(tmp_path))

@@ -132,6 +132,9 @@ class ServingLimits:
         chunked_prefill_size: most prompt tokens prefilled in one step.
         cuda_graph_max_bs: largest captured decode batch (0: no graphs).
         chosen: names of the fields the rules filled (the others came from flags).
+        chunk_prompts: False under ``--chunked-prefill-size -1`` (SGLang's "disabled"): a
+            prompt is prefilled whole in one step, never split across steps
+            (``chunked_prefill_size`` is then the context length, the step's token budget).
     """
 
     max_total_tokens: int
@@ -139,6 +142,7 @@ class ServingLimits:
     chunked_prefill_size: int
     cuda_graph_max_bs: int
     chosen: Tuple[str, ...] = ()
+    chunk_prompts: bool = True
 
     def describe(self) -> str:
         """One log line: each value, marked ``(auto)`` where a rule chose it."""

@@ -207,17 +207,25 @@ class ModelRunner:
             size = self.tp.min_int(size)  # every rank must hold every slot rank 0 hands out
             limits = resolve_serving_limits(
                 size, self.device.type, total_gpu, max_running_requests=mrr,
-                chunked_prefill_size=args.chunked_prefill_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                chunked_prefill_size=self.context_len if args.chunked_prefill_size == -1 else args.chunked_prefill_size,
+                cuda_graph_max_bs=args.cuda_graph_max_bs,
                 max_total_tokens_chosen=args.max_total_tokens is None,
                 params=sum(p.numel() for p in self.model.parameters()), num_layers=mc.num_hidden_layers,
                 speculative=args.speculative_algorithm is not None)
             if args.max_running_requests is None:  # the count derived from the first estimate was its default
                 limits = dataclasses.replace(limits, chosen=limits.chosen + ("max_running_requests",))
+            if args.chunked_prefill_size == -1:  # SGLang's -1: prompts are prefilled whole, never split
+                limits = dataclasses.replace(limits, chunk_prompts=False)
         #: the limits this engine runs with (flags, or the memory rules where flags are unset)
         self.serving_limits = limits
         facts = self._backend_config(limits.max_running_requests)
         self.attn_workspace_bytes = backend_workspace_bytes(facts, self.backend_choice)
-        size = max(self.page_size, size - size % self.page_size)
+        size -= size % self.page_size
+        if size < self.page_size:
+            raise ValueError(f"--page-size {self.page_size} is larger than the KV pool ({limits.max_total_tokens} tokens); "
+                             "use a smaller page size or raise --max-total-tokens")
+        if size != limits.max_total_tokens:  # what the pool holds, whole pages (the log and the scheduler say so)
+            limits = self.serving_limits = dataclasses.replace(limits, max_total_tokens=size)
         self.max_total_num_tokens = size
         if self.draft_of is not None:
             self.req_to_token_pool = self.draft_of.req_to_token_pool

@@ -121,6 +121,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63 - self.n:  # int64 (seed + i for n samples)
+            raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
         from attnserve.engine.constrained.spec import check_fields
 
         check_fields(self)  # grammar fields: types, at most one

@@ -343,12 +343,15 @@ class Scheduler(StepSampling, ConstrainedScheduling):
                 return ScheduleBatch(ForwardMode.TARGET_VERIFY, decoding, [r.kv_len for r in decoding],
                                      list(plan.extents), spec=plan)
             return ScheduleBatch(ForwardMode.DECODE, decoding, [r.kv_len for r in decoding], [1] * len(decoding))
-        budget = self.runner.serving_limits.chunked_prefill_size
+        limits = self.runner.serving_limits
+        budget = limits.chunked_prefill_size
         reqs, lens = [], []
         for r in prefilling:
             if budget <= 0:
                 break
             n = min(r.prefill_target - r.kv_len, budget)
+            if not limits.chunk_prompts and reqs and n < r.prefill_target - r.kv_len:
+                break  # --chunked-prefill-size -1: the next step takes this prompt whole
             reqs.append(r)
             lens.append(n)
             budget -= n

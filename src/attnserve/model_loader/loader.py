@@ -203,6 +203,27 @@ def load_model_config(model: str = DEFAULT_MODEL, load_format: str = "auto") -> 
     return ModelConfig.from_hf_config(_load_config(resolve_model(model)))
 
 
+def _load_tokenizer_path(path: str, trust_remote_code: bool) -> Any:
+    """``--tokenizer-path``: a directory (or a hub id transformers can fetch).
+
+    Raises:
+        FileNotFoundError: a filesystem path that is not a directory.
+        ValueError: transformers found no tokenizer there (its reason, first line).
+    """
+    import os
+
+    from attnserve.model_loader.tokenizer import get_tokenizer
+
+    local = os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
+    if local and not os.path.isdir(os.path.expanduser(path)):
+        raise FileNotFoundError(f"--tokenizer-path {path!r} is not a directory")
+    try:
+        return get_tokenizer(os.path.expanduser(path) if local else path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(": ")
+        raise ValueError(f"--tokenizer-path {path!r}: no tokenizer could be loaded from it ({reason})") from e
+
+
 def load_model(
     model: str = DEFAULT_MODEL,
     load_format: str = "auto",
@@ -300,7 +321,7 @@ def load_model(
         from attnserve.model_loader.tokenizer import get_tokenizer
 
         if tokenizer_path:
-            tokenizer = get_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
+            tokenizer = _load_tokenizer_path(tokenizer_path, trust_remote_code)
             if len(tokenizer) > model_config.vocab_size:
                 raise ValueError(f"the tokenizer at {tokenizer_path!r} has {len(tokenizer)} tokens but {model!r} "
                                  f"has a vocabulary of {model_config.vocab_size}; use the model's own tokenizer")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import socket
 import threading
 import time
 from typing import Any, Dict, List, Optional
@@ -86,7 +87,8 @@ def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] 
         engine: an `attnserve.engine.engine.Engine`; from now on only the app's engine loop
             thread touches it. Or a `RemoteEngine` (with ``loop`` its `EngineClient`). Its
             ``server_args`` give ``--tool-call-parser`` and ``--reasoning-parser``.
-        api_key: when set, ``/v1/*`` and ``/debug/*`` need ``Authorization: Bearer <key>``.
+        api_key: when set, ``/v1/*`` and ``/debug/*`` need ``Authorization: Bearer <key>``
+            (None or empty: no key, as SGLang's ``--api-key ''``).
         model_name: id under ``/v1/models`` (default: ``engine.server_args.model``).
         max_body_bytes: request bodies above this many bytes get 413.
         loop: an `EngineLoop` (or `EngineClient`) to use (default: a new `EngineLoop`);
@@ -158,7 +160,7 @@ def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] 
     install_error_handlers(app)
     app.include_router(build_router())
     app.include_router(build_native_router())
-    app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(ApiKeyMiddleware, api_key=api_key or None)
     return app
 
 
@@ -200,11 +202,9 @@ def launch_server(args) -> int:
         that signal's status, as an unhandled one would.
 
     Raises:
-        ValueError / FileNotFoundError: bad flags or model (the CLI prints them in one line).
+        ValueError / FileNotFoundError: bad flags or model, an empty ``--served-model-name``,
+            a host or port that cannot be bound (the CLI prints them in one line).
     """
-    import uvicorn
-
-    from attnserve.engine.engine import Engine
     from attnserve.server_args import ServerArgs
 
     server_args = ServerArgs.from_cli_args(args)
@@ -214,8 +214,48 @@ def launch_server(args) -> int:
     from attnserve.model_loader.chat_template import load_chat_template
 
     load_chat_template(server_args.chat_template)  # a bad --chat-template fails before the model loads
+    served = getattr(args, "served_model_name", None)
+    if served is not None and not served.strip():
+        raise ValueError("--served-model-name must not be empty; leave it out to serve under --model's name")
+    sock = bind_socket(args.host, int(args.port))  # a port in use fails now, not after the model loads
+    try:
+        _serve_on(sock, args, server_args, served)
+    finally:
+        sock.close()
+    return 0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound (uvicorn listens on it): bound before the model
+    loads, so a port in use or an unknown host is a one-line error at once, and ``--port 0``'s
+    port is known for the start-up line. ``SO_REUSEADDR`` as uvicorn sets it.
+
+    Raises:
+        ValueError: ``host`` does not resolve, or ``host:port`` cannot be bound (in use,
+            not an address of this machine, a privileged port).
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} does not resolve: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port or --host") from None
+    return sock
+
+
+def _serve_on(sock: socket.socket, args, server_args, served: Optional[str]) -> None:
+    """`launch_server` once the socket is bound: build the engine, serve until stopped."""
+    import uvicorn
+
+    from attnserve.engine.engine import Engine
+
     loop = None
-    served = getattr(args, "served_model_name", None) or None
     if server_args.dp_size > 1:  # replicas in engine processes of their own (server/data_parallel.py)
         from attnserve.server.data_parallel import start_data_parallel
 
@@ -232,16 +272,16 @@ def launch_server(args) -> int:
     app = create_app(engine, api_key=args.api_key, loop=loop, model_name=served,
                      max_body_bytes=getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES)
     log_level = str(server_args.log_level).lower()
+    port = sock.getsockname()[1]
     logger.warning("attnserve serving %s%s on http://%s:%s", server_args.model,
-                   f" as {served!r}" if served else "", args.host, args.port)
-    config = uvicorn.Config(wrap_app(app), host=args.host, port=int(args.port), log_level=log_level if log_level in (
+                   f" as {served!r}" if served else "", args.host, port)
+    config = uvicorn.Config(wrap_app(app), host=args.host, port=port, log_level=log_level if log_level in (
         "critical", "error", "warning", "info", "debug", "trace") else "warning",
         timeout_graceful_shutdown=server_args.graceful_shutdown_timeout + 5)
     try:
-        draining_server(config, app.state.ctx.loop, server_args.graceful_shutdown_timeout).run()
+        draining_server(config, app.state.ctx.loop, server_args.graceful_shutdown_timeout).run(sockets=[sock])
     finally:
         engine.shutdown()  # the engine process, or the other tensor-parallel ranks
-    return 0
 
 
 def use_engine_process(server_args) -> bool:
