@@ -121,12 +121,34 @@ def test_generate_return_logprob(server, client, completion):
     assert streamed[-1]["output_ids"] == out["output_ids"]
 
 
+def test_generate_n_samples(server, client):
+    """SGLang's parallel sampling: prompt i's n samples are answers i*n .. i*n+n-1 of a list
+    (one prompt too), indexed; greedy samples agree, seeded ones are seed + j and repeat."""
+    greedy = _generate(client, text=PROMPT, sampling_params=dict(GREEDY, n=2))
+    assert isinstance(greedy, list) and [g["index"] for g in greedy] == [0, 1]
+    assert greedy[0]["text"] == greedy[1]["text"] == _generate(client, text=PROMPT, sampling_params=GREEDY)["text"]
+    assert len({g["meta_info"]["id"] for g in greedy}) == 2
+    hot = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}
+    batch = _generate(client, text=[PROMPT, "Once upon a time"], rid=["a", "b"], sampling_params=dict(hot, n=3))
+    assert [b["index"] for b in batch] == list(range(6))
+    assert [b["meta_info"]["id"] for b in batch] == ["a-0", "a-1", "a-2", "b-0", "b-1", "b-2"]
+    alone = _generate(client, text="Once upon a time", sampling_params=dict(hot, sampling_seed=8))
+    assert batch[4]["text"] == alone["text"]  # prompt 1, sample 1: seed 7 + 1
+    assert len({b["text"] for b in batch[:3]}) > 1
+    streamed = _sse(client.post("/generate", json={"text": PROMPT, "stream": True,
+                                                   "sampling_params": dict(GREEDY, n=2)}).text)
+    last = {c["index"]: c for c in streamed}
+    assert sorted(last) == [0, 1] and last[0]["text"] == last[1]["text"] == greedy[0]["text"]
+    server.wait_idle()
+
+
 @pytest.mark.parametrize("body,param,code", [
     ({"text": PROMPT, "sampling_params": {"max_new_tokens": 2, "beam_width": 4}}, "sampling_params.beam_width",
      "unrecognized_request_argument"),
     ({"text": PROMPT, "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature", "invalid_value"),
     ({"text": PROMPT, "sampling_params": {"top_p": 0}}, "sampling_params.top_p", "invalid_value"),
-    ({"text": PROMPT, "sampling_params": {"n": 2}}, "sampling_params.n", "unsupported_parameter"),
+    ({"text": PROMPT, "sampling_params": {"n": 17}}, "sampling_params.n", "invalid_value"),
+    ({"text": [PROMPT, PROMPT], "sampling_params": [{"n": 2}, {"n": 3}]}, "sampling_params.1.n", "invalid_value"),
     ({"text": PROMPT, "sampling_params": {"regex": "("}}, "sampling_params.regex", "invalid_value"),
     ({"text": ""}, "text", "invalid_value"),
     ({"input_ids": []}, "input_ids", "invalid_value"),
@@ -140,7 +162,7 @@ def test_generate_return_logprob(server, client, completion):
     ({"text": PROMPT, "return_logprob": True, "logprob_start_len": 3}, "logprob_start_len", "unsupported_parameter"),
     ({"text": PROMPT, "sampling_params": {"max_new_tokens": 10 ** 6}}, "sampling_params.max_new_tokens",
      "context_length_exceeded"),
-], ids=["unknown-param", "type", "range", "n", "bad-regex", "empty-text", "empty-ids", "empty-in-batch", "none",
+], ids=["unknown-param", "type", "range", "n", "n-differs", "bad-regex", "empty-text", "empty-ids", "empty-in-batch", "none",
         "both", "batch-length", "id-range", "image", "unknown-field", "logprob-start", "too-long"])
 def test_generate_bad_input_is_400(server, client, body, param, code):
     r = client.post("/generate", json=body)

@@ -18,6 +18,10 @@ servers' shapes), SGLang's native ``/generate``, ``/health_generate`` and
   ``logprob_start_len: 0`` the prompt's ``input_token_logprobs`` / ``input_top_logprobs``
   (None at position 0). ``stream``: server-sent ``data: {...}`` events, each holding the
   text so far (SGLang's cumulative chunks; ``index`` in a batch), then ``data: [DONE]``.
+  ``sampling_params.n`` (SGLang's parallel sampling; the same for every prompt): prompt
+  ``i``'s samples are answers ``i*n .. i*n+n-1`` of a list (also for one prompt), each with
+  its ``index``; sample ``j`` is seeded ``sampling_seed + j`` when seeded, and a given
+  ``rid`` becomes ``rid-j``.
 * ``GET /health_generate``: one token through the engine; 200 when it comes back, 503
   when the engine loop is dead, draining, failed the request, or took longer than
   ``ServingContext.health_generate_timeout_s``.
@@ -56,6 +60,8 @@ from attnserve.server.native_protocol import (
 )
 from attnserve.server.protocol import new_id
 
+#: most samples (prompts x ``n``) one ``/generate`` request may start
+MAX_GENERATE_SAMPLES = 256
 #: SamplingParams field -> SGLang's name (for the ``param`` of a 400).
 _SGLANG_NAME = {"min_tokens": "min_new_tokens", "seed": "sampling_seed"}
 
@@ -273,6 +279,24 @@ class _Result:
         return out
 
 
+def _samples_per_prompt(body: GenerateRequest, items) -> int:
+    """``sampling_params.n``: the samples of every prompt (SGLang's parallel sampling); one
+    value for the whole request, as SGLang requires.
+
+    Raises:
+        APIError 400: prompts of one batch asking for different ``n``, or more than
+            `MAX_GENERATE_SAMPLES` samples in all."""
+    counts = [sp.n for _, sp in items]
+    if len(set(counts)) > 1:
+        k = next(i for i, c in enumerate(counts) if c != counts[0])
+        raise APIError(400, f"sampling_params.{k}.n is {counts[k]} but sampling_params.0.n is {counts[0]}; every "
+                            "prompt of a batch takes the same n", f"sampling_params.{k}.n", "invalid_value")
+    if counts[0] * len(items) > MAX_GENERATE_SAMPLES:
+        raise APIError(400, f"{len(items)} prompts x n {counts[0]} is {counts[0] * len(items)} samples; at most "
+                            f"{MAX_GENERATE_SAMPLES} per request", "sampling_params.n", "invalid_value")
+    return counts[0]
+
+
 async def generate(ctx, body: GenerateRequest, request) -> Any:
     """``POST /generate`` (see the module docstring)."""
     from attnserve.server.openai_api import _collect, _merged, _sse_response
@@ -284,16 +308,24 @@ async def generate(ctx, body: GenerateRequest, request) -> Any:
     per = {name: body.per_prompt(name, n)
            for name in ("sampling_params", "return_logprob", "top_logprobs_num", "logprob_start_len", "rid")}
     items = [await _build_item(ctx, body, i, p, batch, per) for i, p in enumerate(prompts)]
-    choices = await _submit_all(ctx, items, arrival, bool(body.stream))
+    samples = _samples_per_prompt(body, items)
+    listed = batch or samples > 1  # SGLang answers a list (and streams ``index``) for either
+    expanded = [(ids, sp.sample(j)) for ids, sp in items for j in range(samples)]  # prompt i's at i*n .. i*n+n-1
+    choices = await _submit_all(ctx, expanded, arrival, bool(body.stream))
     texts = TokenTexts(ctx.engine.tokenizer) if body.return_text_in_logprobs else None
-    results = [_Result(per["rid"][i] or rid, sp, texts, arrival) for i, ((rid, _), (_, sp)) in
-               enumerate(zip(choices, items))]
+
+    def result_id(k: int, rid: str) -> str:
+        given = per["rid"][k // samples]
+        return rid if not given else given if samples == 1 else f"{given}-{k % samples}"
+
+    results = [_Result(result_id(k, rid), sp, texts, arrival) for k, ((rid, _), (_, sp)) in
+               enumerate(zip(choices, expanded))]
     if not body.stream:
         finals = await _collect(request, ctx, choices)
         for res, f in zip(results, finals):
             res.add(f)
-        bodies = [r.body() for r in results]
-        return bodies if batch else bodies[0]
+        bodies = [r.body(k if samples > 1 else None) for k, r in enumerate(results)]
+        return bodies if listed else bodies[0]
 
     async def events():
         async for i, ev in _merged(choices):
@@ -306,7 +338,7 @@ async def generate(ctx, body: GenerateRequest, request) -> Any:
             if not ev.text and not ev.logprobs and not ev.prompt_logprobs and not ev.final:
                 continue
             results[i].add(ev)
-            yield f"data: {json.dumps(results[i].body(i if batch else None))}\n\n"
+            yield f"data: {json.dumps(results[i].body(i if listed else None))}\n\n"
         yield "data: [DONE]\n\n"
 
     return _sse_response(ctx, [rid for rid, _ in choices], events())

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from attnserve.server.errors import APIError
-from attnserve.server.protocol import ChatMessage
+from attnserve.server.protocol import MAX_N, ChatMessage
 from attnserve.server.request_fields import KnownField, Refusal, _table, refuse_extras
 
 _STRICT = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
@@ -177,6 +177,7 @@ _SAMPLING_MAP = {
                        "a list of token ids"),
     "ignore_eos": ("ignore_eos", lambda v: isinstance(v, bool), "true or false"),
     "sampling_seed": ("seed", _is_int, "an integer"),
+    "n": ("n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]"),
     "logit_bias": ("logit_bias", lambda v: isinstance(v, dict) and all(
         isinstance(k, str) and k.lstrip("-").isdigit() and _is_num(x) for k, x in v.items()),
         "an object of token id -> number"),
@@ -186,7 +187,7 @@ _SAMPLING_MAP = {
 }
 #: SGLang sampling params attnserve does not implement: their neutral values.
 _SAMPLING_NEUTRAL = {
-    "n": (None, 1), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "no_stop_trim": _FALSE, "structural_tag": _NONE, "custom_params": _NONE, "stream_interval": _NONE,
 }
 _GRAMMARS = ("json_schema", "regex", "ebnf")
