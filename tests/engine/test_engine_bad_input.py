@@ -111,6 +111,19 @@ def test_context_length_longer_than_the_models_is_refused():
         engine.shutdown()
 
 
+def test_stop_strings_need_a_tokenizer():
+    """A dummy shape has no tokenizer, so a stop string could never match: refused, not ignored."""
+    from attnserve.engine.engine import Engine
+
+    engine = Engine(ServerArgs(model="llama-tiny", load_format="dummy", device="cpu", max_total_tokens=1024))
+    try:
+        with pytest.raises(ValueError, match="stop strings need a tokenizer.*use stop_token_ids"):
+            engine.check_prompt([1, 2, 3], SamplingParams(stop=["a"]))
+        engine.check_prompt([1, 2, 3], SamplingParams(stop_token_ids=[5]))  # ids are fine
+    finally:
+        engine.shutdown()
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "attnserve", "generate", *args], capture_output=True, text=True,
                           timeout=300)

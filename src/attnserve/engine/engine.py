@@ -215,13 +215,16 @@ class Engine:
         enqueueing, so nothing is silently truncated): an empty prompt, invalid sampling
         parameters (a grammar must parse and suit the engine: `attnserve.engine.constrained`),
         or prompt + ``max_new_tokens`` beyond what one request can ever hold
-        (`max_request_tokens`: the context length and the KV pool), ``n`` above 1. RuntimeError
-        after `shutdown`."""
+        (`max_request_tokens`: the context length and the KV pool), ``n`` above 1, stop strings
+        on a model without a tokenizer. RuntimeError after `shutdown`."""
         self.check_running()
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
         sampling_params.verify()
+        if sampling_params.stop_strs and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer and this model has none, so they could never match; "
+                             "use stop_token_ids")
         if sampling_params.n != 1:
             raise ValueError(f"n={sampling_params.n}: the engine takes one sample per request; LLM.generate "
                              "expands n, or submit n requests")
