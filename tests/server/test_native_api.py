@@ -293,3 +293,15 @@ def test_flush_cache_when_idle_and_refused_while_busy(server, client):
     assert cached() > 0
     assert client.get("/flush_cache").status_code == 200
     wait_for(lambda: cached() == 0)
+
+
+def test_server_info_and_version(server, client):
+    import attnserve
+
+    info = client.get("/server_info").json()
+    assert info == client.get("/get_server_info").json() | {"internal_states": info["internal_states"]}
+    assert info["version"] == attnserve.__version__ and info["page_size"] == server.engine.server_args.page_size
+    assert info["model"] == server.engine.server_args.model and info["context_length"] == server.engine.context_len
+    assert info["max_total_num_tokens"] == server.engine.max_total_tokens
+    assert len(info["internal_states"]) == 1 and "running" in info["internal_states"][0]
+    assert client.get("/version").json() == {"version": attnserve.__version__}

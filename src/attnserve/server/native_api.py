@@ -26,6 +26,9 @@ servers' shapes), SGLang's native ``/generate``, ``/health_generate`` and
   when the engine loop is dead, draining, failed the request, or took longer than
   ``ServingContext.health_generate_timeout_s``.
 * ``GET /get_model_info``: ``model_path``, ``tokenizer_path``, ``is_generation`` ...
+* ``GET /server_info`` (and SGLang's older ``/get_server_info``): the resolved flags,
+  ``version``, the limits and the engine's state snapshots (`server_info`); ``GET /version``:
+  ``{"version"}`` (vLLM's route).
 * ``GET`` / ``POST /flush_cache``: drop the prefix (radix) cache of the engine, or of every
   data-parallel replica, as SGLang's route does (benchmarks call it between runs): 200 when
   no request runs or waits, else 400 and the cache is kept (the check reads the last
@@ -432,7 +435,41 @@ def build_native_router():
     async def flush_cache_route(request: Request):
         return flush_cache(request.app.state.ctx)
 
+    @router.get("/server_info")
+    @router.get("/get_server_info")  # SGLang's older name, still what its tools call
+    async def server_info_route(request: Request):
+        return server_info(request.app.state.ctx)
+
+    @router.get("/version")
+    async def version_route():
+        import attnserve
+
+        return {"version": attnserve.__version__}
+
     return router
+
+
+def server_info(ctx) -> Dict[str, Any]:
+    """SGLang's ``/server_info``: the engine's resolved flags (`ServerArgs` fields; values JSON
+    cannot hold as strings), ``version``, the serving limits the memory rules chose, and
+    ``internal_states``: the engine's state snapshot, one per data-parallel replica."""
+    import dataclasses
+
+    import attnserve
+
+    args = getattr(ctx.engine, "server_args", None)
+    out: Dict[str, Any] = {}
+    if dataclasses.is_dataclass(args):
+        for f in dataclasses.fields(args):
+            v = getattr(args, f.name)
+            ok = v is None or isinstance(v, (str, int, float, bool)) or (
+                isinstance(v, (list, tuple)) and all(isinstance(x, (str, int, float, bool)) for x in v))
+            out[f.name] = (list(v) if isinstance(v, tuple) else v) if ok else str(v)
+    state = ctx.loop.state()
+    out.update({"version": attnserve.__version__, "served_model_name": ctx.model_name,
+                "context_length": ctx.engine.context_len, "max_total_num_tokens": ctx.engine.max_total_tokens,
+                "internal_states": state.get("replicas") or [state]})
+    return out
 
 
 def flush_cache(ctx):
