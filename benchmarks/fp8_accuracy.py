@@ -13,7 +13,9 @@ English prose, ~600 tokens) in these variants, one `ModelRunner` each:
   activations: the numerics of the GPU's prefill / large-batch path (``_scaled_mm``);
 * ``fp8-w8a16/bfloat16`` -- the same weights, activations not quantised: the numerics of
   the GPU's decode path (`skinny_linear_fp8`, batches of up to 16 rows);
-* ``fp8-w8a8/float32`` (``--all``) -- W8A8 with float32 activations, against float32.
+* ``fp8-w8a8/float32`` (``--all``) -- W8A8 with float32 activations, against float32;
+* ``fp8-w8a8+head/bfloat16``, ``fp8-w8a16+head/bfloat16`` (``--lm-head``) -- the two FP8
+  variants with the LM head FP8 too (``--enable-fp8-lm-head``).
 
 On the CPU the FP8 methods take their dequantising reference (`fp8_linear`), which rounds
 weights and activations to e4m3 as the GPU kernels do and multiplies in float32: FP8
@@ -55,6 +57,9 @@ VARIANTS = (
     ("fp8-w8a16/bfloat16", "bfloat16", "fp8", "bfloat16", False),
 )
 EXTRA_VARIANTS = (("fp8-w8a8/float32", "float32", "fp8", "float32", True),)
+#: ``--lm-head``: the same two FP8 variants with the LM head FP8 too (``--enable-fp8-lm-head``)
+LM_HEAD_VARIANTS = (("fp8-w8a8+head/bfloat16", "bfloat16", "fp8", "bfloat16", True),
+                    ("fp8-w8a16+head/bfloat16", "bfloat16", "fp8", "bfloat16", False))
 TARGET_TOP1, TARGET_PPL_RATIO = 0.97, 1.02
 
 
@@ -112,7 +117,7 @@ def run_model(model: str, positions: int, device: str = "cpu", variants=VARIANTS
         args.check()
         t0 = time.perf_counter()
         loaded = load_model(model, dtype=args.resolved_dtype(), device=args.resolved_device(), progress=False,
-                            quantization=quant)
+                            quantization=quant, fp8_lm_head="+head" in name)
         if not ids:
             ids = loaded.tokenizer(TEXT)["input_ids"][:positions + 1]
             if len(ids) < positions + 1:
@@ -233,6 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--all", action="store_true", help="also W8A8 with float32 activations")
+    ap.add_argument("--lm-head", action="store_true", help="also both FP8 variants with the LM head FP8 "
+                    "(--enable-fp8-lm-head)")
     ap.add_argument("--schemes", action="store_true", help="the emulated scheme table (fp8_schemes) instead")
     ap.add_argument("--sensitivity", action="store_true", help="with --schemes: rank layers in float32 and "
                     "keep the most sensitive in bf16")
@@ -267,7 +274,8 @@ def main(argv=None) -> int:
         return 0
     rows = []
     for model in args.model:
-        rows.extend(run_model(model, args.positions, args.device, VARIANTS + (EXTRA_VARIANTS if args.all else ())))
+        rows.extend(run_model(model, args.positions, args.device, VARIANTS + (EXTRA_VARIANTS if args.all else ())
+                              + (LM_HEAD_VARIANTS if args.lm_head else ())))
     result = {"benchmark": "fp8-accuracy", "date": dt.date.today().isoformat(), "device": args.device,
               "torch": torch.__version__, "transformers": transformers.__version__,
               "command": "benchmarks/fp8_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:]),

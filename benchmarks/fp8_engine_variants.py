@@ -42,7 +42,11 @@ ENGINE_VARIANTS = {
     # plain causal prefills on the Triton extend kernel instead of the Gluon one (`prefill_gluon`)
     "bf16-triton-prefill": {"ATTNSERVE_EXTEND_GLUON": "0"},
     "fp8-triton-prefill": {"ATTNSERVE_EXTEND_GLUON": "0"},
+    # the LM head FP8 too (`--enable-fp8-lm-head`, an engine flag: `ENGINE_KWARGS`)
+    "fp8-lm-head": {},
 }
+#: engine flags of a variant beside its environment
+ENGINE_KWARGS = {"fp8-lm-head": {"enable_fp8_lm_head": True}}
 #: engine variants timed at decode only (no prefill, no throughput run)
 DECODE_ONLY = ("fp8-16bit-tiles", "fp8-gemv-skinny", "fp8-gemv-f32", "fp8-gemv-f16x2", "fp8-gemv-dot16", "fp8-nopad",
                "fp8-rowwise-down")

@@ -29,6 +29,7 @@ class ServerArgs:
     context_length: Optional[int] = None
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8_e4m3 | fp8_e5m2
     quantization: Optional[str] = None  # fp8: FP8 linears (models/layers/quantization)
+    enable_fp8_lm_head: bool = False  # the LM head FP8 too (models/layers/quantization/lm_head.py)
     # attention
     attention_backend: Optional[str] = None
     prefill_attention_backend: Optional[str] = None
@@ -265,6 +266,8 @@ class ServerArgs:
           help="KV cache storage: auto (the model dtype) or FP8 with per-layer scales (half the bytes of bf16)")
         a("--quantization", default=d.quantization, choices=["fp8"],
           help="fp8: FP8 e4m3 linear weights, quantised at load (FP8 checkpoints load as FP8 without it)")
+        a("--enable-fp8-lm-head", action="store_true",
+          help="with FP8 weights, quantise the LM head too (per-row e4m3; by default it keeps the model dtype)")
         a("--attention-backend", default=None, help="backend for every phase (torch_native, triton, ...)")
         a("--prefill-attention-backend", default=None, help="backend for EXTEND/MIXED steps")
         a("--decode-attention-backend", default=None, help="backend for DECODE steps")

@@ -96,7 +96,7 @@ def test_server_args_reject_bad_flags():
         ServerArgs(disable_cuda_graph=True, cuda_graph_max_bs=8).check()
 
 
-def test_context_length_longer_than_the_models_is_refused():
+def test_context_length_longer_than_the_models_is_refused(monkeypatch):
     """llama-tiny's RoPE tables end at 512 positions: a longer --context-length used to start
     and then fail every long request with an IndexError (HTTP 500)."""
     from attnserve.engine.engine import Engine
@@ -107,6 +107,12 @@ def test_context_length_longer_than_the_models_is_refused():
     engine = Engine(ServerArgs(context_length=512, **args))  # the model's own length is fine
     try:
         assert engine.context_len == 512
+    finally:
+        engine.shutdown()
+    monkeypatch.setenv("ATTNSERVE_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")  # SGLang's override: only a warning
+    engine = Engine(ServerArgs(context_length=600, **args))
+    try:
+        assert engine.context_len == 600
     finally:
         engine.shutdown()
 

@@ -20,6 +20,7 @@ from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.scheduler import Scheduler
 from attnserve.engine.tp.launch import TPStepFailed
 from attnserve.engine.warmup import warm_up_at_start
+from attnserve.env_options import env_flag
 from attnserve.server_args import ServerArgs
 from attnserve.speculative_config import SpeculativeConfig
 
@@ -69,10 +70,15 @@ class GenerateOutput:
         return out
 
 
+#: ``=1``: a ``--context-length`` longer than the model's is a warning, not an error (SGLang's
+#: ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN``; benchmarks that time one token past the model's length)
+ALLOW_LONGER_CONTEXT_ENV = "ATTNSERVE_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
+
+
 def check_context_length(server_args: ServerArgs) -> None:
     """Refuse a ``--context-length`` longer than the model's own (``max_position_embeddings``):
     its RoPE tables end there, so longer sequences would fail mid-request (SGLang refuses
-    the same by default).
+    the same by default; `ALLOW_LONGER_CONTEXT_ENV` makes it a warning).
 
     Raises:
         ValueError: naming both lengths and what to pass instead.
@@ -80,7 +86,11 @@ def check_context_length(server_args: ServerArgs) -> None:
     from attnserve.model_loader.loader import load_model_config
 
     model_ctx = load_model_config(server_args.model, server_args.load_format).context_len
-    if server_args.context_length > model_ctx:
+    if server_args.context_length > model_ctx and env_flag(ALLOW_LONGER_CONTEXT_ENV, default=False):
+        logger.warning("--context-length %d is longer than the %d positions of %r (%s=1): positions past them "
+                       "read beyond its RoPE tables, and outputs there are not the model's", server_args.context_length,
+                       model_ctx, server_args.model, ALLOW_LONGER_CONTEXT_ENV)
+    elif server_args.context_length > model_ctx:
         raise ValueError(f"--context-length {server_args.context_length} is longer than the context of "
                          f"{server_args.model!r} ({model_ctx} tokens, its max_position_embeddings); pass at most {model_ctx}, "
                          "or leave it out to use the model's")
@@ -145,6 +155,7 @@ class Engine:
             quantization=server_args.quantization,
             tokenizer_path=server_args.tokenizer_path,
             trust_remote_code=server_args.trust_remote_code,
+            fp8_lm_head=server_args.enable_fp8_lm_head,
         )
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.model_config

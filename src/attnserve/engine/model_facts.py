@@ -26,7 +26,8 @@ def roofline_facts(runner) -> Dict[str, Any]:
     skip = set()
     inner = getattr(model, "model", None)
     embed = getattr(inner, "embed_tokens", None)
-    tied = getattr(model, "lm_head", None) is None
+    # the embedding is read whole each step only when it is the LM head (tied, no FP8 head)
+    tied = getattr(model, "lm_head", None) is None and getattr(model, "lm_head_fp8", None) is None
     if embed is not None and not tied:
         skip = {p.data_ptr() for p in embed.parameters()}
     moe = [m for m in model.modules() if isinstance(m, FusedMoE)]

@@ -236,6 +236,7 @@ def load_model(
     quantization: Optional[str] = None,
     tokenizer_path: Optional[str] = None,
     trust_remote_code: bool = False,
+    fp8_lm_head: bool = False,
 ) -> LoadedModel:
     """Resolve ``model``, build its class for its architecture and fill its weights.
 
@@ -256,6 +257,8 @@ def load_model(
         tokenizer_path: load the tokenizer from this directory instead of the checkpoint
             (``--tokenizer-path``; a dummy shape gets one too); ``trust_remote_code`` goes to
             transformers for it and for an HF checkpoint's own.
+        fp8_lm_head: ``--enable-fp8-lm-head``: the LM head as an FP8 linear too
+            (`attnserve.models.layers.quantization.lm_head`).
 
     Raises:
         FileNotFoundError / ValueError: from `resolve_model`.
@@ -264,6 +267,7 @@ def load_model(
         ValueError: an unknown ``quantization`` or ``quant_method``, FP8 on a GPU below
             sm 89, FP8 MoE experts, or scales whose shapes do not fit their weights.
         ValueError: a ``tokenizer_path`` whose vocabulary is larger than the model's.
+        ValueError: ``fp8_lm_head`` without FP8 linears.
     """
     from attnserve.model_loader.dummy import DUMMY_MODEL_CONFIGS, dummy_hf_config, init_dummy_weights
 
@@ -314,6 +318,13 @@ def load_model(
         from attnserve.models.layers.quantization.apply import finish_quantized_model
 
         finish_quantized_model(module)
+    if fp8_lm_head:
+        if qcfg is None:
+            raise ValueError("--enable-fp8-lm-head quantises the LM head with the other linears: pass --quantization "
+                             "fp8 or load an FP8 checkpoint")
+        from attnserve.models.layers.quantization.lm_head import attach_fp8_lm_head
+
+        logger.info("FP8 LM head: %d vocabulary rows (per-row e4m3)", attach_fp8_lm_head(module, qcfg))
     module.eval()
 
     tokenizer = None

@@ -173,6 +173,8 @@ class CausalLM(nn.Module):
         """``lm_head`` (vocabulary-parallel rows), or None when tied to the embeddings."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", tie_default))
         self.lm_head = None
+        #: the FP8 head of ``--enable-fp8-lm-head`` (`quantization.lm_head`), else None
+        self.lm_head_fp8 = None
         self.lm_head_packed = cpu_gemm.PackedCPUWeight()
         if not self.tie_word_embeddings:
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp, dtype=dtype)
@@ -205,7 +207,10 @@ class CausalLM(nn.Module):
         GEMM while the model's fused kernels are on (Llama-3-8B at batch 1: 331 vs 367 µs
         for cuBLAS, benchmarks/NOTES.md, issue 33). ``out``: an optional float32 ``[N,
         vocab_size]`` tensor (a CUDA graph's shared output rows) that the cuBLAS path writes
-        in place; the caller must not assume it was used (compare the returned tensor)."""
+        in place; the caller must not assume it was used (compare the returned tensor). With
+        an FP8 head (``--enable-fp8-lm-head``) its FP8 GEMM gives the rows, cast to float32."""
+        if self.lm_head_fp8 is not None:
+            return gather_logits(self.lm_head_fp8(hidden_states), self.config.vocab_size, self.tp).float()
         w = self.lm_head_weight
         if (getattr(self.model.norm, "use_fused", False) and hidden_states.is_cuda and skinny_rule() == "v2"
                 and skinny_gemm_supported(hidden_states, w)):

@@ -20,7 +20,8 @@ def build_rank(server_args, tp):
 
     loaded = load_model(server_args.model, load_format=server_args.load_format, dtype=server_args.resolved_dtype(),
                         device=tp_device(server_args, tp), load_tokenizer=False, progress=False,
-                        seed=server_args.random_seed, tp=tp, quantization=server_args.quantization)
+                        seed=server_args.random_seed, tp=tp, quantization=server_args.quantization,
+                        fp8_lm_head=server_args.enable_fp8_lm_head)
     return ModelRunner(server_args, loaded, tp=tp)
 
 
