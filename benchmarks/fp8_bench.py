@@ -402,13 +402,14 @@ def producer_rows(ms, emit):
 
 def engine_rows(model, variant, emit):
     from attnserve.bench.offline import graph_step_ms, timed_generate
+    from attnserve.engine.engine import ALLOW_LONGER_CONTEXT_ENV
     from attnserve.engine.llm import LLM
     from attnserve.engine.sampling_params import SamplingParams
 
     env = ENGINE_VARIANTS[variant]
     os.environ.update(env)
     # the 8,192-token prefill row makes one token past Llama-3-8B's 8,192 positions (timing only)
-    os.environ.setdefault("ATTNSERVE_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
+    os.environ.setdefault(ALLOW_LONGER_CONTEXT_ENV, "1")
     try:
         t0 = time.time()
         llm = LLM(model, load_format="dummy", device="cuda", context_length=8192 + 64, max_running_requests=160,

@@ -102,13 +102,13 @@ def decode_step(kv_cache_dtype, bs=64, ctx=8192, fused_store=True):
     """One Llama-3-8B-shape decode step (bs x ctx, captured graph). ``fused_store=False``:
     the pool offers no fused RoPE + KV store (the path an fp8 pool took before session 13:
     RoPE, then `store_kv`), patched on the class while the engine captures its graphs."""
-    from attnserve.engine.engine import Engine
+    from attnserve.engine.engine import ALLOW_LONGER_CONTEXT_ENV, Engine
     from attnserve.forward_batch import ForwardMode
     from attnserve.mem_cache.memory_pool import MHATokenToKVPool
     from attnserve.server_args import ServerArgs
 
     # 8,192 cached tokens + the step's own run one position past Llama-3-8B's 8,192 (timing only)
-    os.environ.setdefault("ATTNSERVE_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
+    os.environ.setdefault(ALLOW_LONGER_CONTEXT_ENV, "1")
     saved = MHATokenToKVPool.fused_store_target
     if not fused_store:
         MHATokenToKVPool.fused_store_target = lambda self, *a, **k: None

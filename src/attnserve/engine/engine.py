@@ -86,14 +86,15 @@ def check_context_length(server_args: ServerArgs) -> None:
     from attnserve.model_loader.loader import load_model_config
 
     model_ctx = load_model_config(server_args.model, server_args.load_format).context_len
-    if server_args.context_length > model_ctx and env_flag(ALLOW_LONGER_CONTEXT_ENV, default=False):
-        logger.warning("--context-length %d is longer than the %d positions of %r (%s=1): positions past them "
-                       "read beyond its RoPE tables, and outputs there are not the model's", server_args.context_length,
-                       model_ctx, server_args.model, ALLOW_LONGER_CONTEXT_ENV)
-    elif server_args.context_length > model_ctx:
+    if server_args.context_length <= model_ctx:
+        return
+    if not env_flag(ALLOW_LONGER_CONTEXT_ENV, default=False):
         raise ValueError(f"--context-length {server_args.context_length} is longer than the context of "
                          f"{server_args.model!r} ({model_ctx} tokens, its max_position_embeddings); pass at most {model_ctx}, "
                          "or leave it out to use the model's")
+    logger.warning("--context-length %d is longer than the %d positions of %r (%s=1): positions past them "
+                   "read beyond its RoPE tables, and outputs there are not the model's", server_args.context_length,
+                   model_ctx, server_args.model, ALLOW_LONGER_CONTEXT_ENV)
 
 
 class Engine:

@@ -450,21 +450,17 @@ def build_native_router():
 
 
 def server_info(ctx) -> Dict[str, Any]:
-    """SGLang's ``/server_info``: the engine's resolved flags (`ServerArgs` fields; values JSON
-    cannot hold as strings), ``version``, the serving limits the memory rules chose, and
+    """SGLang's ``/server_info``: the engine's resolved flags (`ServerArgs` fields, through
+    FastAPI's ``jsonable_encoder``), ``version``, the serving limits the memory rules chose, and
     ``internal_states``: the engine's state snapshot, one per data-parallel replica."""
     import dataclasses
+
+    from fastapi.encoders import jsonable_encoder
 
     import attnserve
 
     args = getattr(ctx.engine, "server_args", None)
-    out: Dict[str, Any] = {}
-    if dataclasses.is_dataclass(args):
-        for f in dataclasses.fields(args):
-            v = getattr(args, f.name)
-            ok = v is None or isinstance(v, (str, int, float, bool)) or (
-                isinstance(v, (list, tuple)) and all(isinstance(x, (str, int, float, bool)) for x in v))
-            out[f.name] = (list(v) if isinstance(v, tuple) else v) if ok else str(v)
+    out: Dict[str, Any] = jsonable_encoder(args) if dataclasses.is_dataclass(args) else {}
     state = ctx.loop.state()
     out.update({"version": attnserve.__version__, "served_model_name": ctx.model_name,
                 "context_length": ctx.engine.context_len, "max_total_num_tokens": ctx.engine.max_total_tokens,
