@@ -8,10 +8,15 @@ prefix cache by the rest) and answered as one response whose choice ``p * n + i`
 ``usage`` counts each prompt once and every choice's tokens. A prompt that cannot be served
 (too long, not tokenizable) refuses the whole request with a 400 naming it (``prompt[p]``)
 before anything is submitted.
+
+``echo`` with ``max_tokens: 0`` scores the prompt (`CompletionRequest.echo_only`): the engine
+computes one token to produce the prompt's logprobs, and that token is dropped, so each choice
+holds the prompt alone, ``finish_reason`` ``length``, and ``usage.completion_tokens`` is 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import List, Optional
 
@@ -63,12 +68,18 @@ async def create_completion(body: CompletionRequest, request):
     """The ``/v1/completions`` handler (see the module docstring).
 
     Raises:
-        APIError: 400 for a request or prompt that cannot be served, 404 for another model,
-            503 when the engine's queue is full (`openai_api._submit_choices`).
+        APIError: 400 for a request or prompt that cannot be served (``max_tokens: 0``
+            without ``echo`` included), 404 for another model, 503 when the engine's queue
+            is full (`openai_api._submit_choices`).
     """
     ctx: ServingContext = request.app.state.ctx
     arrival = time.perf_counter()
     _check_model_and_options(ctx, body)
+    echo_only = body.echo_only()
+    if body.requested_max_tokens() == 0 and not echo_only:
+        raise APIError(400, "max_tokens must be at least 1; 0 is accepted only with echo (the prompt, and with "
+                            "logprobs its logprobs, without a completion)", "max_tokens", "invalid_value")
+    max_tokens = 1 if echo_only else body.requested_max_tokens()  # echo_only: that token is dropped
     prompts = body.prompts()
     batch = len(prompts) > 1
 
@@ -86,7 +97,7 @@ async def create_completion(body: CompletionRequest, request):
     params = []
     for p, ids in enumerate(prompt_ids):
         try:
-            params.append(_sampling_params(ctx, body, len(ids), body.requested_max_tokens(), "prompt",
+            params.append(_sampling_params(ctx, body, len(ids), max_tokens, "prompt",
                                            DEFAULT_COMPLETION_MAX_TOKENS, grammar))
         except APIError as e:
             raise _batch_error(e, p, batch) from e
@@ -98,6 +109,12 @@ async def create_completion(body: CompletionRequest, request):
     echoes = [prompt_echoes[i // n] for i in range(len(choices))]  # decoded once per prompt, not per choice
     texts = TokenTexts(ctx.engine.tokenizer) if body.logprobs is not None else None
     prompt_lens = [len(ids) for ids in prompt_ids]
+
+    def usage_of(finals):
+        if echo_only:
+            finals = [dataclasses.replace(f, completion_tokens=0) for f in finals]
+        return _usage(prompt_lens, finals)
+
     if body.stream:
         builders = [CompletionLogprobsBuilder(texts) if texts else None for _ in choices]
         echoed = [e is None for e in echoes]
@@ -106,10 +123,12 @@ async def create_completion(body: CompletionRequest, request):
 
         def chunk(i, text, reason, ev=None):
             entries, lp = list((ev and ev.logprobs) or ()), None
+            if echo_only:  # the token generated for the prompt's logprobs is not shown
+                text, entries, reason = None, [], reason and "length"
             if reason is None and not echoed[i]:  # the prompt (and its logprobs) first
                 echoed[i] = True
                 text, entries = echoes[i] + (text or ""), list(ev.prompt_logprobs or ()) + entries
-            new_tokens = ev is not None and ev.completion_tokens > reported[i]
+            new_tokens = ev is not None and ev.completion_tokens > reported[i] and not echo_only
             if new_tokens:
                 reported[i] = ev.completion_tokens
             if reason is None and not text and not entries and not (tokenless and new_tokens):
@@ -122,16 +141,17 @@ async def create_completion(body: CompletionRequest, request):
         def usage(finals):
             if not body.include_usage:
                 return None
-            return CompletionResponse(id=rid, model=model, created=created, choices=[],
-                                      usage=_usage(prompt_lens, finals))
+            return CompletionResponse(id=rid, model=model, created=created, choices=[], usage=usage_of(finals))
 
         return _sse_response(ctx, [r for r, _ in choices], _stream_events(ctx, choices, chunk, usage))
     finals = await _collect(request, ctx, choices)
+    if echo_only:
+        finals = [dataclasses.replace(f, text="", logprobs=[], finish_reason="length") for f in finals]
     return CompletionResponse(
         id=rid, model=model, created=created,
         choices=[CompletionChoice(index=i, text=(echoes[i] or "") + f.text, finish_reason=f.finish_reason,
                                   logprobs=CompletionLogprobsBuilder(texts).build(
                                       list(f.prompt_logprobs or ()) + f.logprobs) if texts else None)
                  for i, f in enumerate(finals)],
-        usage=_usage(prompt_lens, finals),
+        usage=usage_of(finals),
     )

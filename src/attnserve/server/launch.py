@@ -153,7 +153,7 @@ def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] 
             logger.warning("attnserve: engine loop stopped")
 
     app = FastAPI(title="attnserve", version=ctx.info["versions"]["attnserve"], lifespan=lifespan,
-                  max_body_size=max_body_bytes, docs_url=None, redoc_url=None)
+                  max_body_size=max_body_bytes, docs_url=None, redoc_url=None, **_lenient_content_type(FastAPI))
     app.state.ctx = ctx
     app.state.max_body_bytes = max_body_bytes
     app.state.allowed_origins = list(origins or [])
@@ -162,6 +162,19 @@ def create_app(engine, api_key: Optional[str] = None, model_name: Optional[str] 
     app.include_router(build_native_router())
     app.add_middleware(ApiKeyMiddleware, api_key=api_key or None)
     return app
+
+
+def _lenient_content_type(fastapi_cls) -> Dict[str, Any]:
+    """``{"strict_content_type": False}`` where FastAPI has that flag (newer releases default
+    it to True and then hand a body without ``Content-Type`` to the handler as raw bytes, which
+    answered a valid JSON body with a misleading 400 "must be a JSON object"), else ``{}``.
+    A body without the header is read as JSON, as `JsonContentTypeMiddleware` documents
+    (``requests.post(url, data=json.dumps(body))`` sends none); a non-JSON ``Content-Type``
+    is still a 415."""
+    import inspect
+
+    params = inspect.signature(fastapi_cls.__init__).parameters
+    return {"strict_content_type": False} if "strict_content_type" in params else {}
 
 
 def wrap_app(app):

@@ -103,11 +103,17 @@ class DeclaredBodyLimitMiddleware:
         await response(scope, receive, send)
 
 
+#: Routes outside ``/v1/`` whose POST body is JSON (`attnserve.server.native_api`).
+JSON_BODY_PATHS = ("/generate", "/tokenize", "/detokenize")
+
+
 class JsonContentTypeMiddleware:
-    """415 with an OpenAI error body for a ``POST /v1/...`` whose ``Content-Type`` is set to
-    anything but JSON (``application/json``, optionally with parameters, or another
-    ``+json`` type). A request without the header is read as JSON, as clients that omit
-    it expect.
+    """415 with an OpenAI error body for a ``POST /v1/...`` or a POST to one of
+    `JSON_BODY_PATHS` whose ``Content-Type`` is set to anything but JSON
+    (``application/json``, optionally with parameters, or another ``+json`` type). A
+    request without the header is read as JSON, as clients that omit it expect
+    (`attnserve.server.launch.create_app` turns FastAPI's ``strict_content_type`` off).
+    ``POST /flush_cache`` takes no body, so its ``Content-Type`` is not checked.
 
     Args:
         app: the wrapped ASGI app.
@@ -122,7 +128,8 @@ class JsonContentTypeMiddleware:
         return media == "application/json" or media.endswith("+json")
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path", "").startswith("/v1/"):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if scope.get("method") == "POST" and (path.startswith("/v1/") or path in JSON_BODY_PATHS):
             for name, value in scope.get("headers", ()):
                 if name == b"content-type" and not self._is_json(value):
                     from attnserve.server.errors import APIError, error_response

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from attnserve.server.errors import APIError
-from attnserve.server.protocol import MAX_N, ChatMessage
+from attnserve.server.protocol import MAX_N, TOP_K_MAX, ChatMessage
 from attnserve.server.request_fields import KnownField, Refusal, _table, refuse_extras
 
 _STRICT = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
@@ -167,7 +167,7 @@ _SAMPLING_MAP = {
     "min_new_tokens": ("min_tokens", _is_int, "an integer"),
     "temperature": ("temperature", _is_num, "a number"),
     "top_p": ("top_p", _is_num, "a number"),
-    "top_k": ("top_k", _is_int, "an integer"),
+    "top_k": ("top_k", lambda v: _is_int(v) and v <= TOP_K_MAX, f"an integer of at most {TOP_K_MAX}"),
     "min_p": ("min_p", _is_num, "a number"),
     "frequency_penalty": ("frequency_penalty", _is_num, "a number"),
     "presence_penalty": ("presence_penalty", _is_num, "a number"),

@@ -71,8 +71,11 @@ MAX_N = 16
 MAX_COMPLETION_PROMPTS = 2048
 #: Most accepted ``stop_token_ids``.
 MAX_STOP_TOKEN_IDS = 64
-#: Seeds must fit a 64-bit generator state (``torch.Generator.manual_seed``).
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+#: Seeds must fit a signed 64-bit integer, as `SamplingParams` requires (the sampler's int64 seeds).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+#: Largest ``top_k``: the sampler holds it in an int64 (a larger one failed the engine step,
+#: a 500 for every request of the batch); any ``top_k`` >= the vocabulary keeps every token.
+TOP_K_MAX = 2**63 - 1
 #: OpenAI's ``metadata`` limits: pairs, key and value length in characters.
 METADATA_MAX_PAIRS, METADATA_MAX_KEY, METADATA_MAX_VALUE = 16, 64, 512
 
@@ -97,7 +100,7 @@ class _SamplingFields(BaseModel):
     model: Optional[StrictStr] = None
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)  # OpenAI's range
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
-    top_k: Optional[StrictInt] = None
+    top_k: Optional[StrictInt] = Field(default=None, le=TOP_K_MAX)
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     stop: Optional[Union[StrictStr, List[StrictStr]]] = None
     stop_token_ids: Optional[List[StrictInt]] = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
@@ -170,10 +173,13 @@ class CompletionRequest(_SamplingFields):
     `MAX_COMPLETION_PROMPTS`), as OpenAI's API takes it; a batch of ``P`` prompts answers
     ``P * n`` choices, prompt ``p``'s ``n`` choices at indices ``p * n .. p * n + n - 1``.
     Without ``max_tokens`` a completion stops after `DEFAULT_COMPLETION_MAX_TOKENS` tokens, or
-    earlier where the context or the KV pool ends."""
+    earlier where the context or the KV pool ends. ``max_tokens: 0`` is accepted only with
+    ``echo`` (OpenAI's and vLLM's way to score a prompt): each choice is the prompt alone
+    (with ``logprobs``, the prompt's logprobs), ``finish_reason`` ``length`` and 0
+    completion tokens (`attnserve.server.completion_api`); without ``echo`` it is a 400."""
 
     prompt: Union[StrictStr, List[StrictInt], List[StrictStr], List[List[StrictInt]]]
-    max_tokens: Optional[StrictInt] = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    max_tokens: Optional[StrictInt] = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=0)
     #: the prompt's text first in the choice's text (and its logprobs, with ``logprobs``)
     echo: Optional[StrictBool] = False
     #: logprobs of the chosen tokens and of the ``logprobs`` most likely alternatives
@@ -214,6 +220,10 @@ class CompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> Optional[int]:
         """The client's explicit ``max_tokens``; None when it sent none (or null)."""
         return self.max_tokens if "max_tokens" in self.model_fields_set else None
+
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt (and its logprobs) without a completion."""
+        return bool(self.echo) and self.requested_max_tokens() == 0
 
 
 class TextContentPart(BaseModel):
