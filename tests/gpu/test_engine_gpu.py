@@ -111,3 +111,22 @@ def test_batch_above_largest_bucket_runs_eagerly():
 def test_torch_native_with_explicit_graphs_is_config_error():
     with pytest.raises(ValueError, match="capturable"):
         _engine(attention_backend="torch_native", cuda_graph_max_bs=8)
+
+
+def test_graph_buckets_are_timed_and_a_larger_graph_gives_the_same_tokens():
+    # timed at start-up (not deterministic): each bucket maps to a size >= it, no slower than its own
+    runner = _engine(attention_backend="triton", cuda_graph_bs=[4, 8, 16]).model_runner.cuda_graph_runner
+    assert set(runner.replay_ms) == {4, 8, 16} and min(runner.replay_ms.values()) > 0
+    for b, c in runner.replay_bs.items():
+        assert c >= b and runner.replay_ms[c] <= runner.replay_ms[b]
+    # deterministic: not timed; forced to replay every bucket in the 16-row graph, the tokens are eager's
+    prompts = _prompts(7, 11)
+    kw = dict(attention_backend="triton", enable_deterministic_inference=True)
+    schedule = {0: prompts[:5], 6: prompts[5:]}
+    max_new = [40, 12, 30, 25, 8, 20, 33]
+    ref = _run_schedule(_engine(disable_cuda_graph=True, **kw), schedule, max_new)
+    eng = _engine(cuda_graph_bs=[4, 8, 16], **kw)
+    graphs = eng.model_runner.cuda_graph_runner
+    assert graphs.replay_ms == {} and graphs.replay_bs == {4: 4, 8: 8, 16: 16}
+    graphs.replay_bs = {4: 16, 8: 16, 16: 16}
+    assert _run_schedule(eng, schedule, max_new) == ref

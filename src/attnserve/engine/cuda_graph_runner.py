@@ -6,13 +6,30 @@ largest first, all graphs sharing one memory pool. Static inputs (``input_ids``,
 ``positions``, ``req_pool_indices``, ``seq_lens``, ``out_cache_loc``) live here; the
 attention metadata lives in the backend's fixed buffers (DESIGN.md §4 hooks).
 
-Replay picks the smallest bucket >= the batch, copies the real rows in, pads the rest
+Replay picks the smallest bucket >= the batch (or the faster larger bucket it was mapped to
+at start-up, `replay_sizes_by_time`), copies the real rows in, pads the rest
 with ``seq_len = backend.get_cuda_graph_seq_len_fill_value()``, request row 0 and
 ``out_cache_loc`` 0 (the reserved dummy slot, so padded rows never write into a real
 request's KV), refills the backend metadata in place and replays. When the backend declares its replay
 hook capturable (``replay_hook_is_capturable``: device work on fixed buffers only, like the
 triton backend's index kernels), the hook is recorded at the head of each graph instead of
 being launched from the host at every step.
+
+Bucket choice by measured time: cuBLAS picks its GEMM kernels per row count, and the times
+it gets are not monotonic in the rows. One H200, Llama-3-8B shape, bf16 ``F.linear`` in a
+CUDA graph (`benchmarks/gemm_rows_sweep.py`, 2026-11-29): the four projections of a layer
+take 442 µs at 448 rows and 345 µs at 464 (``gate_up`` alone 283 / 191 µs), 327 at 400 and
+316 at 416, 266 at 336 and 261 at 352. So after capture every graph is replayed a few times
+on its padding inputs, and a bucket whose larger neighbour replayed faster by more than
+`REPLAY_MARGIN` runs the larger graph (its extra rows are padding, as for any bucket):
+`fastest_bucket_at_or_above`. Off with ``ATTNSERVE_GRAPH_BUCKET_BY_TIME=0``, in
+deterministic mode (a batch must meet the same kernels whatever else runs) and under tensor
+parallelism (every rank must replay the same graph, so rank 0's choice would have to be
+shared; not run on several GPUs yet). Timing costs ~2.9 s of start-up for Llama-3-8B's 67
+graphs. Measured on one H200 (2026-11-29, `bench.offline`, Llama-3-8B shape): 8-9 of 67
+buckets move (448 -> 480: 15.74 -> 12.26 ms a replay); 448 x 512 -> 256 (a steady batch of
+448) 11.55 -> 10.85 s, +6.4% output tok/s; the random workloads pass through each bucket for
+a few dozen steps and did not move (256 prompts 14.03 / 14.03 s, 1,024 prompts 47.28 / 47.36 s).
 """
 
 from __future__ import annotations
@@ -20,14 +37,42 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 
 from attnserve.engine.graph_output import SharedGraphOutput
+from attnserve.env_options import env_flag
 from attnserve.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
+
+#: a larger bucket's graph replaces a bucket's own only when it replayed this much faster
+#: (relative): run-to-run spread of a replay timed at start-up is ~1-2%
+REPLAY_MARGIN = 0.03
+#: timed replays per graph at start-up (after one untimed), their median is kept
+TIMED_REPLAYS = 3
+BUCKET_BY_TIME_ENV = "ATTNSERVE_GRAPH_BUCKET_BY_TIME"
+
+
+def fastest_bucket_at_or_above(sizes: Sequence[int], replay_ms: Mapping[int, float],
+                               margin: float = REPLAY_MARGIN) -> Dict[int, int]:
+    """For each captured batch size ``b`` of ``sizes`` (ascending), the size whose graph a batch
+    of bucket ``b`` replays: the size ``b' >= b`` of smallest ``replay_ms[b']`` when that is below
+    ``replay_ms[b] * (1 - margin)``, else ``b`` itself.
+
+    Args:
+        sizes: captured batch sizes, ascending, each a key of ``replay_ms``.
+        replay_ms: ms of one replay of each size's graph.
+        margin: relative gain a larger graph must show (``0 <= margin < 1``).
+    """
+    choice: Dict[int, int] = {}
+    best = None  # the fastest size seen so far, scanning from the largest down
+    for b in reversed(list(sizes)):
+        if best is None or replay_ms[b] <= replay_ms[best]:
+            best = b
+        choice[b] = best if replay_ms[best] < replay_ms[b] * (1.0 - margin) else b
+    return choice
 
 
 def default_capture_batch_sizes(max_bs: int) -> List[int]:
@@ -90,6 +135,14 @@ class CudaGraphRunner:
         self.outputs: Dict[int, torch.Tensor] = {}
         self.backend.init_cuda_graph_state(self.max_bs, self.max_bs)
         self.capture()
+        #: bucket -> the captured size whose graph it replays (`replay_sizes_by_time`)
+        self.replay_bs: Dict[int, int] = {b: b for b in self.capture_bs}
+        #: ms of one replay of each graph at start-up (empty when not timed)
+        self.replay_ms: Dict[int, float] = {}
+        tp = getattr(model_runner, "tp", None)
+        if (env_flag(BUCKET_BY_TIME_ENV) and not args.enable_deterministic_inference and len(sizes) > 1
+                and (tp is None or tp.size == 1)):
+            self.replay_sizes_by_time()
 
     def _batch(self, bs: int) -> ForwardBatch:
         r = self.runner
@@ -147,6 +200,31 @@ class CudaGraphRunner:
             len(self.capture_bs), self.capture_bs, self.capture_seconds, self.graph_memory_bytes / 2**20,
         )
 
+    @torch.inference_mode()
+    def replay_sizes_by_time(self) -> None:
+        """Time every graph on its padding inputs (`TIMED_REPLAYS` replays after one untimed;
+        median) and map each bucket to `fastest_bucket_at_or_above`. Logs the buckets that moved."""
+        t0 = time.perf_counter()
+        for bs in self.capture_bs:
+            if not self.metadata_in_graph:
+                self._refill_metadata(bs, bs * self.fill_value)
+            self.graphs[bs].replay()
+            times = []
+            for _ in range(TIMED_REPLAYS):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self.graphs[bs].replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            self.replay_ms[bs] = sorted(times)[len(times) // 2]
+        choice = fastest_bucket_at_or_above(self.capture_bs, self.replay_ms)
+        self.replay_bs = choice
+        moved = [f"{b}->{c} ({self.replay_ms[b]:.2f}->{self.replay_ms[c]:.2f} ms)" for b, c in sorted(choice.items())
+                 if c != b]
+        logger.warning("decode graphs timed in %.2f s: %d of %d buckets replay a larger, faster graph%s",
+                       time.perf_counter() - t0, len(moved), len(choice), (": " + ", ".join(moved)) if moved else "")
+
     def _refill_metadata(self, bs: int, seq_lens_sum: int) -> None:
         self.backend.init_forward_metadata_replay_cuda_graph(
             bs, self.req_pool_indices, self.seq_lens, seq_lens_sum, None, ForwardMode.DECODE, None, None
@@ -177,7 +255,7 @@ class CudaGraphRunner:
             valid until the next replay).
         """
         raw = fb.batch_size
-        bs = self.capture_bs[bisect.bisect_left(self.capture_bs, raw)]
+        bs = self.replay_bs[self.capture_bs[bisect.bisect_left(self.capture_bs, raw)]]
         self.input_ids[:raw].copy_(fb.input_ids)
         self.positions[:raw].copy_(fb.positions)
         self.req_pool_indices[:raw].copy_(fb.req_pool_indices)
