@@ -183,6 +183,27 @@ def test_grammars_cross_the_process_boundary(served):
     served.wait_idle()
 
 
+def test_matched_stop_crosses_the_process_boundary(served):
+    """What ended a request travels with its final token entry: SGLang's ``finish_reason``
+    names the stop token id / stop string, the OpenAI routes' ``stop_reason`` the stop string;
+    ``max_new_tokens: 0`` scores the prompt."""
+    url, prompt = served.base_url, "The capital of France is"
+    greedy = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    g = httpx.post(url + "/generate", timeout=120, json={"text": prompt, "sampling_params": greedy,
+                                                          "return_logprob": True}).json()
+    tid = g["output_ids"][1]
+    r = httpx.post(url + "/generate", timeout=120, json={"text": prompt,
+                                                          "sampling_params": {**greedy, "stop_token_ids": [tid]}})
+    assert r.json()["meta_info"]["finish_reason"] == {"type": "stop", "matched": tid}, r.text
+    stop = g["text"].strip()[1:4]
+    c = httpx.post(url + "/v1/completions", timeout=120, json={"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                                "ignore_eos": True, "stop": [stop]}).json()
+    assert c["choices"][0]["finish_reason"] == "stop" and c["choices"][0]["stop_reason"] == stop
+    z = httpx.post(url + "/generate", timeout=120, json={"text": prompt, "sampling_params": {"max_new_tokens": 0}})
+    assert z.json()["text"] == "" and z.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    served.wait_idle()
+
+
 def test_disconnects_abort_and_free_the_kv(served):
     aborted_before = _metric(httpx.get(served.base_url + "/metrics").text, "attnserve_requests_total",
                              finish_reason="abort")

@@ -9,20 +9,9 @@ import pytest
 
 from prometheus_client.parser import text_string_to_metric_families
 
-PROMPT = "The capital of France is"
-GREEDY = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
-
-
-def _sse(text):
-    lines = [ln[len("data: "):] for ln in text.splitlines() if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]", text[-200:]
-    return [json.loads(x) for x in lines[:-1]]
-
-
-def _generate(client, **body):
-    r = client.post("/generate", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
+from native_route_helpers import GREEDY, PROMPT  # noqa: E402
+from native_route_helpers import generate as _generate  # noqa: E402
+from native_route_helpers import sse_events as _sse  # noqa: E402
 
 
 @pytest.fixture(scope="module")

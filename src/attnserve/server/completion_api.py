@@ -22,6 +22,7 @@ from typing import List, Optional
 
 from starlette.concurrency import run_in_threadpool
 
+from attnserve.server.choice_extras import ChoiceExtras
 from attnserve.server.errors import APIError
 from attnserve.server.grammar_request import has_grammar_fields, request_grammar
 from attnserve.server.logprob_format import CompletionLogprobsBuilder, TokenTexts
@@ -109,6 +110,7 @@ async def create_completion(body: CompletionRequest, request):
     echoes = [prompt_echoes[i // n] for i in range(len(choices))]  # decoded once per prompt, not per choice
     texts = TokenTexts(ctx.engine.tokenizer) if body.logprobs is not None else None
     prompt_lens = [len(ids) for ids in prompt_ids]
+    extras = ChoiceExtras(prompt_lens, n, body.stop_token_ids, body.continuous_usage, scoring=echo_only)
 
     def usage_of(finals):
         if echo_only:
@@ -143,13 +145,14 @@ async def create_completion(body: CompletionRequest, request):
                 return None
             return CompletionResponse(id=rid, model=model, created=created, choices=[], usage=usage_of(finals))
 
-        return _sse_response(ctx, [r for r, _ in choices], _stream_events(ctx, choices, chunk, usage))
+        return _sse_response(ctx, [r for r, _ in choices], _stream_events(ctx, choices, chunk, usage, extras=extras))
     finals = await _collect(request, ctx, choices)
     if echo_only:
         finals = [dataclasses.replace(f, text="", logprobs=[], finish_reason="length") for f in finals]
     return CompletionResponse(
         id=rid, model=model, created=created,
         choices=[CompletionChoice(index=i, text=(echoes[i] or "") + f.text, finish_reason=f.finish_reason,
+                                  stop_reason=extras.stop_reason(f),
                                   logprobs=CompletionLogprobsBuilder(texts).build(
                                       list(f.prompt_logprobs or ()) + f.logprobs) if texts else None)
                  for i, f in enumerate(finals)],

@@ -389,7 +389,7 @@ class EngineClient:
 
     def _on_tokens(self, now: float, rid: str, new_ids: List[int], n: int, reason: Optional[str] = None,
                    final_text: Optional[str] = None, cached: Optional[int] = None,
-                   logprobs: Optional[tuple] = None) -> None:
+                   logprobs: Optional[tuple] = None, matched: Any = None) -> None:
         p = self._reqs.get(rid)
         if p is None:
             return
@@ -431,7 +431,7 @@ class EngineClient:
             delta = ""
         if makes_event(delta, reason, k, self.tokenizer is not None, p.cmd.stream_tokens):
             p.cmd.stream.put(StreamEvent(delta, n, len(p.cmd.prompt_ids), reason, cached_tokens=cached,
-                                         logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs))
+                                         logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, matched_stop=matched))
             p.logprobs = p.prompt_logprobs = None
         if reason is not None:
             self._forget(rid)

@@ -88,6 +88,8 @@ class StreamEvent:
         logprobs: output tokens' logprob entries not sent before (requests that asked;
             `attnserve.engine.logprobs.StreamCursor`), else None.
         prompt_logprobs: the prompt's entries, once, with the first tokens (``echo``).
+        matched_stop: on a final ``"stop"`` event, what ended the request (`Req.matched_stop`):
+            the token id (int: EOS, a stop token, a grammar's end) or the stop string (str).
     """
 
     text: str = ""
@@ -98,6 +100,7 @@ class StreamEvent:
     cached_tokens: int = 0
     logprobs: Optional[list] = None
     prompt_logprobs: Optional[list] = None
+    matched_stop: Any = None
 
     @property
     def final(self) -> bool:
@@ -525,9 +528,10 @@ class EngineLoop:
         if not makes_event(delta, reason, new_tokens, tokenizer is not None, live.cmd.stream_tokens):
             return
         lp = take_logprobs(live, req)
+        matched = getattr(req, "matched_stop", None) if reason == "stop" else None
         live.cmd.stream.push(StreamEvent(delta, live.tokens, len(req.prompt_ids), reason,
                                          cached_tokens=getattr(req, "cached_tokens", 0), logprobs=lp[0],
-                                         prompt_logprobs=lp[1]))
+                                         prompt_logprobs=lp[1], matched_stop=matched))
         if reason is not None:
             del self._live[req.rid]
             self.engine.scheduler.forget(req.rid)

@@ -25,9 +25,10 @@ precedes its tokens):
 * ``("e", rid, StreamEvent)``: acceptance (empty event), refusal, abort or failure, exactly
   the events the in-process `EngineLoop` sends;
 * ``("t", rid, new_token_ids, completion_tokens, finish_reason, final_text,
-  cached_tokens, logprobs)``: one per request that got tokens this step (one message per
-  step for the whole batch, not one per request); ``finish_reason`` and ``final_text`` (the
-  engine's `finalize_text`) are None until the request finishes; ``logprobs`` is None, or
+  cached_tokens, logprobs, matched_stop)``: one per request that got tokens this step (one
+  message per step for the whole batch, not one per request); ``finish_reason`` and
+  ``final_text`` (the engine's `finalize_text`) are None until the request finishes,
+  ``matched_stop`` (`StreamEvent.matched_stop`) None unless it is ``"stop"``; ``logprobs`` is None, or
   ``(new output entries, prompt entries)`` for a request that asked
   (`attnserve.engine.logprobs.StreamCursor`). A running request without logprobs whose
   ``cached_tokens`` did not change since its last entry gets the short form ``("t", rid,
@@ -200,7 +201,9 @@ class ProcessEngineLoop(EngineLoop):
             self._entries.append(("t", req.rid, new, n))
             return
         live.cached_sent = cached
-        self._entries.append(("t", req.rid, new, n, reason, req.text if reason is not None else None, cached, lp))
+        matched = req.matched_stop if reason == "stop" else None
+        self._entries.append(("t", req.rid, new, n, reason, req.text if reason is not None else None, cached, lp,
+                              matched))
         if reason is not None:
             del self._live[req.rid]
             self.engine.scheduler.forget(req.rid)

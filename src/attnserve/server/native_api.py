@@ -10,8 +10,14 @@ servers' shapes), SGLang's native ``/generate``, ``/health_generate`` and
   kept, so tokenize -> detokenize gives the text back).
 * ``POST /generate``: ``text`` or ``input_ids``, one prompt or a batch, SGLang's
   ``sampling_params`` names (`attnserve.server.native_protocol.sampling_kwargs`);
-  answers ``{"text", "meta_info": {"id", "finish_reason": {"type": ...}, "prompt_tokens",
-  "completion_tokens", "cached_tokens", "e2e_latency"}}`` (a list for a batch). With
+  answers ``{"text", "meta_info": {"id", "finish_reason", "prompt_tokens",
+  "completion_tokens", "cached_tokens", "e2e_latency"}}`` (a list for a batch);
+  ``finish_reason`` is SGLang's (`finish_reason_json`): ``{"type": "stop", "matched": token id
+  or stop string}``, ``{"type": "length", "length": n}`` or ``{"type": "abort", "message", ...}``,
+  None while streaming. ``sampling_params.max_new_tokens: 0`` scores the prompt as SGLang
+  does: ``text`` "", ``completion_tokens`` 0, ``finish_reason`` ``{"type": "length",
+  "length": 0}``, with ``return_logprob`` and ``logprob_start_len: 0`` the prompt's
+  ``input_token_logprobs`` (and ``output_ids`` / ``output_token_logprobs`` empty). With
   ``return_logprob``: ``meta_info.output_token_logprobs`` ``[[logprob, id, text], ...]``
   (text None unless ``return_text_in_logprobs``), ``output_top_logprobs`` (per position
   the ``top_logprobs_num`` most likely ``[logprob, id, text]``), ``output_ids``, and with
@@ -22,9 +28,9 @@ servers' shapes), SGLang's native ``/generate``, ``/health_generate`` and
   ``i``'s samples are answers ``i*n .. i*n+n-1`` of a list (also for one prompt), each with
   its ``index``; sample ``j`` is seeded ``sampling_seed + j`` when seeded, and a given
   ``rid`` becomes ``rid-j``.
-* ``GET /health_generate``: one token through the engine; 200 when it comes back, 503
-  when the engine loop is dead, draining, failed the request, or took longer than
-  ``ServingContext.health_generate_timeout_s``.
+* ``GET /health_generate`` (or ``HEAD``: the same status without a body, for probes): one
+  token through the engine; 200 when it comes back, 503 when the engine loop is dead,
+  draining, failed the request, or took longer than ``ServingContext.health_generate_timeout_s``.
 * ``GET /get_model_info``: ``model_path``, ``tokenizer_path``, ``is_generation`` ...
 * ``GET /server_info`` (and SGLang's older ``/get_server_info``): the resolved flags,
   ``version``, the limits and the engine's state snapshots (`server_info`); ``GET /version``:
@@ -144,7 +150,9 @@ def _prompt_ids(ctx, prompt, param: str) -> List[int]:
 
 
 async def _build_item(ctx, body: GenerateRequest, i: int, prompt, batch: bool, per: Dict[str, list]):
-    """``(prompt ids, SamplingParams)`` of prompt ``i``, checked.
+    """``(prompt ids, SamplingParams, prompt_only)`` of prompt ``i``, checked. ``prompt_only``:
+    ``max_new_tokens`` 0 (the engine computes one token, for the prompt's logprobs, and
+    `_Result` drops it).
 
     Raises:
         APIError 400 naming the field (``sampling_params.<name>``, ``text`` ...)."""
@@ -177,8 +185,10 @@ async def _build_item(ctx, body: GenerateRequest, i: int, prompt, batch: bool, p
         raise APIError(400, f"logprob_start_len={start} is not supported by attnserve; use -1 (output only) or 0 "
                             "(the whole prompt too)", "logprob_start_len", "unsupported_parameter")
     top = per["top_logprobs_num"][i] or 0
+    requested = kwargs.pop("max_new_tokens", None)
+    prompt_only = requested == 0
     try:
-        max_new = _max_new_tokens(ctx, len(ids), kwargs.pop("max_new_tokens", None), DEFAULT_MAX_NEW_TOKENS,
+        max_new = _max_new_tokens(ctx, len(ids), 1 if prompt_only else requested, DEFAULT_MAX_NEW_TOKENS,
                                   prompt_param)
     except APIError as e:
         if e.param == "max_tokens":  # the OpenAI routes' name for it
@@ -198,7 +208,7 @@ async def _build_item(ctx, body: GenerateRequest, i: int, prompt, batch: bool, p
         else:
             param = f"{sp_param}.{_SGLANG_NAME.get(name, name)}"
         raise APIError(400, str(e), param, "invalid_value") from e
-    return ids, sp
+    return ids, sp, prompt_only
 
 
 async def _submit_all(ctx, items: List[Tuple[List[int], Any]], arrival: float,
@@ -234,19 +244,41 @@ def _lp(x: Optional[float]) -> Optional[float]:
     return None if x is None else max(x, LOGPROB_FLOOR)
 
 
-class _Result:
-    """One prompt's answer, built up from its events (SGLang's ``{text, meta_info}``)."""
+def finish_reason_json(ev: StreamEvent, prompt_only: bool = False) -> Optional[Dict[str, Any]]:
+    """SGLang's ``meta_info.finish_reason`` of a request whose last event is ``ev`` (None while
+    it runs): ``{"type": "stop", "matched": token id (int) or stop string (str)}`` when EOS, a
+    stop token, a stop string or a grammar's end ended it; ``{"type": "length", "length":
+    tokens generated}`` (0 for ``prompt_only``); ``{"type": "abort", "message", "status_code",
+    "err_type"}`` for an aborted one (SGLang's ``FINISH_*.to_json``)."""
+    reason = ev.finish_reason
+    if reason is None:
+        return None
+    if prompt_only or reason == "length":
+        return {"type": "length", "length": 0 if prompt_only else ev.completion_tokens}
+    if reason == "stop":
+        return {"type": "stop", "matched": ev.matched_stop}
+    if reason == "abort":
+        return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+    return {"type": reason}
 
-    def __init__(self, rid: str, sp, texts: Optional[TokenTexts], arrival: float):
+
+class _Result:
+    """One prompt's answer, built up from its events (SGLang's ``{text, meta_info}``).
+    ``prompt_only`` (``max_new_tokens`` 0): the generated token is dropped, only the prompt's
+    logprobs are kept."""
+
+    def __init__(self, rid: str, sp, texts: Optional[TokenTexts], arrival: float, prompt_only: bool = False):
         self.rid, self.sp, self.texts, self.arrival = rid, sp, texts, arrival
+        self.prompt_only = prompt_only
         self.text = ""
         self.out: List[tuple] = []
         self.prompt: Optional[list] = None
         self.last: StreamEvent = StreamEvent()
 
     def add(self, ev: StreamEvent) -> None:
-        self.text += ev.text
-        self.out.extend(ev.logprobs or ())
+        if not self.prompt_only:
+            self.text += ev.text
+            self.out.extend(ev.logprobs or ())
         if ev.prompt_logprobs is not None:
             self.prompt = list(ev.prompt_logprobs)
         self.last = ev
@@ -259,15 +291,10 @@ class _Result:
 
     def body(self, index: Optional[int] = None) -> Dict[str, Any]:
         ev = self.last
-        reason = ev.finish_reason
-        finish = None
-        if reason == "length":
-            finish = {"type": "length", "length": ev.completion_tokens}
-        elif reason is not None:
-            finish = {"type": reason}
-        meta: Dict[str, Any] = {"id": self.rid, "finish_reason": finish, "prompt_tokens": ev.prompt_tokens,
-                                "completion_tokens": ev.completion_tokens, "cached_tokens": ev.cached_tokens,
-                                "e2e_latency": time.perf_counter() - self.arrival}
+        meta: Dict[str, Any] = {"id": self.rid, "finish_reason": finish_reason_json(ev, self.prompt_only),
+                                "prompt_tokens": ev.prompt_tokens,
+                                "completion_tokens": 0 if self.prompt_only else ev.completion_tokens,
+                                "cached_tokens": ev.cached_tokens, "e2e_latency": time.perf_counter() - self.arrival}
         out: Dict[str, Any] = {"text": self.text}
         if self.sp.logprobs:
             meta["output_token_logprobs"] = [self._entry(t, lp) for t, lp, _ in self.out]
@@ -289,7 +316,7 @@ def _samples_per_prompt(body: GenerateRequest, items) -> int:
     Raises:
         APIError 400: prompts of one batch asking for different ``n``, or more than
             `MAX_GENERATE_SAMPLES` samples in all."""
-    counts = [sp.n for _, sp in items]
+    counts = [sp.n for _, sp, _ in items]
     if len(set(counts)) > 1:
         k = next(i for i, c in enumerate(counts) if c != counts[0])
         raise APIError(400, f"sampling_params.{k}.n is {counts[k]} but sampling_params.0.n is {counts[0]}; every "
@@ -313,7 +340,7 @@ async def generate(ctx, body: GenerateRequest, request) -> Any:
     items = [await _build_item(ctx, body, i, p, batch, per) for i, p in enumerate(prompts)]
     samples = _samples_per_prompt(body, items)
     listed = batch or samples > 1  # SGLang answers a list (and streams ``index``) for either
-    expanded = [(ids, sp.sample(j)) for ids, sp in items for j in range(samples)]  # prompt i's at i*n .. i*n+n-1
+    expanded = [(ids, sp.sample(j)) for ids, sp, _ in items for j in range(samples)]  # prompt i's at i*n .. i*n+n-1
     choices = await _submit_all(ctx, expanded, arrival, bool(body.stream))
     texts = TokenTexts(ctx.engine.tokenizer) if body.return_text_in_logprobs else None
 
@@ -321,8 +348,8 @@ async def generate(ctx, body: GenerateRequest, request) -> Any:
         given = per["rid"][k // samples]
         return rid if not given else given if samples == 1 else f"{given}-{k % samples}"
 
-    results = [_Result(result_id(k, rid), sp, texts, arrival) for k, ((rid, _), (_, sp)) in
-               enumerate(zip(choices, expanded))]
+    results = [_Result(result_id(k, rid), sp, texts, arrival, items[k // samples][2]) for k, ((rid, _), (_, sp))
+               in enumerate(zip(choices, expanded))]
     if not body.stream:
         finals = await _collect(request, ctx, choices)
         for res, f in zip(results, finals):
@@ -338,7 +365,7 @@ async def generate(ctx, body: GenerateRequest, request) -> Any:
                 e = ev.error
                 yield f"data: {json.dumps(error_body(e.status, e.message, None, e.code, e.type))}\n\n"
                 break
-            if not ev.text and not ev.logprobs and not ev.prompt_logprobs and not ev.final:
+            if not ev.final and not ev.prompt_logprobs and (results[i].prompt_only or not (ev.text or ev.logprobs)):
                 continue
             results[i].add(ev)
             yield f"data: {json.dumps(results[i].body(i if listed else None))}\n\n"
@@ -423,7 +450,7 @@ def build_native_router():
     async def generate_route(body: GenerateRequest, request: Request):
         return await generate(request.app.state.ctx, body, request)
 
-    @router.get("/health_generate")
+    @router.api_route("/health_generate", methods=["GET", "HEAD"])
     async def health_generate_route(request: Request):
         return await health_generate(request.app.state.ctx)
 

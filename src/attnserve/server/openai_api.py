@@ -1,5 +1,5 @@
 """OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-plus ``/health``, ``/metrics`` and ``/debug/state``.
+plus ``/health`` (GET or HEAD: the same status, no body), ``/metrics`` and ``/debug/state``.
 
 A handler validates the request (schema in `attnserve.server.protocol`, then prompt length
 and sampling parameters), tokenizes it in a worker thread, submits it to the
@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from attnserve.server.chat_output import chat_output, finish_reason
+from attnserve.server.choice_extras import ChoiceExtras
 from attnserve.server.engine_loop import EngineLoop, RequestStream, StreamEvent, SubmitCommand
 from attnserve.server.errors import APIError, error_body
 from attnserve.server.grammar_request import has_grammar_fields, request_grammar
@@ -332,7 +333,7 @@ async def _collect(request, ctx: ServingContext, choices: List[Tuple[str, Reques
             if ev.final:
                 finals[i] = StreamEvent("".join(parts[i]), ev.completion_tokens, ev.prompt_tokens,
                                         ev.finish_reason, cached_tokens=ev.cached_tokens, logprobs=lps[i],
-                                        prompt_logprobs=prompt_lps[i])
+                                        prompt_logprobs=prompt_lps[i], matched_stop=ev.matched_stop)
         return finals
     finally:
         watcher.cancel()
@@ -354,15 +355,18 @@ def _sse(obj) -> str:
     return f"data: {data}\n\n"
 
 
-async def _stream_events(ctx: ServingContext, choices, make_chunk, make_usage, first_chunks=()) -> AsyncIterator[str]:
+async def _stream_events(ctx: ServingContext, choices, make_chunk, make_usage, first_chunks=(),
+                         extras=None) -> AsyncIterator[str]:
     """SSE body: one chunk per event of any choice with something to say (``make_chunk(index,
     text, None, event)``, None when it has nothing: no text, no logprobs), a chunk with each
     choice's ``finish_reason`` (``make_chunk(index, None, reason)``), the usage chunk when
-    asked (``make_usage(final events)``), then ``data: [DONE]``. An error after the stream
-    started becomes a ``data: {"error": ...}`` event (the other choices are aborted).
+    asked (``make_usage(final events)``), then ``data: [DONE]``. ``extras`` (a
+    `ChoiceExtras`, optional) adds ``stop_reason`` to each finish chunk and, when asked, a
+    per-choice ``usage`` to every chunk (``first_chunks`` count 0 tokens). An error after the
+    stream started becomes a ``data: {"error": ...}`` event (the other choices are aborted).
     (Aborting on early exit is `_SSEResponse`'s job.)"""
     for c in first_chunks:
-        yield _sse(c)
+        yield _sse(extras.decorate(c, c.choices[0].index, 0) if extras is not None else c)
     finals: List[Optional[StreamEvent]] = [None] * len(choices)
     async for i, ev in _merged(choices):
         if ev.error is not None:
@@ -372,10 +376,11 @@ async def _stream_events(ctx: ServingContext, choices, make_chunk, make_usage, f
             break
         chunk = make_chunk(i, ev.text, None, ev)
         if chunk is not None:
-            yield _sse(chunk)
+            yield _sse(extras.decorate(chunk, i, ev.completion_tokens) if extras is not None else chunk)
         if ev.final:
             finals[i] = ev
-            yield _sse(make_chunk(i, None, ev.finish_reason))
+            end = make_chunk(i, None, ev.finish_reason)
+            yield _sse(extras.decorate(end, i, ev.completion_tokens, ev) if extras is not None else end)
     else:
         usage = make_usage(finals)
         if usage is not None:
@@ -424,7 +429,7 @@ def build_router():
 
     router = APIRouter()
 
-    @router.get("/health")
+    @router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and k8s probes (no body)
     async def health(request: Request):
         ctx: ServingContext = request.app.state.ctx
         if ctx.loop.draining:
@@ -486,6 +491,7 @@ def build_router():
         choices = await _submit_choices(ctx, rid, [(prompt_ids, sp)], body.n or 1, arrival, bool(body.stream))
         model, created = ctx.model_name, now_s()  # one `created` for every chunk of the response
         texts = TokenTexts(ctx.engine.tokenizer) if body.logprobs else None
+        extras = ChoiceExtras([len(prompt_ids)], len(choices), body.stop_token_ids, body.continuous_usage)
         if body.stream:
             readers = [out.stream() for _ in choices] if out.active else None
 
@@ -516,13 +522,14 @@ def build_router():
                                          choices=[ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
                      for i in range(len(choices))]
             return _sse_response(ctx, [r for r, _ in choices],
-                                 _stream_events(ctx, choices, chunk, usage, first_chunks=first))
+                                 _stream_events(ctx, choices, chunk, usage, first_chunks=first, extras=extras))
         finals = await _collect(request, ctx, choices)
         messages = [out.message(f.text) if out.active else ({"content": f.text}, False) for f in finals]
         return ChatCompletionResponse(
             id=rid, model=model, created=created,
             choices=[ChatChoice(index=i, message=ChatResponseMessage(**messages[i][0]),
                                 finish_reason=finish_reason(f.finish_reason, messages[i][1]),
+                                stop_reason=extras.stop_reason(f),
                                 logprobs=chat_logprobs(f.logprobs, texts) if texts else None)
                      for i, f in enumerate(finals)],
             usage=_usage([len(prompt_ids)], finals),

@@ -24,7 +24,8 @@ Extensions beyond OpenAI that attnserve honours (SGLang/vLLM names): ``top_k``, 
 decoding: ``response_format`` (also on completions), ``json_schema``, ``regex``, ``ebnf``
 (`attnserve.server.grammar_request`); chat-template control: ``add_generation_prompt``,
 ``continue_final_message``, ``chat_template_kwargs`` (`attnserve.server.chat_template`).
-Accepted as OpenAI accepts them and changing no output:
+vLLM's ``stop_reason`` is on every choice (`StopReason`) and ``stream_options`` takes vLLM's
+``continuous_usage_stats`` (`StreamOptions`). Accepted as OpenAI accepts them and changing no output:
 ``user`` (both endpoints); ``store``, ``metadata``, ``safety_identifier`` and
 ``prompt_cache_key`` (chat; see `ChatCompletionRequest`).
 """
@@ -87,9 +88,19 @@ _BiasValue = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
 class StreamOptions(BaseModel):
+    """``stream_options`` of a streamed request. ``include_usage``: a last chunk (``choices``
+    empty) with the request's usage. ``continuous_usage_stats`` (vLLM's extension; honoured,
+    as in vLLM, only together with ``include_usage``): every chunk that has choices also
+    carries ``usage`` for the one choice it holds: ``prompt_tokens`` of that choice's prompt,
+    ``completion_tokens`` that choice generated so far (0 on chat's first ``role`` chunk and
+    under ``echo`` with ``max_tokens: 0``), ``total_tokens`` their sum
+    (`attnserve.server.choice_extras`). With ``n`` > 1 or a batch of prompts each chunk counts
+    its own choice only, as vLLM does; the last usage chunk still sums all choices."""
+
     model_config = _STRICT
     known_extras: ClassVar[Mapping[str, KnownField]] = STREAM_OPTIONS_FIELDS
     include_usage: Optional[StrictBool] = False
+    continuous_usage_stats: Optional[StrictBool] = False
 
 
 class _SamplingFields(BaseModel):
@@ -165,6 +176,12 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk (`StreamOptions`): ``include_usage`` and
+        ``continuous_usage_stats`` both set."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingFields):
@@ -419,11 +436,20 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: Optional[List[ChatTokenLogprob]] = None
 
 
+#: vLLM's ``stop_reason`` of a choice: the stop string that ended it, or the token id of
+#: the request's ``stop_token_ids`` that did; None otherwise (EOS, length, abort)
+StopReason = Optional[Union[int, str]]
+
+
 class CompletionChoice(BaseModel):
+    """A completion choice (also a streamed chunk's); ``stop_reason`` is `StopReason`, set
+    on the choice (chunk) that carries the ``finish_reason``."""
+
     index: int = 0
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
+    stop_reason: StopReason = None
 
 
 class CompletionResponse(BaseModel):
@@ -467,10 +493,13 @@ class ChatResponseMessage(BaseModel):
 
 
 class ChatChoice(BaseModel):
+    """A chat choice; ``stop_reason``: `StopReason`."""
+
     index: int = 0
     message: ChatResponseMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
     finish_reason: Optional[str] = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -486,12 +515,13 @@ class ChatChunkChoice(BaseModel):
     """``delta`` holds only the keys that are present: ``{"role": "assistant", "content": ""}``
     first, then ``{"content": "..."}`` (and ``reasoning_content``, ``tool_calls`` deltas
     with the parsers of `attnserve.server.chat_output`), then ``{}`` beside the
-    ``finish_reason``."""
+    ``finish_reason`` (with its `StopReason`)."""
 
     index: int = 0
     delta: Dict[str, Any]
     logprobs: Optional[ChatChoiceLogprobs] = None
     finish_reason: Optional[str] = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionChunk(BaseModel):

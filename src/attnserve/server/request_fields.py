@@ -119,11 +119,9 @@ MESSAGE_FIELDS: Mapping[str, KnownField] = {
     **_table("SGLang/vLLM", reasoning_content=_NONE, tools=_NONE),
 }
 
-#: ``stream_options`` beside ``include_usage``. attnserve adds no obfuscation padding.
-STREAM_OPTIONS_FIELDS: Mapping[str, KnownField] = {
-    **_table("OpenAI", include_obfuscation=_FALSE),
-    **_table("SGLang/vLLM", continuous_usage_stats=_FALSE),
-}
+#: ``stream_options`` beside ``include_usage`` and vLLM's ``continuous_usage_stats`` (both
+#: declared on `attnserve.server.protocol.StreamOptions`). attnserve adds no obfuscation padding.
+STREAM_OPTIONS_FIELDS: Mapping[str, KnownField] = _table("OpenAI", include_obfuscation=_FALSE)
 
 #: Nothing beside ``type`` and ``text`` in a text content part.
 NO_FIELDS: Mapping[str, KnownField] = {}
