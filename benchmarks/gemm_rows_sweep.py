@@ -35,8 +35,12 @@ ROTATE_BYTES = 256 << 20
 
 
 def time_linear(n: int, k: int, rows, lib: str) -> list:
-    """µs of ``F.linear(x [m, k], W [n, k])`` per ``m`` in ``rows`` (bf16), under BLAS library ``lib``."""
-    torch.backends.cuda.preferred_blas_library(lib)
+    """µs of ``F.linear(x [m, k], W [n, k])`` per ``m`` in ``rows`` (bf16), under BLAS library ``lib``
+    (``default`` / ``cublaslt``), or, for ``swap`` / ``swap-copy``, the swapped product ``W @ x^T``
+    (``[n, m]``: cuBLAS sees the weight rows as its M and the batch as its N, and picks other
+    kernels) alone / followed by the copy back to a row-major ``[m, n]``."""
+    swap = lib.startswith("swap")
+    torch.backends.cuda.preferred_blas_library("default" if swap else lib)
     copies = max(1, -(-ROTATE_BYTES // (2 * n * k)))
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
     xmax = torch.randn(max(rows), k, device="cuda", dtype=torch.bfloat16)
@@ -45,7 +49,13 @@ def time_linear(n: int, k: int, rows, lib: str) -> list:
         x = xmax[:m]
         y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 
+        yt = torch.empty(n, m, device="cuda", dtype=torch.bfloat16)
+
         def call(w):
+            if lib == "swap":
+                return lambda: torch.mm(w, x.t(), out=yt)
+            if lib == "swap-copy":
+                return lambda: y.copy_(torch.mm(w, x.t(), out=yt).t())
             return lambda: torch.matmul(x, w.t(), out=y)
 
         out.append(bench_graph([call(w) for w in ws], min_calls=max(24, copies), replays=15))
@@ -65,7 +75,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--models", nargs="+", default=list(SHAPES))
-    p.add_argument("--libs", nargs="+", default=["default", "cublaslt"])
+    p.add_argument("--libs", nargs="+", default=["default", "cublaslt"],
+                   help="default, cublaslt, swap (W @ x^T alone), swap-copy (and the copy back)")
+    p.add_argument("--tag", default="")
     args = p.parse_args()
     t0 = time.perf_counter()
     rates = measure_ceilings()
@@ -94,7 +106,7 @@ def main():
     torch.backends.cuda.preferred_blas_library("default")
     result = cuda_run_metadata("gemm-rows-sweep", t0)
     result.update(rates=rates, rows=rows_out)
-    write_result(result, args.out, "gemm-rows-sweep")
+    write_result(result, args.out, "gemm-rows-sweep" + args.tag)
 
 
 if __name__ == "__main__":
