@@ -41,7 +41,10 @@ class GenerateOutput:
     distribution): ``output_token_logprobs[i]`` is that of ``token_ids[i]`` and
     ``output_top_logprobs[i]`` the ``top_logprobs`` most likely ``(token id, logprob)`` at
     that position, most likely first; ``prompt_token_logprobs`` / ``prompt_top_logprobs``
-    the same for ``prompt_token_ids`` (None at position 0). None when not asked."""
+    the same for ``prompt_token_ids`` (None at position 0). None when not asked.
+
+    SGLang's offline ``Engine.generate`` answers dicts; ``out["text"]``, ``out["output_ids"]``
+    and ``out["meta_info"]`` read this output the same way (`to_sglang_dict`)."""
 
     rid: str
     text: str
@@ -56,6 +59,52 @@ class GenerateOutput:
     output_top_logprobs: Optional[List[List[Tuple[int, float]]]] = None
     prompt_token_logprobs: Optional[List[Optional[float]]] = None
     prompt_top_logprobs: Optional[List[Optional[List[Tuple[int, float]]]]] = None
+
+    def sglang_finish_reason(self) -> Optional[dict]:
+        """SGLang's ``meta_info.finish_reason``: ``{"type": "stop", "matched": token id or stop
+        string}``, ``{"type": "length", "length": tokens generated}``, ``{"type": "abort",
+        "message": ...}``; None for an unfinished request."""
+        if self.finish_reason is None:
+            return None
+        if self.finish_reason == "stop":
+            return {"type": "stop", "matched": self.matched_stop}
+        if self.finish_reason == "length":
+            return {"type": "length", "length": len(self.token_ids)}
+        return {"type": self.finish_reason, "message": self.error or "Aborted"}
+
+    def to_sglang_dict(self) -> dict:
+        """This output as SGLang's offline ``Engine.generate`` returns it: ``{"text",
+        "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
+        "cached_tokens"}}``, the meta_info with ``output_token_logprobs`` / ``output_top_logprobs``
+        (and ``input_*`` for the prompt) as ``[logprob, token id, None]`` entries when logprobs
+        were asked."""
+        meta = {"id": self.rid, "finish_reason": self.sglang_finish_reason(), "prompt_tokens": len(self.prompt_token_ids),
+                "completion_tokens": len(self.token_ids), "cached_tokens": self.cached_tokens}
+
+        def entries(ids, lps):
+            return [[lp, t, None] for t, lp in zip(ids, lps)]
+
+        def tops(rows):
+            return [None if row is None else [[lp, t, None] for t, lp in row] for row in rows]
+
+        if self.output_token_logprobs is not None:
+            meta["output_token_logprobs"] = entries(self.token_ids, self.output_token_logprobs)
+            meta["output_top_logprobs"] = tops(self.output_top_logprobs or [None] * len(self.token_ids))
+        if self.prompt_token_logprobs is not None:
+            meta["input_token_logprobs"] = entries(self.prompt_token_ids, self.prompt_token_logprobs)
+            meta["input_top_logprobs"] = tops(self.prompt_top_logprobs or [None] * len(self.prompt_token_ids))
+        return {"text": self.text, "output_ids": list(self.token_ids), "meta_info": meta}
+
+    def __getitem__(self, key: str):
+        """SGLang's dict keys (`to_sglang_dict`): ``"text"``, ``"output_ids"``, ``"meta_info"``.
+
+        Raises:
+            KeyError: any other key (the dataclass fields are attributes).
+        """
+        if key not in ("text", "output_ids", "meta_info"):
+            raise KeyError(f"{key!r}: a GenerateOutput reads as SGLang's dict through 'text', 'output_ids' and "
+                           "'meta_info'; its other fields are attributes (out.finish_reason, out.token_ids, ...)")
+        return self.to_sglang_dict()[key]
 
     @classmethod
     def from_req(cls, req: Req) -> "GenerateOutput":

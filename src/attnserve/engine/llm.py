@@ -15,7 +15,8 @@ class LLM:
 
     Args:
         model: packaged model name (``smollm2-135m`` default, ``gemma3-270m``), a ``.gguf``
-            path, an HF directory, or a shape name with ``load_format="dummy"``.
+            path, an HF directory, or a shape name with ``load_format="dummy"``
+            (``model_path=``, SGLang's name, is taken too).
         **kwargs: any `ServerArgs` field (``attention_backend``, ``page_size``, ``dtype``,
             ``device``, ``max_total_tokens``, ...).
 
@@ -29,10 +30,13 @@ class LLM:
         print(out[0].text)
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
+    def __init__(self, model: Optional[str] = None, **kwargs):
         from attnserve.model_loader.chat_template import load_chat_template
 
-        self.server_args = ServerArgs(model=model, **kwargs)
+        model_path = kwargs.pop("model_path", None)  # SGLang's name (sgl.Engine(model_path=...))
+        if model is not None and model_path is not None and model != model_path:
+            raise ValueError(f"LLM got model={model!r} and model_path={model_path!r}; pass one of them")
+        self.server_args = ServerArgs(model=model or model_path or DEFAULT_MODEL, **kwargs)
         #: ``chat_template`` (a Jinja file or text) as Jinja source, or None: the model's own
         self.chat_template = load_chat_template(self.server_args.chat_template)
         self.engine = Engine(self.server_args)
