@@ -13,6 +13,7 @@ import time
 from typing import List, Optional
 
 from attnserve.server_args import ServerArgs
+from attnserve.sglang_flags import add_sglang_flags
 
 
 def _add_generate(sub) -> None:
@@ -29,6 +30,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="apply the model's chat template (default: on)")
     ServerArgs.add_cli_args(p)
+    add_sglang_flags(p)
 
 
 def _add_serve(sub) -> None:
@@ -41,7 +43,12 @@ def _add_serve(sub) -> None:
                         "another model get 404 (default: --model)")
     p.add_argument("--enable-metrics", action="store_true",
                    help="taken for SGLang's launch commands: /metrics (Prometheus) is always served")
+    p.add_argument("--log-level-http", default=None, type=str.lower,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="the HTTP server's (uvicorn's) log level, e.g. info for one line a request (default: "
+                        "--log-level where uvicorn has it, else warning)")
     ServerArgs.add_cli_args(p)
+    add_sglang_flags(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

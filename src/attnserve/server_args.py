@@ -59,6 +59,8 @@ class ServerArgs:
     disable_overlap_schedule: Optional[bool] = None  # None: overlap on CUDA, off on CPU
     disable_radix_cache: bool = False
     schedule_policy: str = "lpm"  # lpm | fcfs
+    #: SGLang's: scales the admission estimate of future KV use (`AdmissionPolicy.for_conservativeness`)
+    schedule_conservativeness: float = 1.0
     # CUDA graphs
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None  # None: from the GPU's memory (512 on 80 GB cards, 1024 above)
@@ -137,6 +139,9 @@ class ServerArgs:
         for name in (self.attention_backend, self.prefill_attention_backend, self.decode_attention_backend):
             if name:
                 get_attention_backend_class(name)  # ValueError listing the valid names
+        if not self.schedule_conservativeness > 0:
+            raise ValueError(f"--schedule-conservativeness must be > 0 (1.0: SGLang's default), got "
+                             f"{self.schedule_conservativeness}")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         if self.triton_attention_num_kv_splits < 1 or self.triton_attention_split_tile_size < 1:
@@ -306,6 +311,9 @@ class ServerArgs:
         a("--disable-radix-cache", action="store_true", help="no prefix caching across requests")
         a("--schedule-policy", default=d.schedule_policy, choices=["lpm", "fcfs"],
           help="lpm: longest cached prefix first (fcfs when the queue is long); fcfs: arrival order")
+        a("--schedule-conservativeness", type=float, default=d.schedule_conservativeness,
+          help="scale the admission estimate of each running request's future KV use (SGLang's: > 1 admits "
+               "fewer requests and retracts less, < 1 admits more)")
         a("--disable-overlap-schedule", action="store_const", const=True, default=None,
           help="process each step's results before launching the next (overlap is on by default on CUDA)")
         a("--disable-cuda-graph", action="store_true")

@@ -76,3 +76,13 @@ def test_page_larger_than_the_pool_is_refused_and_pools_are_whole_pages():
 def test_flag_values_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ServerArgs(**TINY, **kwargs).check()
+
+
+def test_schedule_conservativeness_reaches_the_scheduler():
+    engine = Engine(ServerArgs(**TINY, max_total_tokens=512, schedule_conservativeness=2.0))
+    try:
+        policy = engine.scheduler.policy
+        assert (policy.init_ratio, engine.scheduler.new_token_ratio) == (1.0, 1.0)
+        assert policy.min_ratio == pytest.approx(0.14)
+    finally:
+        engine.shutdown()

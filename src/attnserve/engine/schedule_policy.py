@@ -43,6 +43,17 @@ class AdmissionPolicy:
     def decay(self) -> float:
         return (self.init_ratio - self.min_ratio) / self.decay_steps
 
+    @classmethod
+    def for_conservativeness(cls, conservativeness: float) -> "AdmissionPolicy":
+        """SGLang's ``--schedule-conservativeness c`` (its scheduler's constants): the initial
+        ratio ``min(0.7 c, 1)`` and the floor ``min(0.14 * initial, 1)``, so ``c = 1`` is the
+        default policy; a larger ``c`` admits fewer requests (fewer retractions), a smaller
+        one more."""
+        if conservativeness == 1.0:
+            return cls()  # the defaults exactly (0.14 * 0.7 is 0.09799999999999999 in floats)
+        init = min(0.7 * conservativeness, 1.0)
+        return cls(init_ratio=init, min_ratio=min(0.14 * init, 1.0))
+
 
 def order_waiting(waiting: Sequence, match_lens: Dict[int, int], policy: str) -> List:
     """The waiting requests in admission order.

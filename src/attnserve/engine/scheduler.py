@@ -89,7 +89,7 @@ class Scheduler(StepSampling, ConstrainedScheduling):
         self.context_len = model_runner.context_len
         self.device = torch.device(model_runner.device)
         self.overlap = server_args.overlap_schedule_enabled(self.device.type)
-        self.policy = policy or AdmissionPolicy()
+        self.policy = policy or AdmissionPolicy.for_conservativeness(server_args.schedule_conservativeness)
         self.new_token_ratio = self.policy.init_ratio
         self.waiting: Deque[Req] = deque()
         self.running: List[Req] = []

@@ -284,7 +284,7 @@ def _serve_on(sock: socket.socket, args, server_args, served: Optional[str]) -> 
         engine = Engine(server_args)
     app = create_app(engine, api_key=args.api_key, loop=loop, model_name=served,
                      max_body_bytes=getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES)
-    log_level = str(server_args.log_level).lower()
+    log_level = getattr(args, "log_level_http", None) or str(server_args.log_level).lower()
     port = sock.getsockname()[1]
     logger.warning("attnserve serving %s%s on http://%s:%s", server_args.model,
                    f" as {served!r}" if served else "", args.host, port)
