@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``
+(`attnserve.server.responses_api`), ``/v1/models``,
 plus ``/health`` (GET or HEAD: the same status, no body), ``/metrics`` and ``/debug/state``.
 
 A handler validates the request (schema in `attnserve.server.protocol`, then prompt length
@@ -51,6 +52,7 @@ from attnserve.server.protocol import (
     now_s,
 )
 from attnserve.server.request_fields import check_unicode
+from attnserve.server.responses_protocol import ResponsesRequest
 from attnserve.server.tool_request import forced_call_grammar, template_messages, template_tools, tool_request
 
 logger = logging.getLogger(__name__)
@@ -426,6 +428,7 @@ def _sse_response(ctx: ServingContext, rids: List[str], gen):
 def build_router():
     """The API routes; they read ``request.app.state.ctx`` (a `ServingContext`)."""
     from attnserve.server.completion_api import create_completion  # it imports this module's helpers
+    from attnserve.server.responses_api import create_response  # likewise
 
     router = APIRouter()
 
@@ -473,6 +476,10 @@ def build_router():
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await create_completion(body, request)
+
+    @router.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create_response(body, request)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
