@@ -20,6 +20,7 @@ LEVEL = {
     "forward_batch": 2,
     "attention": 3,
     "server_args": 3.5,
+    "sglang_flags": 3.5,
     "speculative_config": 3.5,
     "distributed": 3.7,
     "models": 4,
