@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from attnserve.engine.model_runner import ModelRunner
-from attnserve.engine.request import Req
+from attnserve.engine.request import Req, sglang_finish_reason
 from attnserve.engine.sampling_params import SamplingParams
 from attnserve.engine.scheduler import Scheduler
 from attnserve.engine.tp.launch import TPStepFailed
@@ -60,25 +60,19 @@ class GenerateOutput:
     prompt_token_logprobs: Optional[List[Optional[float]]] = None
     prompt_top_logprobs: Optional[List[Optional[List[Tuple[int, float]]]]] = None
 
-    def sglang_finish_reason(self) -> Optional[dict]:
-        """SGLang's ``meta_info.finish_reason``: ``{"type": "stop", "matched": token id or stop
-        string}``, ``{"type": "length", "length": tokens generated}``, ``{"type": "abort",
-        "message": ...}``; None for an unfinished request."""
-        if self.finish_reason is None:
-            return None
-        if self.finish_reason == "stop":
-            return {"type": "stop", "matched": self.matched_stop}
-        if self.finish_reason == "length":
-            return {"type": "length", "length": len(self.token_ids)}
-        return {"type": self.finish_reason, "message": self.error or "Aborted"}
-
     def to_sglang_dict(self) -> dict:
         """This output as SGLang's offline ``Engine.generate`` returns it: ``{"text",
-        "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
-        "cached_tokens"}}``, the meta_info with ``output_token_logprobs`` / ``output_top_logprobs``
-        (and ``input_*`` for the prompt) as ``[logprob, token id, None]`` entries when logprobs
-        were asked."""
-        meta = {"id": self.rid, "finish_reason": self.sglang_finish_reason(), "prompt_tokens": len(self.prompt_token_ids),
+        "output_ids", "meta_info"}`` (`sglang_meta_info`)."""
+        return {"text": self.text, "output_ids": list(self.token_ids), "meta_info": self.sglang_meta_info()}
+
+    def sglang_meta_info(self) -> dict:
+        """SGLang's ``meta_info``: ``{"id", "finish_reason"`` (`sglang_finish_reason`),
+        ``"prompt_tokens", "completion_tokens", "cached_tokens"}``, with ``output_token_logprobs``
+        / ``output_top_logprobs`` (and ``input_*`` for the prompt) as ``[logprob, token id,
+        None]`` entries when logprobs were asked."""
+        finish = sglang_finish_reason(self.finish_reason, self.matched_stop, len(self.token_ids),
+                                      self.error or "Aborted")
+        meta = {"id": self.rid, "finish_reason": finish, "prompt_tokens": len(self.prompt_token_ids),
                 "completion_tokens": len(self.token_ids), "cached_tokens": self.cached_tokens}
 
         def entries(ids, lps):
@@ -93,7 +87,7 @@ class GenerateOutput:
         if self.prompt_token_logprobs is not None:
             meta["input_token_logprobs"] = entries(self.prompt_token_ids, self.prompt_token_logprobs)
             meta["input_top_logprobs"] = tops(self.prompt_top_logprobs or [None] * len(self.prompt_token_ids))
-        return {"text": self.text, "output_ids": list(self.token_ids), "meta_info": meta}
+        return meta
 
     def __getitem__(self, key: str):
         """SGLang's dict keys (`to_sglang_dict`): ``"text"``, ``"output_ids"``, ``"meta_info"``.
@@ -101,10 +95,14 @@ class GenerateOutput:
         Raises:
             KeyError: any other key (the dataclass fields are attributes).
         """
-        if key not in ("text", "output_ids", "meta_info"):
-            raise KeyError(f"{key!r}: a GenerateOutput reads as SGLang's dict through 'text', 'output_ids' and "
-                           "'meta_info'; its other fields are attributes (out.finish_reason, out.token_ids, ...)")
-        return self.to_sglang_dict()[key]
+        if key == "text":
+            return self.text
+        if key == "output_ids":
+            return list(self.token_ids)
+        if key == "meta_info":
+            return self.sglang_meta_info()
+        raise KeyError(f"{key!r}: a GenerateOutput reads as SGLang's dict through 'text', 'output_ids' and "
+                       "'meta_info'; its other fields are attributes (out.finish_reason, out.token_ids, ...)")
 
     @classmethod
     def from_req(cls, req: Req) -> "GenerateOutput":

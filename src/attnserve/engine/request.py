@@ -16,6 +16,25 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # cancelled by the client, or failed alone (``Req.error`` says why)
 
 
+def sglang_finish_reason(reason: Optional[str], matched: object, length: int,
+                         message: str = "Aborted") -> Optional[dict]:
+    """SGLang's ``meta_info.finish_reason`` (its ``FINISH_*.to_json``) of a request that ended
+    with ``reason`` ("stop", "length", "abort"; None while it runs): ``{"type": "stop",
+    "matched": token id (int) or stop string (str)}``, ``{"type": "length", "length":
+    length}`` (tokens generated), ``{"type": "abort", "message": message, "status_code":
+    None, "err_type": None}``. Used by the offline `GenerateOutput` and the native
+    ``/generate`` route."""
+    if reason is None:
+        return None
+    if reason == "stop":
+        return {"type": "stop", "matched": matched}
+    if reason == "length":
+        return {"type": "length", "length": length}
+    if reason == "abort":
+        return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+    return {"type": reason}
+
+
 @dataclass(eq=False)  # identity equality: `list.remove` / `in` over the running batch stay C-fast
 class Req:
     """A request from admission to completion.

@@ -250,16 +250,11 @@ def finish_reason_json(ev: StreamEvent, prompt_only: bool = False) -> Optional[D
     stop token, a stop string or a grammar's end ended it; ``{"type": "length", "length":
     tokens generated}`` (0 for ``prompt_only``); ``{"type": "abort", "message", "status_code",
     "err_type"}`` for an aborted one (SGLang's ``FINISH_*.to_json``)."""
-    reason = ev.finish_reason
-    if reason is None:
-        return None
-    if prompt_only or reason == "length":
-        return {"type": "length", "length": 0 if prompt_only else ev.completion_tokens}
-    if reason == "stop":
-        return {"type": "stop", "matched": ev.matched_stop}
-    if reason == "abort":
-        return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-    return {"type": reason}
+    from attnserve.engine.request import sglang_finish_reason  # lazily, as the other engine imports here
+
+    if prompt_only and ev.finish_reason is not None:
+        return sglang_finish_reason("length", None, 0)
+    return sglang_finish_reason(ev.finish_reason, ev.matched_stop, ev.completion_tokens)
 
 
 class _Result:

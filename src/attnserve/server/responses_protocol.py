@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from attnserve.server.errors import APIError
 from attnserve.server.protocol import (
+    MAX_CHAT_TOP_LOGPROBS,
     MAX_STOP_TOKEN_IDS,
     METADATA_MAX_KEY,
     METADATA_MAX_PAIRS,
@@ -121,7 +122,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: Optional[StrictBool] = None
     reasoning: Optional[Dict[StrictStr, Any]] = None
     truncation: Optional[StrictStr] = None
-    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=20)
+    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     include: Optional[List[StrictStr]] = None
     # the chat route's SGLang/vLLM sampling extensions (attnserve.server.protocol._SamplingFields)
     top_k: Optional[StrictInt] = Field(default=None, le=TOP_K_MAX)
