@@ -4,8 +4,9 @@
 ``PYTHONPATH=src:benchmarks python benchmarks/moe_tune.py --output tune.json --config-dir DIR
 [--shapes ...] [--tokens ...] [--precompile-workers 12] [--budget-s 130]``
 
-For each MoE shape (`SHAPES`: Qwen3-30B-A3B, DeepSeek-V2-Lite, Mixtral-8x7B at tp 1 and 2;
-bfloat16 weights) and token count ``T`` (`TOKENS`: 1..256 and 512..8192), with uniform
+For each MoE shape (`SHAPES`: Qwen3-30B-A3B, DeepSeek-V2-Lite, Mixtral-8x7B at tp 1 and 2,
+gpt-oss-20b timed with SiLU and no biases, the same GEMMs; bfloat16 weights) and token
+count ``T`` (`TOKENS`: 1..256 and 512..8192), with uniform
 random top-k routing:
 
 * the M tiles worth trying follow the mean slots per expert ``a = T top_k / E``
@@ -51,6 +52,7 @@ SHAPES = {
     "deepseek-v2-lite": dict(E=64, H=2048, I=1408, top_k=6),
     "mixtral-8x7b": dict(E=8, H=4096, I=14336, top_k=2),
     "mixtral-8x7b-tp2": dict(E=8, H=4096, I=7168, top_k=2),
+    "gpt-oss-20b": dict(E=32, H=2880, I=2880, top_k=4),
 }
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 DTYPE = torch.bfloat16

@@ -41,7 +41,7 @@ FP8_TILE_VARIANTS = getattr(dt, "FP8_TILE_VARIANTS", {})
 
 FLOATS = ("sm_scale", "logit_cap", "v_scale")
 COMMON = dict(GROUP=4, HEAD_BLOCKS=1, DK=128, DV=128, BLOCK_D=128, BLOCK_DPE=0, BLOCK_DV=128, BLOCK_H=16,
-              HAS_CAP=False, COMPUTE_FP32=False, DOT_PREC=None, USE_PDL=False)
+              HAS_CAP=False, COMPUTE_FP32=False, DOT_PREC=None, USE_PDL=False, HAS_SINK=False)
 KINDS = {"bf16": ("*bf16", "*bf16", dict(V_SCALED=False, F16_DOT=False, V_PAIRS=False, E5M2=False), 2),
          "e4m3": ("*fp8e4nv", "*i16", dict(V_SCALED=True, F16_DOT=True, V_PAIRS=True, E5M2=False), 1)}
 SM_REGS, SM_SMEM, SMEM_RESERVED = 65536, 228 * 1024, 1024

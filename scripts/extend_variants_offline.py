@@ -52,7 +52,8 @@ def compile_variant(cfg, has_prefix: bool, buf_ty: str = "*bf16", prefix_f16: bo
                  IS_CAUSAL=not mask, HAS_MASK=mask, PREFIX_MASK=mask, HAS_WINDOW=window, HAS_CAP=cap,
                  HAS_PREFIX_START=False, K_SCALED=kv_scaled, V_SCALED=kv_scaled, PREFIX_F16=prefix_f16,
                  HAS_PREFIX=has_prefix, EVEN_DK=block_d <= d, EVEN_DPE=block_d + block_dpe == d,
-                 EVEN_DV=block_dv == dv, COMPUTE_FP32=False, DOT_PREC=None, K_DESC=k_desc, V_DESC=v_desc)
+                 EVEN_DV=block_dv == dv, COMPUTE_FP32=False, DOT_PREC=None, K_DESC=k_desc, V_DESC=v_desc,
+                 HAS_SINK=False)
     typed = ("q_ptr", "k_ext_ptr", "v_ext_ptr", "o_ptr")
     types = {"sm_scale": "fp32", "logit_cap": "fp32", "k_scale": "fp32", "v_scale": "fp32"}
     ptrs = [n for n in names if (n.endswith("_ptr") or n.endswith("_desc")) and n not in const

@@ -97,7 +97,7 @@ def compile_decode(f: Family, batch: str, pool: str):
     const = dict(GROUP=group, HEAD_BLOCKS=da._head_blocks(block_h, group), DK=f.dk, DV=f.dv, BLOCK_D=block_d,
                  BLOCK_DPE=block_dpe, BLOCK_DV=block_dv, BLOCK_H=block_h, BLOCK_N=cfg.block_n, HAS_CAP=f.logit_cap > 0,
                  V_SCALED=fp8, COMPUTE_FP32=False, DOT_PREC=None, F16_DOT=fp8, V_PAIRS=v_pairs, E5M2=False,
-                 USE_PDL=cfg.pdl)
+                 USE_PDL=cfg.pdl, HAS_SINK=False)
     fn = da._decode_stage1_kernel
     types = {n: _PTR_TYPES.get(n, "*i32") for n in fn.arg_names if n.endswith("_ptr")}
     types["k_ptr"] = "*fp8e4nv" if fp8 else "*bf16"

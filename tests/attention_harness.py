@@ -3,7 +3,8 @@
 `make_batch` builds a real `ReqToTokenPool`/allocator/`MHATokenToKVPool`, fills the cached
 prefixes with random K/V through shuffled pages (so slots are non-contiguous), and returns
 a `ForwardBatch` plus the new tokens' q/k/v. `naive_reference` recomputes the attention
-query by query in float64 from the same numbers.
+query by query in float64 from the same numbers; `sink_reference` is HF transformers'
+gpt-oss formula (attention sinks) in float64 on the pool's device.
 """
 
 from dataclasses import dataclass
@@ -102,6 +103,44 @@ def naive_reference(case: Case, custom_masks=None) -> torch.Tensor:
             outs.append(o)
         t += e
     return torch.stack(outs)
+
+
+def sink_reference(case: Case, sinks, custom_masks=None) -> torch.Tensor:
+    """float64 ``[T, Hq, Dv]`` on the pool's device from the pool contents (after the new K/V
+    were written): HF transformers' gpt_oss ``eager_attention_forward`` written out per
+    request: scores * scaling, logit cap, causal (or ``custom_masks[i]``, bool ``[E_i, P_i +
+    E_i]``) and window mask, ``sinks`` (``[Hq]``, or None: plain attention) concatenated as
+    one more column, softmax, that column dropped, times V."""
+    layer = case.layer
+    kb = case.pool.get_key_buffer(0)
+    dev = kb.device
+    kb, vb = kb.double(), case.pool.get_value_buffer(0).double()
+    r2t = case.req_to_token.to(dev)
+    hq, group = layer.tp_q_head_num, layer.tp_q_head_num // layer.tp_k_head_num
+    q_all = case.q.to(dev).double()
+    outs, t = [], 0
+    for i, (row, p, e) in enumerate(zip(case.rows, case.prefix_lens, case.extend_lens)):
+        slots = r2t[row, : p + e].long()
+        k = kb[slots].repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+        v = vb[slots].repeat_interleave(group, dim=1).transpose(0, 1)
+        q = q_all[t : t + e].transpose(0, 1)  # [Hq, E, D]
+        w = torch.matmul(q, k.transpose(1, 2)) * layer.scaling  # [Hq, E, L]
+        if layer.logit_cap > 0:
+            w = layer.logit_cap * torch.tanh(w / layer.logit_cap)
+        q_pos = torch.arange(p, p + e, device=dev)[:, None]
+        k_pos = torch.arange(p + e, device=dev)[None, :]
+        vis = (k_pos <= q_pos) if custom_masks is None else custom_masks[i].to(dev).bool()
+        if layer.sliding_window_size >= 0:
+            vis = vis & (k_pos >= q_pos - layer.sliding_window_size)
+        w = w.masked_fill(~vis[None], float("-inf"))
+        if sinks is not None:
+            col = sinks.to(dev).double().view(hq, 1, 1).expand(hq, e, 1)
+            probs = torch.softmax(torch.cat([w, col], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(w, dim=-1).nan_to_num(0.0)
+        outs.append(torch.matmul(probs, v).transpose(0, 1))
+        t += e
+    return torch.cat(outs)
 
 
 def backend_config(case: Case, **kw):

@@ -20,7 +20,8 @@ import torch
 
 from attnserve.forward_batch import ForwardMode
 from numeric_bounds import assert_within, forward_bound, llama_like_terms
-from tiny_hf import hf_logits as _hf_logits, hf_variant_getter, load_checkpoint as _load, random_prompt
+from tiny_hf import (assert_tp2_matches_tp1, hf_logits as _hf_logits, hf_variant_getter, load_checkpoint as _load,
+                     random_prompt)
 
 VOCAB = 256
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -193,20 +194,8 @@ def test_tp2_matches_tp1(variant, hf_variant):
     """tp 2 on CPU ranks loads the HF checkpoint (Qwen2's q/k/v bias, Phi-3's fused qkv_proj and
     gate_up_proj, both split by heads / rows; Phi-3's single KV head replicated) and gives tp 1's
     tokens."""
-    from attnserve.engine.llm import LLM
-    from attnserve.engine.sampling_params import SamplingParams
-
     path, _ = hf_variant(variant)
-    kw = dict(model=path, device="cpu", dtype="float32", page_size=4, max_total_tokens=1024, max_running_requests=4)
-    prompts = [_prompt(41, 36), _prompt(42, 5)]
-    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-    with LLM(**kw) as one:
-        want = [o.token_ids for o in one.generate(prompts, params)]
-    llm = LLM(tp_size=2, **kw)
-    try:
-        assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    finally:
-        llm.engine.shutdown()
+    assert_tp2_matches_tp1(path, [_prompt(41, 36), _prompt(42, 5)])
 
 
 def test_phi3_fused_tensors_sharded_by_heads_and_rows(hf_variant):

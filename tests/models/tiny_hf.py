@@ -56,3 +56,19 @@ def hf_logits(model, ids) -> torch.Tensor:
     """HF full-forward logits ``[len(ids), vocab]`` float32."""
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
+
+
+def assert_tp2_matches_tp1(path, prompts, max_new_tokens: int = 8) -> None:
+    """Greedy tokens of the checkpoint at ``path`` at tp 2 on CPU ranks equal tp 1's (float32)."""
+    from attnserve.engine.llm import LLM
+    from attnserve.engine.sampling_params import SamplingParams
+
+    kw = dict(model=path, device="cpu", dtype="float32", page_size=4, max_total_tokens=1024, max_running_requests=4)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    with LLM(**kw) as one:
+        want = [o.token_ids for o in one.generate(prompts, params)]
+    llm = LLM(tp_size=2, **kw)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    finally:
+        llm.engine.shutdown()

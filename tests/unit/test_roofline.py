@@ -173,3 +173,34 @@ def test_capacity_floor_equals_the_rule_when_everything_fits():
     # half the pool: more steps, a higher floor (the weights are read for fewer tokens a step)
     s_half, steps_half = capacity_decode_s(TOY, isl, osl, BW, F, max_total_tokens=(sum(isl) + sum(osl)) // 2)
     assert steps_half > steps and s_half > s
+
+
+def test_sliding_layers_clip_their_context():
+    """TOY with one of its two layers windowed at w = 6 (hand-computed from the module docstring):
+    request a (isl 10, osl 3) and b (isl 4, osl 1).
+    prefill pairs: a: (100 + (2*6*10 - 36)) / 2 = 92; b: 16 (inside the window)
+      -> (2*1000*10 + 2*64*92) + (2*1000*4 + 2*64*16) = 31776 + 10048 = 41824 FLOPs
+    decode effective contexts: s=0: (10 + 6)/2 + (4 + 4)/2 = 12; s=1: (11 + 6)/2 = 8.5; s=2: 9
+      -> mem (2000 + 64 * ctx) / 1000 each."""
+    from dataclasses import replace
+
+    windowed = replace(TOY, sliding_layers=1, sliding_window=6)
+    r = workload_roofline(windowed, [10, 4], [3, 1], BW, F)
+    assert r.prefill_s == pytest.approx(0.41824)
+    assert r.decode_s == pytest.approx(sum((2000 + 64 * c) / 1000 for c in (12, 8.5, 9)))
+    assert windowed.effective_ctx([3, 20]) == pytest.approx((23 + 3 + 6) / 2)
+    # a window longer than every context changes nothing
+    wide = replace(TOY, sliding_layers=2, sliding_window=1000)
+    assert workload_roofline(wide, [10, 4], [3, 1], BW, F) == workload_roofline(TOY, [10, 4], [3, 1], BW, F)
+
+
+def test_from_runner_reads_the_sliding_layers():
+    from types import SimpleNamespace
+
+    from attnserve.engine.model_facts import roofline_facts
+    from attnserve.model_loader.loader import load_model
+
+    loaded = load_model("gpt-oss-tiny", load_format="dummy", device="meta", load_tokenizer=False)
+    runner = SimpleNamespace(model=loaded.model, model_config=loaded.model_config, kv_cache_dtype=None)
+    facts = roofline_facts(runner)
+    assert (facts["sliding_layers"], facts["sliding_window"]) == (2, 128)

@@ -11,6 +11,11 @@ the earliest visible one are never gathered. ``spec_info.custom_mask`` (flat boo
 request ``[extend_len, seq_len]`` at ``spec_info.mask_indptr[i]``) replaces the causal mask
 for TARGET_VERIFY steps.
 
+Attention sinks (`RadixAttention.sinks`, gpt-oss; `attnserve.attention.sinks`): one more
+score column per query head, ``sinks[h]`` (never soft-capped), joins the softmax and is
+dropped after it (HF transformers' gpt_oss ``eager_attention_forward``), in decode and in
+every extend mode. Layers without sinks compute exactly what they did before.
+
 MLA models (`attnserve.attention.mla_paths`): the latent layer goes through the generic
 path (one KV head of ``kv_lora_rank + rope`` in the latent pool, values = its first
 ``kv_lora_rank`` columns), in decode and in extend; the expanded layer of a prefix-free
@@ -28,6 +33,7 @@ from attnserve.attention.backend_config import AttentionBackendConfig, normalize
 from attnserve.attention.base import AttentionBackend
 from attnserve.attention.mla_paths import check_prefix_free, is_latent_layer
 from attnserve.attention.registry import register_attention_backend
+from attnserve.attention.sinks import layer_sinks, refuse_sinks, softmax_with_sinks
 from attnserve.forward_batch import ForwardBatch
 from attnserve.mem_cache.kv_quant import dequantize_kv
 
@@ -43,6 +49,7 @@ def attention_reference(
     sliding_window_size: int = -1,
     custom_mask: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Dense masked attention of one request.
 
@@ -54,6 +61,8 @@ def attention_reference(
         sliding_window_size: see module doc (-1 or None: none; 0 is a ValueError).
         custom_mask: bool ``[Lq, Lk]`` (True = visible) replacing the causal mask.
         compute_dtype: float32 (engine) or float64 (tests).
+        sinks: None, or ``[Hq]`` per-head sink logits (units of the scaled scores, not
+            capped): one extra softmax column of value 0 (`attnserve.attention.sinks`).
 
     Returns:
         ``[Lq, Hq, Dv]`` in ``compute_dtype``; rows with no visible key are 0.
@@ -73,7 +82,10 @@ def attention_reference(
     if window > 0:
         visible = visible & (k_positions[None, :] >= q_positions[:, None] - window)
     scores = scores.masked_fill(~visible[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
+    if sinks is not None:
+        probs = softmax_with_sinks(scores, sinks.to(compute_dtype).view(-1, 1, 1))
+    else:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
     return torch.matmul(probs, vf).transpose(0, 1)
 
 
@@ -170,6 +182,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         spec = fb.spec_info
         custom_mask = spec.custom_mask if spec is not None else None
         window = layer.sliding_window_size
+        sinks = layer_sinks(layer)
         start = 0
         for i, (row, seq_len, ext) in enumerate(zip(rows, seq_lens, extend_lens)):
             q_pos = torch.arange(seq_len - ext, seq_len, device=q.device)
@@ -197,6 +210,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 layer.logit_cap,
                 window,
                 mask,
+                sinks=sinks,
             )
             out[start : start + ext] = o.to(out.dtype)
             start += ext
@@ -204,6 +218,8 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs):
         fb = forward_batch
+        if self.config.is_mla:
+            refuse_sinks(layer, self.name)
         if fb.spec_info is not None and fb.spec_info.custom_mask is not None:
             return self._run(q, k, v, layer, fb, save_kv_cache)
         if save_kv_cache and k is not None:
@@ -217,7 +233,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         side by side as the query rows (no repeated K/V). Without a logit cap this is
         `torch.nn.functional.scaled_dot_product_attention` with the padding masked (on
         the CPU its fused kernel is ~4x the separate ops at batch 16); with one, the same
-        math as `attention_reference` as batched matmuls."""
+        math as `attention_reference` as batched matmuls (also with sinks: one more score
+        column ``sinks[h]`` per query row, `softmax_with_sinks`)."""
         lid = layer.layer_id
         k_buf = fb.token_to_kv_pool.get_key_buffer(lid)
         v_buf = fb.token_to_kv_pool.get_value_buffer(lid)
@@ -229,20 +246,26 @@ class TorchNativeAttnBackend(AttentionBackend):
             bs, width, hkv, -1)  # [bs, W, Hkv, Dk]
         vf = dequantize_kv(v_buf.index_select(0, plan.flat), layer.v_scale, torch.float32).view(bs, width, hkv, -1)
         qf = q.view(bs, hkv, group, layer.qk_head_dim).float()
-        if not (layer.logit_cap and layer.logit_cap > 0):
+        sinks = layer_sinks(layer)
+        if not (layer.logit_cap and layer.logit_cap > 0) and sinks is None:
             out = torch.nn.functional.scaled_dot_product_attention(
                 qf, kf.transpose(1, 2), vf.transpose(1, 2), attn_mask=plan.attn_bias, scale=layer.scaling)
             return out.reshape(bs, layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
         scores = torch.matmul(qf, kf.permute(0, 2, 3, 1)) * layer.scaling  # [bs, Hkv, group, W]
-        scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+        if layer.logit_cap and layer.logit_cap > 0:
+            scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
         scores = torch.where(plan.score_mask, scores, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # query head h = kv_head * group + g, as in qf's view
+            probs = softmax_with_sinks(scores, sinks.float().view(1, hkv, group, 1))
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, vf.transpose(1, 2))  # [bs, Hkv, group, Dv]
         return out.reshape(bs, layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True,
                        prefix_kv=None, **kwargs):
         if self.config.is_mla:
+            refuse_sinks(layer, self.name)
             if is_latent_layer(layer, self.config):
                 k = k.view(-1, 1, layer.qk_head_dim)
                 v = k[..., : layer.v_head_dim]

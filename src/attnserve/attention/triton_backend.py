@@ -15,6 +15,11 @@ see are never read): for decode ``window+1`` keys, for extend the prefix from
 ``prefix_len - window``; one set per distinct window of ``config.layer_windows``, so a
 layer whose window is not listed there is a clear error.
 
+Attention sinks (`RadixAttention.sinks`, gpt-oss): the layer's tensor is passed to both
+kernels at every forward (decode, extend and the speculative modes, which run the extend
+kernel), so a captured decode graph reads it by pointer; see `attnserve.attention.sinks`.
+Extend launches with sinks never take the Gluon prefill kernels.
+
 MLA models use ``triton_mla`` (`attnserve.attention.triton_mla_backend`), which reuses
 the extend path here over the latent pool.
 
@@ -33,6 +38,7 @@ import torch
 from attnserve.attention.backend_config import AttentionBackendConfig
 from attnserve.attention.base import AttentionBackend
 from attnserve.attention.registry import register_attention_backend
+from attnserve.attention.sinks import layer_sinks
 from attnserve.forward_batch import ForwardBatch, ForwardMode
 from attnserve.mem_cache.kv_quant import is_fp8
 
@@ -307,7 +313,7 @@ class TritonAttnBackend(AttentionBackend):
             md.mask_indptr, md.max_extend_len, layer.scaling, logit_cap=layer.logit_cap,
             sliding_window_size=layer.sliding_window_size, prefix_kv_start=start,
             mask_covers_prefix=md.mask_covers_prefix, has_prefix=md.has_prefix, batch_invariant=self.deterministic,
-            **kv_scales(layer, k_buffer),
+            sinks=layer_sinks(layer), **kv_scales(layer, k_buffer),
         )
         return o.view(-1, hq * dv)
 
@@ -330,7 +336,8 @@ class TritonAttnBackend(AttentionBackend):
         decode_attention_fwd(
             q3, k_buffer, pool.get_value_buffer(layer.layer_id), o, kv_indptr,
             kv_indices, md.attn_logits, md.attn_lse, num_kv_splits, self.max_kv_splits, layer.scaling,
-            logit_cap=layer.logit_cap, batch_invariant=self.deterministic, **kv_scales(layer, k_buffer),
+            logit_cap=layer.logit_cap, batch_invariant=self.deterministic, sinks=layer_sinks(layer),
+            **kv_scales(layer, k_buffer),
         )
         return o.view(-1, hq * dv)
 

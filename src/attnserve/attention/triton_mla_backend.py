@@ -14,6 +14,8 @@
 
 The split workspace is allocated once at construction for ``config.max_batch_size``
 requests; `workspace_bytes` lets the model runner count it before sizing the KV pool.
+Attention sinks (`RadixAttention.sinks`) are not implemented: a layer with sinks is a
+ValueError (`attnserve.attention.sinks.refuse_sinks`).
 CUDA graphs capture DECODE; the replay hook refills fixed buffers without host reads and
 is launched from the host before each replay (``replay_hook_is_capturable`` False: its
 recording inside the graph has not been validated for the MLA split/work-list kernels).
@@ -29,6 +31,7 @@ from attnserve.attention.backend_config import AttentionBackendConfig
 from attnserve.attention.mla_paths import check_prefix_free, is_latent_layer
 from attnserve.attention.mla_triton import MLADecodeMetadata, MLASplitPolicy, TritonMLADecode
 from attnserve.attention.registry import register_attention_backend
+from attnserve.attention.sinks import refuse_sinks
 from attnserve.attention.triton_backend import TritonAttnBackend, TritonForwardMetadata
 from attnserve.forward_batch import ForwardBatch, ForwardMode
 
@@ -82,7 +85,9 @@ class TritonMLAAttnBackend(TritonAttnBackend):
     # ---- kernels -----------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs):
         """Latent layer only: ``q`` ``[bs, H * (kv_lora_rank + rope)]``, ``k`` the new
-        latent ``[bs, 1, kv_lora_rank + rope]`` or None -> ``[bs, H * kv_lora_rank]``."""
+        latent ``[bs, 1, kv_lora_rank + rope]`` or None -> ``[bs, H * kv_lora_rank]``.
+        A layer with attention sinks is a ValueError."""
+        refuse_sinks(layer, self.name)
         pool = forward_batch.token_to_kv_pool
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, None)
@@ -93,7 +98,9 @@ class TritonMLAAttnBackend(TritonAttnBackend):
         """Latent layer: absorbed attention over the latent pool (``v`` ignored). Expanded
         layer: the new tokens, plus the cached prefixes when the model passes them
         expanded (``prefix_kv``, `mla_expanded_prefix.ExpandedPrefix`); a step with a
-        cached prefix and no ``prefix_kv`` is a ValueError."""
+        cached prefix and no ``prefix_kv`` is a ValueError, and so is a layer with attention
+        sinks."""
+        refuse_sinks(layer, self.name)
         fb = forward_batch
         pool = fb.token_to_kv_pool
         md = self.forward_metadata

@@ -38,6 +38,15 @@ floor, not a prediction: real kernels reach 80-95% of these rates.
 ``D(n) = E * (1 - (1 - top_k / E) ** n)`` the expected number of distinct experts when every
 token picks ``top_k`` of ``E`` uniformly (the routing of random weights; a trained router
 is less uniform, so fewer distinct experts and a lower floor).
+
+**Sliding windows**: ``L_w`` of the ``L`` layers may attend to the last ``w`` tokens only
+(Gemma 2 / 3, gpt-oss, Mistral with a window). Such a layer reads ``min(ctx_r, w)`` tokens of
+KV in a decode step and does ``min(ctx, w)`` key products a query, so each request counts
+``((L - L_w) ctx_r + L_w min(ctx_r, w)) / L`` tokens of context in the terms above
+(`RooflineModel.effective_ctx`), and its prefill ``((L - L_w) isl^2 + L_w pairs_w(isl)) / L``
+in place of ``isl^2``, with ``pairs_w(isl) = isl^2`` up to ``w`` and ``2 w isl - w^2`` past it
+(twice the causal key products inside the window). A pool that keeps every layer's KV whole
+still reads only the window; the floor counts what must be read.
 """
 
 from __future__ import annotations
@@ -62,6 +71,8 @@ class RooflineModel:
         fp8_params: the part of ``params`` stored as FP8 (``--quantization fp8`` or an FP8
             checkpoint): their FLOPs run at the FP8 matmul rate where one is given
             (`workload_roofline`'s ``fp8_matmul_flops_per_s``).
+        sliding_layers / sliding_window: ``L_w`` layers that see the last ``w`` tokens (HF
+            ``sliding_window``: the query and the ``w - 1`` before it); 0: none.
     """
 
     params: int
@@ -76,6 +87,29 @@ class RooflineModel:
     expert_params: int = 0
     expert_bytes: int = 0
     fp8_params: int = 0
+    sliding_layers: int = 0
+    sliding_window: int = 0
+
+    def effective_ctx(self, ctx) -> float:
+        """Context tokens a decode step reads and multiplies by, summed over requests of
+        contexts ``ctx`` (array), with the windowed layers' share clipped (module docstring)."""
+        ctx = np.asarray(ctx, dtype=np.float64)
+        if not self.sliding_layers or not self.sliding_window:
+            return float(ctx.sum())
+        full = self.num_layers - self.sliding_layers
+        return float((full * ctx.sum() + self.sliding_layers * np.minimum(ctx, self.sliding_window).sum())
+                     / self.num_layers)
+
+    def prefill_pairs(self, isl) -> np.ndarray:
+        """Per prompt, ``isl^2`` with the windowed layers' share clipped (module docstring):
+        twice the causal (query, key) products of an average layer."""
+        isl = np.asarray(isl, dtype=np.float64)
+        if not self.sliding_layers or not self.sliding_window:
+            return isl * isl
+        w = float(self.sliding_window)
+        windowed = np.where(isl <= w, isl * isl, 2.0 * w * isl - w * w)
+        full = self.num_layers - self.sliding_layers
+        return (full * isl * isl + self.sliding_layers * windowed) / self.num_layers
 
     @property
     def active_params(self) -> int:
@@ -140,12 +174,12 @@ def workload_roofline(model: RooflineModel, input_lens: Sequence[int], output_le
     """
     isl, osl = lengths_arrays(input_lens, output_lens)
     rates = StepRates.of(model, copy_bytes_per_s, matmul_flops_per_s, fp8_matmul_flops_per_s)
-    prefill = float(np.sum(rates.linear_s * isl + 2.0 * rates.attn * isl * isl / matmul_flops_per_s))
+    prefill = float(np.sum(rates.linear_s * isl + 2.0 * rates.attn * model.prefill_pairs(isl) / matmul_flops_per_s))
     steps = int(osl.max()) if osl.size else 0
     decode = serial = 0.0
     for s in range(steps):
         running = osl > s
-        step, step_serial = rates.step(int(running.sum()), float(np.sum(isl[running] + s)))
+        step, step_serial = rates.step(int(running.sum()), model.effective_ctx(isl[running] + s))
         decode += step
         serial += step_serial
     return Roofline(prefill_s=prefill, decode_s=decode, decode_steps=steps, decode_serial_s=serial)
@@ -190,7 +224,7 @@ class StepRates:
 
     def step(self, n: int, ctx: float):
         """``(floor, serial floor)`` seconds of a decode step of ``n`` requests holding
-        ``ctx`` tokens of context in all."""
+        ``ctx`` tokens of context in all (`RooflineModel.effective_ctx` where layers slide)."""
         weights_mem = self.model.step_weight_bytes(n) / self.copy
         kv_mem = ctx * self.model.kv_bytes_per_token / self.copy
         linear_flops, attn_flops = self.linear_s * n, 4.0 * self.attn * ctx / self.flops

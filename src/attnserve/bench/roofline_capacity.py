@@ -62,7 +62,7 @@ def capacity_decode_s(model: RooflineModel, input_lens: Sequence[int], output_le
             ctx = np.concatenate([ctx, isl[admit]])
             left = np.concatenate([left, osl[admit]])
             size = np.concatenate([size, footprint[admit]])
-        total += rates.step(int(left.size), float(ctx.sum()))[0]
+        total += rates.step(int(left.size), model.effective_ctx(ctx))[0]
         steps += 1
         ctx += 1.0
         left -= 1

@@ -55,9 +55,12 @@ def roofline_facts(runner) -> Dict[str, Any]:
     # works in parallel on its own, so this is the floor of the whole group)
     heads = getattr(runner, "tp_q_head_num", mc.num_attention_heads)
     kv_heads = getattr(runner, "tp_k_head_num", None) if not mc.is_mla else None
+    window = getattr(mc, "sliding_window", None)
     return dict(params=params, weight_bytes=nbytes, num_layers=mc.num_hidden_layers,
                 num_q_heads=heads, head_dim=mc.head_dim,
                 kv_bytes_per_token=mc.kv_cache_bytes_per_token(runner.kv_cache_dtype, kv_heads),
                 moe_layers=len(moe), num_experts=moe[0].num_experts if moe else 0,
                 top_k=blocks[0].routing.top_k if blocks else 0, expert_params=expert_params,
-                expert_bytes=expert_bytes, fp8_params=fp8_params)
+                expert_bytes=expert_bytes, fp8_params=fp8_params,
+                sliding_layers=sum(getattr(mc, "is_sliding_layer", ())) if window else 0,
+                sliding_window=int(window or 0))

@@ -233,6 +233,33 @@ DUMMY_MODEL_CONFIGS["qwen2-tiny"] = dict(
 )
 DUMMY_MODEL_CONFIGS["mistral-tiny"] = dict(DUMMY_MODEL_CONFIGS["llama-tiny"], sliding_window=64)
 
+# ---- gpt-oss (config.json of openai/gpt-oss-20b and -120b) -----------------------------------
+# 64 query / 8 KV heads of 64 with sinks, local (window 128) and global layers in turn, YaRN x32;
+# experts of 2880 with biases and the clamped SwiGLU, 4 chosen per token
+_GPT_OSS_BASE = dict(
+    hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+    num_experts_per_tok=4, sliding_window=128, attention_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0,
+    vocab_size=201088, rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                         original_max_position_embeddings=4096, rope_theta=150000.0),
+    bos_token_id=199998, eos_token_id=200002, pad_token_id=199999,
+)
+
+
+def _alternating(n: int) -> list:
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+
+
+DUMMY_MODEL_CONFIGS["gpt-oss-20b"] = dict(_GPT_OSS_BASE, num_hidden_layers=24, num_local_experts=32,
+                                          layer_types=_alternating(24))
+DUMMY_MODEL_CONFIGS["gpt-oss-120b"] = dict(_GPT_OSS_BASE, num_hidden_layers=36, num_local_experts=128,
+                                           layer_types=_alternating(36))
+# gpt-oss-20b's attention (heads, sinks, window 128) and experts of 2880 in 4 layers with 8 experts
+# and a small vocabulary: engine tests of every gpt-oss kernel at its production dims
+DUMMY_MODEL_CONFIGS["gpt-oss-tiny"] = dict(_GPT_OSS_BASE, num_hidden_layers=4, num_local_experts=8,
+                                           layer_types=_alternating(4), vocab_size=4096, bos_token_id=1,
+                                           eos_token_id=2, pad_token_id=0)
+
 #: named shapes that are not Llama: name -> (transformers config class, architecture)
 _DUMMY_CONFIG_CLASSES: Dict[str, Any] = {
     "deepseek-v2-tiny": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
@@ -252,6 +279,9 @@ _DUMMY_CONFIG_CLASSES: Dict[str, Any] = {
     "mistral-tiny": ("MistralConfig", "MistralForCausalLM"),
     "phi-3-mini": ("Phi3Config", "Phi3ForCausalLM"),
     "gemma-2-9b": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gpt-oss-20b": ("GptOssConfig", "GptOssForCausalLM"),
+    "gpt-oss-120b": ("GptOssConfig", "GptOssForCausalLM"),
+    "gpt-oss-tiny": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 

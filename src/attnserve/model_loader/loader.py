@@ -170,13 +170,35 @@ def _weights(source: ModelSource, load_format: str, hf_config: Any, progress: bo
     return iterate_safetensors_weights(source.model_path, progress=progress)
 
 
-def _quantization(quantization: Optional[str], hf_config: Any, load_format: str, device: Any):
+def _dequantized_method(hf_config: Any, model_cls: Any) -> Optional[str]:
+    """The checkpoint's ``quant_method`` when ``model_cls`` dequantises it at load (gpt-oss's
+    MXFP4 experts: ``dequantized_quant_methods``), else None."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if not qc:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    return method if method in getattr(model_cls, "dequantized_quant_methods", ()) else None
+
+
+def _quantization(quantization: Optional[str], hf_config: Any, load_format: str, device: Any, model_cls: Any = None):
     """The model's `QuantizationConfig` (None: unquantised); random weights of an FP8
-    checkpoint's config are quantised as they are drawn."""
+    checkpoint's config are quantised as they are drawn. A checkpoint format the model
+    dequantises itself (`_dequantized_method`) is unquantised here.
+
+    Raises:
+        ValueError: ``--quantization`` with such a checkpoint, and what
+            `resolve_quantization` / `check_quantization_device` raise."""
     import dataclasses
 
     from attnserve.models.layers.quantization import check_quantization_device, resolve_quantization
 
+    dequantized = _dequantized_method(hf_config, model_cls)
+    if dequantized is not None:
+        if quantization is not None:
+            raise ValueError(f"--quantization {quantization} cannot be combined with this {dequantized} checkpoint, "
+                             f"whose experts are dequantised at load; drop --quantization")
+        logger.info("%s experts are dequantised to the model dtype at load (no %s kernel)", dequantized, dequantized)
+        return None
     qcfg = resolve_quantization(quantization, hf_config)
     check_quantization_device(qcfg, device)
     if qcfg is not None and load_format == "dummy" and qcfg.is_checkpoint_fp8:
@@ -291,7 +313,7 @@ def load_model(
 
     model_config = ModelConfig.from_hf_config(hf_config)
     model_cls = get_model_class(model_config.architecture)
-    qcfg = _quantization(quantization, model_config.hf_config, load_format, device)
+    qcfg = _quantization(quantization, model_config.hf_config, load_format, device, model_cls)
     from attnserve.models.layers.quantization import quantized_construction
 
     with torch.device(device), quantized_construction(qcfg):

@@ -25,6 +25,7 @@ _MODELS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
     "MistralForCausalLM": ("mistral", "MistralForCausalLM", ("mistral",)),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM", ("phi3",)),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM", ("gemma2",)),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM", ("gpt_oss",)),
 }
 
 #: architecture -> "module:Class" (static; see `_MODELS`)

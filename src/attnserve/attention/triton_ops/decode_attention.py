@@ -38,6 +38,14 @@ Opt-in Gluon stage 1 for an e4m3 cache on Hopper (``ATTNSERVE_DECODE_FP8_GLUON=1
 It gathers K/V rows with cp.async into a multi-buffered shared ring (the Triton kernel keeps
 one buffer for these gathered loads) and writes the same outputs, so stage 2 is unchanged.
 
+Attention sinks (gpt-oss, ``sinks``: one logit per query head; `attnserve.attention.sinks`):
+a virtual key of logit ``sinks[h]`` and value 0. Stage 2 merges it as one more partial
+(log-sum-exp ``sinks[h]``, output 0); a request of one split, finished by stage 1, is
+scaled there by ``1 / (1 + exp(sinks[h] - lse))``. Behind the ``HAS_SINK`` constexpr of
+both stages (without sinks the kernels are the ones before). The Gluon fp8 stage 1 does
+not implement them: a call with sinks keeps the Triton stage 1 whatever
+``ATTNSERVE_DECODE_FP8_GLUON`` says.
+
 Everything the launch depends on is host-known (bs, head counts, ``max_kv_splits``), and
 no host synchronisation happens, so `decode_attention_fwd` is CUDA-graph capturable.
 Tuning lives in `decode_tuning` (`decode_config`), split counts and the split grid in
@@ -69,6 +77,7 @@ from attnserve.attention.triton_ops.decode_splits import (  # noqa: F401  (re-ex
     device_num_sms,
 )
 from attnserve.attention.triton_ops.decode_merge import decode_stage2
+from attnserve.attention.sinks import check_kernel_sinks
 from attnserve.attention.triton_ops.fp8_pairs_asm import E4M3X2_TO_F16X2, E5M2X2_TO_F16X2
 from attnserve.pdl import pdl_enabled
 from attnserve.pdl_triton import gdc_launch_dependents, gdc_wait
@@ -130,7 +139,7 @@ def _fp8_pairs_to_f16(vp, E5M2: tl.constexpr):
 def _decode_stage1_kernel(
     q_ptr, k_ptr, v_ptr,
     kv_indptr_ptr, kv_indices_ptr, num_kv_splits_ptr,
-    logits_ptr, lse_ptr, o_ptr,
+    logits_ptr, lse_ptr, o_ptr, sinks_ptr,
     sm_scale, logit_cap, v_scale,
     stride_qb, stride_qh,
     stride_kt, stride_kh,
@@ -157,6 +166,7 @@ def _decode_stage1_kernel(
     V_PAIRS: tl.constexpr = False,
     E5M2: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
+    HAS_SINK: tl.constexpr = False,
 ):
     # V_PAIRS (fp8 cache, 16-bit dots, see `_v_pairs_ok`): ``v_ptr`` / ``stride_vt`` /
     # ``stride_vh`` address the V buffer viewed as int16 (two fp8 values of adjacent columns
@@ -174,6 +184,9 @@ def _decode_stage1_kernel(
     # USE_PDL: nothing is read before the wait (q and this layer's new K/V come from the
     # kernels just before, the indices from the step's metadata kernels further back), and
     # stage 2 may launch once every program has passed its wait (`decode_merge`).
+    # HAS_SINK: ``sinks_ptr`` holds one float logit per query head (natural-log units of the
+    # scaled scores); only a one-split request's output, written here, needs it (stage 2
+    # merges it for the others).
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -298,6 +311,9 @@ def _decode_stage1_kernel(
         if n_splits == 1:
             # the whole request in one split: this is the output (what stage 2 would compute
             # from one split: weight exp(lse - lse) = 1), and stage 2 skips the request
+            if HAS_SINK:  # the sink's share of the softmax: out *= 1 / (1 + exp(sink - lse)), in log2 units
+                sink = tl.load(sinks_ptr + q_head, mask=mask_h, other=0.0).to(tl.float32)
+                part = part / (1.0 + tl.exp2(sink * 1.4426950408889634 - (m_i + tl.log2(l_i))))[:, None]
             o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + q_head[:, None] * stride_oh + offs_dv[None, :]
             tl.store(o_ptrs, part.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_dv[None, :])
         else:
@@ -371,6 +387,7 @@ def decode_attention_fwd(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     batch_invariant: bool = False,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Paged decode attention, split-K (Flash-Decoding) with log-sum-exp merge.
 
@@ -411,6 +428,11 @@ def decode_attention_fwd(
             and batches of at most one stage-1 program per SM at one split a request are
             launched with PDL (`decode_config`; never in batch-invariant mode, although PDL
             does not change any bit).
+        sinks: None, or attention sinks (gpt-oss): float32 (bf16 / fp16 accepted)
+            contiguous ``[Hq]`` on q's device, head ``h``'s sink logit in the units of the
+            scaled scores (not soft-capped); it joins each softmax as a key of value 0
+            (`attnserve.attention.sinks`). Read by pointer (CUDA-graph safe). Keeps the
+            Triton stage 1 under ``ATTNSERVE_DECODE_FP8_GLUON``.
 
     Returns:
         ``o``. A request with zero keys gets zeros.
@@ -461,6 +483,7 @@ def decode_attention_fwd(
         raise ValueError("kv_indptr must be [>= bs+1] and num_kv_splits [>= bs]")
     if max_kv_splits < 1:
         raise ValueError(f"max_kv_splits must be >= 1, got {max_kv_splits}")
+    check_kernel_sinks(sinks, hq, q.device)
     interpret = triton_interpreting()
     if q.device.type == "cpu" and not interpret:
         raise ValueError("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
@@ -482,7 +505,7 @@ def decode_attention_fwd(
     g = grid_splits or decode_grid_splits(bs, head_programs, max_kv_splits, device_num_sms(q.device))
     g = max(1, min(int(g), max_kv_splits))
     gluon_cfg = None
-    if k_buffer.dtype == torch.float8_e4m3fn and not interpret:
+    if k_buffer.dtype == torch.float8_e4m3fn and not interpret and sinks is None:
         gluon_cfg = _fp8_gluon_route(q, k_buffer, v_buffer, kv_indptr, kv_indices, num_kv_splits, logit_cap,
                                      batch_invariant)
     if gluon_cfg is not None:
@@ -512,7 +535,7 @@ def decode_attention_fwd(
     _decode_stage1_kernel[(bs, head_programs, g)](
         q, k_buffer, v_arg,
         kv_indptr, kv_indices, num_kv_splits,
-        attn_logits, attn_lse, o,
+        attn_logits, attn_lse, o, attn_lse if sinks is None else sinks,
         float(sm_scale) * k_scale, float(logit_cap), v_scale,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
@@ -539,6 +562,7 @@ def decode_attention_fwd(
         V_PAIRS=v_pairs,
         E5M2=v_pairs and v_buffer.dtype == torch.float8_e5m2,
         USE_PDL=use_pdl,
+        HAS_SINK=sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
@@ -546,5 +570,5 @@ def decode_attention_fwd(
     )
     decode_stage2(attn_logits, attn_lse, o, kv_indptr, num_kv_splits, max_kv_splits, split_align=cfg.block_n,
                   merge_block=cfg.merge_block, num_warps=cfg.stage2_warps, use_pdl=use_pdl,
-                  merge_heads=cfg.merge_heads)
+                  merge_heads=cfg.merge_heads, sinks=sinks)
     return o

@@ -24,6 +24,11 @@ benchmarks/NOTES.md 2026-11-27; `decode_tuning.BATCH_MERGE_HEADS`). A request's 
 float32 summation order (the split axis is reduced in a 3-D tile); deterministic mode never
 takes this path (`decode_config` sees batch size 0 there).
 
+Attention sinks (``HAS_SINK``, gpt-oss; `attnserve.attention.sinks`): query head ``h``'s
+sink is one more partial with log-sum-exp ``sinks[h]`` and output 0, merged first (the
+running max starts at ``sinks[h]``, the denominator at 1). A request with no keys then
+still outputs zeros. Without sinks the kernels are the ones before (constexpr).
+
 ``USE_PDL`` (programmatic dependent launch, `attnserve.pdl`): the program
 reads ``kv_indptr`` / ``num_kv_splits`` before ``gdc_wait``. That is safe because stage 1,
 the kernel before it, either was launched without PDL or waits for its own predecessor
@@ -34,6 +39,8 @@ grid's completion implies stage 1's.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -67,7 +74,7 @@ def _request_splits(kv_indptr_ptr, num_kv_splits_ptr, b, max_kv_splits, SPLIT_AL
 @triton.jit
 def _decode_stage2_kernel(
     logits_ptr, lse_ptr, o_ptr,
-    kv_indptr_ptr, num_kv_splits_ptr,
+    kv_indptr_ptr, num_kv_splits_ptr, sinks_ptr,
     stride_lb, stride_lh, stride_ls,
     stride_eb, stride_eh,
     stride_ob, stride_oh,
@@ -77,6 +84,7 @@ def _decode_stage2_kernel(
     SPLIT_ALIGN: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    HAS_SINK: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -90,6 +98,9 @@ def _decode_stage2_kernel(
     lse_row = lse_ptr + b.to(tl.int64) * stride_eb + h * stride_eh
     m = float("-inf")
     l = 0.0
+    if HAS_SINK:  # the sink's partial: lse = sinks[h], output 0 (weight exp(lse - m) = 1)
+        m = tl.load(sinks_ptr + h).to(tl.float32)
+        l = 1.0
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
     for s0 in range(0, n_splits, SPLIT_BLOCK):
         s = s0 + offs_s
@@ -110,7 +121,7 @@ def _decode_stage2_kernel(
 @triton.jit
 def _decode_stage2_heads_kernel(
     logits_ptr, lse_ptr, o_ptr,
-    kv_indptr_ptr, num_kv_splits_ptr,
+    kv_indptr_ptr, num_kv_splits_ptr, sinks_ptr,
     stride_lb, stride_lh, stride_ls,
     stride_eb, stride_eh,
     stride_ob, stride_oh,
@@ -122,6 +133,7 @@ def _decode_stage2_heads_kernel(
     SPLIT_BLOCK: tl.constexpr,
     HEADS: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    HAS_SINK: tl.constexpr = False,
 ):
     # The merge of `_decode_stage2_kernel` for query heads hb * HEADS .. + HEADS - 1 of request
     # b at once (rows past ``num_heads`` are masked and merge zeros that are never stored).
@@ -140,6 +152,9 @@ def _decode_stage2_heads_kernel(
     lse_row = lse_ptr + b.to(tl.int64) * stride_eb + offs_h[:, None] * stride_eh
     m = tl.full([HEADS], float("-inf"), dtype=tl.float32)
     l = tl.zeros([HEADS], dtype=tl.float32)
+    if HAS_SINK:  # the sinks' partials (see `_decode_stage2_kernel`); rows past num_heads: 0, never stored
+        m = tl.load(sinks_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+        l = tl.full([HEADS], 1.0, dtype=tl.float32)
     acc = tl.zeros([HEADS, BLOCK_DV], dtype=tl.float32)
     for s0 in range(0, n_splits, SPLIT_BLOCK):
         s = s0 + offs_s
@@ -169,36 +184,40 @@ def merge_split_block(merge_block: int, max_kv_splits: int, block_dv: int = 128)
 
 def decode_stage2(attn_logits: torch.Tensor, attn_lse: torch.Tensor, o: torch.Tensor, kv_indptr: torch.Tensor,
                   num_kv_splits: torch.Tensor, max_kv_splits: int, *, split_align: int, merge_block: int,
-                  num_warps: int, use_pdl: bool = False, merge_heads: int = 1) -> None:
+                  num_warps: int, use_pdl: bool = False, merge_heads: int = 1,
+                  sinks: Optional[torch.Tensor] = None) -> None:
     """Launch stage 2 on the grid ``(bs, Hq)`` with ``bs, Hq = o.shape[:2]`` (arguments as
     in `decode_attention.decode_attention_fwd`, already checked there; ``split_align`` is
     stage 1's ``block_n``), or with ``merge_heads > 1`` on ``(bs, cdiv(Hq, heads))`` with
     ``heads`` = ``merge_heads`` rounded up to a power of two and capped at Hq's
     (`_decode_stage2_heads_kernel`). ``use_pdl`` launches with PDL (the caller checks
-    `attnserve.pdl.pdl_enabled`). Host ints in; nothing is synchronised."""
+    `attnserve.pdl.pdl_enabled`). ``sinks``: None, or float ``[Hq]`` attention-sink logits
+    (checked by the caller; merged as one more split, see the module doc). Host ints in;
+    nothing is synchronised."""
     bs, hq, dv = o.shape
     block_dv = max(16, triton.next_power_of_2(dv))
     extra = {"launch_pdl": True} if use_pdl else {}
     heads = min(triton.next_power_of_2(max(1, merge_heads)), triton.next_power_of_2(hq))
+    sinks_arg = attn_lse if sinks is None else sinks  # a dummy pointer without sinks (never read)
     if heads > 1:
         split_block = min(merge_split_block(merge_block, max_kv_splits, block_dv),
                           max(1, _MAX_TILE // (heads * block_dv)))
         _decode_stage2_heads_kernel[(bs, triton.cdiv(hq, heads))](
             attn_logits, attn_lse, o,
-            kv_indptr, num_kv_splits,
+            kv_indptr, num_kv_splits, sinks_arg,
             attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
             attn_lse.stride(0), attn_lse.stride(1),
             o.stride(0), o.stride(1),
             int(max_kv_splits), hq,
             DV=dv, BLOCK_DV=block_dv, SPLIT_ALIGN=split_align, SPLIT_BLOCK=split_block, HEADS=heads,
-            USE_PDL=bool(use_pdl), num_warps=4, **extra,
+            USE_PDL=bool(use_pdl), HAS_SINK=sinks is not None, num_warps=4, **extra,
         )
         return
     split_block = merge_split_block(merge_block, max_kv_splits, block_dv)
     warps = max(num_warps, 4) if split_block * block_dv > _WIDE_TILE else num_warps
     _decode_stage2_kernel[(bs, hq)](
         attn_logits, attn_lse, o,
-        kv_indptr, num_kv_splits,
+        kv_indptr, num_kv_splits, sinks_arg,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         attn_lse.stride(0), attn_lse.stride(1),
         o.stride(0), o.stride(1),
@@ -208,6 +227,7 @@ def decode_stage2(attn_logits: torch.Tensor, attn_lse: torch.Tensor, o: torch.Te
         SPLIT_ALIGN=split_align,
         SPLIT_BLOCK=split_block,
         USE_PDL=bool(use_pdl),
+        HAS_SINK=sinks is not None,
         num_warps=warps,
         **extra,
     )

@@ -26,6 +26,13 @@ prefix V tile). With scales of 1.0 nothing extra runs.
 The key-tile loops live in `extend_runs`, with the TMA-descriptor form of the new-token
 stage's unmasked run (``ExtendConfig.kv_desc``); the launch tuning in `extend_tuning`.
 
+Attention sinks (gpt-oss, ``sinks``; `attnserve.attention.sinks`): a virtual key of logit
+``sinks[h]`` and value 0; after both stages, ``exp2(sinks[h] * log2(e) - m)`` joins the
+softmax denominator (the running max ``m`` is in log2 units; both are rescaled to
+``max(m, sink)`` first). Behind the ``HAS_SINK`` constexpr (without sinks the kernel is the
+one before). The Gluon prefill kernels do not implement sinks: `_use_gluon_prefill`
+declines a launch with sinks, which keeps this kernel.
+
 Positions: prefix key ``j`` of request ``i`` has absolute position ``prefix_kv_start[i] + j``
 (``prefix_kv_start`` > 0 when the caller trimmed the prefix to a sliding window); with
 ``P_i = prefix_kv_start[i] + n_prefix_i``, new token ``t`` has position ``P_i + t``.
@@ -39,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnserve.attention.sinks import check_kernel_sinks
 from attnserve.attention.triton_ops.decode_attention import _k_dims, _saturate_to_f16
 from attnserve.attention.triton_ops.extend_runs import _attn_run, _attn_run_desc, _load_tile, _runs
 from attnserve.attention.triton_ops.extend_tuning import (  # noqa: F401  (re-exported)
@@ -56,7 +64,7 @@ from attnserve.triton_env import triton_interpreting
 def _extend_fwd_kernel(
     q_ptr, k_ext_ptr, v_ext_ptr, o_ptr, k_buf_ptr, v_buf_ptr, k_ext_desc, v_ext_desc,
     qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-    mask_ptr, mask_indptr_ptr, prefix_start_ptr,
+    mask_ptr, mask_indptr_ptr, prefix_start_ptr, sinks_ptr,
     sm_scale, logit_cap, window, k_scale, v_scale,
     stride_qt, stride_qh,
     stride_ket, stride_keh,
@@ -91,6 +99,7 @@ def _extend_fwd_kernel(
     DOT_PREC: tl.constexpr,
     K_DESC: tl.constexpr,
     V_DESC: tl.constexpr,
+    HAS_SINK: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -233,7 +242,13 @@ def _extend_fwd_kernel(
         DK, DV, BLOCK_N, BLOCK_DPE, EVEN_DK, EVEN_DPE, EVEN_DV, COMPUTE_FP32, DOT_PREC,
     )
 
-    # Queries that saw no key (l_i == 0) output zeros.
+    if HAS_SINK:  # head h's sink: a key of logit sinks[h] (natural units -> log2) and value 0
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_fin)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp2(sink - m_fin)
+    # Queries that saw no key (l_i == 0) output zeros (with a sink: acc is 0 there).
     out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
     o_ptrs = o_ptr + (qo_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_dv[None, :]
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_valid[:, None] & (offs_dv < DV)[None, :])
@@ -242,12 +257,15 @@ def _extend_fwd_kernel(
 def _use_gluon_prefill(q_extend, k_extend, v_extend, o_extend, is_causal, custom_mask, logit_cap,
                        sliding_window_size, max_len_extend: int = 0, batch_invariant: bool = False,
                        has_prefix: bool = False, k_buffer=None, v_buffer=None, k_scale: float = 1.0,
-                       v_scale: float = 1.0) -> bool:
+                       v_scale: float = 1.0, sinks: Optional[torch.Tensor] = None) -> bool:
     """The Gluon kernel for this causal prefill (`prefill_gluon.gluon_prefill_enabled`:
     ``ATTNSERVE_EXTEND_GLUON``, else by ``max_len_extend``, never for ``batch_invariant``
     launches by default; with ``has_prefix`` unless ``ATTNSERVE_EXTEND_GLUON_PREFIX`` is off)
     where `prefill_gluon.gluon_prefill_supported` (sm_90; a prefix needs a 16-bit cache of
-    scale 1). Its bits differ from this kernel's (other tiles), within bf16 rounding."""
+    scale 1). Its bits differ from this kernel's (other tiles), within bf16 rounding. Never
+    with attention ``sinks`` (the Gluon kernels do not implement them; this kernel does)."""
+    if sinks is not None:
+        return False
     from attnserve.attention.triton_ops.prefill_gluon import gluon_prefill_enabled, gluon_prefill_supported
 
     if not gluon_prefill_enabled(max_len_extend, batch_invariant, has_prefix=bool(has_prefix)):
@@ -255,7 +273,8 @@ def _use_gluon_prefill(q_extend, k_extend, v_extend, o_extend, is_causal, custom
     return gluon_prefill_supported(q_extend, k_extend, v_extend, o_extend, is_causal=bool(is_causal),
                                    has_prefix=bool(has_prefix), custom_mask=custom_mask, logit_cap=float(logit_cap),
                                    sliding_window_size=-1 if sliding_window_size is None else int(sliding_window_size),
-                                   k_buffer=k_buffer, v_buffer=v_buffer, k_scale=k_scale, v_scale=v_scale)
+                                   k_buffer=k_buffer, v_buffer=v_buffer, k_scale=k_scale, v_scale=v_scale,
+                                   sinks=sinks)
 
 
 def _new_token_descriptors(k_extend: torch.Tensor, v_extend: torch.Tensor, block_n: int, interpret: bool):
@@ -304,6 +323,7 @@ def extend_attention_fwd(
     v_scale: float = 1.0,
     has_prefix: bool = True,
     batch_invariant: bool = False,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of new tokens over their cached prefix (paged) and over each other.
 
@@ -360,6 +380,11 @@ def extend_attention_fwd(
             ``k_buffer`` / ``v_buffer`` (true value = stored value * scale; applied with any
             buffer dtype, to the prefix only: ``k_extend`` / ``v_extend`` are true values).
             The defaults (1.0) run exactly the unscaled kernel.
+        sinks: None, or attention sinks (gpt-oss): float32 (bf16 / fp16 accepted)
+            contiguous ``[Hq]`` on q's device, head ``h``'s sink logit in the units of the
+            scaled scores (not soft-capped); it joins each query's softmax as a key of value
+            0 (`attnserve.attention.sinks`). A launch with sinks never takes the Gluon
+            prefill kernels (`_use_gluon_prefill`).
 
     Returns:
         ``o_extend``; queries that see no key get zeros.
@@ -418,6 +443,7 @@ def extend_attention_fwd(
             custom_mask = custom_mask.view(torch.uint8)
     if prefix_kv_start is not None and (prefix_kv_start.dim() != 1 or prefix_kv_start.shape[0] < bs):
         raise ValueError("prefix_kv_start must be [>= bs]")
+    check_kernel_sinks(sinks, hq, q_extend.device)
     interpret = triton_interpreting()
     if q_extend.device.type == "cpu" and not interpret:
         raise ValueError("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
@@ -425,7 +451,8 @@ def extend_attention_fwd(
         return o_extend
     if config is None and not interpret and _use_gluon_prefill(
             q_extend, k_extend, v_extend, o_extend, is_causal, custom_mask, logit_cap, sliding_window_size,
-            int(max_len_extend), bool(batch_invariant), bool(has_prefix), k_buffer, v_buffer, k_scale, v_scale):
+            int(max_len_extend), bool(batch_invariant), bool(has_prefix), k_buffer, v_buffer, k_scale, v_scale,
+            sinks):
         from attnserve.attention.triton_ops.prefill_gluon import gluon_prefill_fwd
 
         prefix = dict(k_buffer=k_buffer, v_buffer=v_buffer, kv_indptr=kv_indptr, kv_indices=kv_indices)
@@ -457,6 +484,7 @@ def extend_attention_fwd(
         custom_mask if custom_mask is not None else dummy,
         mask_indptr if custom_mask is not None else dummy,
         prefix_kv_start if prefix_kv_start is not None else dummy,
+        sinks if sinks is not None else dummy,
         float(sm_scale), float(logit_cap), max(window, 0), k_scale, v_scale,
         q_extend.stride(0), q_extend.stride(1),
         k_extend.stride(0), k_extend.stride(1),
@@ -491,6 +519,7 @@ def extend_attention_fwd(
         DOT_PREC=dot_prec,
         K_DESC=descs is not None and "k" in cfg.kv_desc,
         V_DESC=descs is not None and "v" in cfg.kv_desc,
+        HAS_SINK=sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -3,8 +3,8 @@ FlashAttention-3 (Shah et al., "FlashAttention-3: Fast and Accurate Attention wi
 and Low-precision", 2024; read for the algorithm, not copied).
 
 Scope: prefills of a ragged batch, bf16 / fp16, head dim 128, ``Hq % Hkv == 0``, causal, no
-sliding window, logit cap or custom mask (those keep the Triton extend kernel,
-`extend_attention`). Request ``b`` owns rows ``extend_start_loc[b] .. + extend_seq_lens[b]``
+sliding window, logit cap, custom mask or attention sinks (those keep the Triton extend
+kernel, `extend_attention`, which implements them). Request ``b`` owns rows ``extend_start_loc[b] .. + extend_seq_lens[b]``
 of ``q_extend`` / ``k_extend`` / ``v_extend`` / ``o_extend``. With ``k_buffer`` /
 ``v_buffer`` given (a 16-bit paged KV cache, scales 1), request ``b`` also attends to its
 cached prefix, the token slots ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` (any page
@@ -156,18 +156,19 @@ def gluon_prefill_supported(q_extend: torch.Tensor, k_extend: torch.Tensor, v_ex
                             custom_mask=None, logit_cap: float = 0.0, sliding_window_size: int = -1,
                             capability=None, k_buffer: Optional[torch.Tensor] = None,
                             v_buffer: Optional[torch.Tensor] = None, k_scale: float = 1.0,
-                            v_scale: float = 1.0) -> bool:
+                            v_scale: float = 1.0, sinks: Optional[torch.Tensor] = None) -> bool:
     """Whether `gluon_prefill_fwd` can compute this launch: a CUDA device of compute
     capability 9.0 (``capability``: given, or read from q's device), q/k/v/o of one 16-bit
     dtype (bf16 / fp16), head dim 128 for q, k, v and o, ``Hq % Hkv == 0``, causal, no
-    custom mask, logit cap or sliding window, and TMA-readable q / k / v (each head's 128
+    custom mask, logit cap, sliding window or attention ``sinks`` (gpt-oss; declined, so
+    the Triton extend kernel, which implements them, runs), and TMA-readable q / k / v (each head's 128
     values contiguous and heads packed: ``stride(2) == 1``, ``stride(1) == 128``; rows and
     base 16-byte aligned). ``has_prefix`` (a cached prefix) also needs ``k_buffer`` /
     ``v_buffer`` ``[num_slots, Hkv, 128]`` in q's dtype with 16-byte aligned base and strides
     and scales 1 (fp8 caches keep the Triton kernel). Never raises; False for anything else
     (e.g. CPU tensors)."""
     try:
-        if not is_causal or custom_mask is not None or logit_cap > 0:
+        if not is_causal or custom_mask is not None or logit_cap > 0 or sinks is not None:
             return False
         if has_prefix and (float(k_scale) != 1.0 or float(v_scale) != 1.0
                            or not _cache_ok(k_buffer, q_extend, k_extend.shape[1])

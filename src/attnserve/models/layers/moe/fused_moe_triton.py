@@ -7,6 +7,13 @@ int32 ``[T, top_k]`` -> ``[T, H]`` in the hidden dtype, with
 
     out[t] = sum_j topk_weights[t, j] * (silu(x_t W_g^T) * (x_t W_u^T)) W_2^T   (experts topk_ids[t, j]).
 
+gpt-oss experts (HF ``GptOssExperts``; arXiv:2508.10925) add per-expert biases ``w13_bias``
+``[E, 2I]`` / ``w2_bias`` ``[E, H]`` to the two products (float32, in the GEMM epilogues,
+after any FP8 scale; ``b_d`` before the routed weight, so it is weighted with the rest of
+its expert's output) and replace SiLU-and-mul by ``swigluoai`` (``native.swiglu_oai``).
+Both are compile-time flags of the kernel (``HAS_BIAS``, ``ACTIVATION``): the plain SiLU
+launch passes neither and compiles the kernel it always did.
+
 Steps (the design of SGLang / vLLM ``fused_moe``, read for facts; our own code):
 
 1. `moe_align_block_size` lists the ``S = T * top_k`` slots grouped by expert, each
@@ -67,6 +74,7 @@ import triton.language as tl
 
 from attnserve.models.layers.moe.align import moe_align_block_size
 from attnserve.models.layers.moe.fp8_w8a8 import quantize_moe_activation, use_fp8_w8a8
+from attnserve.models.layers.moe.native import SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation, check_biases
 from attnserve.models.layers.moe.tuned_configs import FusedMoEConfig, MoEGemmConfig, get_fused_moe_config
 from attnserve.triton_env import triton_interpreting
 
@@ -85,6 +93,17 @@ def _silu(g):
     return g * tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
+@triton.jit
+def _swiglu_oai(g, u, alpha: tl.constexpr, limit: tl.constexpr):
+    """gpt-oss's clamped SwiGLU, float32: ``(clamp(u, -limit, limit) + 1) * g' sigmoid(alpha g')``,
+    ``g' = min(g, limit)`` (``native.swiglu_oai``); the sigmoid from ``exp(-|alpha g'|)``."""
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    z = g * alpha
+    e = tl.exp(-tl.abs(z))
+    return (u + 1.0) * (g * tl.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e)))
+
+
 @triton.jit(do_not_specialize=["num_m_blocks", "num_valid_tokens", "group_m", "num_experts"])
 def fused_moe_kernel(
     a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
@@ -96,6 +115,8 @@ def fused_moe_kernel(
     b_scale_ptr=None, stride_bse=0, stride_bsn=0, stride_bsk=0,
     W_SCALE: tl.constexpr = 0, SCALE_BLOCK: tl.constexpr = 128,
     a_scale_ptr=None, stride_asm=0, stride_ask=0, A_SCALE: tl.constexpr = 0, FAST_ACCUM: tl.constexpr = False,
+    bias_ptr=None, HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = 0,
+    SWIGLU_ALPHA: tl.constexpr = 1.702, SWIGLU_LIMIT: tl.constexpr = 7.0,
 ):
     """Grouped GEMM over the aligned slots. Grid ``(num_m_blocks * cdiv(N, OUT_N),)``.
 
@@ -126,8 +147,14 @@ def fused_moe_kernel(
     ``1 x SCALE_BLOCK`` group ``a_scale[row, k block]`` (``stride_asm``, ``stride_ask``;
     with ``W_SCALE == 2``), ``a_scale[m, kb] * b_scale[n block, kb]`` on each K step.
     ``row`` is the row of ``a`` the slot reads (``slot // top_k`` gated, else ``slot``).
+
+    HAS_BIAS: ``bias[e, row]`` (contiguous ``[E, rows]``, any float dtype) is added to the
+    float32 accumulator after the scales, before the activation (gated) or the routed
+    weight (plain). ACTIVATION (gated): 0 -- ``silu(g) * u``; 1 -- ``swigluoai``,
+    `_swiglu_oai` with SWIGLU_ALPHA / SWIGLU_LIMIT (gpt-oss).
     """
     OUT_N: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
+    BIAS_ROWS: tl.constexpr = 2 if GATED else 1  # bias rows per output column
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, OUT_N)
     # grouped order: group_m consecutive M blocks share each column band (L2 reuse)
@@ -218,11 +245,16 @@ def fused_moe_kernel(
             acc = acc * a_s[:, None] * s_ch[None, :]
         else:
             acc = acc * s_ch[None, :]
+    if HAS_BIAS:  # one bias per weight row (in bounds: w_row wraps)
+        acc += tl.load(bias_ptr + expert * (BIAS_ROWS * N) + w_row.to(tl.int64)).to(tl.float32)[None, :]
     offs_cn = pid_n * OUT_N + tl.arange(0, OUT_N)
     if GATED:
         gu = tl.permute(tl.reshape(acc, (BLOCK_M, 2, OUT_N)), (0, 2, 1))
         g, u = tl.split(gu)
-        out = _silu(g) * u
+        if ACTIVATION == 1:
+            out = _swiglu_oai(g, u, SWIGLU_ALPHA, SWIGLU_LIMIT)
+        else:
+            out = _silu(g) * u
     else:
         out = acc
     if MUL_ROUTED_WEIGHT:
@@ -250,6 +282,10 @@ def invoke_fused_moe_kernel(
     scale_block: Optional[int] = None,
     a_scale: Optional[torch.Tensor] = None,
     fast_accum: bool = False,
+    bias: Optional[torch.Tensor] = None,
+    activation: str = "silu",
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: float = SWIGLU_LIMIT,
 ) -> None:
     """Launch `fused_moe_kernel` once (no checks; `fused_experts_triton` validates).
 
@@ -277,6 +313,10 @@ def invoke_fused_moe_kernel(
         fast_accum: W8A8 per-row scales: accumulate inside the FP8 MMA over the whole K
             (faster on sm 90, reduced precision) instead of adding each K step's product
             to the float32 accumulator. Ignored otherwise and under the interpreter.
+        bias: contiguous ``[E, rows]`` (``w``'s rows: gated, gate then up) added to the
+            product, or None.
+        activation: gated only: ``"silu"`` or ``"swigluoai"`` (with ``swiglu_alpha`` /
+            ``swiglu_limit``, compiled in as constants).
     """
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
@@ -307,7 +347,17 @@ def invoke_fused_moe_kernel(
         a_scale_ptr=a_args[0], stride_asm=a_args[1], stride_ask=a_args[2], A_SCALE=a_mode,
         FAST_ACCUM=bool(fast_accum) and a_mode == 1 and not interpret,
         num_warps=gemm.num_warps, num_stages=gemm.num_stages,
+        **_epilogue_args(bias, activation, swiglu_alpha, swiglu_limit),
     )
+
+
+def _epilogue_args(bias: Optional[torch.Tensor], activation: str, alpha: float, limit: float) -> dict:
+    """The kernel's bias / activation arguments; none for the plain SiLU variant, so its
+    launch (and compiled kernel) is the one it was before biases existed."""
+    args = {} if bias is None else {"bias_ptr": bias, "HAS_BIAS": True}
+    if activation == "swigluoai":
+        args.update(ACTIVATION=1, SWIGLU_ALPHA=float(alpha), SWIGLU_LIMIT=float(limit))
+    return args
 
 
 def _check_scales(w13, w2, w13_scale, w2_scale, block_shape) -> Optional[str]:
@@ -335,7 +385,8 @@ def _check_scales(w13, w2, w13_scale, w2_scale, block_shape) -> Optional[str]:
     return None
 
 
-def _check(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block_shape=None) -> None:
+def _check(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block_shape=None,
+           w13_bias=None, w2_bias=None) -> None:
     """Raise ValueError naming the first way the inputs break the contract."""
     why = None
     dev = hidden_states.device
@@ -360,6 +411,8 @@ def _check(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_sc
             why = "all tensors must be on one device"
         elif not w13.is_contiguous() or not w2.is_contiguous():
             why = "w13 and w2 must be contiguous"
+        elif (why := check_biases(w13, w2, w13_bias, w2_bias)) is not None:
+            pass
         elif topk_ids.dim() != 2 or topk_ids.shape[0] != t or tuple(topk_weights.shape) != tuple(topk_ids.shape):
             why = f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [T={t}, top_k]"
         elif topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool or not topk_weights.dtype.is_floating_point:
@@ -380,6 +433,11 @@ def fused_experts_triton(
     block_shape: Optional[Tuple[int, int]] = None,
     fp8_w8a8: Optional[bool] = None,
     use_fast_accum: bool = False,
+    w13_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
+    activation: str = "silu",
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: float = SWIGLU_LIMIT,
 ) -> torch.Tensor:
     """Routed-expert MLP of a MoE layer: alignment, gate-up, down, top-k sum (no alignment for one token).
 
@@ -408,6 +466,11 @@ def fused_experts_triton(
         use_fast_accum: W8A8 with per-channel scales: accumulate inside the FP8 MMA over
             all of K (Hopper's reduced-precision accumulation) rather than promoting each
             K step to float32. Default off (as ``torch._scaled_mm``'s ``use_fast_accum``).
+        w13_bias, w2_bias: per-expert biases ``[E, 2I]`` (gate then up) / ``[E, H]`` (any
+            float dtype; made contiguous), added in float32 in the GEMM epilogues after the
+            FP8 scales; ``w2_bias`` before the routed weight multiplies (gpt-oss).
+        activation: ``"silu"`` or ``"swigluoai"`` (gpt-oss, with ``swiglu_alpha`` /
+            ``swiglu_limit``: ``native.swiglu_oai``), applied where SiLU-and-mul is.
 
     Returns:
         new ``[T, H]`` tensor in hidden's dtype: ``sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``,
@@ -416,9 +479,13 @@ def fused_experts_triton(
 
     Raises:
         ValueError: shapes, dtypes, devices or layouts outside the above, an invalid config,
-            ``fp8_w8a8=True`` without FP8 experts or on a device without FP8 tensor cores.
+            ``fp8_w8a8=True`` without FP8 experts or on a device without FP8 tensor cores,
+            an unknown activation.
     """
-    _check(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
+    _check(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape, w13_bias, w2_bias)
+    check_activation(activation, swiglu_alpha, swiglu_limit)
+    w13_bias = None if w13_bias is None else w13_bias.contiguous()
+    w2_bias = None if w2_bias is None else w2_bias.contiguous()
     if fp8_w8a8 and w13_scale is None:
         raise ValueError("fused_experts_triton: fp8_w8a8=True needs FP8 experts (w13_scale / w2_scale)")
     if hidden_states.stride(1) != 1:
@@ -459,14 +526,15 @@ def fused_experts_triton(
     act = torch.empty((s, inter), dtype=dtype, device=dev)
     invoke_fused_moe_kernel(a1, w13, act, None, sorted_ids, expert_ids, ntpp, top_k, s, cfg.block_m,
                             cfg.gemm1, gated=True, slot_blocks=slot_blocks, w_scale=w13_scale, scale_block=scale_block,
-                            a_scale=a1_scale, fast_accum=use_fast_accum)
+                            a_scale=a1_scale, fast_accum=use_fast_accum, bias=w13_bias, activation=activation,
+                            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     a2, a2_scale = act, None
     if w8a8:  # the intermediate, rounded to the storage dtype as on the W8A16 path, then quantised
         a2, a2_scale = quantize_moe_activation(act, block_shape if scale_block else None)
     per_slot = torch.empty((s, h), dtype=dtype, device=dev)
     invoke_fused_moe_kernel(a2, w2, per_slot, weights, sorted_ids, expert_ids, ntpp, 1, s, cfg.block_m,
                             cfg.gemm2, gated=False, slot_blocks=slot_blocks, w_scale=w2_scale, scale_block=scale_block,
-                            a_scale=a2_scale, fast_accum=use_fast_accum)
+                            a_scale=a2_scale, fast_accum=use_fast_accum, bias=w2_bias)
     if top_k == 1:
         return per_slot
     return per_slot.view(t, top_k, h).sum(dim=1)

@@ -11,9 +11,20 @@ Under tensor parallelism each rank holds a slice of every expert's intermediate 
 the shared experts'); the routed and shared partial sums are added first and all-reduced
 once, so a layer costs one collective, as a dense MLP does.
 
+OpenAI's gpt-oss (HF ``GptOssMLP``: ``router`` + ``experts``; model card arXiv:2508.10925)
+has a router bias (``MoEGate(bias=True)``, HF ``router.bias``), per-expert biases and the
+clamped ``swigluoai`` activation (`FusedMoE` ``has_bias`` / ``activation``), all passed by
+`SparseMoeBlock`'s keyword arguments (``router_bias``, ``expert_bias``, ``activation``,
+``swiglu_alpha``, ``swiglu_limit``). Its routing -- top-k of the biased logits, softmax
+over the k chosen (HF ``GptOssTopKRouter.forward``) -- is ``RoutingConfig(top_k,
+renormalize=True)``: softmax over all ``E`` then dividing the top k by their sum is the
+same softmax of the chosen logits (the common ``exp(-max)`` / sum cancels), in float32.
+
 Checkpoint names: per-expert HF tensors ``...experts.{e}.{gate_proj|up_proj|down_proj}.weight``
 (Mixtral: ``w1|w3|w2``) go to `FusedMoE.load_expert_weight` (`route_expert_tensor`), and so
-do FP8 checkpoints' ``.weight_scale`` / ``.weight_scale_inv`` / ``.input_scale`` of experts.
+do FP8 checkpoints' ``.weight_scale`` / ``.weight_scale_inv`` / ``.input_scale`` of experts;
+``....bias`` of such an expert goes to `FusedMoE.load_expert_bias` (gpt-oss's fused
+``experts.gate_up_proj_bias`` / ``down_proj_bias`` are its model's to split).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from torch import nn
 from attnserve.distributed.group import TPGroup
 from attnserve.models.layers.linear import Linear
 from attnserve.models.layers.moe.layer import FusedMoE
+from attnserve.models.layers.moe.native import SWIGLU_ALPHA, SWIGLU_LIMIT
 from attnserve.models.layers.moe.routing import RoutingConfig, select_experts
 
 #: HF per-expert projection name -> `FusedMoE` shard id (gate = w1, up = w3, down = w2)
@@ -34,18 +46,20 @@ _EXPERT_SHARDS: Dict[str, str] = {
     "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2",
 }
 _EXPERT_RE = re.compile(r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
-                        r"\.(?P<kind>weight|weight_scale|weight_scale_inv|input_scale)$")
+                        r"\.(?P<kind>weight|weight_scale|weight_scale_inv|input_scale|bias)$")
 #: `FusedMoE` parameter names (weights; FP8 scales)
 _EXPERT_PARAMS = tuple(f".experts.{p}" for p in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale",
-                                                 "w13_weight_scale_inv", "w2_weight_scale_inv"))
+                                                 "w13_weight_scale_inv", "w2_weight_scale_inv", "w13_bias",
+                                                 "w2_bias"))
 #: `FusedMoE` shard id -> HF projection name, for error messages
 _SHARD_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 class MoEGate(Linear):
-    """The router: ``logits = x @ weight.T`` (``weight`` ``[E, hidden]``, HF ``gate.weight``),
-    plus DeepSeek-V3's ``e_score_correction_bias`` ``[E]`` (float32, as HF keeps it) when
-    ``correction_bias`` is set.
+    """The router: ``logits = x @ weight.T (+ bias)`` (``weight`` ``[E, hidden]``, HF
+    ``gate.weight``; with ``bias`` a ``bias`` ``[E]`` in the model dtype, gpt-oss's
+    ``router.bias``), plus DeepSeek-V3's ``e_score_correction_bias`` ``[E]`` (float32, as HF
+    keeps it) when ``correction_bias`` is set.
 
     Shapes: ``x`` ``[T, hidden]`` -> float32 ``[T, E]``. With ``float32_logits`` the product
     is taken in float32 (DeepSeek-V2 and V3 routers cast both operands, HF
@@ -60,11 +74,16 @@ class MoEGate(Linear):
     GEMM of ``F.linear(x.float(), weight.float())`` (three kernels a MoE layer in each
     DeepSeek decode step; benchmarks/NOTES.md, session 2026-11-27 tenth). CPUs, float32
     weights and a PyTorch without ``out_dtype`` keep the cast form.
+
+    The router bias: in the model-dtype form it is added by the GEMM in the model dtype, as
+    HF's ``F.linear(x, weight, bias)`` (gpt-oss); with ``float32_logits`` it is added in
+    float32 to the float32 product. Either way the logits returned are float32 (HF gpt-oss
+    takes its top-k softmax in the model dtype; ours, `select_experts`, in float32).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, dtype: torch.dtype, correction_bias: bool = False,
-                 float32_logits: bool = False):
-        super().__init__(hidden_size, num_experts, bias=False, dtype=dtype)
+                 float32_logits: bool = False, bias: bool = False):
+        super().__init__(hidden_size, num_experts, bias=bias, dtype=dtype)
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False) if correction_bias else None
         )
@@ -75,12 +94,13 @@ class MoEGate(Linear):
             w = self.weight
             if x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16):
                 try:
-                    return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(
+                    out = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(
                         *x.shape[:-1], w.shape[0])
+                    return out if self.bias is None else out + self.bias.float()
                 except (TypeError, RuntimeError, NotImplementedError):
                     pass  # no out_dtype for this build or device: the cast form below
-            return torch.nn.functional.linear(x.float(), w.float())
-        return self.matmul(x, None).float()
+            return torch.nn.functional.linear(x.float(), w.float(), None if self.bias is None else self.bias.float())
+        return self.matmul(x, self.bias).float()
 
 
 class SparseMoeBlock(nn.Module):
@@ -96,6 +116,11 @@ class SparseMoeBlock(nn.Module):
         shared_intermediate_size: the shared experts' total intermediate size (DeepSeek:
             ``moe_intermediate_size * n_shared_experts``), or 0 for none.
         correction_bias / float32_logits: `MoEGate` options (DeepSeek-V3).
+        router_bias: `MoEGate`'s ``bias`` (gpt-oss ``router.bias``).
+        expert_bias: `FusedMoE`'s ``has_bias`` (gpt-oss's per-expert biases).
+        activation, swiglu_alpha, swiglu_limit: the routed experts' `FusedMoE` options
+            (gpt-oss: ``"swigluoai", 1.702, 7.0``); the shared experts, if any, stay
+            bias-free SwiGLU (SiLU).
 
     Shapes: ``x`` ``[T, H]`` -> ``[T, H]`` in ``x``'s dtype.
 
@@ -105,15 +130,18 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, moe_intermediate_size: int, routing: RoutingConfig,
                  dtype: torch.dtype, tp: Optional[TPGroup] = None, shared_intermediate_size: int = 0,
-                 correction_bias: bool = False, float32_logits: bool = False):
+                 correction_bias: bool = False, float32_logits: bool = False, router_bias: bool = False,
+                 expert_bias: bool = False, activation: str = "silu", swiglu_alpha: float = SWIGLU_ALPHA,
+                 swiglu_limit: float = SWIGLU_LIMIT):
         super().__init__()
         from attnserve.models.llama import LlamaMLP  # the dense SwiGLU MLP (models import layers, not back)
 
         self.tp = tp or TPGroup.single()
         self.routing = routing
-        self.gate = MoEGate(num_experts, hidden_size, dtype, correction_bias, float32_logits)
+        self.gate = MoEGate(num_experts, hidden_size, dtype, correction_bias, float32_logits, bias=router_bias)
         self.experts = FusedMoE(num_experts, hidden_size, moe_intermediate_size, dtype, tp=self.tp,
-                                reduce_results=False)
+                                reduce_results=False, has_bias=expert_bias, activation=activation,
+                                swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         self.shared_experts = (LlamaMLP(hidden_size, shared_intermediate_size, False, dtype, self.tp)
                                if shared_intermediate_size else None)
 
@@ -152,6 +180,9 @@ def route_expert_tensors(model: nn.Module, weights: Iterable[Tuple[str, torch.Te
         if not isinstance(moe, FusedMoE):
             raise KeyError(f"checkpoint tensor {name!r}: {m['block']} has no routed experts in {type(model).__name__}")
         shard = _EXPERT_SHARDS[m["proj"]]
+        if m["kind"] == "bias":
+            moe.load_expert_bias(shard, int(m["expert"]), tensor, name)
+            continue
         moe.load_expert_weight(shard, int(m["expert"]), tensor, name, m["kind"])
         if m["kind"] == "weight":
             loaded.add((path, int(m["expert"]), shard))
@@ -178,6 +209,8 @@ def check_experts_complete(model: nn.Module, loaded: Set[Tuple[str, int, str]], 
         for expert, shard in module.missing_expert_scales():
             kind = module.quant_method.scale_kind
             missing.append(f"{path}.{expert}.{_SHARD_NAMES[shard]}.{kind}")
+        for expert, shard in module.missing_expert_biases():
+            missing.append(f"{path}.{expert}.{_SHARD_NAMES[shard]}.bias")
         for expert in range(module.num_experts):
             for shard in ("w1", "w3", "w2"):
                 if (path, expert, shard) in loaded:
