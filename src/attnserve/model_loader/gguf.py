@@ -14,7 +14,16 @@ Conversions undone here (llama.cpp ``convert_hf_to_gguf.py``):
   (``ffn_gate_exps``/``ffn_up_exps`` ``[E, I, H]``, ``ffn_down_exps`` ``[E, H, I]`` in torch
   order; the router is ``ffn_gate_inp`` ``[E, H]``). They are split back into one HF tensor per
   expert (``mlp.experts.{e}.gate_proj`` for Qwen3-MoE, ``block_sparse_moe.experts.{e}.w1``
-  for Mixtral), dequantised one expert at a time.
+  for Mixtral), dequantised one expert at a time. Stacked expert biases (gpt-oss:
+  ``ffn_{gate,up}_exps.bias`` ``[E, I]``, ``ffn_down_exps.bias`` ``[E, H]``) are split the same
+  way into ``...experts.{e}.{proj}.bias``.
+* gpt-oss (llama.cpp arch ``gpt-oss``, spec ``gpt_oss``): NEOX RoPE (no q/k permutation),
+  biased q/k/v/o, ``post_attention_norm`` -> ``post_attention_layernorm``, the router
+  ``ffn_gate_inp`` -> ``mlp.router``, separate (not interleaved) gate / up experts, MXFP4 or
+  any other ggml type (dequantised per expert). ``attn_sinks.weight`` is HF's bare parameter
+  ``self_attn.sinks`` (``GGUFArchSpec.bare_params``: no ``.weight`` suffix). The config is
+  built by `attnserve.model_loader.gguf_gpt_oss` (transformers' reader fails on these files).
+  A fused ``ffn_gate_up_exps`` (llama.cpp's optional fused layout) is refused.
 
 What transformers' GGUF config reader (transformers 5.x, ``integrations/ggml.py``) makes of
 MoE files, and what `load_gguf_config` does about it:
@@ -94,6 +103,12 @@ _MIXTRAL_EXPERTS = {  # Mixtral: w1 = gate, w3 = up, w2 = down
     "ffn_up_exps": "block_sparse_moe.experts.{expert}.w3",
     "ffn_down_exps": "block_sparse_moe.experts.{expert}.w2",
 }
+_GPT_OSS_BLOCK = {
+    **{k: v for k, v in _BLOCK_COMMON.items() if not k.startswith("ffn_")},
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+}
 #: llama.cpp stacked expert tensors whose torch shape is [E, H, I] (the others are [E, I, H])
 _DOWN_EXPERTS = ("ffn_down_exps",)
 
@@ -110,6 +125,8 @@ class GGUFArchSpec:
         expert_names: llama.cpp stacked expert tensor base name -> HF per-expert name under
             ``model.layers.N.`` with an ``{expert}`` field (empty for dense models).
         expert_ffn_attr: HF config attribute holding one expert's intermediate size ``I``.
+        bare_params: llama.cpp per-block base names whose ``.weight`` is an HF parameter
+            without a suffix (gpt-oss ``attn_sinks`` -> ``self_attn.sinks``).
     """
 
     block_names: Dict[str, str]
@@ -118,6 +135,7 @@ class GGUFArchSpec:
     skip: Tuple[str, ...] = ("rope_freqs",)
     expert_names: Dict[str, str] = field(default_factory=dict)
     expert_ffn_attr: str = "intermediate_size"
+    bare_params: Tuple[str, ...] = ()
 
 
 #: HF model_type -> storage spec (static table; add a model with one line)
@@ -140,6 +158,7 @@ GGUF_ARCH_SPECS: Dict[str, GGUFArchSpec] = {
     "mistral": GGUFArchSpec(_BLOCK_COMMON, permute_qk=True),
     "phi3": GGUFArchSpec(_PHI3_BLOCK, skip=("rope_freqs", "rope_factors_long", "rope_factors_short")),
     "gemma2": GGUFArchSpec(_GEMMA2_BLOCK, norm_minus_one=True),
+    "gpt_oss": GGUFArchSpec(_GPT_OSS_BLOCK, expert_names=_QWEN3_MOE_EXPERTS, bare_params=("attn_sinks",)),
 }
 
 # GGUF metadata value types (ggml docs/gguf.md): scalar struct formats; 8 = string, 9 = array
@@ -256,6 +275,8 @@ def load_gguf_config(path: str) -> Any:
     ``qwen3moe.expert_feed_forward_length``, which transformers' reader drops; ``phi3``
     and ``gemma2`` get back the settings listed in the module docstring (a Phi-3 file with
     LongRoPE reads its two factor tensors through `open_gguf_tensors`).
+    A ``gpt-oss`` file's config is built by `gguf_gpt_oss.gpt_oss_config` (which raises
+    ValueError for what it cannot map).
 
     Raises:
         ValueError: for a Mixtral GGUF (llama.cpp arch ``llama`` with experts: transformers
@@ -270,6 +291,10 @@ def load_gguf_config(path: str) -> Any:
 
     meta = read_gguf_scalar_metadata(path)
     arch = meta.get("general.architecture")
+    if arch == "gpt-oss":
+        from attnserve.model_loader.gguf_gpt_oss import gpt_oss_config
+
+        return gpt_oss_config(path, meta)
     if arch == "llama" and int(meta.get("llama.expert_count", 0) or 0) > 0:
         raise ValueError(
             f"{path}: a llama-architecture GGUF with {meta['llama.expert_count']} experts (Mixtral); transformers' "
@@ -380,9 +405,13 @@ def gguf_to_hf_name(name: str, spec: GGUFArchSpec) -> Optional[str]:
         if base in spec.skip:
             return None
         if base in spec.block_names:
-            return f"model.layers.{layer}.{spec.block_names[base]}.{suffix}"
+            bare = base in spec.bare_params and suffix == "weight"
+            return f"model.layers.{layer}.{spec.block_names[base]}" + ("" if bare else f".{suffix}")
         if base in spec.expert_names:
             raise KeyError(f"GGUF tensor {name!r} stacks experts: see gguf_expert_hf_names")
+        if base == "ffn_gate_up_exps":
+            raise KeyError(f"GGUF tensor {name!r} fuses the gate and up experts (llama.cpp's fused layout); "
+                           "only separate ffn_gate_exps / ffn_up_exps are supported: reconvert without fusing")
     else:
         m = _GLOBAL_RE.match(name)
         if m:
@@ -419,13 +448,16 @@ def _num_experts(config: Any) -> Optional[int]:
 
 
 def _check_expert_shape(tensor: Any, spec: GGUFArchSpec, config: Any) -> int:
-    """Number of experts of a stacked tensor after checking its shape against ``config``."""
+    """Number of experts of a stacked tensor (weight ``[E, out, in]`` or bias ``[E, out]``)
+    after checking its shape against ``config``."""
     shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml order -> torch order
-    base = _BLOCK_RE.match(tensor.name).group(2)
+    _, base, suffix = _BLOCK_RE.match(tensor.name).groups()
     num, inter, hidden = _num_experts(config), getattr(config, spec.expert_ffn_attr, None), config.hidden_size
     expected = (num, hidden, inter) if base in _DOWN_EXPERTS else (num, inter, hidden)
-    if len(shape) != 3 or any(e is not None and e != s for e, s in zip(expected, shape)):
-        names = "[E, H, I]" if base in _DOWN_EXPERTS else "[E, I, H]"
+    names = "[E, H, I]" if base in _DOWN_EXPERTS else "[E, I, H]"
+    if suffix == "bias":
+        expected, names = expected[:2], names[:5] + "]"
+    if len(shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, shape)):
         raise ValueError(
             f"GGUF tensor {tensor.name!r} has shape {list(shape)}, the config expects {names} = {list(expected)} "
             f"(E = experts, I = {spec.expert_ffn_attr}, H = hidden_size)"
@@ -489,7 +521,8 @@ def iterate_gguf_weights(path: Any, config: Any, progress: bool = True) -> Itera
     Each tensor is dequantised with ``gguf.quants.dequantize`` to float32, mapped with
     `gguf_to_hf_name` and post-processed (q/k un-permutation, Gemma norm offset).
     A stacked expert tensor (``blk.N.ffn_{gate,up,down}_exps``) yields one HF tensor per
-    expert (`gguf_expert_hf_names`): ``[I, H]`` for gate/up, ``[H, I]`` for down.
+    expert (`gguf_expert_hf_names`): ``[I, H]`` for gate/up, ``[H, I]`` for down (a stacked
+    bias: ``[I]`` / ``[H]``).
     Tensors are produced one at a time, so peak host memory is one float32 tensor (one
     expert for stacked ones) on top of the memory-mapped file.
 

@@ -15,6 +15,11 @@ def get_tokenizer(model_path: str, gguf_file: Optional[str] = None, trust_remote
             and chat template are converted by transformers, needs ``gguf``, once per file:
             later loads read transformers' saved copy, `gguf_meta_cache`).
         trust_remote_code: transformers' ``trust_remote_code`` for a directory (``--trust-remote-code``).
+
+    Raises:
+        ValueError: transformers could not convert a GGUF file's vocabulary (e.g. its reader of
+            gpt-oss files fails on the ``rope.scaling.*`` keys in 5.24); the message names the
+            file, the cause and ``--tokenizer-path``.
     """
     from transformers import AutoTokenizer
 
@@ -23,9 +28,15 @@ def get_tokenizer(model_path: str, gguf_file: Optional[str] = None, trust_remote
 
         from attnserve.model_loader.gguf_meta_cache import cached
 
-        return cached(os.path.join(model_path, gguf_file), "tokenizer",
-                      lambda: AutoTokenizer.from_pretrained(model_path, gguf_file=gguf_file),
-                      AutoTokenizer.from_pretrained)
+        try:
+            return cached(os.path.join(model_path, gguf_file), "tokenizer",
+                          lambda: AutoTokenizer.from_pretrained(model_path, gguf_file=gguf_file),
+                          AutoTokenizer.from_pretrained)
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, NotImplementedError) as e:
+            raise ValueError(
+                f"transformers could not read the tokenizer of {gguf_file} ({type(e).__name__}: {e}); pass "
+                f"--tokenizer-path with the model's HF tokenizer directory (tokenizer.json, tokenizer_config.json)"
+            ) from e
     return AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
 
 
