@@ -68,8 +68,8 @@ class ServerArgs:
     disable_fused_kernels: bool = False  # PyTorch norms / RoPE / gates / KV store / linear on CUDA
     # server
     graceful_shutdown_timeout: float = 30.0  # seconds running requests get after SIGTERM
-    tool_call_parser: Optional[str] = None  # llama3 | qwen25 | hermes | mistral (server/parsers)
-    reasoning_parser: Optional[str] = None  # deepseek-r1 | qwen3 (server/parsers/reasoning.py)
+    tool_call_parser: Optional[str] = None  # llama3 | qwen25 | hermes | mistral | gpt-oss (server/parsers)
+    reasoning_parser: Optional[str] = None  # deepseek-r1 | qwen3 | gpt-oss (server/parsers)
     chat_template: Optional[str] = None  # Jinja file or template text (model_loader/chat_template.py)
     allowed_origins: Optional[List[str]] = None  # CORS origins of the HTTP server; None: no CORS headers
     # tensor parallelism (attnserve.distributed)
@@ -327,9 +327,10 @@ class ServerArgs:
         a("--graceful-shutdown-timeout", type=float, default=d.graceful_shutdown_timeout,
           help="on SIGTERM, seconds running requests get to finish before they are ended with an error")
         a("--tool-call-parser", default=None,
-          help="read tool calls out of chat outputs: llama3, qwen25, hermes or mistral (server/parsers)")
+          help="read tool calls out of chat outputs: llama3, qwen25, hermes, mistral or gpt-oss (server/parsers)")
         a("--reasoning-parser", default=None,
-          help="split the thinking (<think>...</think>) into reasoning_content: deepseek-r1 or qwen3")
+          help="split the thinking (<think>...</think>; gpt-oss: the analysis channel) into reasoning_content: "
+               "deepseek-r1, qwen3 or gpt-oss")
         a("--chat-template", default=None,
           help="chat template: a Jinja file, or the template text itself (default: the model's own)")
         a("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",

@@ -15,7 +15,7 @@ BASE = {C: {"prompt": "Hi", "max_tokens": 1}, CHAT: {"messages": MSG, "max_token
 DROPPED_BOTH = [
     ("length_penalty", 1.3), ("prompt_logprobs", 2), ("priority", 5), ("lora_path", "adapter-a"),
     ("return_hidden_states", True), ("stop_regex", "\\d+"), ("no_stop_trim", True),
-    ("skip_special_tokens", False), ("spaces_between_special_tokens", False),
+    ("spaces_between_special_tokens", False),
     ("guided_json", {"type": "object"}), ("guided_regex", "[0-9]+"), ("guided_choice", ["yes", "no"]),
     ("guided_grammar", 'root ::= "a"'), ("structural_tag", '{"structures": []}'),
     ("session_params", {"id": "s1"}), ("rid", "my-request"), ("bootstrap_host", "10.0.0.1"),

@@ -1,5 +1,8 @@
 """Detokenisation and stop conditions of one request.
 
+The text leaves special tokens out unless the request's ``skip_special_tokens`` is False
+(`SamplingParams`); stop strings are looked for in that same text.
+
 The scheduler calls `check_stop` once per new token. Token-level conditions (EOS, stop
 token ids, length) cost no decoding; stop strings are looked for in the decoded tail of
 the output only (a stop string newly completed by the last token lies within it), so the
@@ -18,10 +21,12 @@ from attnserve.engine.request import FinishReason, Req
 _TAIL_TOKENS_PER_CHAR = 4
 
 
-def decode_text(tokenizer, token_ids) -> str:
+def decode_text(tokenizer, token_ids, skip_special_tokens: bool = True) -> str:
+    """The text of ``token_ids`` ("" without a tokenizer); special tokens are left out
+    unless ``skip_special_tokens`` is False (a request's `SamplingParams` field)."""
     if tokenizer is None:
         return ""
-    return tokenizer.decode(token_ids, skip_special_tokens=True)
+    return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 def stop_ids_of(req: Req, eos_token_ids: Iterable[int]) -> frozenset:
@@ -52,7 +57,7 @@ def finalize_text(req: Req, tokenizer) -> None:
     ids = req.output_ids
     if req.finish_reason == FinishReason.STOP and not isinstance(req.matched_stop, str) and ids:
         ids = ids[:-1]  # EOS / stop token
-    text = decode_text(tokenizer, ids)
+    text = decode_text(tokenizer, ids, req.sampling_params.skip_special_tokens)
     cut = -1
     for s in req.sampling_params.stop_strs:
         pos = text.find(s)
@@ -78,7 +83,7 @@ def check_stop(req: Req, tokenizer, eos_token_ids: Iterable[int], context_len: i
         req.matched_stop = last
     elif p.stop_strs and tokenizer is not None:
         window = _TAIL_TOKENS_PER_CHAR * max(len(s) for s in p.stop_strs) + 2
-        tail = decode_text(tokenizer, req.output_ids[-window:])
+        tail = decode_text(tokenizer, req.output_ids[-window:], p.skip_special_tokens)
         for s in p.stop_strs:
             if s in tail:
                 req.finish_reason = FinishReason.STOP
@@ -99,7 +104,8 @@ def stable_text(req: Req, tokenizer=None) -> str:
     unfinished request (without it, ``req.text`` is used as is)."""
     if req.finished:
         return req.text
-    text = decode_text(tokenizer, req.output_ids) if tokenizer is not None else req.text
+    skip = req.sampling_params.skip_special_tokens
+    text = decode_text(tokenizer, req.output_ids, skip) if tokenizer is not None else req.text
     while text.endswith("\ufffd"):
         text = text[:-1]
     hold = 0

@@ -54,6 +54,13 @@ class SamplingParams:
         prompt_logprobs: return the logprobs of the prompt tokens (the first has none);
             such a request computes its whole prompt (no prefix-cache reuse).
 
+    Detokenization (SGLang's and vLLM's name):
+        skip_special_tokens: special tokens (control tokens such as gpt-oss's harmony
+            markers ``<|channel|>`` ...) are left out of the output text. The server takes
+            it from the request, and sets it False for the chat requests a gpt-oss parser
+            reads, whose markers the parser removes
+            (`attnserve.server.chat_output.harmony_sampling_params`).
+
     Samples (SGLang's and vLLM's ``n``):
         n: outputs per prompt (>= 1). `attnserve.engine.llm.LLM.generate` / ``chat`` run each
             prompt ``n`` times (sample ``i`` seeded ``seed + i`` when ``seed`` is set; the
@@ -84,6 +91,7 @@ class SamplingParams:
     top_logprobs: int = 0
     prompt_logprobs: bool = False
     n: int = 1
+    skip_special_tokens: bool = True
     stop_strs: List[str] = field(init=False, default_factory=list)
 
     def __post_init__(self):
@@ -121,6 +129,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63 - self.n:  # int64 (seed + i for n samples)
             raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
         from attnserve.engine.constrained.spec import check_fields

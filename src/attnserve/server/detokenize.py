@@ -27,20 +27,23 @@ class IncrementalDetokenizer:
     """Decoded text of one request's output so far.
 
     Args:
-        tokenizer: an HF tokenizer (``decode(ids, skip_special_tokens=True)``).
+        tokenizer: an HF tokenizer (``decode(ids, skip_special_tokens=...)``).
         stop_strs: the request's stop strings (text that could start one is held back).
+        skip_special_tokens: leave special tokens out of the text (the request's
+            `SamplingParams` field, as the engine's final text does).
     """
 
-    def __init__(self, tokenizer, stop_strs: Sequence[str] = ()):
+    def __init__(self, tokenizer, stop_strs: Sequence[str] = (), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.stop_strs = tuple(s for s in stop_strs if s)
+        self.skip_special_tokens = skip_special_tokens
         self.ids: List[int] = []
         self.text = ""
         self.prefix_offset = 0
         self.read_offset = 0
 
     def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, new_ids: Sequence[int]) -> None:
         """Append generated token ids and extend `text` with what they decode to (nothing

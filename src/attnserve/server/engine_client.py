@@ -214,7 +214,8 @@ class EngineClient:
             return
         detok = None
         if self.tokenizer is not None and cmd.stream_tokens:  # a whole answer is the engine's final text
-            detok = IncrementalDetokenizer(self.tokenizer, cmd.sampling_params.stop_strs)
+            sp = cmd.sampling_params
+            detok = IncrementalDetokenizer(self.tokenizer, sp.stop_strs, getattr(sp, "skip_special_tokens", True))
         self._reqs[cmd.rid] = _Pending(cmd, detok, cost=cost)
         self._work += cost
         submit = ("submit", cmd.rid, list(cmd.prompt_ids), cmd.sampling_params)

@@ -176,6 +176,7 @@ _SAMPLING_MAP = {
     "stop_token_ids": ("stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
                        "a list of token ids"),
     "ignore_eos": ("ignore_eos", lambda v: isinstance(v, bool), "true or false"),
+    "skip_special_tokens": ("skip_special_tokens", lambda v: isinstance(v, bool), "true or false"),
     "sampling_seed": ("seed", _is_int, "an integer"),
     "n": ("n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]"),
     "logit_bias": ("logit_bias", lambda v: isinstance(v, dict) and all(
@@ -187,7 +188,7 @@ _SAMPLING_MAP = {
 }
 #: SGLang sampling params attnserve does not implement: their neutral values.
 _SAMPLING_NEUTRAL = {
-    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
     "no_stop_trim": _FALSE, "structural_tag": _NONE, "custom_params": _NONE, "stream_interval": _NONE,
 }
 _GRAMMARS = ("json_schema", "regex", "ebnf")

@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from attnserve.server.chat_output import chat_output, finish_reason
+from attnserve.server.chat_output import chat_output, finish_reason, harmony_sampling_params
 from attnserve.server.choice_extras import ChoiceExtras
 from attnserve.server.engine_loop import EngineLoop, RequestStream, StreamEvent, SubmitCommand
 from attnserve.server.errors import APIError, error_body
@@ -205,6 +205,7 @@ def _sampling_params(ctx: ServingContext, body, prompt_len: int, max_tokens: Opt
             stop_token_ids=body.stop_token_ids,
             ignore_eos=bool(body.ignore_eos),
             seed=body.seed,
+            skip_special_tokens=body.skip_special_tokens is not False,
             **(grammar or {}),
             **body.control_params(),
             **body.logprob_params(),
@@ -494,6 +495,8 @@ def build_router():
         else:
             grammar = await run_in_threadpool(request_grammar, body) if has_grammar_fields(body) else None
         sp = _sampling_params(ctx, body, len(prompt_ids), body.requested_max_tokens(), "messages", None, grammar)
+        if out.keeps_markers:  # a gpt-oss parser reads the harmony markers (attnserve.server.chat_output)
+            sp = harmony_sampling_params(sp, ctx.engine.tokenizer)
         rid = new_id("chatcmpl")
         choices = await _submit_choices(ctx, rid, [(prompt_ids, sp)], body.n or 1, arrival, bool(body.stream))
         model, created = ctx.model_name, now_s()  # one `created` for every chunk of the response

@@ -133,6 +133,10 @@ class _SamplingFields(BaseModel):
     logit_bias: Optional[Dict[StrictStr, _BiasValue]] = None
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
     min_tokens: Optional[StrictInt] = Field(default=None, ge=0)
+    #: SGLang/vLLM: false keeps special tokens in the text the client gets (default true);
+    #: gpt-oss's harmony markers are read and removed by its parsers either way
+    #: (`attnserve.server.chat_output`)
+    skip_special_tokens: Optional[StrictBool] = None
 
     #: Undeclared fields this endpoint knows (`attnserve.server.request_fields`).
     known_extras: ClassVar[Mapping[str, KnownField]] = {}

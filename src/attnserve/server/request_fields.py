@@ -62,8 +62,8 @@ _EXT_COMMON = _table(
     no_stop_trim=_FALSE, include_stop_str_in_output=_FALSE, stop_regex=_NONE, bad_words=(None, []),
     allowed_token_ids=_NONE, truncate_prompt_tokens=_NONE, prompt_logprobs=_NONE,
     logits_processors=_NONE, custom_logit_processor=_NONE, custom_params=_NONE, vllm_xargs=_NONE,
-    # detokenisation: attnserve decodes with skip_special_tokens=True (engine/detokenizer.py)
-    skip_special_tokens=_TRUE, spaces_between_special_tokens=_TRUE,
+    # detokenisation (skip_special_tokens is a declared field: server/protocol.py)
+    spaces_between_special_tokens=_TRUE,
     # constrained decoding
     structural_tag=_NONE, structured_outputs=_NONE,
     guided_json=_NONE, guided_regex=_NONE, guided_choice=_NONE, guided_grammar=_NONE,

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from attnserve.server.chat_output import ChatOutput
+from attnserve.server.chat_output import ChatOutput, chat_output, harmony_sampling_params
 from attnserve.server.errors import APIError, _loc_to_param
 from attnserve.server.grammar_request import has_grammar_fields, request_grammar
 from attnserve.server.openai_api import (
@@ -180,12 +180,20 @@ class ResponseEvents:
                 self._event("response.failed", response=failed)]
 
 
+def _reader(ctx: ServingContext) -> ChatOutput:
+    """The readers of a response's text: the chat route's for a request without tools (the
+    ``--reasoning-parser``; gpt-oss's harmony markers are read whenever a gpt-oss parser is
+    set, `attnserve.server.chat_output`)."""
+    return chat_output(None, ctx.tool_call_parser, ctx.reasoning_parser)
+
+
 def _output_items(ctx: ServingContext, text: str, status: str) -> List[Dict[str, Any]]:
     """The output of a whole answer: a reasoning item when ``--reasoning-parser`` finds
     thinking, then the message."""
     items = []
-    if ctx.reasoning_parser is not None:
-        fields, _ = ChatOutput(None, ctx.reasoning_parser).message(text)
+    out = _reader(ctx)
+    if out.active:
+        fields, _ = out.message(text)
         text = fields.get("content") or ""
         if fields.get("reasoning_content"):
             items.append(reasoning_item(new_item_id("rs"), fields["reasoning_content"], "completed"))
@@ -207,6 +215,8 @@ async def create_response(body: ResponsesRequest, request) -> Any:
         prompt_ids = await run_in_threadpool(_chat_ids, ctx, chat, None)
         grammar = await run_in_threadpool(request_grammar, chat) if has_grammar_fields(chat) else None
         sp = _sampling_params(ctx, chat, len(prompt_ids), chat.requested_max_tokens(), "input", None, grammar)
+        if _reader(ctx).keeps_markers:
+            sp = harmony_sampling_params(sp, ctx.engine.tokenizer)
     except APIError as e:
         raise _renamed(e) from None
     rid = new_item_id("resp")
@@ -228,7 +238,8 @@ async def create_response(body: ResponsesRequest, request) -> Any:
         ev = ResponseEvents(snapshot)
         for s in ev.start():
             yield s
-        reader = ChatOutput(None, ctx.reasoning_parser).stream() if ctx.reasoning_parser is not None else None
+        out = _reader(ctx)
+        reader = out.stream() if out.active else None
         async for _, e in _merged(choices):
             if e.error is not None:
                 ctx.loop.abort(rid)

@@ -19,7 +19,7 @@ cards and chat templates.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Dict, Tuple, Type
+from typing import ClassVar, Dict, Optional, Tuple, Type
 
 from attnserve.server.parsers.base import _WS, TagMatcher, WsTrim
 
@@ -97,10 +97,18 @@ class ReasoningStream:
 
 
 class ReasoningParser:
-    """One reasoning format; `stream` makes a per-output state machine."""
+    """One reasoning format; `stream` makes a per-output state machine.
+
+    Args:
+        tool_format: the tool-call parser that reads the content next, or None (only
+            gpt-oss's parser depends on it: `attnserve.server.parsers.gpt_oss`).
+    """
 
     name: ClassVar[str] = ""
     force: ClassVar[bool] = False
+
+    def __init__(self, tool_format: Optional[str] = None) -> None:
+        self.tool_format = tool_format
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self.force)
