@@ -236,3 +236,30 @@ def test_dummy_shapes_match_hf_parameter_counts():
         counts[name] = ours
     assert round(counts["gpt-oss-20b"] / 1e9, 1) == 20.9
     assert round(counts["gpt-oss-120b"] / 1e9, 1) == 116.8
+
+
+def test_generation_config_eos_ids_join_the_stop_ids(hf_variant, tmp_path):
+    """gpt-oss's config.json names one end (``<|return|>``), its generation_config.json also
+    ``<|call|>``: the loader stops at both, as HF ``generate`` does; a malformed file is ignored."""
+    import shutil
+
+    from attnserve.engine.llm import LLM
+    from attnserve.engine.sampling_params import SamplingParams
+    from attnserve.model_loader.loader import generation_config_eos_ids
+
+    path, hf = hf_variant("gpt_oss")
+    prompt = random_prompt(31, 33, VOCAB)
+    want = _hf_greedy(hf, prompt, n=8)
+    stop_at = want[3]
+    dst = tmp_path / "gen_eos"
+    shutil.copytree(path, dst)
+    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, stop_at]}))
+    assert generation_config_eos_ids(str(dst)) == (2, stop_at)
+    loaded = _load(str(dst))
+    assert stop_at in loaded.model_config.eos_token_ids and 2 in loaded.model_config.eos_token_ids
+    with LLM(model=str(dst), device="cpu", dtype="float32", attention_backend="torch_native", page_size=4,
+             max_total_tokens=1024) as llm:
+        out = llm.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
+    assert out.token_ids[-1] == stop_at and len(out.token_ids) <= 4 and out.finish_reason == "stop"
+    (dst / "generation_config.json").write_text("{not json")
+    assert generation_config_eos_ids(str(dst)) == ()

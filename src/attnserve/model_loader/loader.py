@@ -19,7 +19,7 @@ import importlib.util
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import nn
@@ -168,6 +168,27 @@ def _weights(source: ModelSource, load_format: str, hf_config: Any, progress: bo
     from attnserve.model_loader.safetensors_loader import iterate_safetensors_weights
 
     return iterate_safetensors_weights(source.model_path, progress=progress)
+
+
+def generation_config_eos_ids(model_path: str) -> Tuple[int, ...]:
+    """The ``eos_token_id`` (an id or a list) of an HF directory's ``generation_config.json``,
+    which transformers' ``generate``, SGLang and vLLM all stop at: checkpoints list more ends
+    there than ``config.json`` does (gpt-oss: ``<|return|>`` and ``<|call|>``; Llama 3.1 /
+    Qwen2.5 Instruct: their end-of-turn and end-of-text ids). Empty without the file or field;
+    a malformed file is a warning, not an error."""
+    path = os.path.join(model_path, "generation_config.json")
+    if not os.path.isfile(path):
+        return ()
+    import json
+
+    try:
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        logger.warning("ignoring %s: %s", path, e)
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(int(e) for e in ids if isinstance(e, int) and not isinstance(e, bool) and e >= 0)
 
 
 def _dequantized_method(hf_config: Any, model_cls: Any) -> Optional[str]:
@@ -364,6 +385,9 @@ def load_model(
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is not None and eos not in model_config.eos_token_ids:
             model_config.eos_token_ids = model_config.eos_token_ids + (int(eos),)
+    if source is not None and source.kind == "hf":
+        extra = [e for e in generation_config_eos_ids(source.model_path) if e not in model_config.eos_token_ids]
+        model_config.eos_token_ids = model_config.eos_token_ids + tuple(extra)
     return LoadedModel(
         model=module,
         model_config=model_config,
