@@ -169,9 +169,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
-        """`CausalLM.load_weights` after turning the fused expert tensors (bf16 or MXFP4, see the
-        module docstring) into per-expert ``experts.{e}.{gate,up,down}_proj.weight`` tensors;
-        the expert biases go straight to their `FusedMoE`.
+        """`CausalLM.load_weights` after turning the fused expert tensors and biases (bf16 or
+        MXFP4, see the module docstring) into per-expert ``experts.{e}.{gate,up,down}_proj.weight``
+        / ``.bias`` tensors.
 
         Raises:
             ValueError: an MXFP4 ``*_blocks`` tensor without its ``*_scales`` (or the reverse),
@@ -182,15 +182,14 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def _per_expert(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterator[Tuple[str, torch.Tensor]]:
         pending: Dict[Tuple[str, str, str], torch.Tensor] = {}  # MXFP4 halves waiting for their partner
-        modules = dict(self.named_modules())
         for name, tensor in weights:
             m = _EXPERT_TENSOR.match(name)
             if m is None:
                 yield name, tensor
                 continue
             layer, proj, kind = m["layer"], m["proj"], m["kind"]
-            if kind == "_bias":
-                self._load_bias(modules, layer, proj, tensor, name)
+            if kind == "_bias":  # [E, out], gate / up interleaved like the weights' rows
+                yield from self._expert_rows(layer, proj, iter(tensor), tuple(tensor.shape), name, "bias")
                 continue
             if kind in ("_blocks", "_scales"):
                 other = "_scales" if kind == "_blocks" else "_blocks"
@@ -212,30 +211,25 @@ class GptOssForCausalLM(LlamaForCausalLM):
             raise ValueError(f"checkpoint has {layer}.mlp.experts.{proj}{kind} but no {proj}{missing}")
 
     def _expert_rows(self, layer: str, proj: str, experts: Iterator[torch.Tensor], shape: Tuple[int, ...],
-                     name: str) -> Iterator[Tuple[str, torch.Tensor]]:
-        """Per-expert HF-style tensors from ``experts`` (``[out, in]`` each, gate / up
-        interleaved by row; ``shape`` ``[E, out, in]`` of them all)."""
+                     name: str, suffix: str = "weight") -> Iterator[Tuple[str, torch.Tensor]]:
+        """Per-expert HF-style tensors ``...experts.{e}.{gate,up,down}_proj.{suffix}`` from
+        ``experts`` (weights ``[out, in]`` or biases ``[out]`` each, gate / up interleaved by
+        row; ``shape`` ``[E, out, in]`` / ``[E, out]`` of them all), which `CausalLM.load_weights`
+        routes to the layer's `FusedMoE` like any per-expert checkpoint tensor."""
         e_count, h, inter = self.config.num_local_experts, self.config.hidden_size, self.config.intermediate_size
         want = (e_count, 2 * inter, h) if proj == "gate_up_proj" else (e_count, h, inter)
+        layout = "[E, out, in]"
+        if suffix == "bias":
+            want, layout = want[:2], "[E, out]"
         if tuple(shape) != want:
             raise ValueError(f"checkpoint tensor {name!r} gives experts of shape {tuple(shape)} "
-                             f"([E, out, in]), expected {want}")
+                             f"({layout}), expected {want}")
         for e, w in enumerate(experts):
             if proj == "gate_up_proj":
-                yield f"{layer}.mlp.experts.{e}.gate_proj.weight", w[0::2]
-                yield f"{layer}.mlp.experts.{e}.up_proj.weight", w[1::2]
+                yield f"{layer}.mlp.experts.{e}.gate_proj.{suffix}", w[0::2]
+                yield f"{layer}.mlp.experts.{e}.up_proj.{suffix}", w[1::2]
             else:
-                yield f"{layer}.mlp.experts.{e}.down_proj.weight", w
-
-    @staticmethod
-    def _load_bias(modules: Dict[str, nn.Module], layer: str, proj: str, tensor: torch.Tensor, name: str) -> None:
-        experts = modules.get(f"{layer}.mlp.experts")
-        if experts is None:
-            raise KeyError(f"checkpoint tensor {name!r}: {layer} has no routed experts")
-        if proj == "gate_up_proj":  # [E, 2I] interleaved -> gate, up
-            experts.load_expert_biases("w13", torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1), name)
-        else:
-            experts.load_expert_biases("w2", tensor, name)
+                yield f"{layer}.mlp.experts.{e}.down_proj.{suffix}", w
 
 
 EntryClass = GptOssForCausalLM
